@@ -1,0 +1,419 @@
+//! The data plane behind one trait, shaped after RDMA verbs.
+//!
+//! A [`Fabric`] registers region memory ([`Registration`]: lkey/rkey/address), exposes ranges of it
+//! to peers ([`Exposure`]: the remote address and key a grant hands out), negotiates connections
+//! (a set of reliable, ordered "QPs" per peer, described by [`Endpoint`]s exchanged over
+//! `Peer.Connect`), and executes one-sided [`WorkRequest`]s whose results arrive as
+//! [`Completion`]s with verbs-style [`WcStatus`]es on the sink given at connection time.
+//!
+//! Two implementations: [`tcp`] (software one-sided ops over TCP) and `crate::verbs` (RC QPs over
+//! sideway). The transfer engine only sees this trait, so both behave alike; one conformance suite
+//! (`agent/tests/conformance.rs`) runs against both.
+//!
+//! Semantics every implementation keeps:
+//! * Work requests on one QP complete in order. A successful completion of a signaled WR implies
+//!   every earlier WR on that QP succeeded. Unsignaled WRs produce a completion only on error.
+//! * After the first error on a QP, the QP is broken: remaining WRs complete with
+//!   [`WcStatus::WrFlushErr`] and later posts fail with [`FabricError::QpBroken`].
+//! * A posted WR keeps its [`Registration`] (and so the memory) alive until its completion or flush
+//!   has been delivered — cancelling a transfer never frees memory under a WR.
+use std::any::Any;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use crate::verbs::memory::RegionMemory;
+
+pub mod tcp;
+
+/// Which data plane an agent runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FabricKind {
+    Tcp,
+    Verbs,
+}
+
+impl fmt::Display for FabricKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FabricKind::Tcp => "tcp",
+            FabricKind::Verbs => "verbs",
+        })
+    }
+}
+
+/// What a remote peer may do with memory: the region's access ceiling, or a grant's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    Read,
+    Write,
+    ReadWrite,
+}
+
+impl Access {
+    pub fn allows(self, op: RemoteOp) -> bool {
+        matches!(
+            (self, op),
+            (Access::ReadWrite, _) | (Access::Read, RemoteOp::Read) | (Access::Write, RemoteOp::Write)
+        )
+    }
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Access::Read => "r",
+            Access::Write => "w",
+            Access::ReadWrite => "rw",
+        })
+    }
+}
+
+/// A one-sided operation as seen by the memory's owner: the peer READs from or WRITEs into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RemoteOp {
+    Read,
+    Write,
+}
+
+impl fmt::Display for RemoteOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RemoteOp::Read => "read",
+            RemoteOp::Write => "write",
+        })
+    }
+}
+
+/// Work-completion status, mirroring `ibv_wc_status` so both fabrics report failures alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcStatus {
+    Success,
+    LocLenErr,
+    LocQpOpErr,
+    LocProtErr,
+    WrFlushErr,
+    RemInvReqErr,
+    RemAccessErr,
+    RemOpErr,
+    RetryExcErr,
+    RnrRetryExcErr,
+    GeneralErr,
+    /// A status value this build does not know (never panics on device input).
+    Other(u32),
+}
+
+impl WcStatus {
+    /// The verbs-style name used in errors and metrics (`REM_ACCESS_ERR`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            WcStatus::Success => "SUCCESS",
+            WcStatus::LocLenErr => "LOC_LEN_ERR",
+            WcStatus::LocQpOpErr => "LOC_QP_OP_ERR",
+            WcStatus::LocProtErr => "LOC_PROT_ERR",
+            WcStatus::WrFlushErr => "WR_FLUSH_ERR",
+            WcStatus::RemInvReqErr => "REM_INV_REQ_ERR",
+            WcStatus::RemAccessErr => "REM_ACCESS_ERR",
+            WcStatus::RemOpErr => "REM_OP_ERR",
+            WcStatus::RetryExcErr => "RETRY_EXC_ERR",
+            WcStatus::RnrRetryExcErr => "RNR_RETRY_EXC_ERR",
+            WcStatus::GeneralErr => "GENERAL_ERR",
+            WcStatus::Other(_) => "OTHER_ERR",
+        }
+    }
+
+    /// Wire code for the TCP fabric (the `ibv_wc_status` numbering).
+    pub fn code(self) -> u16 {
+        match self {
+            WcStatus::Success => 0,
+            WcStatus::LocLenErr => 1,
+            WcStatus::LocQpOpErr => 2,
+            WcStatus::LocProtErr => 4,
+            WcStatus::WrFlushErr => 5,
+            WcStatus::RemInvReqErr => 9,
+            WcStatus::RemAccessErr => 10,
+            WcStatus::RemOpErr => 11,
+            WcStatus::RetryExcErr => 12,
+            WcStatus::RnrRetryExcErr => 13,
+            WcStatus::GeneralErr => 21,
+            WcStatus::Other(v) => v.min(u16::MAX as u32) as u16,
+        }
+    }
+
+    pub fn from_code(code: u32) -> WcStatus {
+        match code {
+            0 => WcStatus::Success,
+            1 => WcStatus::LocLenErr,
+            2 => WcStatus::LocQpOpErr,
+            4 => WcStatus::LocProtErr,
+            5 => WcStatus::WrFlushErr,
+            9 => WcStatus::RemInvReqErr,
+            10 => WcStatus::RemAccessErr,
+            11 => WcStatus::RemOpErr,
+            12 => WcStatus::RetryExcErr,
+            13 => WcStatus::RnrRetryExcErr,
+            21 => WcStatus::GeneralErr,
+            v => WcStatus::Other(v),
+        }
+    }
+
+    pub fn is_success(self) -> bool {
+        self == WcStatus::Success
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Errors of fabric operations (not of individual work requests: those are [`WcStatus`]es).
+#[derive(Debug, thiserror::Error)]
+pub enum FabricError {
+    #[error("no usable RDMA device: {0}")]
+    NoDevice(String),
+    #[error("{step}: {attr}: {detail}")]
+    Negotiation { step: &'static str, attr: &'static str, detail: String },
+    #[error("memory registration failed: {0}")]
+    Registration(String),
+    #[error("QP is in error state")]
+    QpBroken,
+    #[error("QP index {0} out of range")]
+    NoSuchQp(usize),
+    #[error("remote key is not valid for this fabric")]
+    BadRemoteKey,
+    #[error("work request out of range of its local registration: {0}")]
+    LocalRange(String),
+    #[error("connection to {addr} failed: {source}")]
+    Connect { addr: String, source: std::io::Error },
+    #[error("fabric I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Memory registered with a fabric (an MR on verbs). Dropping the last handle deregisters it.
+pub trait Registration: Send + Sync + fmt::Debug {
+    fn memory(&self) -> &Arc<RegionMemory>;
+    /// Local key for work requests that use this memory.
+    fn lkey(&self) -> u32;
+    /// Remote key of the whole registration (0 where the fabric has none).
+    fn rkey(&self) -> u32;
+    /// Address of the memory's first byte in the registered address space.
+    fn addr(&self) -> u64 {
+        self.memory().addr()
+    }
+    fn access(&self) -> Access;
+}
+
+/// The key a peer presents with one-sided operations on memory it was granted.
+#[derive(Clone, PartialEq, Eq)]
+pub enum RemoteKey {
+    /// verbs rkey (of an MR, an MW, or the region's MR)
+    Rkey(u32),
+    /// tcp: unguessable 128-bit grant token, checked on every frame
+    Token([u8; 16]),
+}
+
+impl fmt::Debug for RemoteKey {
+    // Keys are secrets: never print them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RemoteKey::Rkey(_) => f.write_str("Rkey(..)"),
+            RemoteKey::Token(_) => f.write_str("Token(..)"),
+        }
+    }
+}
+
+/// How a grant exposes memory on verbs (DESIGN §2). Ignored by tcp, which always uses tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GrantMode {
+    /// A dedicated MR over exactly the granted range.
+    Mr,
+    /// A type-2 memory window bound to the range.
+    Mw,
+    /// The region MR's rkey (fastest, least scoped).
+    Region,
+}
+
+/// What a grant hands to a peer: where and with which key it may access the granted range.
+/// Dropping it revokes the access (deregisters the MR / invalidates the window).
+pub struct Exposure {
+    pub addr: u64,
+    pub key: RemoteKey,
+    /// Fabric state that must live as long as the grant (a dedicated MR, a bound window).
+    pub keepalive: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for Exposure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exposure").field("addr", &format_args!("{:#x}", self.addr)).field("key", &self.key).finish()
+    }
+}
+
+/// Everything a fabric needs to expose a range to a peer.
+#[derive(Debug, Clone)]
+pub struct ExposeRequest {
+    /// Offset of the range inside the registration.
+    pub offset: u64,
+    pub len: u64,
+    pub op: RemoteOp,
+    pub expires_at: SystemTime,
+    /// Node name of the peer the grant is for.
+    pub peer: String,
+    pub mode: GrantMode,
+}
+
+/// Device facts reported by `GetInfo` and `xferctl info`.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub port: u32,
+    pub state: String,
+    pub link_layer: String,
+    pub active_mtu: u32,
+    pub lid: u32,
+    pub gids: Vec<GidInfo>,
+    pub selected_gid_index: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct GidInfo {
+    pub index: u32,
+    pub raw: [u8; 16],
+    pub gid_type: String,
+    pub netdev: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct FabricInfo {
+    pub kind: FabricKind,
+    pub devices: Vec<DeviceInfo>,
+    /// tcp: the data listener peers connect to
+    pub data_address: Option<SocketAddr>,
+}
+
+/// One RC QP's parameters (verbs) or a data listener (tcp), exchanged by `Peer.Connect`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Verbs(VerbsEndpoint),
+    Tcp { address: SocketAddr },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct VerbsEndpoint {
+    pub qpn: u32,
+    /// 24-bit initial packet sequence number, from a CSPRNG
+    pub psn: u32,
+    pub gid: [u8; 16],
+    pub gid_index: u32,
+    pub lid: u32,
+    pub port: u32,
+    /// active MTU in bytes
+    pub mtu: u32,
+    pub max_rd_atomic: u32,
+    pub gid_type: String,
+    pub link_layer: String,
+}
+
+/// The operation of a work request, from the initiator's side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WrOp {
+    /// local → remote
+    Write,
+    /// remote → local
+    Read,
+}
+
+/// A one-sided work request. `wr_id` comes back in its [`Completion`].
+#[derive(Debug, Clone)]
+pub struct WorkRequest {
+    pub wr_id: u64,
+    pub op: WrOp,
+    /// Local memory; held until the WR's completion or flush is delivered.
+    pub local: Arc<dyn Registration>,
+    /// Offset inside `local`.
+    pub local_offset: u64,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub remote_key: RemoteKey,
+    pub signaled: bool,
+}
+
+/// The result of a work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: u64,
+    pub qp: usize,
+    pub status: WcStatus,
+    pub byte_len: u32,
+}
+
+/// Where a connection delivers its completions.
+pub type CompletionSink = mpsc::UnboundedSender<Completion>;
+
+/// The initiator's half of a connection between `prepare` and `Peer.Connect`'s answer.
+#[async_trait]
+pub trait PendingConnection: Send {
+    /// Endpoints to send to the responder.
+    fn local_endpoints(&self) -> Vec<Endpoint>;
+    /// Finish with the responder's endpoints (verbs: RTR → RTS; tcp: open the data streams).
+    async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError>;
+}
+
+/// The responder's half of a connection: keeps its QPs alive until dropped.
+pub trait Accepted: Send + Sync {}
+impl<T: Send + Sync> Accepted for T {}
+
+/// An established connection: `qps()` ordered, reliable queues to one peer.
+pub trait Connection: Send + Sync {
+    fn qps(&self) -> usize;
+    /// Posts a work request on QP `qp`. Non-blocking: the caller bounds the number of
+    /// outstanding WRs per QP (`depth`), and the fabric sizes its queues from the same setting.
+    fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError>;
+    /// True once any QP hit an error: the pool replaces the connection.
+    fn is_broken(&self) -> bool;
+    /// Tears the connection down; outstanding WRs complete with flush errors.
+    fn close(&self);
+}
+
+/// The data plane. See the module docs for the semantics every implementation keeps.
+#[async_trait]
+pub trait Fabric: Send + Sync + 'static {
+    fn kind(&self) -> FabricKind;
+    fn info(&self) -> FabricInfo;
+
+    /// Registers region memory. `access` is the region's ceiling for remote peers; local
+    /// read access is implied, local write access whenever the memory is writable.
+    fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError>;
+
+    /// Exposes a range of a registration to one peer for one operation.
+    fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError>;
+
+    /// Initiator: creates `qps` local QPs (or prepares data streams) for a peer. `depth` is the
+    /// most WRs the caller keeps outstanding per QP.
+    async fn prepare(
+        &self,
+        peer: &str,
+        qps: usize,
+        depth: usize,
+        sink: CompletionSink,
+    ) -> Result<Box<dyn PendingConnection>, FabricError>;
+
+    /// Responder: validates the initiator's endpoints, brings up its side and returns its
+    /// endpoints plus a handle that keeps them alive until the peer disconnects.
+    async fn accept(
+        &self,
+        peer: &str,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError>;
+}

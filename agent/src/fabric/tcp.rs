@@ -1,0 +1,1 @@
+//! TCP fabric (placeholder while the lead writes it).
