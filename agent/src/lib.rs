@@ -1,5 +1,31 @@
-//! xfer-agent library.
+//! xfer-agent: owns the node's RDMA device (or the TCP fabric), registers memory regions,
+//! grants peers scoped access to them, and moves data with one-sided WRITE and READ.
+//!
+//! # Layout
+//! * [`app`] — start-up and shutdown (the binary calls [`app::run`]).
+//! * [`config`] — defaults < file < env < flags, validated.
+//! * [`node`] — the core: the operations both gRPC services expose, in domain types.
+//! * [`service`] — the only protobuf boundary: tonic services, the peer client, conversions and
+//!   the error → status mapping.
+//! * [`regions`] — region registry, leases, catalog persistence.
+//! * [`grants`] — grant table, expiry, revocation; the TCP fabric's access check.
+//! * [`transfer`] — transfer records, the sans-IO [`transfer::machine`] and its tokio driver.
+//! * [`peers`] — connection pool per peer (lease, reuse, recreate).
+//! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
+//! * [`verbs`] — the only `unsafe`: region memory and the sideway verbs fabric.
+//! * [`metrics`], [`checksum`], [`sys`] — metric names, checksums, process limits.
 #![deny(unsafe_code)]
 
+pub mod app;
+pub mod checksum;
+pub mod config;
 pub mod fabric;
+pub mod grants;
+pub mod metrics;
+pub mod node;
+pub mod peers;
+pub mod regions;
+pub mod service;
+pub mod sys;
+pub mod transfer;
 pub mod verbs;

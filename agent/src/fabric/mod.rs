@@ -28,6 +28,7 @@ use tokio::sync::mpsc;
 
 use crate::verbs::memory::RegionMemory;
 
+pub mod frame;
 pub mod tcp;
 
 /// Which data plane an agent runs.

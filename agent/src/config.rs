@@ -1,0 +1,450 @@
+//! Agent configuration: built-in defaults < config file (TOML or YAML, `--config`) < environment
+//! (`XFER_` prefix, `__` between nested keys, e.g. `XFER_TRANSFER__CHUNK_SIZE=4MiB`) < flags.
+//!
+//! Everything is parsed into validated types (sizes like `4MiB`, durations like `30s`); an
+//! invalid value is a [`ConfigError`] naming the key, which the binary reports with exit code 64.
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::fabric::GrantMode;
+
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {problem}")]
+pub struct ConfigError {
+    pub key: String,
+    pub problem: String,
+}
+
+fn bad(key: &str, problem: impl Into<String>) -> ConfigError {
+    ConfigError { key: key.to_string(), problem: problem.into() }
+}
+
+/// A byte count that reads `4096`, `4KiB`, `64MiB`, `1GiB`, `2TiB` (also `KB`/`MB`/`GB` as powers of 1000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_size(s).map(ByteSize)
+    }
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(format!("invalid size {s:?}: expected a number with an optional unit like 4KiB or 64MiB"));
+    }
+    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "k" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        "TiB" | "T" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => return Err(format!("invalid size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows 64 bits"))
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0;
+        for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+            if n >= 1 << shift && n % (1 << shift) == 0 {
+                return write!(f, "{}{unit}", n >> shift);
+            }
+        }
+        write!(f, "{n}")
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration that reads `30s`, `5m`, `1h 30m`, `250ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl Serialize for HumanDuration {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map(HumanDuration)
+            .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum FabricChoice {
+    Auto,
+    Tcp,
+    Verbs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// tracing filter directive; `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TransferConfig {
+    pub chunk_size: ByteSize,
+    pub depth: usize,
+    pub qps: usize,
+    pub signal_every: usize,
+    pub timeout: HumanDuration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VerbsConfig {
+    /// empty = first device with an active port
+    pub device: String,
+    pub port: u8,
+    /// -1 = automatic RoCEv2 IPv4-mapped GID on the netdev that carries the agent's address
+    pub gid_index: i32,
+    pub grant_mode: GrantMode,
+    /// local ACK timeout exponent (4.096 µs × 2^timeout)
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TlsConfig {
+    pub cert: String,
+    pub key: String,
+    pub ca: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LimitsConfig {
+    pub max_regions: usize,
+    pub max_registered_bytes: ByteSize,
+    pub max_grants_per_peer: usize,
+    pub max_transfers: usize,
+    pub max_transfers_per_peer: usize,
+    pub max_message_size: ByteSize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GrantsConfig {
+    pub default_ttl: HumanDuration,
+    pub max_ttl: HumanDuration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ShutdownConfig {
+    pub grace: HumanDuration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    /// empty = the host name
+    pub node_name: String,
+    pub listen: SocketAddr,
+    pub metrics_listen: SocketAddr,
+    /// tcp fabric data listener
+    pub data_listen: SocketAddr,
+    pub fabric: FabricChoice,
+    pub state_dir: PathBuf,
+    /// plaintext gRPC (mTLS arrives with the security work; until then this must stay true)
+    pub insecure: bool,
+    pub log: LogConfig,
+    pub transfer: TransferConfig,
+    pub verbs: VerbsConfig,
+    pub tls: TlsConfig,
+    pub limits: LimitsConfig,
+    pub grants: GrantsConfig,
+    pub shutdown: ShutdownConfig,
+}
+
+fn addr(s: &str) -> SocketAddr {
+    // Literal constants below; parsing them cannot fail.
+    s.parse().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node_name: String::new(),
+            listen: addr("0.0.0.0:7470"),
+            metrics_listen: addr("0.0.0.0:9470"),
+            data_listen: addr("0.0.0.0:7471"),
+            fabric: FabricChoice::Auto,
+            state_dir: PathBuf::from("/var/lib/xfer"),
+            insecure: true,
+            log: LogConfig::default(),
+            transfer: TransferConfig::default(),
+            verbs: VerbsConfig::default(),
+            tls: TlsConfig::default(),
+            limits: LimitsConfig::default(),
+            grants: GrantsConfig::default(),
+            shutdown: ShutdownConfig::default(),
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { format: LogFormat::Text, level: "info".into() }
+    }
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            chunk_size: ByteSize(1 << 20),
+            depth: 16,
+            qps: 2,
+            signal_every: 4,
+            timeout: HumanDuration(Duration::from_secs(300)),
+        }
+    }
+}
+
+impl Default for VerbsConfig {
+    fn default() -> Self {
+        // timeout 14 ≈ 67 ms per try; × (1 + retry_cnt 6) ≈ 0.5 s to declare a peer dead, and
+        // rxe's own retransmit timer stretches that to roughly 2 s.
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 14, retry_cnt: 6, rnr_retry: 6 }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_regions: 1024,
+            max_registered_bytes: ByteSize(64 << 30),
+            max_grants_per_peer: 1024,
+            max_transfers: 256,
+            max_transfers_per_peer: 64,
+            max_message_size: ByteSize(16 << 20),
+        }
+    }
+}
+
+impl Default for GrantsConfig {
+    fn default() -> Self {
+        GrantsConfig { default_ttl: HumanDuration(Duration::from_secs(600)), max_ttl: HumanDuration(Duration::from_secs(86400)) }
+    }
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig { grace: HumanDuration(Duration::from_secs(30)) }
+    }
+}
+
+/// Command-line values that override everything else (`None` = not given).
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub node_name: Option<String>,
+    pub listen: Option<String>,
+    pub metrics_listen: Option<String>,
+    pub data_listen: Option<String>,
+    pub fabric: Option<FabricChoice>,
+    pub state_dir: Option<PathBuf>,
+    pub log_format: Option<LogFormat>,
+    pub device: Option<String>,
+}
+
+impl Config {
+    /// Layers defaults < file < environment (`env` pairs, normally `std::env::vars()`) < flags.
+    pub fn load(
+        file: Option<&std::path::Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &Overrides,
+    ) -> Result<Config, ConfigError> {
+        let defaults = ::config::Config::try_from(&Config::default()).map_err(|e| bad("defaults", e.to_string()))?;
+        let mut b = ::config::Config::builder().add_source(defaults);
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(bad("config", format!("file {} does not exist", path.display())));
+            }
+            b = b.add_source(::config::File::from(path));
+        }
+        let env: std::collections::HashMap<String, String> =
+            env.into_iter().filter(|(k, _)| k.starts_with("XFER_") && k != "XFER_AGENT").collect();
+        b = b.add_source(
+            ::config::Environment::with_prefix("XFER").prefix_separator("_").separator("__").source(Some(env)),
+        );
+        let set = |b: ::config::ConfigBuilder<::config::builder::DefaultState>, k: &str, v: Option<String>| match v {
+            Some(v) => b.set_override(k, v).map_err(|e| bad(k, e.to_string())),
+            None => Ok(b),
+        };
+        b = set(b, "node_name", flags.node_name.clone())?;
+        b = set(b, "listen", flags.listen.clone())?;
+        b = set(b, "metrics_listen", flags.metrics_listen.clone())?;
+        b = set(b, "data_listen", flags.data_listen.clone())?;
+        b = set(b, "fabric", flags.fabric.map(|f| format!("{f:?}").to_lowercase()))?;
+        b = set(b, "state_dir", flags.state_dir.as_ref().map(|p| p.display().to_string()))?;
+        b = set(b, "log.format", flags.log_format.map(|f| format!("{f:?}").to_lowercase()))?;
+        b = set(b, "verbs.device", flags.device.clone())?;
+        let built = b.build().map_err(config_error)?;
+        let mut cfg: Config = built.try_deserialize().map_err(config_error)?;
+        if cfg.node_name.is_empty() {
+            cfg.node_name = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".into());
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let t = &self.transfer;
+        if t.chunk_size.0 == 0 || t.chunk_size.0 > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::fabric::frame::MAX_PAYLOAD as u64))));
+        }
+        if t.depth == 0 || t.depth > 4096 {
+            return Err(bad("transfer.depth", "must be between 1 and 4096"));
+        }
+        if t.qps == 0 || t.qps > 64 {
+            return Err(bad("transfer.qps", "must be between 1 and 64"));
+        }
+        if t.signal_every == 0 {
+            return Err(bad("transfer.signal_every", "must be at least 1"));
+        }
+        if self.verbs.retry_cnt > 6 {
+            return Err(bad("verbs.retry_cnt", "must be <= 6 (7 means retry forever)"));
+        }
+        if self.verbs.rnr_retry > 6 {
+            return Err(bad("verbs.rnr_retry", "must be <= 6 (7 means retry forever)"));
+        }
+        if self.verbs.timeout > 31 {
+            return Err(bad("verbs.timeout", "must be between 0 and 31"));
+        }
+        if self.verbs.gid_index < -1 {
+            return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
+        }
+        if !self.insecure {
+            return Err(bad("insecure", "mTLS is not implemented yet; set insecure = true"));
+        }
+        if self.node_name.is_empty() || self.node_name.len() > 253 {
+            return Err(bad("node_name", "must be 1-253 characters"));
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml_like(self)
+    }
+}
+
+fn config_error(e: ::config::ConfigError) -> ConfigError {
+    use ::config::ConfigError as E;
+    match e {
+        E::Type { key: Some(ref key), .. } | E::At { key: Some(ref key), .. } => bad(key, e.to_string()),
+        E::Message(m) => {
+            // serde messages look like "invalid size \"x\"... for key `transfer.chunk_size`"
+            let key = m.split("for key `").nth(1).and_then(|r| r.split('`').next()).unwrap_or("config").to_string();
+            bad(&key, m)
+        }
+        other => bad("config", other.to_string()),
+    }
+}
+
+/// Effective configuration as pretty JSON (TOML would need another crate; JSON is valid YAML,
+/// which the config file loader accepts).
+fn toml_like(c: &Config) -> String {
+    serde_json::to_string_pretty(c).unwrap_or_else(|e| format!("error: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4KiB"), Ok(4096));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+        assert_eq!(ByteSize(64 << 20).to_string(), "64MiB");
+    }
+
+    #[test]
+    fn layering_defaults_file_env_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "node_name = \"from-file\"\n[transfer]\nchunk_size = \"2MiB\"\ndepth = 4\n").unwrap();
+        let env = vec![("XFER_TRANSFER__DEPTH".to_string(), "8".to_string())];
+        let c = Config::load(Some(&f), env.clone(), &Overrides::default()).unwrap();
+        assert_eq!(c.node_name, "from-file");
+        assert_eq!(c.transfer.chunk_size, ByteSize(2 << 20));
+        assert_eq!(c.transfer.depth, 8, "env beats file");
+        assert_eq!(c.transfer.qps, 2, "default");
+        let flags = Overrides { node_name: Some("from-flag".into()), ..Default::default() };
+        let c = Config::load(Some(&f), env, &flags).unwrap();
+        assert_eq!(c.node_name, "from-flag");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let env = vec![("XFER_TRANSFER__CHUNK_SIZE".to_string(), "lots".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("chunk_size"), "{e}");
+        let env = vec![("XFER_VERBS__RETRY_CNT".to_string(), "7".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "verbs.retry_cnt");
+    }
+}

@@ -1,0 +1,168 @@
+//! Grant table: which peer may access which range of which region, with which operation, until
+//! when. Grants are revoked explicitly (`Peer.Revoke`), on expiry (the reaper), on region deletion
+//! and on peer disconnect. Dropping a grant drops its fabric [`Exposure`], which deregisters a
+//! dedicated MR or invalidates a window on verbs; on tcp the token simply stops resolving.
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
+
+use crate::fabric::tcp::AccessCheck;
+use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
+use crate::metrics as m;
+use crate::regions::Region;
+use crate::verbs::memory::RegionMemory;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GrantError {
+    #[error("grant {0:?} not found")]
+    NotFound(String),
+    #[error("grant {0:?} has expired")]
+    Expired(String),
+    #[error("grant {0:?} belongs to another peer")]
+    WrongPeer(String),
+    #[error("limit reached: {0}")]
+    Limit(String),
+}
+
+pub struct Grant {
+    pub id: String,
+    pub region: Arc<Region>,
+    pub peer: String,
+    /// Offset of the granted range inside the region.
+    pub offset: u64,
+    pub len: u64,
+    pub op: RemoteOp,
+    pub expires_at: SystemTime,
+    pub exposure: Exposure,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("id", &self.id)
+            .field("region", &self.region.name)
+            .field("peer", &self.peer)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("op", &self.op)
+            .finish()
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    by_id: HashMap<String, Arc<Grant>>,
+    by_token: HashMap<[u8; 16], Arc<Grant>>,
+}
+
+/// All live grants of this agent. A std RwLock: lookups happen per TCP frame and never await.
+pub struct GrantTable {
+    inner: RwLock<Inner>,
+    max_per_peer: usize,
+}
+
+impl GrantTable {
+    pub fn new(max_per_peer: usize) -> Self {
+        GrantTable { inner: RwLock::new(Inner::default()), max_per_peer }
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        // Poisoning only follows a panic mid-update of two maps that are updated together; serve on.
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn insert(&self, grant: Grant) -> Result<Arc<Grant>, GrantError> {
+        let grant = Arc::new(grant);
+        let mut g = self.write();
+        let count = g.by_id.values().filter(|x| x.peer == grant.peer).count();
+        if count >= self.max_per_peer {
+            return Err(GrantError::Limit(format!("max_grants_per_peer = {}", self.max_per_peer)));
+        }
+        if let RemoteKey::Token(t) = grant.exposure.key {
+            g.by_token.insert(t, grant.clone());
+        }
+        g.by_id.insert(grant.id.clone(), grant.clone());
+        m::grants_active(g.by_id.len());
+        Ok(grant)
+    }
+
+    /// Looks a grant up for `peer`, refusing expired grants and grants of other peers.
+    pub fn get(&self, id: &str, peer: &str, now: SystemTime) -> Result<Arc<Grant>, GrantError> {
+        let g = self.read().by_id.get(id).cloned().ok_or_else(|| GrantError::NotFound(id.to_string()))?;
+        if g.peer != peer {
+            return Err(GrantError::WrongPeer(id.to_string()));
+        }
+        if g.expires_at <= now {
+            return Err(GrantError::Expired(id.to_string()));
+        }
+        Ok(g)
+    }
+
+    pub fn revoke(&self, id: &str) -> Option<Arc<Grant>> {
+        self.remove_where(|g| g.id == id).into_iter().next()
+    }
+
+    pub fn revoke_region(&self, region_id: &str) -> usize {
+        self.remove_where(|g| g.region.id == region_id).len()
+    }
+
+    pub fn revoke_peer(&self, peer: &str) -> usize {
+        self.remove_where(|g| g.peer == peer).len()
+    }
+
+    pub fn revoke_all(&self) -> usize {
+        self.remove_where(|_| true).len()
+    }
+
+    /// Drops grants whose expiry passed.
+    pub fn reap(&self, now: SystemTime) -> usize {
+        self.remove_where(|g| g.expires_at <= now).len()
+    }
+
+    pub fn len(&self) -> usize {
+        self.read().by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn remove_where(&self, pred: impl Fn(&Grant) -> bool) -> Vec<Arc<Grant>> {
+        let mut g = self.write();
+        let ids: Vec<String> = g.by_id.values().filter(|x| pred(x)).map(|x| x.id.clone()).collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(grant) = g.by_id.remove(&id) {
+                if let RemoteKey::Token(t) = grant.exposure.key {
+                    g.by_token.remove(&t);
+                }
+                out.push(grant);
+            }
+        }
+        m::grants_active(g.by_id.len());
+        out
+    }
+}
+
+impl AccessCheck for GrantTable {
+    fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+        let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
+        if grant.op != op || grant.expires_at <= SystemTime::now() {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let start = grant.exposure.addr;
+        let end = start.checked_add(grant.len).ok_or(WcStatus::RemAccessErr)?;
+        let req_end = addr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
+        if addr < start || req_end > end {
+            return Err(WcStatus::RemAccessErr);
+        }
+        let mem = grant.region.memory.clone();
+        let offset = addr - mem.addr();
+        mem.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
+        Ok((mem, offset))
+    }
+}

@@ -1,0 +1,92 @@
+//! Metric names, help texts and recording helpers (DESIGN §10). Every metric the agent exports is
+//! described here, so the names live in one place; other modules call the helpers below.
+//!
+//! Label cardinality is bounded: `peer` is the peer's node name (one per node), `op` and
+//! `result` and `status` are small enums.
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+pub const TRANSFERS: &str = "xfer_transfers_total";
+pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
+pub const TRANSFER_DURATION: &str = "xfer_transfer_duration_seconds";
+pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
+pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
+pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
+pub const REGIONS: &str = "xfer_regions";
+pub const REGION_BYTES: &str = "xfer_region_bytes_registered";
+pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
+pub const GRANTS_ACTIVE: &str = "xfer_grants_active";
+pub const FABRIC_INFO: &str = "xfer_fabric_info";
+pub const BUILD_INFO: &str = "xfer_build_info";
+
+/// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
+/// Must run inside a tokio runtime.
+pub fn install(listen: SocketAddr) -> Result<(), String> {
+    // Buckets from 50 µs to ~15 min: fits microsecond RDMA ops and minute-long checkpoints.
+    let duration_buckets: Vec<f64> = (0..22).map(|i| 50e-6 * 2f64.powi(i)).collect();
+    PrometheusBuilder::new()
+        .with_http_listener(listen)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &duration_buckets)
+        .map_err(|e| e.to_string())?
+        .install()
+        .map_err(|e| format!("metrics listener on {listen}: {e}"))?;
+    describe();
+    Ok(())
+}
+
+pub fn describe() {
+    describe_counter!(TRANSFERS, Unit::Count, "Transfers finished, by operation and result (succeeded, failed, cancelled).");
+    describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved by transfers, by operation and peer node.");
+    describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
+    describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
+    describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
+    describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
+    describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
+    describe_gauge!(REGION_BYTES, Unit::Bytes, "Bytes of region memory registered with the fabric.");
+    describe_histogram!(REGISTRATION_DURATION, Unit::Seconds, "Time to register memory with the fabric.");
+    describe_gauge!(GRANTS_ACTIVE, Unit::Count, "Grants currently valid on this agent.");
+    describe_gauge!(FABRIC_INFO, "Fabric in use (value 1), with kind and device labels.");
+    describe_gauge!(BUILD_INFO, "Build information (value 1), with the version label.");
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+pub fn fabric_info(kind: &str, device: &str) {
+    gauge!(FABRIC_INFO, "kind" => kind.to_string(), "device" => device.to_string()).set(1.0);
+}
+
+pub fn transfer_finished(op: &'static str, result: &'static str, elapsed: Duration) {
+    counter!(TRANSFERS, "op" => op, "result" => result).increment(1);
+    histogram!(TRANSFER_DURATION, "op" => op).record(elapsed.as_secs_f64());
+}
+
+pub fn transfer_bytes(op: &'static str, peer: &str, bytes: u64) {
+    counter!(TRANSFER_BYTES, "op" => op, "peer" => peer.to_string()).increment(bytes);
+}
+
+pub fn work_completion(status: &'static str) {
+    counter!(WORK_COMPLETIONS, "status" => status).increment(1);
+}
+
+pub fn qp_connections(peer: &str, state: &'static str, n: usize) {
+    gauge!(QP_CONNECTIONS, "peer" => peer.to_string(), "state" => state).set(n as f64);
+}
+
+pub fn connect_duration(d: Duration) {
+    histogram!(CONNECT_DURATION).record(d.as_secs_f64());
+}
+
+pub fn regions(n: usize, bytes: u64) {
+    gauge!(REGIONS).set(n as f64);
+    gauge!(REGION_BYTES).set(bytes as f64);
+}
+
+pub fn registration_duration(d: Duration) {
+    histogram!(REGISTRATION_DURATION).record(d.as_secs_f64());
+}
+
+pub fn grants_active(n: usize) {
+    gauge!(GRANTS_ACTIVE).set(n as f64);
+}

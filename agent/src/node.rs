@@ -1,0 +1,794 @@
+//! The agent's core: regions, grants, transfers, peers and the fabric, and the operations the
+//! gRPC services expose (in domain types). `service` converts protobuf to these calls and back.
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, info_span, warn, Instrument};
+
+use crate::checksum::{self, Algo};
+use crate::config::Config;
+use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
+use crate::grants::{Grant, GrantError, GrantTable};
+use crate::metrics as m;
+use crate::peers::{PeerEntry, PeerError, PeerPool};
+use crate::regions::{new_id, RegionRegistry, RegionUse};
+use crate::service::client::{CompleteParams, GrantInfo};
+use crate::transfer::driver::{pump, LatencyProbe};
+use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
+use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use crate::verbs::memory::RegionMemory;
+
+/// What `Peer.Grant` asks for, in domain terms.
+#[derive(Debug, Clone)]
+pub struct GrantParams {
+    pub region: String,
+    pub offset: u64,
+    /// 0 = the rest of the region
+    pub length: u64,
+    pub op: RemoteOp,
+    pub ttl: Option<Duration>,
+    pub peer: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchParams {
+    pub peer: String,
+    pub op: Op,
+    pub size: u64,
+    pub iters: u32,
+    pub qps: usize,
+    pub depth: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct BenchResult {
+    pub size: u64,
+    pub iters: u32,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub lat_avg_us: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_iters: u32,
+}
+
+pub struct Node {
+    pub config: Config,
+    pub fabric: Arc<dyn Fabric>,
+    pub fabric_reason: String,
+    pub regions: RegionRegistry,
+    pub grants: Arc<GrantTable>,
+    pub transfers: TransferRegistry,
+    pub peers: PeerPool,
+    pub started: Instant,
+    /// Random per start: peers use it to notice this agent restarted.
+    pub instance_id: String,
+    /// Responder halves of connections, by connection id (peer node, keepalive).
+    accepted: Mutex<HashMap<String, (String, Box<dyn Accepted>)>>,
+    /// Cancelled on SIGTERM: refuse new transfers.
+    pub draining: CancellationToken,
+}
+
+impl Node {
+    pub fn new(config: Config, fabric: Arc<dyn Fabric>, fabric_reason: String, grants: Arc<GrantTable>) -> Arc<Node> {
+        let regions = RegionRegistry::new(
+            fabric.clone(),
+            config.state_dir.clone(),
+            crate::regions::RegionLimits {
+                max_regions: config.limits.max_regions,
+                max_registered_bytes: config.limits.max_registered_bytes.0,
+            },
+        );
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone());
+        Arc::new(Node {
+            regions,
+            grants,
+            transfers: TransferRegistry::new(1000),
+            peers,
+            started: Instant::now(),
+            instance_id: new_id(),
+            accepted: Mutex::new(HashMap::new()),
+            draining: CancellationToken::new(),
+            fabric,
+            fabric_reason,
+            config,
+        })
+    }
+
+    /// Background housekeeping: region leases and grant expiry.
+    pub fn spawn_reapers(self: &Arc<Self>, shutdown: CancellationToken) {
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let now = SystemTime::now();
+                node.grants.reap(now);
+                for r in node.regions.reap_expired(now) {
+                    node.grants.revoke_region(&r.id);
+                }
+            }
+        });
+    }
+
+    pub fn delete_region(&self, name: &str) -> Result<(), crate::regions::RegionError> {
+        let r = self.regions.delete(name)?;
+        let n = self.grants.revoke_region(&r.id);
+        if n > 0 {
+            info!(region = %name, grants = n, "revoked grants of deleted region");
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ Peer side
+
+    pub async fn accept_connection(
+        &self,
+        peer: &str,
+        connection_id: &str,
+        fabric: FabricKind,
+        endpoints: &[Endpoint],
+    ) -> Result<Vec<Endpoint>, FabricError> {
+        if fabric != self.fabric.kind() {
+            return Err(FabricError::Negotiation {
+                step: "connect",
+                attr: "fabric",
+                detail: format!("initiator runs {fabric}, this agent runs {}", self.fabric.kind()),
+            });
+        }
+        let (mine, keep) = self.fabric.accept(peer, endpoints).await?;
+        if let Ok(mut acc) = self.accepted.lock() {
+            // Bound per-peer state: a peer that never disconnects cannot grow it without limit.
+            let from_peer: Vec<String> = acc.iter().filter(|(_, v)| v.0 == peer).map(|(k, _)| k.clone()).collect();
+            if from_peer.len() >= 256 {
+                if let Some(k) = from_peer.first() {
+                    acc.remove(k);
+                }
+            }
+            acc.insert(connection_id.to_string(), (peer.to_string(), keep));
+        }
+        Ok(mine)
+    }
+
+    pub fn disconnect(&self, connection_id: &str) {
+        if let Ok(mut acc) = self.accepted.lock() {
+            acc.remove(connection_id);
+        }
+    }
+
+    pub fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
+        let region = self.regions.get(&p.region)?;
+        if !region.access.allows(p.op) {
+            return Err(TransferError::PermissionDenied(format!(
+                "region {:?} has access {:?}; remote {} is not allowed",
+                region.name, region.access, p.op
+            )));
+        }
+        if p.offset > region.length {
+            return Err(TransferError::Invalid(format!(
+                "offset {} is beyond the end of region {:?} ({} bytes)",
+                p.offset, region.name, region.length
+            )));
+        }
+        let length = if p.length == 0 { region.length - p.offset } else { p.length };
+        if length == 0 {
+            return Err(TransferError::Invalid(format!("nothing to grant: offset {} is the end of region {:?}", p.offset, region.name)));
+        }
+        region.check_range(p.offset, length)?;
+        let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
+        let expires_at = SystemTime::now() + ttl;
+        let req = ExposeRequest {
+            offset: p.offset,
+            len: length,
+            op: p.op,
+            expires_at,
+            peer: p.peer.clone(),
+            mode: self.config.verbs.grant_mode,
+        };
+        let exposure = self
+            .fabric
+            .expose(&region.registration, &req)
+            .map_err(|e| TransferError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
+        let grant = Grant {
+            id: new_id(),
+            region,
+            peer: p.peer.clone(),
+            offset: p.offset,
+            len: length,
+            op: p.op,
+            expires_at,
+            exposure,
+        };
+        Ok(self.grants.insert(grant)?)
+    }
+
+    pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
+        let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
+        self.grants.revoke(&g.id);
+        Ok(())
+    }
+
+    /// `Peer.Complete`: the initiator says the data landed (or was read). Verifies the checksum
+    /// when one is sent, records an inbound transfer, and revokes the grant.
+    pub async fn complete_inbound(
+        &self,
+        transfer_id: &str,
+        grant_id: &str,
+        peer: &str,
+        bytes: u64,
+        op_write: bool,
+        checksum: Option<(Algo, u64)>,
+    ) -> Result<Option<(bool, u64)>, TransferError> {
+        let g = self.grants.get(grant_id, peer, SystemTime::now())?;
+        if bytes > g.len {
+            return Err(TransferError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
+        }
+        let verdict = match checksum {
+            Some((algo, expected)) => {
+                let mem = g.region.memory.clone();
+                let off = g.offset;
+                let got = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, bytes, algo))
+                    .await
+                    .map_err(|e| TransferError::Internal(e.to_string()))?
+                    .map_err(|e| TransferError::Invalid(e.to_string()))?;
+                Some((got == expected, got))
+            }
+            None => None,
+        };
+        let op = if op_write { Op::Write } else { Op::Read };
+        let now = SystemTime::now();
+        let ok = verdict.is_none_or(|v| v.0);
+        let rec = TransferRecord {
+            id: transfer_id.to_string(),
+            op,
+            local_region: g.region.name.clone(),
+            local_offset: g.offset,
+            remote_agent: String::new(),
+            remote_region: String::new(),
+            remote_offset: 0,
+            length: bytes,
+            state: if ok { TransferState::Succeeded } else { TransferState::Failed },
+            bytes_done: bytes,
+            error: (!ok).then(|| "checksum mismatch".to_string()),
+            error_code: (!ok).then(|| "CHECKSUM_MISMATCH".to_string()),
+            created_at: now,
+            started_at: Some(now),
+            finished_at: Some(now),
+            elapsed: Duration::ZERO,
+            verified: verdict.is_some_and(|v| v.0),
+            checksum: verdict.map(|v| v.1),
+            peer: peer.to_string(),
+            inbound: true,
+        };
+        self.transfers.insert(rec);
+        m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
+        self.grants.revoke(&g.id);
+        Ok(verdict)
+    }
+
+    /// `Peer.OpenSink`: a one-shot listener that reads and discards, for the raw TCP baseline.
+    pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, std::io::Error> {
+        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await?;
+        let addr = listener.local_addr()?;
+        let n = connections.clamp(1, 64);
+        tokio::spawn(async move {
+            let work = async {
+                let mut tasks = Vec::new();
+                for _ in 0..n {
+                    let (mut s, _) = listener.accept().await?;
+                    tasks.push(tokio::spawn(async move {
+                        let mut buf = vec![0u8; 1 << 20];
+                        while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+                        let _ = s.shutdown().await;
+                    }));
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            if tokio::time::timeout(Duration::from_secs(120), work).await.is_err() {
+                warn!("tcp baseline sink timed out");
+            }
+        });
+        Ok(addr)
+    }
+
+    // ------------------------------------------------------------------ Initiator side
+
+    /// Validates a transfer, obtains the peer's grant and starts it. Bad input fails here with a
+    /// clear error; failures after this point are reported in the transfer record.
+    pub async fn submit(self: &Arc<Self>, req: TransferRequest) -> Result<TransferRecord, TransferError> {
+        if self.draining.is_cancelled() {
+            return Err(TransferError::ShuttingDown);
+        }
+        let active = self.transfers.active(None);
+        if active.len() >= self.config.limits.max_transfers {
+            return Err(TransferError::Limit(format!("max_transfers = {}", self.config.limits.max_transfers)));
+        }
+        let to_peer = active.iter().filter(|h| h.record.borrow().remote_agent == req.remote_agent).count();
+        if to_peer >= self.config.limits.max_transfers_per_peer {
+            return Err(TransferError::Limit(format!("max_transfers_per_peer = {}", self.config.limits.max_transfers_per_peer)));
+        }
+        let local = self.regions.get(&req.local_region)?;
+        if req.local_offset > local.length {
+            return Err(TransferError::Invalid(format!(
+                "offset {} is beyond the end of region {:?} ({} bytes)",
+                req.local_offset, local.name, local.length
+            )));
+        }
+        if req.op == Op::Read && !local.memory.writable() {
+            return Err(TransferError::PermissionDenied(format!(
+                "local region {:?} is mapped read-only and cannot receive a READ",
+                local.name
+            )));
+        }
+        let length = match (req.op, req.length) {
+            (Op::Write, 0) => local.length - req.local_offset,
+            (_, n) => n,
+        };
+        if req.op == Op::Write && length == 0 {
+            return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+        }
+        if req.length != 0 || req.op == Op::Write {
+            local.check_range(req.local_offset, length)?;
+        }
+        let opts = &req.options;
+        let chunk = opts.chunk_size.unwrap_or(self.config.transfer.chunk_size.0);
+        if chunk == 0 || chunk > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(TransferError::Invalid(format!("chunk size must be between 1 and {} bytes", crate::fabric::frame::MAX_PAYLOAD)));
+        }
+        let qps = opts.qps.unwrap_or(self.config.transfer.qps);
+        let depth = opts.depth.unwrap_or(self.config.transfer.depth);
+        if !(1..=64).contains(&qps) || !(1..=4096).contains(&depth) {
+            return Err(TransferError::Invalid("qps must be 1-64 and depth 1-4096".into()));
+        }
+        let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(self.config.transfer.timeout.0);
+        let peer = self.peers.peer(&req.remote_agent)?;
+        let remote_op = match req.op {
+            Op::Write => RemoteOp::Write,
+            Op::Read => RemoteOp::Read,
+        };
+        let grant = peer
+            .client
+            .grant(
+                &req.remote_region,
+                req.remote_offset,
+                length,
+                remote_op,
+                timeout + Duration::from_secs(60),
+                &self.config.node_name,
+            )
+            .await?;
+        peer.observe(&grant.node_name, &grant.instance_id);
+        let length = if length == 0 { grant.length } else { length };
+        if grant.length < length {
+            return Err(TransferError::Invalid(format!("peer granted {} bytes, {} needed", grant.length, length)));
+        }
+        if let Err(e) = local.check_range(req.local_offset, length) {
+            revoke_later(&peer, &grant.grant_id);
+            return Err(e.into());
+        }
+        if length == 0 {
+            revoke_later(&peer, &grant.grant_id);
+            return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+        }
+        let now = SystemTime::now();
+        let record = TransferRecord {
+            id: new_id(),
+            op: req.op,
+            local_region: local.name.clone(),
+            local_offset: req.local_offset,
+            remote_agent: req.remote_agent.clone(),
+            remote_region: req.remote_region.clone(),
+            remote_offset: req.remote_offset,
+            length,
+            state: TransferState::Connecting,
+            bytes_done: 0,
+            error: None,
+            error_code: None,
+            created_at: now,
+            started_at: None,
+            finished_at: None,
+            elapsed: Duration::ZERO,
+            verified: false,
+            checksum: None,
+            peer: grant.node_name.clone(),
+            inbound: false,
+        };
+        let handle = self.transfers.insert(record.clone());
+        let plan = Plan {
+            local: local.acquire(),
+            peer,
+            grant,
+            chunk,
+            qps,
+            depth,
+            verify: opts.verify.then(|| opts.algo.unwrap_or(Algo::Xxh3)),
+            deadline: Instant::now() + timeout,
+        };
+        let node = self.clone();
+        let span = info_span!("transfer", id = %record.id, op = req.op.as_str(), peer = %req.remote_agent);
+        tokio::spawn(async move { node.run(handle, plan).await }.instrument(span));
+        Ok(record)
+    }
+
+    async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, plan: Plan) {
+        let rec = handle.snapshot();
+        let started = Instant::now();
+        info!(bytes = rec.length, "transfer started");
+        let outcome = self.execute(&handle, &plan, &rec, started).await;
+        let (state, code, msg) = match outcome {
+            Ok(verified) => {
+                handle.update(|r| {
+                    r.verified = verified.is_some();
+                    r.checksum = verified;
+                });
+                (TransferState::Succeeded, None, None)
+            }
+            Err(Outcome::Cancelled) => (TransferState::Cancelled, Some("CANCELLED".to_string()), Some("cancelled".to_string())),
+            Err(Outcome::Failed(code, msg)) => (TransferState::Failed, Some(code), Some(msg)),
+        };
+        if state != TransferState::Succeeded {
+            revoke_later(&plan.peer, &plan.grant.grant_id);
+        }
+        let elapsed = started.elapsed();
+        handle.update(|r| {
+            r.state = state;
+            r.error_code = code.clone();
+            r.error = msg.clone();
+            r.finished_at = Some(SystemTime::now());
+            r.elapsed = elapsed;
+        });
+        let done = handle.snapshot().bytes_done;
+        let result = match state {
+            TransferState::Succeeded => "succeeded",
+            TransferState::Cancelled => "cancelled",
+            _ => "failed",
+        };
+        m::transfer_finished(rec.op.as_str(), result, elapsed);
+        m::transfer_bytes(rec.op.as_str(), &peer_label(&plan.peer), done);
+        match state {
+            TransferState::Succeeded => info!(bytes = done, secs = elapsed.as_secs_f64(), "transfer succeeded"),
+            _ => warn!(result, code = ?code, error = ?msg, bytes = done, "transfer did not succeed"),
+        }
+    }
+
+    /// Moves the data; `Ok(checksum)` on success (the checksum when verified).
+    async fn execute(&self, handle: &TransferHandle, plan: &Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Outcome> {
+        let mut lease = tokio::select! {
+            l = self.peers.lease(&plan.peer, plan.qps, plan.depth) => l.map_err(peer_failure)?,
+            _ = handle.cancel.cancelled() => return Err(Outcome::Cancelled),
+        };
+        handle.update(|r| {
+            r.state = TransferState::Running;
+            r.started_at = Some(SystemTime::now());
+        });
+        let mut machine = Machine::new(MachineConfig {
+            total: rec.length,
+            chunk: plan.chunk,
+            qps: lease.conn.qps(),
+            depth: plan.depth,
+            signal_every: self.config.transfer.signal_every,
+            deadline: Some(plan.deadline),
+        });
+        let local = plan.local.0.registration.clone();
+        let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let (local_off, remote_addr, key) = (rec.local_offset, plan.grant.addr, plan.grant.key.clone());
+        pump(
+            &mut machine,
+            &mut lease,
+            &handle.cancel,
+            |p| WorkRequest {
+                wr_id: p.seq,
+                op,
+                local: local.clone(),
+                local_offset: local_off + p.offset,
+                len: p.len,
+                remote_addr: remote_addr + p.offset,
+                remote_key: key.clone(),
+                signaled: p.signaled,
+            },
+            |bytes| {
+                handle.update(|r| {
+                    r.bytes_done = bytes;
+                    r.elapsed = started.elapsed();
+                })
+            },
+            None,
+        )
+        .await;
+        let clean = machine.state() == &State::Succeeded && machine.outstanding() == 0;
+        let state = machine.state().clone();
+        self.peers.release(&plan.peer, lease, clean);
+        match state {
+            State::Succeeded => {}
+            State::Cancelled => return Err(Outcome::Cancelled),
+            State::Failed(Failure::Completion { status, .. }) => {
+                return Err(Outcome::Failed(
+                    status.name().to_string(),
+                    format!("work request failed with {status}{}", hint(status)),
+                ))
+            }
+            State::Failed(Failure::Post(e)) => return Err(Outcome::Failed("POST_FAILED".into(), e)),
+            State::Failed(Failure::Timeout) => return Err(Outcome::Failed("DEADLINE_EXCEEDED".into(), "transfer timed out".into())),
+            State::Running => return Err(Outcome::Failed("INTERNAL".into(), "engine stopped early".into())),
+        }
+        // Data landed. Tell the target (and let it verify), then report.
+        let sum = match plan.verify {
+            Some(algo) => {
+                let mem = plan.local.0.memory.clone();
+                let (off, len) = (rec.local_offset, rec.length);
+                let v = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, len, algo))
+                    .await
+                    .map_err(|e| Outcome::Failed("INTERNAL".into(), e.to_string()))?
+                    .map_err(|e| Outcome::Failed("INTERNAL".into(), e.to_string()))?;
+                Some((algo, v))
+            }
+            None => None,
+        };
+        let params = CompleteParams {
+            transfer_id: rec.id.clone(),
+            grant_id: plan.grant.grant_id.clone(),
+            bytes: rec.length,
+            op_write: rec.op == Op::Write,
+            node_name: self.config.node_name.clone(),
+            checksum: sum,
+            success: true,
+        };
+        match plan.peer.client.complete(params).await {
+            Ok(true) => Ok(sum.map(|s| s.1)),
+            Ok(false) => Err(Outcome::Failed(
+                "CHECKSUM_MISMATCH".into(),
+                "checksum of the destination range does not match the source".into(),
+            )),
+            Err(e) if sum.is_some() => Err(Outcome::Failed("VERIFY_FAILED".into(), format!("could not verify: {e}"))),
+            Err(e) => {
+                warn!(error = %e, "Peer.Complete failed; the data landed but the target did not record it");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Cancels a running transfer; no-op for finished ones.
+    pub fn cancel(&self, id: &str) -> Result<TransferRecord, TransferError> {
+        let h = self.transfers.get(id)?;
+        h.cancel.cancel();
+        Ok(h.snapshot())
+    }
+
+    // ------------------------------------------------------------------ benchmarks
+
+    /// perftest-style data-path benchmark against `peer`.
+    pub async fn bench(&self, p: BenchParams) -> Result<BenchResult, TransferError> {
+        if p.size == 0 || p.size > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
+        }
+        let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
+        let peer = self.peers.peer(&p.peer)?;
+        let scratch = format!("xfer-bench-{}", new_id());
+        peer.client.create_scratch_region(&scratch, p.size).await?;
+        let res = self.bench_with(&peer, &scratch, &p, iters).await;
+        if let Err(e) = peer.client.delete_region(&scratch).await {
+            warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer");
+        }
+        res
+    }
+
+    async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
+        let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
+        let grant = peer.client.grant(scratch, 0, p.size, remote_op, Duration::from_secs(3600), &self.config.node_name).await?;
+        peer.observe(&grant.node_name, &grant.instance_id);
+        let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
+        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
+        let local = self
+            .fabric
+            .register(mem, crate::fabric::Access::ReadWrite)
+            .map_err(|e| TransferError::Internal(e.to_string()))?;
+        let cancel = CancellationToken::new();
+        let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let qps = if p.qps == 0 { self.config.transfer.qps } else { p.qps };
+        let depth = if p.depth == 0 { self.config.transfer.depth } else { p.depth };
+
+        // Bandwidth: iters WRs of `size`, `depth` outstanding per QP.
+        let mut lease = self.peers.lease(peer, qps, depth).await?;
+        let mut machine = Machine::new(MachineConfig {
+            total: p.size * iters as u64,
+            chunk: p.size,
+            qps: lease.conn.qps(),
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            deadline: Some(Instant::now() + Duration::from_secs(600)),
+        });
+        let t0 = Instant::now();
+        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None).await;
+        let seconds = t0.elapsed().as_secs_f64();
+        let bw_state = machine.state().clone();
+        let clean = bw_state == State::Succeeded;
+        self.peers.release(peer, lease, clean);
+        if let State::Failed(f) = bw_state {
+            revoke_later(peer, &grant.grant_id);
+            return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
+        }
+
+        // Latency: one WR at a time on one QP.
+        let lat_iters = iters.clamp(1, 10_000);
+        let mut lease = self.peers.lease(peer, 1, 1).await?;
+        let mut machine = Machine::new(MachineConfig {
+            total: p.size * lat_iters as u64,
+            chunk: p.size,
+            qps: 1,
+            depth: 1,
+            signal_every: 1,
+            deadline: Some(Instant::now() + Duration::from_secs(600)),
+        });
+        let mut probe = LatencyProbe::default();
+        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
+        let lat_ok = machine.state() == &State::Succeeded;
+        self.peers.release(peer, lease, lat_ok);
+        revoke_later(peer, &grant.grant_id);
+        if !lat_ok {
+            return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", machine.state())));
+        }
+        let mut us: Vec<f64> = probe.samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        us.sort_by(|a, b| a.total_cmp(b));
+        let pct = |q: f64| us.get(((us.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+        Ok(BenchResult {
+            size: p.size,
+            iters,
+            bytes: p.size * iters as u64,
+            seconds,
+            lat_avg_us: us.iter().sum::<f64>() / us.len().max(1) as f64,
+            lat_p50_us: pct(0.5),
+            lat_p99_us: pct(0.99),
+            lat_iters: us.len() as u32,
+        })
+    }
+
+    /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against.
+    pub async fn tcp_baseline(&self, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
+        let peer = self.peers.peer(peer_addr)?;
+        let n = connections.clamp(1, 64);
+        let sink = peer.client.open_sink(n).await?;
+        let block = block.clamp(4096, 64 << 20) as usize;
+        let per = bytes.div_ceil(n as u64);
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let sink = sink.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut s = TcpStream::connect(&sink).await?;
+                s.set_nodelay(true)?;
+                let buf = vec![0xa5u8; block];
+                let mut left = per;
+                while left > 0 {
+                    let k = (left as usize).min(block);
+                    s.write_all(&buf[..k]).await?;
+                    left -= k as u64;
+                }
+                s.shutdown().await?;
+                // Wait for the sink to close: all bytes were read on the far side.
+                let mut one = [0u8; 1];
+                let _ = s.read(&mut one).await;
+                Ok::<u64, std::io::Error>(per)
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t
+                .await
+                .map_err(|e| TransferError::Internal(e.to_string()))?
+                .map_err(|e| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail: e.to_string() }))?;
+        }
+        Ok((total, t0.elapsed().as_secs_f64()))
+    }
+
+    /// SIGTERM: refuse new transfers, wait up to `grace` for running ones, cancel the rest,
+    /// revoke grants and close connections.
+    pub async fn drain(&self, grace: Duration) {
+        self.draining.cancel();
+        let deadline = Instant::now() + grace;
+        loop {
+            let active = self.transfers.active(None);
+            if active.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                warn!(transfers = active.len(), "shutdown grace elapsed; cancelling running transfers");
+                for h in &active {
+                    h.cancel.cancel();
+                }
+                // Give the drivers a moment to record CANCELLED.
+                for _ in 0..50 {
+                    if self.transfers.active(None).is_empty() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let n = self.grants.revoke_all();
+        info!(grants = n, "revoked all grants");
+        self.peers.close_all();
+        if let Ok(mut acc) = self.accepted.lock() {
+            acc.clear();
+        }
+        self.regions.flush_all();
+    }
+}
+
+struct Plan {
+    local: RegionUse,
+    peer: Arc<PeerEntry>,
+    grant: GrantInfo,
+    chunk: u64,
+    qps: usize,
+    depth: usize,
+    verify: Option<Algo>,
+    deadline: Instant,
+}
+
+enum Outcome {
+    Cancelled,
+    Failed(String, String),
+}
+
+fn peer_failure(e: PeerError) -> Outcome {
+    let code = match &e {
+        PeerError::Unreachable { .. } => "PEER_UNAVAILABLE",
+        PeerError::Fabric { .. } => "CONNECT_FAILED",
+        _ => "PEER_ERROR",
+    };
+    Outcome::Failed(code.into(), e.to_string())
+}
+
+fn hint(status: crate::fabric::WcStatus) -> &'static str {
+    use crate::fabric::WcStatus::*;
+    match status {
+        RemAccessErr => " (the peer refused access: outside the grant, wrong operation, expired or revoked)",
+        RetryExcErr => " (the peer stopped answering: dead agent, broken link or closed connection)",
+        RnrRetryExcErr => " (the peer's receive queue was not ready)",
+        RemInvReqErr => " (the peer rejected the request as invalid)",
+        _ => "",
+    }
+}
+
+fn peer_label(peer: &PeerEntry) -> String {
+    let n = peer.node_name();
+    if n.is_empty() {
+        peer.addr.clone()
+    } else {
+        n
+    }
+}
+
+fn revoke_later(peer: &Arc<PeerEntry>, grant_id: &str) {
+    let client = peer.client.clone();
+    let id = grant_id.to_string();
+    tokio::spawn(async move {
+        let _ = client.revoke(&id).await;
+    });
+}
+
+fn bench_wr(seq: u64, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {
+    WorkRequest {
+        wr_id: seq,
+        op,
+        local: local.clone(),
+        local_offset: 0,
+        len: size as u32,
+        remote_addr: grant.addr,
+        remote_key: grant.key.clone(),
+        signaled,
+    }
+}

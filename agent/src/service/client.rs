@@ -1,0 +1,248 @@
+//! The agent's gRPC client to other agents: domain calls in, protobuf on the wire. Together with
+//! `service::mod` this is the only code that sees protobuf types.
+use std::time::{Duration, SystemTime};
+
+use tonic::transport::{Channel, Endpoint as TonicEndpoint};
+use xfer_proto::v1 as pb;
+
+use super::convert;
+use crate::checksum::Algo;
+use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
+use crate::peers::{HandshakeReply, PeerError, RemoteCode};
+
+/// What `Peer.Grant` returns.
+#[derive(Debug, Clone)]
+pub struct GrantInfo {
+    pub grant_id: String,
+    pub addr: u64,
+    pub key: RemoteKey,
+    pub length: u64,
+    pub expires_at: Option<SystemTime>,
+    pub node_name: String,
+    pub instance_id: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct CompleteParams {
+    pub transfer_id: String,
+    pub grant_id: String,
+    pub bytes: u64,
+    pub op_write: bool,
+    pub node_name: String,
+    pub checksum: Option<(Algo, u64)>,
+    pub success: bool,
+}
+
+#[derive(Clone)]
+pub struct PeerClient {
+    addr: String,
+    peer: pb::peer_client::PeerClient<Channel>,
+    agent: pb::agent_client::AgentClient<Channel>,
+}
+
+/// Time to establish the HTTP/2 connection to a peer: an unreachable peer fails fast.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on any single peer RPC (the peer's work per call is small and local).
+const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl PeerClient {
+    pub fn new(addr: &str) -> Result<PeerClient, PeerError> {
+        let ep = TonicEndpoint::from_shared(format!("http://{addr}"))
+            .map_err(|_| PeerError::BadAddress(addr.to_string()))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(RPC_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+        let channel = ep.connect_lazy();
+        Ok(PeerClient {
+            addr: addr.to_string(),
+            peer: pb::peer_client::PeerClient::new(channel.clone()).max_decoding_message_size(64 << 20),
+            agent: pb::agent_client::AgentClient::new(channel).max_decoding_message_size(64 << 20),
+        })
+    }
+
+    fn err(&self, s: tonic::Status) -> PeerError {
+        use tonic::Code;
+        let code = match s.code() {
+            Code::NotFound => RemoteCode::NotFound,
+            Code::InvalidArgument | Code::OutOfRange => RemoteCode::InvalidArgument,
+            Code::PermissionDenied | Code::Unauthenticated => RemoteCode::PermissionDenied,
+            Code::FailedPrecondition => RemoteCode::FailedPrecondition,
+            Code::ResourceExhausted => RemoteCode::ResourceExhausted,
+            Code::DeadlineExceeded => RemoteCode::DeadlineExceeded,
+            Code::Unavailable | Code::Unknown | Code::Cancelled if is_transport(&s) => {
+                return PeerError::Unreachable { addr: self.addr.clone(), detail: transport_detail(&s) }
+            }
+            Code::Unavailable => RemoteCode::Unavailable,
+            _ => RemoteCode::Other,
+        };
+        PeerError::Remote { addr: self.addr.clone(), code, message: s.message().to_string() }
+    }
+
+    fn bad(&self, detail: impl Into<String>) -> PeerError {
+        PeerError::Protocol { addr: self.addr.clone(), detail: detail.into() }
+    }
+
+    pub async fn handshake(
+        &self,
+        node_name: &str,
+        fabric: FabricKind,
+        endpoints: Vec<Endpoint>,
+        connection_id: &str,
+    ) -> Result<HandshakeReply, PeerError> {
+        let req = pb::PeerConnectRequest {
+            version: 1,
+            node_name: node_name.to_string(),
+            fabric: convert::fabric_to_pb(fabric) as i32,
+            endpoints: endpoints.iter().map(convert::endpoint_to_pb).collect(),
+            connection_id: connection_id.to_string(),
+        };
+        let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
+        let endpoints = r
+            .endpoints
+            .iter()
+            .map(convert::endpoint_from_pb)
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(|e| self.bad(e))?;
+        let fabric = convert::fabric_from_pb(r.fabric).ok_or_else(|| self.bad("unknown fabric kind"))?;
+        Ok(HandshakeReply { node_name: r.node_name, instance_id: r.instance_id, fabric, endpoints })
+    }
+
+    pub async fn grant(
+        &self,
+        region: &str,
+        offset: u64,
+        length: u64,
+        op: RemoteOp,
+        ttl: Duration,
+        node_name: &str,
+    ) -> Result<GrantInfo, PeerError> {
+        let req = pb::GrantRequest {
+            region: region.to_string(),
+            offset,
+            length,
+            op: match op {
+                RemoteOp::Read => pb::Access::Read,
+                RemoteOp::Write => pb::Access::Write,
+            } as i32,
+            ttl: Some(convert::duration_to_pb(ttl)),
+            node_name: node_name.to_string(),
+            connection_id: String::new(),
+        };
+        let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
+        let key = if !r.token.is_empty() {
+            let t: [u8; 16] = r.token.as_slice().try_into().map_err(|_| self.bad("grant token is not 16 bytes"))?;
+            RemoteKey::Token(t)
+        } else {
+            RemoteKey::Rkey(r.rkey)
+        };
+        Ok(GrantInfo {
+            grant_id: r.grant_id,
+            addr: r.addr,
+            key,
+            length: r.length,
+            expires_at: r.expires_at.and_then(convert::time_from_pb),
+            node_name: r.node_name,
+            instance_id: r.instance_id,
+        })
+    }
+
+    pub async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
+        self.peer
+            .clone()
+            .revoke(pb::RevokeRequest { grant_id: grant_id.to_string() })
+            .await
+            .map_err(|s| self.err(s))?;
+        Ok(())
+    }
+
+    /// Returns whether the target's checksum matched (true when none was sent).
+    pub async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError> {
+        let (has, algo, value) = match p.checksum {
+            Some((a, v)) => (true, convert::algo_to_pb(a), v),
+            None => (false, pb::ChecksumAlgo::Xxh3, 0),
+        };
+        let req = pb::CompleteRequest {
+            transfer_id: p.transfer_id,
+            grant_id: p.grant_id,
+            bytes: p.bytes,
+            op: if p.op_write { pb::Op::Write } else { pb::Op::Read } as i32,
+            node_name: p.node_name,
+            has_checksum: has,
+            checksum: value,
+            algo: algo as i32,
+            success: p.success,
+        };
+        let r = self.peer.clone().complete(req).await.map_err(|s| self.err(s))?.into_inner();
+        Ok(!has || r.checksum_matched)
+    }
+
+    pub async fn disconnect(&self, connection_id: &str, node_name: &str) {
+        let req = pb::DisconnectRequest { connection_id: connection_id.to_string(), node_name: node_name.to_string() };
+        // Best effort: a dead peer has already dropped the connection's state.
+        let _ = self.peer.clone().disconnect(req).await;
+    }
+
+    pub async fn open_sink(&self, connections: u32) -> Result<String, PeerError> {
+        let r = self
+            .peer
+            .clone()
+            .open_sink(pb::OpenSinkRequest { connections })
+            .await
+            .map_err(|s| self.err(s))?
+            .into_inner();
+        Ok(r.address)
+    }
+
+    /// Creates an anonymous scratch region on the peer (benchmarks).
+    pub async fn create_scratch_region(&self, name: &str, length: u64) -> Result<(), PeerError> {
+        let req = pb::CreateRegionRequest {
+            name: name.to_string(),
+            length,
+            kind: pb::RegionKind::Anonymous as i32,
+            access: pb::Access::ReadWrite as i32,
+            labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
+            ..Default::default()
+        };
+        self.agent.clone().create_region(req).await.map_err(|s| self.err(s))?;
+        Ok(())
+    }
+
+    pub async fn delete_region(&self, name: &str) -> Result<(), PeerError> {
+        self.agent
+            .clone()
+            .delete_region(pb::DeleteRegionRequest { name: name.to_string() })
+            .await
+            .map_err(|s| self.err(s))?;
+        Ok(())
+    }
+}
+
+/// Whether a status came from the transport (no answer from the peer) rather than the peer.
+fn is_transport(s: &tonic::Status) -> bool {
+    use std::error::Error;
+    let mut src: Option<&(dyn Error + 'static)> = s.source();
+    while let Some(e) = src {
+        if e.is::<tonic::transport::Error>() || e.is::<std::io::Error>() {
+            return true;
+        }
+        src = e.source();
+    }
+    let m = s.message();
+    m.contains("transport error") || m.contains("connection") || m.contains("tcp connect") || m.contains("timed out")
+}
+
+fn transport_detail(s: &tonic::Status) -> String {
+    use std::error::Error;
+    let mut parts = vec![s.message().to_string()];
+    let mut src: Option<&(dyn Error + 'static)> = s.source();
+    while let Some(e) = src {
+        let t = e.to_string();
+        if !parts.contains(&t) {
+            parts.push(t);
+        }
+        src = e.source();
+    }
+    parts.join(": ")
+}

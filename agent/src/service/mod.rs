@@ -1,0 +1,447 @@
+//! gRPC services: `xfer.v1.Agent` (xferctl and local apps) and `xfer.v1.Peer` (agent to agent),
+//! plus health and reflection. The only place, with `client` and `convert`, that sees protobuf:
+//! requests are validated and converted to domain calls on [`Node`], and every domain error is
+//! mapped to a status in `convert`.
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tonic::{Request, Response, Status, Streaming};
+use xfer_proto::v1 as pb;
+use xfer_proto::v1::agent_server::{Agent, AgentServer};
+use xfer_proto::v1::peer_server::{Peer, PeerServer};
+
+use crate::fabric::RemoteOp;
+use crate::node::{BenchParams, GrantParams, Node};
+use crate::regions::RegionSpec;
+use crate::transfer::{TransferOptions, TransferRequest};
+
+pub mod client;
+pub mod convert;
+
+use convert::*;
+
+type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// Both services over one `Node`.
+#[derive(Clone)]
+pub struct Services {
+    node: Arc<Node>,
+}
+
+impl Services {
+    pub fn new(node: Arc<Node>) -> Self {
+        Services { node }
+    }
+
+    /// Builds the tonic router: Agent, Peer, health and reflection.
+    pub async fn router(self, max_message: usize) -> Result<tonic::transport::server::Router, String> {
+        let (health_reporter, health) = tonic_health::server::health_reporter();
+        health_reporter.set_serving::<AgentServer<Services>>().await;
+        health_reporter.set_serving::<PeerServer<Services>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| e.to_string())?;
+        Ok(tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health)
+            .add_service(reflection)
+            .add_service(AgentServer::new(self.clone()).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
+            .add_service(PeerServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
+    }
+}
+
+fn require(cond: bool, msg: &str) -> Result<(), Status> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(msg.to_string()))
+    }
+}
+
+
+#[tonic::async_trait]
+impl Agent for Services {
+    async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Result<Response<pb::AgentInfo>, Status> {
+        let n = &self.node;
+        let info = n.fabric.info();
+        let (soft, hard) = crate::sys::memlock();
+        let (regions, registered) = n.regions.totals();
+        Ok(Response::new(pb::AgentInfo {
+            node_name: n.config.node_name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            fabric: fabric_to_pb(info.kind) as i32,
+            fabric_reason: n.fabric_reason.clone(),
+            devices: info
+                .devices
+                .iter()
+                .map(|d| pb::DeviceInfo {
+                    name: d.name.clone(),
+                    port: d.port,
+                    state: d.state.clone(),
+                    link_layer: d.link_layer.clone(),
+                    active_mtu: d.active_mtu,
+                    lid: d.lid,
+                    gids: d
+                        .gids
+                        .iter()
+                        .map(|g| pb::Gid { index: g.index, raw: g.raw.to_vec(), r#type: g.gid_type.clone(), netdev: g.netdev.clone() })
+                        .collect(),
+                    selected_gid_index: d.selected_gid_index.map(|i| i as i32).unwrap_or(-1),
+                })
+                .collect(),
+            limits: Some(pb::Limits {
+                memlock_soft: soft,
+                memlock_hard: hard,
+                cap_ipc_lock: crate::sys::cap_ipc_lock(),
+                max_regions: n.config.limits.max_regions as u32,
+                max_registered_bytes: n.config.limits.max_registered_bytes.0,
+                max_transfers: n.config.limits.max_transfers as u32,
+            }),
+            uptime: Some(duration_to_pb(n.started.elapsed())),
+            data_address: info.data_address.map(|a| a.to_string()).unwrap_or_default(),
+            regions: regions as u32,
+            registered_bytes: registered,
+        }))
+    }
+
+    async fn create_region(&self, req: Request<pb::CreateRegionRequest>) -> Result<Response<pb::Region>, Status> {
+        let r = req.into_inner();
+        let ttl = match &r.ttl {
+            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?).filter(|d| !d.is_zero()),
+            None => None,
+        };
+        let spec = RegionSpec {
+            name: r.name,
+            length: r.length,
+            kind: kind_from_pb(r.kind)?,
+            path: Some(r.path).filter(|p| !p.is_empty()),
+            access: access_from_pb(r.access)?,
+            hugepages: r.hugepages,
+            ttl,
+            labels: r.labels.into_iter().collect(),
+        };
+        let node = self.node.clone();
+        // Mapping and registration can take long for big regions: keep them off the reactor.
+        let region = tokio::task::spawn_blocking(move || node.regions.create(spec))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(region_status)?;
+        Ok(Response::new(region_to_pb(&region)))
+    }
+
+    async fn delete_region(&self, req: Request<pb::DeleteRegionRequest>) -> Result<Response<pb::DeleteRegionResponse>, Status> {
+        self.node.delete_region(&req.into_inner().name).map_err(region_status)?;
+        Ok(Response::new(pb::DeleteRegionResponse {}))
+    }
+
+    async fn list_regions(&self, req: Request<pb::ListRegionsRequest>) -> Result<Response<pb::ListRegionsResponse>, Status> {
+        let sel = req.into_inner().label_selector.into_iter().collect();
+        let regions = self.node.regions.list(&sel).iter().map(|r| region_to_pb(r)).collect();
+        Ok(Response::new(pb::ListRegionsResponse { regions }))
+    }
+
+    async fn get_region(&self, req: Request<pb::GetRegionRequest>) -> Result<Response<pb::Region>, Status> {
+        let r = self.node.regions.get(&req.into_inner().name).map_err(region_status)?;
+        Ok(Response::new(region_to_pb(&r)))
+    }
+
+    async fn write_region(&self, req: Request<Streaming<pb::WriteRegionRequest>>) -> Result<Response<pb::WriteRegionResponse>, Status> {
+        let mut stream = req.into_inner();
+        let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("empty WriteRegion stream"))?;
+        require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
+        let region = self.node.regions.get(&first.region).map_err(region_status)?;
+        if !region.memory.writable() {
+            return Err(Status::permission_denied(format!("region {:?} is mapped read-only", region.name)));
+        }
+        let _use = region.acquire();
+        let mut offset = first.offset;
+        let mut written = 0u64;
+        let mut msg = Some(first);
+        while let Some(m) = msg {
+            if !m.data.is_empty() {
+                region.check_range(offset, m.data.len() as u64).map_err(region_status)?;
+                region.memory.write_at(offset, &m.data).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                offset += m.data.len() as u64;
+                written += m.data.len() as u64;
+            }
+            msg = stream.message().await?;
+        }
+        Ok(Response::new(pb::WriteRegionResponse { bytes_written: written }))
+    }
+
+    type ReadRegionStream = Stream2<pb::ReadRegionResponse>;
+
+    async fn read_region(&self, req: Request<pb::ReadRegionRequest>) -> Result<Response<Self::ReadRegionStream>, Status> {
+        let r = req.into_inner();
+        let region = self.node.regions.get(&r.region).map_err(region_status)?;
+        let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
+        region.check_range(r.offset, len).map_err(region_status)?;
+        const PIECE: u64 = 1 << 20;
+        let use_ = region.acquire();
+        let stream = futures::stream::unfold((use_, r.offset, r.offset + len), move |(u, pos, end)| async move {
+            if pos >= end {
+                return None;
+            }
+            let n = (end - pos).min(PIECE);
+            let mut buf = vec![0u8; n as usize];
+            let item = u.0.memory.read_at(pos, &mut buf).map(|_| pb::ReadRegionResponse { offset: pos, data: buf });
+            Some((item.map_err(|e| Status::internal(e.to_string())), (u, pos + n, end)))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn checksum(&self, req: Request<pb::ChecksumRequest>) -> Result<Response<pb::ChecksumResponse>, Status> {
+        let r = req.into_inner();
+        let algo = algo_from_pb(r.algo)?;
+        let region = self.node.regions.get(&r.region).map_err(region_status)?;
+        let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
+        region.check_range(r.offset, len).map_err(region_status)?;
+        let u = region.acquire();
+        let value = tokio::task::spawn_blocking(move || crate::checksum::checksum(&u.0.memory, r.offset, len, algo))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        Ok(Response::new(pb::ChecksumResponse { algo: algo_to_pb(algo) as i32, value }))
+    }
+
+    async fn submit_transfer(&self, req: Request<pb::SubmitTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
+        let r = req.into_inner();
+        let local = r.local.ok_or_else(|| Status::invalid_argument("local range is required"))?;
+        let remote = r.remote.ok_or_else(|| Status::invalid_argument("remote range is required"))?;
+        require(!local.region.is_empty(), "local region is required")?;
+        require(!remote.region.is_empty(), "remote region is required")?;
+        require(!remote.agent.is_empty(), "remote agent address is required")?;
+        let o = r.options.unwrap_or_default();
+        let timeout = match &o.timeout {
+            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("timeout must not be negative"))?),
+            None => None,
+        };
+        let treq = TransferRequest {
+            op: op_from_pb(r.op)?,
+            local_region: local.region,
+            local_offset: local.offset,
+            remote_agent: remote.agent,
+            remote_region: remote.region,
+            remote_offset: remote.offset,
+            length: r.length,
+            options: TransferOptions {
+                chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
+                qps: (o.qps > 0).then_some(o.qps as usize),
+                depth: (o.depth > 0).then_some(o.depth as usize),
+                verify: o.verify,
+                algo: Some(algo_from_pb(o.verify_algo)?),
+                timeout,
+            },
+        };
+        let rec = self.node.submit(treq).await.map_err(transfer_status)?;
+        Ok(Response::new(transfer_to_pb(&rec)))
+    }
+
+    type WatchTransferStream = Stream2<pb::Transfer>;
+
+    async fn watch_transfer(&self, req: Request<pb::WatchTransferRequest>) -> Result<Response<Self::WatchTransferStream>, Status> {
+        let h = self.node.transfers.get(&req.into_inner().id).map_err(transfer_status)?;
+        let rx = h.record.subscribe();
+        // First the current record, then every change; end after a terminal state.
+        let stream = futures::stream::unfold((rx, false, true), |(mut rx, done, first)| async move {
+            if done {
+                return None;
+            }
+            if !first && rx.changed().await.is_err() {
+                return None;
+            }
+            let rec = rx.borrow_and_update().clone();
+            let terminal = rec.state.is_terminal();
+            Some((Ok(transfer_to_pb(&rec)), (rx, terminal, false)))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_transfer(&self, req: Request<pb::GetTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
+        let h = self.node.transfers.get(&req.into_inner().id).map_err(transfer_status)?;
+        Ok(Response::new(transfer_to_pb(&h.snapshot())))
+    }
+
+    async fn list_transfers(&self, _: Request<pb::ListTransfersRequest>) -> Result<Response<pb::ListTransfersResponse>, Status> {
+        let transfers = self.node.transfers.list().iter().map(transfer_to_pb).collect();
+        Ok(Response::new(pb::ListTransfersResponse { transfers }))
+    }
+
+    async fn cancel_transfer(&self, req: Request<pb::CancelTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
+        let rec = self.node.cancel(&req.into_inner().id).map_err(transfer_status)?;
+        Ok(Response::new(transfer_to_pb(&rec)))
+    }
+
+    async fn connect(&self, req: Request<pb::ConnectRequest>) -> Result<Response<pb::PeerInfo>, Status> {
+        let r = req.into_inner();
+        require(!r.peer.is_empty(), "peer address is required")?;
+        let peer = self.node.peers.peer(&r.peer).map_err(peer_status)?;
+        let qps = if r.qps == 0 { self.node.config.transfer.qps } else { r.qps as usize };
+        let lease = self.node.peers.lease(&peer, qps, self.node.config.transfer.depth).await.map_err(peer_status)?;
+        self.node.peers.release(&peer, lease, true);
+        Ok(Response::new(peer_info(&self.node, &peer)))
+    }
+
+    async fn list_peers(&self, _: Request<pb::ListPeersRequest>) -> Result<Response<pb::ListPeersResponse>, Status> {
+        let peers = self.node.peers.list().iter().map(|p| peer_info(&self.node, p)).collect();
+        Ok(Response::new(pb::ListPeersResponse { peers }))
+    }
+
+    async fn bench(&self, req: Request<pb::BenchRequest>) -> Result<Response<pb::BenchResponse>, Status> {
+        let r = req.into_inner();
+        require(!r.peer.is_empty(), "peer address is required")?;
+        let p = BenchParams {
+            peer: r.peer,
+            op: op_from_pb(r.op).unwrap_or(crate::transfer::Op::Write),
+            size: r.size,
+            iters: r.iters,
+            qps: r.qps as usize,
+            depth: r.depth as usize,
+        };
+        let b = self.node.bench(p).await.map_err(transfer_status)?;
+        Ok(Response::new(pb::BenchResponse {
+            size: b.size,
+            iters: b.iters,
+            bytes: b.bytes,
+            seconds: b.seconds,
+            gbit_per_s: if b.seconds > 0.0 { b.bytes as f64 * 8.0 / b.seconds / 1e9 } else { 0.0 },
+            lat_avg_us: b.lat_avg_us,
+            lat_p50_us: b.lat_p50_us,
+            lat_p99_us: b.lat_p99_us,
+            lat_iters: b.lat_iters,
+            fabric: fabric_to_pb(self.node.fabric.kind()) as i32,
+        }))
+    }
+
+    async fn tcp_baseline(&self, req: Request<pb::TcpBaselineRequest>) -> Result<Response<pb::TcpBaselineResponse>, Status> {
+        let r = req.into_inner();
+        require(!r.peer.is_empty(), "peer address is required")?;
+        let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
+        let (bytes, seconds) = self
+            .node
+            .tcp_baseline(&r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
+            .await
+            .map_err(transfer_status)?;
+        Ok(Response::new(pb::TcpBaselineResponse {
+            bytes,
+            seconds,
+            gbit_per_s: if seconds > 0.0 { bytes as f64 * 8.0 / seconds / 1e9 } else { 0.0 },
+        }))
+    }
+}
+
+fn peer_info(node: &Node, p: &crate::peers::PeerEntry) -> pb::PeerInfo {
+    pb::PeerInfo {
+        address: p.addr.clone(),
+        node_name: p.node_name(),
+        fabric: fabric_to_pb(node.fabric.kind()) as i32,
+        qps: p.idle_count() as u32,
+        state: if p.node_name().is_empty() { "NEW".into() } else { "CONNECTED".into() },
+        connect_duration: p.last_connect.lock().ok().and_then(|l| *l).map(duration_to_pb),
+    }
+}
+
+#[tonic::async_trait]
+impl Peer for Services {
+    async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
+        let r = req.into_inner();
+        if r.version != 1 {
+            return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
+        }
+        require(!r.node_name.is_empty(), "node_name is required")?;
+        require(!r.connection_id.is_empty() && r.connection_id.len() <= 64, "connection_id must be 1-64 characters")?;
+        let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
+        let eps = r
+            .endpoints
+            .iter()
+            .map(endpoint_from_pb)
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(Status::invalid_argument)?;
+        if eps.len() > 64 {
+            return Err(Status::resource_exhausted("at most 64 QPs per connection"));
+        }
+        let span = tracing::info_span!("peer", peer = %r.node_name);
+        let _g = span.enter();
+        let mine = self.node.accept_connection(&r.node_name, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
+        Ok(Response::new(pb::PeerConnectResponse {
+            version: 1,
+            node_name: self.node.config.node_name.clone(),
+            fabric: fabric_to_pb(self.node.fabric.kind()) as i32,
+            endpoints: mine.iter().map(endpoint_to_pb).collect(),
+            instance_id: self.node.instance_id.clone(),
+        }))
+    }
+
+    async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::GrantResponse>, Status> {
+        let r = req.into_inner();
+        require(!r.region.is_empty(), "region is required")?;
+        require(!r.node_name.is_empty(), "node_name is required")?;
+        let op = match pb::Access::try_from(r.op) {
+            Ok(pb::Access::Read) => RemoteOp::Read,
+            Ok(pb::Access::Write) => RemoteOp::Write,
+            _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
+        };
+        let ttl = match &r.ttl {
+            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?),
+            None => None,
+        };
+        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name };
+        let g = self.node.grant(&p).map_err(transfer_status)?;
+        let (rkey, token) = match &g.exposure.key {
+            crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new()),
+            crate::fabric::RemoteKey::Token(t) => (0, t.to_vec()),
+        };
+        Ok(Response::new(pb::GrantResponse {
+            grant_id: g.id.clone(),
+            addr: g.exposure.addr,
+            rkey,
+            token,
+            length: g.len,
+            expires_at: Some(time_to_pb(g.expires_at)),
+            region_id: g.region.id.clone(),
+            instance_id: self.node.instance_id.clone(),
+            node_name: self.node.config.node_name.clone(),
+        }))
+    }
+
+    async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {
+        let id = req.into_inner().grant_id;
+        // Revocation needs no identity beyond knowing the unguessable grant id; mTLS binds it later.
+        self.node.grants.revoke(&id).ok_or_else(|| Status::not_found(format!("grant {id:?} not found")))?;
+        Ok(Response::new(pb::RevokeResponse {}))
+    }
+
+    async fn complete(&self, req: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
+        let r = req.into_inner();
+        require(!r.grant_id.is_empty(), "grant_id is required")?;
+        let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
+        let op_write = op_from_pb(r.op)? == crate::transfer::Op::Write;
+        let verdict = self
+            .node
+            .complete_inbound(&r.transfer_id, &r.grant_id, &r.node_name, r.bytes, op_write, checksum)
+            .await
+            .map_err(transfer_status)?;
+        Ok(Response::new(pb::CompleteResponse {
+            checksum_matched: verdict.is_some_and(|v| v.0),
+            checksum: verdict.map(|v| v.1).unwrap_or(0),
+        }))
+    }
+
+    async fn disconnect(&self, req: Request<pb::DisconnectRequest>) -> Result<Response<pb::DisconnectResponse>, Status> {
+        self.node.disconnect(&req.into_inner().connection_id);
+        Ok(Response::new(pb::DisconnectResponse {}))
+    }
+
+    async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
+        let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+        let addr = self
+            .node
+            .open_sink(ip, req.into_inner().connections)
+            .await
+            .map_err(|e| Status::internal(format!("opening sink: {e}")))?;
+        Ok(Response::new(pb::OpenSinkResponse { address: addr.to_string() }))
+    }
+}

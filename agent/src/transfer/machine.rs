@@ -1,0 +1,318 @@
+//! Sans-IO transfer state machine: chunking, the per-QP window, selective signalling, progress,
+//! failure and cancellation. It does no IO and never reads the clock: the driver feeds it
+//! completions ([`Machine::handle_completion`]), cancellation and the current time, and asks it
+//! what to post next ([`Machine::poll_transmit`]) and when it times out
+//! ([`Machine::poll_timeout`]).
+//!
+//! Chunk `c` goes to QP `c % qps` (striping). A QP has at most `depth` WRs outstanding. A WR is
+//! signaled when it is the `signal_every`-th since the last signaled one on its QP, when it fills
+//! the QP's window, or when it is the QP's last chunk — so there is always a signaled WR at the
+//! tail of every non-empty window and the machine can never wait on silent WRs. A successful
+//! signaled completion retires every earlier WR on its QP (RC ordering).
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use crate::fabric::WcStatus;
+
+#[derive(Debug, Clone, Copy)]
+pub struct MachineConfig {
+    pub total: u64,
+    pub chunk: u64,
+    pub qps: usize,
+    pub depth: usize,
+    pub signal_every: usize,
+    /// Absolute deadline for the whole transfer.
+    pub deadline: Option<Instant>,
+}
+
+/// A work request to post.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Post {
+    pub qp: usize,
+    /// Per-transfer sequence number (the chunk index); the driver uses it as `wr_id`.
+    pub seq: u64,
+    /// Byte offset of the chunk inside the transfer.
+    pub offset: u64,
+    pub len: u32,
+    pub signaled: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    Running,
+    Succeeded,
+    /// The first error; later flushes are not separate failures.
+    Failed(Failure),
+    Cancelled,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    Completion { status: WcStatus, seq: u64 },
+    Post(String),
+    Timeout,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Outstanding {
+    seq: u64,
+    len: u32,
+}
+
+#[derive(Debug)]
+pub struct Machine {
+    cfg: MachineConfig,
+    chunks: u64,
+    next_chunk: u64,
+    windows: Vec<VecDeque<Outstanding>>,
+    since_signal: Vec<usize>,
+    bytes_done: u64,
+    state: State,
+}
+
+impl Machine {
+    pub fn new(mut cfg: MachineConfig) -> Machine {
+        cfg.chunk = cfg.chunk.clamp(1, u32::MAX as u64);
+        cfg.qps = cfg.qps.max(1);
+        cfg.depth = cfg.depth.max(1);
+        cfg.signal_every = cfg.signal_every.clamp(1, cfg.depth);
+        let chunks = cfg.total.div_ceil(cfg.chunk);
+        Machine {
+            chunks,
+            next_chunk: 0,
+            windows: vec![VecDeque::new(); cfg.qps],
+            since_signal: vec![0; cfg.qps],
+            bytes_done: 0,
+            state: if chunks == 0 { State::Succeeded } else { State::Running },
+            cfg,
+        }
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.state != State::Running
+    }
+
+    pub fn bytes_done(&self) -> u64 {
+        self.bytes_done
+    }
+
+    /// WRs posted and not yet retired.
+    pub fn outstanding(&self) -> usize {
+        self.windows.iter().map(|w| w.len()).sum()
+    }
+
+    /// The next WR to post, if the window allows one.
+    pub fn poll_transmit(&mut self) -> Option<Post> {
+        if self.state != State::Running || self.next_chunk >= self.chunks {
+            return None;
+        }
+        let c = self.next_chunk;
+        let qp = (c % self.cfg.qps as u64) as usize;
+        let window = &mut self.windows[qp];
+        if window.len() >= self.cfg.depth {
+            return None;
+        }
+        let offset = c * self.cfg.chunk;
+        let len = (self.cfg.total - offset).min(self.cfg.chunk) as u32;
+        let last_for_qp = c + self.cfg.qps as u64 >= self.chunks;
+        self.since_signal[qp] += 1;
+        let signaled =
+            self.since_signal[qp] >= self.cfg.signal_every || window.len() + 1 == self.cfg.depth || last_for_qp;
+        if signaled {
+            self.since_signal[qp] = 0;
+        }
+        window.push_back(Outstanding { seq: c, len });
+        self.next_chunk += 1;
+        Some(Post { qp, seq: c, offset, len, signaled })
+    }
+
+    /// Feeds one work completion.
+    pub fn handle_completion(&mut self, qp: usize, seq: u64, status: WcStatus) {
+        let Some(window) = self.windows.get_mut(qp) else { return };
+        let Some(pos) = window.iter().position(|o| o.seq == seq) else {
+            return; // stale or duplicate
+        };
+        // Everything before `pos` completed successfully (in-order QP), silently if unsignaled.
+        for o in window.drain(..pos) {
+            self.bytes_done += o.len as u64;
+        }
+        let Some(o) = window.pop_front() else { return };
+        if status.is_success() {
+            self.bytes_done += o.len as u64;
+            if self.state == State::Running && self.next_chunk >= self.chunks && self.outstanding() == 0 {
+                self.state = State::Succeeded;
+            }
+        } else if self.state == State::Running {
+            // Flushes after the first error are expected and not separate failures.
+            self.state = State::Failed(Failure::Completion { status, seq });
+        }
+    }
+
+    /// Posting failed (e.g. the QP broke): fail with the fabric's reason.
+    pub fn handle_post_error(&mut self, seq: u64, reason: String) {
+        for w in &mut self.windows {
+            w.retain(|o| o.seq != seq);
+        }
+        if self.state == State::Running {
+            self.state = State::Failed(Failure::Post(reason));
+        }
+    }
+
+    pub fn handle_cancel(&mut self) {
+        if self.state == State::Running {
+            self.state = State::Cancelled;
+        }
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state == State::Running {
+            self.cfg.deadline
+        } else {
+            None
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state == State::Running && self.cfg.deadline.is_some_and(|d| now >= d) {
+            self.state = State::Failed(Failure::Timeout);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn cfg(total: u64, chunk: u64, qps: usize, depth: usize, signal_every: usize) -> MachineConfig {
+        MachineConfig { total, chunk, qps, depth, signal_every, deadline: None }
+    }
+
+    /// Drives a machine against a perfect in-order fabric: completes the signaled WRs in order.
+    fn run_perfect(m: &mut Machine) -> Vec<Post> {
+        let mut posted = Vec::new();
+        let mut inflight: Vec<VecDeque<Post>> = vec![VecDeque::new(); m.cfg.qps];
+        while !m.is_done() {
+            let mut progressed = false;
+            while let Some(p) = m.poll_transmit() {
+                inflight[p.qp].push_back(p);
+                posted.push(p);
+                progressed = true;
+            }
+            for q in inflight.iter_mut() {
+                while let Some(p) = q.pop_front() {
+                    if p.signaled {
+                        m.handle_completion(p.qp, p.seq, WcStatus::Success);
+                        progressed = true;
+                        break;
+                    }
+                }
+            }
+            assert!(progressed, "machine stalled: {m:?}");
+        }
+        posted
+    }
+
+    #[test]
+    fn chunks_cover_the_range_exactly_once() {
+        let mut m = Machine::new(cfg(10 * 1000 + 7, 1000, 3, 4, 2));
+        let posts = run_perfect(&mut m);
+        assert_eq!(m.state(), &State::Succeeded);
+        assert_eq!(m.bytes_done(), 10_007);
+        let mut next = 0;
+        for p in &posts {
+            assert_eq!(p.offset, next);
+            next += p.len as u64;
+            assert_eq!(p.qp as u64, p.seq % 3);
+        }
+        assert_eq!(next, 10_007);
+        assert_eq!(posts.last().map(|p| p.len), Some(7));
+    }
+
+    #[test]
+    fn window_bounds_outstanding_per_qp() {
+        let mut m = Machine::new(cfg(100, 1, 2, 3, 8));
+        let mut n = 0;
+        while m.poll_transmit().is_some() {
+            n += 1;
+        }
+        assert_eq!(n, 6, "2 QPs x depth 3");
+        assert_eq!(m.outstanding(), 6);
+    }
+
+    #[test]
+    fn every_full_window_ends_with_a_signaled_wr() {
+        let mut m = Machine::new(cfg(64, 1, 1, 4, 100));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(posts.len(), 4);
+        assert!(posts[3].signaled && !posts[0].signaled && !posts[1].signaled);
+    }
+
+    #[test]
+    fn signaled_completion_retires_earlier_unsignaled_wrs() {
+        let mut m = Machine::new(cfg(4, 1, 1, 4, 4));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(posts.iter().filter(|p| p.signaled).count(), 1);
+        m.handle_completion(0, 3, WcStatus::Success);
+        assert_eq!(m.bytes_done(), 4);
+        assert_eq!(m.state(), &State::Succeeded);
+    }
+
+    #[test]
+    fn first_error_wins_and_flushes_are_not_failures() {
+        let mut m = Machine::new(cfg(8, 1, 1, 8, 1));
+        while m.poll_transmit().is_some() {}
+        m.handle_completion(0, 0, WcStatus::Success);
+        m.handle_completion(0, 1, WcStatus::RemAccessErr);
+        m.handle_completion(0, 2, WcStatus::WrFlushErr);
+        assert_eq!(m.state(), &State::Failed(Failure::Completion { status: WcStatus::RemAccessErr, seq: 1 }));
+        assert_eq!(m.bytes_done(), 1);
+        assert_eq!(m.poll_transmit(), None);
+    }
+
+    #[test]
+    fn cancel_stops_posting_and_is_terminal() {
+        let mut m = Machine::new(cfg(100, 10, 1, 2, 1));
+        assert!(m.poll_transmit().is_some());
+        m.handle_cancel();
+        assert_eq!(m.state(), &State::Cancelled);
+        assert_eq!(m.poll_transmit(), None);
+        m.handle_completion(0, 0, WcStatus::RetryExcErr);
+        assert_eq!(m.state(), &State::Cancelled);
+    }
+
+    #[test]
+    fn deadline_fails_with_timeout_on_virtual_time() {
+        let t0 = Instant::now();
+        let mut c = cfg(100, 10, 1, 2, 1);
+        c.deadline = Some(t0 + Duration::from_secs(5));
+        let mut m = Machine::new(c);
+        m.poll_transmit();
+        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+        m.handle_timeout(t0 + Duration::from_secs(4));
+        assert_eq!(m.state(), &State::Running);
+        m.handle_timeout(t0 + Duration::from_secs(5));
+        assert_eq!(m.state(), &State::Failed(Failure::Timeout));
+        assert_eq!(m.poll_timeout(), None);
+    }
+
+    #[test]
+    fn zero_length_is_immediately_done() {
+        let mut m = Machine::new(cfg(0, 10, 1, 2, 1));
+        assert_eq!(m.state(), &State::Succeeded);
+        assert_eq!(m.poll_transmit(), None);
+    }
+
+    #[test]
+    fn stale_completions_are_ignored() {
+        let mut m = Machine::new(cfg(10, 5, 1, 2, 1));
+        m.poll_transmit();
+        m.handle_completion(0, 42, WcStatus::RemAccessErr);
+        m.handle_completion(7, 0, WcStatus::RemAccessErr);
+        assert_eq!(m.state(), &State::Running);
+    }
+}

@@ -1,0 +1,203 @@
+//! Transfers: domain types, the registry that `WatchTransfer` observes, and the engine that runs
+//! them ([`driver`], over the sans-IO [`machine`]).
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::checksum::Algo;
+use crate::grants::GrantError;
+use crate::peers::PeerError;
+use crate::regions::RegionError;
+
+pub mod driver;
+pub mod machine;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// local range → remote range
+    Write,
+    /// remote range → local range
+    Read,
+}
+
+impl Op {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Write => "write",
+            Op::Read => "read",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum TransferState {
+    Queued,
+    Connecting,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl TransferState {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, TransferState::Succeeded | TransferState::Failed | TransferState::Cancelled)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TransferOptions {
+    pub chunk_size: Option<u64>,
+    pub qps: Option<usize>,
+    pub depth: Option<usize>,
+    pub verify: bool,
+    pub algo: Option<Algo>,
+    pub timeout: Option<Duration>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TransferRequest {
+    pub op: Op,
+    pub local_region: String,
+    pub local_offset: u64,
+    pub remote_agent: String,
+    pub remote_region: String,
+    pub remote_offset: u64,
+    /// 0 = the rest of the source range
+    pub length: u64,
+    pub options: TransferOptions,
+}
+
+#[derive(Debug, Clone)]
+pub struct TransferRecord {
+    pub id: String,
+    pub op: Op,
+    pub local_region: String,
+    pub local_offset: u64,
+    pub remote_agent: String,
+    pub remote_region: String,
+    pub remote_offset: u64,
+    pub length: u64,
+    pub state: TransferState,
+    pub bytes_done: u64,
+    pub error: Option<String>,
+    pub error_code: Option<String>,
+    pub created_at: SystemTime,
+    pub started_at: Option<SystemTime>,
+    pub finished_at: Option<SystemTime>,
+    pub elapsed: Duration,
+    pub verified: bool,
+    pub checksum: Option<u64>,
+    pub peer: String,
+    /// Kept by the target when the initiator reported completion (`Peer.Complete`).
+    pub inbound: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error("transfer {0:?} not found")]
+    NotFound(String),
+    #[error("limit reached: {0}")]
+    Limit(String),
+    #[error("agent is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// A transfer's live record plus its cancel switch.
+pub struct TransferHandle {
+    /// Watchers (`WatchTransfer`) subscribe here; the driver publishes every change.
+    pub record: watch::Sender<TransferRecord>,
+    pub cancel: CancellationToken,
+}
+
+impl TransferHandle {
+    pub fn snapshot(&self) -> TransferRecord {
+        self.record.borrow().clone()
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut TransferRecord)) {
+        self.record.send_modify(f);
+    }
+}
+
+/// All transfers this agent knows: running ones and a bounded history of finished ones.
+pub struct TransferRegistry {
+    /// std Mutex: map operations only, never held across an await.
+    inner: Mutex<Inner>,
+    history: usize,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_id: HashMap<String, Arc<TransferHandle>>,
+    order: VecDeque<String>,
+}
+
+impl TransferRegistry {
+    pub fn new(history: usize) -> Self {
+        TransferRegistry { inner: Mutex::new(Inner::default()), history }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn insert(&self, record: TransferRecord) -> Arc<TransferHandle> {
+        let id = record.id.clone();
+        let (tx, _) = watch::channel(record);
+        let handle = Arc::new(TransferHandle { record: tx, cancel: CancellationToken::new() });
+        let mut g = self.lock();
+        g.by_id.insert(id.clone(), handle.clone());
+        g.order.push_back(id);
+        // Forget the oldest finished transfers beyond the history bound.
+        while g.order.len() > self.history {
+            let Some(pos) = g.order.iter().position(|id| g.by_id.get(id).is_none_or(|h| h.snapshot().state.is_terminal()))
+            else {
+                break;
+            };
+            if let Some(old) = g.order.remove(pos) {
+                g.by_id.remove(&old);
+            }
+        }
+        handle
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
+        self.lock().by_id.get(id).cloned().ok_or_else(|| TransferError::NotFound(id.to_string()))
+    }
+
+    pub fn list(&self) -> Vec<TransferRecord> {
+        let g = self.lock();
+        g.order.iter().filter_map(|id| g.by_id.get(id)).map(|h| h.snapshot()).collect()
+    }
+
+    /// Running (non-terminal, outbound) transfers, optionally only those to `peer` (address).
+    pub fn active(&self, peer: Option<&str>) -> Vec<Arc<TransferHandle>> {
+        self.lock()
+            .by_id
+            .values()
+            .filter(|h| {
+                let r = h.record.borrow();
+                !r.state.is_terminal() && !r.inbound && peer.is_none_or(|p| r.remote_agent == p)
+            })
+            .cloned()
+            .collect()
+    }
+}
