@@ -126,3 +126,76 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xfer_proto::v1::{DeviceInfo, FabricKind, Gid, Limits};
+
+    #[test]
+    fn renders_fabric_reason_limits_and_selected_gid() {
+        let mut raw = vec![0u8; 16];
+        raw[10] = 0xff;
+        raw[11] = 0xff;
+        raw[12..].copy_from_slice(&[10, 0, 0, 1]);
+        let info = AgentInfo {
+            node_name: "n1".into(),
+            version: "0.1.0".into(),
+            fabric: FabricKind::Tcp as i32,
+            fabric_reason: "no RDMA devices".into(),
+            limits: Some(Limits {
+                memlock_soft: u64::MAX,
+                memlock_hard: u64::MAX,
+                cap_ipc_lock: true,
+                ..Default::default()
+            }),
+            uptime: Some(prost_types::Duration {
+                seconds: 3723,
+                nanos: 0,
+            }),
+            devices: vec![DeviceInfo {
+                name: "rxe0".into(),
+                port: 1,
+                state: "ACTIVE".into(),
+                link_layer: "Ethernet".into(),
+                active_mtu: 1024,
+                selected_gid_index: 1,
+                gids: vec![
+                    Gid {
+                        index: 0,
+                        raw: vec![0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+                        r#type: "RoCEv1".into(),
+                        netdev: "eth0".into(),
+                    },
+                    Gid {
+                        index: 1,
+                        raw,
+                        r#type: "RoCEv2".into(),
+                        netdev: "eth0".into(),
+                    },
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let text = render(&info, "h:7470");
+        assert!(
+            text.contains("fabric:           tcp (no RDMA devices)"),
+            "{text}"
+        );
+        assert!(text.contains("soft unlimited / hard unlimited"), "{text}");
+        assert!(text.contains("uptime:           1h 2m 3s"), "{text}");
+        assert!(
+            text.contains("rxe0 port 1: ACTIVE Ethernet MTU 1024"),
+            "{text}"
+        );
+        assert!(
+            text.contains("   gid[0] RoCEv1  eth0       fe80::1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  *gid[1] RoCEv2  eth0       ::ffff:10.0.0.1 (10.0.0.1)"),
+            "{text}"
+        );
+    }
+}
