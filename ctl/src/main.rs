@@ -1,1 +1,4 @@
-fn main(){}
+//! The `xferctl` binary; everything lives in the library (`xferctl::main`).
+fn main() -> std::process::ExitCode {
+    xferctl::main()
+}

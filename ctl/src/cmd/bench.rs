@@ -1,0 +1,288 @@
+//! `xferctl bench --peer B`: data-path bandwidth and latency between two agents across message
+//! sizes (`Agent.Bench` runs inside the agent), optionally against a raw TCP baseline
+//! (`Agent.TcpBaseline`).
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use serde_json::{json, Value};
+use xfer_proto::v1::{BenchRequest, BenchResponse, Op, TcpBaselineRequest, TcpBaselineResponse};
+
+use crate::target::normalize_agent;
+use crate::units::{format_size_compact, gbit_per_s, parse_size};
+use crate::view::{self, Table};
+use crate::Ctx;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum OpArg {
+    Write,
+    Read,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Baseline {
+    /// Raw TCP throughput between the two hosts.
+    Tcp,
+}
+
+#[derive(Debug, Args)]
+pub struct Opt {
+    /// Peer agent to benchmark against (host, host:port or [v6]:port).
+    #[arg(long, value_parser = normalize_agent)]
+    pub peer: String,
+    #[arg(long, value_enum, default_value = "write")]
+    pub op: OpArg,
+    /// Message sizes, comma separated.
+    #[arg(
+        long,
+        value_parser = parse_size,
+        value_delimiter = ',',
+        default_value = "4KiB,64KiB,1MiB,16MiB"
+    )]
+    pub sizes: Vec<u64>,
+    /// Work requests per size in the bandwidth phase (default: agent's).
+    #[arg(long)]
+    pub iters: Option<u32>,
+    /// QPs / data connections (default: agent's).
+    #[arg(long)]
+    pub qps: Option<u32>,
+    /// Outstanding work requests per QP (default: agent's).
+    #[arg(long)]
+    pub depth: Option<u32>,
+    /// Also measure a baseline and print each size's bandwidth as a ratio of it.
+    #[arg(long, value_enum)]
+    pub baseline: Option<Baseline>,
+}
+
+/// Bytes the TCP baseline streams: at least 256 MiB, and 16× the largest message size.
+pub fn baseline_bytes(sizes: &[u64]) -> u64 {
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    largest.saturating_mul(16).max(256 << 20)
+}
+
+/// Bandwidth in Gb/s, from the agent's figure or recomputed from bytes and seconds.
+fn row_gbit(r: &BenchResponse) -> f64 {
+    if r.gbit_per_s > 0.0 {
+        r.gbit_per_s
+    } else {
+        gbit_per_s(r.bytes, r.seconds)
+    }
+}
+
+/// The perftest-style table.
+pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
+    let mut header = vec![
+        "#bytes",
+        "iters",
+        "BW Gb/s",
+        "BW GiB/s",
+        "lat avg us",
+        "lat p50 us",
+        "lat p99 us",
+    ];
+    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
+    if baseline.is_some() {
+        header.push("BW/tcp");
+    }
+    let mut t = Table::new(&header);
+    for r in rows {
+        let gbit = row_gbit(r);
+        let mut cells = vec![
+            r.size.to_string(),
+            r.iters.to_string(),
+            format!("{gbit:.2}"),
+            format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64),
+            format!("{:.2}", r.lat_avg_us),
+            format!("{:.2}", r.lat_p50_us),
+            format!("{:.2}", r.lat_p99_us),
+        ];
+        if baseline.is_some() {
+            cells.push(
+                base.map(|b| format!("{:.2}", gbit / b))
+                    .unwrap_or_else(|| "-".into()),
+            );
+        }
+        t.row(cells);
+    }
+    let mut out = t.render();
+    if let Some(b) = baseline {
+        out.push_str(&format!(
+            "# tcp baseline: {} bytes in {:.3} s = {:.2} Gb/s\n",
+            b.bytes, b.seconds, b.gbit_per_s
+        ));
+    }
+    out
+}
+
+pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    if opt.sizes.is_empty() || opt.sizes.contains(&0) {
+        anyhow::bail!("--sizes must list sizes greater than zero");
+    }
+    let mut client = ctx.client().await?;
+    let op = match opt.op {
+        OpArg::Write => Op::Write,
+        OpArg::Read => Op::Read,
+    };
+    let mut rows = Vec::new();
+    for &size in &opt.sizes {
+        let r = client
+            .bench(BenchRequest {
+                peer: opt.peer.clone(),
+                op: op as i32,
+                size,
+                iters: opt.iters.unwrap_or(0),
+                qps: opt.qps.unwrap_or(0),
+                depth: opt.depth.unwrap_or(0),
+            })
+            .await
+            .with_context(|| {
+                format!(
+                    "bench {} of {} with {}",
+                    view::op_name(op as i32),
+                    format_size_compact(size),
+                    opt.peer
+                )
+            })?
+            .into_inner();
+        rows.push(r);
+    }
+    let baseline = match opt.baseline {
+        Some(Baseline::Tcp) => Some(
+            client
+                .tcp_baseline(TcpBaselineRequest {
+                    peer: opt.peer.clone(),
+                    bytes: baseline_bytes(&opt.sizes),
+                    connections: opt.qps.unwrap_or(1).max(1),
+                    block: 0,
+                })
+                .await
+                .with_context(|| format!("TCP baseline to {}", opt.peer))?
+                .into_inner(),
+        ),
+        None => None,
+    };
+    if ctx.json {
+        ctx.print_json(&json_doc(
+            &ctx.agent,
+            &opt.peer,
+            op,
+            &rows,
+            baseline.as_ref(),
+        ))
+    } else {
+        let fabric = rows
+            .first()
+            .map(|r| view::fabric_name(r.fabric))
+            .unwrap_or_default();
+        let header = format!(
+            "# {} {} -> {} over {fabric}\n",
+            view::op_name(op as i32),
+            ctx.agent,
+            opt.peer
+        );
+        ctx.print(&(header + &render(&rows, baseline.as_ref())))
+    }
+}
+
+fn json_doc(
+    agent: &str,
+    peer: &str,
+    op: Op,
+    rows: &[BenchResponse],
+    baseline: Option<&TcpBaselineResponse>,
+) -> Value {
+    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
+    json!({
+        "agent": agent,
+        "peer": peer,
+        "op": view::op_name(op as i32),
+        "rows": rows.iter().map(|r| {
+            let gbit = row_gbit(r);
+            json!({
+                "size": r.size,
+                "iters": r.iters,
+                "bytes": r.bytes,
+                "seconds": r.seconds,
+                "gbit_per_s": gbit,
+                "gib_per_s": gbit * 1e9 / 8.0 / (1u64 << 30) as f64,
+                "lat_avg_us": r.lat_avg_us,
+                "lat_p50_us": r.lat_p50_us,
+                "lat_p99_us": r.lat_p99_us,
+                "lat_iters": r.lat_iters,
+                "fabric": view::fabric_name(r.fabric),
+                "ratio_to_baseline": base.map(|b| gbit / b),
+            })
+        }).collect::<Vec<_>>(),
+        "baseline": baseline.map(|b| json!({
+            "kind": "tcp",
+            "bytes": b.bytes,
+            "seconds": b.seconds,
+            "gbit_per_s": b.gbit_per_s,
+        })),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn baseline_size() {
+        assert_eq!(baseline_bytes(&[4096]), 256 << 20);
+        assert_eq!(baseline_bytes(&[4096, 64 << 20]), 1 << 30);
+        assert_eq!(baseline_bytes(&[]), 256 << 20);
+        assert_eq!(baseline_bytes(&[u64::MAX]), u64::MAX);
+    }
+
+    #[test]
+    fn table_with_ratio() {
+        let rows = [BenchResponse {
+            size: 1 << 20,
+            iters: 100,
+            bytes: 100 << 20,
+            seconds: 1.0,
+            gbit_per_s: 0.0, // recomputed from bytes/seconds
+            lat_avg_us: 10.0,
+            lat_p50_us: 9.5,
+            lat_p99_us: 20.0,
+            ..Default::default()
+        }];
+        let base = TcpBaselineResponse {
+            bytes: 1,
+            seconds: 1.0,
+            gbit_per_s: 0.8388608,
+        };
+        let text = render(&rows, Some(&base));
+        let mut lines = text.lines();
+        let header: Vec<&str> = lines
+            .next()
+            .unwrap()
+            .split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
+        assert_eq!(
+            header,
+            [
+                "#bytes",
+                "iters",
+                "BW Gb/s",
+                "BW GiB/s",
+                "lat avg us",
+                "lat p50 us",
+                "lat p99 us",
+                "BW/tcp"
+            ]
+        );
+        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        // 100 MiB in 1 s = 0.8388608 Gb/s = 0.098 GiB/s; ratio 1.00.
+        assert_eq!(
+            row,
+            ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]
+        );
+        assert!(text.contains("# tcp baseline"));
+        let doc = json_doc("a", "b", Op::Write, &rows, Some(&base));
+        assert_eq!(doc["rows"][0]["size"], 1 << 20);
+        assert!((doc["rows"][0]["ratio_to_baseline"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+        assert_eq!(doc["baseline"]["kind"], "tcp");
+    }
+}

@@ -1,0 +1,232 @@
+//! `xferctl cp SRC DST`: copy a range between regions with a one-sided transfer.
+//!
+//! Each side is `[AGENT:]REGION[@OFFSET]`; a side without an agent is on `--agent`. By default the
+//! agent holding SRC initiates an `OP_WRITE` (local = SRC, remote = DST); with `--pull` the agent
+//! holding DST initiates an `OP_READ` (local = DST, remote = SRC). The remote agent address is
+//! passed as the user wrote it: it must be reachable from the initiating agent.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use xfer_proto::v1::{
+    ChecksumAlgo, LocalRange, Op, RemoteRange, SubmitTransferRequest, Transfer, TransferOptions,
+};
+
+use crate::client::{self, Client};
+use crate::progress;
+use crate::target::{parse_location, Location};
+use crate::units::{parse_duration, parse_size};
+use crate::view;
+use crate::Ctx;
+
+#[derive(Debug, Args)]
+pub struct Opt {
+    /// Source: [AGENT:]REGION[@OFFSET].
+    #[arg(value_parser = parse_location, value_name = "SRC")]
+    pub src: Location,
+    /// Destination: [AGENT:]REGION[@OFFSET].
+    #[arg(value_parser = parse_location, value_name = "DST")]
+    pub dst: Location,
+    /// Bytes to copy (default: the rest of SRC).
+    #[arg(long, value_parser = parse_size, default_value = "0", hide_default_value = true)]
+    pub len: u64,
+    /// Compare end-to-end checksums of source and destination before reporting success.
+    #[arg(long)]
+    pub verify: bool,
+    /// Chunk size per work request (default: agent's).
+    #[arg(long, value_parser = parse_size)]
+    pub chunk: Option<u64>,
+    /// Outstanding work requests per QP (default: agent's).
+    #[arg(long)]
+    pub depth: Option<u32>,
+    /// QPs / data connections to stripe over (default: agent's).
+    #[arg(long)]
+    pub qps: Option<u32>,
+    /// Let the DST agent pull with OP_READ instead of SRC pushing with OP_WRITE.
+    #[arg(long)]
+    pub pull: bool,
+    /// Fail the transfer if it takes longer than this (e.g. 30s, 5m).
+    #[arg(long, value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Print the transfer id and return without waiting for the transfer to finish.
+    #[arg(long)]
+    pub no_wait: bool,
+}
+
+/// Transfer tuning shared by `cp` and `demo`.
+#[derive(Debug, Clone, Default)]
+pub struct Tuning {
+    pub chunk: Option<u64>,
+    pub depth: Option<u32>,
+    pub qps: Option<u32>,
+    pub verify: bool,
+    pub timeout: Option<Duration>,
+}
+
+/// Who initiates a copy and with what request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The agent that receives `SubmitTransfer`.
+    pub initiator: String,
+    pub request: SubmitTransferRequest,
+}
+
+/// Builds the `SubmitTransfer` for copying `src` to `dst` (`default_agent` fills missing agents).
+pub fn plan(
+    src: &Location,
+    dst: &Location,
+    default_agent: &str,
+    len: u64,
+    pull: bool,
+    tuning: &Tuning,
+) -> anyhow::Result<Plan> {
+    let src_agent = src.agent_or(default_agent).to_string();
+    let dst_agent = dst.agent_or(default_agent).to_string();
+    let options = TransferOptions {
+        chunk_size: tuning.chunk.unwrap_or(0),
+        qps: tuning.qps.unwrap_or(0),
+        depth: tuning.depth.unwrap_or(0),
+        verify: tuning.verify,
+        timeout: tuning
+            .timeout
+            .map(prost_types::Duration::try_from)
+            .transpose()
+            .context("--timeout is too long")?,
+        verify_algo: ChecksumAlgo::Unspecified as i32,
+    };
+    let (initiator, op, local, remote, remote_agent) = if pull {
+        (dst_agent, Op::Read, dst, src, src_agent)
+    } else {
+        (src_agent, Op::Write, src, dst, dst_agent)
+    };
+    Ok(Plan {
+        initiator,
+        request: SubmitTransferRequest {
+            op: op as i32,
+            local: Some(LocalRange {
+                region: local.region.clone(),
+                offset: local.offset,
+            }),
+            remote: Some(RemoteRange {
+                agent: remote_agent,
+                region: remote.region.clone(),
+                offset: remote.offset,
+            }),
+            length: len,
+            options: Some(options),
+        },
+    })
+}
+
+pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    let tuning = Tuning {
+        chunk: opt.chunk,
+        depth: opt.depth,
+        qps: opt.qps,
+        verify: opt.verify,
+        timeout: opt.timeout,
+    };
+    let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning)?;
+    let mut client = client::connect(&plan.initiator).await?;
+    let started = Instant::now();
+    let t = submit(&mut client, &plan).await?;
+    if opt.no_wait {
+        return if ctx.json {
+            ctx.print_json(&view::transfer_json(&t))
+        } else {
+            ctx.print(&format!("{}\n", t.id))
+        };
+    }
+    let t = progress::watch(&mut client, &t.id, true).await?;
+    if ctx.json {
+        ctx.print_json(&view::transfer_json(&t))?;
+    }
+    progress::outcome(&t, opt.verify)?;
+    if !ctx.json {
+        ctx.print(&format!("{}\n", progress::copied_line(&t, started)))?;
+    }
+    Ok(())
+}
+
+/// Submits the planned transfer on the initiating agent.
+pub async fn submit(client: &mut Client, plan: &Plan) -> anyhow::Result<Transfer> {
+    let op = view::op_name(plan.request.op);
+    Ok(client
+        .submit_transfer(plan.request.clone())
+        .await
+        .with_context(|| format!("submitting {op} transfer to {}", plan.initiator))?
+        .into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loc(s: &str) -> Location {
+        parse_location(s).unwrap()
+    }
+
+    #[test]
+    fn push_is_write_from_src_agent() {
+        let p = plan(
+            &loc("a:1:src@4KiB"),
+            &loc("b:dst"),
+            "d:9",
+            100,
+            false,
+            &Tuning::default(),
+        )
+        .unwrap();
+        assert_eq!(p.initiator, "a:1");
+        assert_eq!(p.request.op, Op::Write as i32);
+        let local = p.request.local.unwrap();
+        assert_eq!((local.region.as_str(), local.offset), ("src", 4096));
+        let remote = p.request.remote.unwrap();
+        assert_eq!(remote.agent, "b:7470");
+        assert_eq!(remote.region, "dst");
+        assert_eq!(p.request.length, 100);
+    }
+
+    #[test]
+    fn pull_is_read_from_dst_agent() {
+        let p = plan(
+            &loc("src@1"),
+            &loc("b:dst@2"),
+            "d:9",
+            0,
+            true,
+            &Tuning::default(),
+        )
+        .unwrap();
+        assert_eq!(p.initiator, "b:7470");
+        assert_eq!(p.request.op, Op::Read as i32);
+        let local = p.request.local.unwrap();
+        assert_eq!((local.region.as_str(), local.offset), ("dst", 2));
+        let remote = p.request.remote.unwrap();
+        assert_eq!(
+            (remote.agent.as_str(), remote.region.as_str(), remote.offset),
+            ("d:9", "src", 1)
+        );
+    }
+
+    #[test]
+    fn defaults_and_options() {
+        let tuning = Tuning {
+            chunk: Some(1 << 20),
+            depth: Some(8),
+            qps: Some(2),
+            verify: true,
+            timeout: Some(Duration::from_secs(30)),
+        };
+        let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning).unwrap();
+        assert_eq!(p.initiator, "d:9");
+        assert_eq!(p.request.remote.as_ref().unwrap().agent, "d:9");
+        let o = p.request.options.unwrap();
+        assert_eq!(
+            (o.chunk_size, o.depth, o.qps, o.verify),
+            (1 << 20, 8, 2, true)
+        );
+        assert_eq!(o.timeout.unwrap().seconds, 30);
+    }
+}

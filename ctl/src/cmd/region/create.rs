@@ -1,0 +1,98 @@
+//! `xferctl region create NAME --size SIZE ...`.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use xfer_proto::v1::{Access, CreateRegionRequest, RegionKind};
+
+use super::parse_label;
+use crate::units::{parse_duration, parse_size};
+use crate::view;
+use crate::Ctx;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Kind {
+    /// Agent-allocated, zeroed memory.
+    Anonymous,
+    /// A file on the agent's node mapped shared (`--path`); persists across restarts.
+    File,
+    /// A POSIX shared-memory object under /dev/shm (`--path` = object name).
+    Shm,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum AccessArg {
+    /// Peers may READ from and WRITE into the region.
+    Rw,
+    /// Peers may only READ from the region.
+    R,
+    /// Peers may only WRITE into the region.
+    W,
+}
+
+#[derive(Debug, Args)]
+pub struct Opt {
+    /// Region name (unique per agent).
+    pub name: String,
+    /// Length, e.g. 4096, 64MiB, 1GiB.
+    #[arg(long, value_parser = parse_size)]
+    pub size: u64,
+    #[arg(long, value_enum, default_value = "anonymous")]
+    pub kind: Kind,
+    /// File path (kind file) or shm object name (kind shm).
+    #[arg(long)]
+    pub path: Option<String>,
+    /// Access ceiling for remote peers.
+    #[arg(long, value_enum, default_value = "rw")]
+    pub access: AccessArg,
+    /// Lease: the region is deregistered after this long (e.g. 10m, 1h).
+    #[arg(long, value_parser = parse_duration)]
+    pub ttl: Option<Duration>,
+    /// Label key=value (repeatable).
+    #[arg(long = "label", value_parser = parse_label, value_name = "K=V")]
+    pub labels: Vec<(String, String)>,
+    /// Back anonymous memory with huge pages.
+    #[arg(long)]
+    pub hugepages: bool,
+}
+
+pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    if matches!(opt.kind, Kind::File) && opt.path.is_none() {
+        // Usage-level mistake, but only detectable after parsing: say so plainly.
+        anyhow::bail!("--kind file needs --path PATH (a file on the agent's node)");
+    }
+    let request = CreateRegionRequest {
+        name: opt.name.clone(),
+        length: opt.size,
+        kind: match opt.kind {
+            Kind::Anonymous => RegionKind::Anonymous,
+            Kind::File => RegionKind::File,
+            Kind::Shm => RegionKind::Shm,
+        } as i32,
+        path: opt.path.unwrap_or_default(),
+        access: match opt.access {
+            AccessArg::Rw => Access::ReadWrite,
+            AccessArg::R => Access::Read,
+            AccessArg::W => Access::Write,
+        } as i32,
+        hugepages: opt.hugepages,
+        ttl: opt
+            .ttl
+            .map(prost_types::Duration::try_from)
+            .transpose()
+            .context("--ttl is too long")?,
+        labels: opt.labels.into_iter().collect(),
+    };
+    let mut client = ctx.client().await?;
+    let region = client
+        .create_region(request)
+        .await
+        .with_context(|| format!("creating region {:?}", opt.name))?
+        .into_inner();
+    if ctx.json {
+        ctx.print_json(&view::region_json(&region))
+    } else {
+        ctx.print(&view::region_table(std::slice::from_ref(&region)))
+    }
+}

@@ -1,0 +1,30 @@
+//! `xferctl region show NAME`.
+
+use anyhow::Context;
+use clap::Args;
+use xfer_proto::v1::GetRegionRequest;
+
+use crate::view;
+use crate::Ctx;
+
+#[derive(Debug, Args)]
+pub struct Opt {
+    /// Region name.
+    pub name: String,
+}
+
+pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    let mut client = ctx.client().await?;
+    let region = client
+        .get_region(GetRegionRequest {
+            name: opt.name.clone(),
+        })
+        .await
+        .with_context(|| format!("getting region {:?}", opt.name))?
+        .into_inner();
+    if ctx.json {
+        ctx.print_json(&view::region_json(&region))
+    } else {
+        ctx.print(&view::region_detail(&region))
+    }
+}

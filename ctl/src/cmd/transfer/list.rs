@@ -1,0 +1,28 @@
+//! `xferctl transfer list`.
+
+use anyhow::Context;
+use clap::Args;
+use xfer_proto::v1::ListTransfersRequest;
+
+use crate::view;
+use crate::Ctx;
+
+#[derive(Debug, Args)]
+pub struct Opt {}
+
+pub async fn run(_opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    let mut client = ctx.client().await?;
+    let transfers = client
+        .list_transfers(ListTransfersRequest {})
+        .await
+        .context("listing transfers")?
+        .into_inner()
+        .transfers;
+    if ctx.json {
+        ctx.print_json(&serde_json::Value::Array(
+            transfers.iter().map(view::transfer_json).collect(),
+        ))
+    } else {
+        ctx.print(&view::transfer_table(&transfers))
+    }
+}

@@ -1,0 +1,352 @@
+//! The one place where failures become an exit code and a one-line message.
+//!
+//! Commands return `anyhow::Error`s that carry either a [`tonic::Status`] (from an RPC), a
+//! [`Failure`] (a condition xferctl itself detected, such as a FAILED transfer) or anything else
+//! (generic, exit 1). [`report`] walks the error chain, picks the exit code from the first typed
+//! error it finds and renders the chain as one line, using the status *message* rather than
+//! tonic's multi-field `Display`.
+
+use std::fmt;
+
+use tonic::Code;
+
+/// Exit codes that scripts can rely on. Keep in sync with the table in `lib.rs` and `--help`.
+pub mod exit {
+    pub const OK: u8 = 0;
+    pub const GENERIC: u8 = 1;
+    pub const USAGE: u8 = 2;
+    pub const NOT_FOUND: u8 = 3;
+    pub const INVALID_ARGUMENT: u8 = 4;
+    pub const PERMISSION_DENIED: u8 = 5;
+    pub const FAILED_PRECONDITION: u8 = 6;
+    pub const RESOURCE_EXHAUSTED: u8 = 7;
+    pub const UNAVAILABLE: u8 = 8;
+    pub const DEADLINE_EXCEEDED: u8 = 9;
+    pub const TRANSFER_FAILED: u8 = 10;
+    pub const TRANSFER_CANCELLED: u8 = 11;
+    pub const VERIFY_MISMATCH: u8 = 12;
+    pub const ALREADY_EXISTS: u8 = 13;
+}
+
+/// The exit-code table as shown in `--help`.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+   0  success
+   1  other error
+   2  usage error (bad flags or arguments)
+   3  NOT_FOUND            (region, transfer or peer does not exist)
+   4  INVALID_ARGUMENT     (also OUT_OF_RANGE: bad range, size or overflow)
+   5  PERMISSION_DENIED    (also UNAUTHENTICATED: access ceiling, identity)
+   6  FAILED_PRECONDITION  (also ABORTED: region busy, grant expired)
+   7  RESOURCE_EXHAUSTED   (agent limits reached)
+   8  UNAVAILABLE          (agent or peer unreachable, connection refused)
+   9  DEADLINE_EXCEEDED
+  10  transfer FAILED      (the transfer's error and error_code are printed)
+  11  transfer CANCELLED   (also the gRPC status CANCELLED)
+  12  verification mismatch (checksums differ, or --verify was not honoured)
+  13  ALREADY_EXISTS       (e.g. a region with that name exists)
+
+Environment:
+  XFER_AGENT  default agent address (host, host:port or [v6]:port; default 127.0.0.1:7470)";
+
+/// A failure xferctl detected itself (not an RPC status).
+#[derive(Debug)]
+pub enum Failure {
+    /// Could not open a connection to an agent.
+    Connect { addr: String, reason: String },
+    /// The transfer ended in FAILED.
+    TransferFailed {
+        id: String,
+        error: String,
+        error_code: String,
+    },
+    /// The transfer ended in CANCELLED.
+    TransferCancelled { id: String, error: String },
+    /// Data or checksums differ.
+    VerifyMismatch(String),
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Connect { addr, reason } => {
+                write!(
+                    f,
+                    "cannot connect to agent at {addr}: {reason} (UNAVAILABLE)"
+                )
+            }
+            Failure::TransferFailed {
+                id,
+                error,
+                error_code,
+            } => {
+                let error = if error.is_empty() {
+                    "no reason given"
+                } else {
+                    error
+                };
+                let code = if error_code.is_empty() {
+                    "FAILED"
+                } else {
+                    error_code
+                };
+                write!(f, "transfer {id} failed: {error} ({code})")
+            }
+            Failure::TransferCancelled { id, error } => {
+                if error.is_empty() {
+                    write!(f, "transfer {id} was cancelled (CANCELLED)")
+                } else {
+                    write!(f, "transfer {id} was cancelled: {error} (CANCELLED)")
+                }
+            }
+            Failure::VerifyMismatch(msg) => write!(f, "verification failed: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+impl Failure {
+    fn exit_code(&self) -> u8 {
+        match self {
+            Failure::Connect { .. } => exit::UNAVAILABLE,
+            Failure::TransferFailed { error_code, .. } if is_checksum_code(error_code) => {
+                exit::VERIFY_MISMATCH
+            }
+            Failure::TransferFailed { .. } => exit::TRANSFER_FAILED,
+            Failure::TransferCancelled { .. } => exit::TRANSFER_CANCELLED,
+            Failure::VerifyMismatch(_) => exit::VERIFY_MISMATCH,
+        }
+    }
+}
+
+/// A transfer that failed its end-to-end checksum is a verification mismatch (exit 12), not a
+/// generic transfer failure.
+fn is_checksum_code(code: &str) -> bool {
+    let c = code.to_ascii_uppercase();
+    c.contains("CHECKSUM") || c.contains("MISMATCH")
+}
+
+/// The canonical upper-case gRPC name of a status code, as in the gRPC spec.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Exit code for a gRPC status code.
+pub fn status_exit_code(code: Code) -> u8 {
+    match code {
+        Code::Ok => exit::OK,
+        Code::NotFound => exit::NOT_FOUND,
+        Code::InvalidArgument | Code::OutOfRange => exit::INVALID_ARGUMENT,
+        Code::PermissionDenied | Code::Unauthenticated => exit::PERMISSION_DENIED,
+        Code::FailedPrecondition | Code::Aborted => exit::FAILED_PRECONDITION,
+        Code::ResourceExhausted => exit::RESOURCE_EXHAUSTED,
+        Code::Unavailable => exit::UNAVAILABLE,
+        Code::DeadlineExceeded => exit::DEADLINE_EXCEEDED,
+        Code::AlreadyExists => exit::ALREADY_EXISTS,
+        Code::Cancelled => exit::TRANSFER_CANCELLED,
+        Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => exit::GENERIC,
+    }
+}
+
+/// Renders an error as `(exit code, one-line message without the "error: " prefix)`.
+pub fn report(err: &anyhow::Error) -> (u8, String) {
+    let mut code = None;
+    let mut parts: Vec<String> = Vec::new();
+    let mut suffix = None;
+    for cause in err.chain() {
+        let text = if let Some(status) = cause.downcast_ref::<tonic::Status>() {
+            if code.is_none() {
+                code = Some(status_exit_code(status.code()));
+                suffix = Some(code_name(status.code()));
+            }
+            let msg = status.message().trim();
+            if msg.is_empty() {
+                code_name(status.code())
+                    .to_ascii_lowercase()
+                    .replace('_', " ")
+            } else {
+                msg.to_string()
+            }
+        } else if let Some(failure) = cause.downcast_ref::<Failure>() {
+            code.get_or_insert(failure.exit_code());
+            failure.to_string()
+        } else {
+            cause.to_string()
+        };
+        // Lower layers often repeat the text of the layer above (and tonic's transport errors
+        // nest "transport error" wrappers); keep the line short and readable.
+        let text = text.replace('\n', " ");
+        let text = text.trim();
+        if text.is_empty() || parts.iter().any(|p| p.contains(text)) {
+            continue;
+        }
+        parts.push(text.to_string());
+        if cause.downcast_ref::<Failure>().is_some()
+            || cause.downcast_ref::<tonic::Status>().is_some()
+        {
+            // The typed error is the root cause as far as the user is concerned.
+            break;
+        }
+    }
+    let mut line = parts.join(": ");
+    if let Some(name) = suffix {
+        line.push_str(&format!(" ({name})"));
+    }
+    (code.unwrap_or(exit::GENERIC), line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    #[test]
+    fn status_codes_map_to_documented_exit_codes() {
+        let table = [
+            (Code::NotFound, 3),
+            (Code::InvalidArgument, 4),
+            (Code::OutOfRange, 4),
+            (Code::PermissionDenied, 5),
+            (Code::Unauthenticated, 5),
+            (Code::FailedPrecondition, 6),
+            (Code::Aborted, 6),
+            (Code::ResourceExhausted, 7),
+            (Code::Unavailable, 8),
+            (Code::DeadlineExceeded, 9),
+            (Code::Cancelled, 11),
+            (Code::AlreadyExists, 13),
+            (Code::Internal, 1),
+            (Code::Unknown, 1),
+            (Code::Unimplemented, 1),
+            (Code::DataLoss, 1),
+        ];
+        for (code, exit) in table {
+            assert_eq!(status_exit_code(code), exit, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn status_renders_message_and_code_name() {
+        let err = anyhow::Error::new(tonic::Status::not_found("region \"foo\" not found"));
+        assert_eq!(
+            report(&err),
+            (3, "region \"foo\" not found (NOT_FOUND)".to_string())
+        );
+    }
+
+    #[test]
+    fn context_is_prefixed_on_one_line() {
+        let err = Err::<(), _>(tonic::Status::invalid_argument(
+            "offset 10 beyond end\nof region",
+        ))
+        .context("writing region r")
+        .unwrap_err();
+        let (code, line) = report(&err);
+        assert_eq!(code, 4);
+        assert_eq!(
+            line,
+            "writing region r: offset 10 beyond end of region (INVALID_ARGUMENT)"
+        );
+        assert!(!line.contains('\n'));
+    }
+
+    #[test]
+    fn empty_status_message_uses_code() {
+        let err = anyhow::Error::new(tonic::Status::new(Code::ResourceExhausted, ""));
+        assert_eq!(
+            report(&err),
+            (7, "resource exhausted (RESOURCE_EXHAUSTED)".into())
+        );
+    }
+
+    #[test]
+    fn failures() {
+        let failed = anyhow::Error::new(Failure::TransferFailed {
+            id: "t1".into(),
+            error: "peer went away".into(),
+            error_code: "PEER_UNAVAILABLE".into(),
+        });
+        assert_eq!(
+            report(&failed),
+            (
+                10,
+                "transfer t1 failed: peer went away (PEER_UNAVAILABLE)".into()
+            )
+        );
+
+        let mismatch = anyhow::Error::new(Failure::TransferFailed {
+            id: "t2".into(),
+            error: "checksums differ".into(),
+            error_code: "CHECKSUM_MISMATCH".into(),
+        });
+        assert_eq!(report(&mismatch).0, 12);
+
+        let cancelled = anyhow::Error::new(Failure::TransferCancelled {
+            id: "t3".into(),
+            error: String::new(),
+        });
+        assert_eq!(
+            report(&cancelled),
+            (11, "transfer t3 was cancelled (CANCELLED)".into())
+        );
+
+        let verify = anyhow::Error::new(Failure::VerifyMismatch("byte 7 differs".into()));
+        assert_eq!(
+            report(&verify),
+            (12, "verification failed: byte 7 differs".into())
+        );
+
+        let connect = anyhow::Error::new(Failure::Connect {
+            addr: "127.0.0.1:1".into(),
+            reason: "Connection refused (os error 111)".into(),
+        });
+        let (code, line) = report(&connect);
+        assert_eq!(code, 8);
+        assert!(
+            line.starts_with("cannot connect to agent at 127.0.0.1:1"),
+            "{line}"
+        );
+        assert!(line.ends_with("(UNAVAILABLE)"), "{line}");
+    }
+
+    #[test]
+    fn typed_error_below_context_still_decides_code() {
+        let err = Err::<(), _>(Failure::TransferCancelled {
+            id: "x".into(),
+            error: "agent shutting down".into(),
+        })
+        .context("demo step 3")
+        .unwrap_err();
+        let (code, line) = report(&err);
+        assert_eq!(code, 11);
+        assert_eq!(
+            line,
+            "demo step 3: transfer x was cancelled: agent shutting down (CANCELLED)"
+        );
+    }
+
+    #[test]
+    fn generic_errors_exit_one() {
+        let err = anyhow::anyhow!("something odd");
+        assert_eq!(report(&err), (1, "something odd".into()));
+    }
+}

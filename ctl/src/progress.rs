@@ -1,0 +1,168 @@
+//! Following a transfer to its end (`cp`, `transfer watch`, `demo`) with an optional progress bar,
+//! and turning its terminal state into success or a typed [`Failure`].
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use xfer_proto::v1::{GetTransferRequest, Transfer, TransferState, WatchTransferRequest};
+
+use crate::client::Client;
+use crate::error::Failure;
+use crate::units;
+use crate::view;
+
+/// A byte progress bar on stderr, or nothing when stderr is not a terminal.
+pub fn byte_bar(len: u64, enabled: bool) -> Option<ProgressBar> {
+    if !enabled || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    Some(bar)
+}
+
+/// Streams `WatchTransfer` until the transfer reaches a terminal state and returns that record.
+/// If the stream ends early, falls back to one `GetTransfer`.
+pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Result<Transfer> {
+    let mut stream = client
+        .watch_transfer(WatchTransferRequest { id: id.to_string() })
+        .await
+        .with_context(|| format!("watching transfer {id}"))?
+        .into_inner();
+    let mut bar: Option<ProgressBar> = None;
+    let mut last: Option<Transfer> = None;
+    while let Some(t) = stream
+        .message()
+        .await
+        .with_context(|| format!("watching transfer {id}"))?
+    {
+        if bar.is_none() && !view::is_terminal(t.state) {
+            bar = byte_bar(t.length, show_bar);
+        }
+        if let Some(b) = &bar {
+            if t.length != 0 {
+                b.set_length(t.length);
+            }
+            b.set_position(t.bytes_done);
+            b.set_message(view::state_name(t.state));
+        }
+        let done = view::is_terminal(t.state);
+        last = Some(t);
+        if done {
+            break;
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    match last {
+        Some(t) if view::is_terminal(t.state) => Ok(t),
+        other => {
+            let t = client
+                .get_transfer(GetTransferRequest { id: id.to_string() })
+                .await
+                .with_context(|| format!("getting transfer {id}"))?
+                .into_inner();
+            if view::is_terminal(t.state) {
+                Ok(t)
+            } else {
+                let state = other.map(|t| view::state_name(t.state)).unwrap_or_default();
+                anyhow::bail!(
+                    "the agent ended the watch of transfer {id} before it finished (last state {state})"
+                )
+            }
+        }
+    }
+}
+
+/// `Ok` for SUCCEEDED (and verified when `want_verify`), the matching [`Failure`] otherwise.
+pub fn outcome(t: &Transfer, want_verify: bool) -> Result<(), Failure> {
+    match TransferState::try_from(t.state) {
+        Ok(TransferState::Succeeded) => {
+            if want_verify && !t.verified {
+                Err(Failure::VerifyMismatch(format!(
+                    "transfer {} succeeded but the agent did not report it verified",
+                    t.id
+                )))
+            } else {
+                Ok(())
+            }
+        }
+        Ok(TransferState::Cancelled) => Err(Failure::TransferCancelled {
+            id: t.id.clone(),
+            error: t.error.clone(),
+        }),
+        _ => Err(Failure::TransferFailed {
+            id: t.id.clone(),
+            error: t.error.clone(),
+            error_code: t.error_code.clone(),
+        }),
+    }
+}
+
+/// `copied N bytes in S s (X GiB/s)`; uses the agent's elapsed time, or `fallback` (local wall
+/// clock since submission) when the agent reported none.
+pub fn copied_line(t: &Transfer, fallback: Instant) -> String {
+    let secs = if t.elapsed_seconds > 0.0 {
+        t.elapsed_seconds
+    } else {
+        fallback.elapsed().as_secs_f64()
+    };
+    let mut line = format!("copied {}", units::rate_summary(t.bytes_done, secs));
+    if t.verified {
+        line.push_str(", verified");
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(state: TransferState) -> Transfer {
+        Transfer {
+            id: "t".into(),
+            state: state as i32,
+            error: "boom".into(),
+            error_code: "RETRY_EXC_ERR".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn outcomes() {
+        assert!(outcome(&t(TransferState::Succeeded), false).is_ok());
+        assert!(matches!(
+            outcome(&t(TransferState::Succeeded), true),
+            Err(Failure::VerifyMismatch(_))
+        ));
+        let mut verified = t(TransferState::Succeeded);
+        verified.verified = true;
+        assert!(outcome(&verified, true).is_ok());
+        assert!(matches!(
+            outcome(&t(TransferState::Failed), false),
+            Err(Failure::TransferFailed { ref error_code, .. }) if error_code == "RETRY_EXC_ERR"
+        ));
+        assert!(matches!(
+            outcome(&t(TransferState::Cancelled), false),
+            Err(Failure::TransferCancelled { .. })
+        ));
+    }
+
+    #[test]
+    fn copied_line_uses_agent_time() {
+        let mut x = t(TransferState::Succeeded);
+        x.bytes_done = 1 << 30;
+        x.elapsed_seconds = 0.5;
+        assert_eq!(
+            copied_line(&x, Instant::now()),
+            "copied 1073741824 bytes in 0.500 s (2.000 GiB/s)"
+        );
+    }
+}

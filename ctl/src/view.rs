@@ -1,0 +1,478 @@
+//! Presentation of protobuf messages: short enum names, times, JSON views and plain-text tables.
+//!
+//! The prost types do not derive serde, so every JSON document xferctl prints is built here with
+//! `serde_json::json!`, in one place, with stable field names (snake_case, enums as short
+//! lower-case strings, times as RFC 3339, durations in seconds).
+
+use std::time::{Duration, SystemTime};
+
+use serde_json::{json, Value};
+use xfer_proto::v1::{
+    Access, AgentInfo, ChecksumAlgo, DeviceInfo, FabricKind, Gid, Op, PeerInfo, Region, RegionKind,
+    Transfer, TransferState,
+};
+
+/// Strips a prost enum's `PREFIX_` from its proto name and lower-cases it: `REGION_KIND_FILE` →
+/// `file`. Unknown values print as their number.
+fn short(name: Option<&str>, prefix: &str, value: i32) -> String {
+    match name {
+        Some(n) => n.strip_prefix(prefix).unwrap_or(n).to_ascii_lowercase(),
+        None => value.to_string(),
+    }
+}
+
+pub fn fabric_name(v: i32) -> String {
+    short(
+        FabricKind::try_from(v).ok().map(|e| e.as_str_name()),
+        "FABRIC_KIND_",
+        v,
+    )
+}
+
+pub fn region_kind_name(v: i32) -> String {
+    match RegionKind::try_from(v) {
+        Ok(RegionKind::Unspecified) => "anonymous".into(),
+        other => short(other.ok().map(|e| e.as_str_name()), "REGION_KIND_", v),
+    }
+}
+
+pub fn access_name(v: i32) -> String {
+    match Access::try_from(v) {
+        Ok(Access::Read) => "r".into(),
+        Ok(Access::Write) => "w".into(),
+        Ok(Access::ReadWrite) | Ok(Access::Unspecified) => "rw".into(),
+        Err(_) => v.to_string(),
+    }
+}
+
+pub fn op_name(v: i32) -> String {
+    short(Op::try_from(v).ok().map(|e| e.as_str_name()), "OP_", v)
+}
+
+pub fn state_name(v: i32) -> String {
+    short(
+        TransferState::try_from(v).ok().map(|e| e.as_str_name()),
+        "TRANSFER_STATE_",
+        v,
+    )
+}
+
+pub fn algo_name(v: i32) -> String {
+    match ChecksumAlgo::try_from(v) {
+        Ok(ChecksumAlgo::Unspecified) => "xxh3".into(),
+        other => short(other.ok().map(|e| e.as_str_name()), "CHECKSUM_ALGO_", v),
+    }
+}
+
+/// True for SUCCEEDED, FAILED and CANCELLED.
+pub fn is_terminal(state: i32) -> bool {
+    matches!(
+        TransferState::try_from(state),
+        Ok(TransferState::Succeeded | TransferState::Failed | TransferState::Cancelled)
+    )
+}
+
+pub fn timestamp(ts: &Option<prost_types::Timestamp>) -> Option<SystemTime> {
+    ts.as_ref().and_then(|t| SystemTime::try_from(*t).ok())
+}
+
+/// RFC 3339 (seconds precision) or `None` when unset.
+pub fn rfc3339(ts: &Option<prost_types::Timestamp>) -> Option<String> {
+    timestamp(ts).map(|t| humantime::format_rfc3339_seconds(t).to_string())
+}
+
+pub fn duration(d: &Option<prost_types::Duration>) -> Option<Duration> {
+    d.as_ref().and_then(|d| Duration::try_from(*d).ok())
+}
+
+/// A duration rounded to whole seconds for humans (`1h 2m 3s`); sub-second values keep millis.
+pub fn human_duration(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        humantime::format_duration(Duration::from_millis(d.as_millis() as u64)).to_string()
+    } else {
+        humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
+    }
+}
+
+/// `memlock` limits are `u64::MAX` when unlimited.
+pub fn limit_bytes(v: u64) -> String {
+    if v == u64::MAX {
+        "unlimited".into()
+    } else {
+        crate::units::format_bytes(v)
+    }
+}
+
+/// Formats a 16-byte GID as an IPv6 address (IPv4-mapped GIDs show the IPv4 address too).
+pub fn gid_text(raw: &[u8]) -> String {
+    match <[u8; 16]>::try_from(raw) {
+        Ok(bytes) => {
+            let v6 = std::net::Ipv6Addr::from(bytes);
+            match v6.to_ipv4_mapped() {
+                Some(v4) => format!("{v6} ({v4})"),
+                None => v6.to_string(),
+            }
+        }
+        Err(_) => raw.iter().map(|b| format!("{b:02x}")).collect(),
+    }
+}
+
+fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {
+    let mut pairs: Vec<_> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    pairs.sort();
+    pairs.join(",")
+}
+
+// ------------------------------------------------------------------------------------ JSON
+
+pub fn region_json(r: &Region) -> Value {
+    json!({
+        "id": r.id,
+        "name": r.name,
+        "length": r.length,
+        "kind": region_kind_name(r.kind),
+        "path": r.path,
+        "access": access_name(r.access),
+        "labels": r.labels,
+        "created_at": rfc3339(&r.created_at),
+        "expires_at": rfc3339(&r.expires_at),
+        "lkey": r.lkey,
+        "rkey": r.rkey,
+        "addr": r.addr,
+    })
+}
+
+pub fn transfer_json(t: &Transfer) -> Value {
+    json!({
+        "id": t.id,
+        "op": op_name(t.op),
+        "state": state_name(t.state),
+        "local": t.local.as_ref().map(|l| json!({"region": l.region, "offset": l.offset})),
+        "remote": t.remote.as_ref().map(|r| json!({"agent": r.agent, "region": r.region, "offset": r.offset})),
+        "length": t.length,
+        "bytes_done": t.bytes_done,
+        "error": t.error,
+        "error_code": t.error_code,
+        "created_at": rfc3339(&t.created_at),
+        "started_at": rfc3339(&t.started_at),
+        "finished_at": rfc3339(&t.finished_at),
+        "elapsed_seconds": t.elapsed_seconds,
+        "gib_per_s": crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds),
+        "verified": t.verified,
+        "checksum": t.checksum,
+        "peer": t.peer,
+        "inbound": t.inbound,
+    })
+}
+
+fn gid_json(g: &Gid) -> Value {
+    json!({"index": g.index, "gid": gid_text(&g.raw), "type": g.r#type, "netdev": g.netdev})
+}
+
+fn device_json(d: &DeviceInfo) -> Value {
+    json!({
+        "name": d.name,
+        "port": d.port,
+        "state": d.state,
+        "link_layer": d.link_layer,
+        "active_mtu": d.active_mtu,
+        "lid": d.lid,
+        "gids": d.gids.iter().map(gid_json).collect::<Vec<_>>(),
+        "selected_gid_index": d.selected_gid_index,
+    })
+}
+
+pub fn info_json(i: &AgentInfo) -> Value {
+    json!({
+        "node_name": i.node_name,
+        "version": i.version,
+        "fabric": fabric_name(i.fabric),
+        "fabric_reason": i.fabric_reason,
+        "devices": i.devices.iter().map(device_json).collect::<Vec<_>>(),
+        "limits": i.limits.as_ref().map(|l| json!({
+            "memlock_soft": l.memlock_soft,
+            "memlock_hard": l.memlock_hard,
+            "cap_ipc_lock": l.cap_ipc_lock,
+            "max_regions": l.max_regions,
+            "max_registered_bytes": l.max_registered_bytes,
+            "max_transfers": l.max_transfers,
+        })),
+        "uptime_seconds": duration(&i.uptime).map(|d| d.as_secs_f64()),
+        "data_address": i.data_address,
+        "regions": i.regions,
+        "registered_bytes": i.registered_bytes,
+    })
+}
+
+pub fn peer_json(p: &PeerInfo) -> Value {
+    json!({
+        "address": p.address,
+        "node_name": p.node_name,
+        "fabric": fabric_name(p.fabric),
+        "qps": p.qps,
+        "state": p.state,
+        "connect_seconds": duration(&p.connect_duration).map(|d| d.as_secs_f64()),
+    })
+}
+
+/// Pretty-printed JSON plus a newline.
+pub fn json_text(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string());
+    s.push('\n');
+    s
+}
+
+// ------------------------------------------------------------------------------------ text
+
+/// A minimal left-aligned text table.
+pub struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(header: &[&str]) -> Self {
+        Table {
+            header: header.iter().map(|h| h.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn render(&self) -> String {
+        let cols = self.header.len();
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (i, cell) in row.iter().enumerate().take(cols) {
+                widths[i] = widths[i].max(cell.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for line in std::iter::once(&self.header).chain(&self.rows) {
+            let mut text = String::new();
+            for (i, cell) in line.iter().enumerate().take(cols) {
+                if i + 1 == cols {
+                    text.push_str(cell);
+                } else {
+                    text.push_str(&format!("{cell:<w$}  ", w = widths[i]));
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+pub fn region_table(regions: &[Region]) -> String {
+    let mut t = Table::new(&[
+        "NAME", "KIND", "SIZE", "ACCESS", "EXPIRES", "LABELS", "PATH",
+    ]);
+    for r in regions {
+        t.row(vec![
+            r.name.clone(),
+            region_kind_name(r.kind),
+            crate::units::format_bytes(r.length),
+            access_name(r.access),
+            rfc3339(&r.expires_at).unwrap_or_else(|| "-".into()),
+            labels_text(&r.labels),
+            r.path.clone(),
+        ]);
+    }
+    t.render()
+}
+
+pub fn region_detail(r: &Region) -> String {
+    let mut out = String::new();
+    let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<11} {v}\n"));
+    kv("name:", r.name.clone());
+    kv("id:", r.id.clone());
+    kv(
+        "length:",
+        format!("{} ({})", r.length, crate::units::format_bytes(r.length)),
+    );
+    kv("kind:", region_kind_name(r.kind));
+    if !r.path.is_empty() {
+        kv("path:", r.path.clone());
+    }
+    kv("access:", access_name(r.access));
+    kv("labels:", labels_text(&r.labels));
+    kv(
+        "created:",
+        rfc3339(&r.created_at).unwrap_or_else(|| "-".into()),
+    );
+    kv(
+        "expires:",
+        rfc3339(&r.expires_at).unwrap_or_else(|| "never".into()),
+    );
+    kv("addr:", format!("{:#x}", r.addr));
+    kv("lkey/rkey:", format!("{:#x} / {:#x}", r.lkey, r.rkey));
+    out
+}
+
+fn range_text(region: &str, offset: u64) -> String {
+    if offset == 0 {
+        region.to_string()
+    } else {
+        format!("{region}@{offset}")
+    }
+}
+
+pub fn transfer_local(t: &Transfer) -> String {
+    t.local
+        .as_ref()
+        .map(|l| range_text(&l.region, l.offset))
+        .unwrap_or_else(|| "-".into())
+}
+
+pub fn transfer_remote(t: &Transfer) -> String {
+    t.remote
+        .as_ref()
+        .map(|r| format!("{}:{}", r.agent, range_text(&r.region, r.offset)))
+        .unwrap_or_else(|| "-".into())
+}
+
+pub fn transfer_table(transfers: &[Transfer]) -> String {
+    let mut t = Table::new(&[
+        "ID", "OP", "STATE", "DONE", "LENGTH", "LOCAL", "REMOTE", "SECONDS", "ERROR",
+    ]);
+    for x in transfers {
+        let error = match (x.error.is_empty(), x.error_code.is_empty()) {
+            (true, true) => String::new(),
+            (false, true) => x.error.clone(),
+            (true, false) => x.error_code.clone(),
+            (false, false) => format!("{} ({})", x.error, x.error_code),
+        };
+        t.row(vec![
+            x.id.clone(),
+            op_name(x.op) + if x.inbound { " (in)" } else { "" },
+            state_name(x.state),
+            crate::units::format_bytes(x.bytes_done),
+            crate::units::format_bytes(x.length),
+            transfer_local(x),
+            transfer_remote(x),
+            format!("{:.3}", x.elapsed_seconds),
+            error,
+        ]);
+    }
+    t.render()
+}
+
+pub fn transfer_detail(t: &Transfer) -> String {
+    let mut out = String::new();
+    let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<10} {v}\n"));
+    kv("id:", t.id.clone());
+    kv(
+        "op:",
+        op_name(t.op) + if t.inbound { " (inbound)" } else { "" },
+    );
+    kv("state:", state_name(t.state));
+    kv("local:", transfer_local(t));
+    kv("remote:", transfer_remote(t));
+    if !t.peer.is_empty() {
+        kv("peer:", t.peer.clone());
+    }
+    kv(
+        "progress:",
+        format!("{} / {} bytes", t.bytes_done, t.length),
+    );
+    kv(
+        "elapsed:",
+        format!(
+            "{:.3} s ({:.3} GiB/s)",
+            t.elapsed_seconds,
+            crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds)
+        ),
+    );
+    kv(
+        "created:",
+        rfc3339(&t.created_at).unwrap_or_else(|| "-".into()),
+    );
+    kv(
+        "started:",
+        rfc3339(&t.started_at).unwrap_or_else(|| "-".into()),
+    );
+    kv(
+        "finished:",
+        rfc3339(&t.finished_at).unwrap_or_else(|| "-".into()),
+    );
+    if t.verified {
+        kv("verified:", format!("yes (checksum {:#018x})", t.checksum));
+    }
+    if !t.error.is_empty() || !t.error_code.is_empty() {
+        kv("error:", format!("{} ({})", t.error, t.error_code));
+    }
+    out
+}
+
+pub fn peer_table(peers: &[PeerInfo]) -> String {
+    let mut t = Table::new(&["ADDRESS", "NODE", "FABRIC", "QPS", "STATE", "CONNECT"]);
+    for p in peers {
+        t.row(vec![
+            p.address.clone(),
+            p.node_name.clone(),
+            fabric_name(p.fabric),
+            p.qps.to_string(),
+            p.state.clone(),
+            duration(&p.connect_duration)
+                .map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3))
+                .unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enum_names() {
+        assert_eq!(fabric_name(FabricKind::Verbs as i32), "verbs");
+        assert_eq!(region_kind_name(RegionKind::Shm as i32), "shm");
+        assert_eq!(region_kind_name(0), "anonymous");
+        assert_eq!(access_name(Access::Read as i32), "r");
+        assert_eq!(access_name(0), "rw");
+        assert_eq!(state_name(TransferState::Succeeded as i32), "succeeded");
+        assert_eq!(op_name(Op::Read as i32), "read");
+        assert_eq!(state_name(99), "99");
+        assert!(is_terminal(TransferState::Cancelled as i32));
+        assert!(!is_terminal(TransferState::Running as i32));
+    }
+
+    #[test]
+    fn gids() {
+        let mut raw = [0u8; 16];
+        raw[10] = 0xff;
+        raw[11] = 0xff;
+        raw[12..].copy_from_slice(&[10, 0, 0, 2]);
+        assert_eq!(gid_text(&raw), "::ffff:10.0.0.2 (10.0.0.2)");
+        assert_eq!(gid_text(&[1, 2]), "0102");
+    }
+
+    #[test]
+    fn table_aligns_columns() {
+        let mut t = Table::new(&["A", "LONGER"]);
+        t.row(vec!["xxxx".into(), "y".into()]);
+        assert_eq!(t.render(), "A     LONGER\nxxxx  y\n");
+    }
+
+    #[test]
+    fn transfer_json_fields() {
+        let t = Transfer {
+            id: "t1".into(),
+            op: Op::Write as i32,
+            state: TransferState::Failed as i32,
+            error_code: "REM_ACCESS_ERR".into(),
+            ..Default::default()
+        };
+        let v = transfer_json(&t);
+        assert_eq!(v["op"], "write");
+        assert_eq!(v["state"], "failed");
+        assert_eq!(v["error_code"], "REM_ACCESS_ERR");
+        assert_eq!(v["started_at"], Value::Null);
+    }
+}
