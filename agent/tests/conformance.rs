@@ -1,0 +1,267 @@
+//! Fabric conformance suite: the behaviour every fabric must show, run against two in-process
+//! agent cores (`Node`s) connected over one fabric.
+//!
+//! `XFER_TEST_FABRIC=tcp` (default) uses the TCP fabric on 127.0.0.1. `XFER_TEST_FABRIC=verbs`
+//! uses the verbs fabric on the devices named by `XFER_RXE_A_DEV`/`XFER_RXE_B_DEV` with
+//! addresses `XFER_RXE_A`/`XFER_RXE_B` (set by `scripts/rxe-vm` inside the Soft-RoCE VM).
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use xfer_agent::config::{Config, FabricChoice};
+use xfer_agent::fabric::tcp::{LateCheck, TcpFabric};
+use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
+use xfer_agent::grants::{Grant, GrantTable};
+use xfer_agent::node::{GrantParams, Node};
+use xfer_agent::regions::{Region, RegionKind, RegionSpec};
+
+struct Side {
+    node: Arc<Node>,
+    _dir: tempfile::TempDir,
+}
+
+fn kind() -> String {
+    std::env::var("XFER_TEST_FABRIC").unwrap_or_else(|_| "tcp".into())
+}
+
+async fn side(name: &str, which: char) -> Side {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    let grants = Arc::new(GrantTable::new(1024));
+    let fabric: Arc<dyn Fabric> = match kind().as_str() {
+        "tcp" => {
+            let check = Arc::new(LateCheck::default());
+            check.set(grants.clone());
+            Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), check).await.unwrap())
+        }
+        "verbs" => {
+            let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));
+            cfg.fabric = FabricChoice::Verbs;
+            cfg.verbs.device = var("_DEV");
+            cfg.listen = format!("{}:7470", var("")).parse().unwrap();
+            cfg.data_listen = format!("{}:7471", var("")).parse().unwrap();
+            xfer_agent::verbs::open_fabric(&cfg).unwrap()
+        }
+        other => panic!("unknown XFER_TEST_FABRIC {other}"),
+    };
+    Side { node: Node::new(cfg, fabric, "test".into(), grants), _dir: dir }
+}
+
+/// A connects to B with `qps` QPs.
+async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let pending = a.node.fabric.prepare("b", qps, depth, tx).await.unwrap();
+    let eps = b
+        .node
+        .accept_connection("a", "conn-1", a.node.fabric.kind(), &pending.local_endpoints())
+        .await
+        .unwrap();
+    (pending.complete(&eps).await.unwrap(), rx)
+}
+
+fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
+    s.node
+        .regions
+        .create(RegionSpec {
+            name: name.into(),
+            length: len,
+            kind: RegionKind::Anonymous,
+            path: None,
+            access,
+            hugepages: false,
+            ttl: None,
+            labels: Default::default(),
+        })
+        .unwrap()
+}
+
+fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
+    s.node
+        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into() })
+        .unwrap()
+}
+
+fn fill(r: &Region, seed: u8) -> Vec<u8> {
+    let data: Vec<u8> = (0..r.length).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    r.memory.write_at(0, &data).unwrap();
+    data
+}
+
+fn bytes(r: &Region) -> Vec<u8> {
+    let mut v = vec![0u8; r.length as usize];
+    r.memory.read_at(0, &mut v).unwrap();
+    v
+}
+
+fn wr(id: u64, op: WrOp, local: &Region, local_off: u64, len: u32, g: &Grant, remote_off: u64, signaled: bool) -> WorkRequest {
+    WorkRequest {
+        wr_id: id,
+        op,
+        local: local.registration.clone(),
+        local_offset: local_off,
+        len,
+        remote_addr: g.exposure.addr + remote_off,
+        remote_key: g.exposure.key.clone(),
+        signaled,
+    }
+}
+
+async fn next(rx: &mut mpsc::UnboundedReceiver<Completion>) -> Completion {
+    tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("completion within 20 s").expect("sink open")
+}
+
+#[tokio::test]
+async fn write_then_read_roundtrip_with_selective_signalling() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 1 << 20, Access::ReadWrite);
+    let back = region(&a, "back", 1 << 20, Access::ReadWrite);
+    let dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let data = fill(&src, 7);
+    let (conn, mut rx) = connect(&a, &b, 2, 16).await;
+    let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None);
+    // 16 chunks of 64 KiB striped over 2 QPs; only the last on each QP is signaled.
+    for i in 0..16u64 {
+        let qp = (i % 2) as usize;
+        conn.post(qp, wr(i, WrOp::Write, &src, i << 16, 1 << 16, &gw, i << 16, i >= 14)).unwrap();
+    }
+    let mut got = vec![next(&mut rx).await, next(&mut rx).await];
+    got.sort_by_key(|c| c.wr_id);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(14, WcStatus::Success), (15, WcStatus::Success)]);
+    assert!(bytes(&dst) == data, "WRITE must land every byte");
+
+    let gr = grant(&b, "dst", 0, 1 << 20, RemoteOp::Read, None);
+    conn.post(0, wr(100, WrOp::Read, &back, 0, 1 << 20, &gr, 0, true)).unwrap();
+    let c = next(&mut rx).await;
+    assert_eq!((c.wr_id, c.status), (100, WcStatus::Success));
+    assert!(bytes(&back) == data, "READ must bring every byte back");
+    assert!(!conn.is_broken());
+}
+
+#[tokio::test]
+async fn write_past_the_grant_is_refused_and_bytes_past_it_are_unchanged() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 64 << 10, Access::ReadWrite);
+    let dst = region(&b, "dst", 64 << 10, Access::ReadWrite);
+    fill(&src, 1);
+    let before = fill(&dst, 99);
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    // Grant 4 KiB at offset 8 KiB; write 4 KiB + 1 byte.
+    let g = grant(&b, "dst", 8192, 4096, RemoteOp::Write, None);
+    conn.post(0, wr(1, WrOp::Write, &src, 0, 4097, &g, 0, true)).unwrap();
+    let c = next(&mut rx).await;
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemAccessErr));
+    let after = bytes(&dst);
+    assert!(after[..8192] == before[..8192] && after[12288..] == before[12288..], "bytes outside the grant changed");
+    assert!(conn.is_broken(), "a QP that hit an error is broken");
+}
+
+#[tokio::test]
+async fn grant_for_read_does_not_allow_write_and_vice_versa() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 8192, Access::ReadWrite);
+    let dst = region(&b, "dst", 8192, Access::ReadWrite);
+    fill(&src, 1);
+    let before = fill(&dst, 2);
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Read, None);
+    conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
+    assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
+    assert!(bytes(&dst) == before);
+
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    conn.post(0, wr(2, WrOp::Read, &src, 0, 4096, &g, 0, true)).unwrap();
+    assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
+}
+
+#[tokio::test]
+async fn region_access_ceiling_is_enforced_at_grant_time() {
+    let b = side("b", 'B').await;
+    region(&b, "ro", 4096, Access::Read);
+    region(&b, "wo", 4096, Access::Write);
+    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into() };
+    assert!(b.node.grant(&p("ro", RemoteOp::Write)).is_err(), "read-only region must not be granted for WRITE");
+    assert!(b.node.grant(&p("wo", RemoteOp::Read)).is_err(), "write-only region must not be granted for READ");
+    assert!(b.node.grant(&p("ro", RemoteOp::Read)).is_ok());
+}
+
+#[tokio::test]
+async fn revoked_grant_key_is_dead() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 8192, Access::ReadWrite);
+    let dst = region(&b, "dst", 8192, Access::ReadWrite);
+    fill(&src, 5);
+    let before = fill(&dst, 6);
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    let (addr, key) = (g.exposure.addr, g.exposure.key.clone());
+    b.node.grants.revoke(&g.id);
+    drop(g);
+    let w = WorkRequest {
+        wr_id: 9,
+        op: WrOp::Write,
+        local: src.registration.clone(),
+        local_offset: 0,
+        len: 4096,
+        remote_addr: addr,
+        remote_key: key,
+        signaled: true,
+    };
+    conn.post(0, w).unwrap();
+    assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
+    assert!(bytes(&dst) == before);
+}
+
+#[tokio::test]
+async fn expired_grant_is_refused() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 8192, Access::ReadWrite);
+    let dst = region(&b, "dst", 8192, Access::ReadWrite);
+    let before = fill(&dst, 6);
+    fill(&src, 1);
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, Some(Duration::from_millis(200)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.node.grants.reap(std::time::SystemTime::now());
+    conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
+    assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
+    assert!(bytes(&dst) == before);
+}
+
+#[tokio::test]
+async fn after_an_error_later_work_requests_are_flushed_not_failed() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 1 << 16, Access::ReadWrite);
+    region(&b, "dst", 1 << 16, Access::ReadWrite);
+    fill(&src, 3);
+    let (conn, mut rx) = connect(&a, &b, 1, 16).await;
+    let g = grant(&b, "dst", 0, 4096, RemoteOp::Write, None);
+    conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
+    conn.post(0, wr(2, WrOp::Write, &src, 0, 8192, &g, 0, true)).unwrap(); // past the grant
+    let mut posted = 2;
+    for id in 3..6 {
+        if conn.post(0, wr(id, WrOp::Write, &src, 0, 1024, &g, 0, true)).is_ok() {
+            posted += 1;
+        }
+    }
+    let first = next(&mut rx).await;
+    assert_eq!((first.wr_id, first.status), (1, WcStatus::Success));
+    let second = next(&mut rx).await;
+    assert_eq!((second.wr_id, second.status), (2, WcStatus::RemAccessErr));
+    for _ in 2..posted {
+        let c = next(&mut rx).await;
+        assert_eq!(c.status, WcStatus::WrFlushErr, "WRs after the first error are flushed: {c:?}");
+    }
+    assert!(conn.post(0, wr(9, WrOp::Write, &src, 0, 16, &g, 0, true)).is_err() || next(&mut rx).await.status == WcStatus::WrFlushErr);
+}
+
+#[tokio::test]
+async fn local_range_is_checked_at_post() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 4096, Access::ReadWrite);
+    region(&b, "dst", 8192, Access::ReadWrite);
+    let (conn, _rx) = connect(&a, &b, 1, 8).await;
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    assert!(conn.post(0, wr(1, WrOp::Write, &src, 1, 4096, &g, 0, true)).is_err());
+    assert!(conn.post(5, wr(1, WrOp::Write, &src, 0, 16, &g, 0, true)).is_err(), "no such QP");
+}
