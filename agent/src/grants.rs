@@ -53,7 +53,12 @@ impl std::fmt::Debug for Grant {
 struct Inner {
     by_id: HashMap<String, Arc<Grant>>,
     by_token: HashMap<[u8; 16], Arc<Grant>>,
+    /// Ids of grants the reaper removed, so a late `Complete`/`Revoke` hears "expired" rather
+    /// than "not found". Bounded (oldest forgotten first).
+    expired: std::collections::VecDeque<String>,
 }
+
+const EXPIRED_MEMORY: usize = 4096;
 
 /// All live grants of this agent. A std RwLock: lookups happen per TCP frame and never await.
 pub struct GrantTable {
@@ -92,7 +97,15 @@ impl GrantTable {
 
     /// Looks a grant up for `peer`, refusing expired grants and grants of other peers.
     pub fn get(&self, id: &str, peer: &str, now: SystemTime) -> Result<Arc<Grant>, GrantError> {
-        let g = self.read().by_id.get(id).cloned().ok_or_else(|| GrantError::NotFound(id.to_string()))?;
+        let found = {
+            let inner = self.read();
+            match inner.by_id.get(id) {
+                Some(g) => Ok(g.clone()),
+                None if inner.expired.iter().any(|x| x == id) => Err(GrantError::Expired(id.to_string())),
+                None => Err(GrantError::NotFound(id.to_string())),
+            }
+        };
+        let g = found?;
         if g.peer != peer {
             return Err(GrantError::WrongPeer(id.to_string()));
         }
@@ -120,7 +133,17 @@ impl GrantTable {
 
     /// Drops grants whose expiry passed.
     pub fn reap(&self, now: SystemTime) -> usize {
-        self.remove_where(|g| g.expires_at <= now).len()
+        let gone = self.remove_where(|g| g.expires_at <= now);
+        if !gone.is_empty() {
+            let mut inner = self.write();
+            for g in &gone {
+                inner.expired.push_back(g.id.clone());
+            }
+            while inner.expired.len() > EXPIRED_MEMORY {
+                inner.expired.pop_front();
+            }
+        }
+        gone.len()
     }
 
     pub fn len(&self) -> usize {

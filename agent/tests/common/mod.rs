@@ -1,0 +1,228 @@
+//! Test harness: real `xfer-agent` processes on 127.0.0.1 with free ports and temp state dirs,
+//! driven by the real `xferctl` binary and by real gRPC clients.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+use xfer_proto::v1 as pb;
+use xfer_proto::v1::agent_client::AgentClient;
+use xfer_proto::v1::peer_client::PeerClient;
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn agent_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_xfer-agent"))
+}
+
+/// `xferctl` is built next to `xfer-agent` (`make test` builds all binaries first).
+pub fn xferctl_bin() -> PathBuf {
+    let p = agent_bin().with_file_name("xferctl");
+    assert!(p.exists(), "{} missing: run `cargo build --workspace --bins` first (make test does)", p.display());
+    p
+}
+
+pub struct Ports {
+    pub grpc: u16,
+    pub metrics: u16,
+    pub data: u16,
+}
+
+impl Ports {
+    pub fn new() -> Ports {
+        Ports { grpc: free_port(), metrics: free_port(), data: free_port() }
+    }
+}
+
+pub struct Agent {
+    pub name: String,
+    pub child: Option<Child>,
+    pub ports: Ports,
+    pub state_dir: PathBuf,
+    pub log: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Agent {
+    pub fn start(name: &str) -> Agent {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let mut a = Agent::start_with(name, &state, Ports::new(), &[]);
+        a._tmp = Some(tmp);
+        a
+    }
+
+    pub fn start_with(name: &str, state_dir: &Path, ports: Ports, extra: &[&str]) -> Agent {
+        std::fs::create_dir_all(state_dir).unwrap();
+        let log = state_dir.with_extension(format!("{name}.log"));
+        let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let child = Command::new(agent_bin())
+            .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
+            .arg(state_dir)
+            .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
+            .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
+            .args(["--data-listen", &format!("127.0.0.1:{}", ports.data)])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .unwrap();
+        let mut a = Agent { name: name.into(), child: Some(child), ports, state_dir: state_dir.to_path_buf(), log, _tmp: None };
+        a.wait_ready();
+        a
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ports.grpc)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if std::net::TcpStream::connect(self.addr()).is_ok() {
+                return;
+            }
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("agent {} exited early with {st}: {}", self.name, self.logs());
+            }
+            assert!(Instant::now() < deadline, "agent {} not ready: {}", self.name, self.logs());
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    pub async fn client(&self) -> AgentClient<Channel> {
+        let ch = Channel::from_shared(format!("http://{}", self.addr())).unwrap().connect().await.unwrap();
+        AgentClient::new(ch).max_decoding_message_size(64 << 20)
+    }
+
+    pub async fn peer_client(&self) -> PeerClient<Channel> {
+        let ch = Channel::from_shared(format!("http://{}", self.addr())).unwrap().connect().await.unwrap();
+        PeerClient::new(ch)
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait; returns the exit code.
+    pub fn terminate(&mut self) -> Option<i32> {
+        let mut c = self.child.take()?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(40);
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.code();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("agent {} did not exit after SIGTERM: {}", self.name, self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Runs xferctl against this agent.
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(xferctl_bin()).arg("--agent").arg(self.addr()).args(args).stdin(Stdio::null()).output().unwrap()
+    }
+
+    pub async fn create(&self, name: &str, len: u64, access: pb::Access) -> pb::Region {
+        self.client()
+            .await
+            .create_region(pb::CreateRegionRequest {
+                name: name.into(),
+                length: len,
+                kind: pb::RegionKind::Anonymous as i32,
+                access: access as i32,
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|s| panic!("create {name}: {s}"))
+            .into_inner()
+    }
+
+    pub async fn put(&self, region: &str, offset: u64, data: &[u8]) {
+        let msgs: Vec<pb::WriteRegionRequest> = data
+            .chunks(1 << 20)
+            .enumerate()
+            .map(|(i, c)| pb::WriteRegionRequest {
+                region: if i == 0 { region.into() } else { String::new() },
+                offset: if i == 0 { offset } else { 0 },
+                data: c.to_vec(),
+            })
+            .collect();
+        self.client().await.write_region(futures::stream::iter(msgs)).await.unwrap();
+    }
+
+    pub async fn read(&self, region: &str, offset: u64, len: u64) -> Vec<u8> {
+        let mut s = self
+            .client()
+            .await
+            .read_region(pb::ReadRegionRequest { region: region.into(), offset, length: len })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(m) = s.message().await.unwrap() {
+            out.extend_from_slice(&m.data);
+        }
+        out
+    }
+
+    /// Submits a transfer and waits for its terminal record.
+    pub async fn transfer(&self, req: pb::SubmitTransferRequest) -> Result<pb::Transfer, tonic::Status> {
+        let mut c = self.client().await;
+        let t = c.submit_transfer(req).await?.into_inner();
+        let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await?.into_inner();
+        let mut last = t;
+        while let Some(m) = w.message().await? {
+            last = m;
+        }
+        Ok(last)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn write_req(local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
+    pb::SubmitTransferRequest {
+        op: pb::Op::Write as i32,
+        local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
+        remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
+        length: len,
+        options: None,
+    }
+}
+
+pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn stderr_lines(o: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&o.stderr).lines().filter(|l| !l.trim().is_empty()).map(String::from).collect()
+}

@@ -1,0 +1,380 @@
+//! End-to-end tests: real `xfer-agent` binaries on loopback (tcp fabric), real `xferctl`, real
+//! gRPC clients. Each bad input gets a clear status and changes no byte outside its range.
+mod common;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use common::*;
+use tonic::Code;
+use xfer_proto::v1 as pb;
+
+fn s(o: &std::process::Output) -> String {
+    format!("status {:?}\nstdout: {}\nstderr: {}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_put_cp_write_and_pull_read_get_roundtrip() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    let dir = tempfile::tempdir().unwrap();
+    let data = random_bytes(5 << 20 | 123, 42);
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let n = data.len().to_string();
+
+    for (agent, region) in [(&a, "src"), (&b, "dst"), (&a, "back")] {
+        let o = agent.ctl(&["region", "create", region, "--size", "6MiB"]);
+        assert!(o.status.success(), "{}", s(&o));
+    }
+    let o = a.ctl(&["put", input.to_str().unwrap(), "src"]);
+    assert!(o.status.success(), "{}", s(&o));
+
+    // WRITE initiated by A (holds SRC), verified end to end, chunked and pipelined.
+    let dst = format!("{}:dst", b.addr());
+    let o = a.ctl(&["--json", "cp", "src", &dst, "--len", &n, "--verify", "--chunk", "256KiB", "--depth", "4"]);
+    assert!(o.status.success(), "{}", s(&o));
+    let rec: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("json: {e}: {}", s(&o)));
+    assert_eq!(rec["state"], "succeeded", "{rec}");
+    assert_eq!(rec["bytes_done"].as_u64(), Some(data.len() as u64), "{rec}");
+    assert_eq!(rec["verified"], true, "{rec}");
+
+    // READ initiated by A (holds DST) with --pull.
+    let src = format!("{}:dst", b.addr());
+    let o = a.ctl(&["cp", &src, "back", "--len", &n, "--pull"]);
+    assert!(o.status.success(), "{}", s(&o));
+    let line = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(line.contains("GiB/s"), "final line with rate: {line}");
+
+    let out = dir.path().join("out.bin");
+    let o = a.ctl(&["get", "back", "--len", &n, out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", s(&o));
+    assert!(std::fs::read(&out).unwrap() == data, "bytes after WRITE then READ differ");
+
+    // The target recorded the inbound WRITE (Peer.Complete).
+    let list = b.client().await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner();
+    assert!(list.transfers.iter().any(|t| t.inbound && t.bytes_done == data.len() as u64 && t.verified), "{list:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_transfer_inputs_get_clear_statuses_and_change_nothing() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    a.create("src", 1 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    b.create("ro", 1 << 20, pb::Access::Read).await;
+    b.create("wo", 1 << 20, pb::Access::Write).await;
+    a.put("src", 0, &random_bytes(1 << 20, 1)).await;
+    let before = random_bytes(1 << 20, 2);
+    for r in ["dst", "ro", "wo"] {
+        b.put(r, 0, &before).await;
+    }
+    let req = |local: &str, remote: &str, op: pb::Op, loff: u64, roff: u64, len: u64| pb::SubmitTransferRequest {
+        op: op as i32,
+        local: Some(pb::LocalRange { region: local.into(), offset: loff }),
+        remote: Some(pb::RemoteRange { agent: b.addr(), region: remote.into(), offset: roff }),
+        length: len,
+        options: None,
+    };
+    let mut c = a.client().await;
+    let cases: Vec<(&str, pb::SubmitTransferRequest, Code)> = vec![
+        ("unknown local region", req("nope", "dst", pb::Op::Write, 0, 0, 10), Code::NotFound),
+        ("unknown remote region", req("src", "nope", pb::Op::Write, 0, 0, 10), Code::NotFound),
+        ("local range past the end", req("src", "dst", pb::Op::Write, 1 << 19, 0, (1 << 19) + 1), Code::InvalidArgument),
+        ("remote range past the end", req("src", "dst", pb::Op::Write, 0, (1 << 20) - 10, 11), Code::InvalidArgument),
+        ("offset + length overflows u64", req("src", "dst", pb::Op::Write, 0, u64::MAX - 5, 10), Code::InvalidArgument),
+        ("local offset overflows", req("src", "dst", pb::Op::Write, u64::MAX, 0, 2), Code::InvalidArgument),
+        ("zero length", req("src", "dst", pb::Op::Write, 1 << 20, 0, 0), Code::InvalidArgument),
+        ("write into a read-only region", req("src", "ro", pb::Op::Write, 0, 0, 4096), Code::PermissionDenied),
+        ("read from a write-only region", req("src", "wo", pb::Op::Read, 0, 0, 4096), Code::PermissionDenied),
+        ("op unspecified", req("src", "dst", pb::Op::Unspecified, 0, 0, 4096), Code::InvalidArgument),
+    ];
+    for (what, r, code) in cases {
+        let e = c.submit_transfer(r).await.expect_err(what);
+        assert_eq!(e.code(), code, "{what}: {e:?}");
+        assert!(!e.message().is_empty(), "{what}: empty message");
+    }
+    // Unreachable peer.
+    let mut r = req("src", "dst", pb::Op::Write, 0, 0, 10);
+    r.remote.as_mut().unwrap().agent = format!("127.0.0.1:{}", free_port());
+    let e = c.submit_transfer(r).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+
+    for r in ["dst", "ro", "wo"] {
+        assert!(b.read(r, 0, 1 << 20).await == before, "region {r} changed after refused transfers");
+    }
+    // The agents keep serving.
+    assert!(a.client().await.get_info(pb::GetInfoRequest {}).await.is_ok());
+
+    // The CLI says it in one line with a script-friendly exit code.
+    let o = a.ctl(&["cp", "nope", &format!("{}:dst", b.addr())]);
+    assert_eq!(o.status.code(), Some(3), "{}", s(&o));
+    assert_eq!(stderr_lines(&o).len(), 1, "{}", s(&o));
+    let o = a.ctl(&["cp", "src", &format!("{}:ro", b.addr()), "--len", "4KiB"]);
+    assert_eq!(o.status.code(), Some(5), "{}", s(&o));
+    assert_eq!(stderr_lines(&o).len(), 1, "{}", s(&o));
+    let o = a.ctl(&["cp", "src", &format!("127.0.0.1:{}:dst", free_port())]);
+    assert_eq!(o.status.code(), Some(8), "{}", s(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_region_inputs_get_clear_statuses() {
+    let a = Agent::start("node-a");
+    let mut c = a.client().await;
+    let dir = tempfile::tempdir().unwrap();
+    let short = dir.path().join("short.bin");
+    std::fs::write(&short, vec![0u8; 100]).unwrap();
+    let mk = |name: &str, len: u64, kind: pb::RegionKind, path: &str| pb::CreateRegionRequest {
+        name: name.into(),
+        length: len,
+        kind: kind as i32,
+        path: path.into(),
+        ..Default::default()
+    };
+    c.create_region(mk("r1", 4096, pb::RegionKind::Anonymous, "")).await.unwrap();
+    let cases = vec![
+        ("duplicate name", mk("r1", 4096, pb::RegionKind::Anonymous, ""), Code::AlreadyExists),
+        ("zero length", mk("r2", 0, pb::RegionKind::Anonymous, ""), Code::InvalidArgument),
+        ("bad name", mk("a/b", 10, pb::RegionKind::Anonymous, ""), Code::InvalidArgument),
+        ("file on a missing path", mk("f1", 4096, pb::RegionKind::File, "/nonexistent/xfer/file"), Code::InvalidArgument),
+        ("file too short", mk("f2", 4096, pb::RegionKind::File, short.to_str().unwrap()), Code::InvalidArgument),
+        ("file without a path", mk("f3", 4096, pb::RegionKind::File, ""), Code::InvalidArgument),
+    ];
+    for (what, r, code) in cases {
+        let e = c.create_region(r).await.expect_err(what);
+        assert_eq!(e.code(), code, "{what}: {e:?}");
+    }
+    let e = c.get_region(pb::GetRegionRequest { name: "nope".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c.delete_region(pb::DeleteRegionRequest { name: "nope".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c.read_region(pb::ReadRegionRequest { region: "r1".into(), offset: 4000, length: 200 }).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(std::fs::read(&short).unwrap(), vec![0u8; 100], "short file untouched");
+
+    let o = a.ctl(&["region", "create", "r1", "--size", "4KiB"]);
+    assert_eq!(o.status.code(), Some(13), "{}", s(&o));
+    assert_eq!(stderr_lines(&o).len(), 1, "{}", s(&o));
+    let o = a.ctl(&["region", "create", "f9", "--size", "4KiB", "--kind", "file", "--path", "/nonexistent/x"]);
+    assert_eq!(o.status.code(), Some(4), "{}", s(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"), "{}", s(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_grant_is_failed_precondition() {
+    let b = Agent::start("node-b");
+    b.create("dst", 8192, pb::Access::ReadWrite).await;
+    let mut p = b.peer_client().await;
+    let g = p
+        .grant(pb::GrantRequest {
+            region: "dst".into(),
+            offset: 0,
+            length: 4096,
+            op: pb::Access::Write as i32,
+            ttl: Some(prost_types::Duration { seconds: 0, nanos: 200_000_000 }),
+            node_name: "node-a".into(),
+            connection_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.token.len(), 16, "tcp grants carry a 128-bit token");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let e = p
+        .complete(pb::CompleteRequest {
+            transfer_id: "t".into(),
+            grant_id: g.grant_id.clone(),
+            bytes: 4096,
+            op: pb::Op::Write as i32,
+            node_name: "node-a".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("expired"), "{e:?}");
+    // And the data plane refuses the expired token.
+    let info = b.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
+    let status = raw_write(&info.data_address, token, g.addr, b"x").0;
+    assert_eq!(status, 10, "REM_ACCESS_ERR for an expired grant");
+}
+
+/// Sends one WRITE frame on a fresh data connection; returns (NAK/ACK status, kind).
+fn raw_write(data_addr: &str, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, u8) {
+    let mut s = std::net::TcpStream::connect(data_addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = [0u8; 44];
+    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
+    h[4] = 1; // WRITE
+    h[5] = 1; // ACK requested
+    h[8..16].copy_from_slice(&7u64.to_le_bytes());
+    h[16..24].copy_from_slice(&addr.to_le_bytes());
+    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[28..44].copy_from_slice(&token);
+    s.write_all(&h).unwrap();
+    s.write_all(payload).unwrap();
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    (u16::from_le_bytes([r[6], r[7]]), r[4])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_and_forged_tokens_on_the_data_port_are_refused() {
+    let b = Agent::start("node-b");
+    let region = b.create("dst", 65536, pb::Access::ReadWrite).await;
+    let before = random_bytes(65536, 9);
+    b.put("dst", 0, &before).await;
+    let info = b.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+
+    // Garbage: NAK with REM_INV_REQ_ERR, then the connection is closed.
+    let mut s = std::net::TcpStream::connect(&info.data_address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&[0xde; 64]).unwrap();
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[4], 5, "NAK");
+    assert_eq!(u16::from_le_bytes([r[6], r[7]]), 9, "REM_INV_REQ_ERR");
+    let mut rest = Vec::new();
+    assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "connection closed after garbage");
+
+    // A forged token aimed at the region's real address: NAK REM_ACCESS_ERR, nothing written.
+    let (status, kind) = raw_write(&info.data_address, [0x41; 16], region.addr + 100, &[0xff; 4096]);
+    assert_eq!((kind, status), (5, 10));
+    assert!(b.read("dst", 0, 65536).await == before, "forged frame changed region bytes");
+    assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok(), "agent keeps serving");
+}
+
+fn slow(req: &mut pb::SubmitTransferRequest) {
+    // 4 KiB chunks, one outstanding: long enough to act on mid-transfer.
+    req.options = Some(pb::TransferOptions { chunk_size: 4096, depth: 1, qps: 1, ..Default::default() });
+}
+
+async fn wait_running(a: &Agent, id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let t = a.client().await.get_transfer(pb::GetTransferRequest { id: id.into() }).await.unwrap().into_inner();
+        if t.bytes_done > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "transfer never progressed: {t:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_restart() {
+    let a = Agent::start("node-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let b_state = tmp.path().join("b");
+    let b_ports = Ports::new();
+    let (bg, bm, bd) = (b_ports.grpc, b_ports.metrics, b_ports.data);
+    let mut b = Agent::start_with("node-b", &b_state, b_ports, &[]);
+    a.create("src", 512 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 512 << 20, pb::Access::ReadWrite).await;
+    let mut req = write_req("src", &b, "dst", 0);
+    slow(&mut req);
+    let mut c = a.client().await;
+    let t = c.submit_transfer(req).await.unwrap().into_inner();
+    wait_running(&a, &t.id).await;
+    b.kill9();
+    let killed = Instant::now();
+    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
+    let mut last = None;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(10), w.message()).await.expect("no hang") {
+        last = Some(m);
+    }
+    let last = last.unwrap();
+    assert_eq!(last.state, pb::TransferState::Failed as i32, "{last:?}");
+    assert!(killed.elapsed() < Duration::from_secs(5), "FAILED took {:?}", killed.elapsed());
+    assert!(!last.error.is_empty() && !last.error_code.is_empty(), "{last:?}");
+
+    // The peer comes back on the same address: the next transfer reconnects by itself.
+    let b = Agent::start_with("node-b", &b_state, Ports { grpc: bg, metrics: bm, data: bd }, &[]);
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let data = random_bytes(1 << 20, 77);
+    a.put("src", 0, &data).await;
+    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+    assert!(b.read("dst", 0, 1 << 20).await == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reports_cancelled() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    a.create("src", 256 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 256 << 20, pb::Access::ReadWrite).await;
+    let mut req = write_req("src", &b, "dst", 0);
+    slow(&mut req);
+    let t = a.client().await.submit_transfer(req).await.unwrap().into_inner();
+    wait_running(&a, &t.id).await;
+    let o = a.ctl(&["transfer", "cancel", &t.id]);
+    assert!(o.status.success(), "{}", s(&o));
+    let o = a.ctl(&["transfer", "watch", &t.id]);
+    assert_eq!(o.status.code(), Some(11), "watch of a cancelled transfer exits 11: {}", s(&o));
+    let t = a.client().await.get_transfer(pb::GetTransferRequest { id: t.id }).await.unwrap().into_inner();
+    assert_eq!(t.state, pb::TransferState::Cancelled as i32);
+    assert!(t.bytes_done < t.length);
+    // The pool still works after a cancel.
+    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_file_and_shm_regions_with_their_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let file = tmp.path().join("weights.bin");
+    std::fs::write(&file, vec![0u8; 3 << 20]).unwrap();
+    let ports = Ports::new();
+    let (g, m, d) = (ports.grpc, ports.metrics, ports.data);
+    let shm_name = format!("xfer-test-{}", std::process::id());
+    let mut a = Agent::start_with("node-a", &state, ports, &[]);
+    let o = a.ctl(&["region", "create", "weights", "--size", "2MiB", "--kind", "file", "--path", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", s(&o));
+    let o = a.ctl(&["region", "create", "kv", "--size", "1MiB", "--kind", "shm", "--path", &shm_name]);
+    assert!(o.status.success(), "{}", s(&o));
+    a.create("scratch", 4096, pb::Access::ReadWrite).await;
+    let data = random_bytes(2 << 20, 5);
+    let kv = random_bytes(1 << 20, 6);
+    a.put("weights", 0, &data).await;
+    a.put("kv", 0, &kv).await;
+    assert_eq!(a.terminate(), Some(0), "clean exit on SIGTERM: {}", a.logs());
+    // A file region is a shared mapping: the bytes are in the file.
+    assert!(std::fs::read(&file).unwrap()[..2 << 20] == data[..]);
+
+    let a = Agent::start_with("node-a", &state, Ports { grpc: g, metrics: m, data: d }, &[]);
+    let list = a.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner();
+    let names: Vec<&str> = list.regions.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, vec!["kv", "weights"], "file and shm regions come back; anonymous ones do not");
+    assert!(a.read("weights", 0, 2 << 20).await == data);
+    assert!(a.read("kv", 0, 1 << 20).await == kv);
+    let o = a.ctl(&["region", "delete", "kv"]);
+    assert!(o.status.success(), "{}", s(&o));
+    assert!(!std::path::Path::new("/dev/shm").join(&shm_name).exists(), "agent-created shm object removed on delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn region_lease_expires() {
+    let a = Agent::start("node-a");
+    let o = a.ctl(&["region", "create", "tmp", "--size", "4KiB", "--ttl", "300ms"]);
+    assert!(o.status.success(), "{}", s(&o));
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let e = a.client().await.get_region(pb::GetRegionRequest { name: "tmp".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_reflection_are_served() {
+    let a = Agent::start("node-a");
+    let ch = tonic::transport::Channel::from_shared(format!("http://{}", a.addr())).unwrap().connect().await.unwrap();
+    let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
+    let r = h
+        .check(tonic_health::pb::HealthCheckRequest { service: "xfer.v1.Agent".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    let info = a.ctl(&["--json", "info"]);
+    assert!(info.status.success(), "{}", s(&info));
+    let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(v["node_name"], "node-a", "{v}");
+}
