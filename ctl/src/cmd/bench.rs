@@ -53,10 +53,29 @@ pub struct Opt {
     pub baseline: Option<Baseline>,
 }
 
-/// Bytes the TCP baseline streams: at least 256 MiB, and 16× the largest message size.
+/// Bytes the TCP baseline streams per run: at least 1 GiB, and 16× the largest message size.
+/// Short runs on a shared 2-core machine were seen to vary by ±30 %.
 pub fn baseline_bytes(sizes: &[u64]) -> u64 {
     let largest = sizes.iter().copied().max().unwrap_or(0);
-    largest.saturating_mul(16).max(256 << 20)
+    largest.saturating_mul(16).max(1 << 30)
+}
+
+/// The baseline is measured this many times, interleaved with the sizes (before, between,
+/// after), and the median run is reported, so a noisy moment skews neither side alone.
+const BASELINE_RUNS: usize = 3;
+
+fn median_run(mut runs: Vec<TcpBaselineResponse>) -> Option<TcpBaselineResponse> {
+    runs.sort_by(|a, b| gbit(a).total_cmp(&gbit(b)));
+    let mid = runs.len() / 2;
+    runs.into_iter().nth(mid)
+}
+
+fn gbit(b: &TcpBaselineResponse) -> f64 {
+    if b.gbit_per_s > 0.0 {
+        b.gbit_per_s
+    } else {
+        gbit_per_s(b.bytes, b.seconds)
+    }
 }
 
 /// Bandwidth in Gb/s, from the agent's figure or recomputed from bytes and seconds.
@@ -106,7 +125,7 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
     let mut out = t.render();
     if let Some(b) = baseline {
         out.push_str(&format!(
-            "# tcp baseline: {} bytes in {:.3} s = {:.2} Gb/s\n",
+            "# tcp baseline (median of {BASELINE_RUNS} runs): {} bytes in {:.3} s = {:.2} Gb/s\n",
             b.bytes, b.seconds, b.gbit_per_s
         ));
     }
@@ -122,8 +141,32 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         OpArg::Write => Op::Write,
         OpArg::Read => Op::Read,
     };
+    let baseline_req = TcpBaselineRequest {
+        peer: opt.peer.clone(),
+        bytes: baseline_bytes(&opt.sizes),
+        connections: opt.qps.unwrap_or(1).max(1),
+        block: 0,
+    };
+    let mut base_runs = Vec::new();
+    // Baseline runs go before the first size, in the middle and after the last.
+    let base_at: Vec<usize> = match opt.baseline {
+        Some(Baseline::Tcp) => vec![0, opt.sizes.len() / 2, opt.sizes.len()],
+        None => Vec::new(),
+    };
     let mut rows = Vec::new();
-    for &size in &opt.sizes {
+    for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
+        for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
+            base_runs.push(
+                client
+                    .tcp_baseline(baseline_req.clone())
+                    .await
+                    .with_context(|| format!("TCP baseline to {}", opt.peer))?
+                    .into_inner(),
+            );
+        }
+        if i == opt.sizes.len() {
+            break;
+        }
         let r = client
             .bench(BenchRequest {
                 peer: opt.peer.clone(),
@@ -145,21 +188,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             .into_inner();
         rows.push(r);
     }
-    let baseline = match opt.baseline {
-        Some(Baseline::Tcp) => Some(
-            client
-                .tcp_baseline(TcpBaselineRequest {
-                    peer: opt.peer.clone(),
-                    bytes: baseline_bytes(&opt.sizes),
-                    connections: opt.qps.unwrap_or(1).max(1),
-                    block: 0,
-                })
-                .await
-                .with_context(|| format!("TCP baseline to {}", opt.peer))?
-                .into_inner(),
-        ),
-        None => None,
-    };
+    let baseline = median_run(base_runs);
     if ctx.json {
         ctx.print_json(&json_doc(
             &ctx.agent,
@@ -227,9 +256,9 @@ mod tests {
 
     #[test]
     fn baseline_size() {
-        assert_eq!(baseline_bytes(&[4096]), 256 << 20);
-        assert_eq!(baseline_bytes(&[4096, 64 << 20]), 1 << 30);
-        assert_eq!(baseline_bytes(&[]), 256 << 20);
+        assert_eq!(baseline_bytes(&[4096]), 1 << 30);
+        assert_eq!(baseline_bytes(&[4096, 128 << 20]), 2 << 30);
+        assert_eq!(baseline_bytes(&[]), 1 << 30);
         assert_eq!(baseline_bytes(&[u64::MAX]), u64::MAX);
     }
 

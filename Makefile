@@ -1,0 +1,45 @@
+# xfer — build, test, demo and benchmarks. `make test` is the one test command (CI runs it).
+CARGO ?= cargo
+SETUP_STAMP := target/.setup-done
+
+.PHONY: all build release test test-rust clippy lint-manifests demo bench test-rxe bench-rxe setup fmt clean
+
+all: build
+
+$(SETUP_STAMP): scripts/setup
+	scripts/setup
+	@mkdir -p target && touch $(SETUP_STAMP)
+
+setup: $(SETUP_STAMP)
+
+build: $(SETUP_STAMP)
+	$(CARGO) build --workspace --bins
+
+release: $(SETUP_STAMP)
+	$(CARGO) build --release --workspace --bins
+
+# The whole suite: unit + integration tests (real agents on loopback), clippy, manifests.
+test: $(SETUP_STAMP)
+	$(CARGO) build --workspace --bins
+	$(CARGO) test --workspace
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	scripts/validate-manifests
+
+demo: release
+	target/release/xferctl demo
+
+# TCP fabric vs raw TCP on loopback, same run; table + JSON in target/bench/.
+bench: release
+	scripts/bench-tcp
+
+test-rxe: $(SETUP_STAMP)
+	scripts/rxe-test
+
+bench-rxe: $(SETUP_STAMP)
+	scripts/rxe-bench
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
