@@ -57,6 +57,9 @@ pub struct BenchResult {
     pub lat_iters: u32,
 }
 
+/// (peer node name, keepalive of the responder's QPs)
+type AcceptedConn = (String, Box<dyn Accepted>);
+
 pub struct Node {
     pub config: Config,
     pub fabric: Arc<dyn Fabric>,
@@ -69,7 +72,7 @@ pub struct Node {
     /// Random per start: peers use it to notice this agent restarted.
     pub instance_id: String,
     /// Responder halves of connections, by connection id (peer node, keepalive).
-    accepted: Mutex<HashMap<String, (String, Box<dyn Accepted>)>>,
+    accepted: Mutex<HashMap<String, AcceptedConn>>,
     /// Cancelled on SIGTERM: refuse new transfers.
     pub draining: CancellationToken,
 }

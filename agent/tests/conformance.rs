@@ -4,6 +4,7 @@
 //! `XFER_TEST_FABRIC=tcp` (default) uses the TCP fabric on 127.0.0.1. `XFER_TEST_FABRIC=verbs`
 //! uses the verbs fabric on the devices named by `XFER_RXE_A_DEV`/`XFER_RXE_B_DEV` with
 //! addresses `XFER_RXE_A`/`XFER_RXE_B` (set by `scripts/rxe-vm` inside the Soft-RoCE VM).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -93,6 +94,7 @@ fn bytes(r: &Region) -> Vec<u8> {
     v
 }
 
+#[allow(clippy::too_many_arguments)]
 fn wr(id: u64, op: WrOp, local: &Region, local_off: u64, len: u32, g: &Grant, remote_off: u64, signaled: bool) -> WorkRequest {
     WorkRequest {
         wr_id: id,
@@ -124,7 +126,7 @@ async fn write_then_read_roundtrip_with_selective_signalling() {
         let qp = (i % 2) as usize;
         conn.post(qp, wr(i, WrOp::Write, &src, i << 16, 1 << 16, &gw, i << 16, i >= 14)).unwrap();
     }
-    let mut got = vec![next(&mut rx).await, next(&mut rx).await];
+    let mut got = [next(&mut rx).await, next(&mut rx).await];
     got.sort_by_key(|c| c.wr_id);
     assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(14, WcStatus::Success), (15, WcStatus::Success)]);
     assert!(bytes(&dst) == data, "WRITE must land every byte");

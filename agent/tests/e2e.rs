@@ -1,5 +1,6 @@
 //! End-to-end tests: real `xfer-agent` binaries on loopback (tcp fabric), real `xferctl`, real
 //! gRPC clients. Each bad input gets a clear status and changes no byte outside its range.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 mod common;
 
 use std::io::{Read, Write};

@@ -1,5 +1,6 @@
 //! Test harness: real `xfer-agent` processes on 127.0.0.1 with free ports and temp state dirs,
 //! driven by the real `xferctl` binary and by real gRPC clients.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::net::TcpListener;
