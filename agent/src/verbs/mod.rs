@@ -1,5 +1,120 @@
 //! The only module with `unsafe`: region memory shared with hardware, and (with the `verbs`
 //! feature) the sideway-based verbs fabric.
+//!
+//! # Why unsafe lives here
+//! RDMA hands raw addresses to a device that reads and writes them behind the compiler's back, and
+//! libibverbs is a C API of raw pointers. Everything that touches either is in this module and
+//! every `unsafe` block carries a `// SAFETY:` note; the rest of the crate is `deny(unsafe_code)`.
+//!
+//! # Layout (feature `verbs`)
+//! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
+//! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
+//! * [`cq`]: a completion queue with its completion channel, polled in batches.
+//! * [`qp`]: an RC queue pair (extended `ibv_wr_*` posting API) and its state transitions.
+//! * [`mr`]: registrations (region MRs) and grant MRs.
+//! * [`connection`]: a set of QPs to one peer, the in-flight list that keeps memory alive, and the
+//!   tokio task that drives the CQ from its channel through `AsyncFd`.
+//! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
+//!
+//! sideway is used for the device list, device context, PD, MRs and the completion channel. The
+//! CQ, QP and MW objects are wrapped here directly over `rdma-mummy-sys` because sideway 0.4 does
+//! not expose CQ events / QP numbers in completions, and its CQ/QP wrappers `assert!` in `Drop` and
+//! `panic!` on unknown enum values — nothing a device or a peer sends may panic the agent.
 #![allow(unsafe_code)]
 
 pub mod memory;
+
+#[cfg(feature = "verbs")]
+pub mod device;
+#[cfg(feature = "verbs")]
+pub mod negotiate;
+#[cfg(feature = "verbs")]
+mod cq;
+#[cfg(feature = "verbs")]
+mod qp;
+#[cfg(feature = "verbs")]
+mod mr;
+#[cfg(feature = "verbs")]
+mod connection;
+#[cfg(feature = "verbs")]
+mod fabric;
+
+#[cfg(feature = "verbs")]
+pub use device::probe;
+#[cfg(feature = "verbs")]
+pub use fabric::VerbsFabric;
+
+/// Settings of the verbs fabric.
+#[cfg(feature = "verbs")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerbsOptions {
+    /// Device name (`mlx5_0`, `rxe0`); `None` = the first device whose `port` is ACTIVE.
+    pub device: Option<String>,
+    /// Port number (1-based).
+    pub port: u8,
+    /// GID index; `None` = the RoCEv2 IPv4-mapped GID of `bind_ip`, else the first RoCEv2
+    /// IPv4-mapped GID.
+    pub gid_index: Option<u32>,
+    /// The agent's own address, used to pick the GID on the netdev that carries it.
+    pub bind_ip: Option<std::net::IpAddr>,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout per try. With `retry_cnt` 6 the default
+    /// (16, ≈268 ms) declares a dead peer after ≈ 7 × 268 ms ≈ 1.9 s.
+    pub timeout: u8,
+    /// Transport retries, at most 6 (7 means "retry forever" and on rxe a WRITE to a dead peer
+    /// then never completes).
+    pub retry_cnt: u8,
+    /// RNR retries, below 7 (7 = forever).
+    pub rnr_retry: u8,
+    /// Outstanding RDMA READs per QP (initiator depth / responder resources); capped by the device.
+    pub max_rd_atomic: u8,
+    /// Minimum CQ size; the fabric grows it to hold `qps × depth` completions.
+    pub cq_size: usize,
+    /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
+    pub busy_poll: bool,
+}
+
+#[cfg(feature = "verbs")]
+impl Default for VerbsOptions {
+    fn default() -> Self {
+        VerbsOptions {
+            device: None,
+            port: 1,
+            gid_index: None,
+            bind_ip: None,
+            timeout: 16,
+            retry_cnt: 6,
+            rnr_retry: 6,
+            max_rd_atomic: 16,
+            cq_size: 1024,
+            busy_poll: false,
+        }
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl VerbsOptions {
+    /// Rejects settings that would make a QP hang forever or that the spec forbids.
+    pub fn validate(&self) -> Result<(), crate::fabric::FabricError> {
+        let bad = |attr: &'static str, detail: String| crate::fabric::FabricError::Negotiation {
+            step: "options",
+            attr,
+            detail,
+        };
+        if self.port == 0 {
+            return Err(bad("port", "ports are numbered from 1".into()));
+        }
+        if self.timeout == 0 || self.timeout > 31 {
+            return Err(bad("timeout", format!("{} is outside 1..=31 (0 would wait forever)", self.timeout)));
+        }
+        if self.retry_cnt > 6 {
+            return Err(bad("retry_cnt", format!("{} > 6 (7 retries forever)", self.retry_cnt)));
+        }
+        if self.rnr_retry > 6 {
+            return Err(bad("rnr_retry", format!("{} > 6 (7 retries forever)", self.rnr_retry)));
+        }
+        if self.max_rd_atomic == 0 {
+            return Err(bad("max_rd_atomic", "must be at least 1 or READs cannot be issued".into()));
+        }
+        Ok(())
+    }
+}
