@@ -185,31 +185,42 @@ impl ConnInner {
     }
 
     /// Retires in-flight entries up to the WR `wc` reports and delivers its completion.
+    ///
+    /// The QP is identified by the completion's QP number; the WR by the `seq` in its `wr_id`.
+    /// rxe (6.1) reports `wr_id` 0 for WRs flushed by a move to ERR, so an error completion whose
+    /// `wr_id` matches nothing in flight retires the oldest outstanding WR of its QP instead
+    /// (flushes arrive in post order, one per WR).
     fn handle(&self, wc: RawWc, sink: &CompletionSink) {
-        let qp = (wc.wr_id >> SEQ_BITS) as usize;
-        let seq = wc.wr_id & SEQ_MASK;
         let status = WcStatus::from_code(wc.status);
         metrics::counter!("xfer_work_completions_total", "status" => status.name()).increment(1);
-        let Some(slot) = self.slots.get(qp) else {
-            tracing::error!(wr_id = wc.wr_id, peer = %self.peer, "completion for an unknown QP index; ignored");
-            return;
+        let wr_qp = (wc.wr_id >> SEQ_BITS) as usize;
+        let seq = wc.wr_id & SEQ_MASK;
+        let qp = match self.slots.iter().position(|s| s.qp.qpn() == wc.qp_num) {
+            Some(i) => i,
+            None if wr_qp < self.slots.len() => wr_qp,
+            None => {
+                tracing::error!(wr_id = wc.wr_id, qp_num = wc.qp_num, peer = %self.peer, "completion for an unknown QP; ignored");
+                return;
+            }
         };
+        let slot = &self.slots[qp];
         let wr_id = {
             let mut st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-            let mut found = None;
-            while let Some(front) = st.inflight.front() {
-                if front.seq > seq {
-                    break;
-                }
-                let e = st.inflight.pop_front();
-                if let Some(e) = e {
+            if wr_qp == qp && st.inflight.iter().any(|e| e.seq == seq) {
+                // In order: everything before `seq` completed silently (unsignaled successes).
+                let mut found = None;
+                while let Some(e) = st.inflight.pop_front() {
                     if e.seq == seq {
                         found = Some(e.wr_id);
                         break;
                     }
                 }
+                found
+            } else if !status.is_success() {
+                st.inflight.pop_front().map(|e| e.wr_id)
+            } else {
+                None
             }
-            found
         };
         if !status.is_success() {
             if !self.broken.swap(true, Ordering::AcqRel) && status != WcStatus::WrFlushErr {
@@ -219,11 +230,23 @@ impl ConnInner {
             slot.qp.to_err();
         }
         let Some(wr_id) = wr_id else {
-            tracing::error!(wr_id = wc.wr_id, peer = %self.peer, "completion for a WR not in flight; ignored");
+            tracing::error!(wr_id = wc.wr_id, qp, status = %status, peer = %self.peer, "completion for a WR not in flight; ignored");
             return;
         };
         // A dropped receiver only means nobody waits for this connection any more.
         let _ = sink.send(Completion { wr_id, qp, status, byte_len: wc.byte_len });
+    }
+
+    /// Reports every WR still in flight as flushed (the CQ task gives up waiting for the device).
+    /// The entries stay on the lists, and so their memory stays registered, until the QPs are
+    /// destroyed.
+    fn report_unflushed(&self, sink: &CompletionSink) {
+        for (qp, slot) in self.slots.iter().enumerate() {
+            let st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
+            for e in &st.inflight {
+                let _ = sink.send(Completion { wr_id: e.wr_id, qp, status: WcStatus::WrFlushErr, byte_len: 0 });
+            }
+        }
     }
 
     /// Polls the CQ empty; returns how many completions were handled.
@@ -271,6 +294,7 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
             inner.broken.store(true, Ordering::Release);
             inner.closing.store(true, Ordering::Release);
             inner.set_err_all();
+            inner.report_unflushed(&sink);
             break;
         }
         if inner.closing.load(Ordering::Acquire) {
@@ -280,6 +304,7 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
             let d = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + CLOSE_GRACE);
             if tokio::time::Instant::now() >= d {
                 tracing::warn!(peer = %inner.peer, "flushes did not drain within the grace period; destroying QPs");
+                inner.report_unflushed(&sink);
                 break;
             }
         }

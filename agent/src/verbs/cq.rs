@@ -19,6 +19,8 @@ pub(crate) struct RawWc {
     pub wr_id: u64,
     pub status: u32,
     pub byte_len: u32,
+    /// The QP the completion belongs to (reliable even where a flush's `wr_id` is not).
+    pub qp_num: u32,
 }
 
 pub(crate) struct Cq {
@@ -48,7 +50,8 @@ impl Cq {
                 None => std::ptr::null_mut(),
             },
             comp_vector: 0,
-            wc_flags: sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0 as u64,
+            wc_flags: (sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
+                | sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0) as u64,
             comp_mask: 0,
             flags: 0,
             parent_domain: std::ptr::null_mut(),
@@ -68,6 +71,7 @@ impl Cq {
                 && c.next_poll.is_some()
                 && c.end_poll.is_some()
                 && c.read_byte_len.is_some()
+                && c.read_qp_num.is_some()
         };
         if !ops_ok {
             return Err(FabricError::Other("provider lacks extended CQ polling or CQ notification".into()));
@@ -109,7 +113,12 @@ impl Cq {
             let mut n = 0;
             loop {
                 let c = &*cq;
-                out.push(RawWc { wr_id: c.wr_id, status: c.status, byte_len: sys::ibv_wc_read_byte_len(cq) });
+                out.push(RawWc {
+                    wr_id: c.wr_id,
+                    status: c.status,
+                    byte_len: sys::ibv_wc_read_byte_len(cq),
+                    qp_num: sys::ibv_wc_read_qp_num(cq),
+                });
                 n += 1;
                 if n >= max {
                     break;
