@@ -226,8 +226,10 @@ impl ConnInner {
             if !self.broken.swap(true, Ordering::AcqRel) && status != WcStatus::WrFlushErr {
                 tracing::warn!(peer = %self.peer, qp, status = %status, "work request failed; QP moves to ERR");
             }
-            // The device already moved the QP to ERR; make it explicit (flushes the rest).
-            slot.qp.to_err();
+            if status != WcStatus::WrFlushErr {
+                // The device already moved the QP to ERR; make it explicit (flushes the rest).
+                slot.qp.to_err();
+            }
         }
         let Some(wr_id) = wr_id else {
             tracing::error!(wr_id = wc.wr_id, qp, status = %status, peer = %self.peer, "completion for a WR not in flight; ignored");

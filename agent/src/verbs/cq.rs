@@ -25,7 +25,7 @@ pub(crate) struct RawWc {
 
 pub(crate) struct Cq {
     cq: NonNull<sys::ibv_cq_ex>,
-    /// Serializes `ibv_start_poll`..`ibv_end_poll`, which is not reentrant on one CQ.
+    /// Serializes polling (one reader per CQ keeps the in-flight bookkeeping in order).
     poll_lock: Mutex<()>,
     // Drop order: the CQ is destroyed in `Drop::drop` before these fields are released, so the
     // channel and the context outlive it.
@@ -33,8 +33,8 @@ pub(crate) struct Cq {
     _ctx: Arc<DeviceContext>,
 }
 
-// SAFETY: libibverbs CQ objects may be used from any thread; the only non-reentrant operation
-// (extended polling) is serialized by `poll_lock`, and `ibv_req_notify_cq` is thread-safe.
+// SAFETY: libibverbs CQ objects may be used from any thread; polling is serialized by
+// `poll_lock`, and `ibv_req_notify_cq` is thread-safe.
 unsafe impl Send for Cq {}
 // SAFETY: as above.
 unsafe impl Sync for Cq {}
@@ -50,8 +50,7 @@ impl Cq {
                 None => std::ptr::null_mut(),
             },
             comp_vector: 0,
-            wc_flags: (sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0
-                | sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_QP_NUM.0) as u64,
+            wc_flags: sys::ibv_create_cq_wc_flags::IBV_WC_EX_WITH_BYTE_LEN.0 as u64,
             comp_mask: 0,
             flags: 0,
             parent_domain: std::ptr::null_mut(),
@@ -67,14 +66,10 @@ impl Cq {
             let c = cq.cq.as_ref();
             let ex = &*c.context;
             ex.ops.req_notify_cq.is_some()
-                && c.start_poll.is_some()
-                && c.next_poll.is_some()
-                && c.end_poll.is_some()
-                && c.read_byte_len.is_some()
-                && c.read_qp_num.is_some()
+                && ex.ops.poll_cq.is_some()
         };
         if !ops_ok {
-            return Err(FabricError::Other("provider lacks extended CQ polling or CQ notification".into()));
+            return Err(FabricError::Other("provider lacks ibv_poll_cq or ibv_req_notify_cq".into()));
         }
         Ok(Arc::new(cq))
     }
@@ -94,44 +89,25 @@ impl Cq {
         }
     }
 
-    /// Reads up to `max` completions into `out`; returns how many were read.
+    /// Reads up to `max` completions into `out` with one `ibv_poll_cq`; returns how many.
+    ///
+    /// Deliberately not the extended `ibv_start_poll`/`ibv_next_poll`/`ibv_end_poll` protocol:
+    /// rxe's `cq_next_poll` already publishes the consumer index and unlocks when it returns
+    /// ENOENT, so the `ibv_end_poll` the API requires afterwards advances the index past the
+    /// producer and replays stale CQEs (seen in the VM as thousands of `wr_id 0` successes).
     pub fn poll(&self, max: usize, out: &mut Vec<RawWc>) -> io::Result<usize> {
         let _g = self.poll_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let cq = self.cq.as_ptr();
-        let mut attr = sys::ibv_poll_cq_attr { comp_mask: 0 };
-        // SAFETY: live CQ, polling serialized by `poll_lock`; the function pointers were checked in
-        // `new`. Fields of the current completion are read only between a successful
-        // start/next_poll and end_poll, as the extended CQ API requires.
-        unsafe {
-            let rc = sys::ibv_start_poll(cq, &mut attr);
-            if rc == libc_enoent() {
-                return Ok(0);
-            }
-            if rc != 0 {
-                return Err(io::Error::from_raw_os_error(rc));
-            }
-            let mut n = 0;
-            loop {
-                let c = &*cq;
-                out.push(RawWc {
-                    wr_id: c.wr_id,
-                    status: c.status,
-                    byte_len: sys::ibv_wc_read_byte_len(cq),
-                    qp_num: sys::ibv_wc_read_qp_num(cq),
-                });
-                n += 1;
-                if n >= max {
-                    break;
-                }
-                let rc = sys::ibv_next_poll(cq);
-                if rc != 0 {
-                    // ENOENT = drained; anything else is reported on the next poll.
-                    break;
-                }
-            }
-            sys::ibv_end_poll(cq);
-            Ok(n)
+        let max = max.clamp(1, 256);
+        // SAFETY: ibv_wc is plain old data; all-zero is a valid value.
+        let mut wcs: [sys::ibv_wc; 256] = unsafe { std::mem::zeroed() };
+        // SAFETY: live CQ; `wcs` has room for `max` entries; polling serialized by `poll_lock`.
+        let n = unsafe { sys::ibv_poll_cq(self.as_ibv_cq(), max as i32, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(io::Error::other(format!("ibv_poll_cq returned {n}")));
         }
+        let n = (n as usize).min(max);
+        out.extend(wcs[..n].iter().map(|w| RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num }));
+        Ok(n)
     }
 
     /// Reads every pending event from the (non-blocking) channel and acknowledges it. Returns the
@@ -157,10 +133,6 @@ impl Cq {
             n += 1;
         }
     }
-}
-
-fn libc_enoent() -> i32 {
-    nix::libc::ENOENT
 }
 
 impl Drop for Cq {
