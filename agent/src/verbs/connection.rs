@@ -187,9 +187,10 @@ impl ConnInner {
     /// Retires in-flight entries up to the WR `wc` reports and delivers its completion.
     ///
     /// The QP is identified by the completion's QP number; the WR by the `seq` in its `wr_id`.
-    /// rxe (6.1) reports `wr_id` 0 for WRs flushed by a move to ERR, so an error completion whose
-    /// `wr_id` matches nothing in flight retires the oldest outstanding WR of its QP instead
-    /// (flushes arrive in post order, one per WR).
+    /// Defensively, an error completion whose `wr_id` matches nothing in flight retires the
+    /// oldest outstanding WR of its QP (flushes arrive in post order, one per WR), so a device
+    /// that garbles flush `wr_id`s cannot leave the list undrained. (The `wr_id 0` flushes first
+    /// seen on rxe turned out to be stale CQEs from the extended-poll bug noted in `cq.rs`.)
     fn handle(&self, wc: RawWc, sink: &CompletionSink) {
         let status = WcStatus::from_code(wc.status);
         metrics::counter!("xfer_work_completions_total", "status" => status.name()).increment(1);

@@ -110,6 +110,7 @@ pub(crate) struct GrantMr {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -220,6 +220,7 @@ impl Qp {
     /// # Safety
     /// Not reentrant: the caller must serialize calls on one QP. The local memory must stay
     /// registered and mapped until the WR completes or is flushed.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn post_rdma(
         &self,
         wr_id: u64,
