@@ -258,9 +258,8 @@ impl Default for TransferConfig {
 
 impl Default for VerbsConfig {
     fn default() -> Self {
-        // timeout 14 ≈ 67 ms per try; × (1 + retry_cnt 6) ≈ 0.5 s to declare a peer dead, and
-        // rxe's own retransmit timer stretches that to roughly 2 s.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 14, retry_cnt: 6, rnr_retry: 6 }
+        // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6 }
     }
 }
 
@@ -366,8 +365,8 @@ impl Config {
         if self.verbs.rnr_retry > 6 {
             return Err(bad("verbs.rnr_retry", "must be <= 6 (7 means retry forever)"));
         }
-        if self.verbs.timeout > 31 {
-            return Err(bad("verbs.timeout", "must be between 0 and 31"));
+        if self.verbs.timeout == 0 || self.verbs.timeout > 31 {
+            return Err(bad("verbs.timeout", "must be between 1 and 31 (0 waits forever)"));
         }
         if self.verbs.gid_index < -1 {
             return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));

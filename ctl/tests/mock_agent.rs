@@ -477,7 +477,7 @@ async fn regions_put_get_cp_and_errors() {
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
     assert_eq!(v["rows"].as_array().unwrap().len(), 2);
-    assert_eq!(v["baseline"]["bytes"], 256u64 << 20);
+    assert_eq!(v["baseline"]["bytes"], 1u64 << 30);
 
     let o = xferctl(addr, &["region", "delete", "dst"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));

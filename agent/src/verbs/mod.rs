@@ -1,5 +1,25 @@
 //! The only module with `unsafe`: region memory shared with hardware, and (with the `verbs`
 //! feature) the sideway-based verbs fabric.
+//!
+//! # Why unsafe lives here
+//! RDMA hands raw addresses to a device that reads and writes them behind the compiler's back, and
+//! libibverbs is a C API of raw pointers. Everything that touches either is in this module and
+//! every `unsafe` block carries a `// SAFETY:` note; the rest of the crate is `deny(unsafe_code)`.
+//!
+//! # Layout (feature `verbs`)
+//! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
+//! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
+//! * [`cq`]: a completion queue with its completion channel, polled in batches.
+//! * [`qp`]: an RC queue pair (extended `ibv_wr_*` posting API) and its state transitions.
+//! * [`mr`]: registrations (region MRs) and grant MRs.
+//! * [`connection`]: a set of QPs to one peer, the in-flight list that keeps memory alive, and the
+//!   tokio task that drives the CQ from its channel through `AsyncFd`.
+//! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
+//!
+//! sideway is used for the device list, device context, PD, MRs and the completion channel. The
+//! CQ, QP and MW objects are wrapped here directly over `rdma-mummy-sys` because sideway 0.4 does
+//! not expose CQ events / QP numbers in completions, and its CQ/QP wrappers `assert!` in `Drop` and
+//! `panic!` on unknown enum values — nothing a device or a peer sends may panic the agent.
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
@@ -9,11 +29,148 @@ use crate::fabric::{Fabric, FabricError};
 
 pub mod memory;
 
-/// Name of a usable device (active port), or why there is none.
-pub fn usable_device(_cfg: &Config) -> Result<String, String> {
-    Err("the verbs fabric is not built into this agent yet".to_string())
+#[cfg(feature = "verbs")]
+pub mod device;
+#[cfg(feature = "verbs")]
+pub mod negotiate;
+#[cfg(feature = "verbs")]
+mod cq;
+#[cfg(feature = "verbs")]
+mod qp;
+#[cfg(feature = "verbs")]
+mod mr;
+#[cfg(feature = "verbs")]
+mod connection;
+#[cfg(feature = "verbs")]
+mod fabric;
+
+#[cfg(feature = "verbs")]
+pub use device::probe;
+#[cfg(feature = "verbs")]
+pub use fabric::VerbsFabric;
+
+/// Settings of the verbs fabric.
+#[cfg(feature = "verbs")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerbsOptions {
+    /// Device name (`mlx5_0`, `rxe0`); `None` = the first device whose `port` is ACTIVE.
+    pub device: Option<String>,
+    /// Port number (1-based).
+    pub port: u8,
+    /// GID index; `None` = the RoCEv2 IPv4-mapped GID of `bind_ip`, else the first RoCEv2
+    /// IPv4-mapped GID.
+    pub gid_index: Option<u32>,
+    /// The agent's own address, used to pick the GID on the netdev that carries it.
+    pub bind_ip: Option<std::net::IpAddr>,
+    /// Local ACK timeout exponent: 4.096 µs × 2^timeout per try. With `retry_cnt` 6 the default
+    /// (16, ≈268 ms) declares a dead peer after ≈ 7 × 268 ms ≈ 1.9 s.
+    pub timeout: u8,
+    /// Transport retries, at most 6 (7 means "retry forever" and on rxe a WRITE to a dead peer
+    /// then never completes).
+    pub retry_cnt: u8,
+    /// RNR retries, below 7 (7 = forever).
+    pub rnr_retry: u8,
+    /// Outstanding RDMA READs per QP (initiator depth / responder resources); capped by the device.
+    pub max_rd_atomic: u8,
+    /// Minimum CQ size; the fabric grows it to hold `qps × depth` completions.
+    pub cq_size: usize,
+    /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
+    pub busy_poll: bool,
 }
 
+#[cfg(feature = "verbs")]
+impl Default for VerbsOptions {
+    fn default() -> Self {
+        VerbsOptions {
+            device: None,
+            port: 1,
+            gid_index: None,
+            bind_ip: None,
+            timeout: 16,
+            retry_cnt: 6,
+            rnr_retry: 6,
+            max_rd_atomic: 16,
+            cq_size: 1024,
+            busy_poll: false,
+        }
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl VerbsOptions {
+    /// Rejects settings that would make a QP hang forever or that the spec forbids.
+    pub fn validate(&self) -> Result<(), crate::fabric::FabricError> {
+        let bad = |attr: &'static str, detail: String| crate::fabric::FabricError::Negotiation {
+            step: "options",
+            attr,
+            detail,
+        };
+        if self.port == 0 {
+            return Err(bad("port", "ports are numbered from 1".into()));
+        }
+        if self.timeout == 0 || self.timeout > 31 {
+            return Err(bad("timeout", format!("{} is outside 1..=31 (0 would wait forever)", self.timeout)));
+        }
+        if self.retry_cnt > 6 {
+            return Err(bad("retry_cnt", format!("{} > 6 (7 retries forever)", self.retry_cnt)));
+        }
+        if self.rnr_retry > 6 {
+            return Err(bad("rnr_retry", format!("{} > 6 (7 retries forever)", self.rnr_retry)));
+        }
+        if self.max_rd_atomic == 0 {
+            return Err(bad("max_rd_atomic", "must be at least 1 or READs cannot be issued".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The verbs options a configuration asks for.
+#[cfg(feature = "verbs")]
+pub fn options(cfg: &Config) -> VerbsOptions {
+    let ip = cfg.listen.ip();
+    VerbsOptions {
+        device: Some(cfg.verbs.device.clone()).filter(|d| !d.is_empty()),
+        port: cfg.verbs.port,
+        gid_index: u32::try_from(cfg.verbs.gid_index).ok(),
+        bind_ip: (!ip.is_unspecified()).then_some(ip),
+        timeout: cfg.verbs.timeout,
+        retry_cnt: cfg.verbs.retry_cnt,
+        rnr_retry: cfg.verbs.rnr_retry,
+        ..VerbsOptions::default()
+    }
+}
+
+/// Name of a usable device (an ACTIVE port), or why there is none.
+#[cfg(feature = "verbs")]
+pub fn usable_device(cfg: &Config) -> Result<String, String> {
+    let devices = probe(&options(cfg)).map_err(|e| e.to_string())?;
+    if devices.is_empty() {
+        return Err("no RDMA devices found".into());
+    }
+    devices
+        .iter()
+        .find(|d| {
+            let ib = d.link_layer.eq_ignore_ascii_case("InfiniBand");
+            d.state.eq_ignore_ascii_case("ACTIVE") && (ib || d.selected_gid_index.is_some())
+        })
+        .map(|d| format!("{} port {}", d.name, d.port))
+        .ok_or_else(|| {
+            let seen: Vec<String> = devices.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
+            format!("no RDMA device with an active port and a usable GID ({})", seen.join(", "))
+        })
+}
+
+#[cfg(feature = "verbs")]
+pub fn open_fabric(cfg: &Config) -> Result<Arc<dyn Fabric>, FabricError> {
+    Ok(Arc::new(VerbsFabric::open(options(cfg))?))
+}
+
+#[cfg(not(feature = "verbs"))]
+pub fn usable_device(_cfg: &Config) -> Result<String, String> {
+    Err("this agent was built without the verbs feature".to_string())
+}
+
+#[cfg(not(feature = "verbs"))]
 pub fn open_fabric(_cfg: &Config) -> Result<Arc<dyn Fabric>, FabricError> {
-    Err(FabricError::NoDevice("the verbs fabric is not built into this agent yet".into()))
+    Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
 }

@@ -1,0 +1,269 @@
+//! Device and port discovery, the GID table, and the opened device (context + PD) that every
+//! connection of a [`super::VerbsFabric`] shares.
+//!
+//! Only panic-free sideway calls are used here: device names, `open`, raw `query_port` /
+//! `query_device` attributes and `query_gid`. sideway's `PortAttr::active_mtu()`,
+//! `link_layer()`, `port_state()`, `Device::transport_type()` and `query_gid_table()` all `panic!`
+//! (or `unwrap`) on values this build does not know, so the raw fields are converted here.
+use std::sync::Arc;
+
+use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
+use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+
+use super::negotiate::{self, GidChoice, LocalPort, LINK_ETHERNET};
+use super::VerbsOptions;
+use crate::fabric::{DeviceInfo, FabricError, GidInfo};
+
+const PORT_ACTIVE: u32 = 4;
+
+/// Facts about one port, converted from `ibv_port_attr` without panicking.
+#[derive(Debug, Clone)]
+pub(crate) struct PortFacts {
+    pub state: u32,
+    pub link_layer: String,
+    pub active_mtu: u32,
+    pub lid: u16,
+    pub gid_tbl_len: u32,
+}
+
+pub(crate) fn query_port(ctx: &DeviceContext, port: u8) -> Result<PortFacts, FabricError> {
+    let attr = ctx.query_port(port).map_err(|e| FabricError::NoDevice(format!("query port {port}: {e}")))?;
+    let a = attr.attr;
+    Ok(PortFacts {
+        state: a.state,
+        link_layer: negotiate::link_layer_name(a.link_layer),
+        active_mtu: negotiate::mtu_bytes(a.active_mtu).unwrap_or(0),
+        lid: a.lid,
+        gid_tbl_len: a.gid_tbl_len.max(0) as u32,
+    })
+}
+
+fn sysfs_attr(dev: &str, port: u8, kind: &str, index: u32) -> String {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/{kind}/{index}"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The populated entries of a port's GID table, with type and netdev from sysfs.
+pub(crate) fn read_gids(ctx: &DeviceContext, dev: &str, port: u8, facts: &PortFacts) -> Vec<GidInfo> {
+    let mut out = Vec::new();
+    for index in 0..facts.gid_tbl_len {
+        // Unpopulated entries read as zero or fail (EINVAL/ENODATA on newer kernels): skip both.
+        let Ok(gid) = ctx.query_gid(port, index) else { continue };
+        if gid.raw == [0u8; 16] {
+            continue;
+        }
+        let mut gid_type = negotiate::gid_type_from_sysfs(&sysfs_attr(dev, port, "types", index), &facts.link_layer);
+        if gid_type.is_empty() {
+            // No sysfs (containers without /sys/class/infiniband): ask verbs. 0 = IB/RoCE v1, 1 = RoCE v2.
+            gid_type = match ctx.query_gid_type(port, index) {
+                Ok(1) => negotiate::GID_ROCE_V2.into(),
+                Ok(0) => negotiate::gid_type_from_sysfs("IB/RoCE v1", &facts.link_layer),
+                Ok(v) => format!("unknown({v})"),
+                Err(_) => String::new(),
+            };
+        }
+        out.push(GidInfo { index, raw: gid.raw, gid_type, netdev: sysfs_attr(dev, port, "ndevs", index) });
+    }
+    out
+}
+
+fn port_info(ctx: &DeviceContext, name: &str, port: u8, opts: &VerbsOptions) -> Result<DeviceInfo, FabricError> {
+    let facts = query_port(ctx, port)?;
+    let gids = read_gids(ctx, name, port, &facts);
+    let selected = negotiate::select_gid(&gids, &facts.link_layer, opts.gid_index, opts.bind_ip).ok().map(|c| c.index());
+    Ok(DeviceInfo {
+        name: name.to_string(),
+        port: port as u32,
+        state: negotiate::port_state_name(facts.state),
+        link_layer: facts.link_layer,
+        active_mtu: facts.active_mtu,
+        lid: facts.lid as u32,
+        gids,
+        selected_gid_index: selected,
+    })
+}
+
+/// Lists every device and port (with its GID table and the GID `opts` would select) without
+/// keeping anything open. With `opts.device` set, only that device.
+pub fn probe(opts: &VerbsOptions) -> Result<Vec<DeviceInfo>, FabricError> {
+    let list = DeviceList::new().map_err(|e| FabricError::NoDevice(format!("ibv_get_device_list: {e}")))?;
+    let mut out = Vec::new();
+    for i in 0..list.len() {
+        let Some(dev) = list.get(i) else { continue };
+        let name = dev.name();
+        if opts.device.as_ref().is_some_and(|d| *d != name) {
+            continue;
+        }
+        let ctx = match dev.open() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(device = %name, error = %e, "cannot open RDMA device");
+                continue;
+            }
+        };
+        let ports = ctx.query_device().map(|a| a.attr.orig_attr.phys_port_cnt).unwrap_or(1);
+        for port in 1..=ports {
+            match port_info(&ctx, &name, port, opts) {
+                Ok(info) => out.push(info),
+                Err(e) => tracing::warn!(device = %name, port, error = %e, "cannot query port"),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The opened device: one context and one PD shared (through `Arc`s) by every registration and
+/// connection, so the context outlives everything created from it.
+pub(crate) struct Device {
+    pub pd: Arc<ProtectionDomain>,
+    pub ctx: Arc<DeviceContext>,
+    pub name: String,
+    pub port: u8,
+    pub link_layer: String,
+    pub lid: u16,
+    pub active_mtu: u32,
+    pub gid_index: u32,
+    pub gid: [u8; 16],
+    pub gid_type: String,
+    pub gid_choice: GidChoice,
+    /// min(option, device initiator depth, device responder resources)
+    pub max_rd_atomic: u8,
+    pub max_qp_wr: u32,
+    pub max_cqe: u32,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("link_layer", &self.link_layer)
+            .field("gid_index", &self.gid_index)
+            .field("active_mtu", &self.active_mtu)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Opens `opts.device`, or the first device whose `opts.port` is ACTIVE, and picks the GID.
+    pub fn open(opts: &VerbsOptions) -> Result<Device, FabricError> {
+        let list = DeviceList::new().map_err(|e| FabricError::NoDevice(format!("ibv_get_device_list: {e}")))?;
+        let port = opts.port;
+        let mut seen = Vec::new();
+        for i in 0..list.len() {
+            let Some(dev) = list.get(i) else { continue };
+            let name = dev.name();
+            if opts.device.as_ref().is_some_and(|d| *d != name) {
+                continue;
+            }
+            let ctx = match dev.open() {
+                Ok(c) => c,
+                Err(e) => {
+                    seen.push(format!("{name}: open failed: {e}"));
+                    continue;
+                }
+            };
+            let facts = match query_port(&ctx, port) {
+                Ok(f) => f,
+                Err(e) => {
+                    seen.push(format!("{name}: {e}"));
+                    continue;
+                }
+            };
+            if facts.state != PORT_ACTIVE {
+                seen.push(format!("{name} port {port}: {}", negotiate::port_state_name(facts.state)));
+                continue;
+            }
+            return Self::from_context(ctx, name, port, facts, opts);
+        }
+        let what = match &opts.device {
+            Some(d) if seen.is_empty() => format!("device {d} not found ({} devices listed)", list.len()),
+            _ if seen.is_empty() => "no RDMA devices (is ib_uverbs loaded and /dev/infiniband visible?)".into(),
+            _ => format!("no ACTIVE port {port}: {}", seen.join("; ")),
+        };
+        Err(FabricError::NoDevice(what))
+    }
+
+    fn from_context(
+        ctx: Arc<DeviceContext>,
+        name: String,
+        port: u8,
+        facts: PortFacts,
+        opts: &VerbsOptions,
+    ) -> Result<Device, FabricError> {
+        let gids = read_gids(&ctx, &name, port, &facts);
+        let choice = negotiate::select_gid(&gids, &facts.link_layer, opts.gid_index, opts.bind_ip)
+            .map_err(|e| FabricError::NoDevice(format!("{name} port {port}: {e}")))?;
+        if let (Some(ip), GidChoice::FirstRoceV2Ipv4(_) | GidChoice::FirstRoceV2(_)) = (opts.bind_ip, &choice) {
+            tracing::warn!(device = %name, %ip, ?choice, "no RoCEv2 GID carries the bind address; using another GID");
+        }
+        let gid_index = choice.index();
+        let (gid, gid_type) = gids
+            .iter()
+            .find(|g| g.index == gid_index)
+            .map(|g| (g.raw, g.gid_type.clone()))
+            .unwrap_or(([0u8; 16], negotiate::GID_IB.to_string()));
+        if facts.link_layer == LINK_ETHERNET && facts.active_mtu == 0 {
+            return Err(FabricError::NoDevice(format!("{name} port {port}: unknown active MTU")));
+        }
+        let attr = ctx.query_device().map_err(|e| FabricError::NoDevice(format!("{name}: query device: {e}")))?;
+        let a = &attr.attr.orig_attr;
+        let dev_rd = a.max_qp_rd_atom.min(a.max_qp_init_rd_atom).clamp(1, 255) as u8;
+        let pd = ctx.alloc_pd().map_err(|e| FabricError::NoDevice(format!("{name}: alloc PD: {e}")))?;
+        let dev = Device {
+            pd,
+            name,
+            port,
+            lid: facts.lid,
+            active_mtu: facts.active_mtu,
+            link_layer: facts.link_layer,
+            gid_index,
+            gid,
+            gid_type,
+            gid_choice: choice,
+            max_rd_atomic: opts.max_rd_atomic.min(dev_rd).max(1),
+            max_qp_wr: a.max_qp_wr.max(1) as u32,
+            max_cqe: a.max_cqe.max(1) as u32,
+            ctx,
+        };
+        tracing::info!(device = %dev.name, port, gid_index, gid = %negotiate::gid_string(&dev.gid),
+            choice = ?dev.gid_choice, mtu = dev.active_mtu, "verbs device opened");
+        Ok(dev)
+    }
+
+    pub fn local_port(&self) -> LocalPort {
+        LocalPort {
+            link_layer: self.link_layer.clone(),
+            gid_type: self.gid_type.clone(),
+            mtu: self.active_mtu,
+            max_rd_atomic: self.max_rd_atomic,
+        }
+    }
+
+    /// Current facts (port state may change while the agent runs).
+    pub fn info(&self) -> DeviceInfo {
+        let mut info = match query_port(&self.ctx, self.port) {
+            Ok(facts) => DeviceInfo {
+                name: self.name.clone(),
+                port: self.port as u32,
+                state: negotiate::port_state_name(facts.state),
+                link_layer: facts.link_layer.clone(),
+                active_mtu: facts.active_mtu,
+                lid: facts.lid as u32,
+                gids: read_gids(&self.ctx, &self.name, self.port, &facts),
+                selected_gid_index: None,
+            },
+            Err(e) => DeviceInfo {
+                name: self.name.clone(),
+                port: self.port as u32,
+                state: format!("query failed: {e}"),
+                link_layer: self.link_layer.clone(),
+                ..Default::default()
+            },
+        };
+        info.selected_gid_index = Some(self.gid_index);
+        info
+    }
+}
