@@ -223,9 +223,12 @@ async fn expired_grant_is_refused() {
     fill(&src, 1);
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
     let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, Some(Duration::from_millis(200)));
+    let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
+    // Only the grant table holds the grant now: expiry must kill its key (verbs: deregister the MR).
+    drop(g);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    b.node.grants.reap(std::time::SystemTime::now());
-    conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
+    assert_eq!(b.node.grants.reap(std::time::SystemTime::now()), 1);
+    conn.post(0, w).unwrap();
     assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
     assert!(bytes(&dst) == before);
 }
