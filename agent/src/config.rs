@@ -398,10 +398,10 @@ fn config_error(e: ::config::ConfigError) -> ConfigError {
     }
 }
 
-/// Effective configuration as pretty JSON (TOML would need another crate; JSON is valid YAML,
-/// which the config file loader accepts).
+/// Effective configuration in the config file's own format (TOML), so it can be saved and reused.
+/// `toml` is already in the tree through the `config` crate.
 fn toml_like(c: &Config) -> String {
-    serde_json::to_string_pretty(c).unwrap_or_else(|e| format!("error: {e}"))
+    toml::to_string_pretty(c).unwrap_or_else(|e| format!("# cannot render configuration: {e}"))
 }
 
 #[cfg(test)]
@@ -435,6 +435,17 @@ mod tests {
         let flags = Overrides { node_name: Some("from-flag".into()), ..Default::default() };
         let c = Config::load(Some(&f), env, &flags).unwrap();
         assert_eq!(c.node_name, "from-flag");
+    }
+
+    #[test]
+    fn printed_config_loads_back_unchanged() {
+        let c = Config::load(None, Vec::new(), &Overrides { node_name: Some("n1".into()), ..Default::default() }).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("printed.toml");
+        std::fs::write(&f, c.to_toml()).unwrap();
+        let back = Config::load(Some(&f), Vec::new(), &Overrides::default()).unwrap();
+        assert_eq!(back.to_toml(), c.to_toml());
+        assert!(c.to_toml().contains("chunk_size = \"1MiB\""), "{}", c.to_toml());
     }
 
     #[test]

@@ -379,3 +379,30 @@ async fn health_and_reflection_are_served() {
     let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
     assert_eq!(v["node_name"], "node-a", "{v}");
 }
+
+#[test]
+fn invalid_configuration_exits_64_naming_the_key_and_print_config_shows_layers() {
+    let o = std::process::Command::new(agent_bin())
+        .args(["--fabric", "tcp", "--print-config"])
+        .env("XFER_TRANSFER__DEPTH", "0")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(64), "{}", s(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("transfer.depth"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("agent.toml");
+    std::fs::write(&f, "node_name = \"from-file\"\n[transfer]\nchunk_size = \"4MiB\"\n").unwrap();
+    let o = std::process::Command::new(agent_bin())
+        .args(["--config", f.to_str().unwrap(), "--print-config", "--listen", "127.0.0.1:1234"])
+        .env("XFER_TRANSFER__QPS", "3")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", s(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in ["node_name = \"from-file\"", "chunk_size = \"4MiB\"", "qps = 3", "listen = \"127.0.0.1:1234\""] {
+        assert!(out.contains(want), "missing {want:?} in:\n{out}");
+    }
+}
