@@ -11,6 +11,7 @@ use crate::fabric::tcp::{LateCheck, TcpFabric};
 use crate::fabric::{Fabric, FabricError};
 use crate::grants::GrantTable;
 use crate::node::Node;
+use crate::service::tls::TlsMaterial;
 use crate::service::Services;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +24,8 @@ pub enum StartError {
     Catalog(#[from] crate::regions::RegionError),
     #[error("metrics: {0}")]
     Metrics(String),
+    #[error(transparent)]
+    Tls(#[from] crate::service::tls::TlsError),
     #[error("gRPC listener {addr}: {detail}")]
     Listen { addr: String, detail: String },
 }
@@ -69,7 +72,21 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let device = info.devices.first().map(|d| d.name.clone()).unwrap_or_default();
     crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
     info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
-    let node = Node::new(cfg.clone(), fabric, reason, grants);
+    let tls = if cfg.insecure {
+        warn!("gRPC is plaintext (insecure = true): do not expose this agent on an untrusted network");
+        if !(cfg.tls.cert.is_empty() && cfg.tls.key.is_empty() && cfg.tls.ca.is_empty()) {
+            warn!("tls.cert/tls.key/tls.ca are set but ignored because insecure = true");
+        }
+        None
+    } else {
+        let t = Arc::new(TlsMaterial::load(&cfg.tls)?);
+        info!(identity = %t.own_identity, "mTLS on: client certificates required, grants bound to the caller's certificate identity");
+        if t.own_identity != cfg.node_name {
+            warn!(identity = %t.own_identity, node = %cfg.node_name, "tls.cert's identity differs from node_name: peers bind this agent's grants to the certificate identity");
+        }
+        Some(t)
+    };
+    let node = Node::new(cfg.clone(), fabric, reason, grants, tls.clone());
     let restored = node.regions.restore()?;
     if restored > 0 {
         info!(regions = restored, "restored regions from the catalog");
@@ -80,11 +97,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         .await
         .map_err(|e| StartError::Listen { addr: cfg.listen.to_string(), detail: e.to_string() })?;
     let local = listener.local_addr().map_err(|e| StartError::Listen { addr: cfg.listen.to_string(), detail: e.to_string() })?;
-    if cfg.insecure {
-        warn!("gRPC is plaintext (insecure = true): do not expose this agent on an untrusted network");
-    }
     let router = Services::new(node.clone())
-        .router(cfg.limits.max_message_size.0 as usize)
+        .router(cfg.limits.max_message_size.0 as usize, tls.as_deref())
         .await
         .map_err(|e| StartError::Listen { addr: local.to_string(), detail: e })?;
     info!(node = %cfg.node_name, grpc = %local, metrics = %cfg.metrics_listen, "xfer-agent serving");

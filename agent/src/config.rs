@@ -161,9 +161,15 @@ pub struct VerbsConfig {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TlsConfig {
+    /// PEM certificate chain of this agent, presented as server AND as client (to peers).
     pub cert: String,
+    /// PEM private key of `cert`.
     pub key: String,
+    /// PEM CA bundle: client certificates (xferctl, peers) and peers' server certificates must
+    /// chain to it.
     pub ca: String,
+    /// Name to verify peers' server certificates against; empty = the host of the peer address.
+    pub server_name: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -201,7 +207,7 @@ pub struct Config {
     pub data_listen: SocketAddr,
     pub fabric: FabricChoice,
     pub state_dir: PathBuf,
-    /// plaintext gRPC (mTLS arrives with the security work; until then this must stay true)
+    /// plaintext gRPC; false = mTLS on both services with the `tls` files
     pub insecure: bool,
     pub log: LogConfig,
     pub transfer: TransferConfig,
@@ -372,7 +378,14 @@ impl Config {
             return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
         }
         if !self.insecure {
-            return Err(bad("insecure", "mTLS is not implemented yet; set insecure = true"));
+            for (key, path) in [("tls.cert", &self.tls.cert), ("tls.key", &self.tls.key), ("tls.ca", &self.tls.ca)] {
+                if path.is_empty() {
+                    return Err(bad(key, "is required when insecure = false (mTLS)"));
+                }
+                if !std::path::Path::new(path).is_file() {
+                    return Err(bad(key, format!("file {path} does not exist")));
+                }
+            }
         }
         if self.node_name.is_empty() || self.node_name.len() > 253 {
             return Err(bad("node_name", "must be 1-253 characters"));
@@ -456,5 +469,37 @@ mod tests {
         let env = vec![("XFER_VERBS__RETRY_CNT".to_string(), "7".to_string())];
         let e = Config::load(None, env, &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "verbs.retry_cnt");
+    }
+
+    #[test]
+    fn tls_requires_all_three_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert!(c.insecure, "plaintext stays the default");
+        let e = Config::load(None, env(&[("XFER_INSECURE", "false")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "tls.cert");
+        let f = |n: &str| {
+            let p = dir.path().join(n);
+            std::fs::write(&p, "x").unwrap();
+            p.display().to_string()
+        };
+        let (cert, key) = (f("a.crt"), f("a.key"));
+        let e = Config::load(
+            None,
+            env(&[("XFER_INSECURE", "false"), ("XFER_TLS__CERT", &cert), ("XFER_TLS__KEY", &key), ("XFER_TLS__CA", "/nonexistent/ca.crt")]),
+            &Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "tls.ca");
+        assert!(e.to_string().contains("/nonexistent/ca.crt"), "{e}");
+        let ca = f("ca.crt");
+        let c = Config::load(
+            None,
+            env(&[("XFER_INSECURE", "false"), ("XFER_TLS__CERT", &cert), ("XFER_TLS__KEY", &key), ("XFER_TLS__CA", &ca)]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert!(!c.insecure);
     }
 }

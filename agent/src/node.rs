@@ -16,6 +16,7 @@ use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, Fabr
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
 use crate::peers::{PeerEntry, PeerError, PeerPool};
+use crate::service::tls::TlsMaterial;
 use crate::regions::{new_id, RegionRegistry, RegionUse};
 use crate::service::client::{CompleteParams, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
@@ -78,7 +79,14 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(config: Config, fabric: Arc<dyn Fabric>, fabric_reason: String, grants: Arc<GrantTable>) -> Arc<Node> {
+    /// `tls`: the agent's mTLS material for its calls to peers (None = plaintext).
+    pub fn new(
+        config: Config,
+        fabric: Arc<dyn Fabric>,
+        fabric_reason: String,
+        grants: Arc<GrantTable>,
+        tls: Option<Arc<TlsMaterial>>,
+    ) -> Arc<Node> {
         let regions = RegionRegistry::new(
             fabric.clone(),
             config.state_dir.clone(),
@@ -87,7 +95,7 @@ impl Node {
                 max_registered_bytes: config.limits.max_registered_bytes.0,
             },
         );
-        let peers = PeerPool::new(fabric.clone(), config.node_name.clone());
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls);
         Arc::new(Node {
             regions,
             grants,
@@ -161,9 +169,12 @@ impl Node {
         Ok(mine)
     }
 
-    pub fn disconnect(&self, connection_id: &str) {
+    /// Drops the responder half of a connection. With `owner`, only if that peer made it.
+    pub fn disconnect(&self, connection_id: &str, owner: Option<&str>) {
         if let Ok(mut acc) = self.accepted.lock() {
-            acc.remove(connection_id);
+            if owner.is_none_or(|o| acc.get(connection_id).is_some_and(|c| c.0 == o)) {
+                acc.remove(connection_id);
+            }
         }
     }
 

@@ -17,6 +17,7 @@ use tracing::{debug, info, info_span, Instrument};
 use crate::fabric::{Completion, Connection, Endpoint, Fabric, FabricError, FabricKind};
 use crate::metrics as m;
 use crate::service::client::PeerClient;
+use crate::service::tls::TlsMaterial;
 
 /// Coarse class of a remote error, mirrored from the peer's gRPC status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,14 +102,16 @@ impl PeerEntry {
 pub struct PeerPool {
     fabric: Arc<dyn Fabric>,
     node_name: String,
+    /// mTLS for the gRPC clients to peers (None = plaintext).
+    tls: Option<Arc<TlsMaterial>>,
     max_idle_per_peer: usize,
     /// addr → peer. std Mutex: map operations only.
     peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
 }
 
 impl PeerPool {
-    pub fn new(fabric: Arc<dyn Fabric>, node_name: String) -> Self {
-        PeerPool { fabric, node_name, max_idle_per_peer: 8, peers: Mutex::new(HashMap::new()) }
+    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, tls: Option<Arc<TlsMaterial>>) -> Self {
+        PeerPool { fabric, node_name, tls, max_idle_per_peer: 8, peers: Mutex::new(HashMap::new()) }
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<PeerEntry>>> {
@@ -120,7 +123,7 @@ impl PeerPool {
         if let Some(p) = self.map().get(addr) {
             return Ok(p.clone());
         }
-        let client = PeerClient::new(addr)?;
+        let client = PeerClient::new(addr, self.tls.as_deref())?;
         let entry = Arc::new(PeerEntry {
             addr: addr.to_string(),
             client,

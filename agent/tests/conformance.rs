@@ -45,7 +45,7 @@ async fn side(name: &str, which: char) -> Side {
         }
         other => panic!("unknown XFER_TEST_FABRIC {other}"),
     };
-    Side { node: Node::new(cfg, fabric, "test".into(), grants), _dir: dir }
+    Side { node: Node::new(cfg, fabric, "test".into(), grants, None), _dir: dir }
 }
 
 /// A connects to B with `qps` QPs.

@@ -47,7 +47,8 @@ Exit codes:
   13  ALREADY_EXISTS       (e.g. a region with that name exists)
 
 Environment:
-  XFER_AGENT  default agent address (host, host:port or [v6]:port; default 127.0.0.1:7470)";
+  XFER_AGENT  default agent address (host, host:port or [v6]:port; default 127.0.0.1:7470)
+  XFER_CERT, XFER_KEY, XFER_CA  mTLS client certificate, key and CA (like --cert, --key, --ca)";
 
 /// A failure xferctl detected itself (not an RPC status).
 #[derive(Debug)]
@@ -167,6 +168,26 @@ pub fn status_exit_code(code: Code) -> u8 {
     }
 }
 
+/// For a status that tonic made from a transport failure (it carries the transport error as its
+/// source, which a status from the agent never does): the one-line reason.
+fn transport_failure(status: &tonic::Status) -> Option<String> {
+    use std::error::Error;
+    // INTERNAL: an HTTP/2 protocol error, e.g. the agent reset the stream after refusing the
+    // client certificate.
+    if !matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Unavailable | Code::Internal) {
+        return None;
+    }
+    let mut cur: &(dyn Error + 'static) = status.source()?;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    let root = cur.to_string();
+    let root = if root.is_empty() || root == "transport error" { status.message().to_string() } else { root };
+    Some(format!(
+        "connection to the agent failed: {root} (an agent with mTLS needs --cert, --key and --ca from its CA)"
+    ))
+}
+
 /// Renders an error as `(exit code, one-line message without the "error: " prefix)`.
 pub fn report(err: &anyhow::Error) -> (u8, String) {
     let mut code = None;
@@ -174,17 +195,25 @@ pub fn report(err: &anyhow::Error) -> (u8, String) {
     let mut suffix = None;
     for cause in err.chain() {
         let text = if let Some(status) = cause.downcast_ref::<tonic::Status>() {
-            if code.is_none() {
-                code = Some(status_exit_code(status.code()));
-                suffix = Some(code_name(status.code()));
-            }
-            let msg = status.message().trim();
-            if msg.is_empty() {
-                code_name(status.code())
-                    .to_ascii_lowercase()
-                    .replace('_', " ")
+            if let Some(reason) = transport_failure(status) {
+                // The call never got an answer: the connection failed under it (e.g. a refused
+                // TLS handshake, or plaintext sent to an mTLS agent). That is UNAVAILABLE.
+                code.get_or_insert(exit::UNAVAILABLE);
+                suffix.get_or_insert("UNAVAILABLE");
+                reason
             } else {
-                msg.to_string()
+                if code.is_none() {
+                    code = Some(status_exit_code(status.code()));
+                    suffix = Some(code_name(status.code()));
+                }
+                let msg = status.message().trim();
+                if msg.is_empty() {
+                    code_name(status.code())
+                        .to_ascii_lowercase()
+                        .replace('_', " ")
+                } else {
+                    msg.to_string()
+                }
             }
         } else if let Some(failure) = cause.downcast_ref::<Failure>() {
             code.get_or_insert(failure.exit_code());
@@ -342,6 +371,21 @@ mod tests {
             line,
             "demo step 3: transfer x was cancelled: agent shutting down (CANCELLED)"
         );
+    }
+
+    #[test]
+    fn transport_failures_under_a_status_are_unavailable() {
+        // What tonic returns when the connection dies under a call (a status with a source).
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe");
+        let err = anyhow::Error::new(tonic::Status::from_error(Box::new(io)))
+            .context("GetInfo");
+        let (code, line) = report(&err);
+        assert_eq!(code, 8, "{line}");
+        assert!(line.ends_with("(UNAVAILABLE)"), "{line}");
+        assert!(line.contains("broken pipe"), "{line}");
+        // A status the agent sent (no source) keeps its own code.
+        let err = anyhow::Error::new(tonic::Status::cancelled("transfer cancelled"));
+        assert_eq!(report(&err).0, 11);
     }
 
     #[test]

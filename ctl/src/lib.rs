@@ -50,6 +50,7 @@ pub mod units;
 pub mod view;
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -74,6 +75,23 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub json: bool,
 
+    /// Client certificate (PEM) for mTLS; needs --key and --ca. Without --cert/--key/--ca the
+    /// connection is plaintext.
+    #[arg(long, global = true, env = "XFER_CERT", value_name = "PEM", requires_all = ["key", "ca"])]
+    pub cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --cert.
+    #[arg(long, global = true, env = "XFER_KEY", value_name = "PEM", requires_all = ["cert", "ca"])]
+    pub key: Option<PathBuf>,
+
+    /// CA bundle (PEM) that the agent's certificate must chain to; turns TLS on.
+    #[arg(long, global = true, env = "XFER_CA", value_name = "PEM")]
+    pub ca: Option<PathBuf>,
+
+    /// Name to verify the agent's certificate against (default: the host of the agent address).
+    #[arg(long, global = true, env = "XFER_TLS_SERVER_NAME", value_name = "NAME")]
+    pub tls_server_name: Option<String>,
+
     #[command(subcommand)]
     pub command: cmd::Command,
 }
@@ -85,12 +103,19 @@ pub struct Ctx {
     pub agent: String,
     /// `--json` was given.
     pub json: bool,
+    /// TLS files from `--cert/--key/--ca` (None = plaintext).
+    pub tls: Option<client::TlsFiles>,
 }
 
 impl Ctx {
     /// A client for the `--agent` agent.
     pub async fn client(&self) -> anyhow::Result<client::Client> {
-        client::connect(&self.agent).await
+        self.connect(&self.agent).await
+    }
+
+    /// A client for the agent at `addr`, with the global TLS options.
+    pub async fn connect(&self, addr: &str) -> anyhow::Result<client::Client> {
+        client::connect_with(addr, self.tls.as_ref()).await
     }
 
     /// Writes `text` to stdout. A closed pipe (`xferctl region list | head -1`) is not an error.
@@ -112,9 +137,16 @@ impl Ctx {
 pub fn main() -> ExitCode {
     // Help, version and usage errors exit here: 0 for help/version, 2 for usage errors.
     let cli = Cli::parse();
+    let tls = cli.ca.map(|ca| client::TlsFiles {
+        cert: cli.cert,
+        key: cli.key,
+        ca,
+        server_name: cli.tls_server_name,
+    });
     let ctx = Ctx {
         agent: cli.agent,
         json: cli.json,
+        tls,
     };
     let result = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -6,6 +6,7 @@ use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use xfer_proto::v1 as pb;
 
 use super::convert;
+use super::tls::TlsMaterial;
 use crate::checksum::Algo;
 use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 use crate::peers::{HandshakeReply, PeerError, RemoteCode};
@@ -46,9 +47,15 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl PeerClient {
-    pub fn new(addr: &str) -> Result<PeerClient, PeerError> {
-        let ep = TonicEndpoint::from_shared(format!("http://{addr}"))
-            .map_err(|_| PeerError::BadAddress(addr.to_string()))?
+    /// A lazily connecting client to the agent at `addr` (`host:port`); with `tls`, over mTLS
+    /// (https, the agent's certificate presented, the peer verified against the CA).
+    pub fn new(addr: &str, tls: Option<&TlsMaterial>) -> Result<PeerClient, PeerError> {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut ep = TonicEndpoint::from_shared(format!("{scheme}://{addr}")).map_err(|_| PeerError::BadAddress(addr.to_string()))?;
+        if let Some(t) = tls {
+            ep = ep.tls_config(t.client_config(addr)).map_err(|_| PeerError::BadAddress(addr.to_string()))?;
+        }
+        let ep = ep
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(RPC_TIMEOUT)
             .tcp_nodelay(true)

@@ -262,6 +262,11 @@ pub fn grant_status(e: GrantError) -> Status {
     }
 }
 
+/// A caller without a usable client certificate (mTLS on) is not authenticated.
+pub fn identity_status(e: super::tls::IdentityError) -> Status {
+    Status::unauthenticated(e.to_string())
+}
+
 pub fn peer_status(e: PeerError) -> Status {
     let msg = e.to_string();
     match &e {

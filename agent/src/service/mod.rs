@@ -18,6 +18,7 @@ use crate::transfer::{TransferOptions, TransferRequest};
 
 pub mod client;
 pub mod convert;
+pub mod tls;
 
 use convert::*;
 
@@ -34,8 +35,9 @@ impl Services {
         Services { node }
     }
 
-    /// Builds the tonic router: Agent, Peer, health and reflection.
-    pub async fn router(self, max_message: usize) -> Result<tonic::transport::server::Router, String> {
+    /// Builds the tonic router: Agent, Peer, health and reflection; with `tls`, every connection
+    /// must present a client certificate that chains to the CA.
+    pub async fn router(self, max_message: usize, tls: Option<&tls::TlsMaterial>) -> Result<tonic::transport::server::Router, String> {
         let (health_reporter, health) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<AgentServer<Services>>().await;
         health_reporter.set_serving::<PeerServer<Services>>().await;
@@ -44,12 +46,33 @@ impl Services {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| e.to_string())?;
-        Ok(tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(t) = tls {
+            server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
+        }
+        Ok(server
             .tcp_nodelay(true)
             .add_service(health)
             .add_service(reflection)
             .add_service(AgentServer::new(self.clone()).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
             .add_service(PeerServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
+    }
+}
+
+impl Services {
+    /// Who calls a Peer RPC. With mTLS: the client certificate's identity (first DNS SAN, else IP,
+    /// else URI), and the self-declared `declared` name is ignored. In insecure mode: `declared`.
+    fn caller<T>(&self, req: &Request<T>, declared: &str) -> Result<String, Status> {
+        if self.node.config.insecure {
+            return Ok(declared.to_string());
+        }
+        let certs = req.peer_certs().ok_or(tls::IdentityError::NoCertificate).map_err(identity_status)?;
+        let leaf = certs.first().ok_or(tls::IdentityError::NoCertificate).map_err(identity_status)?;
+        let id = tls::identity_of(leaf).map_err(identity_status)?;
+        if !declared.is_empty() && declared != id {
+            tracing::debug!(declared, identity = %id, "peer's declared node name differs from its certificate; using the certificate");
+        }
+        Ok(id)
     }
 }
 
@@ -347,6 +370,7 @@ fn peer_info(node: &Node, p: &crate::peers::PeerEntry) -> pb::PeerInfo {
 #[tonic::async_trait]
 impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
+        let peer = self.caller(&req, &req.get_ref().node_name)?;
         let r = req.into_inner();
         if r.version != 1 {
             return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
@@ -363,9 +387,9 @@ impl Peer for Services {
         if eps.len() > 64 {
             return Err(Status::resource_exhausted("at most 64 QPs per connection"));
         }
-        let span = tracing::info_span!("peer", peer = %r.node_name);
+        let span = tracing::info_span!("peer", %peer);
         let _g = span.enter();
-        let mine = self.node.accept_connection(&r.node_name, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
+        let mine = self.node.accept_connection(&peer, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
         Ok(Response::new(pb::PeerConnectResponse {
             version: 1,
             node_name: self.node.config.node_name.clone(),
@@ -376,6 +400,7 @@ impl Peer for Services {
     }
 
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::GrantResponse>, Status> {
+        let peer = self.caller(&req, &req.get_ref().node_name)?;
         let r = req.into_inner();
         require(!r.region.is_empty(), "region is required")?;
         require(!r.node_name.is_empty(), "node_name is required")?;
@@ -388,7 +413,7 @@ impl Peer for Services {
             Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?),
             None => None,
         };
-        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name };
+        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer };
         let g = self.node.grant(&p).map_err(transfer_status)?;
         let (rkey, token) = match &g.exposure.key {
             crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new()),
@@ -408,20 +433,27 @@ impl Peer for Services {
     }
 
     async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {
-        let id = req.into_inner().grant_id;
-        // Revocation needs no identity beyond knowing the unguessable grant id; mTLS binds it later.
-        self.node.grants.revoke(&id).ok_or_else(|| Status::not_found(format!("grant {id:?} not found")))?;
+        if self.node.config.insecure {
+            // No authenticated identity: knowing the unguessable grant id is the capability.
+            let id = req.into_inner().grant_id;
+            self.node.grants.revoke(&id).ok_or_else(|| Status::not_found(format!("grant {id:?} not found")))?;
+        } else {
+            // Only the identity the grant was issued to may revoke it.
+            let peer = self.caller(&req, "")?;
+            self.node.revoke(&req.get_ref().grant_id, &peer).map_err(grant_status)?;
+        }
         Ok(Response::new(pb::RevokeResponse {}))
     }
 
     async fn complete(&self, req: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
+        let peer = self.caller(&req, &req.get_ref().node_name)?;
         let r = req.into_inner();
         require(!r.grant_id.is_empty(), "grant_id is required")?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
         let op_write = op_from_pb(r.op)? == crate::transfer::Op::Write;
         let verdict = self
             .node
-            .complete_inbound(&r.transfer_id, &r.grant_id, &r.node_name, r.bytes, op_write, checksum)
+            .complete_inbound(&r.transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum)
             .await
             .map_err(transfer_status)?;
         Ok(Response::new(pb::CompleteResponse {
@@ -431,7 +463,9 @@ impl Peer for Services {
     }
 
     async fn disconnect(&self, req: Request<pb::DisconnectRequest>) -> Result<Response<pb::DisconnectResponse>, Status> {
-        self.node.disconnect(&req.into_inner().connection_id);
+        // With mTLS only the identity that made the connection may tear it down.
+        let owner = if self.node.config.insecure { None } else { Some(self.caller(&req, "")?) };
+        self.node.disconnect(&req.get_ref().connection_id, owner.as_deref());
         Ok(Response::new(pb::DisconnectResponse {}))
     }
 

@@ -59,6 +59,11 @@ impl Agent {
     }
 
     pub fn start_with(name: &str, state_dir: &Path, ports: Ports, extra: &[&str]) -> Agent {
+        Agent::start_with_env(name, state_dir, ports, extra, &[])
+    }
+
+    /// Like [`Agent::start_with`], with extra environment variables (e.g. `XFER_INSECURE`).
+    pub fn start_with_env(name: &str, state_dir: &Path, ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         std::fs::create_dir_all(state_dir).unwrap();
         let log = state_dir.with_extension(format!("{name}.log"));
         let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
@@ -69,6 +74,7 @@ impl Agent {
             .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
             .args(["--data-listen", &format!("127.0.0.1:{}", ports.data)])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(logf)

@@ -13,7 +13,7 @@ use xfer_proto::v1::{
     ChecksumAlgo, LocalRange, Op, RemoteRange, SubmitTransferRequest, Transfer, TransferOptions,
 };
 
-use crate::client::{self, Client};
+use crate::client::Client;
 use crate::progress;
 use crate::target::{parse_location, Location};
 use crate::units::{parse_duration, parse_size};
@@ -128,7 +128,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         timeout: opt.timeout,
     };
     let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning)?;
-    let mut client = client::connect(&plan.initiator).await?;
+    let mut client = ctx.connect(&plan.initiator).await?;
     let started = Instant::now();
     let t = submit(&mut client, &plan).await?;
     if opt.no_wait {

@@ -9,7 +9,7 @@ use indicatif::ProgressBar;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use xfer_proto::v1::{GetRegionRequest, ReadRegionRequest};
 
-use crate::client::{self, Client};
+use crate::client::Client;
 use crate::progress::byte_bar;
 use crate::target::{parse_location, Location};
 use crate::units::{self, parse_size};
@@ -29,7 +29,7 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let agent = opt.source.agent_or(&ctx.agent).to_string();
-    let mut client = client::connect(&agent).await?;
+    let mut client = ctx.connect(&agent).await?;
     let region = opt.source.region.as_str();
     let offset = opt.source.offset;
     let len = match opt.len {

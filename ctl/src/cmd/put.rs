@@ -10,7 +10,7 @@ use indicatif::ProgressBar;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use xfer_proto::v1::WriteRegionRequest;
 
-use crate::client::{self, Client};
+use crate::client::Client;
 use crate::progress::byte_bar;
 use crate::target::{parse_location, Location};
 use crate::units;
@@ -30,7 +30,7 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let agent = opt.dest.agent_or(&ctx.agent).to_string();
-    let mut client = client::connect(&agent).await?;
+    let mut client = ctx.connect(&agent).await?;
     let started = Instant::now();
     let display = opt.file.display().to_string();
     let written = if opt.file.as_os_str() == "-" {
