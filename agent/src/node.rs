@@ -2,6 +2,7 @@
 //! gRPC services expose (in domain types). `service` converts protobuf to these calls and back.
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -76,6 +77,30 @@ pub struct Node {
     accepted: Mutex<HashMap<String, AcceptedConn>>,
     /// Cancelled on SIGTERM: refuse new transfers.
     pub draining: CancellationToken,
+    /// Submits past the limit check that have not inserted their record yet, by peer address.
+    /// Counted with the active transfers so concurrent submits cannot overshoot the limits.
+    submitting: Mutex<HashMap<String, usize>>,
+    /// Background revocations of peer grants in flight; `drain` waits for them.
+    pending_revokes: Arc<AtomicUsize>,
+}
+
+/// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
+/// limit check until the transfer's record is in the registry (which then counts it).
+struct SubmitSlot<'a> {
+    node: &'a Node,
+    peer: String,
+}
+
+impl Drop for SubmitSlot<'_> {
+    fn drop(&mut self) {
+        let mut m = self.node.submitting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
 }
 
 impl Node {
@@ -105,6 +130,8 @@ impl Node {
             instance_id: new_id(),
             accepted: Mutex::new(HashMap::new()),
             draining: CancellationToken::new(),
+            submitting: Mutex::new(HashMap::new()),
+            pending_revokes: Arc::new(AtomicUsize::new(0)),
             fabric,
             fabric_reason,
             config,
@@ -324,14 +351,7 @@ impl Node {
         if self.draining.is_cancelled() {
             return Err(TransferError::ShuttingDown);
         }
-        let active = self.transfers.active(None);
-        if active.len() >= self.config.limits.max_transfers {
-            return Err(TransferError::Limit(format!("max_transfers = {}", self.config.limits.max_transfers)));
-        }
-        let to_peer = active.iter().filter(|h| h.record.borrow().remote_agent == req.remote_agent).count();
-        if to_peer >= self.config.limits.max_transfers_per_peer {
-            return Err(TransferError::Limit(format!("max_transfers_per_peer = {}", self.config.limits.max_transfers_per_peer)));
-        }
+        let slot = self.reserve_slot(&req.remote_agent)?;
         let local = self.regions.get(&req.local_region)?;
         if req.local_offset > local.length {
             return Err(TransferError::Invalid(format!(
@@ -371,16 +391,10 @@ impl Node {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,
         };
+        let me = &self.config.node_name;
+        let grant_ttl = timeout + Duration::from_secs(60);
         let grant = peer
-            .client
-            .grant(
-                &req.remote_region,
-                req.remote_offset,
-                length,
-                remote_op,
-                timeout + Duration::from_secs(60),
-                &self.config.node_name,
-            )
+            .call(|| peer.client.grant(&req.remote_region, req.remote_offset, length, remote_op, grant_ttl, me))
             .await?;
         peer.observe(&grant.node_name, &grant.instance_id);
         let length = if length == 0 { grant.length } else { length };
@@ -388,12 +402,17 @@ impl Node {
             return Err(TransferError::Invalid(format!("peer granted {} bytes, {} needed", grant.length, length)));
         }
         if let Err(e) = local.check_range(req.local_offset, length) {
-            revoke_later(&peer, &grant.grant_id);
+            self.revoke_later(&peer, &grant.grant_id);
             return Err(e.into());
         }
         if length == 0 {
-            revoke_later(&peer, &grant.grant_id);
+            self.revoke_later(&peer, &grant.grant_id);
             return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+        }
+        if self.draining.is_cancelled() {
+            // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
+            self.revoke_later(&peer, &grant.grant_id);
+            return Err(TransferError::ShuttingDown);
         }
         let now = SystemTime::now();
         let record = TransferRecord {
@@ -419,6 +438,7 @@ impl Node {
             inbound: false,
         };
         let handle = self.transfers.insert(record.clone());
+        drop(slot); // the registry counts it from here
         let plan = Plan {
             local: local.acquire(),
             peer,
@@ -452,7 +472,7 @@ impl Node {
             Err(Outcome::Failed(code, msg)) => (TransferState::Failed, Some(code), Some(msg)),
         };
         if state != TransferState::Succeeded {
-            revoke_later(&plan.peer, &plan.grant.grant_id);
+            self.revoke_later(&plan.peer, &plan.grant.grant_id);
         }
         let elapsed = started.elapsed();
         handle.update(|r| {
@@ -558,7 +578,7 @@ impl Node {
             checksum: sum,
             success: true,
         };
-        match plan.peer.client.complete(params).await {
+        match plan.peer.call(|| plan.peer.client.complete(params.clone())).await {
             Ok(true) => Ok(sum.map(|s| s.1)),
             Ok(false) => Err(Outcome::Failed(
                 "CHECKSUM_MISMATCH".into(),
@@ -589,7 +609,7 @@ impl Node {
         let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
         let peer = self.peers.peer(&p.peer)?;
         let scratch = format!("xfer-bench-{}", new_id());
-        peer.client.create_scratch_region(&scratch, p.size).await?;
+        peer.call(|| peer.client.create_scratch_region(&scratch, p.size)).await?;
         let res = self.bench_with(&peer, &scratch, &p, iters).await;
         if let Err(e) = peer.client.delete_region(&scratch).await {
             warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer");
@@ -599,7 +619,8 @@ impl Node {
 
     async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-        let grant = peer.client.grant(scratch, 0, p.size, remote_op, Duration::from_secs(3600), &self.config.node_name).await?;
+        let me = &self.config.node_name;
+        let grant = peer.call(|| peer.client.grant(scratch, 0, p.size, remote_op, Duration::from_secs(3600), me)).await?;
         peer.observe(&grant.node_name, &grant.instance_id);
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
         let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
@@ -629,7 +650,7 @@ impl Node {
         let clean = bw_state == State::Succeeded;
         self.peers.release(peer, lease, clean);
         if let State::Failed(f) = bw_state {
-            revoke_later(peer, &grant.grant_id);
+            self.revoke_later(peer, &grant.grant_id);
             return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
         }
 
@@ -648,7 +669,7 @@ impl Node {
         pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
         let lat_ok = machine.state() == &State::Succeeded;
         self.peers.release(peer, lease, lat_ok);
-        revoke_later(peer, &grant.grant_id);
+        self.revoke_later(peer, &grant.grant_id);
         if !lat_ok {
             return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", machine.state())));
         }
@@ -671,7 +692,7 @@ impl Node {
     pub async fn tcp_baseline(&self, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
         let peer = self.peers.peer(peer_addr)?;
         let n = connections.clamp(1, 64);
-        let sink = peer.client.open_sink(n).await?;
+        let sink = peer.call(|| peer.client.open_sink(n)).await?;
         let block = block.clamp(4096, 64 << 20) as usize;
         let per = bytes.div_ceil(n as u64);
         let t0 = Instant::now();
@@ -705,14 +726,17 @@ impl Node {
         Ok((total, t0.elapsed().as_secs_f64()))
     }
 
-    /// SIGTERM: refuse new transfers, wait up to `grace` for running ones, cancel the rest,
-    /// revoke grants and close connections.
+    /// SIGTERM: refuse new transfers, wait up to `grace` for running ones, cancel the rest
+    /// (they end CANCELLED), revoke grants (ours, and the peers' grants of cancelled transfers)
+    /// and close connections.
     pub async fn drain(&self, grace: Duration) {
         self.draining.cancel();
         let deadline = Instant::now() + grace;
+        let mut submitting = self.submitting_count();
         loop {
             let active = self.transfers.active(None);
-            if active.is_empty() {
+            if active.is_empty() && submitting == 0 {
+                info!("no transfers running");
                 break;
             }
             if Instant::now() >= deadline {
@@ -721,7 +745,7 @@ impl Node {
                     h.cancel.cancel();
                 }
                 // Give the drivers a moment to record CANCELLED.
-                for _ in 0..50 {
+                for _ in 0..100 {
                     if self.transfers.active(None).is_empty() {
                         break;
                     }
@@ -730,6 +754,15 @@ impl Node {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+            // Submits that passed the draining check before it was set insert their record or
+            // give up (they re-check `draining` after the grant) within one peer call.
+            submitting = self.submitting_count();
+        }
+        // Peer grants of transfers that did not succeed are revoked in the background: let those
+        // calls finish (bounded), so the peers do not keep exposures until they expire.
+        let until = Instant::now() + Duration::from_secs(3);
+        while self.pending_revokes.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let n = self.grants.revoke_all();
         info!(grants = n, "revoked all grants");
@@ -738,6 +771,43 @@ impl Node {
             acc.clear();
         }
         self.regions.flush_all();
+    }
+
+    fn submitting_count(&self) -> usize {
+        self.submitting.lock().map(|m| m.values().sum()).unwrap_or(0)
+    }
+
+    /// Checks `limits.max_transfers` and `limits.max_transfers_per_peer` and holds a slot until
+    /// the transfer's record is inserted, so concurrent submits cannot overshoot.
+    fn reserve_slot(&self, peer: &str) -> Result<SubmitSlot<'_>, TransferError> {
+        let limits = &self.config.limits;
+        let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
+        let active = self.transfers.active(None);
+        let total = active.len() + m.values().sum::<usize>();
+        if total >= limits.max_transfers {
+            return Err(TransferError::Limit(format!("max_transfers = {} ({total} running)", limits.max_transfers)));
+        }
+        let to_peer = active.iter().filter(|h| h.record.borrow().remote_agent == peer).count() + m.get(peer).copied().unwrap_or(0);
+        if to_peer >= limits.max_transfers_per_peer {
+            return Err(TransferError::Limit(format!(
+                "max_transfers_per_peer = {} ({to_peer} running to {peer})",
+                limits.max_transfers_per_peer
+            )));
+        }
+        *m.entry(peer.to_string()).or_insert(0) += 1;
+        Ok(SubmitSlot { node: self, peer: peer.to_string() })
+    }
+
+    /// Revokes a peer's grant in the background (best effort; `drain` waits for these).
+    fn revoke_later(&self, peer: &Arc<PeerEntry>, grant_id: &str) {
+        let peer = peer.clone();
+        let id = grant_id.to_string();
+        let pending = self.pending_revokes.clone();
+        pending.fetch_add(1, Ordering::AcqRel);
+        tokio::spawn(async move {
+            let _ = peer.call(|| peer.client.revoke(&id)).await;
+            pending.fetch_sub(1, Ordering::AcqRel);
+        });
     }
 }
 
@@ -784,14 +854,6 @@ fn peer_label(peer: &PeerEntry) -> String {
     } else {
         n
     }
-}
-
-fn revoke_later(peer: &Arc<PeerEntry>, grant_id: &str) {
-    let client = peer.client.clone();
-    let id = grant_id.to_string();
-    tokio::spawn(async move {
-        let _ = client.revoke(&id).await;
-    });
 }
 
 fn bench_wr(seq: u64, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {

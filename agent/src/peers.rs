@@ -7,12 +7,25 @@
 //! drained connections go back to a bounded idle list. A connection is never reused after an error
 //! (`is_broken`), after a cancelled transfer left WRs outstanding, or when the peer's instance id
 //! changed (it restarted: its QPs and listeners are gone).
+//!
+//! Every call to a peer goes through [`PeerEntry::call`], which bounds retries and keeps a
+//! per-peer back-off: a call refused before it reached the peer (connection refused) is retried
+//! at most [`CALL_ATTEMPTS`] times; after [`BACKOFF_AFTER`] consecutive transport failures, or
+//! one *slow* failure (a connect that timed out: the peer is silent, and every further attempt
+//! would cost the same timeout), the peer is *backing off*: calls fail at once, without network
+//! IO, for a window that starts at [`BACKOFF_BASE`] and doubles up to [`BACKOFF_CAP`]. Calls that
+//! were already waiting for the peer's connection fail when the window starts: the gRPC channel
+//! connects for one request at a time, so N callers would otherwise wait N timeouts. The first
+//! call after the window is a probe; any answer from the peer (even an error status) resets the
+//! back-off. A dead peer therefore costs its callers about one connect timeout per window, and
+//! never touches transfers to other peers: each peer has its own entry, channel and connections.
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-use tracing::{debug, info, info_span, Instrument};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::fabric::{Completion, Connection, Endpoint, Fabric, FabricError, FabricKind};
 use crate::metrics as m;
@@ -46,6 +59,68 @@ pub enum PeerError {
     Fabric { addr: String, source: FabricError },
 }
 
+/// Consecutive transport failures after which a peer is put in back-off.
+pub const BACKOFF_AFTER: u32 = 3;
+/// First back-off window; it doubles with every failed probe.
+pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// Longest back-off window.
+pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
+/// Attempts of one call whose connection was refused (the request never reached the peer, so a
+/// retry is safe even for non-idempotent calls such as `Grant`).
+pub const CALL_ATTEMPTS: u32 = 3;
+/// Delay before the first retry; doubles per attempt.
+const RETRY_DELAY: Duration = Duration::from_millis(100);
+/// A transport failure that took this long was a timeout, not a refusal: back off at once.
+const SLOW_FAILURE: Duration = Duration::from_secs(1);
+
+impl PeerError {
+    /// The peer did not answer (transport failure), as opposed to answering with an error.
+    pub fn is_transport(&self) -> bool {
+        matches!(self, PeerError::Unreachable { .. })
+    }
+
+    /// The connection was refused: nothing was sent, so retrying cannot duplicate a request.
+    fn is_refused(&self) -> bool {
+        match self {
+            PeerError::Unreachable { detail, .. } => detail.contains("Connection refused") || detail.contains("os error 111"),
+            _ => false,
+        }
+    }
+}
+
+/// Transport health of one peer: consecutive failures and the back-off window.
+#[derive(Debug, Default)]
+struct Health {
+    failures: u32,
+    window: Duration,
+    until: Option<Instant>,
+    last_error: String,
+}
+
+impl Health {
+    /// `Some(remaining)` while backing off at `now`.
+    fn backing_off(&self, now: Instant) -> Option<Duration> {
+        self.until.and_then(|u| u.checked_duration_since(now)).filter(|d| !d.is_zero())
+    }
+
+    fn success(&mut self) {
+        *self = Health::default();
+    }
+
+    /// Records a transport failure; returns the new window when it starts one. A `slow` failure
+    /// (a timeout) starts one at once.
+    fn failure(&mut self, now: Instant, error: String, slow: bool) -> Option<Duration> {
+        self.failures = self.failures.saturating_add(1);
+        self.last_error = error;
+        if self.failures < BACKOFF_AFTER && !slow {
+            return None;
+        }
+        self.window = if self.window.is_zero() { BACKOFF_BASE } else { (self.window * 2).min(BACKOFF_CAP) };
+        self.until = Some(now + self.window);
+        Some(self.window)
+    }
+}
+
 /// Result of the responder's half of `Peer.Connect`.
 #[derive(Debug, Clone)]
 pub struct HandshakeReply {
@@ -73,9 +148,98 @@ pub struct PeerEntry {
     identity: Mutex<(String, String)>,
     idle: Mutex<Vec<Lease>>,
     pub last_connect: Mutex<Option<Duration>>,
+    /// Consecutive transport failures and the back-off window. std Mutex: no awaits held.
+    health: Mutex<Health>,
+    /// Bumped whenever a back-off window starts; calls in flight watch it to give up waiting.
+    backoff_started: watch::Sender<u64>,
 }
 
 impl PeerEntry {
+    fn health(&self) -> std::sync::MutexGuard<'_, Health> {
+        self.health.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fails at once while the peer is backing off.
+    pub fn admit(&self) -> Result<(), PeerError> {
+        let h = self.health();
+        match h.backing_off(Instant::now()) {
+            None => Ok(()),
+            Some(left) => Err(PeerError::Unreachable {
+                addr: self.addr.clone(),
+                detail: format!(
+                    "backing off for another {:.1} s after {} consecutive failures (last: {})",
+                    left.as_secs_f64(),
+                    h.failures,
+                    h.last_error
+                ),
+            }),
+        }
+    }
+
+    /// Whether calls to this peer currently fail fast.
+    pub fn is_backing_off(&self) -> bool {
+        self.health().backing_off(Instant::now()).is_some()
+    }
+
+    /// Feeds a call's outcome into the back-off: a transport failure counts, anything the peer
+    /// answered (success or an error status) resets it.
+    pub fn record<T>(&self, r: &Result<T, PeerError>, took: Duration) {
+        match r {
+            Err(e) if e.is_transport() => {
+                let started = self.health().failure(Instant::now(), e.to_string(), took >= SLOW_FAILURE);
+                if let Some(window) = started {
+                    warn!(peer = %self.addr, ?window, error = %e, "peer unreachable; backing off");
+                    self.backoff_started.send_modify(|g| *g += 1);
+                }
+            }
+            _ => {
+                let mut h = self.health();
+                if h.failures > 0 {
+                    if h.until.is_some() {
+                        info!(peer = %self.addr, "peer answers again; back-off reset");
+                    }
+                    h.success();
+                }
+            }
+        }
+    }
+
+    /// Runs one call to the peer under the back-off, retrying a refused connection at most
+    /// [`CALL_ATTEMPTS`] times (100 ms, then 200 ms apart). If a back-off window starts while the
+    /// call waits (another call found the peer dead), it fails at once with the back-off error;
+    /// a request that did reach a slow peer is then abandoned (a grant it created expires).
+    pub async fn call<T, F, Fut>(&self, mut f: F) -> Result<T, PeerError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PeerError>>,
+    {
+        let mut delay = RETRY_DELAY;
+        let mut attempt = 1;
+        loop {
+            self.admit()?;
+            let mut started = self.backoff_started.subscribe();
+            let t0 = Instant::now();
+            let fut = f();
+            tokio::pin!(fut);
+            let r = loop {
+                tokio::select! {
+                    r = &mut fut => break r,
+                    Ok(()) = started.changed() => self.admit()?,
+                }
+            };
+            self.record(&r, t0.elapsed());
+            match r {
+                Err(e) if attempt < CALL_ATTEMPTS && e.is_refused() => {
+                    debug!(peer = %self.addr, attempt, error = %e, "connection refused; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
     pub fn node_name(&self) -> String {
         self.identity.lock().map(|g| g.0.clone()).unwrap_or_default()
     }
@@ -130,6 +294,8 @@ impl PeerPool {
             identity: Mutex::new((String::new(), String::new())),
             idle: Mutex::new(Vec::new()),
             last_connect: Mutex::new(None),
+            health: Mutex::new(Health::default()),
+            backoff_started: watch::channel(0).0,
         });
         Ok(self.map().entry(addr.to_string()).or_insert(entry).clone())
     }
@@ -158,9 +324,9 @@ impl PeerPool {
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
         let pending = self.fabric.prepare(&peer.addr, qps, depth, tx).await.map_err(fabric_err)?;
         let connection_id = crate::regions::new_id();
+        let endpoints = pending.local_endpoints();
         let reply = peer
-            .client
-            .handshake(&self.node_name, self.fabric.kind(), pending.local_endpoints(), &connection_id)
+            .call(|| peer.client.handshake(&self.node_name, self.fabric.kind(), endpoints.clone(), &connection_id))
             .await?;
         if reply.fabric != self.fabric.kind() {
             return Err(fabric_err(FabricError::Negotiation {
@@ -229,5 +395,45 @@ impl PeerPool {
                 self.discard(&p, l);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn back_off_starts_after_consecutive_failures_doubles_to_the_cap_and_resets() {
+        let t0 = Instant::now();
+        let mut h = Health::default();
+        for _ in 1..BACKOFF_AFTER {
+            assert_eq!(h.failure(t0, "refused".into(), false), None);
+            assert_eq!(h.backing_off(t0), None, "no back-off before {BACKOFF_AFTER} failures");
+        }
+        assert_eq!(h.failure(t0, "refused".into(), false), Some(BACKOFF_BASE));
+        assert_eq!(h.backing_off(t0), Some(BACKOFF_BASE));
+        assert_eq!(h.backing_off(t0 + BACKOFF_BASE), None, "the window ends: the next call probes");
+        // Failed probes double the window, up to the cap.
+        let mut want = BACKOFF_BASE;
+        for _ in 0..20 {
+            want = (want * 2).min(BACKOFF_CAP);
+            assert_eq!(h.failure(t0, "refused".into(), false), Some(want));
+        }
+        assert_eq!(want, BACKOFF_CAP);
+        h.success();
+        assert_eq!(h.backing_off(t0), None);
+        assert_eq!(h.failure(t0, "x".into(), false), None, "a success resets the count");
+        h.success();
+        assert_eq!(h.failure(t0, "connect timed out".into(), true), Some(BACKOFF_BASE), "a timeout backs off at once");
+    }
+
+    #[test]
+    fn only_refused_connections_are_retried() {
+        let refused = PeerError::Unreachable { addr: "a".into(), detail: "tcp connect error: Connection refused (os error 111)".into() };
+        let timeout = PeerError::Unreachable { addr: "a".into(), detail: "transport error: timed out".into() };
+        let answered = PeerError::Remote { addr: "a".into(), code: RemoteCode::NotFound, message: "no".into() };
+        assert!(refused.is_refused() && refused.is_transport());
+        assert!(!timeout.is_refused() && timeout.is_transport());
+        assert!(!answered.is_refused() && !answered.is_transport());
     }
 }

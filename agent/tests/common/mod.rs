@@ -58,6 +58,15 @@ impl Agent {
         a
     }
 
+    /// Starts an agent with extra environment variables (e.g. `XFER_LIMITS__MAX_REGIONS`).
+    pub fn start_env(name: &str, env: &[(&str, &str)]) -> Agent {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let mut a = Agent::start_with_env(name, &state, Ports::new(), &[], env);
+        a._tmp = Some(tmp);
+        a
+    }
+
     pub fn start_with(name: &str, state_dir: &Path, ports: Ports, extra: &[&str]) -> Agent {
         Agent::start_with_env(name, state_dir, ports, extra, &[])
     }
@@ -74,8 +83,8 @@ impl Agent {
             .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
             .args(["--data-listen", &format!("127.0.0.1:{}", ports.data)])
             .args(extra)
-            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(logf)
             .spawn()
@@ -117,10 +126,35 @@ impl Agent {
         PeerClient::new(ch)
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+
+    /// Sends SIGTERM without waiting.
+    pub fn sigterm(&self) {
+        let pid = self.pid().expect("agent running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    }
+
+    /// Waits up to `limit` for the process to exit; its exit code, `None` on timeout (still running).
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<Option<i32>> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
+                self.child = None;
+                return Some(st.code());
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -232,4 +266,32 @@ pub fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
 
 pub fn stderr_lines(o: &Output) -> Vec<String> {
     String::from_utf8_lossy(&o.stderr).lines().filter(|l| !l.trim().is_empty()).map(String::from).collect()
+}
+
+/// 4 KiB chunks, one outstanding, one QP: a transfer slow enough to act on while it runs.
+pub fn make_slow(req: &mut pb::SubmitTransferRequest) {
+    req.options = Some(pb::TransferOptions { chunk_size: 4096, depth: 1, qps: 1, ..Default::default() });
+}
+
+/// Waits until the transfer has moved some bytes.
+pub async fn wait_progress(a: &Agent, id: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let t = a.client().await.get_transfer(pb::GetTransferRequest { id: id.into() }).await.unwrap().into_inner();
+        if t.bytes_done > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "transfer never progressed: {t:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Follows a transfer to its terminal record.
+pub async fn watch_to_end(a: &Agent, id: &str) -> pb::Transfer {
+    let mut w = a.client().await.watch_transfer(pb::WatchTransferRequest { id: id.into() }).await.unwrap().into_inner();
+    let mut last = None;
+    while let Some(m) = w.message().await.unwrap() {
+        last = Some(m);
+    }
+    last.unwrap()
 }
