@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SETUP_STAMP := target/.setup-done
 
-.PHONY: all build release test test-rust clippy lint-manifests demo bench test-rxe bench-rxe setup fmt clean
+.PHONY: all build release test demo bench soak fuzz test-rxe bench-rxe setup fmt clean
 
 all: build
 
@@ -31,6 +31,10 @@ demo: release
 # TCP fabric vs raw TCP on loopback, same run; table + JSON in target/bench/.
 bench: release
 	scripts/bench-tcp
+
+# N agents on loopback, mixed verified transfers, cancels and a peer restart (SOAK_SECS, default 600).
+soak: release
+	scripts/soak
 
 test-rxe: $(SETUP_STAMP)
 	scripts/rxe-test
