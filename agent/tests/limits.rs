@@ -147,13 +147,12 @@ async fn max_transfers_per_peer_limits_one_peer_only() {
 }
 
 /// tonic refuses a message above `max_decoding_message_size` while decoding, before the handler
-/// runs, with OUT_OF_RANGE ("decoded message length too large"). gRPC's own implementations
-/// (grpc-go, grpc-core) answer RESOURCE_EXHAUSTED; mapping it needs a layer in `service/`
-/// (reported to the lead). Until then this test pins what a client sees today.
+/// runs, with OUT_OF_RANGE; a layer in `service/` rewrites exactly that to RESOURCE_EXHAUSTED
+/// (what grpc-go and grpc-core answer, and what the design asks for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_messages_are_refused_and_the_agent_keeps_serving() {
     const LIMIT: usize = 256 << 10;
-    let oversized_code = Code::OutOfRange;
+    let oversized_code = Code::ResourceExhausted;
     let a = Agent::start_env("node-a", &[("XFER_LIMITS__MAX_MESSAGE_SIZE", "256KiB")]);
     a.create("r", 1 << 20, pb::Access::ReadWrite).await;
 

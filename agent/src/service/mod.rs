@@ -37,7 +37,7 @@ impl Services {
 
     /// Builds the tonic router: Agent, Peer, health and reflection; with `tls`, every connection
     /// must present a client certificate that chains to the CA.
-    pub async fn router(self, max_message: usize, tls: Option<&tls::TlsMaterial>) -> Result<tonic::transport::server::Router, String> {
+    pub async fn router(self, max_message: usize, tls: Option<&tls::TlsMaterial>) -> Result<Router, String> {
         let (health_reporter, health) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<AgentServer<Services>>().await;
         health_reporter.set_serving::<PeerServer<Services>>().await;
@@ -51,12 +51,36 @@ impl Services {
             server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
         }
         Ok(server
+            .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted as OversizeFn))
             .tcp_nodelay(true)
             .add_service(health)
             .add_service(reflection)
             .add_service(AgentServer::new(self.clone()).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
             .add_service(PeerServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
     }
+}
+
+type OversizeFn = fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body>;
+
+/// The router with the status-rewriting layer below.
+pub type Router = tonic::transport::server::Router<
+    tower::layer::util::Stack<tower::util::MapResponseLayer<OversizeFn>, tower::layer::util::Identity>,
+>;
+
+/// tonic refuses a message over `limits.max_message_size` while decoding, before any handler
+/// runs, with OUT_OF_RANGE. The design (and gRPC's reference implementations) call that
+/// RESOURCE_EXHAUSTED: rewrite exactly that status, leaving every other one alone.
+fn oversized_is_resource_exhausted(mut resp: http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+    let h = resp.headers();
+    let out_of_range = h.get("grpc-status").is_some_and(|v| v.as_bytes() == b"11");
+    let too_large = h.get("grpc-message").is_some_and(|v| {
+        let m = String::from_utf8_lossy(v.as_bytes()).replace("%20", " ");
+        m.contains("message length too large")
+    });
+    if out_of_range && too_large {
+        resp.headers_mut().insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    resp
 }
 
 impl Services {
