@@ -36,6 +36,11 @@ bench: release
 soak: release
 	scripts/soak
 
+# Coverage-guided fuzzing of the TCP frame decoder and request validation (cargo-fuzz on stable
+# via RUSTC_BOOTSTRAP); FUZZ_SECS per target (default 60, CI 20).
+fuzz: $(SETUP_STAMP)
+	scripts/fuzz
+
 test-rxe: $(SETUP_STAMP)
 	scripts/rxe-test
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -485,7 +485,7 @@ async fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, shutdown: Can
 }
 
 #[derive(Debug, thiserror::Error)]
-enum ServeError {
+pub enum ServeError {
     #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("protocol violation: {0}")]
@@ -495,7 +495,19 @@ enum ServeError {
 }
 
 async fn serve_stream(stream: TcpStream, check: Arc<dyn AccessCheck>) -> Result<(), ServeError> {
-    let (rd, mut wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
+    serve_frames(rd, wr, &*check).await
+}
+
+/// The target side of one data stream: reads frames from `rd`, checks each against `check`,
+/// moves payloads to/from region memory and answers on `wr`. Returns `Ok` at a clean end of
+/// stream. Public (but not API) so the fuzz target can drive it from memory without sockets.
+#[doc(hidden)]
+pub async fn serve_frames<R, W>(rd: R, mut wr: W, check: &dyn AccessCheck) -> Result<(), ServeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     loop {
         let mut hb = [0u8; HEADER_LEN];

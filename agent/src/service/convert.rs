@@ -6,19 +6,24 @@ use tonic::Status;
 use xfer_proto::v1 as pb;
 
 use crate::checksum::Algo;
-use crate::fabric::{Access, Endpoint, FabricError, FabricKind, VerbsEndpoint};
+use crate::fabric::{Access, Endpoint, FabricError, FabricKind, RemoteOp, VerbsEndpoint};
 use crate::grants::GrantError;
+use crate::node::GrantParams;
 use crate::peers::{PeerError, RemoteCode};
-use crate::regions::{Region, RegionError, RegionKind};
-use crate::transfer::{Op, TransferError, TransferRecord, TransferState};
+use crate::regions::{Region, RegionError, RegionKind, RegionSpec};
+use crate::transfer::{Op, TransferError, TransferOptions, TransferRecord, TransferRequest, TransferState};
 
 pub fn duration_to_pb(d: Duration) -> prost_types::Duration {
     prost_types::Duration { seconds: d.as_secs().min(i64::MAX as u64) as i64, nanos: d.subsec_nanos() as i32 }
 }
 
-/// `None` for negative or malformed durations.
+/// Longest ttl or timeout a request may carry (100 years). The agent turns them into deadlines
+/// (`SystemTime::now() + ttl`, `Instant::now() + timeout`), which panic on overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `None` for negative, malformed or longer-than-[`MAX_DURATION`] durations.
 pub fn duration_from_pb(d: &prost_types::Duration) -> Option<Duration> {
-    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
+    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 || d.seconds as u64 > MAX_DURATION.as_secs() {
         return None;
     }
     Some(Duration::new(d.seconds as u64, d.nanos as u32))
@@ -220,6 +225,94 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
     }
 }
 
+// ---------------------------------------------------------------- requests → domain
+
+pub(crate) fn require(cond: bool, msg: &str) -> Result<(), Status> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(msg.to_string()))
+    }
+}
+
+/// An optional request duration (ttl, timeout); `what` names the field in the error.
+fn request_duration(d: Option<&prost_types::Duration>, what: &str) -> Result<Option<Duration>, Status> {
+    match d {
+        Some(d) => duration_from_pb(d).map(Some).ok_or_else(|| Status::invalid_argument(format!("{what} must be between 0 and 100 years"))),
+        None => Ok(None),
+    }
+}
+
+/// `Agent.CreateRegion`: everything that can be checked without the registry.
+pub fn region_spec_from_pb(r: pb::CreateRegionRequest) -> Result<RegionSpec, Status> {
+    Ok(RegionSpec {
+        ttl: request_duration(r.ttl.as_ref(), "ttl")?.filter(|d| !d.is_zero()),
+        kind: kind_from_pb(r.kind)?,
+        access: access_from_pb(r.access)?,
+        name: r.name,
+        length: r.length,
+        path: Some(r.path).filter(|p| !p.is_empty()),
+        hugepages: r.hugepages,
+        labels: r.labels.into_iter().collect(),
+    })
+}
+
+/// `Agent.SubmitTransfer`: required fields, enums and the timeout.
+pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<TransferRequest, Status> {
+    let local = r.local.ok_or_else(|| Status::invalid_argument("local range is required"))?;
+    let remote = r.remote.ok_or_else(|| Status::invalid_argument("remote range is required"))?;
+    require(!local.region.is_empty(), "local region is required")?;
+    require(!remote.region.is_empty(), "remote region is required")?;
+    require(!remote.agent.is_empty(), "remote agent address is required")?;
+    let o = r.options.unwrap_or_default();
+    let timeout = request_duration(o.timeout.as_ref(), "timeout")?;
+    Ok(TransferRequest {
+        op: op_from_pb(r.op)?,
+        local_region: local.region,
+        local_offset: local.offset,
+        remote_agent: remote.agent,
+        remote_region: remote.region,
+        remote_offset: remote.offset,
+        length: r.length,
+        options: TransferOptions {
+            chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
+            qps: (o.qps > 0).then_some(o.qps as usize),
+            depth: (o.depth > 0).then_some(o.depth as usize),
+            verify: o.verify,
+            algo: Some(algo_from_pb(o.verify_algo)?),
+            timeout,
+        },
+    })
+}
+
+/// `Peer.Connect`: protocol version, identity and every endpoint the peer sent.
+pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(FabricKind, Vec<Endpoint>), Status> {
+    if r.version != 1 {
+        return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
+    }
+    require(!r.node_name.is_empty(), "node_name is required")?;
+    require(!r.connection_id.is_empty() && r.connection_id.len() <= 64, "connection_id must be 1-64 characters")?;
+    let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
+    let eps = r.endpoints.iter().map(endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(Status::invalid_argument)?;
+    if eps.len() > 64 {
+        return Err(Status::resource_exhausted("at most 64 QPs per connection"));
+    }
+    Ok((fabric, eps))
+}
+
+/// `Peer.Grant`: required fields, the operation and the ttl.
+pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> {
+    require(!r.region.is_empty(), "region is required")?;
+    require(!r.node_name.is_empty(), "node_name is required")?;
+    let op = match pb::Access::try_from(r.op) {
+        Ok(pb::Access::Read) => RemoteOp::Read,
+        Ok(pb::Access::Write) => RemoteOp::Write,
+        _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
+    };
+    let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
+    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name })
+}
+
 // ---------------------------------------------------------------- errors → status
 
 pub fn region_status(e: RegionError) -> Status {
@@ -327,6 +420,34 @@ mod tests {
     fn durations_reject_negative_values() {
         assert_eq!(duration_from_pb(&prost_types::Duration { seconds: -1, nanos: 0 }), None);
         assert_eq!(duration_from_pb(&prost_types::Duration { seconds: 2, nanos: 5 }), Some(Duration::new(2, 5)));
+    }
+
+    /// A ttl/timeout of ~i64::MAX seconds used to be accepted, then `SystemTime::now() + ttl`
+    /// (regions) / `Instant::now() + timeout` (submit) panicked. The request_validation fuzz
+    /// target's deadline invariant catches it (fuzz/corpus/request_validation/seed-regress-huge-ttl).
+    #[test]
+    fn huge_durations_are_rejected_before_they_become_deadlines() {
+        let huge = prost_types::Duration { seconds: i64::MAX, nanos: 0 };
+        assert_eq!(duration_from_pb(&huge), None);
+        let max = duration_to_pb(MAX_DURATION);
+        let d = duration_from_pb(&max).unwrap();
+        assert!(SystemTime::now().checked_add(d).is_some());
+        assert!(std::time::Instant::now().checked_add(d + Duration::from_secs(60)).is_some());
+
+        let region = pb::CreateRegionRequest { name: "r".into(), length: 1, ttl: Some(huge), ..Default::default() };
+        let err = region_spec_from_pb(region).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("ttl"), "{}", err.message());
+        let submit = pb::SubmitTransferRequest {
+            op: pb::Op::Write as i32,
+            local: Some(pb::LocalRange { region: "a".into(), offset: 0 }),
+            remote: Some(pb::RemoteRange { agent: "h:1".into(), region: "b".into(), offset: 0 }),
+            options: Some(pb::TransferOptions { timeout: Some(huge), ..Default::default() }),
+            ..Default::default()
+        };
+        assert!(transfer_request_from_pb(submit).unwrap_err().message().contains("timeout"));
+        let grant = pb::GrantRequest { region: "b".into(), node_name: "n".into(), op: pb::Access::Write as i32, ttl: Some(huge), ..Default::default() };
+        assert!(grant_params_from_pb(grant).is_err());
     }
 
     #[test]

@@ -11,10 +11,7 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_server::{Agent, AgentServer};
 use xfer_proto::v1::peer_server::{Peer, PeerServer};
 
-use crate::fabric::RemoteOp;
-use crate::node::{BenchParams, GrantParams, Node};
-use crate::regions::RegionSpec;
-use crate::transfer::{TransferOptions, TransferRequest};
+use crate::node::{BenchParams, Node};
 
 pub mod client;
 pub mod convert;
@@ -155,21 +152,7 @@ impl Agent for Services {
     }
 
     async fn create_region(&self, req: Request<pb::CreateRegionRequest>) -> Result<Response<pb::Region>, Status> {
-        let r = req.into_inner();
-        let ttl = match &r.ttl {
-            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?).filter(|d| !d.is_zero()),
-            None => None,
-        };
-        let spec = RegionSpec {
-            name: r.name,
-            length: r.length,
-            kind: kind_from_pb(r.kind)?,
-            path: Some(r.path).filter(|p| !p.is_empty()),
-            access: access_from_pb(r.access)?,
-            hugepages: r.hugepages,
-            ttl,
-            labels: r.labels.into_iter().collect(),
-        };
+        let spec = region_spec_from_pb(req.into_inner())?;
         let node = self.node.clone();
         // Mapping and registration can take long for big regions: keep them off the reactor.
         let region = tokio::task::spawn_blocking(move || node.regions.create(spec))
@@ -255,34 +238,7 @@ impl Agent for Services {
     }
 
     async fn submit_transfer(&self, req: Request<pb::SubmitTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
-        let r = req.into_inner();
-        let local = r.local.ok_or_else(|| Status::invalid_argument("local range is required"))?;
-        let remote = r.remote.ok_or_else(|| Status::invalid_argument("remote range is required"))?;
-        require(!local.region.is_empty(), "local region is required")?;
-        require(!remote.region.is_empty(), "remote region is required")?;
-        require(!remote.agent.is_empty(), "remote agent address is required")?;
-        let o = r.options.unwrap_or_default();
-        let timeout = match &o.timeout {
-            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("timeout must not be negative"))?),
-            None => None,
-        };
-        let treq = TransferRequest {
-            op: op_from_pb(r.op)?,
-            local_region: local.region,
-            local_offset: local.offset,
-            remote_agent: remote.agent,
-            remote_region: remote.region,
-            remote_offset: remote.offset,
-            length: r.length,
-            options: TransferOptions {
-                chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
-                qps: (o.qps > 0).then_some(o.qps as usize),
-                depth: (o.depth > 0).then_some(o.depth as usize),
-                verify: o.verify,
-                algo: Some(algo_from_pb(o.verify_algo)?),
-                timeout,
-            },
-        };
+        let treq = transfer_request_from_pb(req.into_inner())?;
         let rec = self.node.submit(treq).await.map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&rec)))
     }
@@ -396,21 +352,7 @@ impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
         let peer = self.caller(&req, &req.get_ref().node_name)?;
         let r = req.into_inner();
-        if r.version != 1 {
-            return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
-        }
-        require(!r.node_name.is_empty(), "node_name is required")?;
-        require(!r.connection_id.is_empty() && r.connection_id.len() <= 64, "connection_id must be 1-64 characters")?;
-        let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
-        let eps = r
-            .endpoints
-            .iter()
-            .map(endpoint_from_pb)
-            .collect::<Result<Vec<_>, String>>()
-            .map_err(Status::invalid_argument)?;
-        if eps.len() > 64 {
-            return Err(Status::resource_exhausted("at most 64 QPs per connection"));
-        }
+        let (fabric, eps) = peer_connect_from_pb(&r)?;
         let span = tracing::info_span!("peer", %peer);
         let _g = span.enter();
         let mine = self.node.accept_connection(&peer, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
@@ -425,19 +367,9 @@ impl Peer for Services {
 
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::GrantResponse>, Status> {
         let peer = self.caller(&req, &req.get_ref().node_name)?;
-        let r = req.into_inner();
-        require(!r.region.is_empty(), "region is required")?;
-        require(!r.node_name.is_empty(), "node_name is required")?;
-        let op = match pb::Access::try_from(r.op) {
-            Ok(pb::Access::Read) => RemoteOp::Read,
-            Ok(pb::Access::Write) => RemoteOp::Write,
-            _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
-        };
-        let ttl = match &r.ttl {
-            Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?),
-            None => None,
-        };
-        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer };
+        let mut p = grant_params_from_pb(req.into_inner())?;
+        // With mTLS the grant is bound to the certificate identity, not the declared name.
+        p.peer = peer;
         let g = self.node.grant(&p).map_err(transfer_status)?;
         let (rkey, token) = match &g.exposure.key {
             crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new()),
