@@ -326,7 +326,8 @@ impl Node {
                 for _ in 0..n {
                     let (mut s, _) = listener.accept().await?;
                     tasks.push(tokio::spawn(async move {
-                        let mut buf = vec![0u8; 1 << 20];
+                        // As large as a socket buffer can fill, so each read drains it.
+                        let mut buf = vec![0u8; 8 << 20];
                         while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
                         let _ = s.shutdown().await;
                     }));

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -316,7 +316,10 @@ impl QpCtx {
     }
 }
 
-async fn writer(ctx: QpCtx, mut out: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
+async fn writer(ctx: QpCtx, out: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
+    // Small frames (headers, small payloads) are coalesced and flushed once no further WR is
+    // queued; payloads at least as large as the buffer bypass it, so big chunks are not copied.
+    let mut out = BufWriter::with_capacity(64 << 10, out);
     loop {
         let wr = tokio::select! {
             _ = ctx.cancel.cancelled() => break,
@@ -340,6 +343,9 @@ async fn writer(ctx: QpCtx, mut out: tokio::net::tcp::OwnedWriteHalf, mut rx: mp
                 // Straight from region memory: no bounce buffer. Bounds were checked at post.
                 let data = wr.local.memory().slice(wr.local_offset, wr.len as u64).map_err(std::io::Error::other)?;
                 out.write_all(data).await?;
+            }
+            if rx.is_empty() {
+                out.flush().await?;
             }
             Ok::<(), std::io::Error>(())
         }
@@ -503,17 +509,26 @@ async fn serve_stream(stream: TcpStream, check: Arc<dyn AccessCheck>) -> Result<
 /// moves payloads to/from region memory and answers on `wr`. Returns `Ok` at a clean end of
 /// stream. Public (but not API) so the fuzz target can drive it from memory without sockets.
 #[doc(hidden)]
-pub async fn serve_frames<R, W>(rd: R, mut wr: W, check: &dyn AccessCheck) -> Result<(), ServeError>
+pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut rd = BufReader::with_capacity(64 << 10, rd);
+    // Responses are coalesced, and flushed before any read that could wait for the initiator:
+    // the initiator writes whole frames, so bytes already buffered never wait on our answers.
+    let mut wr = BufWriter::with_capacity(64 << 10, wr);
     loop {
+        if rd.buffer().is_empty() {
+            wr.flush().await?;
+        }
         let mut hb = [0u8; HEADER_LEN];
         match rd.read_exact(&mut hb).await {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                wr.flush().await?;
+                return Ok(());
+            }
             Err(e) => return Err(e.into()),
         }
         let h = match Header::decode(&hb) {
@@ -523,6 +538,7 @@ where
                 let mut nak = Header::new(Kind::Nak, 0);
                 nak.status = WcStatus::RemInvReqErr.code();
                 let _ = wr.write_all(&nak.encode()).await;
+                let _ = wr.flush().await;
                 return Err(e.into());
             }
         };
@@ -570,6 +586,7 @@ where
                 let mut nak = Header::new(Kind::Nak, h.id);
                 nak.status = WcStatus::RemInvReqErr.code();
                 let _ = wr.write_all(&nak.encode()).await;
+                let _ = wr.flush().await;
                 return Err(ServeError::Unexpected(other));
             }
         }

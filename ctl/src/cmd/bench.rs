@@ -145,7 +145,9 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         peer: opt.peer.clone(),
         bytes: baseline_bytes(&opt.sizes),
         connections: opt.qps.unwrap_or(1).max(1),
-        block: 0,
+        // Write in blocks as large as the largest message (capped at 16 MiB), so the baseline
+        // is not handicapped by smaller syscalls than the fabric makes.
+        block: opt.sizes.iter().copied().max().unwrap_or(1 << 20).clamp(1 << 20, 16 << 20),
     };
     let mut base_runs = Vec::new();
     // Baseline runs go before the first size, in the middle and after the last.
