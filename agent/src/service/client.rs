@@ -41,6 +41,8 @@ pub struct PeerClient {
     agent: pb::agent_client::AgentClient<Channel>,
 }
 
+/// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).
+const MAX_QP_RKEYS: usize = 256;
 /// Time to establish the HTTP/2 connection to a peer: an unreachable peer fails fast.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on any single peer RPC (the peer's work per call is small and local).
@@ -124,6 +126,7 @@ impl PeerClient {
         op: RemoteOp,
         ttl: Duration,
         node_name: &str,
+        connection_id: &str,
     ) -> Result<GrantInfo, PeerError> {
         let req = pb::GrantRequest {
             region: region.to_string(),
@@ -135,12 +138,17 @@ impl PeerClient {
             } as i32,
             ttl: Some(convert::duration_to_pb(ttl)),
             node_name: node_name.to_string(),
-            connection_id: String::new(),
+            connection_id: connection_id.to_string(),
         };
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
         let key = if !r.token.is_empty() {
             let t: [u8; 16] = r.token.as_slice().try_into().map_err(|_| self.bad("grant token is not 16 bytes"))?;
             RemoteKey::Token(t)
+        } else if !r.qp_rkeys.is_empty() {
+            if r.qp_rkeys.len() > MAX_QP_RKEYS {
+                return Err(self.bad(format!("grant carries {} per-QP keys", r.qp_rkeys.len())));
+            }
+            RemoteKey::PerQp(r.qp_rkeys.into())
         } else {
             RemoteKey::Rkey(r.rkey)
         };

@@ -294,6 +294,7 @@ pub fn transfer_status(e: TransferError) -> Status {
         TransferError::Grant(g) => grant_status(g),
         TransferError::Invalid(m) => Status::invalid_argument(m),
         TransferError::PermissionDenied(m) => Status::permission_denied(m),
+        TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
         e @ TransferError::NotFound(_) => Status::not_found(e.to_string()),
         e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
         e @ TransferError::ShuttingDown => Status::unavailable(e.to_string()),

@@ -437,11 +437,14 @@ impl Peer for Services {
             Some(d) => Some(duration_from_pb(d).ok_or_else(|| Status::invalid_argument("ttl must not be negative"))?),
             None => None,
         };
-        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer };
+        require(r.connection_id.len() <= 64, "connection_id must be at most 64 characters")?;
+        let connection_id = Some(r.connection_id).filter(|c| !c.is_empty());
+        let p = GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer, connection_id };
         let g = self.node.grant(&p).map_err(transfer_status)?;
-        let (rkey, token) = match &g.exposure.key {
-            crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new()),
-            crate::fabric::RemoteKey::Token(t) => (0, t.to_vec()),
+        let (rkey, token, qp_rkeys) = match &g.exposure.key {
+            crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new()),
+            crate::fabric::RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec()),
+            crate::fabric::RemoteKey::Token(t) => (0, t.to_vec(), Vec::new()),
         };
         Ok(Response::new(pb::GrantResponse {
             grant_id: g.id.clone(),
@@ -453,6 +456,7 @@ impl Peer for Services {
             region_id: g.region.id.clone(),
             instance_id: self.node.instance_id.clone(),
             node_name: self.node.config.node_name.clone(),
+            qp_rkeys,
         }))
     }
 
