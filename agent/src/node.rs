@@ -21,7 +21,7 @@ use crate::metrics as m;
 use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
 use crate::service::tls::TlsMaterial;
 use crate::regions::{new_id, RegionRegistry, RegionUse};
-use crate::service::client::{CompleteParams, GrantInfo};
+use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
@@ -639,7 +639,7 @@ impl Node {
         loop {
             let lease = self.peers.lease(peer, qps, depth).await?;
             let cid = lease.connection_id.clone();
-            let r = peer.call(|| peer.client.grant(ask.region, ask.offset, ask.length, ask.op, ask.ttl, me, &cid)).await;
+            let r = peer.call(|| peer.client.grant(ask, me, &cid)).await;
             match r {
                 Ok(grant) => {
                     peer.observe(&grant.node_name, &grant.instance_id);
@@ -899,15 +899,6 @@ struct Plan {
     depth: usize,
     verify: Option<Algo>,
     deadline: Instant,
-}
-
-/// What `Peer.Grant` is asked for.
-struct GrantAsk<'a> {
-    region: &'a str,
-    offset: u64,
-    length: u64,
-    op: RemoteOp,
-    ttl: Duration,
 }
 
 enum Outcome {

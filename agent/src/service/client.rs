@@ -23,6 +23,17 @@ pub struct GrantInfo {
     pub instance_id: String,
 }
 
+/// What `Peer.Grant` is asked for.
+#[derive(Debug, Clone)]
+pub struct GrantAsk<'a> {
+    pub region: &'a str,
+    pub offset: u64,
+    /// 0 = the rest of the region
+    pub length: u64,
+    pub op: RemoteOp,
+    pub ttl: Duration,
+}
+
 #[derive(Debug, Clone)]
 pub struct CompleteParams {
     pub transfer_id: String,
@@ -118,25 +129,18 @@ impl PeerClient {
         Ok(HandshakeReply { node_name: r.node_name, instance_id: r.instance_id, fabric, endpoints })
     }
 
-    pub async fn grant(
-        &self,
-        region: &str,
-        offset: u64,
-        length: u64,
-        op: RemoteOp,
-        ttl: Duration,
-        node_name: &str,
-        connection_id: &str,
-    ) -> Result<GrantInfo, PeerError> {
+    /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
+    /// windows on that connection's QPs).
+    pub async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
         let req = pb::GrantRequest {
-            region: region.to_string(),
-            offset,
-            length,
-            op: match op {
+            region: ask.region.to_string(),
+            offset: ask.offset,
+            length: ask.length,
+            op: match ask.op {
                 RemoteOp::Read => pb::Access::Read,
                 RemoteOp::Write => pb::Access::Write,
             } as i32,
-            ttl: Some(convert::duration_to_pb(ttl)),
+            ttl: Some(convert::duration_to_pb(ask.ttl)),
             node_name: node_name.to_string(),
             connection_id: connection_id.to_string(),
         };

@@ -274,6 +274,7 @@ impl Qp {
     /// Not reentrant: the caller must serialize posting on this QP. `mw` and `mr` must be live
     /// objects of this QP's PD, and stay allocated/registered until the bind's completion has
     /// been polled (or the QP is in ERR and the WR flushed).
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn post_bind_mw(
         &self,
         wr_id: u64,
