@@ -9,17 +9,19 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::checksum::{self, Algo};
 use crate::config::Config;
-use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
+use crate::fabric::{
+    Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, GrantMode, Registration, RemoteOp, WorkRequest, WrOp,
+};
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
-use crate::peers::{PeerEntry, PeerError, PeerPool};
+use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
 use crate::service::tls::TlsMaterial;
 use crate::regions::{new_id, RegionRegistry, RegionUse};
-use crate::service::client::{CompleteParams, GrantInfo};
+use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
@@ -35,6 +37,9 @@ pub struct GrantParams {
     pub op: RemoteOp,
     pub ttl: Option<Duration>,
     pub peer: String,
+    /// The grantee's connection to bind the grant to (`GrantRequest.connection_id`). Grant mode
+    /// `mw` on verbs needs it: the windows are bound on that connection's QPs.
+    pub connection_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -59,8 +64,8 @@ pub struct BenchResult {
     pub lat_iters: u32,
 }
 
-/// (peer node name, keepalive of the responder's QPs)
-type AcceptedConn = (String, Box<dyn Accepted>);
+/// (peer node name, keepalive of the responder's QPs; `mw` grants bind windows on them)
+type AcceptedConn = (String, Arc<dyn Accepted>);
 
 pub struct Node {
     pub config: Config,
@@ -191,7 +196,7 @@ impl Node {
                     acc.remove(k);
                 }
             }
-            acc.insert(connection_id.to_string(), (peer.to_string(), keep));
+            acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep)));
         }
         Ok(mine)
     }
@@ -226,14 +231,17 @@ impl Node {
         region.check_range(p.offset, length)?;
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
         let expires_at = SystemTime::now() + ttl;
-        let req = ExposeRequest {
-            offset: p.offset,
-            len: length,
-            op: p.op,
-            expires_at,
-            peer: p.peer.clone(),
-            mode: self.config.verbs.grant_mode,
-        };
+        let mode = self.config.verbs.grant_mode;
+        let connection = self.grant_connection(p)?;
+        if mode == GrantMode::Mw && self.fabric.kind() == FabricKind::Verbs && connection.is_none() {
+            return Err(TransferError::FailedPrecondition(
+                "this agent grants with memory windows (verbs.grant_mode = mw), which are bound to the \
+                 grantee's QPs: the grant request must name a connection the caller made with Peer.Connect \
+                 (connection_id)"
+                    .into(),
+            ));
+        }
+        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), mode, connection };
         let exposure = self
             .fabric
             .expose(&region.registration, &req)
@@ -249,6 +257,24 @@ impl Node {
             exposure,
         };
         Ok(self.grants.insert(grant)?)
+    }
+
+    /// The accepted connection a grant names. It must have been made by the grant's peer
+    /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
+    /// connection (`mw` on verbs); other modes do not use it.
+    fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
+        let Some(id) = p.connection_id.as_deref().filter(|s| !s.is_empty()) else { return Ok(None) };
+        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        match acc.get(id) {
+            Some((owner, conn)) if *owner == p.peer => Ok(Some(conn.clone())),
+            Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
+            None if self.config.verbs.grant_mode == GrantMode::Mw && self.fabric.kind() == FabricKind::Verbs => {
+                Err(TransferError::FailedPrecondition(format!(
+                    "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
+                )))
+            }
+            None => Ok(None),
+        }
     }
 
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
@@ -392,28 +418,29 @@ impl Node {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,
         };
-        let me = &self.config.node_name;
         let grant_ttl = timeout + Duration::from_secs(60);
-        let grant = peer
-            .call(|| peer.client.grant(&req.remote_region, req.remote_offset, length, remote_op, grant_ttl, me))
-            .await?;
-        peer.observe(&grant.node_name, &grant.instance_id);
+        // Connect first: the grant is bound to this connection (grant mode mw binds its windows
+        // on the connection's QPs). Connect failures are submit errors (UNAVAILABLE, ...).
+        let ask = GrantAsk { region: &req.remote_region, offset: req.remote_offset, length, op: remote_op, ttl: grant_ttl };
+        let (lease, grant) = self.lease_and_grant(&peer, qps, depth, &ask).await?;
         let length = if length == 0 { grant.length } else { length };
+        let refuse = |e: TransferError, lease| {
+            self.revoke_later(&peer, &grant.grant_id);
+            self.peers.release(&peer, lease, true);
+            Err(e)
+        };
         if grant.length < length {
-            return Err(TransferError::Invalid(format!("peer granted {} bytes, {} needed", grant.length, length)));
+            return refuse(TransferError::Invalid(format!("peer granted {} bytes, {} needed", grant.length, length)), lease);
         }
         if let Err(e) = local.check_range(req.local_offset, length) {
-            self.revoke_later(&peer, &grant.grant_id);
-            return Err(e.into());
+            return refuse(e.into(), lease);
         }
         if length == 0 {
-            self.revoke_later(&peer, &grant.grant_id);
-            return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+            return refuse(TransferError::Invalid("zero-length transfer: nothing to copy".into()), lease);
         }
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
-            self.revoke_later(&peer, &grant.grant_id);
-            return Err(TransferError::ShuttingDown);
+            return refuse(TransferError::ShuttingDown, lease);
         }
         let now = SystemTime::now();
         let record = TransferRecord {
@@ -444,8 +471,8 @@ impl Node {
             local: local.acquire(),
             peer,
             grant,
+            lease: Mutex::new(Some(lease)),
             chunk,
-            qps,
             depth,
             verify: opts.verify.then(|| opts.algo.unwrap_or(Algo::Xxh3)),
             deadline: Instant::now() + timeout,
@@ -499,10 +526,14 @@ impl Node {
 
     /// Moves the data; `Ok(checksum)` on success (the checksum when verified).
     async fn execute(&self, handle: &TransferHandle, plan: &Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Outcome> {
-        let mut lease = tokio::select! {
-            l = self.peers.lease(&plan.peer, plan.qps, plan.depth) => l.map_err(peer_failure)?,
-            _ = handle.cancel.cancelled() => return Err(Outcome::Cancelled),
+        // Leased at submit (the grant is bound to it).
+        let Some(mut lease) = plan.lease.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Err(Outcome::Failed("INTERNAL".into(), "transfer started without its connection".into()));
         };
+        if handle.cancel.is_cancelled() {
+            self.peers.release(&plan.peer, lease, true);
+            return Err(Outcome::Cancelled);
+        }
         handle.update(|r| {
             r.state = TransferState::Running;
             r.started_at = Some(SystemTime::now());
@@ -593,6 +624,53 @@ impl Node {
         }
     }
 
+    /// Leases a connection to `peer`, then asks the peer for a grant bound to it
+    /// (`GrantRequest.connection_id`: grant mode mw binds its windows on that connection's QPs).
+    /// An idle connection may predate a restart of the peer, which then does not know it: it is
+    /// discarded and a fresh one negotiated (once).
+    async fn lease_and_grant(
+        &self,
+        peer: &Arc<PeerEntry>,
+        qps: usize,
+        depth: usize,
+        ask: &GrantAsk<'_>,
+    ) -> Result<(Lease, GrantInfo), TransferError> {
+        let me = &self.config.node_name;
+        let mut retried = false;
+        loop {
+            let lease = self.peers.lease(peer, qps, depth).await?;
+            let cid = lease.connection_id.clone();
+            let r = peer.call(|| peer.client.grant(ask, me, &cid)).await;
+            match r {
+                Ok(grant) => {
+                    peer.observe(&grant.node_name, &grant.instance_id);
+                    if grant.instance_id == lease.instance_id() {
+                        return Ok((lease, grant));
+                    }
+                    // The peer restarted after this connection was made: its QPs are gone. The
+                    // grant itself does not use the connection (an mw grant would have failed).
+                    self.peers.release(peer, lease, false);
+                    match self.peers.lease(peer, qps, depth).await {
+                        Ok(fresh) => return Ok((fresh, grant)),
+                        Err(e) => {
+                            self.revoke_later(peer, &grant.grant_id);
+                            return Err(e.into());
+                        }
+                    }
+                }
+                Err(PeerError::Remote { code: RemoteCode::FailedPrecondition, .. }) if lease.reused() && !retried => {
+                    debug!(peer = %peer.addr, "peer does not know a pooled connection; negotiating a fresh one");
+                    self.peers.release(peer, lease, false);
+                    retried = true;
+                }
+                Err(e) => {
+                    self.peers.release(peer, lease, true);
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
     /// Cancels a running transfer; no-op for finished ones.
     pub fn cancel(&self, id: &str) -> Result<TransferRecord, TransferError> {
         let h = self.transfers.get(id)?;
@@ -620,9 +698,7 @@ impl Node {
 
     async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-        let me = &self.config.node_name;
-        let grant = peer.call(|| peer.client.grant(scratch, 0, p.size, remote_op, Duration::from_secs(3600), me)).await?;
-        peer.observe(&grant.node_name, &grant.instance_id);
+        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600) };
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
         let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
         let local = self
@@ -634,8 +710,9 @@ impl Node {
         let qps = if p.qps == 0 { self.config.transfer.qps } else { p.qps };
         let depth = if p.depth == 0 { self.config.transfer.depth } else { p.depth };
 
-        // Bandwidth: iters WRs of `size`, `depth` outstanding per QP.
-        let mut lease = self.peers.lease(peer, qps, depth).await?;
+        // Bandwidth: iters WRs of `size`, `depth` outstanding per QP. Each phase has its own
+        // connection, and so its own grant (mw grants are bound to a connection).
+        let (mut lease, grant) = self.lease_and_grant(peer, qps, depth, &ask).await?;
         let mut machine = Machine::new(MachineConfig {
             total: p.size * iters as u64,
             chunk: p.size,
@@ -656,8 +733,9 @@ impl Node {
         }
 
         // Latency: one WR at a time on one QP.
+        self.revoke_later(peer, &grant.grant_id);
         let lat_iters = iters.clamp(1, 10_000);
-        let mut lease = self.peers.lease(peer, 1, 1).await?;
+        let (mut lease, grant) = self.lease_and_grant(peer, 1, 1, &ask).await?;
         let mut machine = Machine::new(MachineConfig {
             total: p.size * lat_iters as u64,
             chunk: p.size,
@@ -816,8 +894,9 @@ struct Plan {
     local: RegionUse,
     peer: Arc<PeerEntry>,
     grant: GrantInfo,
+    /// The connection the grant is bound to; `execute` takes it (std Mutex: no awaits held).
+    lease: Mutex<Option<Lease>>,
     chunk: u64,
-    qps: usize,
     depth: usize,
     verify: Option<Algo>,
     deadline: Instant,
@@ -826,15 +905,6 @@ struct Plan {
 enum Outcome {
     Cancelled,
     Failed(String, String),
-}
-
-fn peer_failure(e: PeerError) -> Outcome {
-    let code = match &e {
-        PeerError::Unreachable { .. } => "PEER_UNAVAILABLE",
-        PeerError::Fabric { .. } => "CONNECT_FAILED",
-        _ => "PEER_ERROR",
-    };
-    Outcome::Failed(code.into(), e.to_string())
 }
 
 fn hint(status: crate::fabric::WcStatus) -> &'static str {

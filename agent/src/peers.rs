@@ -138,6 +138,20 @@ pub struct Lease {
     pub qps: usize,
     pub depth: usize,
     instance_id: String,
+    /// Taken from the idle list (negotiated for an earlier transfer).
+    reused: bool,
+}
+
+impl Lease {
+    /// The peer's instance id when the connection was negotiated.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// Whether the connection came from the idle list rather than a fresh negotiation.
+    pub fn reused(&self) -> bool {
+        self.reused
+    }
 }
 
 /// One peer agent, by the address transfers name it with.
@@ -312,7 +326,9 @@ impl PeerPool {
         if let Ok(mut idle) = peer.idle.lock() {
             idle.retain(|l| !l.conn.is_broken() && l.instance_id == current);
             if let Some(pos) = idle.iter().position(|l| l.qps == qps && l.depth >= depth) {
-                return Ok(idle.swap_remove(pos));
+                let mut lease = idle.swap_remove(pos);
+                lease.reused = true;
+                return Ok(lease);
             }
         }
         self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await
@@ -353,7 +369,7 @@ impl PeerPool {
         }
         debug!(peer = %peer.addr, qps, ?took, "connection negotiated");
         self.update_gauge(peer, qps);
-        Ok(Lease { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id })
+        Ok(Lease { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id, reused: false })
     }
 
     /// Returns a lease. `clean` means every WR it posted has completed successfully.

@@ -15,6 +15,7 @@ use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcSta
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionKind, RegionSpec};
+use xfer_agent::transfer::TransferError;
 
 struct Side {
     node: Arc<Node>,
@@ -78,7 +79,7 @@ fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
 
 fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
     s.node
-        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into() })
+        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some("conn-1".into()) })
         .unwrap()
 }
 
@@ -181,7 +182,7 @@ async fn region_access_ceiling_is_enforced_at_grant_time() {
     let b = side("b", 'B').await;
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
-    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into() };
+    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: None };
     assert!(b.node.grant(&p("ro", RemoteOp::Write)).is_err(), "read-only region must not be granted for WRITE");
     assert!(b.node.grant(&p("wo", RemoteOp::Read)).is_err(), "write-only region must not be granted for READ");
     assert!(b.node.grant(&p("ro", RemoteOp::Read)).is_ok());
@@ -269,4 +270,24 @@ async fn local_range_is_checked_at_post() {
     let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
     assert!(conn.post(0, wr(1, WrOp::Write, &src, 1, 4096, &g, 0, true)).is_err());
     assert!(conn.post(5, wr(1, WrOp::Write, &src, 0, 16, &g, 0, true)).is_err(), "no such QP");
+}
+
+#[tokio::test]
+async fn a_grant_may_name_only_the_callers_own_connection() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    region(&b, "dst", 8192, Access::ReadWrite);
+    let (_conn, _rx) = connect(&a, &b, 1, 8).await;
+    let mut p = GrantParams {
+        region: "dst".into(),
+        offset: 0,
+        length: 4096,
+        op: RemoteOp::Write,
+        ttl: None,
+        peer: "z".into(),
+        connection_id: Some("conn-1".into()),
+    };
+    let e = b.node.grant(&p).unwrap_err();
+    assert!(matches!(e, TransferError::PermissionDenied(_)), "another peer's connection: {e:?}");
+    p.peer = "a".into();
+    assert!(b.node.grant(&p).is_ok());
 }

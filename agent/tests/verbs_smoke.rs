@@ -63,6 +63,7 @@ fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, o
             expires_at: SystemTime::now() + Duration::from_secs(60),
             peer: "a".into(),
             mode,
+            connection: None,
         },
     )
     .unwrap()
@@ -209,7 +210,8 @@ async fn verbs_smoke() {
     assert_eq!(mb.slice(4096, 12).unwrap(), b"region-grant");
     println!("Region grant WRITE: SUCCESS");
 
-    // Mw is not implemented: a clear error, not a panic.
+    // Mw needs a connection to bind on (and a fabric opened for it): a clear error, not a panic.
+    // agent/tests/verbs_mw.rs covers mw grants.
     let err = b
         .expose(
             &rb,
@@ -220,6 +222,7 @@ async fn verbs_smoke() {
                 expires_at: SystemTime::now(),
                 peer: "a".into(),
                 mode: GrantMode::Mw,
+                connection: None,
             },
         )
         .unwrap_err();

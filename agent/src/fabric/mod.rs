@@ -213,6 +213,8 @@ pub trait Registration: Send + Sync + fmt::Debug {
         self.memory().addr()
     }
     fn access(&self) -> Access;
+    /// The concrete registration, for the fabric that made it (verbs binds windows to its MR).
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// The key a peer presents with one-sided operations on memory it was granted.
@@ -220,6 +222,9 @@ pub trait Registration: Send + Sync + fmt::Debug {
 pub enum RemoteKey {
     /// verbs rkey (of an MR, an MW, or the region's MR)
     Rkey(u32),
+    /// verbs, grant mode `mw`: one type-2 window per QP of the connection the grant was bound to;
+    /// a work request on QP `i` must use key `i` (a type-2 window only answers on its own QP).
+    PerQp(Arc<[u32]>),
     /// tcp: unguessable 128-bit grant token, checked on every frame
     Token([u8; 16]),
 }
@@ -229,6 +234,7 @@ impl fmt::Debug for RemoteKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RemoteKey::Rkey(_) => f.write_str("Rkey(..)"),
+            RemoteKey::PerQp(k) => write!(f, "PerQp({} keys)", k.len()),
             RemoteKey::Token(_) => f.write_str("Token(..)"),
         }
     }
@@ -240,7 +246,9 @@ impl fmt::Debug for RemoteKey {
 pub enum GrantMode {
     /// A dedicated MR over exactly the granted range.
     Mr,
-    /// A type-2 memory window bound to the range.
+    /// A type-2 memory window bound to the range on each responder QP of the grantee's
+    /// connection (`ExposeRequest::connection`). Range-safe only on devices that enforce window
+    /// bounds: rxe (6.1) checks an access against the underlying MR, not the window.
     Mw,
     /// The region MR's rkey (fastest, least scoped).
     Region,
@@ -262,7 +270,7 @@ impl fmt::Debug for Exposure {
 }
 
 /// Everything a fabric needs to expose a range to a peer.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ExposeRequest {
     /// Offset of the range inside the registration.
     pub offset: u64,
@@ -272,6 +280,23 @@ pub struct ExposeRequest {
     /// Node name of the peer the grant is for.
     pub peer: String,
     pub mode: GrantMode,
+    /// The responder half of the grantee's connection (`GrantRequest.connection_id`): `mw`
+    /// binds its windows on these QPs. Other modes and tcp ignore it.
+    pub connection: Option<Arc<dyn Accepted>>,
+}
+
+impl fmt::Debug for ExposeRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExposeRequest")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("op", &self.op)
+            .field("expires_at", &self.expires_at)
+            .field("peer", &self.peer)
+            .field("mode", &self.mode)
+            .field("connection", &self.connection.is_some())
+            .finish()
+    }
 }
 
 /// Device facts reported by `GetInfo` and `xferctl info`.
@@ -372,8 +397,10 @@ pub trait PendingConnection: Send {
 }
 
 /// The responder's half of a connection: keeps its QPs alive until dropped.
-pub trait Accepted: Send + Sync {}
-impl<T: Send + Sync> Accepted for T {}
+pub trait Accepted: Send + Sync + 'static {
+    /// The concrete type, for the fabric that made it (verbs binds memory windows on its QPs).
+    fn as_any(&self) -> &dyn Any;
+}
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
 pub trait Connection: Send + Sync {

@@ -73,6 +73,18 @@ impl Registration for TcpRegistration {
     fn access(&self) -> Access {
         self.access
     }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The responder's half of a tcp connection: nothing to keep (the data listener serves everyone).
+struct TcpAccepted;
+
+impl Accepted for TcpAccepted {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// The TCP fabric: a data listener serving one-sided operations, and initiator connections.
@@ -143,7 +155,7 @@ impl Fabric for TcpFabric {
                 detail: "initiator offers verbs endpoints but this agent runs the tcp fabric".into(),
             });
         }
-        Ok((vec![Endpoint::Tcp { address: self.data_address }], Box::new(())))
+        Ok((vec![Endpoint::Tcp { address: self.data_address }], Box::new(TcpAccepted)))
     }
 }
 

@@ -23,6 +23,17 @@ pub struct GrantInfo {
     pub instance_id: String,
 }
 
+/// What `Peer.Grant` is asked for.
+#[derive(Debug, Clone)]
+pub struct GrantAsk<'a> {
+    pub region: &'a str,
+    pub offset: u64,
+    /// 0 = the rest of the region
+    pub length: u64,
+    pub op: RemoteOp,
+    pub ttl: Duration,
+}
+
 #[derive(Debug, Clone)]
 pub struct CompleteParams {
     pub transfer_id: String,
@@ -41,6 +52,8 @@ pub struct PeerClient {
     agent: pb::agent_client::AgentClient<Channel>,
 }
 
+/// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).
+const MAX_QP_RKEYS: usize = 256;
 /// Time to establish the HTTP/2 connection to a peer: an unreachable peer fails fast.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on any single peer RPC (the peer's work per call is small and local).
@@ -116,31 +129,30 @@ impl PeerClient {
         Ok(HandshakeReply { node_name: r.node_name, instance_id: r.instance_id, fabric, endpoints })
     }
 
-    pub async fn grant(
-        &self,
-        region: &str,
-        offset: u64,
-        length: u64,
-        op: RemoteOp,
-        ttl: Duration,
-        node_name: &str,
-    ) -> Result<GrantInfo, PeerError> {
+    /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
+    /// windows on that connection's QPs).
+    pub async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
         let req = pb::GrantRequest {
-            region: region.to_string(),
-            offset,
-            length,
-            op: match op {
+            region: ask.region.to_string(),
+            offset: ask.offset,
+            length: ask.length,
+            op: match ask.op {
                 RemoteOp::Read => pb::Access::Read,
                 RemoteOp::Write => pb::Access::Write,
             } as i32,
-            ttl: Some(convert::duration_to_pb(ttl)),
+            ttl: Some(convert::duration_to_pb(ask.ttl)),
             node_name: node_name.to_string(),
-            connection_id: String::new(),
+            connection_id: connection_id.to_string(),
         };
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
         let key = if !r.token.is_empty() {
             let t: [u8; 16] = r.token.as_slice().try_into().map_err(|_| self.bad("grant token is not 16 bytes"))?;
             RemoteKey::Token(t)
+        } else if !r.qp_rkeys.is_empty() {
+            if r.qp_rkeys.len() > MAX_QP_RKEYS {
+                return Err(self.bad(format!("grant carries {} per-QP keys", r.qp_rkeys.len())));
+            }
+            RemoteKey::PerQp(r.qp_rkeys.into())
         } else {
             RemoteKey::Rkey(r.rkey)
         };

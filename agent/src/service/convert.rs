@@ -310,7 +310,9 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
     };
     let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
-    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name })
+    require(r.connection_id.len() <= 64, "connection_id must be at most 64 characters")?;
+    let connection_id = Some(r.connection_id).filter(|c| !c.is_empty());
+    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id })
 }
 
 // ---------------------------------------------------------------- errors → status
@@ -387,6 +389,7 @@ pub fn transfer_status(e: TransferError) -> Status {
         TransferError::Grant(g) => grant_status(g),
         TransferError::Invalid(m) => Status::invalid_argument(m),
         TransferError::PermissionDenied(m) => Status::permission_denied(m),
+        TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
         e @ TransferError::NotFound(_) => Status::not_found(e.to_string()),
         e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
         e @ TransferError::ShuttingDown => Status::unavailable(e.to_string()),

@@ -371,9 +371,10 @@ impl Peer for Services {
         // With mTLS the grant is bound to the certificate identity, not the declared name.
         p.peer = peer;
         let g = self.node.grant(&p).map_err(transfer_status)?;
-        let (rkey, token) = match &g.exposure.key {
-            crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new()),
-            crate::fabric::RemoteKey::Token(t) => (0, t.to_vec()),
+        let (rkey, token, qp_rkeys) = match &g.exposure.key {
+            crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new()),
+            crate::fabric::RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec()),
+            crate::fabric::RemoteKey::Token(t) => (0, t.to_vec(), Vec::new()),
         };
         Ok(Response::new(pb::GrantResponse {
             grant_id: g.id.clone(),
@@ -385,6 +386,7 @@ impl Peer for Services {
             region_id: g.region.id.clone(),
             instance_id: self.node.instance_id.clone(),
             node_name: self.node.config.node_name.clone(),
+            qp_rkeys,
         }))
     }
 

@@ -110,6 +110,9 @@ pub enum TransferError {
     Invalid(String),
     #[error("{0}")]
     PermissionDenied(String),
+    /// The request is valid but the system is not in a state to serve it (FAILED_PRECONDITION).
+    #[error("{0}")]
+    FailedPrecondition(String),
     #[error("transfer {0:?} not found")]
     NotFound(String),
     #[error("limit reached: {0}")]

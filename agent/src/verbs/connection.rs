@@ -21,6 +21,7 @@ use tokio::io::unix::AsyncFd;
 
 use super::cq::{Cq, RawWc};
 use super::device::Device;
+use super::mw::{next_rkey, Mw, MwGrant};
 use super::negotiate;
 use super::qp::Qp;
 use super::VerbsOptions;
@@ -82,7 +83,8 @@ fn draw_psn() -> Result<u32, FabricError> {
 }
 
 impl ConnInner {
-    /// Creates the CQ (with a completion channel if `with_channel`) and `qps` QPs in INIT.
+    /// Creates the CQ (with a completion channel if `with_channel`) and `qps` QPs in INIT. With
+    /// `bind_mw` the QPs can post memory-window binds (responder QPs in grant mode `mw`).
     pub fn build(
         dev: &Arc<Device>,
         opts: &VerbsOptions,
@@ -90,6 +92,7 @@ impl ConnInner {
         qps: usize,
         depth: usize,
         with_channel: bool,
+        bind_mw: bool,
     ) -> Result<ConnInner, FabricError> {
         if qps == 0 || qps > negotiate::MAX_QPS_PER_CONNECTION {
             return Err(FabricError::Negotiation {
@@ -129,7 +132,7 @@ impl ConnInner {
         let cq = Cq::new(&dev.ctx, cqe, channel.as_ref())?;
         let mut slots = Vec::with_capacity(qps);
         for _ in 0..qps {
-            let qp = Qp::create(&dev.pd, &cq, depth as u32)?;
+            let qp = Qp::create(&dev.pd, &cq, depth as u32, bind_mw)?;
             qp.to_init(dev.port)?;
             slots.push(QpSlot { qp, psn: draw_psn()?, state: Mutex::new(SlotState::default()) });
         }
@@ -403,7 +406,14 @@ impl Connection for VerbsConnection {
             return Err(FabricError::QpBroken);
         }
         let slot = inner.slots.get(qp).ok_or(FabricError::NoSuchQp(qp))?;
-        let RemoteKey::Rkey(rkey) = wr.remote_key else { return Err(FabricError::BadRemoteKey) };
+        let rkey = match &wr.remote_key {
+            RemoteKey::Rkey(k) => *k,
+            // An `mw` grant: the window bound on the responder QP paired with this one.
+            RemoteKey::PerQp(keys) => *keys.get(qp).ok_or_else(|| {
+                FabricError::Other(format!("the grant has {} per-QP keys and none for QP {qp}", keys.len()))
+            })?,
+            RemoteKey::Token(_) => return Err(FabricError::BadRemoteKey),
+        };
         let mem = wr.local.memory();
         mem.check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
         if wr.op == WrOp::Read && !mem.writable() {
@@ -451,18 +461,119 @@ impl Drop for VerbsConnection {
 }
 
 /// The responder's side: QPs kept in RTS until the peer disconnects (this handle is dropped).
+/// In grant mode `mw` it also binds the grants' memory windows on its QPs.
 pub(crate) struct VerbsAccepted {
-    inner: ConnInner,
+    inner: Arc<ConnInner>,
+    /// Serializes binds: one bind WR outstanding per QP (the send queues hold one WR), and one
+    /// poller of the responder CQ.
+    bind_lock: Mutex<()>,
 }
+
+/// How long a bind may take to complete before the connection is given up.
+const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl VerbsAccepted {
     pub fn new(inner: ConnInner) -> Self {
-        VerbsAccepted { inner }
+        VerbsAccepted { inner: Arc::new(inner), bind_lock: Mutex::new(()) }
+    }
+
+    /// Binds one fresh type-2 window per QP over `[addr, addr+len)` of `mr` with `access`
+    /// (`IBV_ACCESS_REMOTE_READ` or `_WRITE`) and waits for every bind to complete, so the keys
+    /// work as soon as the grant is answered. Blocks the calling thread for the bind round trip
+    /// through the device (microseconds on hardware; bounded by [`BIND_TIMEOUT`]).
+    ///
+    /// The caller has checked that `[addr, addr+len)` lies inside `mr`, whose memory is
+    /// `memory`. A failed bind moves the QP to ERR (the device does), and so breaks the peer's
+    /// connection; the pool replaces it.
+    pub fn bind_windows(
+        &self,
+        pd: &Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
+        mr: &Arc<sideway::ibverbs::memory_region::MemoryRegion>,
+        memory: &Arc<super::memory::RegionMemory>,
+        addr: u64,
+        len: u64,
+        access: u32,
+    ) -> Result<MwGrant, FabricError> {
+        let inner = &self.inner;
+        let _g = self.bind_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.broken.load(Ordering::Acquire) {
+            return Err(FabricError::QpBroken);
+        }
+        let mut windows = Vec::with_capacity(inner.slots.len());
+        for _ in &inner.slots {
+            windows.push(Mw::alloc(pd)?);
+        }
+        // Nothing else posts on the responder QPs; drop anything stale before counting.
+        let mut buf = Vec::with_capacity(POLL_BATCH);
+        let _ = inner.cq.poll(POLL_BATCH, &mut buf);
+        buf.clear();
+        let keys: Vec<u32> = windows.iter().map(|w| next_rkey(w.rkey())).collect();
+        // SAFETY: reading the raw MR pointer of a live MR; `mr` (and so the MR) outlives every
+        // bind below: it is moved into the returned grant, or the QPs are in ERR before it drops.
+        let mr_ptr = unsafe { mr.mr().as_ptr() };
+        let give_up = |e: FabricError| {
+            // Outstanding binds must not complete against windows we are about to deallocate.
+            inner.broken.store(true, Ordering::Release);
+            inner.set_err_all();
+            e
+        };
+        for (i, (slot, mw)) in inner.slots.iter().zip(&windows).enumerate() {
+            let _post = slot.state.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: posting is serialized by the slot lock and the bind lock (the responder
+            // posts nothing else). The window and the MR belong to this QP's PD (the device's
+            // one PD) and stay alive until the completion is polled below, or until the QPs are
+            // in ERR (`give_up`) and the WR is flushed.
+            let r = unsafe { slot.qp.post_bind_mw(i as u64, mw.as_ptr(), keys[i], mr_ptr, addr, len, access) };
+            if let Err(e) = r {
+                return Err(give_up(FabricError::Other(format!("posting a memory-window bind on responder QP {i}: {e}"))));
+            }
+        }
+        let deadline = std::time::Instant::now() + BIND_TIMEOUT;
+        let mut done = vec![false; windows.len()];
+        let mut left = windows.len();
+        while left > 0 {
+            buf.clear();
+            let n = inner.cq.poll(POLL_BATCH, &mut buf).map_err(|e| give_up(FabricError::Io(e)))?;
+            for wc in buf.drain(..) {
+                let status = WcStatus::from_code(wc.status);
+                let i = wc.wr_id as usize;
+                if !status.is_success() {
+                    return Err(give_up(FabricError::Other(format!(
+                        "memory-window bind on responder QP {i} completed with {status} (status {})",
+                        wc.status
+                    ))));
+                }
+                if i < done.len() && !done[i] {
+                    done[i] = true;
+                    left -= 1;
+                }
+            }
+            if left > 0 && n == 0 {
+                if std::time::Instant::now() >= deadline {
+                    return Err(give_up(FabricError::Other(format!(
+                        "memory-window binds did not complete within {BIND_TIMEOUT:?}"
+                    ))));
+                }
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        for (mw, key) in windows.iter_mut().zip(keys) {
+            mw.set_rkey(key);
+        }
+        Ok(MwGrant { windows, _mr: Arc::clone(mr), _memory: Arc::clone(memory), _conn: Arc::clone(inner) })
+    }
+}
+
+impl crate::fabric::Accepted for VerbsAccepted {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
 impl Drop for VerbsAccepted {
     fn drop(&mut self) {
+        // The peer is gone: no access through these QPs from here on, even while grants still
+        // hold windows bound on them (and so the QPs themselves).
         self.inner.set_err_all();
     }
 }

@@ -132,6 +132,8 @@ pub(crate) struct Device {
     pub max_rd_atomic: u8,
     pub max_qp_wr: u32,
     pub max_cqe: u32,
+    /// Memory windows the device supports (0 = none).
+    pub max_mw: u32,
 }
 
 impl std::fmt::Debug for Device {
@@ -226,6 +228,7 @@ impl Device {
             max_rd_atomic: opts.max_rd_atomic.min(dev_rd).max(1),
             max_qp_wr: a.max_qp_wr.max(1) as u32,
             max_cqe: a.max_cqe.max(1) as u32,
+            max_mw: a.max_mw.max(0) as u32,
             ctx,
         };
         tracing::info!(device = %dev.name, port, gid_index, gid = %negotiate::gid_string(&dev.gid),

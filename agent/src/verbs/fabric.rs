@@ -12,6 +12,7 @@ use crate::fabric::{
     Access, Accepted, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
     GrantMode, PendingConnection, Registration, RemoteKey, RemoteOp,
 };
+use rdma_mummy_sys as sys;
 use sideway::ibverbs::AccessFlags;
 
 /// The verbs data plane: one device context and PD shared by every registration and connection.
@@ -62,7 +63,7 @@ impl Fabric for VerbsFabric {
     }
 
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError> {
-        Ok(Arc::new(VerbsRegistration::new(&self.dev.pd, memory, access)?))
+        Ok(Arc::new(VerbsRegistration::new(&self.dev.pd, memory, access, self.opts.mw_grants)?))
     }
 
     fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
@@ -97,10 +98,39 @@ impl Fabric for VerbsFabric {
                 let keep = GrantMr { _mr: grant_mr, _memory: Arc::clone(memory) };
                 Ok(Exposure { addr, key, keepalive: Some(Box::new(keep)) })
             }
-            GrantMode::Mw => Err(FabricError::Other(
-                "grant mode mw (type-2 memory windows) is not implemented by the verbs fabric yet; use mr or region"
-                    .into(),
-            )),
+            GrantMode::Mw => {
+                if !self.opts.mw_grants {
+                    return Err(FabricError::Other(
+                        "grant mode mw needs the fabric opened for it (verbs.grant_mode = \"mw\" at start-up)".into(),
+                    ));
+                }
+                if self.dev.max_mw == 0 {
+                    return Err(FabricError::Other(format!("device {} supports no memory windows (max_mw 0)", self.dev.name)));
+                }
+                let Some(conn) = &req.connection else {
+                    return Err(FabricError::Other(
+                        "grant mode mw binds a window on the grantee's QPs: the grant names no connection".into(),
+                    ));
+                };
+                let Some(accepted) = conn.as_any().downcast_ref::<VerbsAccepted>() else {
+                    return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
+                };
+                let Some(vreg) = reg.as_any().downcast_ref::<VerbsRegistration>() else {
+                    return Err(FabricError::Registration("registration does not belong to the verbs fabric".into()));
+                };
+                let access = match req.op {
+                    RemoteOp::Read => sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                    RemoteOp::Write => {
+                        if !memory.writable() {
+                            return Err(FabricError::Registration("remote write to read-only memory".into()));
+                        }
+                        sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                    }
+                };
+                let grant = accepted.bind_windows(&self.dev.pd, &vreg.mr, memory, addr, req.len, access)?;
+                let key = RemoteKey::PerQp(grant.rkeys().into());
+                Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
+            }
         }
     }
 
@@ -111,15 +141,16 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true)?;
+        let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true, false)?;
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: self.opts.clone(), sink }))
     }
 
     async fn accept(&self, peer: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
-        // The responder posts nothing: a small send queue and no completion channel.
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false)?;
+        // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
+        // one-WR send queue and no completion channel (binds are polled by `bind_windows`).
+        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants)?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
         Ok((eps, Box::new(VerbsAccepted::new(inner))))

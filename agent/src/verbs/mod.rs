@@ -12,6 +12,7 @@
 //! * [`cq`]: a completion queue with its completion channel, polled in batches.
 //! * [`qp`]: an RC queue pair (extended `ibv_wr_*` posting API) and its state transitions.
 //! * [`mr`]: registrations (region MRs) and grant MRs.
+//! * [`mw`]: type-2 memory windows (grant mode `mw`), bound on a responder connection's QPs.
 //! * [`connection`]: a set of QPs to one peer, the in-flight list that keeps memory alive, and the
 //!   tokio task that drives the CQ from its channel through `AsyncFd`.
 //! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
@@ -39,6 +40,8 @@ mod cq;
 mod qp;
 #[cfg(feature = "verbs")]
 mod mr;
+#[cfg(feature = "verbs")]
+mod mw;
 #[cfg(feature = "verbs")]
 mod connection;
 #[cfg(feature = "verbs")]
@@ -76,6 +79,8 @@ pub struct VerbsOptions {
     pub cq_size: usize,
     /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
     pub busy_poll: bool,
+    /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
+    pub mw_grants: bool,
 }
 
 #[cfg(feature = "verbs")]
@@ -92,6 +97,7 @@ impl Default for VerbsOptions {
             max_rd_atomic: 16,
             cq_size: 1024,
             busy_poll: false,
+            mw_grants: false,
         }
     }
 }
@@ -136,6 +142,7 @@ pub fn options(cfg: &Config) -> VerbsOptions {
         timeout: cfg.verbs.timeout,
         retry_cnt: cfg.verbs.retry_cnt,
         rnr_retry: cfg.verbs.rnr_retry,
+        mw_grants: cfg.verbs.grant_mode == crate::fabric::GrantMode::Mw,
         ..VerbsOptions::default()
     }
 }

@@ -79,8 +79,17 @@ impl std::fmt::Debug for VerbsRegistration {
 }
 
 impl VerbsRegistration {
-    pub fn new(pd: &Arc<ProtectionDomain>, memory: Arc<RegionMemory>, access: Access) -> Result<Self, FabricError> {
-        let flags = region_flags(memory.writable(), access)?;
+    /// `mw_bind`: also allow memory windows to be bound to the MR (grant mode `mw`).
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        memory: Arc<RegionMemory>,
+        access: Access,
+        mw_bind: bool,
+    ) -> Result<Self, FabricError> {
+        let mut flags = region_flags(memory.writable(), access)?;
+        if mw_bind {
+            flags |= AccessFlags::MemoryWindowBind;
+        }
         let started = Instant::now();
         let mr = reg(pd, &memory, 0, memory.len(), flags)?;
         crate::metrics::registration_duration(started.elapsed());
@@ -100,6 +109,9 @@ impl Registration for VerbsRegistration {
     }
     fn access(&self) -> Access {
         self.access
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

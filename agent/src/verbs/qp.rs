@@ -19,6 +19,8 @@ pub(crate) struct Qp {
     qp: NonNull<sys::ibv_qp>,
     qpx: NonNull<sys::ibv_qp_ex>,
     pub max_send_wr: u32,
+    /// Created with `IBV_QP_EX_WITH_BIND_MW` and the provider has `wr_bind_mw`.
+    can_bind: bool,
     // Destroyed in Drop before these are released: the CQ and PD outlive the QP.
     _cq: Arc<Cq>,
     _pd: Arc<ProtectionDomain>,
@@ -37,10 +39,14 @@ fn modify_err(step: &'static str, attr: &'static str, rc: i32, what: String) -> 
 }
 
 impl Qp {
-    /// Creates an RC QP (RESET) whose send and receive completions go to `cq`.
-    pub fn create(pd: &Arc<ProtectionDomain>, cq: &Arc<Cq>, max_send_wr: u32) -> Result<Qp, FabricError> {
-        let send_ops = sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
+    /// Creates an RC QP (RESET) whose send and receive completions go to `cq`. With `bind_mw`
+    /// it can also post type-2 memory-window binds (grant mode `mw`, responder QPs).
+    pub fn create(pd: &Arc<ProtectionDomain>, cq: &Arc<Cq>, max_send_wr: u32, bind_mw: bool) -> Result<Qp, FabricError> {
+        let mut send_ops = sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
             | sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0;
+        if bind_mw {
+            send_ops |= sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_BIND_MW.0;
+        }
         // SAFETY: an all-zero ibv_qp_init_attr_ex is a valid "nothing set" value (null pointers,
         // zero counts); the fields that matter are filled in below.
         let mut attr: sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
@@ -72,7 +78,7 @@ impl Qp {
                 return Err(FabricError::Other("provider has no extended QP (ibv_qp_to_qp_ex)".into()));
             }
         };
-        let me = Qp { qp, qpx, max_send_wr, _cq: Arc::clone(cq), _pd: Arc::clone(pd) };
+        let mut me = Qp { qp, qpx, max_send_wr, can_bind: false, _cq: Arc::clone(cq), _pd: Arc::clone(pd) };
         // SAFETY: reading the function table of a live ibv_qp_ex.
         let ops_ok = unsafe {
             let x = me.qpx.as_ref();
@@ -85,6 +91,13 @@ impl Qp {
         };
         if !ops_ok {
             return Err(FabricError::Other("provider lacks the ibv_wr_* RDMA WRITE/READ posting API".into()));
+        }
+        if bind_mw {
+            // SAFETY: reading the function table of a live ibv_qp_ex.
+            me.can_bind = unsafe { me.qpx.as_ref().wr_bind_mw.is_some() };
+            if !me.can_bind {
+                return Err(FabricError::Other("provider lacks ibv_wr_bind_mw (type-2 memory windows)".into()));
+            }
         }
         Ok(me)
     }
@@ -245,6 +258,46 @@ impl Qp {
                 sys::ibv_wr_rdma_write(q, rkey, remote_addr);
             }
             sys::ibv_wr_set_sge(q, lkey, laddr, len);
+            let rc = sys::ibv_wr_complete(q);
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::from_raw_os_error(rc))
+            }
+        }
+    }
+
+    /// Posts one signaled type-2 window bind: `mw` gets key `rkey` over `[addr, addr+len)` of the
+    /// MR `mr`, with `access` (`IBV_ACCESS_REMOTE_*`).
+    ///
+    /// # Safety
+    /// Not reentrant: the caller must serialize posting on this QP. `mw` and `mr` must be live
+    /// objects of this QP's PD, and stay allocated/registered until the bind's completion has
+    /// been polled (or the QP is in ERR and the WR flushed).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn post_bind_mw(
+        &self,
+        wr_id: u64,
+        mw: *mut sys::ibv_mw,
+        rkey: u32,
+        mr: *mut sys::ibv_mr,
+        addr: u64,
+        len: u64,
+        access: u32,
+    ) -> io::Result<()> {
+        if !self.can_bind {
+            return Err(io::Error::other("QP was not created for memory-window binds"));
+        }
+        let q = self.qpx.as_ptr();
+        let info = sys::ibv_mw_bind_info { mr, addr, length: len, mw_access_flags: access };
+        // SAFETY: (caller contract) exclusive posting on a live extended QP; `wr_bind_mw` was
+        // checked to exist in `create` (`can_bind`). The provider copies `info` into the WQE
+        // before `ibv_wr_bind_mw` returns, so a stack value is enough.
+        unsafe {
+            sys::ibv_wr_start(q);
+            (*q).wr_id = wr_id;
+            (*q).wr_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            sys::ibv_wr_bind_mw(q, mw, rkey, &info);
             let rc = sys::ibv_wr_complete(q);
             if rc == 0 {
                 Ok(())
