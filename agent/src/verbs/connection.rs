@@ -275,11 +275,11 @@ impl ConnInner {
 /// The CQ task: event-driven through the completion channel (or busy-polling), until the
 /// connection is closed and every WR has been retired.
 async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
-    let afd = match (&inner.channel, busy_poll) {
+    let afd = match &inner.channel {
         // SAFETY: the AsyncFd owns an Arc of the channel, so the fd it watches stays open (it is
         // closed only by ibv_destroy_comp_channel in the channel's Drop) until the AsyncFd is
         // dropped and has deregistered it.
-        (Some(ch), false) => match unsafe {
+        Some(ch) => match unsafe {
             AsyncFd::register_with_interest(Arc::clone(ch), tokio::io::Interest::READABLE)
         }
         .map_err(std::io::Error::from)
@@ -315,10 +315,16 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
             }
         }
         let Some(afd) = &afd else {
-            // Busy poll: give other tasks a turn between empty polls.
+            // No completion channel: poll, giving other tasks a turn between empty polls.
             tokio::task::yield_now().await;
             continue;
         };
+        // Adaptive busy-polling: spin only while work requests are outstanding, so an idle
+        // pooled connection costs nothing; otherwise sleep on the completion channel.
+        if busy_poll && !inner.all_idle() {
+            tokio::task::yield_now().await;
+            continue;
+        }
         // Arm, then poll once more: a completion that arrived between the last poll and the arm
         // raised no event, and would otherwise wait for the next one.
         if let Err(e) = inner.cq.req_notify() {
