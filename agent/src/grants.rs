@@ -34,6 +34,8 @@ pub struct Grant {
     pub op: RemoteOp,
     pub expires_at: SystemTime,
     pub exposure: Exposure,
+    /// The grantee's connection the grant was asked on; the grant dies with it.
+    pub connection_id: Option<String>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -121,6 +123,11 @@ impl GrantTable {
 
     pub fn revoke_region(&self, region_id: &str) -> usize {
         self.remove_where(|g| g.region.id == region_id).len()
+    }
+
+    /// Revokes the grants asked for on one connection (the peer disconnected it).
+    pub fn revoke_connection(&self, connection_id: &str) -> usize {
+        self.remove_where(|g| g.connection_id.as_deref() == Some(connection_id)).len()
     }
 
     pub fn revoke_peer(&self, peer: &str) -> usize {

@@ -201,11 +201,19 @@ impl Node {
         Ok(mine)
     }
 
-    /// Drops the responder half of a connection. With `owner`, only if that peer made it.
+    /// Drops the responder half of a connection and revokes the grants asked for on it. With
+    /// `owner`, only if that peer made it.
     pub fn disconnect(&self, connection_id: &str, owner: Option<&str>) {
-        if let Ok(mut acc) = self.accepted.lock() {
-            if owner.is_none_or(|o| acc.get(connection_id).is_some_and(|c| c.0 == o)) {
-                acc.remove(connection_id);
+        let removed = match self.accepted.lock() {
+            Ok(mut acc) if owner.is_none_or(|o| acc.get(connection_id).is_some_and(|c| c.0 == o)) => {
+                acc.remove(connection_id).is_some()
+            }
+            _ => false,
+        };
+        if removed {
+            let n = self.grants.revoke_connection(connection_id);
+            if n > 0 {
+                info!(connection = %connection_id, grants = n, "peer disconnected; revoked its grants on that connection");
             }
         }
     }
@@ -255,6 +263,7 @@ impl Node {
             op: p.op,
             expires_at,
             exposure,
+            connection_id: p.connection_id.clone().filter(|c| !c.is_empty()),
         };
         Ok(self.grants.insert(grant)?)
     }

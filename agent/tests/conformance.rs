@@ -291,3 +291,37 @@ async fn a_grant_may_name_only_the_callers_own_connection() {
     p.peer = "a".into();
     assert!(b.node.grant(&p).is_ok());
 }
+
+#[tokio::test]
+async fn disconnect_revokes_the_grants_of_that_connection() {
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let src = region(&a, "src", 8192, Access::ReadWrite);
+    let dst = region(&b, "dst", 8192, Access::ReadWrite);
+    fill(&src, 4);
+    let before = fill(&dst, 8);
+    let (conn, mut rx) = connect(&a, &b, 1, 8).await;
+    let g = b
+        .node
+        .grant(&GrantParams {
+            region: "dst".into(),
+            offset: 0,
+            length: 8192,
+            op: RemoteOp::Write,
+            ttl: None,
+            peer: "a".into(),
+            connection_id: Some("conn-1".into()),
+        })
+        .unwrap();
+    let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
+    drop(g);
+    assert_eq!(b.node.grants.len(), 1);
+    b.node.disconnect("conn-1", Some("a"));
+    assert_eq!(b.node.grants.len(), 0, "the connection's grants are revoked with it");
+    // Whatever the fabric does with the old key now (tcp: refused; verbs: the QPs are gone),
+    // it must not succeed, and the bytes must not change.
+    let _ = conn.post(0, w);
+    if let Ok(Some(c)) = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await {
+        assert_ne!(c.status, WcStatus::Success, "{c:?}");
+    }
+    assert!(bytes(&dst) == before);
+}

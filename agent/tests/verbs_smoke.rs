@@ -248,9 +248,16 @@ async fn verbs_smoke() {
     assert_eq!(mb.slice(base, 4096).unwrap(), ma.slice(0, 4096).unwrap());
     // 4097 bytes: one past the end. Then two more WRs that must be flushed.
     conn.post(0, wr(301, WrOp::Write, &ra, 0, 4097, grant.addr, rkey(&grant), true)).unwrap();
-    conn.post(0, wr(302, WrOp::Write, &ra, 0, 16, grant.addr, rkey(&grant), false)).unwrap();
-    conn.post(0, wr(303, WrOp::Write, &ra, 0, 16, grant.addr, rkey(&grant), true)).unwrap();
-    let c = wait(&mut rx, 3).await;
+    // The error may come back before the next posts: then they are refused (QpBroken) instead
+    // of being flushed. Both are the documented behaviour; count what was really posted.
+    let later = [
+        conn.post(0, wr(302, WrOp::Write, &ra, 0, 16, grant.addr, rkey(&grant), false)),
+        conn.post(0, wr(303, WrOp::Write, &ra, 0, 16, grant.addr, rkey(&grant), true)),
+    ];
+    for r in &later {
+        assert!(matches!(r, Ok(()) | Err(FabricError::QpBroken)), "{r:?}");
+    }
+    let c = wait(&mut rx, 1 + later.iter().filter(|r| r.is_ok()).count()).await;
     println!("WRITE 1 byte past an Mr grant: {:?}", c.iter().map(|c| (c.wr_id, c.status.name())).collect::<Vec<_>>());
     assert_eq!((c[0].wr_id, c[0].status), (301, WcStatus::RemAccessErr));
     assert!(c[1..].iter().all(|c| c.status == WcStatus::WrFlushErr), "{c:?}");
