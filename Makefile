@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SETUP_STAMP := target/.setup-done
 
-.PHONY: all build release test demo bench soak fuzz test-rxe bench-rxe setup fmt clean
+.PHONY: all build release test demo bench soak soak-rxe fuzz test-rxe bench-rxe setup fmt clean
 
 all: build
 
@@ -40,6 +40,9 @@ soak: release
 # via RUSTC_BOOTSTRAP); FUZZ_SECS per target (default 60, CI 20).
 fuzz: $(SETUP_STAMP)
 	scripts/fuzz
+
+soak-rxe: $(SETUP_STAMP)
+	scripts/rxe-soak
 
 test-rxe: $(SETUP_STAMP)
 	scripts/rxe-test
