@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Config, FabricChoice};
-use crate::fabric::tcp::{LateCheck, TcpFabric};
+use crate::fabric::tcp::TcpFabric;
 use crate::fabric::{Fabric, FabricError};
 use crate::grants::GrantTable;
 use crate::node::Node;
@@ -42,10 +42,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>) -> Result<(Arc<dyn 
             }
             Err(why) => {
                 info!(reason = %why, "auto: no usable RDMA device; using the tcp fabric");
-                let check = Arc::new(LateCheck::default());
-                check.set(grants.clone());
-                let f = TcpFabric::bind(cfg.data_listen, check).await?;
-                return Ok((Arc::new(f), format!("auto: {why}; using tcp")));
+                return Ok((open_tcp(cfg, grants).await?, format!("auto: {why}; using tcp")));
             }
         },
     };
@@ -54,10 +51,12 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>) -> Result<(Arc<dyn 
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         return Ok((f, reason.to_string()));
     }
-    let check = Arc::new(LateCheck::default());
-    check.set(grants.clone());
-    let f = TcpFabric::bind(cfg.data_listen, check).await?;
-    Ok((Arc::new(f), "configured: tcp".to_string()))
+    Ok((open_tcp(cfg, grants).await?, "configured: tcp".to_string()))
+}
+
+/// The TCP fabric checks every frame against the agent's grant table.
+async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>) -> Result<Arc<dyn Fabric>, StartError> {
+    Ok(Arc::new(TcpFabric::bind(cfg.data_listen, grants.clone()).await?))
 }
 
 /// Runs the agent until `shutdown` is cancelled, then drains and returns.

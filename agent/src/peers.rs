@@ -368,7 +368,7 @@ impl PeerPool {
             *l = Some(took);
         }
         debug!(peer = %peer.addr, qps, ?took, "connection negotiated");
-        self.update_gauge(peer, qps);
+        self.update_gauge(peer);
         Ok(Lease { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id, reused: false })
     }
 
@@ -393,10 +393,10 @@ impl PeerPool {
         let client = peer.client.clone();
         let me = self.node_name.clone();
         tokio::spawn(async move { client.disconnect(&lease.connection_id, &me).await });
-        self.update_gauge(peer, 0);
+        self.update_gauge(peer);
     }
 
-    fn update_gauge(&self, peer: &Arc<PeerEntry>, _qps: usize) {
+    fn update_gauge(&self, peer: &Arc<PeerEntry>) {
         let name = peer.node_name();
         let label = if name.is_empty() { peer.addr.clone() } else { name };
         let idle_qps: usize = peer.idle.lock().map(|i| i.iter().map(|l| l.qps).sum()).unwrap_or(0);

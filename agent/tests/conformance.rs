@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::tcp::{LateCheck, TcpFabric};
+use xfer_agent::fabric::tcp::TcpFabric;
 use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
@@ -32,9 +32,7 @@ async fn side(name: &str, which: char) -> Side {
     let grants = Arc::new(GrantTable::new(1024));
     let fabric: Arc<dyn Fabric> = match kind().as_str() {
         "tcp" => {
-            let check = Arc::new(LateCheck::default());
-            check.set(grants.clone());
-            Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), check).await.unwrap())
+            Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone()).await.unwrap())
         }
         "verbs" => {
             let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));

@@ -244,23 +244,6 @@ async fn garbage_and_forged_tokens_on_the_data_port_are_refused() {
     assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok(), "agent keeps serving");
 }
 
-fn slow(req: &mut pb::SubmitTransferRequest) {
-    // 4 KiB chunks, one outstanding: long enough to act on mid-transfer.
-    req.options = Some(pb::TransferOptions { chunk_size: 4096, depth: 1, qps: 1, ..Default::default() });
-}
-
-async fn wait_running(a: &Agent, id: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let t = a.client().await.get_transfer(pb::GetTransferRequest { id: id.into() }).await.unwrap().into_inner();
-        if t.bytes_done > 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "transfer never progressed: {t:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_restart() {
     let a = Agent::start("node-a");
@@ -272,10 +255,10 @@ async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_res
     a.create("src", 512 << 20, pb::Access::ReadWrite).await;
     b.create("dst", 512 << 20, pb::Access::ReadWrite).await;
     let mut req = write_req("src", &b, "dst", 0);
-    slow(&mut req);
+    make_slow(&mut req);
     let mut c = a.client().await;
     let t = c.submit_transfer(req).await.unwrap().into_inner();
-    wait_running(&a, &t.id).await;
+    wait_progress(&a, &t.id).await;
     b.kill9();
     let killed = Instant::now();
     let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
@@ -304,9 +287,9 @@ async fn cancel_reports_cancelled() {
     a.create("src", 256 << 20, pb::Access::ReadWrite).await;
     b.create("dst", 256 << 20, pb::Access::ReadWrite).await;
     let mut req = write_req("src", &b, "dst", 0);
-    slow(&mut req);
+    make_slow(&mut req);
     let t = a.client().await.submit_transfer(req).await.unwrap().into_inner();
-    wait_running(&a, &t.id).await;
+    wait_progress(&a, &t.id).await;
     let o = a.ctl(&["transfer", "cancel", &t.id]);
     assert!(o.status.success(), "{}", s(&o));
     let o = a.ctl(&["transfer", "watch", &t.id]);

@@ -34,26 +34,6 @@ pub trait AccessCheck: Send + Sync + 'static {
     fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus>;
 }
 
-/// Lets the agent build its grant table after the fabric: the check is installed once.
-#[derive(Default)]
-pub struct LateCheck(std::sync::OnceLock<Arc<dyn AccessCheck>>);
-
-impl LateCheck {
-    pub fn set(&self, check: Arc<dyn AccessCheck>) {
-        // Installed once at start-up; a second call is a programming error we just ignore.
-        let _ = self.0.set(check);
-    }
-}
-
-impl AccessCheck for LateCheck {
-    fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
-        match self.0.get() {
-            Some(c) => c.check(token, addr, len, op),
-            None => Err(WcStatus::RemAccessErr),
-        }
-    }
-}
-
 #[derive(Debug)]
 struct TcpRegistration {
     memory: Arc<RegionMemory>,
