@@ -1,26 +1,43 @@
 #!/usr/bin/env python3
 """Validate rendered Kubernetes manifests offline. Driven by scripts/validate-manifests.
 
-usage: validate_manifests.py --servicemonitor-schema FILE --k8s-version V [--k8s-version V...]
-                             NAME=RENDERED.yaml [NAME=RENDERED.yaml ...]
+usage: validate_manifests.py --crd-schema FILE [--crd-schema FILE...] --k8s-version V [...]
+                             [--plaintext NAME...] [--defaults NAME...] [--no-schema]
+                             NAME=RENDERED.yaml [...]
 
-Per source (one rendered kustomize build or helm template):
+Per source (one rendered kustomize build, helm template or file of cert-manager objects):
   * every built-in object against the Kubernetes OpenAPI-derived JSON schemas shipped by the
     kubernetes-validate package, in strict mode (unknown fields are errors), for each version;
-  * every ServiceMonitor against the vendored (trimmed) CRD schema;
+  * every custom resource (ServiceMonitor, cert-manager Certificate/Issuer) against the vendored,
+    trimmed CRD schema given with --crd-schema (matched on its apiVersion/kind consts);
   * any other kind is an error (nothing may go unvalidated);
   * cross-references: each ServiceMonitor selects >= 1 Service (namespace + labels) and each of its
     endpoint ports is a port name of every Service it selects; Service selectors match the
-    DaemonSet's pod labels and its targetPorts are container port names; ConfigMap and
-    ServiceAccount references resolve; gRPC probes hit the container's grpc port; agent.toml
-    parses as TOML and uses only known keys.
+    DaemonSet's pod labels and its targetPorts are container port names; ServiceAccount refs
+    resolve; every volumeMount names a volume, every volume is mounted, no mount is nested in
+    another; `--config` names a key of a mounted ConfigMap;
+  * agent.toml (the ConfigMap the DaemonSet runs with): parses as TOML, uses only known keys;
+    listen/data_listen/metrics_listen/health_listen ports are the container ports grpc/data/
+    metrics/health; every gRPC probe targets health_listen's port (kubelet cannot do mTLS);
+    mTLS is on (insecure = false, stated explicitly) unless the source is a declared --plaintext
+    opt-in, which must set insecure = true AND allow_plaintext_network = true; a plaintext agent
+    with a non-loopback listener without allow_plaintext_network is an error (the agent exits 64);
+    with mTLS, tls.cert/key/ca are files that the read-only `tls` volume provides at those paths
+    (csi.cert-manager.io attributes or Secret keys), and a csi-driver certificate carries the node
+    URI SAN in tls.trust_domain, the DNS SAN tls.server_name, serverAuth + clientAuth;
+  * cert-manager objects: Certificates name an Issuer in the same source, CA Issuers a CA
+    Certificate's Secret, URI SANs are spiffe://TD/xfer/{node,client,admin}/NAME; across sources,
+    the Issuer the --defaults sources' csi volumes use and their trust domain match these objects.
 Exits 1 if anything fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import posixpath
+import re
 import sys
 import tomllib
 
@@ -28,17 +45,29 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-# Keys of agent.toml (fixed by the agent's config.rs; see DESIGN.md and deploy/kubernetes/configmap.yaml).
+# Keys of agent.toml (the agent's config.rs; see DESIGN.md §8 and deploy/kubernetes/configmap.yaml).
+# The agent ignores unknown keys, so a typo here would silently fall back to a default.
 AGENT_TOML_KEYS = {
     "node_name": None, "listen": None, "metrics_listen": None, "data_listen": None,
-    "fabric": None, "state_dir": None, "insecure": None,
+    "health_listen": None, "fabric": None, "state_dir": None, "insecure": None,
+    "allow_plaintext_network": None,
     "log": {"format", "level"},
     "transfer": {"chunk_size", "depth", "qps", "timeout"},
     "verbs": {"device", "port", "gid_index", "grant_mode"},
-    "tls": {"cert", "key", "ca"},
+    "tls": {"cert", "key", "ca", "server_name", "trust_domain", "dns_roles"},
     "limits": {"max_regions", "max_registered_bytes", "max_transfers"},
     "shutdown": {"grace"},
 }
+# Listener key -> the container port name it must match.
+LISTENERS = {"listen": "grpc", "data_listen": "data", "metrics_listen": "metrics", "health_listen": "health"}
+ROLES = ("node", "client", "admin")
+LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+DNS_NAME = re.compile(rf"^{LABEL}(\.{LABEL})*$")
+CSI_DRIVER = "csi.cert-manager.io"
+CSI = "csi.cert-manager.io/"
+# Variables csi-driver expands in common-name, dns-names and uri-sans (pkg/requestgen/generator.go).
+CSI_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "POD_UID", "SERVICE_ACCOUNT_NAME"}
+CSI_EXPANDED = ("common-name", "dns-names", "uri-sans")
 
 
 def ident(obj: dict) -> str:
@@ -64,11 +93,59 @@ def labels_match(selector: dict, labels: dict) -> bool:
     return True
 
 
+def split_hostport(value) -> tuple[str, int] | None:
+    """'0.0.0.0:7470' / '[::]:7470' -> (host, port); None if it is not host:port."""
+    if not isinstance(value, str):
+        return None
+    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", value)
+    if not m:
+        return None
+    host = m.group(1) or m.group(3)
+    port = int(m.group(2) or m.group(4))
+    return (host, port) if 0 < port < 65536 else None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def under(path: str, mount: str) -> bool:
+    path, mount = posixpath.normpath(path), posixpath.normpath(mount)
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def csv(value) -> list[str]:
+    return [s.strip() for s in str(value or "").split(",") if s.strip()]
+
+
+def spiffe(uri: str) -> tuple[str, str, str] | None:
+    """spiffe://TD/xfer/ROLE/NAME -> (TD, ROLE, NAME)."""
+    m = re.fullmatch(r"spiffe://([^/]+)/xfer/([a-z]+)/([^/]+)", uri)
+    return (m.group(1), m.group(2), m.group(3)) if m else None
+
+
 class Checker:
-    def __init__(self, sm_schema: dict, versions: list[str]):
-        self.sm_validator = jsonschema.Draft7Validator(sm_schema)
+    def __init__(self, crd_schemas: list[dict], versions: list[str], plaintext: set[str], defaults: set[str],
+                 schema: bool):
+        self.crd = {}
+        for s in crd_schemas:
+            props = s["properties"]
+            self.crd[(props["apiVersion"]["const"], props["kind"]["const"])] = jsonschema.Draft7Validator(s)
         self.versions = versions
+        self.plaintext = plaintext
+        self.defaults = defaults
+        self.schema = schema
         self.errors: list[str] = []
+        self.notes: list[str] = []  # what each source was found to do, printed under its summary
+        # For the cross-source checks: (source, issuer kind, issuer name, trust domain) of every
+        # csi-driver volume, and every cert-manager object.
+        self.csi_uses: list[tuple[str, str, str, str]] = []
+        self.cm_objects: list[tuple[str, dict]] = []
 
     def err(self, source: str, msg: str) -> None:
         self.errors.append(f"[{source}] {msg}")
@@ -91,15 +168,23 @@ class Checker:
             if not (obj.get("metadata") or {}).get("name"):
                 self.err(source, f"{obj['kind']} without metadata.name")
             kinds[obj["kind"]] = kinds.get(obj["kind"], 0) + 1
-            self.check_schema(source, obj)
-        self.check_refs(source, docs)
+            if self.schema:
+                self.check_schema(source, obj)
+        docs = [d for d in docs if isinstance(d, dict)]
+        if not all(d.get("apiVersion") == "cert-manager.io/v1" for d in docs):
+            self.check_refs(source, docs)
+        self.check_cert_manager(source, docs)
         summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         print(f"  {source}: {len(docs)} objects ({summary})")
+        for note in self.notes:
+            print(f"    {note}")
+        self.notes.clear()
         return len(docs)
 
     def check_schema(self, source: str, obj: dict) -> None:
-        if obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["kind"] == "ServiceMonitor":
-            for e in sorted(self.sm_validator.iter_errors(obj), key=lambda e: list(e.path)):
+        crd = self.crd.get((obj["apiVersion"], obj["kind"]))
+        if crd is not None:
+            for e in sorted(crd.iter_errors(obj), key=lambda e: list(e.path)):
                 loc = ".".join(str(p) for p in e.path) or "<root>"
                 self.err(source, f"{ident(obj)}: {loc}: {e.message}")
             return
@@ -118,7 +203,7 @@ class Checker:
 
     def check_refs(self, source: str, docs: list[dict]) -> None:
         def of(kind):
-            return [d for d in docs if isinstance(d, dict) and d.get("kind") == kind]
+            return [d for d in docs if d.get("kind") == kind]
 
         def ns(o):
             return (o.get("metadata") or {}).get("namespace") or "default"
@@ -151,7 +236,7 @@ class Checker:
                                          f"{ident(svc)} (has {sorted(n for n in names if n)})")
             if selected:
                 ports = [ep.get("port") for ep in spec.get("endpoints") or []]
-                print(f"    {ident(sm)} -> {', '.join(ident(s) for s in selected)} port(s) {ports}: ok")
+                self.notes.append(f"{ident(sm)} -> {', '.join(ident(s) for s in selected)} port(s) {ports}: ok")
 
         for ds in daemonsets:
             tmpl = ds["spec"]["template"]
@@ -164,26 +249,31 @@ class Checker:
                 self.err(source, f"{ident(ds)}: serviceAccountName {sa!r} is not rendered here")
             if not pod.get("hostNetwork") or pod.get("dnsPolicy") != "ClusterFirstWithHostNet":
                 self.err(source, f"{ident(ds)}: expected hostNetwork: true with dnsPolicy ClusterFirstWithHostNet")
-            for vol in pod.get("volumes") or []:
+            volumes = {v["name"]: v for v in pod.get("volumes") or []}
+            for vol in volumes.values():
                 cm = (vol.get("configMap") or {}).get("name")
-                if cm:
-                    if (ns(ds), cm) not in configmaps:
-                        self.err(source, f"{ident(ds)}: volume {vol['name']!r} refers to missing ConfigMap {cm!r}")
-                    else:
-                        self.check_agent_toml(source, configmaps[(ns(ds), cm)])
+                if cm and (ns(ds), cm) not in configmaps:
+                    self.err(source, f"{ident(ds)}: volume {vol['name']!r} refers to missing ConfigMap {cm!r}")
+            mounted = set()
             cports = {}
             for c in pod["containers"]:
+                mounts = c.get("volumeMounts") or []
+                for m in mounts:
+                    mounted.add(m["name"])
+                    if m["name"] not in volumes:
+                        self.err(source, f"{ident(ds)}: container {c['name']} mounts {m['name']!r}, which is not a volume")
+                    for other in mounts:
+                        if other is not m and under(m["mountPath"], other["mountPath"]):
+                            self.err(source, f"{ident(ds)}: mount {m['name']!r} ({m['mountPath']}) is nested in "
+                                             f"{other['name']!r} ({other['mountPath']}): its mount point cannot be created")
                 for p in c.get("ports") or []:
                     cports[p.get("name")] = p["containerPort"]
                 caps = ((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []
                 if "IPC_LOCK" not in caps:
                     self.err(source, f"{ident(ds)}: container {c['name']} lacks capability IPC_LOCK")
-                for probe in ("readinessProbe", "livenessProbe"):
-                    g = (c.get(probe) or {}).get("grpc")
-                    if not g:
-                        self.err(source, f"{ident(ds)}: container {c['name']} has no gRPC {probe}")
-                    elif g.get("port") != cports.get("grpc"):
-                        self.err(source, f"{ident(ds)}: {probe} port {g.get('port')} != grpc port {cports.get('grpc')}")
+            for name in volumes:
+                if name not in mounted:
+                    self.err(source, f"{ident(ds)}: volume {name!r} is mounted by no container")
             for svc in services:
                 if ns(svc) != ns(ds) or not svc["spec"].get("selector"):
                     continue
@@ -196,51 +286,309 @@ class Checker:
                         self.err(source, f"{ident(svc)}: targetPort {tp!r} is not a container port name of {ident(ds)}")
                     if isinstance(tp, int) and tp not in cports.values():
                         self.err(source, f"{ident(svc)}: targetPort {tp} is not a container port of {ident(ds)}")
+            agent = pod["containers"][0]
+            conf = self.agent_config(source, ds, agent, volumes, configmaps, ns(ds))
+            if conf is not None:
+                self.check_agent_conf(source, ds, agent, volumes, conf)
 
-    def check_agent_toml(self, source: str, cm: dict) -> None:
-        text = (cm.get("data") or {}).get("agent.toml")
-        if text is None:
-            self.err(source, f"{ident(cm)}: no agent.toml key")
-            return
-        try:
-            conf = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            self.err(source, f"{ident(cm)}: agent.toml is not valid TOML: {e}")
-            return
+    def agent_config(self, source, ds, c, volumes, configmaps, namespace) -> dict | None:
+        """The agent.toml the container runs with: `--config PATH` under a ConfigMap mount."""
+        args = (c.get("command") or []) + (c.get("args") or [])
+        path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"), None)
+        if path is None:
+            self.err(source, f"{ident(ds)}: container {c['name']} has no --config argument")
+            return None
+        for m in c.get("volumeMounts") or []:
+            cm = (volumes.get(m["name"]) or {}).get("configMap")
+            if cm and posixpath.dirname(path) == posixpath.normpath(m["mountPath"]) and not m.get("subPath"):
+                obj = configmaps.get((namespace, cm.get("name")))
+                if obj is None:
+                    return None  # reported above
+                key = posixpath.basename(path)
+                items = cm.get("items")
+                if items:
+                    key = next((i["key"] for i in items if i["path"] == key), None)
+                text = (obj.get("data") or {}).get(key) if key else None
+                if text is None:
+                    self.err(source, f"{ident(ds)}: --config {path}: {ident(obj)} has no such key")
+                    return None
+                try:
+                    conf = tomllib.loads(text)
+                except tomllib.TOMLDecodeError as e:
+                    self.err(source, f"{ident(obj)}: {key} is not valid TOML: {e}")
+                    return None
+                self.check_toml_keys(source, ident(obj), conf)
+                return conf
+        self.err(source, f"{ident(ds)}: --config {path} is not in a mounted ConfigMap")
+        return None
+
+    def check_toml_keys(self, source: str, where: str, conf: dict) -> None:
         for key, val in conf.items():
             if key not in AGENT_TOML_KEYS:
-                self.err(source, f"{ident(cm)}: agent.toml: unknown key {key!r}")
+                self.err(source, f"{where}: agent.toml: unknown key {key!r}")
             elif AGENT_TOML_KEYS[key] is None:
                 if isinstance(val, dict):
-                    self.err(source, f"{ident(cm)}: agent.toml: {key!r} must be a value, not a table")
+                    self.err(source, f"{where}: agent.toml: {key!r} must be a value, not a table")
             elif not isinstance(val, dict):
-                self.err(source, f"{ident(cm)}: agent.toml: {key!r} must be a table")
+                self.err(source, f"{where}: agent.toml: {key!r} must be a table")
             else:
                 for sub in val:
                     if sub not in AGENT_TOML_KEYS[key]:
-                        self.err(source, f"{ident(cm)}: agent.toml: unknown key {key}.{sub}")
+                        self.err(source, f"{where}: agent.toml: unknown key {key}.{sub}")
         for key in ("depth", "qps", "max_regions", "max_transfers", "port", "gid_index"):
             for table in conf.values():
                 if isinstance(table, dict) and key in table and not isinstance(table[key], int):
-                    self.err(source, f"{ident(cm)}: agent.toml: {key} must be an integer, got {table[key]!r}")
+                    self.err(source, f"{where}: agent.toml: {key} must be an integer, got {table[key]!r}")
+        for key in ("insecure", "allow_plaintext_network"):
+            if key in conf and not isinstance(conf[key], bool):
+                self.err(source, f"{where}: agent.toml: {key} must be true or false, got {conf[key]!r}")
+
+    def check_agent_conf(self, source: str, ds: dict, c: dict, volumes: dict, conf: dict) -> None:
+        where = f"{ident(ds)} agent.toml"
+        cports = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+        listeners = {}
+        for key, pname in LISTENERS.items():
+            if key not in conf:
+                self.err(source, f"{where}: {key} is not set (the deploy pins every listener)")
+                continue
+            hp = split_hostport(conf[key])
+            if hp is None:
+                self.err(source, f"{where}: {key} = {conf[key]!r} is not HOST:PORT")
+                continue
+            listeners[key] = hp
+            if cports.get(pname) != hp[1]:
+                self.err(source, f"{where}: {key} port {hp[1]} != container port {pname!r} ({cports.get(pname)})")
+
+        # Probes: kubelet cannot present a client certificate, so they go to health_listen.
+        health = listeners.get("health_listen")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            p = c.get(probe)
+            if p is None and probe == "startupProbe":
+                continue
+            g = (p or {}).get("grpc")
+            if not g:
+                self.err(source, f"{ident(ds)}: container {c['name']} has no gRPC {probe}")
+            elif health and g.get("port") != health[1]:
+                self.err(source, f"{ident(ds)}: {probe} port {g.get('port')} != health_listen port {health[1]}")
+
+        if health:
+            self.notes.append(f"{ident(ds)}: probes -> health_listen :{health[1]}; listeners match container ports")
+
+        plaintext_optin = source in self.plaintext
+        insecure = conf.get("insecure", True)  # the agent's default is plaintext
+        allow = conf.get("allow_plaintext_network", False)
+        if plaintext_optin:
+            if conf.get("insecure") is not True or allow is not True:
+                self.err(source, f"{where}: the plaintext opt-in must set insecure = true and "
+                                 f"allow_plaintext_network = true (got {conf.get('insecure')!r}, {allow!r})")
+            else:
+                self.notes.append(f"{ident(ds)}: PLAINTEXT opt-in, insecure = true, allow_plaintext_network = true")
+        elif conf.get("insecure") is not False:
+            self.err(source, f"{where}: mTLS must be on: insecure = false explicitly (got "
+                             f"{conf.get('insecure', '<unset: the agent defaults to plaintext>')!r})")
+        if insecure and not allow:
+            public = [k for k in ("listen", "data_listen") if k in listeners and not is_loopback(listeners[k][0])]
+            if public:
+                self.err(source, f"{where}: plaintext with non-loopback {', '.join(public)} needs "
+                                 f"allow_plaintext_network = true (the agent exits 64)")
+        if not insecure:
+            self.check_tls(source, ds, c, volumes, conf.get("tls") or {})
+
+    def check_tls(self, source: str, ds: dict, c: dict, volumes: dict, tls: dict) -> None:
+        where = f"{ident(ds)} agent.toml [tls]"
+        td = tls.get("trust_domain", "")
+        if td and not DNS_NAME.match(td):
+            self.err(source, f"{where}: trust_domain {td!r} is not a lowercase DNS name")
+        for rule in tls.get("dns_roles") or []:
+            pat, role = (rule.get("pattern"), rule.get("role")) if isinstance(rule, dict) else (None, None)
+            labels = (pat or "").split(".")
+            if role not in ROLES or labels.count("*") != 1 or (pat or "").count("*") != 1:
+                self.err(source, f"{where}: dns_roles entry {rule!r}: needs role node|client|admin and "
+                                 f"a pattern with one `*` label")
+        # Which volume provides each file, under which file name.
+        provided: dict[str, tuple[str, dict, str]] = {}  # key -> (volume name, volume, file name)
+        for key in ("cert", "key", "ca"):
+            path = tls.get(key) or ""
+            if not path.startswith("/"):
+                self.err(source, f"{where}: {key} = {path!r}: an absolute path is required with mTLS")
+                continue
+            m = next((m for m in c.get("volumeMounts") or []
+                      if posixpath.dirname(posixpath.normpath(path)) == posixpath.normpath(m["mountPath"])), None)
+            if m is None:
+                self.err(source, f"{where}: {key} = {path}: no volume is mounted at {posixpath.dirname(path)}")
+                continue
+            if not m.get("readOnly"):
+                self.err(source, f"{ident(ds)}: the TLS mount {m['name']!r} should be readOnly")
+            provided[key] = (m["name"], volumes.get(m["name"]) or {}, posixpath.basename(path))
+        if len({v[0] for v in provided.values()}) > 1:
+            self.err(source, f"{where}: cert, key and ca come from different volumes "
+                             f"({sorted({v[0] for v in provided.values()})})")
+        for key, (vname, vol, fname) in provided.items():
+            if "csi" in vol:
+                attrs = vol["csi"].get("volumeAttributes") or {}
+                default = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}[key]
+                attr = {"cert": "certificate-file", "key": "privatekey-file", "ca": "ca-file"}[key]
+                want = attrs.get(CSI + attr, default)
+                if fname != want:
+                    self.err(source, f"{where}: {key} file {fname!r} is not what volume {vname!r} writes ({want!r})")
+            elif "secret" in vol:
+                items = vol["secret"].get("items")
+                names = {i["path"] for i in items} if items else {"tls.crt", "tls.key", "ca.crt"}
+                if fname not in names:
+                    self.err(source, f"{where}: {key} file {fname!r} is not a key of Secret volume {vname!r} "
+                                     f"(kubernetes.io/tls + ca.crt: tls.crt, tls.key, ca.crt)")
+                if not vol["secret"].get("secretName"):
+                    self.err(source, f"{ident(ds)}: Secret volume {vname!r} has no secretName")
+            else:
+                self.err(source, f"{where}: {key} comes from volume {vname!r}, which is neither a "
+                                 f"{CSI_DRIVER} CSI volume nor a Secret")
+        vols = {v[0]: v[1] for v in provided.values()}
+        for vname, vol in vols.items():
+            if "csi" in vol:
+                self.check_csi(source, ds, vname, vol["csi"], tls)
+            elif "secret" in vol:
+                self.notes.append(f"{ident(ds)}: mTLS, Secret {vol['secret'].get('secretName')} (one identity for "
+                                  f"all nodes), server name {tls.get('server_name') or '<peer host>'}")
+
+    def check_csi(self, source: str, ds: dict, vname: str, csi: dict, tls: dict) -> None:
+        where = f"{ident(ds)}: volume {vname!r}"
+        attrs = csi.get("volumeAttributes") or {}
+        if csi.get("driver") != CSI_DRIVER:
+            self.err(source, f"{where}: driver {csi.get('driver')!r} is not {CSI_DRIVER}")
+            return
+        if csi.get("readOnly") is not True:
+            self.err(source, f"{where}: csi-driver refuses volumes without readOnly: true")
+        for k in attrs:
+            if not k.startswith(CSI):
+                self.err(source, f"{where}: attribute {k!r} is not a {CSI}* attribute")
+        issuer = attrs.get(CSI + "issuer-name")
+        if not issuer:
+            self.err(source, f"{where}: {CSI}issuer-name is required")
+        kind = attrs.get(CSI + "issuer-kind", "Issuer")
+        group = attrs.get(CSI + "issuer-group", "cert-manager.io")
+        for a in CSI_EXPANDED:
+            for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", attrs.get(CSI + a, "")):
+                if var not in CSI_VARIABLES:
+                    self.err(source, f"{where}: {CSI}{a} uses ${{{var}}}: csi-driver only expands {sorted(CSI_VARIABLES)}")
+        for a, v in attrs.items():
+            if "$" in v and a[len(CSI):] not in CSI_EXPANDED:
+                self.err(source, f"{where}: {a} = {v!r}: csi-driver does not expand variables there")
+        td = tls.get("trust_domain", "")
+        uris = csv(attrs.get(CSI + "uri-sans"))
+        ids = [spiffe(u) for u in uris]
+        if len(uris) != 1 or ids[0] is None or ids[0][1] != "node":
+            self.err(source, f"{where}: uri-sans must be exactly one spiffe://TD/xfer/node/NAME (got {uris})")
+        elif not td:
+            self.err(source, f"{where}: tls.trust_domain is empty: set it to the URI SAN's {ids[0][0]!r}")
+        elif ids[0][0] != td:
+            self.err(source, f"{where}: URI SAN trust domain {ids[0][0]!r} != tls.trust_domain {td!r}")
+        server_name = tls.get("server_name", "")
+        dns = csv(attrs.get(CSI + "dns-names"))
+        if not server_name:
+            self.err(source, f"{where}: tls.server_name is empty, but the per-pod certificates have no "
+                             f"SAN for the node addresses peers dial (ip-sans takes no variables)")
+        elif server_name not in dns:
+            self.err(source, f"{where}: dns-names {dns} lack tls.server_name {server_name!r}")
+        for ip in csv(attrs.get(CSI + "ip-sans")):
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                self.err(source, f"{where}: ip-sans {ip!r} is not an IP address")
+        usages = csv(attrs.get(CSI + "key-usages", "digital signature,key encipherment"))
+        for need in ("server auth", "client auth"):
+            if need not in usages:
+                self.err(source, f"{where}: key-usages {usages} lack {need!r} (the agent is server and client)")
+        cert_schema = self.crd.get(("cert-manager.io/v1", "Certificate"))
+        if cert_schema is not None:
+            allowed = set(cert_schema.schema["properties"]["spec"]["properties"]["usages"]["items"]["enum"])
+            for u in usages:
+                if u not in allowed:
+                    self.err(source, f"{where}: key-usages {u!r} is not a cert-manager key usage")
+        if issuer:
+            self.csi_uses.append((source, f"{group}/{kind}", issuer, td))
+            self.notes.append(f"{ident(ds)}: mTLS, {CSI_DRIVER} {kind}/{issuer}, {uris[0] if uris else '?'}, "
+                              f"server name {server_name}")
+
+    def check_cert_manager(self, source: str, docs: list[dict]) -> None:
+        objs = [d for d in docs if d.get("apiVersion") == "cert-manager.io/v1"]
+        if not objs:
+            return
+        issuers = {d["metadata"]["name"]: d for d in objs if d.get("kind") == "Issuer"}
+        certs = [d for d in objs if d.get("kind") == "Certificate"]
+        for cert in certs:
+            spec = cert.get("spec") or {}
+            ref = spec.get("issuerRef") or {}
+            if ref.get("kind", "Issuer") == "Issuer" and ref.get("name") not in issuers:
+                self.err(source, f"{ident(cert)}: issuerRef {ref.get('name')!r} is not an Issuer here")
+            if spec.get("isCA"):
+                continue
+            uris = spec.get("uris") or []
+            ids = [spiffe(u) for u in uris]
+            if len(uris) != 1 or ids[0] is None or ids[0][1] not in ROLES or not DNS_NAME.match(ids[0][0]):
+                self.err(source, f"{ident(cert)}: needs exactly one URI SAN spiffe://TD/xfer/ROLE/NAME (got {uris})")
+            usages = spec.get("usages") or []
+            role = ids[0][1] if ids and ids[0] else None
+            if "client auth" not in usages:
+                self.err(source, f"{ident(cert)}: usages {usages} lack 'client auth'")
+            if role == "node" and "server auth" not in usages:
+                self.err(source, f"{ident(cert)}: a node certificate needs 'server auth' too")
+        ca_secrets = {(c.get("spec") or {}).get("secretName") for c in certs if (c.get("spec") or {}).get("isCA")}
+        for name, iss in issuers.items():
+            ca = (iss.get("spec") or {}).get("ca")
+            if ca and ca.get("secretName") not in ca_secrets:
+                self.err(source, f"{ident(iss)}: CA Secret {ca.get('secretName')!r} is made by no isCA Certificate here")
+        self.cm_objects.extend((source, d) for d in objs)
+        self.notes.append(f"cert-manager: {len(issuers)} Issuer(s), {len(certs)} Certificate(s), references resolve")
+
+    def check_across(self) -> None:
+        """The Issuer the manifests use and the trust domain of the example certificates."""
+        if not self.cm_objects:
+            return
+        issuers = {(f"cert-manager.io/{d['kind']}", d["metadata"]["name"])
+                   for _, d in self.cm_objects if d["kind"] in ("Issuer", "ClusterIssuer")}
+        for source, kind, name, td in self.csi_uses:
+            if source in self.defaults and (kind, name) not in issuers:
+                self.err(source, f"csi volume's issuer {kind}/{name} is not the one deploy/cert-manager creates "
+                                 f"({sorted(f'{k}/{n}' for k, n in issuers)})")
+        tds = {td for source, _, _, td in self.csi_uses if td and source in self.defaults}
+        for source, d in self.cm_objects:
+            for uri in (d.get("spec") or {}).get("uris") or []:
+                sid = spiffe(uri)
+                if sid and tds and sid[0] not in tds:
+                    self.err(source, f"{ident(d)}: trust domain {sid[0]!r} is not the agents' ({sorted(tds)})")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--servicemonitor-schema", required=True)
+    ap.add_argument("--crd-schema", action="append", default=[], help="trimmed CRD JSON schema (repeatable)")
     ap.add_argument("--k8s-version", action="append", required=True)
+    ap.add_argument("--plaintext", action="append", default=[], metavar="NAME",
+                    help="source NAME is the explicit plaintext opt-in (else mTLS is required)")
+    ap.add_argument("--defaults", action="append", default=[], metavar="NAME",
+                    help="source NAME is a shipped default: its csi issuer and trust domain must match "
+                         "the cert-manager objects given")
+    ap.add_argument("--no-schema", action="store_true", help="cross-checks only (for mutation tests)")
     ap.add_argument("sources", nargs="+", metavar="NAME=FILE")
     args = ap.parse_args()
-    with open(args.servicemonitor_schema, encoding="utf-8") as f:
-        sm_schema = json.load(f)
-    jsonschema.Draft7Validator.check_schema(sm_schema)
-    checker = Checker(sm_schema, args.k8s_version)
-    print(f"validating against Kubernetes {', '.join(args.k8s_version)} (strict) "
-          f"+ {args.servicemonitor_schema} for ServiceMonitor")
+    schemas = []
+    for path in args.crd_schema:
+        with open(path, encoding="utf-8") as f:
+            s = json.load(f)
+        jsonschema.Draft7Validator.check_schema(s)
+        schemas.append(s)
+    names = {spec.partition("=")[0] for spec in args.sources}
+    for flag in ("plaintext", "defaults"):
+        if not set(getattr(args, flag)) <= names:
+            ap.error(f"--{flag} names no source: {sorted(set(getattr(args, flag)) - names)}")
+    checker = Checker(schemas, args.k8s_version, set(args.plaintext), set(args.defaults), not args.no_schema)
+    if checker.schema:
+        kinds = ", ".join(k for _, k in checker.crd)
+        print(f"validating against Kubernetes {', '.join(args.k8s_version)} (strict) + vendored CRD schemas ({kinds})")
     total = 0
     for spec in args.sources:
         name, _, path = spec.partition("=")
         total += checker.check_source(name, path)
+    checker.check_across()
     if checker.errors:
         print(f"\nFAILED: {len(checker.errors)} problem(s):", file=sys.stderr)
         for e in checker.errors:
