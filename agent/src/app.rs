@@ -1,8 +1,10 @@
 //! Start-up and shutdown: choose the fabric, restore regions, serve gRPC and metrics, and drain
 //! on SIGTERM. `main.rs` only parses flags and calls [`run`].
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -14,24 +16,33 @@ use crate::node::Node;
 use crate::service::tls::TlsMaterial;
 use crate::service::Services;
 
+/// Why the agent could not start. Each message is complete on its own (no `source()` chain that
+/// would repeat it): `main` prints it once.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("state dir {path}: {source}")]
-    StateDir { path: String, source: std::io::Error },
+    #[error("state dir {path}: {error}")]
+    StateDir { path: String, error: std::io::Error },
+    #[error("cannot bind {addr} ({key}): {error}")]
+    Bind { key: &'static str, addr: SocketAddr, error: std::io::Error },
     #[error("fabric: {0}")]
-    Fabric(#[from] FabricError),
+    Fabric(FabricError),
     #[error("region catalog: {0}")]
-    Catalog(#[from] crate::regions::RegionError),
-    #[error("metrics: {0}")]
-    Metrics(String),
-    #[error(transparent)]
-    Tls(#[from] crate::service::tls::TlsError),
-    #[error("gRPC listener {addr}: {detail}")]
-    Listen { addr: String, detail: String },
+    Catalog(crate::regions::RegionError),
+    #[error("metrics_listen {addr}: {detail}")]
+    Metrics { addr: SocketAddr, detail: String },
+    #[error("{0}")]
+    Tls(crate::service::tls::TlsError),
+    #[error("gRPC server: {0}")]
+    Grpc(String),
+}
+
+/// Binds a listener for the setting `key`; the error says so.
+async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr).await.map_err(|error| StartError::Bind { key, addr, error })
 }
 
 /// Picks and opens the fabric; returns it with the reason (shown in logs and GetInfo).
-async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>) -> Result<(Arc<dyn Fabric>, String), StartError> {
+async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMaterial>) -> Result<(Arc<dyn Fabric>, String), StartError> {
     let want_verbs = match cfg.fabric {
         FabricChoice::Tcp => false,
         FabricChoice::Verbs => true,
@@ -42,68 +53,95 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>) -> Result<(Arc<dyn 
             }
             Err(why) => {
                 info!(reason = %why, "auto: no usable RDMA device; using the tcp fabric");
-                return Ok((open_tcp(cfg, grants).await?, format!("auto: {why}; using tcp")));
+                return Ok((open_tcp(cfg, grants, tls).await?, format!("auto: {why}; using tcp")));
             }
         },
     };
     if want_verbs {
-        let f = crate::verbs::open_fabric(cfg)?;
+        let f = crate::verbs::open_fabric(cfg).map_err(StartError::Fabric)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         return Ok((f, reason.to_string()));
     }
-    Ok((open_tcp(cfg, grants).await?, "configured: tcp".to_string()))
+    Ok((open_tcp(cfg, grants, tls).await?, "configured: tcp".to_string()))
 }
 
-/// The TCP fabric checks every frame against the agent's grant table.
-async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>) -> Result<Arc<dyn Fabric>, StartError> {
-    Ok(Arc::new(TcpFabric::bind(cfg.data_listen, grants.clone()).await?))
+/// The TCP fabric checks every frame against the agent's grant table; with mTLS its data
+/// streams are TLS with the same certificates.
+async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMaterial>) -> Result<Arc<dyn Fabric>, StartError> {
+    let listener = bind("data_listen", cfg.data_listen_addr()).await?;
+    let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone())).map_err(StartError::Fabric)?;
+    Ok(Arc::new(fabric))
 }
 
 /// Runs the agent until `shutdown` is cancelled, then drains and returns.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     std::fs::create_dir_all(&cfg.state_dir)
-        .map_err(|e| StartError::StateDir { path: cfg.state_dir.display().to_string(), source: e })?;
+        .map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
     log_limits();
-    crate::metrics::install(cfg.metrics_listen).map_err(StartError::Metrics)?;
-    let grants = Arc::new(GrantTable::new(cfg.limits.max_grants_per_peer));
-    let (fabric, reason) = open_fabric(&cfg, &grants).await?;
-    let info = fabric.info();
-    let device = info.devices.first().map(|d| d.name.clone()).unwrap_or_default();
-    crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
-    info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
     let tls = if cfg.insecure {
-        warn!("gRPC is plaintext (insecure = true): do not expose this agent on an untrusted network");
+        if cfg.allow_plaintext_network {
+            warn!(
+                listen = %cfg.listen,
+                "plaintext gRPC and data plane on the network (allow_plaintext_network = true): anyone who can reach \
+                 these ports can read and write this node's registered memory"
+            );
+        } else {
+            info!("plaintext on loopback only (insecure = true): every local process is trusted");
+        }
         if !(cfg.tls.cert.is_empty() && cfg.tls.key.is_empty() && cfg.tls.ca.is_empty()) {
             warn!("tls.cert/tls.key/tls.ca are set but ignored because insecure = true");
         }
         None
     } else {
-        let t = Arc::new(TlsMaterial::load(&cfg.tls)?);
-        info!(identity = %t.own_identity, "mTLS on: client certificates required, grants bound to the caller's certificate identity");
-        if t.own_identity != cfg.node_name {
-            warn!(identity = %t.own_identity, node = %cfg.node_name, "tls.cert's identity differs from node_name: peers bind this agent's grants to the certificate identity");
+        let t = Arc::new(TlsMaterial::load(&cfg.tls).map_err(StartError::Tls)?);
+        info!(identity = %t.own.name, "mTLS on: callers need a certificate with a role (node, client, admin); the data plane is TLS too");
+        if t.own.name != cfg.node_name {
+            warn!(identity = %t.own.name, node = %cfg.node_name, "the certificate's node NAME differs from node_name: peers key this agent's grants and limits on the certificate's NAME");
         }
         Some(t)
     };
+    let listener = bind("listen", cfg.listen).await?;
+    let health_listener = match cfg.health_listen {
+        Some(a) => Some(bind("health_listen", a).await?),
+        None => None,
+    };
+    crate::metrics::install(cfg.metrics_listen).map_err(|detail| StartError::Metrics { addr: cfg.metrics_listen, detail })?;
+    crate::metrics::set_peer_label_limit(cfg.limits.max_peer_labels);
+    let grants = Arc::new(GrantTable::new(cfg.limits.max_grants_per_peer));
+    let (fabric, reason) = open_fabric(&cfg, &grants, tls.as_deref()).await?;
+    let info = fabric.info();
+    let device = info.devices.first().map(|d| d.name.clone()).unwrap_or_default();
+    crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
+    info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
     let node = Node::new(cfg.clone(), fabric, reason, grants, tls.clone());
-    let restored = node.regions.restore()?;
+    let restored = node.regions.restore().map_err(StartError::Catalog)?;
     if restored > 0 {
         info!(regions = restored, "restored regions from the catalog");
     }
     node.spawn_reapers(shutdown.clone());
 
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| StartError::Listen { addr: cfg.listen.to_string(), detail: e.to_string() })?;
-    let local = listener.local_addr().map_err(|e| StartError::Listen { addr: cfg.listen.to_string(), detail: e.to_string() })?;
+    let local = listener.local_addr().map_err(|error| StartError::Bind { key: "listen", addr: cfg.listen, error })?;
+    let health = tonic_health::server::HealthReporter::new();
     let router = Services::new(node.clone())
-        .router(cfg.limits.max_message_size.0 as usize, tls.as_deref())
+        .router(cfg.limits.max_message_size.0 as usize, tls.as_deref(), health.clone())
         .await
-        .map_err(|e| StartError::Listen { addr: local.to_string(), detail: e })?;
-    info!(node = %cfg.node_name, grpc = %local, metrics = %cfg.metrics_listen, "xfer-agent serving");
-
+        .map_err(StartError::Grpc)?;
     // gRPC stops accepting when draining starts; in-flight transfers keep their connections.
     let stop_grpc = CancellationToken::new();
+    if let Some(l) = health_listener {
+        let probe = l.local_addr().ok();
+        let stop = stop_grpc.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        let server = crate::service::health_router(&health);
+        tokio::spawn(async move {
+            if let Err(e) = server.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await {
+                warn!(error = %e, "health listener stopped");
+            }
+        });
+        info!(health = ?probe, "plaintext health listener (grpc.health.v1 only) for probes");
+    }
+    info!(node = %cfg.node_name, grpc = %local, metrics = %cfg.metrics_listen, "xfer-agent serving");
+
     let server = {
         let stop = stop_grpc.clone();
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -111,6 +149,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     };
     shutdown.cancelled().await;
     info!(grace = ?cfg.shutdown.grace.0, "shutting down: draining transfers");
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     node.drain(cfg.shutdown.grace.0).await;
     stop_grpc.cancel();
     match tokio::time::timeout(Duration::from_secs(5), server).await {

@@ -161,6 +161,27 @@ pub struct VerbsConfig {
     pub busy_poll: bool,
 }
 
+/// A caller role (DESIGN §8): what a certificate may call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoleName {
+    /// Another agent: `xfer.v1.Peer` only.
+    Node,
+    /// xferctl or an application: `xfer.v1.Agent`.
+    Client,
+    /// A client that may also run benchmarks (`Bench`, `TcpBaseline`).
+    Admin,
+}
+
+/// Maps a DNS SAN to a role, for CAs that cannot issue URI SANs: `pattern` is a DNS name whose
+/// first label may be `*`, which matches exactly one label; that label (or the whole name without
+/// a `*`) becomes the caller's NAME.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DnsRole {
+    pub pattern: String,
+    pub role: RoleName,
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TlsConfig {
@@ -173,6 +194,11 @@ pub struct TlsConfig {
     pub ca: String,
     /// Name to verify peers' server certificates against; empty = the host of the peer address.
     pub server_name: String,
+    /// Trust domain of role URI SANs (`spiffe://TRUST_DOMAIN/xfer/ROLE/NAME`); empty = any
+    /// trust domain that `ca` signs.
+    pub trust_domain: String,
+    /// Extra DNS-SAN → role mappings, tried when a certificate has no role URI SAN.
+    pub dns_roles: Vec<DnsRole>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -184,6 +210,8 @@ pub struct LimitsConfig {
     pub max_transfers: usize,
     pub max_transfers_per_peer: usize,
     pub max_message_size: ByteSize,
+    /// Distinct `peer` label values in metrics; further peers are counted as `other`.
+    pub max_peer_labels: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -206,12 +234,21 @@ pub struct Config {
     pub node_name: String,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
-    /// tcp fabric data listener
-    pub data_listen: SocketAddr,
+    /// tcp fabric data listener; unset = the host of `listen` with a port the OS picks, which
+    /// peers learn through `Peer.Connect`
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_listen: Option<SocketAddr>,
+    /// Plaintext gRPC server with nothing but `grpc.health.v1.Health`, for probes that carry no
+    /// client certificate (kubelet); unset = off
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_listen: Option<SocketAddr>,
     pub fabric: FabricChoice,
     pub state_dir: PathBuf,
     /// plaintext gRPC; false = mTLS on both services with the `tls` files
     pub insecure: bool,
+    /// Allow plaintext (`insecure = true`) on listeners that are not loopback addresses. Off by
+    /// default: a plaintext agent on the network lets anyone call it.
+    pub allow_plaintext_network: bool,
     pub log: LogConfig,
     pub transfer: TransferConfig,
     pub verbs: VerbsConfig,
@@ -230,12 +267,14 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             node_name: String::new(),
-            listen: addr("0.0.0.0:7470"),
+            listen: addr("127.0.0.1:7470"),
             metrics_listen: addr("0.0.0.0:9470"),
-            data_listen: addr("0.0.0.0:7471"),
+            data_listen: None,
+            health_listen: None,
             fabric: FabricChoice::Auto,
             state_dir: PathBuf::from("/var/lib/xfer"),
             insecure: true,
+            allow_plaintext_network: false,
             log: LogConfig::default(),
             transfer: TransferConfig::default(),
             verbs: VerbsConfig::default(),
@@ -281,6 +320,7 @@ impl Default for LimitsConfig {
             max_transfers: 256,
             max_transfers_per_peer: 64,
             max_message_size: ByteSize(16 << 20),
+            max_peer_labels: 256,
         }
     }
 }
@@ -304,6 +344,7 @@ pub struct Overrides {
     pub listen: Option<String>,
     pub metrics_listen: Option<String>,
     pub data_listen: Option<String>,
+    pub health_listen: Option<String>,
     pub fabric: Option<FabricChoice>,
     pub state_dir: Option<PathBuf>,
     pub log_format: Option<LogFormat>,
@@ -338,6 +379,7 @@ impl Config {
         b = set(b, "listen", flags.listen.clone())?;
         b = set(b, "metrics_listen", flags.metrics_listen.clone())?;
         b = set(b, "data_listen", flags.data_listen.clone())?;
+        b = set(b, "health_listen", flags.health_listen.clone())?;
         b = set(b, "fabric", flags.fabric.map(|f| format!("{f:?}").to_lowercase()))?;
         b = set(b, "state_dir", flags.state_dir.as_ref().map(|p| p.display().to_string()))?;
         b = set(b, "log.format", flags.log_format.map(|f| format!("{f:?}").to_lowercase()))?;
@@ -392,6 +434,44 @@ impl Config {
         }
         if self.node_name.is_empty() || self.node_name.len() > 253 {
             return Err(bad("node_name", "must be 1-253 characters"));
+        }
+        if self.limits.max_peer_labels == 0 {
+            return Err(bad("limits.max_peer_labels", "must be at least 1"));
+        }
+        for (i, r) in self.tls.dns_roles.iter().enumerate() {
+            crate::service::auth::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
+        }
+        if !self.tls.trust_domain.is_empty() {
+            crate::service::auth::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
+        }
+        self.check_plaintext()
+    }
+
+    /// Where the tcp fabric's data listener binds: `data_listen`, else the host of `listen`
+    /// with a port the OS picks.
+    pub fn data_listen_addr(&self) -> SocketAddr {
+        self.data_listen.unwrap_or(SocketAddr::new(self.listen.ip(), 0))
+    }
+
+    /// Secure by default: plaintext only where nobody else can connect (loopback), unless the
+    /// operator opts in with `allow_plaintext_network`. Metrics and the health listener serve
+    /// nothing that changes state or reveals data and are not checked.
+    fn check_plaintext(&self) -> Result<(), ConfigError> {
+        if !self.insecure || self.allow_plaintext_network {
+            return Ok(());
+        }
+        for (key, a) in [("listen", self.listen), ("data_listen", self.data_listen_addr())] {
+            if !a.ip().is_loopback() {
+                return Err(bad(
+                    "allow_plaintext_network",
+                    format!(
+                        "plaintext gRPC (insecure = true) with {key} = {a}, which is not a loopback address: \
+                         anyone who reaches it could read and write this node's memory. Turn on mTLS \
+                         (insecure = false with tls.cert, tls.key, tls.ca), listen on 127.0.0.1, or set \
+                         allow_plaintext_network = true (env XFER_ALLOW_PLAINTEXT_NETWORK=true) to accept that"
+                    ),
+                ));
+            }
         }
         Ok(())
     }

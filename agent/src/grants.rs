@@ -179,8 +179,12 @@ impl GrantTable {
 }
 
 impl AccessCheck for GrantTable {
-    fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
         let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
+        // A token is valid only on the data streams of the connection it was granted on.
+        if grant.connection_id.as_deref() != Some(connection) {
+            return Err(WcStatus::RemAccessErr);
+        }
         if grant.op != op || grant.expires_at <= SystemTime::now() {
             return Err(WcStatus::RemAccessErr);
         }

@@ -17,15 +17,19 @@ struct Flags {
     /// Node name (default: host name)
     #[arg(long)]
     node_name: Option<String>,
-    /// gRPC listen address [default: 0.0.0.0:7470]
+    /// gRPC listen address [default: 127.0.0.1:7470]. Plaintext (insecure = true) is refused on
+    /// non-loopback addresses unless allow_plaintext_network = true.
     #[arg(long)]
     listen: Option<String>,
     /// Prometheus metrics listen address [default: 0.0.0.0:9470]
     #[arg(long)]
     metrics_listen: Option<String>,
-    /// TCP-fabric data listen address [default: 0.0.0.0:7471]
+    /// TCP-fabric data listen address [default: the --listen host, a port the OS picks]
     #[arg(long)]
     data_listen: Option<String>,
+    /// Plaintext gRPC health-only listener for probes [default: off]
+    #[arg(long)]
+    health_listen: Option<String>,
     /// Data plane [default: auto]
     #[arg(long, value_enum)]
     fabric: Option<FabricChoice>,
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
         listen: flags.listen.clone(),
         metrics_listen: flags.metrics_listen.clone(),
         data_listen: flags.data_listen.clone(),
+        health_listen: flags.health_listen.clone(),
         fabric: flags.fabric,
         state_dir: flags.state_dir.clone(),
         log_format: flags.log_format,
@@ -70,7 +75,7 @@ fn main() -> ExitCode {
     match start(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
+            // Once: every start error carries its cause in its own message.
             eprintln!("xfer-agent: {e:#}");
             ExitCode::FAILURE
         }
@@ -95,7 +100,7 @@ fn start(cfg: Config) -> anyhow::Result<()> {
             wait_for_signal().await;
             s.cancel();
         });
-        xfer_agent::app::run(cfg, shutdown).await.context("xfer-agent failed")
+        Ok(xfer_agent::app::run(cfg, shutdown).await?)
     })
 }
 

@@ -1,9 +1,14 @@
 //! Metric names, help texts and recording helpers (DESIGN §10). Every metric the agent exports is
 //! described here, so the names live in one place; other modules call the helpers below.
 //!
-//! Label cardinality is bounded: `peer` is the peer's node name (one per node), `op` and
-//! `result` and `status` are small enums.
+//! Label cardinality is bounded: `peer` is an authenticated identity (a certificate's NAME, or
+//! in plaintext mode an address) and at most `limits.max_peer_labels` distinct values are ever
+//! used: later peers are counted under `other` ([`peer_label`]). `op`, `result` and `status` are
+//! small enums.
+use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
@@ -62,8 +67,33 @@ pub fn transfer_finished(op: &'static str, result: &'static str, elapsed: Durati
     histogram!(TRANSFER_DURATION, "op" => op).record(elapsed.as_secs_f64());
 }
 
+/// Most distinct `peer` label values (`limits.max_peer_labels`).
+static PEER_LABEL_LIMIT: AtomicUsize = AtomicUsize::new(256);
+/// The `peer` label value for peers past the limit.
+pub const OTHER_PEER: &str = "other";
+
+pub fn set_peer_label_limit(n: usize) {
+    PEER_LABEL_LIMIT.store(n.max(1), Ordering::Relaxed);
+}
+
+/// The `peer` label for `name`: the name itself while fewer than the limit have been used (a
+/// name keeps its label once it has one), else `other`. Series are never dropped by the exporter,
+/// so this bounds the number of series whatever callers do.
+pub fn peer_label(name: &str) -> String {
+    static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let mut seen = SEEN.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if name.is_empty() {
+        return OTHER_PEER.to_string();
+    }
+    if seen.contains(name) || (seen.len() < PEER_LABEL_LIMIT.load(Ordering::Relaxed) && seen.insert(name.to_string())) {
+        name.to_string()
+    } else {
+        OTHER_PEER.to_string()
+    }
+}
+
 pub fn transfer_bytes(op: &'static str, peer: &str, bytes: u64) {
-    counter!(TRANSFER_BYTES, "op" => op, "peer" => peer.to_string()).increment(bytes);
+    counter!(TRANSFER_BYTES, "op" => op, "peer" => peer_label(peer)).increment(bytes);
 }
 
 pub fn work_completion(status: &'static str) {
@@ -71,7 +101,7 @@ pub fn work_completion(status: &'static str) {
 }
 
 pub fn qp_connections(peer: &str, state: &'static str, n: usize) {
-    gauge!(QP_CONNECTIONS, "peer" => peer.to_string(), "state" => state).set(n as f64);
+    gauge!(QP_CONNECTIONS, "peer" => peer_label(peer), "state" => state).set(n as f64);
 }
 
 pub fn connect_duration(d: Duration) {

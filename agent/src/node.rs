@@ -64,8 +64,12 @@ pub struct BenchResult {
     pub lat_iters: u32,
 }
 
-/// (peer node name, keepalive of the responder's QPs; `mw` grants bind windows on them)
+/// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
+/// on them, tcp grants work only on its streams)
 type AcceptedConn = (String, Arc<dyn Accepted>);
+
+/// Responder halves one peer identity may hold; connecting more evicts one of them.
+const MAX_CONNECTIONS_PER_PEER: usize = 256;
 
 pub struct Node {
     pub config: Config,
@@ -87,7 +91,24 @@ pub struct Node {
     submitting: Mutex<HashMap<String, usize>>,
     /// Background revocations of peer grants in flight; `drain` waits for them.
     pending_revokes: Arc<AtomicUsize>,
+    /// Admin calls (`Bench`, `TcpBaseline`) run one at a time.
+    admin_slot: Arc<tokio::sync::Semaphore>,
+    /// One `Peer.OpenSink` at a time; its task holds the permit until the sink closes.
+    sink_slot: Arc<tokio::sync::Semaphore>,
+    /// The scratch region of the benchmark running against this agent, and its owner.
+    bench_region: Mutex<Option<(String, String)>>,
 }
+
+/// Each sink connection's read buffer.
+const SINK_BUFFER: usize = 256 << 10;
+/// A sink waits this long for each baseline connection.
+const SINK_ACCEPT_WITHIN: Duration = Duration::from_secs(10);
+/// A sink closes after this, whatever its state.
+const SINK_LIFETIME: Duration = Duration::from_secs(120);
+/// Largest TCP baseline send buffer.
+const BASELINE_MAX_BLOCK: u64 = 16 << 20;
+/// A benchmark's scratch region on the target is reaped after this at the latest.
+const BENCH_REGION_TTL: Duration = Duration::from_secs(600);
 
 /// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
 /// limit check until the transfer's record is in the registry (which then counts it).
@@ -137,6 +158,9 @@ impl Node {
             draining: CancellationToken::new(),
             submitting: Mutex::new(HashMap::new()),
             pending_revokes: Arc::new(AtomicUsize::new(0)),
+            admin_slot: Arc::new(tokio::sync::Semaphore::new(1)),
+            sink_slot: Arc::new(tokio::sync::Semaphore::new(1)),
+            bench_region: Mutex::new(None),
             fabric,
             fabric_reason,
             config,
@@ -187,29 +211,47 @@ impl Node {
                 detail: format!("initiator runs {fabric}, this agent runs {}", self.fabric.kind()),
             });
         }
-        let (mine, keep) = self.fabric.accept(peer, endpoints).await?;
-        if let Ok(mut acc) = self.accepted.lock() {
+        let taken = || FabricError::Negotiation {
+            step: "connect",
+            attr: "connection_id",
+            detail: format!("connection {connection_id:?} already exists on this agent"),
+        };
+        // An id is never reused: another caller's connection must not be replaced by naming it.
+        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
+            return Err(taken());
+        }
+        let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
+        let evicted = {
+            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            if acc.contains_key(connection_id) {
+                return Err(taken());
+            }
             // Bound per-peer state: a peer that never disconnects cannot grow it without limit.
             let from_peer: Vec<String> = acc.iter().filter(|(_, v)| v.0 == peer).map(|(k, _)| k.clone()).collect();
-            if from_peer.len() >= 256 {
-                if let Some(k) = from_peer.first() {
-                    acc.remove(k);
-                }
-            }
+            let evicted = if from_peer.len() >= MAX_CONNECTIONS_PER_PEER { from_peer.first().and_then(|k| acc.remove_entry(k)) } else { None };
             acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep)));
+            evicted
+        };
+        if let Some((id, _)) = evicted {
+            let n = self.grants.revoke_connection(&id);
+            debug!(peer, connection = %id, grants = n, "evicted one of the peer's connections (limit {MAX_CONNECTIONS_PER_PEER} per peer)");
         }
         Ok(mine)
     }
 
-    /// Drops the responder half of a connection and revokes the grants asked for on it. With
-    /// `owner`, only if that peer made it.
-    pub fn disconnect(&self, connection_id: &str, owner: Option<&str>) {
-        let removed = match self.accepted.lock() {
-            Ok(mut acc) if owner.is_none_or(|o| acc.get(connection_id).is_some_and(|c| c.0 == o)) => {
-                acc.remove(connection_id).is_some()
+    /// Drops the responder half of a connection and revokes the grants asked for on it, if the
+    /// peer `owner` made it.
+    pub fn disconnect(&self, connection_id: &str, owner: &str) {
+        let removed = {
+            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            if acc.get(connection_id).is_some_and(|c| c.0 == owner) {
+                acc.remove(connection_id)
+            } else {
+                None
             }
-            _ => false,
         };
+        // Dropped outside the lock: a tcp session closes its streams, verbs tears QPs down.
+        let removed = removed.is_some();
         if removed {
             let n = self.grants.revoke_connection(connection_id);
             if n > 0 {
@@ -241,13 +283,17 @@ impl Node {
         let expires_at = SystemTime::now() + ttl;
         let mode = self.config.verbs.grant_mode;
         let connection = self.grant_connection(p)?;
-        if mode == GrantMode::Mw && self.fabric.kind() == FabricKind::Verbs && connection.is_none() {
-            return Err(TransferError::FailedPrecondition(
+        if self.grant_needs_connection() && connection.is_none() {
+            return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
+                "tcp grants are bound to a data connection: the grant request must name a connection the \
+                 caller made with Peer.Connect (connection_id)"
+                    .into()
+            } else {
                 "this agent grants with memory windows (verbs.grant_mode = mw), which are bound to the \
                  grantee's QPs: the grant request must name a connection the caller made with Peer.Connect \
                  (connection_id)"
-                    .into(),
-            ));
+                    .into()
+            }));
         }
         let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), mode, connection };
         let exposure = self
@@ -277,12 +323,21 @@ impl Node {
         match acc.get(id) {
             Some((owner, conn)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
-            None if self.config.verbs.grant_mode == GrantMode::Mw && self.fabric.kind() == FabricKind::Verbs => {
+            None if self.grant_needs_connection() => {
                 Err(TransferError::FailedPrecondition(format!(
                     "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
                 )))
             }
             None => Ok(None),
+        }
+    }
+
+    /// Grants that only work on the grantee's connection: tcp tokens (checked per data stream)
+    /// and verbs memory windows (bound on its QPs).
+    fn grant_needs_connection(&self) -> bool {
+        match self.fabric.kind() {
+            FabricKind::Tcp => true,
+            FabricKind::Verbs => self.config.verbs.grant_mode == GrantMode::Mw,
         }
     }
 
@@ -351,32 +406,91 @@ impl Node {
     }
 
     /// `Peer.OpenSink`: a one-shot listener that reads and discards, for the raw TCP baseline.
-    pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, std::io::Error> {
-        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await?;
-        let addr = listener.local_addr()?;
+    /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
+    /// counted against `max_registered_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
+    /// [`SINK_LIFETIME`] in all.
+    pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
         let n = connections.clamp(1, 64);
+        let slot = self.sink_slot.clone().try_acquire_owned().map_err(|_| {
+            TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into())
+        })?;
+        let reservation = self.regions.reserve(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
+        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
+            .await
+            .map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
         tokio::spawn(async move {
+            let _held = (slot, reservation);
             let work = async {
                 let mut tasks = Vec::new();
                 for _ in 0..n {
-                    let (mut s, _) = listener.accept().await?;
+                    let (mut s, _) = tokio::time::timeout(SINK_ACCEPT_WITHIN, listener.accept())
+                        .await
+                        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
                     tasks.push(tokio::spawn(async move {
-                        // As large as a socket buffer can fill, so each read drains it.
-                        let mut buf = vec![0u8; 8 << 20];
+                        let mut buf = vec![0u8; SINK_BUFFER];
                         while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
                         let _ = s.shutdown().await;
                     }));
                 }
+                drop(listener);
                 for t in tasks {
                     let _ = t.await;
                 }
                 Ok::<(), std::io::Error>(())
             };
-            if tokio::time::timeout(Duration::from_secs(120), work).await.is_err() {
-                warn!("tcp baseline sink timed out");
+            match tokio::time::timeout(SINK_LIFETIME, work).await {
+                Err(_) => warn!("tcp baseline sink reached its lifetime; closed"),
+                Ok(Err(e)) => debug!(error = %e, "tcp baseline sink closed"),
+                Ok(Ok(())) => {}
             }
         });
         Ok(addr)
+    }
+
+    /// `Peer.OpenBenchRegion`: the target side of a benchmark, a scratch region for `owner`. One
+    /// at a time per agent; the region counts against the region limits and its lease ends after
+    /// [`BENCH_REGION_TTL`] even if the caller never closes it.
+    pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
+        if length == 0 || length > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
+        }
+        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((name, _)) = slot.as_ref() {
+            if self.regions.get(name).is_ok() {
+                return Err(TransferError::Limit("a benchmark against this agent is already running (one at a time)".into()));
+            }
+        }
+        let name = format!("xfer-bench-{}", new_id());
+        self.regions.create(crate::regions::RegionSpec {
+            name: name.clone(),
+            length,
+            kind: crate::regions::RegionKind::Anonymous,
+            path: None,
+            access: crate::fabric::Access::ReadWrite,
+            hugepages: false,
+            ttl: Some(BENCH_REGION_TTL),
+            labels: [("xfer.io/scratch".to_string(), "bench".to_string()), ("xfer.io/owner".to_string(), owner.to_string())].into(),
+        })?;
+        *slot = Some((name.clone(), owner.to_string()));
+        Ok(name)
+    }
+
+    /// `Peer.CloseBenchRegion`: deletes the caller's scratch region (no-op for anything else).
+    pub fn close_bench_region(&self, owner: &str, name: &str) -> Result<(), TransferError> {
+        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some((n, o)) if n == name && o == owner => {
+                let n = n.clone();
+                *slot = None;
+                drop(slot);
+                match self.delete_region(&n) {
+                    Ok(()) | Err(crate::regions::RegionError::NotFound(_)) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            _ => Err(crate::regions::RegionError::NotFound(name.to_string()).into()),
+        }
     }
 
     // ------------------------------------------------------------------ Initiator side
@@ -689,18 +803,28 @@ impl Node {
 
     // ------------------------------------------------------------------ benchmarks
 
-    /// perftest-style data-path benchmark against `peer`.
+    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+    fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+        self.admin_slot.clone().try_acquire_owned().map_err(|_| {
+            TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)"))
+        })
+    }
+
+    /// perftest-style data-path benchmark against `peer`. Admin-only; one at a time; its buffer
+    /// counts against `max_registered_bytes` here and the target's scratch region against the
+    /// target's region limits.
     pub async fn bench(&self, p: BenchParams) -> Result<BenchResult, TransferError> {
         if p.size == 0 || p.size > crate::fabric::frame::MAX_PAYLOAD as u64 {
             return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
         }
+        let _admin = self.admin_slot("Bench")?;
+        let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
         let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
         let peer = self.peers.peer(&p.peer)?;
-        let scratch = format!("xfer-bench-{}", new_id());
-        peer.call(|| peer.client.create_scratch_region(&scratch, p.size)).await?;
+        let scratch = peer.call(|| peer.client.open_bench_region(p.size)).await?;
         let res = self.bench_with(&peer, &scratch, &p, iters).await;
-        if let Err(e) = peer.client.delete_region(&scratch).await {
-            warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer");
+        if let Err(e) = peer.client.close_bench_region(&scratch).await {
+            warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer (its lease ends it)");
         }
         res
     }
@@ -776,24 +900,29 @@ impl Node {
         })
     }
 
-    /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against.
+    /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
+    /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
+    /// `max_registered_bytes`.
     pub async fn tcp_baseline(&self, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
+        let _admin = self.admin_slot("TcpBaseline")?;
+        let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
+        let _memory = self.regions.reserve(block as u64, "the TCP baseline buffer")?;
         let peer = self.peers.peer(peer_addr)?;
         let n = connections.clamp(1, 64);
         let sink = peer.call(|| peer.client.open_sink(n)).await?;
-        let block = block.clamp(4096, 64 << 20) as usize;
         let per = bytes.div_ceil(n as u64);
+        let buf: Arc<[u8]> = vec![0xa5u8; block].into();
         let t0 = Instant::now();
         let mut tasks = Vec::new();
         for _ in 0..n {
             let sink = sink.clone();
+            let buf = buf.clone();
             tasks.push(tokio::spawn(async move {
                 let mut s = TcpStream::connect(&sink).await?;
                 s.set_nodelay(true)?;
-                let buf = vec![0xa5u8; block];
                 let mut left = per;
                 while left > 0 {
-                    let k = (left as usize).min(block);
+                    let k = (left as usize).min(buf.len());
                     s.write_all(&buf[..k]).await?;
                     left -= k as u64;
                 }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -156,6 +156,22 @@ pub struct RegionRegistry {
     /// Serialises creates so the catalog write order matches the map (held across mapping and
     /// registration, which may be slow, but never across an await).
     create_lock: Mutex<()>,
+    /// Bytes the agent holds outside regions (benchmark buffers), counted against
+    /// `max_registered_bytes` like regions ([`Reservation`]).
+    reserved: Arc<AtomicU64>,
+}
+
+/// Memory counted against `max_registered_bytes` while it lives; released on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    counter: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 pub fn validate_name(name: &str) -> Result<(), RegionError> {
@@ -185,6 +201,7 @@ impl RegionRegistry {
             limits,
             regions: Mutex::new(HashMap::new()),
             create_lock: Mutex::new(()),
+            reserved: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -252,7 +269,7 @@ impl RegionRegistry {
             if map.len() >= self.limits.max_regions {
                 return Err(RegionError::Limit(format!("max_regions = {}", self.limits.max_regions)));
             }
-            let registered: u64 = map.values().map(|r| r.length).sum();
+            let registered: u64 = map.values().map(|r| r.length).sum::<u64>().saturating_add(self.reserved.load(Ordering::Acquire));
             if registered.saturating_add(spec.length) > self.limits.max_registered_bytes {
                 return Err(RegionError::Limit(format!(
                     "max_registered_bytes = {} ({} registered, {} requested)",
@@ -268,6 +285,21 @@ impl RegionRegistry {
         self.update_gauges();
         info!(region = %region.name, id = %region.id, kind = ?region.kind, length = region.length, "region created");
         Ok(region)
+    }
+
+    /// Counts `bytes` the agent is about to allocate outside regions (for `what`) against
+    /// `max_registered_bytes`; RESOURCE_EXHAUSTED when they do not fit.
+    pub fn reserve(&self, bytes: u64, what: &str) -> Result<Reservation, RegionError> {
+        let map = self.lock();
+        let used = map.values().map(|r| r.length).sum::<u64>().saturating_add(self.reserved.load(Ordering::Acquire));
+        if used.saturating_add(bytes) > self.limits.max_registered_bytes {
+            return Err(RegionError::Limit(format!(
+                "max_registered_bytes = {} ({used} in use, {bytes} needed for {what})",
+                self.limits.max_registered_bytes
+            )));
+        }
+        self.reserved.fetch_add(bytes, Ordering::AcqRel);
+        Ok(Reservation { counter: self.reserved.clone(), bytes })
     }
 
     fn build(&self, spec: &RegionSpec, restored: Option<&CatalogEntry>) -> Result<Arc<Region>, RegionError> {

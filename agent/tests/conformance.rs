@@ -32,14 +32,14 @@ async fn side(name: &str, which: char) -> Side {
     let grants = Arc::new(GrantTable::new(1024));
     let fabric: Arc<dyn Fabric> = match kind().as_str() {
         "tcp" => {
-            Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone()).await.unwrap())
+            Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap())
         }
         "verbs" => {
             let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));
             cfg.fabric = FabricChoice::Verbs;
             cfg.verbs.device = var("_DEV");
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
-            cfg.data_listen = format!("{}:7471", var("")).parse().unwrap();
+            cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
             xfer_agent::verbs::open_fabric(&cfg).unwrap()
         }
         other => panic!("unknown XFER_TEST_FABRIC {other}"),
@@ -47,10 +47,12 @@ async fn side(name: &str, which: char) -> Side {
     Side { node: Node::new(cfg, fabric, "test".into(), grants, None), _dir: dir }
 }
 
-/// A connects to B with `qps` QPs.
+/// A connects to B with `qps` QPs, as connection `conn-1` of peer "a" (which replaces an earlier
+/// `conn-1`: connection ids are never reused while one is open).
 async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
+    b.node.disconnect("conn-1", "a");
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", qps, depth, tx).await.unwrap();
+    let pending = a.node.fabric.prepare("b", "conn-1", qps, depth, tx).await.unwrap();
     let eps = b
         .node
         .accept_connection("a", "conn-1", a.node.fabric.kind(), &pending.local_endpoints())
@@ -177,10 +179,11 @@ async fn grant_for_read_does_not_allow_write_and_vice_versa() {
 
 #[tokio::test]
 async fn region_access_ceiling_is_enforced_at_grant_time() {
-    let b = side("b", 'B').await;
+    let (a, b) = (side("a", 'A').await, side("b", 'B').await);
+    let _conn = connect(&a, &b, 1, 8).await;
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
-    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: None };
+    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some("conn-1".into()) };
     assert!(b.node.grant(&p("ro", RemoteOp::Write)).is_err(), "read-only region must not be granted for WRITE");
     assert!(b.node.grant(&p("wo", RemoteOp::Read)).is_err(), "write-only region must not be granted for READ");
     assert!(b.node.grant(&p("ro", RemoteOp::Read)).is_ok());
@@ -313,7 +316,7 @@ async fn disconnect_revokes_the_grants_of_that_connection() {
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     drop(g);
     assert_eq!(b.node.grants.len(), 1);
-    b.node.disconnect("conn-1", Some("a"));
+    b.node.disconnect("conn-1", "a");
     assert_eq!(b.node.grants.len(), 0, "the connection's grants are revoked with it");
     // Whatever the fabric does with the old key now (tcp: refused; verbs: the QPs are gone),
     // it must not succeed, and the bytes must not change.

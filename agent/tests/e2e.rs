@@ -163,6 +163,7 @@ async fn bad_region_inputs_get_clear_statuses() {
 async fn expired_grant_is_failed_precondition() {
     let b = Agent::start("node-b");
     b.create("dst", 8192, pb::Access::ReadWrite).await;
+    let mut stream = b.data_stream("c1").await;
     let mut p = b.peer_client().await;
     let g = p
         .grant(pb::GrantRequest {
@@ -172,7 +173,7 @@ async fn expired_grant_is_failed_precondition() {
             op: pb::Access::Write as i32,
             ttl: Some(prost_types::Duration { seconds: 0, nanos: 200_000_000 }),
             node_name: "node-a".into(),
-            connection_id: String::new(),
+            connection_id: "c1".into(),
         })
         .await
         .unwrap()
@@ -192,53 +193,51 @@ async fn expired_grant_is_failed_precondition() {
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("expired"), "{e:?}");
-    // And the data plane refuses the expired token.
-    let info = b.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    // And the data plane refuses the expired token on its own connection.
     let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
-    let status = raw_write(&info.data_address, token, g.addr, b"x").0;
+    let status = raw_write(&mut stream, token, g.addr, b"x").0;
     assert_eq!(status, 10, "REM_ACCESS_ERR for an expired grant");
-}
-
-/// Sends one WRITE frame on a fresh data connection; returns (NAK/ACK status, kind).
-fn raw_write(data_addr: &str, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, u8) {
-    let mut s = std::net::TcpStream::connect(data_addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = 1; // WRITE
-    h[5] = 1; // ACK requested
-    h[8..16].copy_from_slice(&7u64.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    s.write_all(&h).unwrap();
-    s.write_all(payload).unwrap();
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    (u16::from_le_bytes([r[6], r[7]]), r[4])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_and_forged_tokens_on_the_data_port_are_refused() {
     let b = Agent::start("node-b");
-    let region = b.create("dst", 65536, pb::Access::ReadWrite).await;
+    b.create("dst", 65536, pb::Access::ReadWrite).await;
     let before = random_bytes(65536, 9);
     b.put("dst", 0, &before).await;
     let info = b.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
 
-    // Garbage: NAK with REM_INV_REQ_ERR, then the connection is closed.
-    let mut s = std::net::TcpStream::connect(&info.data_address).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(&[0xde; 64]).unwrap();
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    assert_eq!(r[4], 5, "NAK");
-    assert_eq!(u16::from_le_bytes([r[6], r[7]]), 9, "REM_INV_REQ_ERR");
-    let mut rest = Vec::new();
-    assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "connection closed after garbage");
+    // Garbage instead of a hello, and garbage after a valid hello: NAK with REM_INV_REQ_ERR,
+    // then the connection is closed.
+    let plain = std::net::TcpStream::connect(&info.data_address).unwrap();
+    plain.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    for mut s in [plain, b.data_stream("c1").await] {
+        s.write_all(&[0xde; 64]).unwrap();
+        let mut r = [0u8; 44];
+        s.read_exact(&mut r).unwrap();
+        assert_eq!(r[4], 5, "NAK");
+        assert_eq!(u16::from_le_bytes([r[6], r[7]]), 9, "REM_INV_REQ_ERR");
+        let mut rest = Vec::new();
+        assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "connection closed after garbage");
+    }
 
-    // A forged token aimed at the region's real address: NAK REM_ACCESS_ERR, nothing written.
-    let (status, kind) = raw_write(&info.data_address, [0x41; 16], region.addr + 100, &[0xff; 4096]);
+    // A forged token aimed at a granted address: NAK REM_ACCESS_ERR, nothing written.
+    let mut s = b.data_stream("c2").await;
+    let g = b
+        .peer_client()
+        .await
+        .grant(pb::GrantRequest {
+            region: "dst".into(),
+            length: 65536,
+            op: pb::Access::Write as i32,
+            node_name: "node-a".into(),
+            connection_id: "c2".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (status, kind) = raw_write(&mut s, [0x41; 16], g.addr + 100, &[0xff; 4096]);
     assert_eq!((kind, status), (5, 10));
     assert!(b.read("dst", 0, 65536).await == before, "forged frame changed region bytes");
     assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok(), "agent keeps serving");

@@ -8,6 +8,7 @@ use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
+/// A grant request on data connection `c1` (tcp grants are bound to a connection).
 fn grant_req(region: &str, peer: &str) -> pb::GrantRequest {
     pb::GrantRequest {
         region: region.into(),
@@ -16,7 +17,7 @@ fn grant_req(region: &str, peer: &str) -> pb::GrantRequest {
         op: pb::Access::Write as i32,
         ttl: None,
         node_name: peer.into(),
-        connection_id: String::new(),
+        connection_id: "c1".into(),
     }
 }
 
@@ -60,16 +61,21 @@ async fn max_grants_per_peer_directly_and_through_a_submit() {
     let b = Agent::start_env("node-b", &[("XFER_LIMITS__MAX_GRANTS_PER_PEER", "2")]);
     a.create("src", 1 << 20, pb::Access::ReadWrite).await;
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let _session = b.data_session("c1").await;
     let mut p = b.peer_client().await;
     let g1 = p.grant(grant_req("dst", "node-a")).await.unwrap().into_inner();
     p.grant(grant_req("dst", "node-a")).await.unwrap();
     let e = p.grant(grant_req("dst", "node-a")).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("max_grants_per_peer"), "{e:?}");
-    // Per peer: another peer still gets grants.
-    p.grant(grant_req("dst", "node-z")).await.unwrap();
+    // The limit is keyed on who calls (in plaintext: the address, every loopback address being
+    // one caller), not on the name it declares. Per-identity quotas with certificates:
+    // tests/security.rs.
+    let e = p.grant(grant_req("dst", "node-z")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "a declared name is not a new quota: {e:?}");
 
-    // node-a's own submit needs a third grant from B: RESOURCE_EXHAUSTED reaches the caller.
+    // Agent A on loopback is the same caller: its submit needs a third grant from B, and
+    // RESOURCE_EXHAUSTED reaches the caller.
     let mut c = a.client().await;
     let e = c.submit_transfer(write_req("src", &b, "dst", 4096)).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -164,6 +170,7 @@ async fn oversized_messages_are_refused_and_the_agent_keeps_serving() {
     assert!(a.read("r", 0, 16).await == vec![0u8; 16], "nothing written");
 
     // Peer.Grant with a region name far past the limit.
+    let _session = a.data_session("c1").await;
     let mut g = grant_req("r", "node-x");
     g.region = "x".repeat(LIMIT + 1);
     let e = a.peer_client().await.grant(g).await.unwrap_err();

@@ -6,104 +6,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use common::pki::Pki;
 use common::*;
-use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
-
-/// A CA and certificates it signed, as PEM files in a temp dir.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-fn make_ca(dir: &Path, name: &str) -> Issuer<'static, KeyPair> {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-    p.distinguished_name.push(rcgen::DnType::CommonName, format!("{name} CA"));
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-    let cert = p.self_signed(&key).unwrap();
-    std::fs::write(dir.join(format!("{name}.crt")), cert.pem()).unwrap();
-    Issuer::new(p, key)
-}
-
-/// `file.crt`/`file.key` for SANs `sans` (DNS names and IPs), signed by `ca`.
-fn make_leaf(dir: &Path, file: &str, sans: &[&str], ca: &Issuer<'_, KeyPair>) {
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-    p.distinguished_name.push(rcgen::DnType::CommonName, file);
-    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let cert = p.signed_by(&key, ca).unwrap();
-    std::fs::write(dir.join(format!("{file}.crt")), cert.pem()).unwrap();
-    std::fs::write(dir.join(format!("{file}.key")), key.serialize_pem()).unwrap();
-}
-
-impl Pki {
-    /// `ca.crt` with node-a, node-b, node-c and xferctl; `other.crt` (another CA) with a second
-    /// `node-a` ("impostor") that has the same names as the real one.
-    fn new() -> Pki {
-        let dir = tempfile::tempdir().unwrap();
-        let ca = make_ca(dir.path(), "ca");
-        for n in ["node-a", "node-b", "node-c", "xferctl"] {
-            make_leaf(dir.path(), n, &[n, "127.0.0.1"], &ca);
-        }
-        let other = make_ca(dir.path(), "other");
-        make_leaf(dir.path(), "impostor", &["node-a", "127.0.0.1"], &other);
-        Pki { dir }
-    }
-
-    fn path(&self, file: &str) -> PathBuf {
-        self.dir.path().join(file)
-    }
-
-    fn read(&self, file: &str) -> Vec<u8> {
-        std::fs::read(self.path(file)).unwrap()
-    }
-
-    /// An agent with mTLS, configured through a `--config` TOML file.
-    fn agent(&self, name: &str) -> (Agent, tempfile::TempDir) {
-        let tmp = tempfile::tempdir().unwrap();
-        let cfg = tmp.path().join("agent.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "insecure = false\n[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n",
-                self.path(&format!("{name}.crt")),
-                self.path(&format!("{name}.key")),
-                self.path("ca.crt"),
-            ),
-        )
-        .unwrap();
-        let state = tmp.path().join("state");
-        let cfg = cfg.display().to_string();
-        let a = Agent::start_with(name, &state, Ports::new(), &["--config", &cfg]);
-        (a, tmp)
-    }
-
-    /// A TLS channel that trusts `ca` and presents `who`'s certificate (None: no certificate).
-    async fn channel(&self, addr: &str, ca: &str, who: Option<&str>) -> Result<Channel, tonic::transport::Error> {
-        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(self.read(ca))).domain_name("127.0.0.1");
-        if let Some(w) = who {
-            tls = tls.identity(Identity::from_pem(self.read(&format!("{w}.crt")), self.read(&format!("{w}.key"))));
-        }
-        Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(tls)?.connect().await
-    }
-
-    async fn peer(&self, agent: &Agent, who: &str) -> PeerClient<Channel> {
-        PeerClient::new(self.channel(&agent.addr(), "ca.crt", Some(who)).await.unwrap())
-    }
-
-    async fn agent_client(&self, agent: &Agent, who: &str) -> AgentClient<Channel> {
-        AgentClient::new(self.channel(&agent.addr(), "ca.crt", Some(who)).await.unwrap()).max_decoding_message_size(64 << 20)
-    }
-}
 
 /// GetInfo with `who`'s certificate, trusting `ca`: the status code, or Ok.
 async fn get_info(pki: &Pki, agent: &Agent, ca: &str, who: Option<&str>) -> Result<String, String> {
@@ -188,7 +100,8 @@ async fn unauthenticated_and_foreign_clients_are_refused() {
     assert_eq!(get_info(&pki, &a, "ca.crt", Some("xferctl")).await, Ok("node-a".into()));
 }
 
-fn grant_req(region: &str, declared: &str) -> pb::GrantRequest {
+/// A grant request on the caller's data connection `conn` (tcp grants are bound to one).
+fn grant_req(region: &str, declared: &str, conn: &str) -> pb::GrantRequest {
     pb::GrantRequest {
         region: region.into(),
         offset: 0,
@@ -196,8 +109,21 @@ fn grant_req(region: &str, declared: &str) -> pb::GrantRequest {
         op: pb::Access::Write as i32,
         ttl: None,
         node_name: declared.into(),
-        connection_id: String::new(),
+        connection_id: conn.into(),
     }
+}
+
+/// `Peer.Connect` (tcp) as connection `id`, over the caller's mTLS channel.
+async fn connect(p: &mut PeerClient<Channel>, id: &str) {
+    p.connect(pb::PeerConnectRequest {
+        version: 1,
+        node_name: "whoever".into(),
+        fabric: pb::FabricKind::Tcp as i32,
+        endpoints: vec![],
+        connection_id: id.into(),
+    })
+    .await
+    .unwrap();
 }
 
 fn complete_req(grant_id: &str, declared: &str) -> pb::CompleteRequest {
@@ -231,9 +157,11 @@ async fn grants_are_bound_to_the_certificate_identity() {
         .unwrap();
     let mut as_a = pki.peer(&b, "node-a").await;
     let mut as_c = pki.peer(&b, "node-c").await;
+    connect(&mut as_a, "conn-a").await;
+    connect(&mut as_c, "conn-c").await;
 
     // node-a's grant: node-c cannot complete or revoke it, even when it claims to be node-a.
-    let g = as_a.grant(grant_req("dst", "node-a")).await.unwrap().into_inner();
+    let g = as_a.grant(grant_req("dst", "node-a", "conn-a")).await.unwrap().into_inner();
     for declared in ["node-c", "node-a"] {
         let e = as_c.complete(complete_req(&g.grant_id, declared)).await.unwrap_err();
         assert_eq!(e.code(), Code::PermissionDenied, "complete as {declared}: {e:?}");
@@ -242,13 +170,13 @@ async fn grants_are_bound_to_the_certificate_identity() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // The owner can.
     as_a.complete(complete_req(&g.grant_id, "node-a")).await.unwrap();
-    let g2 = as_a.grant(grant_req("dst", "node-a")).await.unwrap().into_inner();
+    let g2 = as_a.grant(grant_req("dst", "node-a", "conn-a")).await.unwrap().into_inner();
     as_a.revoke(pb::RevokeRequest { grant_id: g2.grant_id.clone() }).await.unwrap();
     let e = as_a.revoke(pb::RevokeRequest { grant_id: g2.grant_id }).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 
     // A grant requested by node-c while claiming to be node-a is node-c's, not node-a's.
-    let g3 = as_c.grant(grant_req("dst", "node-a")).await.unwrap().into_inner();
+    let g3 = as_c.grant(grant_req("dst", "node-a", "conn-c")).await.unwrap().into_inner();
     let e = as_a.complete(complete_req(&g3.grant_id, "node-a")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     as_c.complete(complete_req(&g3.grant_id, "whatever")).await.unwrap();

@@ -45,7 +45,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.verbs.device = var("_DEV");
     cfg.verbs.grant_mode = mode;
     cfg.listen = format!("{}:7470", var("")).parse().unwrap();
-    cfg.data_listen = format!("{}:7471", var("")).parse().unwrap();
+    cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
     let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
     Side { node: Node::new(cfg, fabric, "test".into(), grants, None), dev: var("_DEV"), _dir: dir }
@@ -54,7 +54,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
 /// A connects to B with `qps` QPs; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str, qps: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", qps, 16, tx).await.unwrap();
+    let pending = a.node.fabric.prepare("b", id, qps, 16, tx).await.unwrap();
     let eps = b.node.accept_connection("a", id, a.node.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
@@ -247,7 +247,7 @@ async fn mw_grant_needs_the_callers_own_connection() {
     println!("mw grant naming another peer's connection: {e}");
     assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
-    b.node.disconnect("conn-1", Some("a"));
+    b.node.disconnect("conn-1", "a");
     assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))), Err(TransferError::FailedPrecondition(_))));
 }
 

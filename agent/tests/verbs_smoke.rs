@@ -94,9 +94,9 @@ async fn connect(
     depth: usize,
 ) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.prepare("b", qps, depth, tx).await.unwrap();
+    let pending = a.prepare("b", "conn-smoke", qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
-    let (b_eps, accepted) = b.accept("a", &eps).await.unwrap();
+    let (b_eps, accepted) = b.accept("a", "conn-smoke", &eps).await.unwrap();
     let conn = pending.complete(&b_eps).await.unwrap();
     (conn, accepted, rx)
 }

@@ -12,7 +12,10 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use xfer_agent::fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_agent::fabric::tcp::{serve_frames, AccessCheck};
+use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck};
+
+/// The data connection the fuzzed stream belongs to.
+const CONNECTION: &str = "fuzz-conn";
 use xfer_agent::fabric::{RemoteOp, WcStatus};
 use xfer_agent::verbs::memory::RegionMemory;
 
@@ -37,7 +40,11 @@ struct FuzzGrants {
 }
 
 impl AccessCheck for FuzzGrants {
-    fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+        // Grants are bound to the data connection they were asked on.
+        if connection != CONNECTION {
+            return Err(WcStatus::RemAccessErr);
+        }
         let w = self.windows.iter().find(|w| &w.token == token).ok_or(WcStatus::RemAccessErr)?;
         if w.op != op {
             return Err(WcStatus::RemAccessErr);
@@ -105,8 +112,10 @@ fuzz_target!(|data: &[u8]| {
     if let Some(hb) = data.get(..HEADER_LEN) {
         check_header(hb.try_into().expect("44 bytes"));
     }
+    // The stream's hello (connection id and secret) is parsed by a total decoder too.
+    let _ = runtime().block_on(read_hello(&mut &data[..]));
     // serve_frames reads the slice as the stream, writes responses into the Vec.
     let mut out = Vec::new();
-    let _ = runtime().block_on(serve_frames(data, &mut out, grants()));
+    let _ = runtime().block_on(serve_frames(data, &mut out, grants(), CONNECTION));
     check_responses(&out);
 });

@@ -195,6 +195,10 @@ pub enum FabricError {
     LocalRange(String),
     #[error("connection to {addr} failed: {source}")]
     Connect { addr: String, source: std::io::Error },
+    /// The field is not named `source` on purpose: the message already includes it, and a
+    /// `source()` would make error chains print it twice.
+    #[error("cannot bind {addr}: {error}")]
+    Bind { addr: String, error: std::io::Error },
     #[error("fabric I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
@@ -332,7 +336,19 @@ pub struct FabricInfo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
     Verbs(VerbsEndpoint),
-    Tcp { address: SocketAddr },
+    /// The responder's data listener and the secret that binds data streams to this connection.
+    Tcp { address: SocketAddr, secret: Option<DataSecret> },
+}
+
+/// The per-connection secret of a tcp data connection (handed out by an authenticated
+/// `Peer.Connect`, presented on every data stream). Never printed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct DataSecret(pub [u8; 32]);
+
+impl fmt::Debug for DataSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DataSecret(..)")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -429,19 +445,24 @@ pub trait Fabric: Send + Sync + 'static {
 
     /// Initiator: creates `qps` local QPs (or prepares data streams) for a peer. `depth` is the
     /// most WRs the caller keeps outstanding per QP.
+    /// `peer` is the address the peer's gRPC service was reached at; `connection_id` names the
+    /// connection in `Peer.Connect`, `Grant` and `Disconnect`.
     async fn prepare(
         &self,
         peer: &str,
+        connection_id: &str,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError>;
 
     /// Responder: validates the initiator's endpoints, brings up its side and returns its
-    /// endpoints plus a handle that keeps them alive until the peer disconnects.
+    /// endpoints plus a handle that keeps them alive until the peer disconnects. `peer` is the
+    /// caller's authenticated identity and `connection_id` the initiator's name for the connection.
     async fn accept(
         &self,
         peer: &str,
+        connection_id: &str,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError>;
 }

@@ -7,10 +7,22 @@
 //! table ([`AccessCheck`]) before it touches memory and answers NAK with a verbs-style status on
 //! any violation. Streams are processed in order, so an ACK for a signaled WRITE implies every
 //! earlier WR on that stream succeeded, exactly like an RC QP.
-use std::collections::VecDeque;
+//!
+//! Data streams are bound to the authenticated control plane (DESIGN §8): `Peer.Connect` (over
+//! mTLS, or plaintext on loopback) creates a *session* on the target with a random 32-byte secret
+//! that only the initiator learns. Every data stream starts with a hello naming the connection and
+//! presenting that secret; a stream without a valid hello within [`HELLO_TIMEOUT`] is closed.
+//! Frames on a stream are checked against grants asked on *that* connection only, so a token is
+//! worthless on any other stream. With mTLS on, streams are TLS with the agent's certificates
+//! (tokio-rustls), the target checks that the client certificate is the identity that made the
+//! connection, and the initiator checks that the target's certificate has the node role. Dropping
+//! the responder's [`Accepted`] half (`Peer.Disconnect`, eviction, shutdown) ends the session and
+//! closes its streams.
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
@@ -21,17 +33,27 @@ use tracing::{debug, warn};
 
 use super::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use super::{
-    Access, Accepted, Completion, CompletionSink, Connection, Endpoint, Exposure, ExposeRequest, Fabric,
+    Access, Accepted, Completion, CompletionSink, Connection, DataSecret, Endpoint, Exposure, ExposeRequest, Fabric,
     FabricError, FabricInfo, FabricKind, PendingConnection, Registration, RemoteKey, RemoteOp, WcStatus,
     WorkRequest, WrOp,
 };
+use crate::service::auth::Role;
+use crate::service::tls::DataTls;
 use crate::verbs::memory::RegionMemory;
+
+/// A data stream must complete its TLS handshake and hello within this.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// First bytes of a data stream's hello (protocol version 1).
+const HELLO_MAGIC: &[u8; 4] = b"XFR1";
+/// Most data streams one connection may open (`transfer.qps` is at most 64).
+const MAX_STREAMS_PER_SESSION: usize = 64;
 
 /// The target's grant table as the TCP fabric sees it: resolves a frame's token and range to
 /// region memory, or the status to NAK with.
 pub trait AccessCheck: Send + Sync + 'static {
-    /// Returns the memory and the offset inside it for `len` bytes at remote address `addr`.
-    fn check(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus>;
+    /// Returns the memory and the offset inside it for `len` bytes at remote address `addr`, for a
+    /// frame that arrived on a data stream of connection `connection`.
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus>;
 }
 
 #[derive(Debug)]
@@ -58,8 +80,58 @@ impl Registration for TcpRegistration {
     }
 }
 
-/// The responder's half of a tcp connection: nothing to keep (the data listener serves everyone).
-struct TcpAccepted;
+/// One connection's data-plane session on the target: who made it, its secret, and a token that
+/// closes its streams when the connection goes away.
+struct Session {
+    owner: String,
+    secret: DataSecret,
+    streams: usize,
+    closed: CancellationToken,
+}
+
+/// Sessions by connection id. std Mutex: map operations only, never held across an await.
+#[derive(Default)]
+struct Sessions {
+    map: Mutex<HashMap<String, Session>>,
+}
+
+impl Sessions {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admits one more stream of `connection` presenting `secret` from `identity` (TLS: the client
+    /// certificate's NAME; plaintext: None). Returns the token that ends the stream with the session.
+    fn admit(&self, connection: &str, secret: &[u8; 32], identity: Option<&str>) -> Result<CancellationToken, &'static str> {
+        use subtle::ConstantTimeEq;
+        let mut map = self.lock();
+        let s = map.get_mut(connection).ok_or("unknown connection")?;
+        if !bool::from(s.secret.0.ct_eq(secret)) {
+            return Err("wrong connection secret");
+        }
+        if identity.is_some_and(|id| id != s.owner) {
+            return Err("the client certificate is not the identity that made the connection");
+        }
+        if s.streams >= MAX_STREAMS_PER_SESSION {
+            return Err("too many streams on this connection");
+        }
+        s.streams += 1;
+        Ok(s.closed.clone())
+    }
+
+    fn stream_ended(&self, connection: &str) {
+        if let Some(s) = self.lock().get_mut(connection) {
+            s.streams = s.streams.saturating_sub(1);
+        }
+    }
+}
+
+/// The responder's half of a tcp connection: its session. Dropping it (disconnect) forgets the
+/// secret and closes every stream of the connection.
+struct TcpAccepted {
+    sessions: Arc<Sessions>,
+    connection: String,
+}
 
 impl Accepted for TcpAccepted {
     fn as_any(&self) -> &dyn std::any::Any {
@@ -67,22 +139,38 @@ impl Accepted for TcpAccepted {
     }
 }
 
+impl Drop for TcpAccepted {
+    fn drop(&mut self) {
+        if let Some(s) = self.sessions.lock().remove(&self.connection) {
+            s.closed.cancel();
+        }
+    }
+}
+
 /// The TCP fabric: a data listener serving one-sided operations, and initiator connections.
 pub struct TcpFabric {
     data_address: SocketAddr,
     shutdown: CancellationToken,
+    sessions: Arc<Sessions>,
+    tls: Option<DataTls>,
 }
 
 impl TcpFabric {
-    /// Binds the data listener and starts serving frames checked by `check`.
-    pub async fn bind(addr: SocketAddr, check: Arc<dyn AccessCheck>) -> Result<TcpFabric, FabricError> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|e| FabricError::Connect { addr: addr.to_string(), source: e })?;
+    /// Starts serving frames checked by `check` on an already bound data listener. With `tls`,
+    /// streams in both directions are TLS with the agent's certificates.
+    pub fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
-        tokio::spawn(serve(listener, check, shutdown.clone()));
-        Ok(TcpFabric { data_address, shutdown })
+        let sessions = Arc::new(Sessions::default());
+        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone() };
+        tokio::spawn(serve(listener, ctx));
+        Ok(TcpFabric { data_address, shutdown, sessions, tls })
+    }
+
+    /// Binds `addr` and serves on it (tests and tools; the agent binds in `app`).
+    pub async fn bind(addr: SocketAddr, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
+        let listener = TcpListener::bind(addr).await.map_err(|e| FabricError::Bind { addr: addr.to_string(), error: e })?;
+        TcpFabric::serve(listener, check, tls)
     }
 
     pub fn data_address(&self) -> SocketAddr {
@@ -119,15 +207,22 @@ impl Fabric for TcpFabric {
 
     async fn prepare(
         &self,
-        _peer: &str,
+        peer: &str,
+        connection_id: &str,
         qps: usize,
         _depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        Ok(Box::new(TcpPending { qps: qps.max(1), sink }))
+        Ok(Box::new(TcpPending {
+            qps: qps.max(1),
+            sink,
+            peer: peer.to_string(),
+            connection: connection_id.to_string(),
+            tls: self.tls.clone(),
+        }))
     }
 
-    async fn accept(&self, _peer: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(&self, peer: &str, connection_id: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         if let Some(Endpoint::Verbs(_)) = remote.first() {
             return Err(FabricError::Negotiation {
                 step: "accept",
@@ -135,14 +230,91 @@ impl Fabric for TcpFabric {
                 detail: "initiator offers verbs endpoints but this agent runs the tcp fabric".into(),
             });
         }
-        Ok((vec![Endpoint::Tcp { address: self.data_address }], Box::new(TcpAccepted)))
+        // 256 bits from the OS-seeded CSPRNG, handed only to the authenticated caller.
+        let secret = DataSecret(rand::random());
+        let session = Session { owner: peer.to_string(), secret, streams: 0, closed: CancellationToken::new() };
+        {
+            let mut map = self.sessions.lock();
+            if map.contains_key(connection_id) {
+                return Err(FabricError::Negotiation {
+                    step: "accept",
+                    attr: "connection_id",
+                    detail: format!("connection {connection_id:?} already exists"),
+                });
+            }
+            map.insert(connection_id.to_string(), session);
+        }
+        let accepted = TcpAccepted { sessions: self.sessions.clone(), connection: connection_id.to_string() };
+        Ok((vec![Endpoint::Tcp { address: self.data_address, secret: Some(secret) }], Box::new(accepted)))
     }
 }
 
 struct TcpPending {
     qps: usize,
     sink: CompletionSink,
+    /// The peer's gRPC address: the data host when the target listens on an unspecified address,
+    /// and the TLS server name.
+    peer: String,
+    connection: String,
+    tls: Option<DataTls>,
 }
+
+impl TcpPending {
+    /// Opens one data stream (TLS when on) and sends the hello.
+    async fn open_stream(&self, address: SocketAddr, secret: &DataSecret) -> Result<(BoxRead, BoxWrite), FabricError> {
+        let connect_err = |e: std::io::Error| FabricError::Connect { addr: address.to_string(), source: e };
+        let stream = if address.ip().is_unspecified() {
+            // The target listens on every address: reach it where its gRPC service answered.
+            let host = crate::service::tls::host_of(&self.peer);
+            TcpStream::connect((host, address.port())).await.map_err(connect_err)?
+        } else {
+            TcpStream::connect(address).await.map_err(connect_err)?
+        };
+        stream.set_nodelay(true)?;
+        let mut hello = Vec::with_capacity(4 + 1 + self.connection.len() + 32);
+        hello.extend_from_slice(HELLO_MAGIC);
+        hello.push(self.connection.len() as u8);
+        hello.extend_from_slice(self.connection.as_bytes());
+        hello.extend_from_slice(&secret.0);
+        match &self.tls {
+            None => {
+                let (rd, mut wr) = stream.into_split();
+                wr.write_all(&hello).await.map_err(connect_err)?;
+                Ok((Box::new(rd), Box::new(wr)))
+            }
+            Some(tls) => {
+                let name = tls.server_name_for(&self.peer).map_err(|detail| FabricError::Negotiation {
+                    step: "data stream",
+                    attr: "tls.server_name",
+                    detail,
+                })?;
+                let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+                let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, stream))
+                    .await
+                    .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")))?
+                    .map_err(connect_err)?;
+                // The target must be an agent, not any certificate the CA signed.
+                match tls.caller_of(s.get_ref().1.peer_certificates()) {
+                    Ok(c) if c.role == Role::Node => {}
+                    Ok(c) => {
+                        return Err(FabricError::Negotiation {
+                            step: "data stream",
+                            attr: "certificate",
+                            detail: format!("the target's certificate has the {} role, not node", c.role),
+                        })
+                    }
+                    Err(e) => return Err(FabricError::Negotiation { step: "data stream", attr: "certificate", detail: e.to_string() }),
+                }
+                s.write_all(&hello).await.map_err(connect_err)?;
+                let (rd, wr) = tokio::io::split(s);
+                Ok((Box::new(rd), Box::new(wr)))
+            }
+        }
+    }
+}
+
+type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
 
 #[async_trait]
 impl PendingConnection for TcpPending {
@@ -151,8 +323,15 @@ impl PendingConnection for TcpPending {
     }
 
     async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
-        let address = match remote.first() {
-            Some(Endpoint::Tcp { address }) => *address,
+        let (address, secret) = match remote.first() {
+            Some(Endpoint::Tcp { address, secret: Some(secret) }) => (*address, *secret),
+            Some(Endpoint::Tcp { secret: None, .. }) => {
+                return Err(FabricError::Negotiation {
+                    step: "connect",
+                    attr: "secret",
+                    detail: "peer sent no data-connection secret (an agent older than this protocol?)".into(),
+                })
+            }
             Some(Endpoint::Verbs(_)) => {
                 return Err(FabricError::Negotiation {
                     step: "connect",
@@ -172,11 +351,8 @@ impl PendingConnection for TcpPending {
         let broken = Arc::new(AtomicBool::new(false));
         let mut qps = Vec::with_capacity(self.qps);
         for index in 0..self.qps {
-            let stream = TcpStream::connect(address)
-                .await
-                .map_err(|e| FabricError::Connect { addr: address.to_string(), source: e })?;
-            stream.set_nodelay(true)?;
-            qps.push(TcpQp::start(index, stream, self.sink.clone(), broken.clone(), cancel.clone()));
+            let (rd, wr) = self.open_stream(address, &secret).await?;
+            qps.push(TcpQp::start(index, rd, wr, self.sink.clone(), broken.clone(), cancel.clone()));
         }
         Ok(Arc::new(TcpConnection { qps, broken, cancel }))
     }
@@ -246,12 +422,12 @@ struct TcpQp {
 impl TcpQp {
     fn start(
         index: usize,
-        stream: TcpStream,
+        rd: BoxRead,
+        wr: BoxWrite,
         sink: CompletionSink,
         conn_broken: Arc<AtomicBool>,
         cancel: CancellationToken,
     ) -> TcpQp {
-        let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::unbounded_channel();
         let state = Arc::new(Mutex::new(QpState { pending: VecDeque::new(), broken: false }));
         let ctx = QpCtx { index, sink, state: state.clone(), conn_broken, cancel };
@@ -308,7 +484,7 @@ impl QpCtx {
     }
 }
 
-async fn writer(ctx: QpCtx, out: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
+async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
     // Small frames (headers, small payloads) are coalesced and flushed once no further WR is
     // queued; payloads at least as large as the buffer bypass it, so big chunks are not copied.
     let mut out = BufWriter::with_capacity(64 << 10, out);
@@ -356,7 +532,7 @@ async fn writer(ctx: QpCtx, out: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::
     let _ = out.shutdown().await;
 }
 
-async fn reader(ctx: QpCtx, rd: tokio::net::tcp::OwnedReadHalf) {
+async fn reader(ctx: QpCtx, rd: BoxRead) {
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     let first_error = loop {
         let mut hb = [0u8; HEADER_LEN];
@@ -390,7 +566,7 @@ async fn reader(ctx: QpCtx, rd: tokio::net::tcp::OwnedReadHalf) {
 /// Handles one response frame; `Some(status)` breaks the QP with that status for the matched WR.
 async fn handle_response(
     ctx: &QpCtx,
-    rd: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    rd: &mut BufReader<BoxRead>,
     h: &Header,
 ) -> std::io::Result<Option<WcStatus>> {
     // Responses arrive in posting order; earlier unsignaled WRITEs completed silently.
@@ -454,23 +630,27 @@ fn put_back(ctx: &QpCtx, p: Pending) {
 
 // ------------------------------------------------------------------ target side
 
-async fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, shutdown: CancellationToken) {
+#[derive(Clone)]
+struct ServeCtx {
+    check: Arc<dyn AccessCheck>,
+    sessions: Arc<Sessions>,
+    tls: Option<DataTls>,
+    shutdown: CancellationToken,
+}
+
+async fn serve(listener: TcpListener, ctx: ServeCtx) {
     loop {
         let accepted = tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = ctx.shutdown.cancelled() => return,
             a = listener.accept() => a,
         };
         match accepted {
             Ok((stream, from)) => {
                 let _ = stream.set_nodelay(true);
-                let check = check.clone();
-                let shutdown = shutdown.clone();
+                let ctx = ctx.clone();
                 tokio::spawn(async move {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        r = serve_stream(stream, check) => if let Err(e) = r {
-                            debug!(%from, error = %e, "tcp fabric: data stream ended");
-                        }
+                    if let Err(e) = serve_stream(stream, &ctx).await {
+                        debug!(%from, error = %e, "tcp fabric: data stream ended");
                     }
                 });
             }
@@ -482,6 +662,95 @@ async fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, shutdown: Can
     }
 }
 
+/// Reads a stream's hello: the connection id and its secret. Public (but not API) for the fuzz
+/// target.
+#[doc(hidden)]
+pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(String, [u8; 32]), ServeError> {
+    let mut head = [0u8; 5];
+    rd.read_exact(&mut head).await?;
+    if &head[..4] != HELLO_MAGIC {
+        return Err(ServeError::Hello("not an xfer data stream (bad magic)"));
+    }
+    let n = head[4] as usize;
+    if n == 0 || n > 64 {
+        return Err(ServeError::Hello("connection id must be 1-64 bytes"));
+    }
+    let mut id = vec![0u8; n];
+    rd.read_exact(&mut id).await?;
+    let id = String::from_utf8(id).map_err(|_| ServeError::Hello("connection id is not UTF-8"))?;
+    let mut secret = [0u8; 32];
+    rd.read_exact(&mut secret).await?;
+    Ok((id, secret))
+}
+
+/// One data stream: (TLS handshake,) hello within [`HELLO_TIMEOUT`], then frames until the
+/// stream, its session or the fabric ends.
+async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeError> {
+    match &ctx.tls {
+        None => {
+            let (mut rd, mut wr) = stream.into_split();
+            let hello = match tokio::time::timeout(HELLO_TIMEOUT, read_hello(&mut rd)).await {
+                Ok(Ok(h)) => h,
+                Ok(Err(e)) => {
+                    refuse(&mut wr, WcStatus::RemInvReqErr).await;
+                    return Err(e);
+                }
+                Err(_) => return Err(ServeError::Hello("no hello in time")),
+            };
+            serve_session(rd, wr, hello, None, ctx).await
+        }
+        Some(tls) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+            let handshake = async {
+                let mut s = acceptor.accept(stream).await?;
+                let hello = read_hello(&mut s).await?;
+                Ok::<_, ServeError>((s, hello))
+            };
+            let (mut s, hello) = tokio::time::timeout(HELLO_TIMEOUT, handshake).await.map_err(|_| ServeError::Hello("no TLS handshake and hello in time"))??;
+            let who = match tls.caller_of(s.get_ref().1.peer_certificates()) {
+                Ok(c) if c.role == Role::Node => c.name,
+                _ => {
+                    refuse(&mut s, WcStatus::RemAccessErr).await;
+                    return Err(ServeError::Hello("data streams need a node certificate"));
+                }
+            };
+            let (rd, wr) = tokio::io::split(s);
+            serve_session(rd, wr, hello, Some(who), ctx).await
+        }
+    }
+}
+
+/// One NAK before closing a refused stream, so the initiator fails with a status rather than a
+/// bare EOF.
+async fn refuse<W: AsyncWrite + Unpin>(wr: &mut W, status: WcStatus) {
+    let mut nak = Header::new(Kind::Nak, 0);
+    nak.status = status.code();
+    let _ = wr.write_all(&nak.encode()).await;
+    let _ = wr.flush().await;
+}
+
+async fn serve_session<R, W>(rd: R, mut wr: W, hello: (String, [u8; 32]), identity: Option<String>, ctx: &ServeCtx) -> Result<(), ServeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let (connection, secret) = hello;
+    let closed = match ctx.sessions.admit(&connection, &secret, identity.as_deref()) {
+        Ok(c) => c,
+        Err(why) => {
+            refuse(&mut wr, WcStatus::RemAccessErr).await;
+            return Err(ServeError::Hello(why));
+        }
+    };
+    let r = tokio::select! {
+        _ = ctx.shutdown.cancelled() => Ok(()),
+        _ = closed.cancelled() => Ok(()),
+        r = serve_frames(rd, wr, &*ctx.check, &connection) => r,
+    };
+    ctx.sessions.stream_ended(&connection);
+    r
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error(transparent)]
@@ -490,18 +759,16 @@ pub enum ServeError {
     Frame(#[from] FrameError),
     #[error("unexpected {0:?} frame from initiator")]
     Unexpected(Kind),
+    #[error("refused data stream: {0}")]
+    Hello(&'static str),
 }
 
-async fn serve_stream(stream: TcpStream, check: Arc<dyn AccessCheck>) -> Result<(), ServeError> {
-    let (rd, wr) = stream.into_split();
-    serve_frames(rd, wr, &*check).await
-}
-
-/// The target side of one data stream: reads frames from `rd`, checks each against `check`,
-/// moves payloads to/from region memory and answers on `wr`. Returns `Ok` at a clean end of
-/// stream. Public (but not API) so the fuzz target can drive it from memory without sockets.
+/// The target side of one data stream of connection `connection` (its hello already checked):
+/// reads frames from `rd`, checks each against `check`, moves payloads to/from region memory and
+/// answers on `wr`. Returns `Ok` at a clean end of stream. Public (but not API) so the fuzz target
+/// can drive it from memory without sockets.
 #[doc(hidden)]
-pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck) -> Result<(), ServeError>
+pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &str) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -537,7 +804,7 @@ where
         match h.kind {
             Kind::Write => {
                 let target = check
-                    .check(&h.token, h.addr, h.len as u64, RemoteOp::Write)
+                    .check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write)
                     .and_then(|(mem, off)| match mem.slice_mut(off, h.len as u64) {
                         Ok(_) => Ok((mem, off)),
                         Err(_) => Err(WcStatus::RemAccessErr),
@@ -561,7 +828,7 @@ where
             }
             Kind::ReadReq => {
                 let mut resp = Header::new(Kind::ReadResp, h.id);
-                match check.check(&h.token, h.addr, h.len as u64, RemoteOp::Read) {
+                match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read) {
                     Ok((mem, off)) => {
                         let src = mem.slice(off, h.len as u64).map_err(std::io::Error::other)?;
                         resp.len = h.len;

@@ -49,7 +49,6 @@ pub struct CompleteParams {
 pub struct PeerClient {
     addr: String,
     peer: pb::peer_client::PeerClient<Channel>,
-    agent: pb::agent_client::AgentClient<Channel>,
 }
 
 /// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).
@@ -77,8 +76,8 @@ impl PeerClient {
         let channel = ep.connect_lazy();
         Ok(PeerClient {
             addr: addr.to_string(),
-            peer: pb::peer_client::PeerClient::new(channel.clone()).max_decoding_message_size(64 << 20),
-            agent: pb::agent_client::AgentClient::new(channel).max_decoding_message_size(64 << 20),
+            // Agents call each other's Peer service only (their certificates have the node role).
+            peer: pb::peer_client::PeerClient::new(channel).max_decoding_message_size(64 << 20),
         })
     }
 
@@ -214,24 +213,23 @@ impl PeerClient {
         Ok(r.address)
     }
 
-    /// Creates an anonymous scratch region on the peer (benchmarks).
-    pub async fn create_scratch_region(&self, name: &str, length: u64) -> Result<(), PeerError> {
-        let req = pb::CreateRegionRequest {
-            name: name.to_string(),
-            length,
-            kind: pb::RegionKind::Anonymous as i32,
-            access: pb::Access::ReadWrite as i32,
-            labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
-            ..Default::default()
-        };
-        self.agent.clone().create_region(req).await.map_err(|s| self.err(s))?;
-        Ok(())
+    /// `Peer.OpenBenchRegion`: a scratch region on the peer for a benchmark; returns its name.
+    pub async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
+        let r = self
+            .peer
+            .clone()
+            .open_bench_region(pb::OpenBenchRegionRequest { length })
+            .await
+            .map_err(|s| self.err(s))?
+            .into_inner();
+        crate::regions::validate_name(&r.region).map_err(|e| self.bad(e.to_string()))?;
+        Ok(r.region)
     }
 
-    pub async fn delete_region(&self, name: &str) -> Result<(), PeerError> {
-        self.agent
+    pub async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
+        self.peer
             .clone()
-            .delete_region(pb::DeleteRegionRequest { name: name.to_string() })
+            .close_bench_region(pb::CloseBenchRegionRequest { region: region.to_string() })
             .await
             .map_err(|s| self.err(s))?;
         Ok(())

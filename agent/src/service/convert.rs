@@ -172,7 +172,10 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
 
 pub fn endpoint_to_pb(e: &Endpoint) -> pb::Endpoint {
     let kind = match e {
-        Endpoint::Tcp { address } => pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: address.to_string() }),
+        Endpoint::Tcp { address, secret } => pb::endpoint::Kind::Tcp(pb::TcpEndpoint {
+            address: address.to_string(),
+            secret: secret.map(|s| s.0.to_vec()).unwrap_or_default(),
+        }),
         Endpoint::Verbs(v) => pb::endpoint::Kind::Verbs(pb::VerbsEndpoint {
             qpn: v.qpn,
             psn: v.psn,
@@ -192,11 +195,15 @@ pub fn endpoint_to_pb(e: &Endpoint) -> pb::Endpoint {
 /// Validates what a peer sent: every field is checked, nothing is trusted.
 pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
     match &e.kind {
-        Some(pb::endpoint::Kind::Tcp(t)) => t
-            .address
-            .parse()
-            .map(|address| Endpoint::Tcp { address })
-            .map_err(|_| format!("invalid tcp data address {:?}", t.address)),
+        Some(pb::endpoint::Kind::Tcp(t)) => {
+            let address = t.address.parse().map_err(|_| format!("invalid tcp data address {:?}", t.address))?;
+            let secret = match t.secret.len() {
+                0 => None,
+                32 => t.secret.as_slice().try_into().ok().map(crate::fabric::DataSecret),
+                n => return Err(format!("tcp data secret must be 32 bytes, got {n}")),
+            };
+            Ok(Endpoint::Tcp { address, secret })
+        }
         Some(pb::endpoint::Kind::Verbs(v)) => {
             let gid: [u8; 16] = v.gid.as_slice().try_into().map_err(|_| format!("GID must be 16 bytes, got {}", v.gid.len()))?;
             if v.qpn == 0 || v.qpn > 0x00ff_ffff {
@@ -285,13 +292,18 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     })
 }
 
+/// Connection ids travel in gRPC calls and in the tcp data-stream hello: 1-64 id characters.
+pub fn valid_connection_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
 /// `Peer.Connect`: protocol version, identity and every endpoint the peer sent.
 pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(FabricKind, Vec<Endpoint>), Status> {
     if r.version != 1 {
         return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
     }
     require(!r.node_name.is_empty(), "node_name is required")?;
-    require(!r.connection_id.is_empty() && r.connection_id.len() <= 64, "connection_id must be 1-64 characters")?;
+    require(valid_connection_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
     let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
     let eps = r.endpoints.iter().map(endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(Status::invalid_argument)?;
     if eps.len() > 64 {
@@ -310,7 +322,7 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
     };
     let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
-    require(r.connection_id.len() <= 64, "connection_id must be at most 64 characters")?;
+    require(r.connection_id.is_empty() || valid_connection_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
     let connection_id = Some(r.connection_id).filter(|c| !c.is_empty());
     Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id })
 }
@@ -357,9 +369,15 @@ pub fn grant_status(e: GrantError) -> Status {
     }
 }
 
-/// A caller without a usable client certificate (mTLS on) is not authenticated.
-pub fn identity_status(e: super::tls::IdentityError) -> Status {
-    Status::unauthenticated(e.to_string())
+/// Refused by the role check: no certificate is UNAUTHENTICATED; a certificate without the role
+/// a method needs is PERMISSION_DENIED naming that role.
+pub fn auth_status(e: super::auth::AuthError) -> Status {
+    use super::auth::AuthError as A;
+    match e {
+        A::NoCertificate | A::Unusable(_) => Status::unauthenticated(e.to_string()),
+        A::NoRole { .. } | A::Denied { .. } => Status::permission_denied(e.to_string()),
+        A::Unknown(_) => Status::unimplemented(e.to_string()),
+    }
 }
 
 pub fn peer_status(e: PeerError) -> Status {
@@ -415,7 +433,7 @@ mod tests {
         v.mtu = 1500;
         assert!(endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v)) }).unwrap_err().contains("MTU"));
         assert!(endpoint_from_pb(&pb::Endpoint { kind: None }).is_err());
-        let t = pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: "nope".into() })) };
+        let t = pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: "nope".into(), secret: Vec::new() })) };
         assert!(endpoint_from_pb(&t).is_err());
     }
 

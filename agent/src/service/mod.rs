@@ -1,7 +1,9 @@
 //! gRPC services: `xfer.v1.Agent` (xferctl and local apps) and `xfer.v1.Peer` (agent to agent),
 //! plus health and reflection. The only place, with `client` and `convert`, that sees protobuf:
 //! requests are validated and converted to domain calls on [`Node`], and every domain error is
-//! mapped to a status in `convert`.
+//! mapped to a status in `convert`. Every request passes [`auth::AuthLayer`] first: the caller's
+//! role must allow the method, and handlers take the caller's identity from it, never from a
+//! field of the request.
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -13,6 +15,7 @@ use xfer_proto::v1::peer_server::{Peer, PeerServer};
 
 use crate::node::{BenchParams, Node};
 
+pub mod auth;
 pub mod client;
 pub mod convert;
 pub mod tls;
@@ -33,35 +36,59 @@ impl Services {
     }
 
     /// Builds the tonic router: Agent, Peer, health and reflection; with `tls`, every connection
-    /// must present a client certificate that chains to the CA.
-    pub async fn router(self, max_message: usize, tls: Option<&tls::TlsMaterial>) -> Result<Router, String> {
-        let (health_reporter, health) = tonic_health::server::health_reporter();
-        health_reporter.set_serving::<AgentServer<Services>>().await;
-        health_reporter.set_serving::<PeerServer<Services>>().await;
+    /// must present a client certificate that chains to the CA, and every request must come from
+    /// a role the method allows. `health` is the reporter whose status the health service (and the
+    /// separate probe listener, [`health_router`]) serve.
+    pub async fn router(
+        self,
+        max_message: usize,
+        tls: Option<&tls::TlsMaterial>,
+        health: tonic_health::server::HealthReporter,
+    ) -> Result<Router, String> {
+        health.set_serving::<AgentServer<Services>>().await;
+        health.set_serving::<PeerServer<Services>>().await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| e.to_string())?;
         let mut server = tonic::transport::Server::builder();
-        if let Some(t) = tls {
-            server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
-        }
+        let auth = match tls {
+            Some(t) => {
+                server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
+                auth::Authenticator::Tls(t.policy.clone())
+            }
+            None => auth::Authenticator::Plaintext,
+        };
         Ok(server
             .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted as OversizeFn))
+            .layer(auth::AuthLayer::new(auth))
             .tcp_nodelay(true)
-            .add_service(health)
+            .add_service(health_service(&health))
             .add_service(reflection)
             .add_service(AgentServer::new(self.clone()).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
             .add_service(PeerServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
     }
 }
 
+/// The plaintext probe listener (`health_listen`): `grpc.health.v1.Health` and nothing else, so a
+/// kubelet gRPC probe works with mTLS on without a client certificate.
+pub fn health_router(health: &tonic_health::server::HealthReporter) -> tonic::transport::server::Router {
+    tonic::transport::Server::builder().add_service(health_service(health))
+}
+
+fn health_service(health: &tonic_health::server::HealthReporter) -> tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService> {
+    tonic_health::pb::health_server::HealthServer::new(tonic_health::server::HealthService::from_health_reporter(health.clone()))
+}
+
 type OversizeFn = fn(http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body>;
 
-/// The router with the status-rewriting layer below.
+/// The router with the role check and the status-rewriting layer below.
 pub type Router = tonic::transport::server::Router<
-    tower::layer::util::Stack<tower::util::MapResponseLayer<OversizeFn>, tower::layer::util::Identity>,
+    tower::layer::util::Stack<
+        auth::AuthLayer,
+        tower::layer::util::Stack<tower::util::MapResponseLayer<OversizeFn>, tower::layer::util::Identity>,
+    >,
 >;
 
 /// tonic refuses a message over `limits.max_message_size` while decoding, before any handler
@@ -80,21 +107,10 @@ fn oversized_is_resource_exhausted(mut resp: http::Response<tonic::body::Body>) 
     resp
 }
 
-impl Services {
-    /// Who calls a Peer RPC. With mTLS: the client certificate's identity (first DNS SAN, else IP,
-    /// else URI), and the self-declared `declared` name is ignored. In insecure mode: `declared`.
-    fn caller<T>(&self, req: &Request<T>, declared: &str) -> Result<String, Status> {
-        if self.node.config.insecure {
-            return Ok(declared.to_string());
-        }
-        let certs = req.peer_certs().ok_or(tls::IdentityError::NoCertificate).map_err(identity_status)?;
-        let leaf = certs.first().ok_or(tls::IdentityError::NoCertificate).map_err(identity_status)?;
-        let id = tls::identity_of(leaf).map_err(identity_status)?;
-        if !declared.is_empty() && declared != id {
-            tracing::debug!(declared, identity = %id, "peer's declared node name differs from its certificate; using the certificate");
-        }
-        Ok(id)
-    }
+/// The caller [`auth::AuthLayer`] authenticated. Every request passes that layer, so a missing
+/// caller means the service was mounted without it: refuse rather than guess.
+fn caller_of<T>(req: &Request<T>) -> Result<auth::Caller, Status> {
+    auth::caller(req).cloned().ok_or_else(|| auth_status(auth::AuthError::NoCertificate))
 }
 
 fn require(cond: bool, msg: &str) -> Result<(), Status> {
@@ -350,7 +366,7 @@ fn peer_info(node: &Node, p: &crate::peers::PeerEntry) -> pb::PeerInfo {
 #[tonic::async_trait]
 impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
-        let peer = self.caller(&req, &req.get_ref().node_name)?;
+        let peer = caller_of(&req)?.name;
         let r = req.into_inner();
         let (fabric, eps) = peer_connect_from_pb(&r)?;
         let span = tracing::info_span!("peer", %peer);
@@ -366,9 +382,9 @@ impl Peer for Services {
     }
 
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::GrantResponse>, Status> {
-        let peer = self.caller(&req, &req.get_ref().node_name)?;
+        let peer = caller_of(&req)?.name;
         let mut p = grant_params_from_pb(req.into_inner())?;
-        // With mTLS the grant is bound to the certificate identity, not the declared name.
+        // The grant is bound to the authenticated identity, not the declared name.
         p.peer = peer;
         let g = self.node.grant(&p).map_err(transfer_status)?;
         let (rkey, token, qp_rkeys) = match &g.exposure.key {
@@ -391,20 +407,14 @@ impl Peer for Services {
     }
 
     async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {
-        if self.node.config.insecure {
-            // No authenticated identity: knowing the unguessable grant id is the capability.
-            let id = req.into_inner().grant_id;
-            self.node.grants.revoke(&id).ok_or_else(|| Status::not_found(format!("grant {id:?} not found")))?;
-        } else {
-            // Only the identity the grant was issued to may revoke it.
-            let peer = self.caller(&req, "")?;
-            self.node.revoke(&req.get_ref().grant_id, &peer).map_err(grant_status)?;
-        }
+        // Only the identity the grant was issued to may revoke it.
+        let peer = caller_of(&req)?.name;
+        self.node.revoke(&req.get_ref().grant_id, &peer).map_err(grant_status)?;
         Ok(Response::new(pb::RevokeResponse {}))
     }
 
     async fn complete(&self, req: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
-        let peer = self.caller(&req, &req.get_ref().node_name)?;
+        let peer = caller_of(&req)?.name;
         let r = req.into_inner();
         require(!r.grant_id.is_empty(), "grant_id is required")?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
@@ -421,19 +431,27 @@ impl Peer for Services {
     }
 
     async fn disconnect(&self, req: Request<pb::DisconnectRequest>) -> Result<Response<pb::DisconnectResponse>, Status> {
-        // With mTLS only the identity that made the connection may tear it down.
-        let owner = if self.node.config.insecure { None } else { Some(self.caller(&req, "")?) };
-        self.node.disconnect(&req.get_ref().connection_id, owner.as_deref());
+        // Only the identity that made the connection may tear it down.
+        let owner = caller_of(&req)?.name;
+        self.node.disconnect(&req.get_ref().connection_id, &owner);
         Ok(Response::new(pb::DisconnectResponse {}))
     }
 
     async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-        let addr = self
-            .node
-            .open_sink(ip, req.into_inner().connections)
-            .await
-            .map_err(|e| Status::internal(format!("opening sink: {e}")))?;
+        let addr = self.node.open_sink(ip, req.into_inner().connections).await.map_err(transfer_status)?;
         Ok(Response::new(pb::OpenSinkResponse { address: addr.to_string() }))
+    }
+
+    async fn open_bench_region(&self, req: Request<pb::OpenBenchRegionRequest>) -> Result<Response<pb::OpenBenchRegionResponse>, Status> {
+        let owner = caller_of(&req)?.name;
+        let region = self.node.open_bench_region(&owner, req.get_ref().length).map_err(transfer_status)?;
+        Ok(Response::new(pb::OpenBenchRegionResponse { region }))
+    }
+
+    async fn close_bench_region(&self, req: Request<pb::CloseBenchRegionRequest>) -> Result<Response<pb::CloseBenchRegionResponse>, Status> {
+        let owner = caller_of(&req)?.name;
+        self.node.close_bench_region(&owner, &req.get_ref().region).map_err(transfer_status)?;
+        Ok(Response::new(pb::CloseBenchRegionResponse {}))
     }
 }

@@ -137,6 +137,7 @@ impl Fabric for VerbsFabric {
     async fn prepare(
         &self,
         peer: &str,
+        _connection_id: &str,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
@@ -145,7 +146,7 @@ impl Fabric for VerbsFabric {
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: self.opts.clone(), sink }))
     }
 
-    async fn accept(&self, peer: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(&self, peer: &str, _connection_id: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a

@@ -357,7 +357,7 @@ mod tests {
         assert_eq!(attr_of(validate_remote(&l, &[], None).unwrap_err()), "qps");
         let many = vec![Endpoint::Verbs(ep()); MAX_QPS_PER_CONNECTION + 1];
         assert_eq!(attr_of(validate_remote(&l, &many, None).unwrap_err()), "qps");
-        let tcp = Endpoint::Tcp { address: "127.0.0.1:1".parse().unwrap() };
+        let tcp = Endpoint::Tcp { address: "127.0.0.1:1".parse().unwrap(), secret: None };
         assert_eq!(attr_of(validate_remote(&l, &[tcp], None).unwrap_err()), "fabric");
         let mut l2 = local();
         l2.gid_type = GID_ROCE_V1.into();

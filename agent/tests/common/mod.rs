@@ -3,6 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
+pub mod pki;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -12,6 +14,56 @@ use tonic::transport::Channel;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
+
+/// A data stream to `address` whose hello names `connection_id` and presents `secret`.
+pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = b"XFR1".to_vec();
+    hello.push(connection_id.len() as u8);
+    hello.extend_from_slice(connection_id.as_bytes());
+    hello.extend_from_slice(secret);
+    s.write_all(&hello).unwrap();
+    s
+}
+
+/// Sends one WRITE frame (ACK requested) on `s`; returns (NAK/ACK status, frame kind).
+pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, u8) {
+    use std::io::{Read, Write};
+    let mut h = [0u8; 44];
+    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
+    h[4] = 1; // WRITE
+    h[5] = 1; // ACK requested
+    h[8..16].copy_from_slice(&7u64.to_le_bytes());
+    h[16..24].copy_from_slice(&addr.to_le_bytes());
+    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[28..44].copy_from_slice(&token);
+    s.write_all(&h).unwrap();
+    s.write_all(payload).unwrap();
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    (u16::from_le_bytes([r[6], r[7]]), r[4])
+}
+
+/// Sends one READ request frame on `s`; returns (status, kind, payload).
+pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u32) -> (u16, u8, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut h = [0u8; 44];
+    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
+    h[4] = 2; // READ_REQ
+    h[8..16].copy_from_slice(&9u64.to_le_bytes());
+    h[16..24].copy_from_slice(&addr.to_le_bytes());
+    h[24..28].copy_from_slice(&len.to_le_bytes());
+    h[28..44].copy_from_slice(&token);
+    s.write_all(&h).unwrap();
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    let status = u16::from_le_bytes([r[6], r[7]]);
+    let mut data = vec![0u8; if status == 0 { u32::from_le_bytes([r[24], r[25], r[26], r[27]]) as usize } else { 0 }];
+    s.read_exact(&mut data).unwrap();
+    (status, r[4], data)
+}
 
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -35,8 +87,10 @@ pub struct Ports {
 }
 
 impl Ports {
+    /// gRPC and metrics on free ports; the data listener on a port the agent picks (`data: 0`),
+    /// which peers learn through `Peer.Connect`.
     pub fn new() -> Ports {
-        Ports { grpc: free_port(), metrics: free_port(), data: free_port() }
+        Ports { grpc: free_port(), metrics: free_port(), data: 0 }
     }
 }
 
@@ -81,7 +135,7 @@ impl Agent {
             .arg(state_dir)
             .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
             .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
-            .args(["--data-listen", &format!("127.0.0.1:{}", ports.data)])
+            .args(if ports.data == 0 { vec![] } else { vec!["--data-listen".to_string(), format!("127.0.0.1:{}", ports.data)] })
             .args(extra)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
@@ -124,6 +178,34 @@ impl Agent {
     pub async fn peer_client(&self) -> PeerClient<Channel> {
         let ch = Channel::from_shared(format!("http://{}", self.addr())).unwrap().connect().await.unwrap();
         PeerClient::new(ch)
+    }
+
+    /// Opens a tcp-fabric data stream the way an agent does: `Peer.Connect` as connection
+    /// `connection_id` (which hands out the data secret), then a stream presenting that hello.
+    pub async fn data_stream(&self, connection_id: &str) -> std::net::TcpStream {
+        let (address, secret) = self.data_session(connection_id).await;
+        open_data_stream(&address, connection_id, &secret)
+    }
+
+    /// `Peer.Connect` (tcp) as connection `connection_id`: the data address and secret.
+    pub async fn data_session(&self, connection_id: &str) -> (String, Vec<u8>) {
+        let r = self
+            .peer_client()
+            .await
+            .connect(pb::PeerConnectRequest {
+                version: 1,
+                node_name: "node-a".into(),
+                fabric: pb::FabricKind::Tcp as i32,
+                endpoints: vec![],
+                connection_id: connection_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        match &r.endpoints[0].kind {
+            Some(pb::endpoint::Kind::Tcp(t)) => (t.address.clone(), t.secret.clone()),
+            other => panic!("not a tcp endpoint: {other:?}"),
+        }
     }
 
     pub fn pid(&self) -> Option<u32> {

@@ -1,0 +1,463 @@
+//! Who is calling, and may they (DESIGN §8, SECURITY.md).
+//!
+//! A caller's **role** and **name** come from its client certificate, never from a field it sends:
+//! a SPIFFE-style URI SAN `spiffe://TRUST_DOMAIN/xfer/{node,client,admin}/NAME`, or, for CAs that
+//! cannot issue URI SANs, a DNS SAN matched by `tls.dns_roles`. A certificate with no role gets
+//! nothing. In plaintext mode (only allowed on loopback or with `allow_plaintext_network`) there
+//! is no identity: every caller may call everything, and its name is its address, so limits and
+//! metric labels still cannot be multiplied by declaring names.
+//!
+//! [`AuthLayer`] applies [`required`] to every gRPC request before any handler runs and puts the
+//! [`Caller`] into the request's extensions; handlers read it with [`caller`]. The table is
+//! deny-by-default: a method not listed there is refused.
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use x509_parser::extensions::GeneralName;
+
+use crate::config::{DnsRole, RoleName};
+
+/// What a caller is allowed to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Another agent: `xfer.v1.Peer`.
+    Node,
+    /// xferctl or a local application: `xfer.v1.Agent`.
+    Client,
+    /// A client that may also run benchmarks.
+    Admin,
+    /// Plaintext mode: no identity, every call allowed.
+    Plaintext,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Node => "node",
+            Role::Client => "client",
+            Role::Admin => "admin",
+            Role::Plaintext => "plaintext",
+        }
+    }
+}
+
+impl From<RoleName> for Role {
+    fn from(r: RoleName) -> Role {
+        match r {
+            RoleName::Node => Role::Node,
+            RoleName::Client => Role::Client,
+            RoleName::Admin => Role::Admin,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The authenticated caller of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub role: Role,
+    /// The identity that grants, limits and metric labels are keyed on: NAME from the certificate;
+    /// in plaintext mode `loopback` for any loopback address, else the remote IP.
+    pub name: String,
+}
+
+/// Which role a method needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Any caller with a role (health, reflection).
+    AnyRole,
+    Node,
+    /// Client or admin.
+    Client,
+    Admin,
+}
+
+impl Need {
+    fn describe(self) -> &'static str {
+        match self {
+            Need::AnyRole => "a node, client or admin certificate",
+            Need::Node => "the node role (spiffe://…/xfer/node/NAME): only agents call xfer.v1.Peer",
+            Need::Client => "the client or admin role (spiffe://…/xfer/client/NAME)",
+            Need::Admin => "the admin role (spiffe://…/xfer/admin/NAME): benchmarks are admin-only",
+        }
+    }
+
+    pub fn allows(self, role: Role) -> bool {
+        matches!(
+            (self, role),
+            (_, Role::Plaintext)
+                | (Need::AnyRole, _)
+                | (Need::Node, Role::Node)
+                | (Need::Client, Role::Client | Role::Admin)
+                | (Need::Admin, Role::Admin)
+        )
+    }
+}
+
+/// The authorization table: the role a gRPC method (`/package.Service/Method`) needs, `None` for
+/// anything not served (refused).
+pub fn required(path: &str) -> Option<Need> {
+    let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+    match service {
+        "xfer.v1.Peer" => Some(Need::Node),
+        "xfer.v1.Agent" => match method {
+            "Bench" | "TcpBaseline" => Some(Need::Admin),
+            _ => Some(Need::Client),
+        },
+        "grpc.health.v1.Health" | "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection" => {
+            Some(Need::AnyRole)
+        }
+        _ => None,
+    }
+}
+
+/// Why a request is refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AuthError {
+    #[error("a client certificate is required (mTLS)")]
+    NoCertificate,
+    #[error("certificate: {0}")]
+    Unusable(String),
+    #[error("certificate carries no xfer role: it needs a URI SAN spiffe://{trust_domain}/xfer/{{node|client|admin}}/NAME{dns}")]
+    NoRole { trust_domain: String, dns: &'static str },
+    #[error("{method} needs {need}; the caller {name:?} has the {role} role")]
+    Denied { method: String, need: &'static str, role: Role, name: String },
+    #[error("{0} is not a method this agent serves")]
+    Unknown(String),
+}
+
+/// How certificates map to roles: `tls.trust_domain` and `tls.dns_roles`.
+#[derive(Debug, Clone, Default)]
+pub struct RolePolicy {
+    trust_domain: Option<String>,
+    dns_roles: Vec<DnsRole>,
+}
+
+impl RolePolicy {
+    pub fn new(trust_domain: &str, dns_roles: &[DnsRole]) -> RolePolicy {
+        RolePolicy {
+            trust_domain: Some(trust_domain.to_ascii_lowercase()).filter(|s| !s.is_empty()),
+            dns_roles: dns_roles.to_vec(),
+        }
+    }
+
+    /// The role and name in a DER certificate (the verified leaf of a TLS peer).
+    pub fn caller_of(&self, der: &[u8]) -> Result<Caller, AuthError> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| AuthError::Unusable(format!("cannot parse: {e}")))?;
+        let names: Vec<GeneralName<'_>> = match cert.subject_alternative_name() {
+            Ok(Some(ext)) => ext.value.general_names.clone(),
+            Ok(None) => Vec::new(),
+            Err(e) => return Err(AuthError::Unusable(format!("bad subjectAltName: {e}"))),
+        };
+        // URI SANs first: the SPIFFE convention is the primary one.
+        for n in &names {
+            if let GeneralName::URI(u) = n {
+                if let Some(c) = self.role_of_uri(u) {
+                    return Ok(c);
+                }
+            }
+        }
+        for n in &names {
+            if let GeneralName::DNSName(d) = n {
+                if let Some(c) = self.role_of_dns(d) {
+                    return Ok(c);
+                }
+            }
+        }
+        Err(AuthError::NoRole {
+            trust_domain: self.trust_domain.clone().unwrap_or_else(|| "TRUST_DOMAIN".into()),
+            dns: if self.dns_roles.is_empty() { "" } else { " or a DNS SAN matching tls.dns_roles" },
+        })
+    }
+
+    fn role_of_uri(&self, uri: &str) -> Option<Caller> {
+        let rest = uri.strip_prefix("spiffe://")?;
+        let (td, path) = rest.split_once('/')?;
+        if check_trust_domain(td).is_err() {
+            return None;
+        }
+        if let Some(want) = &self.trust_domain {
+            if !td.eq_ignore_ascii_case(want) {
+                return None;
+            }
+        }
+        let mut parts = path.split('/');
+        let (Some("xfer"), Some(role), Some(name), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+            return None;
+        };
+        let role = match role {
+            "node" => Role::Node,
+            "client" => Role::Client,
+            "admin" => Role::Admin,
+            _ => return None,
+        };
+        valid_name(name).then(|| Caller { role, name: name.to_string() })
+    }
+
+    fn role_of_dns(&self, dns: &str) -> Option<Caller> {
+        let dns = dns.to_ascii_lowercase();
+        self.dns_roles.iter().find_map(|r| {
+            let pattern = r.pattern.to_ascii_lowercase();
+            let name = match pattern.strip_prefix("*.") {
+                Some(suffix) => {
+                    let (label, rest) = dns.split_once('.')?;
+                    (rest == suffix && !label.is_empty()).then(|| label.to_string())?
+                }
+                None => (dns == pattern).then(|| dns.clone())?,
+            };
+            valid_name(&name).then(|| Caller { role: r.role.into(), name })
+        })
+    }
+}
+
+/// NAME: what goes into grants, logs and metric labels. DNS-name characters, 1-253 bytes.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 253 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+}
+
+/// A trust domain: lower-case letters, digits, `-`, `.` and `_` (the SPIFFE ID rules).
+pub fn check_trust_domain(td: &str) -> Result<(), String> {
+    if td.is_empty() || td.len() > 255 || !td.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_')) {
+        return Err(format!("{td:?} is not a trust domain (lower-case letters, digits, '-', '.', '_')"));
+    }
+    Ok(())
+}
+
+/// A `tls.dns_roles` pattern: a DNS name, optionally starting with `*.`.
+pub fn check_dns_pattern(p: &str) -> Result<(), String> {
+    let rest = p.strip_prefix("*.").unwrap_or(p);
+    let ok = !rest.is_empty()
+        && rest.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{p:?} is not a DNS name or a `*.` wildcard of one"))
+    }
+}
+
+/// The plaintext-mode identity of a remote address: all loopback addresses are one caller.
+pub fn plaintext_name(addr: Option<SocketAddr>) -> String {
+    match addr.map(|a| a.ip()) {
+        Some(ip) if ip.is_loopback() => "loopback".to_string(),
+        Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) if v4.is_loopback() => "loopback".to_string(),
+            Some(v4) => v4.to_string(),
+            None => v6.to_string(),
+        },
+        Some(ip) => ip.to_string(),
+        None => "local".to_string(),
+    }
+}
+
+/// How the server authenticates: mTLS with a role policy, or plaintext.
+#[derive(Debug, Clone)]
+pub enum Authenticator {
+    Tls(Arc<RolePolicy>),
+    Plaintext,
+}
+
+impl Authenticator {
+    /// The caller of an HTTP/2 request, from the connection info tonic put in its extensions.
+    pub fn caller(&self, ext: &http::Extensions) -> Result<Caller, AuthError> {
+        match self {
+            Authenticator::Plaintext => {
+                let addr = ext.get::<TcpConnectInfo>().and_then(|i| i.remote_addr());
+                Ok(Caller { role: Role::Plaintext, name: plaintext_name(addr) })
+            }
+            Authenticator::Tls(policy) => {
+                let certs = ext.get::<TlsConnectInfo<TcpConnectInfo>>().and_then(|i| i.peer_certs()).ok_or(AuthError::NoCertificate)?;
+                let leaf = certs.first().ok_or(AuthError::NoCertificate)?;
+                policy.caller_of(leaf)
+            }
+        }
+    }
+
+    /// Authenticates and authorizes one request to `path`.
+    pub fn authorize(&self, path: &str, ext: &http::Extensions) -> Result<Caller, AuthError> {
+        let need = required(path).ok_or_else(|| AuthError::Unknown(path.to_string()))?;
+        let caller = self.caller(ext)?;
+        if need.allows(caller.role) {
+            Ok(caller)
+        } else {
+            Err(AuthError::Denied {
+                method: path.trim_start_matches('/').to_string(),
+                need: need.describe(),
+                role: caller.role,
+                name: caller.name,
+            })
+        }
+    }
+}
+
+/// The caller [`AuthLayer`] put into a request's extensions.
+pub fn caller<T>(req: &tonic::Request<T>) -> Option<&Caller> {
+    req.extensions().get::<Caller>()
+}
+
+/// Tower layer: authorizes every request by [`required`] and hands the [`Caller`] to handlers.
+#[derive(Debug, Clone)]
+pub struct AuthLayer {
+    auth: Authenticator,
+}
+
+impl AuthLayer {
+    pub fn new(auth: Authenticator) -> AuthLayer {
+        AuthLayer { auth }
+    }
+}
+
+impl<S> tower::Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> AuthService<S> {
+        AuthService { inner, auth: self.auth.clone() }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct AuthService<S> {
+    inner: S,
+    auth: Authenticator,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for AuthService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    R: Default,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<futures::future::Ready<Result<S::Response, S::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        match self.auth.authorize(req.uri().path(), req.extensions()) {
+            Ok(caller) => {
+                req.extensions_mut().insert(caller);
+                futures::future::Either::Right(self.inner.call(req))
+            }
+            Err(e) => {
+                tracing::debug!(path = req.uri().path(), error = %e, "request refused");
+                futures::future::Either::Left(futures::future::ready(Ok(super::convert::auth_status(e).into_http())))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn cert_with(sans: Vec<rcgen::SanType>) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.subject_alt_names = sans;
+        p.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    fn uri(s: &str) -> rcgen::SanType {
+        rcgen::SanType::URI(s.try_into().unwrap())
+    }
+
+    fn dns(s: &str) -> rcgen::SanType {
+        rcgen::SanType::DnsName(s.try_into().unwrap())
+    }
+
+    #[test]
+    fn roles_come_from_spiffe_uri_sans() {
+        let any = RolePolicy::new("", &[]);
+        let c = any.caller_of(&cert_with(vec![dns("node-a"), uri("spiffe://prod.example/xfer/node/node-a")])).unwrap();
+        assert_eq!(c, Caller { role: Role::Node, name: "node-a".into() });
+        let c = any.caller_of(&cert_with(vec![uri("spiffe://td/xfer/client/app-1")])).unwrap();
+        assert_eq!(c.role, Role::Client);
+        let c = any.caller_of(&cert_with(vec![uri("spiffe://td/xfer/admin/ops")])).unwrap();
+        assert_eq!((c.role, c.name.as_str()), (Role::Admin, "ops"));
+        // Anything else carries no role.
+        for bad in [
+            "spiffe://td/xfer/root/x",
+            "spiffe://td/xfer/node/",
+            "spiffe://td/xfer/node/a/b",
+            "spiffe://td/other/node/a",
+            "https://td/xfer/node/a",
+            "spiffe://TD/xfer/node/a",
+            "spiffe://td/xfer/node/a%20b",
+        ] {
+            assert!(matches!(any.caller_of(&cert_with(vec![uri(bad)])), Err(AuthError::NoRole { .. })), "{bad}");
+        }
+        assert!(matches!(any.caller_of(&cert_with(vec![dns("node-a")])), Err(AuthError::NoRole { .. })));
+        assert!(matches!(any.caller_of(&cert_with(vec![])), Err(AuthError::NoRole { .. })));
+        assert!(matches!(any.caller_of(b"junk"), Err(AuthError::Unusable(_))));
+    }
+
+    #[test]
+    fn a_pinned_trust_domain_refuses_others() {
+        let pinned = RolePolicy::new("prod.example", &[]);
+        assert!(pinned.caller_of(&cert_with(vec![uri("spiffe://prod.example/xfer/node/a")])).is_ok());
+        assert!(pinned.caller_of(&cert_with(vec![uri("spiffe://dev.example/xfer/node/a")])).is_err());
+        // The first URI with a role in the pinned domain wins, whatever precedes it.
+        let c = pinned
+            .caller_of(&cert_with(vec![uri("spiffe://dev.example/xfer/admin/a"), uri("spiffe://prod.example/xfer/client/b")]))
+            .unwrap();
+        assert_eq!((c.role, c.name.as_str()), (Role::Client, "b"));
+    }
+
+    #[test]
+    fn dns_patterns_map_roles_for_cas_without_uri_sans() {
+        let p = RolePolicy::new(
+            "",
+            &[
+                DnsRole { pattern: "*.nodes.example.com".into(), role: RoleName::Node },
+                DnsRole { pattern: "ops.example.com".into(), role: RoleName::Admin },
+            ],
+        );
+        let c = p.caller_of(&cert_with(vec![dns("gpu-17.nodes.example.com")])).unwrap();
+        assert_eq!(c, Caller { role: Role::Node, name: "gpu-17".into() });
+        let c = p.caller_of(&cert_with(vec![dns("ops.example.com")])).unwrap();
+        assert_eq!(c, Caller { role: Role::Admin, name: "ops.example.com".into() });
+        // `*` is one label, not several, and not empty.
+        assert!(p.caller_of(&cert_with(vec![dns("a.b.nodes.example.com")])).is_err());
+        assert!(p.caller_of(&cert_with(vec![dns("nodes.example.com")])).is_err());
+        assert!(check_dns_pattern("*.nodes.example.com").is_ok());
+        assert!(check_dns_pattern("*").is_err());
+        assert!(check_dns_pattern("a.*.com").is_err());
+    }
+
+    #[test]
+    fn the_table_denies_by_default() {
+        assert_eq!(required("/xfer.v1.Peer/Grant"), Some(Need::Node));
+        assert_eq!(required("/xfer.v1.Agent/CreateRegion"), Some(Need::Client));
+        assert_eq!(required("/xfer.v1.Agent/Bench"), Some(Need::Admin));
+        assert_eq!(required("/xfer.v1.Agent/TcpBaseline"), Some(Need::Admin));
+        assert_eq!(required("/grpc.health.v1.Health/Check"), Some(Need::AnyRole));
+        assert_eq!(required("/xfer.v2.Agent/CreateRegion"), None);
+        assert_eq!(required("/nope"), None);
+        assert_eq!(required(""), None);
+        assert!(Need::Client.allows(Role::Admin));
+        assert!(!Need::Client.allows(Role::Node));
+        assert!(!Need::Node.allows(Role::Admin));
+        assert!(!Need::Admin.allows(Role::Client));
+        assert!(Need::Admin.allows(Role::Plaintext));
+    }
+
+    #[test]
+    fn plaintext_names_collapse_loopback() {
+        let a = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+        assert_eq!(plaintext_name(a("127.0.0.1:5000")), "loopback");
+        assert_eq!(plaintext_name(a("127.9.9.9:1")), "loopback");
+        assert_eq!(plaintext_name(a("[::1]:1")), "loopback");
+        assert_eq!(plaintext_name(a("[::ffff:127.0.0.2]:1")), "loopback");
+        assert_eq!(plaintext_name(a("10.1.2.3:9")), "10.1.2.3");
+        assert_eq!(plaintext_name(a("[::ffff:10.1.2.3]:9")), "10.1.2.3");
+    }
+}
