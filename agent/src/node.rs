@@ -77,7 +77,10 @@ pub struct Node {
     pub fabric_reason: String,
     pub regions: RegionRegistry,
     pub grants: Arc<GrantTable>,
+    /// Transfers this agent initiated.
     pub transfers: TransferRegistry,
+    /// Transfers peers completed into this agent (`Peer.Complete`), by `PEER/ID`.
+    inbound: TransferRegistry,
     pub peers: PeerPool,
     pub started: Instant,
     /// Random per start: peers use it to notice this agent restarted.
@@ -97,6 +100,16 @@ pub struct Node {
     sink_slot: Arc<tokio::sync::Semaphore>,
     /// The scratch region of the benchmark running against this agent, and its owner.
     bench_region: Mutex<Option<(String, String)>>,
+}
+
+/// Finished transfers remembered per direction. Every field of a record is bounded (ids 64
+/// bytes, names 253), so both histories together stay far below `limits.max_message_size` in one
+/// `ListTransfers` answer.
+pub const TRANSFER_HISTORY: usize = 1000;
+
+/// Transfer ids a peer may send in `Peer.Complete`: 1-64 id characters (no '/').
+fn valid_record_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Each sink connection's read buffer.
@@ -150,7 +163,8 @@ impl Node {
         Arc::new(Node {
             regions,
             grants,
-            transfers: TransferRegistry::new(1000),
+            transfers: TransferRegistry::new(TRANSFER_HISTORY),
+            inbound: TransferRegistry::new(TRANSFER_HISTORY),
             peers,
             started: Instant::now(),
             instance_id: new_id(),
@@ -358,7 +372,16 @@ impl Node {
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
+        if !valid_record_id(transfer_id) {
+            return Err(TransferError::Invalid("transfer_id must be 1-64 characters from [A-Za-z0-9_.-]".into()));
+        }
         let g = self.grants.get(grant_id, peer, SystemTime::now())?;
+        // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
+        // never name an outbound transfer (whose ids have no '/') or another peer's record.
+        let record_id = format!("{peer}/{transfer_id}");
+        if self.inbound.get(&record_id).is_ok() {
+            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+        }
         if bytes > g.len {
             return Err(TransferError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
         }
@@ -378,7 +401,7 @@ impl Node {
         let now = SystemTime::now();
         let ok = verdict.is_none_or(|v| v.0);
         let rec = TransferRecord {
-            id: transfer_id.to_string(),
+            id: record_id.clone(),
             op,
             local_region: g.region.name.clone(),
             local_offset: g.offset,
@@ -399,7 +422,10 @@ impl Node {
             peer: peer.to_string(),
             inbound: true,
         };
-        self.transfers.insert(rec);
+        if self.inbound.insert_new(rec).is_none() {
+            // A concurrent Complete with the same id won: it keeps its record and the grant.
+            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+        }
         m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
         self.grants.revoke(&g.id);
         Ok(verdict)
@@ -792,6 +818,22 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// A transfer record by id: an outbound id, or `PEER/ID` for an inbound one.
+    pub fn transfer(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
+        if id.contains('/') {
+            self.inbound.get(id)
+        } else {
+            self.transfers.get(id)
+        }
+    }
+
+    /// Outbound records, then inbound ones, each oldest first.
+    pub fn list_transfers(&self) -> Vec<TransferRecord> {
+        let mut v = self.transfers.list();
+        v.extend(self.inbound.list());
+        v
     }
 
     /// Cancels a running transfer; no-op for finished ones.

@@ -410,6 +410,7 @@ pub fn transfer_status(e: TransferError) -> Status {
         TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
         e @ TransferError::NotFound(_) => Status::not_found(e.to_string()),
         e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
+        TransferError::AlreadyExists(m) => Status::already_exists(m),
         e @ TransferError::ShuttingDown => Status::unavailable(e.to_string()),
         TransferError::Internal(m) => Status::internal(m),
     }

@@ -262,7 +262,7 @@ impl Agent for Services {
     type WatchTransferStream = Stream2<pb::Transfer>;
 
     async fn watch_transfer(&self, req: Request<pb::WatchTransferRequest>) -> Result<Response<Self::WatchTransferStream>, Status> {
-        let h = self.node.transfers.get(&req.into_inner().id).map_err(transfer_status)?;
+        let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
         let rx = h.record.subscribe();
         // First the current record, then every change; end after a terminal state.
         let stream = futures::stream::unfold((rx, false, true), |(mut rx, done, first)| async move {
@@ -280,12 +280,12 @@ impl Agent for Services {
     }
 
     async fn get_transfer(&self, req: Request<pb::GetTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
-        let h = self.node.transfers.get(&req.into_inner().id).map_err(transfer_status)?;
+        let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&h.snapshot())))
     }
 
     async fn list_transfers(&self, _: Request<pb::ListTransfersRequest>) -> Result<Response<pb::ListTransfersResponse>, Status> {
-        let transfers = self.node.transfers.list().iter().map(transfer_to_pb).collect();
+        let transfers = self.node.list_transfers().iter().map(transfer_to_pb).collect();
         Ok(Response::new(pb::ListTransfersResponse { transfers }))
     }
 

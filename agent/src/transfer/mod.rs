@@ -117,6 +117,8 @@ pub enum TransferError {
     NotFound(String),
     #[error("limit reached: {0}")]
     Limit(String),
+    #[error("{0}")]
+    AlreadyExists(String),
     #[error("agent is shutting down")]
     ShuttingDown,
     #[error("{0}")]
@@ -163,14 +165,29 @@ impl TransferRegistry {
     }
 
     pub fn insert(&self, record: TransferRecord) -> Arc<TransferHandle> {
+        let mut g = self.lock();
+        Self::insert_locked(&mut g, record, self.history)
+    }
+
+    /// Inserts `record` unless a record with its id exists (then `None`, and nothing changes).
+    pub fn insert_new(&self, record: TransferRecord) -> Option<Arc<TransferHandle>> {
+        let mut g = self.lock();
+        if g.by_id.contains_key(&record.id) {
+            return None;
+        }
+        Some(Self::insert_locked(&mut g, record, self.history))
+    }
+
+    fn insert_locked(g: &mut Inner, record: TransferRecord, history: usize) -> Arc<TransferHandle> {
         let id = record.id.clone();
         let (tx, _) = watch::channel(record);
         let handle = Arc::new(TransferHandle { record: tx, cancel: CancellationToken::new() });
-        let mut g = self.lock();
-        g.by_id.insert(id.clone(), handle.clone());
+        if g.by_id.insert(id.clone(), handle.clone()).is_some() {
+            g.order.retain(|x| x != &id);
+        }
         g.order.push_back(id);
         // Forget the oldest finished transfers beyond the history bound.
-        while g.order.len() > self.history {
+        while g.order.len() > history {
             let Some(pos) = g.order.iter().position(|id| g.by_id.get(id).is_none_or(|h| h.snapshot().state.is_terminal()))
             else {
                 break;
