@@ -136,6 +136,7 @@ pub fn region_json(r: &Region) -> Value {
         "labels": r.labels,
         "created_at": rfc3339(&r.created_at),
         "expires_at": rfc3339(&r.expires_at),
+        // 0 unless the agent runs verbs grant mode `region` (kept for a stable schema).
         "lkey": r.lkey,
         "rkey": r.rkey,
         "addr": r.addr,
@@ -308,8 +309,12 @@ pub fn region_detail(r: &Region) -> String {
         "expires:",
         rfc3339(&r.expires_at).unwrap_or_else(|| "never".into()),
     );
-    kv("addr:", format!("{:#x}", r.addr));
-    kv("lkey/rkey:", format!("{:#x} / {:#x}", r.lkey, r.rkey));
+    // The agent sends keys and the registered address only in verbs grant mode `region`
+    // (elsewhere they are 0: remote access only through grants).
+    if r.addr != 0 || r.lkey != 0 || r.rkey != 0 {
+        kv("addr:", format!("{:#x}", r.addr));
+        kv("lkey/rkey:", format!("{:#x} / {:#x}", r.lkey, r.rkey));
+    }
     out
 }
 
@@ -458,6 +463,21 @@ mod tests {
         let mut t = Table::new(&["A", "LONGER"]);
         t.row(vec!["xxxx".into(), "y".into()]);
         assert_eq!(t.render(), "A     LONGER\nxxxx  y\n");
+    }
+
+    #[test]
+    fn region_keys_only_when_the_agent_sends_them() {
+        // mr / mw / tcp: the agent sends 0 (remote access only through grants).
+        let r = Region { name: "dst".into(), ..Default::default() };
+        let text = region_detail(&r);
+        assert!(!text.contains("lkey") && !text.contains("addr:"), "{text}");
+        let v = region_json(&r);
+        assert_eq!((v["lkey"].clone(), v["rkey"].clone(), v["addr"].clone()), (0.into(), 0.into(), 0.into()));
+        // Grant mode region: the region MR's keys are its remote access, and are shown.
+        let r = Region { name: "dst".into(), lkey: 0x1234, rkey: 0x1234, addr: 0x7f00_0000_1000, ..Default::default() };
+        let text = region_detail(&r);
+        assert!(text.contains("lkey/rkey:  0x1234 / 0x1234"), "{text}");
+        assert!(text.contains("addr:       0x7f0000001000"), "{text}");
     }
 
     #[test]

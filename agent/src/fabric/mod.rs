@@ -217,6 +217,10 @@ pub trait Registration: Send + Sync + fmt::Debug {
         self.memory().addr()
     }
     fn access(&self) -> Access;
+    /// True if `rkey` (with `addr`) by itself gives a peer remote access to this memory: only a
+    /// verbs region MR in grant mode `region`. Otherwise only grants do (DESIGN §8), and the
+    /// Agent API must not show the keys or the registered address.
+    fn remote_key_exposed(&self) -> bool;
     /// The concrete registration, for the fabric that made it (verbs binds windows to its MR).
     fn as_any(&self) -> &dyn Any;
 }

@@ -75,6 +75,10 @@ impl Registration for TcpRegistration {
     fn access(&self) -> Access {
         self.access
     }
+    fn remote_key_exposed(&self) -> bool {
+        // Every frame needs a grant's token; the region itself has no remote key.
+        false
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

@@ -121,6 +121,7 @@ fn op_to_pb(o: Op) -> pb::Op {
 }
 
 pub fn region_to_pb(r: &Region) -> pb::Region {
+    let exposed = r.registration.remote_key_exposed();
     pb::Region {
         id: r.id.clone(),
         name: r.name.clone(),
@@ -131,9 +132,11 @@ pub fn region_to_pb(r: &Region) -> pb::Region {
         labels: r.labels.clone().into_iter().collect(),
         created_at: Some(time_to_pb(r.created_at)),
         expires_at: r.expires_at.map(time_to_pb),
-        lkey: r.registration.lkey(),
-        rkey: r.registration.rkey(),
-        addr: r.registration.addr(),
+        // Keys and the registered address only where they are the region's remote access
+        // anyway (verbs grant mode `region`); otherwise only grants expose memory (DESIGN §8).
+        lkey: if exposed { r.registration.lkey() } else { 0 },
+        rkey: if exposed { r.registration.rkey() } else { 0 },
+        addr: if exposed { r.registration.addr() } else { 0 },
     }
 }
 

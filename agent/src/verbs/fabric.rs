@@ -43,12 +43,12 @@ impl VerbsFabric {
         self.dev.gid_index
     }
 
-    /// Finds our own registration behind a trait object (for grant MRs over its memory).
-    fn ours(reg: &Arc<dyn Registration>) -> Result<(), FabricError> {
-        if reg.lkey() == 0 && reg.rkey() == 0 {
-            return Err(FabricError::Registration("registration does not belong to the verbs fabric".into()));
-        }
-        Ok(())
+    /// Finds our own registration behind a trait object (grant MRs are over its memory, windows
+    /// are bound to its MR).
+    fn ours(reg: &Arc<dyn Registration>) -> Result<&VerbsRegistration, FabricError> {
+        reg.as_any()
+            .downcast_ref::<VerbsRegistration>()
+            .ok_or_else(|| FabricError::Registration("registration does not belong to the verbs fabric".into()))
     }
 }
 
@@ -63,11 +63,11 @@ impl Fabric for VerbsFabric {
     }
 
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError> {
-        Ok(Arc::new(VerbsRegistration::new(&self.dev.pd, memory, access, self.opts.mw_grants)?))
+        Ok(Arc::new(VerbsRegistration::new(&self.dev.pd, memory, access, self.opts.grant_mode)?))
     }
 
     fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
-        Self::ours(reg)?;
+        let vreg = Self::ours(reg)?;
         let memory = reg.memory();
         memory.check(req.offset, req.len).map_err(|e| FabricError::LocalRange(e.to_string()))?;
         if req.len == 0 {
@@ -82,7 +82,18 @@ impl Fabric for VerbsFabric {
         }
         let addr = reg.addr() + req.offset;
         match req.mode {
-            GrantMode::Region => Ok(Exposure { addr, key: RemoteKey::Rkey(reg.rkey()), keepalive: None }),
+            GrantMode::Region => {
+                // Only a fabric opened in grant mode `region` gives region MRs remote access; in
+                // `mr` and `mw` the region MR's keys open nothing remotely (DESIGN §8).
+                if !vreg.remote_key_exposed() {
+                    return Err(FabricError::Other(
+                        "grant mode region needs the fabric opened for it (verbs.grant_mode = \"region\" at \
+                         start-up): this region's MR has local access only"
+                            .into(),
+                    ));
+                }
+                Ok(Exposure { addr, key: RemoteKey::Rkey(reg.rkey()), keepalive: None })
+            }
             GrantMode::Mr => {
                 let flags = match req.op {
                     RemoteOp::Read => AccessFlags::RemoteRead,
@@ -99,7 +110,7 @@ impl Fabric for VerbsFabric {
                 Ok(Exposure { addr, key, keepalive: Some(Box::new(keep)) })
             }
             GrantMode::Mw => {
-                if !self.opts.mw_grants {
+                if !self.opts.mw_grants() {
                     return Err(FabricError::Other(
                         "grant mode mw needs the fabric opened for it (verbs.grant_mode = \"mw\" at start-up)".into(),
                     ));
@@ -114,9 +125,6 @@ impl Fabric for VerbsFabric {
                 };
                 let Some(accepted) = conn.as_any().downcast_ref::<VerbsAccepted>() else {
                     return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
-                };
-                let Some(vreg) = reg.as_any().downcast_ref::<VerbsRegistration>() else {
-                    return Err(FabricError::Registration("registration does not belong to the verbs fabric".into()));
                 };
                 let access = match req.op {
                     RemoteOp::Read => sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
@@ -151,7 +159,7 @@ impl Fabric for VerbsFabric {
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
         // one-WR send queue and no completion channel (binds are polled by `bind_windows`).
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants)?;
+        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants())?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
         Ok((eps, Box::new(VerbsAccepted::new(inner))))

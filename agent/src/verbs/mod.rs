@@ -79,8 +79,10 @@ pub struct VerbsOptions {
     pub cq_size: usize,
     /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
     pub busy_poll: bool,
-    /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
-    pub mw_grants: bool,
+    /// How grants expose memory (`verbs.grant_mode`, DESIGN §2). It decides the region MR's
+    /// access: local only in `mr` and `mw` (plus window binding in `mw`, whose responder QPs can
+    /// also post binds), remote access from the ceiling only in `region`.
+    pub grant_mode: crate::fabric::GrantMode,
 }
 
 #[cfg(feature = "verbs")]
@@ -97,7 +99,7 @@ impl Default for VerbsOptions {
             max_rd_atomic: 16,
             cq_size: 1024,
             busy_poll: false,
-            mw_grants: false,
+            grant_mode: crate::fabric::GrantMode::Mr,
         }
     }
 }
@@ -128,6 +130,11 @@ impl VerbsOptions {
         }
         Ok(())
     }
+
+    /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
+    pub fn mw_grants(&self) -> bool {
+        self.grant_mode == crate::fabric::GrantMode::Mw
+    }
 }
 
 /// The verbs options a configuration asks for.
@@ -142,7 +149,7 @@ pub fn options(cfg: &Config) -> VerbsOptions {
         timeout: cfg.verbs.timeout,
         retry_cnt: cfg.verbs.retry_cnt,
         rnr_retry: cfg.verbs.rnr_retry,
-        mw_grants: cfg.verbs.grant_mode == crate::fabric::GrantMode::Mw,
+        grant_mode: cfg.verbs.grant_mode,
         ..VerbsOptions::default()
     }
 }

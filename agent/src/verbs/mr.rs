@@ -9,27 +9,49 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
 use super::memory::RegionMemory;
-use crate::fabric::{Access, FabricError, Registration, RemoteOp};
+use crate::fabric::{Access, FabricError, GrantMode, Registration, RemoteOp};
 
-/// Access flags for a region MR from its ceiling. REMOTE_WRITE requires LOCAL_WRITE, which
-/// requires writable memory.
-pub(crate) fn region_flags(writable: bool, ceiling: Access) -> Result<AccessFlags, FabricError> {
+/// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
+/// grants).
+///
+/// * `mr`, `mw`: **local access only**. Only grants give remote access: a dedicated grant MR per
+///   grant (`mr`), or type-2 windows bound to this MR (`mw`, which adds MW_BIND). A type-2 window
+///   may carry remote access the MR lacks; a remote WRITE window needs LOCAL_WRITE on the MR
+///   (IB spec C10-76, rxe's `rxe_check_bind_mw`), which writable memory has.
+/// * `region`: the region MR itself is handed out, so it carries REMOTE_READ / REMOTE_WRITE from
+///   the ceiling (the documented "fastest, least scoped" mode).
+///
+/// LOCAL_WRITE whenever the memory is writable (the agent READs into its own regions). A remote
+/// write ceiling on read-only memory is refused in every mode, as grants could never honour it.
+pub(crate) fn region_flags(writable: bool, ceiling: Access, mode: GrantMode) -> Result<AccessFlags, FabricError> {
+    if ceiling.allows(RemoteOp::Write) && !writable {
+        return Err(FabricError::Registration(format!(
+            "access ceiling {ceiling} allows remote writes but the memory is mapped read-only"
+        )));
+    }
     let mut flags = AccessFlags::none();
     if writable {
         flags |= AccessFlags::LocalWrite;
     }
-    if ceiling.allows(RemoteOp::Read) {
-        flags |= AccessFlags::RemoteRead;
-    }
-    if ceiling.allows(RemoteOp::Write) {
-        if !writable {
-            return Err(FabricError::Registration(format!(
-                "access ceiling {ceiling} allows remote writes but the memory is mapped read-only"
-            )));
+    match mode {
+        GrantMode::Mr => {}
+        GrantMode::Mw => flags |= AccessFlags::MemoryWindowBind,
+        GrantMode::Region => {
+            if ceiling.allows(RemoteOp::Read) {
+                flags |= AccessFlags::RemoteRead;
+            }
+            if ceiling.allows(RemoteOp::Write) {
+                // REMOTE_WRITE requires LOCAL_WRITE: set above (writable was checked).
+                flags |= AccessFlags::RemoteWrite;
+            }
         }
-        flags |= AccessFlags::RemoteWrite;
     }
     Ok(flags)
+}
+
+/// True if an MR with `flags` answers remote READs or WRITEs with its own rkey.
+pub(crate) fn remote_access(flags: AccessFlags) -> bool {
+    flags.contains(AccessFlags::RemoteRead) || flags.contains(AccessFlags::RemoteWrite)
 }
 
 /// Registers `[addr, addr+len)` of `memory` (already bounds-checked by the caller).
@@ -59,7 +81,8 @@ pub(crate) fn reg(
     })
 }
 
-/// A region registered with the device.
+/// A region registered with the device. Its MR has remote access only in grant mode `region`
+/// (see [`region_flags`]).
 pub(crate) struct VerbsRegistration {
     // Field order is drop order: the MR is deregistered before the memory may be unmapped.
     pub mr: Arc<MemoryRegion>,
@@ -79,17 +102,14 @@ impl std::fmt::Debug for VerbsRegistration {
 }
 
 impl VerbsRegistration {
-    /// `mw_bind`: also allow memory windows to be bound to the MR (grant mode `mw`).
+    /// Registers the whole of `memory` with the flags grant mode `mode` calls for.
     pub fn new(
         pd: &Arc<ProtectionDomain>,
         memory: Arc<RegionMemory>,
         access: Access,
-        mw_bind: bool,
+        mode: GrantMode,
     ) -> Result<Self, FabricError> {
-        let mut flags = region_flags(memory.writable(), access)?;
-        if mw_bind {
-            flags |= AccessFlags::MemoryWindowBind;
-        }
+        let flags = region_flags(memory.writable(), access, mode)?;
         let started = Instant::now();
         let mr = reg(pd, &memory, 0, memory.len(), flags)?;
         crate::metrics::registration_duration(started.elapsed());
@@ -110,6 +130,9 @@ impl Registration for VerbsRegistration {
     fn access(&self) -> Access {
         self.access
     }
+    fn remote_key_exposed(&self) -> bool {
+        remote_access(self.flags)
+    }
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -127,16 +150,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn flags_follow_the_ceiling() {
-        let f = region_flags(true, Access::ReadWrite).unwrap();
+    fn region_mode_flags_follow_the_ceiling() {
+        let m = GrantMode::Region;
+        let f = region_flags(true, Access::ReadWrite, m).unwrap();
         assert_eq!(f, AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite);
-        let f = region_flags(true, Access::Read).unwrap();
+        let f = region_flags(true, Access::Read, m).unwrap();
         assert_eq!(f, AccessFlags::LocalWrite | AccessFlags::RemoteRead);
-        let f = region_flags(false, Access::Read).unwrap();
+        let f = region_flags(false, Access::Read, m).unwrap();
         assert_eq!(f, AccessFlags::RemoteRead);
-        let f = region_flags(true, Access::Write).unwrap();
+        let f = region_flags(true, Access::Write, m).unwrap();
         assert_eq!(f, AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
-        assert!(region_flags(false, Access::Write).is_err());
-        assert!(region_flags(false, Access::ReadWrite).is_err());
+        assert!(region_flags(false, Access::Write, m).is_err());
+        assert!(region_flags(false, Access::ReadWrite, m).is_err());
+        for access in [Access::Read, Access::Write, Access::ReadWrite] {
+            assert!(remote_access(region_flags(true, access, m).unwrap()), "{access}");
+        }
+    }
+
+    #[test]
+    fn mr_mode_region_mr_is_local_only() {
+        let m = GrantMode::Mr;
+        for access in [Access::Read, Access::Write, Access::ReadWrite] {
+            let f = region_flags(true, access, m).unwrap();
+            assert_eq!(f, AccessFlags::LocalWrite, "{access}");
+            assert!(!remote_access(f));
+        }
+        // Read-only memory: not even LOCAL_WRITE.
+        let f = region_flags(false, Access::Read, m).unwrap();
+        assert_eq!(f, AccessFlags::none());
+        assert!(!remote_access(f));
+        assert!(region_flags(false, Access::Write, m).is_err());
+        assert!(region_flags(false, Access::ReadWrite, m).is_err());
+    }
+
+    #[test]
+    fn mw_mode_region_mr_is_local_only_plus_window_bind() {
+        let m = GrantMode::Mw;
+        for access in [Access::Read, Access::Write, Access::ReadWrite] {
+            let f = region_flags(true, access, m).unwrap();
+            // LOCAL_WRITE: remote WRITE windows need it on the MR (C10-76).
+            assert_eq!(f, AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind, "{access}");
+            assert!(!remote_access(f));
+        }
+        let f = region_flags(false, Access::Read, m).unwrap();
+        assert_eq!(f, AccessFlags::MemoryWindowBind);
+        assert!(!remote_access(f));
+        assert!(region_flags(false, Access::Write, m).is_err());
+        assert!(region_flags(false, Access::ReadWrite, m).is_err());
     }
 }
