@@ -46,7 +46,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.verbs.device = var(which, "_DEV");
     cfg.verbs.grant_mode = mode;
     cfg.listen = format!("{}:7470", var(which, "")).parse().unwrap();
-    cfg.data_listen = format!("{}:7471", var(which, "")).parse().unwrap();
+    cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
     let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
     Side { node: Node::new(cfg, fabric, "test".into(), grants, None), _dir: dir }
@@ -55,7 +55,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
 /// A connects to B with one QP; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", 1, 16, tx).await.unwrap();
+    let pending = a.node.fabric.prepare("b", id, 1, 16, tx).await.unwrap();
     let eps = b.node.accept_connection("a", id, a.node.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
@@ -159,7 +159,7 @@ async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, o
         assert!(conn.is_broken(), "the QP that erred is broken");
     }
     conn.close();
-    b.node.disconnect(&id, Some("a"));
+    b.node.disconnect(&id, "a");
     c.status
 }
 
@@ -206,7 +206,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     b.node.grants.revoke(&g.id);
     b.node.grants.revoke(&gr.id);
     conn.close();
-    b.node.disconnect("legit", Some("a"));
+    b.node.disconnect("legit", "a");
 }
 
 /// Attacks the target region in grant mode `mode` with the region MR's rkey and lkey, WRITE and

@@ -273,7 +273,8 @@ pub struct Exposure {
 
 impl fmt::Debug for Exposure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Exposure").field("addr", &format_args!("{:#x}", self.addr)).field("key", &self.key).finish()
+        // Neither the remote address nor the key is printed (SECURITY.md).
+        f.debug_struct("Exposure").field("key", &self.key).finish_non_exhaustive()
     }
 }
 
@@ -381,7 +382,7 @@ pub enum WrOp {
 }
 
 /// A one-sided work request. `wr_id` comes back in its [`Completion`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WorkRequest {
     pub wr_id: u64,
     pub op: WrOp,
@@ -393,6 +394,19 @@ pub struct WorkRequest {
     pub remote_addr: u64,
     pub remote_key: RemoteKey,
     pub signaled: bool,
+}
+
+impl fmt::Debug for WorkRequest {
+    // Remote addresses are not logged (SECURITY.md); the key's own Debug hides it anyway.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkRequest")
+            .field("wr_id", &self.wr_id)
+            .field("op", &self.op)
+            .field("local_offset", &self.local_offset)
+            .field("len", &self.len)
+            .field("signaled", &self.signaled)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The result of a work request.

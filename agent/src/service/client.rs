@@ -12,7 +12,7 @@ use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 use crate::peers::{HandshakeReply, PeerError, RemoteCode};
 
 /// What `Peer.Grant` returns.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct GrantInfo {
     pub grant_id: String,
     pub addr: u64,
@@ -21,6 +21,18 @@ pub struct GrantInfo {
     pub expires_at: Option<SystemTime>,
     pub node_name: String,
     pub instance_id: String,
+}
+
+impl std::fmt::Debug for GrantInfo {
+    // The remote address is not printed, and `RemoteKey` hides the key (SECURITY.md).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantInfo")
+            .field("grant_id", &self.grant_id)
+            .field("key", &self.key)
+            .field("length", &self.length)
+            .field("node_name", &self.node_name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What `Peer.Grant` is asked for.
