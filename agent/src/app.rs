@@ -1,6 +1,7 @@
 //! Start-up and shutdown: choose the fabric, restore regions, serve gRPC and metrics, and drain
 //! on SIGTERM. `main.rs` only parses flags and calls [`run`].
 use std::net::SocketAddr;
+use std::os::unix::fs::DirBuilderExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -77,6 +78,21 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
+    if cfg.regions.file_roots.is_empty() {
+        // The default file root, private to the agent: only root (the node's admin) puts files
+        // (or links) there.
+        let files = cfg.state_dir.join("files");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&files)
+            .map_err(|error| StartError::StateDir { path: files.display().to_string(), error })?;
+    }
+    for root in cfg.regions.effective_file_roots(&cfg.state_dir) {
+        if !root.is_dir() {
+            warn!(root = %root.display(), "regions.file_roots entry is not a directory; file regions under it will be refused");
+        }
+    }
     log_limits();
     let tls = if cfg.insecure {
         if cfg.allow_plaintext_network {

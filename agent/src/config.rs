@@ -221,6 +221,140 @@ pub struct GrantsConfig {
     pub max_ttl: HumanDuration,
 }
 
+/// A file mode (permission bits) that reads `"0600"` (octal, as a string) or an integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileMode(pub u32);
+
+impl Serialize for FileMode {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{:04o}", self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for FileMode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u32),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(FileMode(n)),
+            Raw::S(s) => u32::from_str_radix(s.trim().trim_start_matches("0o"), 8)
+                .map(FileMode)
+                .map_err(|_| serde::de::Error::custom(format!("invalid file mode {s:?}: expected octal like \"0600\""))),
+        }
+    }
+}
+
+/// A list of paths, or one string of comma-separated paths (how the environment carries a list).
+fn paths_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathBuf>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        List(Vec<PathBuf>),
+        Csv(String),
+    }
+    Ok(match Raw::deserialize(d)? {
+        Raw::List(v) => v,
+        Raw::Csv(s) => s.split(',').map(str::trim).filter(|p| !p.is_empty()).map(PathBuf::from).collect(),
+    })
+}
+
+/// Where regions may live and who may see shared memory (DESIGN §8, host safety).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RegionsConfig {
+    /// Directories file regions must live under (absolute). A relative `path` is relative to the
+    /// first; an absolute one must be inside one of them. Empty = `<state_dir>/files`, created at
+    /// start. Env: comma-separated.
+    #[serde(deserialize_with = "paths_or_csv")]
+    pub file_roots: Vec<PathBuf>,
+    /// Permission bits of shm objects the agent creates (set with fchmod, whatever the umask).
+    pub shm_mode: FileMode,
+    /// Group (name or numeric gid) that created shm objects are given, for applications that must
+    /// fill them (use with `shm_mode = "0660"`); unset = the agent's group.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shm_group: Option<String>,
+    /// Owner (name or numeric uid) an existing shm object must have to be adopted
+    /// (`adopt_existing`); unset = the agent's own uid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shm_owner: Option<String>,
+    /// How often regions that could not be restored from the catalog are retried.
+    pub retry_interval: HumanDuration,
+}
+
+impl Default for RegionsConfig {
+    fn default() -> Self {
+        RegionsConfig {
+            file_roots: Vec::new(),
+            shm_mode: FileMode(0o600),
+            shm_group: None,
+            shm_owner: None,
+            retry_interval: HumanDuration(Duration::from_secs(10)),
+        }
+    }
+}
+
+impl RegionsConfig {
+    /// `file_roots`, or `<state_dir>/files` when none are configured.
+    pub fn effective_file_roots(&self, state_dir: &std::path::Path) -> Vec<PathBuf> {
+        if self.file_roots.is_empty() {
+            vec![state_dir.join("files")]
+        } else {
+            self.file_roots.clone()
+        }
+    }
+
+    /// `shm_group` as a gid (a number, or a group name looked up in the group database).
+    pub fn shm_gid(&self) -> Result<Option<u32>, ConfigError> {
+        match self.shm_group.as_deref().map(str::trim).filter(|g| !g.is_empty()) {
+            None => Ok(None),
+            Some(g) => match g.parse::<u32>() {
+                Ok(n) => Ok(Some(n)),
+                Err(_) => match nix::unistd::Group::from_name(g) {
+                    Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
+                    Ok(None) => Err(bad("regions.shm_group", format!("no group named {g:?}"))),
+                    Err(e) => Err(bad("regions.shm_group", format!("looking up group {g:?}: {e}"))),
+                },
+            },
+        }
+    }
+
+    /// `shm_owner` as a uid (a number or a user name); unset = the agent's effective uid.
+    pub fn shm_owner_uid(&self) -> Result<u32, ConfigError> {
+        match self.shm_owner.as_deref().map(str::trim).filter(|u| !u.is_empty()) {
+            None => Ok(nix::unistd::geteuid().as_raw()),
+            Some(u) => match u.parse::<u32>() {
+                Ok(n) => Ok(n),
+                Err(_) => match nix::unistd::User::from_name(u) {
+                    Ok(Some(user)) => Ok(user.uid.as_raw()),
+                    Ok(None) => Err(bad("regions.shm_owner", format!("no user named {u:?}"))),
+                    Err(e) => Err(bad("regions.shm_owner", format!("looking up user {u:?}: {e}"))),
+                },
+            },
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (i, r) in self.file_roots.iter().enumerate() {
+            if !r.is_absolute() {
+                return Err(bad(&format!("regions.file_roots[{i}]"), format!("{} is not an absolute path", r.display())));
+            }
+        }
+        if self.shm_mode.0 & !0o777 != 0 {
+            return Err(bad("regions.shm_mode", format!("{:o} has bits beyond 0777 (setuid, setgid, sticky)", self.shm_mode.0)));
+        }
+        if self.retry_interval.0.is_zero() {
+            return Err(bad("regions.retry_interval", "must be greater than zero"));
+        }
+        self.shm_gid()?;
+        self.shm_owner_uid()?;
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ShutdownConfig {
@@ -255,6 +389,7 @@ pub struct Config {
     pub tls: TlsConfig,
     pub limits: LimitsConfig,
     pub grants: GrantsConfig,
+    pub regions: RegionsConfig,
     pub shutdown: ShutdownConfig,
 }
 
@@ -281,6 +416,7 @@ impl Default for Config {
             tls: TlsConfig::default(),
             limits: LimitsConfig::default(),
             grants: GrantsConfig::default(),
+            regions: RegionsConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
     }
@@ -444,6 +580,7 @@ impl Config {
         if !self.tls.trust_domain.is_empty() {
             crate::service::auth::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
         }
+        self.regions.validate()?;
         self.check_plaintext()
     }
 
@@ -552,6 +689,31 @@ mod tests {
         let env = vec![("XFER_VERBS__RETRY_CNT".to_string(), "7".to_string())];
         let e = Config::load(None, env, &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "verbs.retry_cnt");
+    }
+
+    #[test]
+    fn regions_keys() {
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.regions.shm_mode, FileMode(0o600));
+        assert_eq!(c.regions.effective_file_roots(std::path::Path::new("/s")), vec![PathBuf::from("/s/files")]);
+        assert_eq!(c.regions.shm_gid().unwrap(), None);
+        let c = Config::load(
+            None,
+            env(&[("XFER_REGIONS__FILE_ROOTS", "/data/a,/data/b"), ("XFER_REGIONS__SHM_MODE", "0660"), ("XFER_REGIONS__SHM_GROUP", "0")]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.regions.file_roots, vec![PathBuf::from("/data/a"), PathBuf::from("/data/b")]);
+        assert_eq!(c.regions.shm_mode, FileMode(0o660));
+        assert_eq!(c.regions.shm_gid().unwrap(), Some(0));
+        assert!(c.to_toml().contains("shm_mode = \"0660\""), "{}", c.to_toml());
+        let e = Config::load(None, env(&[("XFER_REGIONS__FILE_ROOTS", "relative/dir")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.file_roots[0]");
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_MODE", "4755")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_mode");
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_GROUP", "no-such-group-xfer")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_group");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
 use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
 use crate::service::tls::TlsMaterial;
-use crate::regions::{new_id, RegionRegistry, RegionUse};
+use crate::regions::{new_id, RegionPolicy, RegionRegistry, RegionUse};
 use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
@@ -151,6 +151,13 @@ impl Node {
         grants: Arc<GrantTable>,
         tls: Option<Arc<TlsMaterial>>,
     ) -> Arc<Node> {
+        let mut policy = RegionPolicy::new(config.regions.effective_file_roots(&config.state_dir));
+        policy.shm_mode = config.regions.shm_mode.0;
+        // Both were checked by Config::validate; a failure here keeps the private defaults.
+        policy.shm_gid = config.regions.shm_gid().unwrap_or(None);
+        if let Ok(uid) = config.regions.shm_owner_uid() {
+            policy.shm_owner = uid;
+        }
         let regions = RegionRegistry::new(
             fabric.clone(),
             config.state_dir.clone(),
@@ -158,6 +165,7 @@ impl Node {
                 max_regions: config.limits.max_regions,
                 max_registered_bytes: config.limits.max_registered_bytes.0,
             },
+            policy,
         );
         let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls);
         Arc::new(Node {
@@ -184,24 +192,46 @@ impl Node {
     /// Background housekeeping: region leases and grant expiry.
     pub fn spawn_reapers(self: &Arc<Self>, shutdown: CancellationToken) {
         let node = self.clone();
+        let stop = shutdown.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let now = SystemTime::now();
+                node.grants.reap(now);
+                // Catalog writes fsync: off the reactor.
+                let n = node.clone();
+                let expired = tokio::task::spawn_blocking(move || n.regions.reap_expired(now)).await.unwrap_or_default();
+                for r in expired {
+                    node.grants.revoke_region(&r.id);
+                }
+            }
+        });
+        // Regions the catalog has but that could not be restored (file missing, owner mismatch,
+        // ...) come back as soon as they can: retried every `regions.retry_interval`.
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(node.config.regions.retry_interval.0);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                let now = SystemTime::now();
-                node.grants.reap(now);
-                for r in node.regions.reap_expired(now) {
-                    node.grants.revoke_region(&r.id);
-                }
+                let n = node.clone();
+                let _ = tokio::task::spawn_blocking(move || n.regions.retry_unavailable()).await;
             }
         });
     }
 
     pub fn delete_region(&self, name: &str) -> Result<(), crate::regions::RegionError> {
-        let r = self.regions.delete(name)?;
+        let Some(r) = self.regions.delete(name)? else {
+            // An unavailable region: never registered, so no grants.
+            return Ok(());
+        };
         let n = self.grants.revoke_region(&r.id);
         if n > 0 {
             info!(region = %name, grants = n, "revoked grants of deleted region");
@@ -497,6 +527,7 @@ impl Node {
             hugepages: false,
             ttl: Some(BENCH_REGION_TTL),
             labels: [("xfer.io/scratch".to_string(), "bench".to_string()), ("xfer.io/owner".to_string(), owner.to_string())].into(),
+            adopt_existing: false,
         })?;
         *slot = Some((name.clone(), owner.to_string()));
         Ok(name)

@@ -2,18 +2,47 @@
 //!
 //! Kinds: `anonymous` (agent-allocated, zeroed), `file` (a shared mapping of an existing file whose
 //! data persists) and `shm` (a POSIX shared-memory object under /dev/shm that local applications
-//! map too). The catalog of file and shm regions is written to `<state_dir>/regions.json` on every
-//! change (write to a temp file, then rename), and read back at start so those regions survive an
-//! agent restart with their data. Anonymous regions die with the agent by design.
+//! map too). Anonymous regions die with the agent by design.
+//!
+//! # Host safety (DESIGN §8)
+//!
+//! - **File regions live under `regions.file_roots`.** A path is resolved beneath its root with
+//!   `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` (or, on kernels without openat2, a
+//!   component-by-component walk with `O_NOFOLLOW | O_DIRECTORY`), opened `O_NONBLOCK | O_NOCTTY`
+//!   (a FIFO never blocks) and must be a regular file. A hard link inside a root to a file outside
+//!   it is the same inode and cannot be told apart by path: the roots' permissions must keep
+//!   untrusted users from creating links there (SECURITY.md).
+//! - **shm objects are private.** Created with `O_CREAT | O_EXCL | O_NOFOLLOW` and
+//!   `regions.shm_mode` (0600), optionally given `regions.shm_group`. An existing object is used
+//!   only with `adopt_existing`, only if it is a regular file owned by the agent's uid (or
+//!   `regions.shm_owner`) and long enough: it is never resized.
+//! - **No lock is held across an open.** A create reserves its name and bytes under the map lock,
+//!   opens, maps and registers without any lock, then inserts.
+//!
+//! # The catalog
+//!
+//! File and shm regions are written to `<state_dir>/regions.json` on every change: one writer at
+//! a time (`persist_lock`), a unique `O_EXCL` temp file, fsync, rename, fsync of the directory. A
+//! catalog that does not parse is moved aside (`regions.json.corrupt-<unix time>`) and the agent
+//! starts without regions. An entry that cannot be restored stays in the catalog as an
+//! *unavailable* region with its reason, is retried periodically ([`RegionRegistry::retry_unavailable`])
+//! and leaves the catalog only through `DeleteRegion` (or its lease).
 use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsStr;
 use std::fs::{File, OpenOptions};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::fabric::{Access, Fabric, FabricError, Registration};
 use crate::metrics as m;
@@ -39,6 +68,8 @@ pub struct RegionSpec {
     pub hugepages: bool,
     pub ttl: Option<Duration>,
     pub labels: BTreeMap<String, String>,
+    /// shm: use an object that already exists (never resized, never removed by the agent).
+    pub adopt_existing: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +86,15 @@ pub enum RegionError {
     FileTooShort { path: String, actual: u64, needed: u64 },
     #[error("region {0:?} is in use by a running transfer")]
     Busy(String),
+    /// Outside every file root, through a symlink, or an shm object of another owner.
+    #[error("{0}")]
+    Denied(String),
+    #[error("{path:?} is not a regular file (it is a {kind}); regions map regular files only")]
+    NotRegular { path: String, kind: &'static str },
+    #[error("shm object {object:?} already exists; pass adopt_existing (xferctl region create --adopt) to use it")]
+    ShmExists { object: String },
+    #[error("region {name:?} is unavailable: {reason}")]
+    Unavailable { name: String, reason: String },
     #[error("limit reached: {0}")]
     Limit(String),
     #[error("{context}: {source}")]
@@ -139,23 +179,167 @@ struct CatalogEntry {
     created_object: bool,
 }
 
+impl CatalogEntry {
+    fn of(r: &Region) -> CatalogEntry {
+        CatalogEntry {
+            id: r.id.clone(),
+            name: r.name.clone(),
+            length: r.length,
+            kind: r.kind,
+            path: r.path.clone(),
+            access: r.access,
+            labels: r.labels.clone(),
+            created_at: r.created_at,
+            expires_at: r.expires_at,
+            created_object: r.created_object,
+        }
+    }
+
+    fn spec(&self) -> RegionSpec {
+        RegionSpec {
+            name: self.name.clone(),
+            length: self.length,
+            kind: self.kind,
+            path: self.path.clone(),
+            access: self.access,
+            hugepages: false,
+            ttl: None,
+            labels: self.labels.clone(),
+            adopt_existing: !self.created_object,
+        }
+    }
+}
+
+/// A catalog region that could not be restored: what the catalog says, and why. It keeps its
+/// name, counts toward `max_regions` (not toward registered bytes) and is retried.
+#[derive(Debug, Clone)]
+pub struct UnavailableRegion {
+    entry: CatalogEntry,
+    pub reason: String,
+}
+
+impl UnavailableRegion {
+    pub fn id(&self) -> &str {
+        &self.entry.id
+    }
+    pub fn name(&self) -> &str {
+        &self.entry.name
+    }
+    pub fn length(&self) -> u64 {
+        self.entry.length
+    }
+    pub fn kind(&self) -> RegionKind {
+        self.entry.kind
+    }
+    pub fn path(&self) -> Option<&str> {
+        self.entry.path.as_deref()
+    }
+    pub fn access(&self) -> Access {
+        self.entry.access
+    }
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        &self.entry.labels
+    }
+    pub fn created_at(&self) -> SystemTime {
+        self.entry.created_at
+    }
+    pub fn expires_at(&self) -> Option<SystemTime> {
+        self.entry.expires_at
+    }
+}
+
+/// What `GetRegion`/`ListRegions` show: a live region or an unavailable catalog entry.
+#[derive(Debug, Clone)]
+pub enum RegionView {
+    Live(Arc<Region>),
+    Unavailable(UnavailableRegion),
+}
+
+impl RegionView {
+    pub fn name(&self) -> &str {
+        match self {
+            RegionView::Live(r) => &r.name,
+            RegionView::Unavailable(u) => u.name(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct RegionLimits {
     pub max_regions: usize,
     pub max_registered_bytes: u64,
 }
 
+/// Where regions may live and who may see shared memory (`regions.*` in the configuration).
+#[derive(Debug, Clone)]
+pub struct RegionPolicy {
+    /// Absolute directories file regions must live under; the first is where relative paths go.
+    pub file_roots: Vec<PathBuf>,
+    /// Directory of POSIX shared-memory objects (`/dev/shm`).
+    pub shm_dir: PathBuf,
+    /// Permission bits of created shm objects.
+    pub shm_mode: u32,
+    /// Group given to created shm objects.
+    pub shm_gid: Option<u32>,
+    /// Owner an existing shm object must have to be adopted.
+    pub shm_owner: u32,
+}
+
+impl RegionPolicy {
+    /// Private defaults: shm objects 0600 in /dev/shm, adopted only from the agent's own uid.
+    pub fn new(file_roots: Vec<PathBuf>) -> RegionPolicy {
+        RegionPolicy {
+            file_roots,
+            shm_dir: PathBuf::from("/dev/shm"),
+            shm_mode: 0o600,
+            shm_gid: None,
+            shm_owner: nix::unistd::geteuid().as_raw(),
+        }
+    }
+
+    fn roots_text(&self) -> String {
+        let v: Vec<String> = self.file_roots.iter().map(|r| r.display().to_string()).collect();
+        v.join(", ")
+    }
+}
+
+/// The registry's maps, under one lock.
+#[derive(Default)]
+struct Inner {
+    /// name → live region.
+    live: HashMap<String, Arc<Region>>,
+    /// name → catalog entry that could not be restored.
+    unavailable: HashMap<String, UnavailableRegion>,
+    /// name → bytes of a create in progress (opening, mapping, registering with no lock held):
+    /// the name is taken and the bytes are counted until it is inserted or fails.
+    pending: HashMap<String, u64>,
+}
+
+impl Inner {
+    fn count(&self) -> usize {
+        self.live.len() + self.unavailable.len() + self.pending.len()
+    }
+
+    fn taken(&self, name: &str) -> bool {
+        self.live.contains_key(name) || self.unavailable.contains_key(name) || self.pending.contains_key(name)
+    }
+
+    fn registered_bytes(&self) -> u64 {
+        self.live.values().map(|r| r.length).sum::<u64>().saturating_add(self.pending.values().sum::<u64>())
+    }
+}
+
 /// All regions of this agent, by name.
 pub struct RegionRegistry {
     fabric: Arc<dyn Fabric>,
     state_dir: PathBuf,
-    shm_dir: PathBuf,
+    policy: RegionPolicy,
     limits: RegionLimits,
-    /// name → region. A std Mutex: held only for map operations, never across an await.
-    regions: Mutex<HashMap<String, Arc<Region>>>,
-    /// Serialises creates so the catalog write order matches the map (held across mapping and
-    /// registration, which may be slow, but never across an await).
-    create_lock: Mutex<()>,
+    /// A std Mutex: held only for map operations, never across an open, a mapping or an await.
+    inner: Mutex<Inner>,
+    /// One catalog writer at a time. A writer takes it, *then* snapshots the maps, so the last
+    /// rename always carries the newest state. Never held across an await.
+    persist_lock: Mutex<()>,
     /// Bytes the agent holds outside regions (benchmark buffers), counted against
     /// `max_registered_bytes` like regions ([`Reservation`]).
     reserved: Arc<AtomicU64>,
@@ -188,66 +372,79 @@ pub fn validate_name(name: &str) -> Result<(), RegionError> {
     }
 }
 
-impl RegionRegistry {
-    pub fn new(fabric: Arc<dyn Fabric>, state_dir: PathBuf, limits: RegionLimits) -> Self {
-        Self::with_shm_dir(fabric, state_dir, PathBuf::from("/dev/shm"), limits)
-    }
+/// A mapped file or shm object, before registration.
+struct Opened {
+    memory: RegionMemory,
+    path: Option<String>,
+    /// An shm object the agent created (now or before a restart): removed on delete.
+    created_object: bool,
+    /// An shm object this call created: removed again if registration fails.
+    created_now: bool,
+}
 
-    pub fn with_shm_dir(fabric: Arc<dyn Fabric>, state_dir: PathBuf, shm_dir: PathBuf, limits: RegionLimits) -> Self {
+impl RegionRegistry {
+    pub fn new(fabric: Arc<dyn Fabric>, state_dir: PathBuf, limits: RegionLimits, policy: RegionPolicy) -> Self {
         RegionRegistry {
             fabric,
             state_dir,
-            shm_dir,
+            policy,
             limits,
-            regions: Mutex::new(HashMap::new()),
-            create_lock: Mutex::new(()),
+            inner: Mutex::new(Inner::default()),
+            persist_lock: Mutex::new(()),
             reserved: Arc::new(AtomicU64::new(0)),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Region>>> {
-        // A poisoned lock means a panic while holding it; the map itself is still consistent
-        // (inserts and removes are single operations), so keep serving.
-        self.regions.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock means a panic while holding it; the maps themselves are still
+        // consistent (inserts and removes are single operations), so keep serving.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn catalog_path(&self) -> PathBuf {
-        self.state_dir.join("regions.json")
+        self.state_dir.join(CATALOG)
     }
 
-    /// Re-creates file and shm regions from the catalog. Entries that cannot be restored are
-    /// logged and dropped from the catalog.
+    /// Re-creates file and shm regions from the catalog. An entry that cannot be restored stays
+    /// in the catalog as unavailable, with its reason. A catalog that does not parse is moved
+    /// aside and the agent starts with no regions; other read errors are returned.
     pub fn restore(&self) -> Result<usize, RegionError> {
+        remove_stale_temp_files(&self.state_dir);
         let path = self.catalog_path();
-        let text = match std::fs::read_to_string(&path) {
+        let text = match std::fs::read(&path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
             Err(e) => return Err(io_err(format!("reading {}", path.display()))(e)),
         };
-        let entries: Vec<CatalogEntry> = serde_json::from_str(&text)
-            .map_err(|e| RegionError::Invalid(format!("corrupt region catalog {}: {e}", path.display())))?;
+        let entries: Vec<CatalogEntry> = match serde_json::from_slice(&text) {
+            Ok(v) => v,
+            Err(e) => {
+                self.move_catalog_aside(&path, &e.to_string(), text.len())?;
+                // A fresh, empty catalog in its place.
+                self.persist()?;
+                return Ok(0);
+            }
+        };
         let mut restored = 0;
         for e in entries {
             if e.expires_at.is_some_and(|t| t <= SystemTime::now()) {
                 info!(region = %e.name, "region lease expired while the agent was down; not restored");
                 continue;
             }
-            let spec = RegionSpec {
-                name: e.name.clone(),
-                length: e.length,
-                kind: e.kind,
-                path: e.path.clone(),
-                access: e.access,
-                hugepages: false,
-                ttl: None,
-                labels: e.labels.clone(),
-            };
-            match self.build(&spec, Some(&e)) {
+            if validate_name(&e.name).is_err() || self.lock().taken(&e.name) {
+                warn!(region = %e.name, "catalog entry with an invalid or duplicate name ignored");
+                continue;
+            }
+            match self.build(&e.spec(), Some(&e)) {
                 Ok(region) => {
-                    self.lock().insert(region.name.clone(), region);
+                    self.lock().live.insert(region.name.clone(), region);
                     restored += 1;
                 }
-                Err(err) => warn!(region = %e.name, error = %err, "could not restore region from catalog"),
+                Err(err) => {
+                    warn!(region = %e.name, error = %err, "could not restore region from the catalog; it is listed as unavailable and retried");
+                    let u = UnavailableRegion { reason: err.to_string(), entry: e };
+                    self.lock().unavailable.insert(u.entry.name.clone(), u);
+                }
             }
         }
         self.persist()?;
@@ -255,32 +452,68 @@ impl RegionRegistry {
         Ok(restored)
     }
 
+    /// Renames an unreadable catalog to `regions.json.corrupt-<unix time>` so the agent can
+    /// start (a crash loop helps nobody) while the file stays for a human to inspect.
+    fn move_catalog_aside(&self, path: &Path, problem: &str, len: usize) -> Result<(), RegionError> {
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let mut aside = self.state_dir.join(format!("{CATALOG}.corrupt-{secs}"));
+        let mut n = 1;
+        while aside.exists() {
+            aside = self.state_dir.join(format!("{CATALOG}.corrupt-{secs}.{n}"));
+            n += 1;
+        }
+        std::fs::rename(path, &aside).map_err(io_err(format!("moving the corrupt catalog {} aside", path.display())))?;
+        sync_dir(&self.state_dir)?;
+        error!(
+            catalog = %path.display(),
+            moved_to = %aside.display(),
+            bytes = len,
+            problem,
+            "region catalog is corrupt (unparseable, truncated or empty): moved aside, starting with no file or shm regions"
+        );
+        Ok(())
+    }
+
     pub fn create(&self, spec: RegionSpec) -> Result<Arc<Region>, RegionError> {
         validate_name(&spec.name)?;
         if spec.length == 0 {
             return Err(RegionError::Invalid("region length must be greater than zero".into()));
         }
-        let _serial = self.create_lock.lock().unwrap_or_else(|p| p.into_inner());
         {
-            let map = self.lock();
-            if map.contains_key(&spec.name) {
+            let mut st = self.lock();
+            if st.taken(&spec.name) {
                 return Err(RegionError::AlreadyExists(spec.name));
             }
-            if map.len() >= self.limits.max_regions {
+            if st.count() >= self.limits.max_regions {
                 return Err(RegionError::Limit(format!("max_regions = {}", self.limits.max_regions)));
             }
-            let registered: u64 = map.values().map(|r| r.length).sum::<u64>().saturating_add(self.reserved.load(Ordering::Acquire));
+            let registered = st.registered_bytes().saturating_add(self.reserved.load(Ordering::Acquire));
             if registered.saturating_add(spec.length) > self.limits.max_registered_bytes {
                 return Err(RegionError::Limit(format!(
                     "max_registered_bytes = {} ({} registered, {} requested)",
                     self.limits.max_registered_bytes, registered, spec.length
                 )));
             }
+            st.pending.insert(spec.name.clone(), spec.length);
         }
-        let region = self.build(&spec, None)?;
-        self.lock().insert(region.name.clone(), region.clone());
+        // No lock from here to the insert: opening a file (even one on a hung NFS mount),
+        // mapping and registering must not stall other creates, deletes or lookups.
+        let built = self.build(&spec, None);
+        let region = {
+            let mut st = self.lock();
+            st.pending.remove(&spec.name);
+            let region = built?;
+            st.live.insert(region.name.clone(), region.clone());
+            region
+        };
         if region.kind != RegionKind::Anonymous {
-            self.persist()?;
+            if let Err(e) = self.persist() {
+                // Not in the catalog: undo, so the caller's error is the whole truth.
+                self.lock().live.remove(&region.name);
+                self.remove_created_object(&region);
+                self.update_gauges();
+                return Err(e);
+            }
         }
         self.update_gauges();
         info!(region = %region.name, id = %region.id, kind = ?region.kind, length = region.length, "region created");
@@ -290,8 +523,8 @@ impl RegionRegistry {
     /// Counts `bytes` the agent is about to allocate outside regions (for `what`) against
     /// `max_registered_bytes`; RESOURCE_EXHAUSTED when they do not fit.
     pub fn reserve(&self, bytes: u64, what: &str) -> Result<Reservation, RegionError> {
-        let map = self.lock();
-        let used = map.values().map(|r| r.length).sum::<u64>().saturating_add(self.reserved.load(Ordering::Acquire));
+        let st = self.lock();
+        let used = st.registered_bytes().saturating_add(self.reserved.load(Ordering::Acquire));
         if used.saturating_add(bytes) > self.limits.max_registered_bytes {
             return Err(RegionError::Limit(format!(
                 "max_registered_bytes = {} ({used} in use, {bytes} needed for {what})",
@@ -302,15 +535,15 @@ impl RegionRegistry {
         Ok(Reservation { counter: self.reserved.clone(), bytes })
     }
 
+    /// Opens, maps and registers. Takes no lock. `restored`: the catalog entry being restored.
     fn build(&self, spec: &RegionSpec, restored: Option<&CatalogEntry>) -> Result<Arc<Region>, RegionError> {
         let len = usize::try_from(spec.length)
             .map_err(|_| RegionError::Invalid(format!("length {} does not fit this machine", spec.length)))?;
-        let mut created_object = restored.is_some_and(|e| e.created_object);
-        let (memory, path) = match spec.kind {
+        let opened = match spec.kind {
             RegionKind::Anonymous => {
-                let mem = RegionMemory::anonymous(len, spec.hugepages)
+                let memory = RegionMemory::anonymous(len, spec.hugepages)
                     .map_err(io_err(format!("allocating {} bytes", spec.length)))?;
-                (mem, None)
+                Opened { memory, path: None, created_object: false, created_now: false }
             }
             RegionKind::File => {
                 let path = spec
@@ -318,50 +551,64 @@ impl RegionRegistry {
                     .clone()
                     .filter(|p| !p.is_empty())
                     .ok_or_else(|| RegionError::Invalid("file regions need a path".into()))?;
-                let file = open_region_file(Path::new(&path), spec.access)?;
-                let actual = file.metadata().map_err(io_err(format!("stat {path}")))?.len();
+                let (file, full) = self.open_region_file(&path, spec.access)?;
+                let actual = file.metadata().map_err(io_err(format!("stat {full}")))?.len();
                 if actual < spec.length {
-                    return Err(RegionError::FileTooShort { path, actual, needed: spec.length });
+                    return Err(RegionError::FileTooShort { path: full, actual, needed: spec.length });
                 }
                 let writable = spec.access != Access::Read;
-                let mem = RegionMemory::map_file(&file, len, writable).map_err(io_err(format!("mapping {path}")))?;
-                (mem, Some(path))
+                let memory = RegionMemory::map_file(&file, len, writable).map_err(io_err(format!("mapping {full}")))?;
+                Opened { memory, path: Some(full), created_object: false, created_now: false }
             }
             RegionKind::Shm => {
                 let object = spec.path.clone().filter(|p| !p.is_empty()).unwrap_or_else(|| format!("xfer-{}", spec.name));
-                if object.contains('/') || object.starts_with('.') || object.is_empty() {
+                if object.contains('/') || object.starts_with('.') || object.len() > 255 || object.contains('\0') {
                     return Err(RegionError::Invalid(format!("invalid shm object name {object:?}")));
                 }
-                let full = self.shm_dir.join(&object);
-                let existed = full.exists();
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .open(&full)
-                    .map_err(io_err(format!("opening {}", full.display())))?;
-                if !existed {
-                    created_object = true;
+                let may_create = match restored {
+                    // Re-created only if the agent created it in the first place.
+                    Some(e) => e.created_object,
+                    None => true,
+                };
+                let (file, created) = self.open_shm(&object, spec.length, spec.adopt_existing || restored.is_some(), may_create)?;
+                let mapped = RegionMemory::map_file(&file, len, true).map_err(io_err(format!("mapping shm object {object}")));
+                match mapped {
+                    Ok(memory) => Opened {
+                        memory,
+                        path: Some(object),
+                        created_object: created || restored.is_some_and(|e| e.created_object),
+                        created_now: created,
+                    },
+                    Err(e) => {
+                        if created {
+                            self.unlink_shm(&object);
+                        }
+                        return Err(e);
+                    }
                 }
-                let actual = file.metadata().map_err(io_err(format!("stat {}", full.display())))?.len();
-                if actual < spec.length {
-                    file.set_len(spec.length).map_err(io_err(format!("sizing {}", full.display())))?;
-                }
-                let mem = RegionMemory::map_file(&file, len, true).map_err(io_err(format!("mapping {}", full.display())))?;
-                (mem, Some(object))
             }
         };
-        let memory = Arc::new(memory);
+        let created_now = opened.created_now;
+        let memory = Arc::new(opened.memory);
         // The fabric records xfer_registration_duration_seconds (verbs: around ibv_reg_mr).
-        let registration = self.fabric.register(memory.clone(), spec.access)?;
+        let registration = match self.fabric.register(memory.clone(), spec.access) {
+            Ok(r) => r,
+            Err(e) => {
+                if created_now {
+                    if let Some(obj) = &opened.path {
+                        self.unlink_shm(obj);
+                    }
+                }
+                return Err(e.into());
+            }
+        };
         let now = SystemTime::now();
         Ok(Arc::new(Region {
             id: restored.map(|e| e.id.clone()).unwrap_or_else(new_id),
             name: spec.name.clone(),
             length: spec.length,
             kind: spec.kind,
-            path,
+            path: opened.path,
             access: spec.access,
             hugepages: spec.hugepages,
             labels: spec.labels.clone(),
@@ -370,46 +617,212 @@ impl RegionRegistry {
             memory,
             registration,
             in_use: AtomicU32::new(0),
-            created_object,
+            created_object: opened.created_object,
         }))
     }
 
-    /// Looks a region up by name or id.
-    pub fn get(&self, name_or_id: &str) -> Result<Arc<Region>, RegionError> {
-        let map = self.lock();
-        if let Some(r) = map.get(name_or_id) {
-            return Ok(r.clone());
+    /// Which root `path` belongs to and the part beneath it. A relative path is beneath the
+    /// first root; an absolute one must start with a root (as configured or canonicalized).
+    fn locate(&self, path: &str) -> Result<(PathBuf, PathBuf), RegionError> {
+        let p = Path::new(path);
+        let first = self.policy.file_roots.first().ok_or_else(|| self.denied(path, "no file roots are configured"))?;
+        if p.is_relative() {
+            return Ok((first.clone(), p.to_path_buf()));
         }
-        map.values()
-            .find(|r| r.id == name_or_id)
-            .cloned()
+        for root in &self.policy.file_roots {
+            let canonical = std::fs::canonicalize(root).ok();
+            for form in std::iter::once(root).chain(canonical.as_ref()) {
+                if let Ok(rest) = p.strip_prefix(form) {
+                    return Ok((root.clone(), rest.to_path_buf()));
+                }
+            }
+        }
+        Err(self.denied(path, "it is outside every file root"))
+    }
+
+    fn denied(&self, path: &str, why: &str) -> RegionError {
+        RegionError::Denied(format!(
+            "file {path:?} refused: {why}; file regions must be regular files beneath regions.file_roots ({}) reached without symbolic links",
+            self.policy.roots_text()
+        ))
+    }
+
+    /// Opens a file region's file beneath its root: no symlink anywhere, no `..` out of the root,
+    /// non-blocking (a FIFO or device never blocks), and it must be a regular file. Returns the
+    /// file and its full path (root + the part beneath it).
+    fn open_region_file(&self, path: &str, access: Access) -> Result<(File, String), RegionError> {
+        let (root, rest) = self.locate(path)?;
+        let full = root.join(&rest).display().to_string();
+        if rest.as_os_str().is_empty() {
+            return Err(RegionError::NotRegular { path: full, kind: "directory" });
+        }
+        let dir = nix::fcntl::open(&root, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| io_err(format!("opening file root {}", root.display()))(e.into()))?;
+        let mode = if access == Access::Read { OFlag::O_RDONLY } else { OFlag::O_RDWR };
+        let flags = mode | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+        let fd = open_beneath(dir.as_fd(), &rest, flags).map_err(|e| match e {
+            Errno::ENOENT => RegionError::PathMissing { path: full.clone() },
+            Errno::ELOOP => self.denied(path, "a component is a symbolic link"),
+            Errno::EXDEV => self.denied(path, "it resolves outside its file root"),
+            Errno::EACCES | Errno::EPERM => self.denied(path, "the agent may not open it"),
+            Errno::EISDIR => RegionError::NotRegular { path: full.clone(), kind: "directory" },
+            Errno::ENXIO => RegionError::NotRegular { path: full.clone(), kind: "special file" },
+            Errno::ENOTDIR => RegionError::Invalid(format!("file {full:?}: a component of the path is not a directory")),
+            other => io_err(format!("opening {full}"))(other.into()),
+        })?;
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(io_err(format!("stat {full}")))?;
+        if !meta.file_type().is_file() {
+            return Err(RegionError::NotRegular { path: full, kind: file_kind(&meta.file_type()) });
+        }
+        Ok((file, full))
+    }
+
+    /// Opens or creates the shm object `object`: `adopt` allows using an existing one (regular,
+    /// right owner, long enough: never resized), `create` allows creating a missing one (0600 or
+    /// `shm_mode`, `O_EXCL`). Returns the file and whether this call created it.
+    fn open_shm(&self, object: &str, length: u64, adopt: bool, create: bool) -> Result<(File, bool), RegionError> {
+        let shm = &self.policy.shm_dir;
+        let dir = nix::fcntl::open(shm, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| io_err(format!("opening {}", shm.display()))(e.into()))?;
+        if adopt {
+            let flags = OFlag::O_RDWR | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+            match nix::fcntl::openat(dir.as_fd(), object, flags, Mode::empty()) {
+                Ok(fd) => return self.check_adopted(File::from(fd), object, length).map(|f| (f, false)),
+                Err(Errno::ENOENT) if create => {}
+                Err(Errno::ENOENT) => {
+                    return Err(RegionError::PathMissing { path: shm.join(object).display().to_string() });
+                }
+                Err(Errno::ELOOP) => {
+                    return Err(RegionError::Denied(format!("shm object {object:?} is a symbolic link; it is not adopted")));
+                }
+                Err(e) => return Err(io_err(format!("opening shm object {object}"))(e.into())),
+            }
+        }
+        let flags = OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mode = Mode::from_bits_truncate(self.policy.shm_mode);
+        let fd = match nix::fcntl::openat(dir.as_fd(), object, flags, mode) {
+            Ok(fd) => fd,
+            Err(Errno::EEXIST) => return Err(RegionError::ShmExists { object: object.to_string() }),
+            Err(e) => return Err(io_err(format!("creating shm object {object}"))(e.into())),
+        };
+        let file = File::from(fd);
+        let setup = || -> std::io::Result<()> {
+            // The umask may have cleared bits of the mode asked for: set it exactly.
+            nix::sys::stat::fchmod(file.as_fd(), mode)?;
+            if let Some(gid) = self.policy.shm_gid {
+                std::os::unix::fs::fchown(&file, None, Some(gid))?;
+            }
+            file.set_len(length)
+        };
+        if let Err(e) = setup() {
+            let _ = nix::unistd::unlinkat(dir.as_fd(), object, nix::unistd::UnlinkatFlags::NoRemoveDir);
+            return Err(io_err(format!("setting up shm object {object}"))(e));
+        }
+        Ok((file, true))
+    }
+
+    fn check_adopted(&self, file: File, object: &str, length: u64) -> Result<File, RegionError> {
+        let meta = file.metadata().map_err(io_err(format!("stat shm object {object}")))?;
+        if !meta.file_type().is_file() {
+            return Err(RegionError::NotRegular { path: object.to_string(), kind: file_kind(&meta.file_type()) });
+        }
+        if meta.uid() != self.policy.shm_owner {
+            return Err(RegionError::Denied(format!(
+                "shm object {object:?} is owned by uid {}; only objects owned by uid {} (the agent, or regions.shm_owner) are adopted",
+                meta.uid(),
+                self.policy.shm_owner
+            )));
+        }
+        if meta.len() < length {
+            return Err(RegionError::FileTooShort { path: object.to_string(), actual: meta.len(), needed: length });
+        }
+        Ok(file)
+    }
+
+    fn unlink_shm(&self, object: &str) {
+        if let Err(e) = std::fs::remove_file(self.policy.shm_dir.join(object)) {
+            warn!(object, error = %e, "could not remove shm object");
+        }
+    }
+
+    fn remove_created_object(&self, region: &Region) {
+        if region.kind == RegionKind::Shm && region.created_object {
+            if let Some(obj) = &region.path {
+                self.unlink_shm(obj);
+            }
+        }
+    }
+
+    /// Looks a live region up by name or id; an unavailable one is FAILED_PRECONDITION naming
+    /// its reason.
+    pub fn get(&self, name_or_id: &str) -> Result<Arc<Region>, RegionError> {
+        match self.describe(name_or_id)? {
+            RegionView::Live(r) => Ok(r),
+            RegionView::Unavailable(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
+        }
+    }
+
+    /// A region by name or id, live or unavailable.
+    pub fn describe(&self, name_or_id: &str) -> Result<RegionView, RegionError> {
+        let st = self.lock();
+        if let Some(r) = st.live.get(name_or_id) {
+            return Ok(RegionView::Live(r.clone()));
+        }
+        if let Some(u) = st.unavailable.get(name_or_id) {
+            return Ok(RegionView::Unavailable(u.clone()));
+        }
+        if let Some(r) = st.live.values().find(|r| r.id == name_or_id) {
+            return Ok(RegionView::Live(r.clone()));
+        }
+        st.unavailable
+            .values()
+            .find(|u| u.id() == name_or_id)
+            .map(|u| RegionView::Unavailable(u.clone()))
             .ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))
     }
 
-    pub fn list(&self, selector: &BTreeMap<String, String>) -> Vec<Arc<Region>> {
-        let mut v: Vec<_> = self
-            .lock()
+    /// Live and unavailable regions whose labels match `selector`, by name.
+    pub fn list(&self, selector: &BTreeMap<String, String>) -> Vec<RegionView> {
+        let matches = |labels: &BTreeMap<String, String>| selector.iter().all(|(k, val)| labels.get(k) == Some(val));
+        let st = self.lock();
+        let mut v: Vec<RegionView> = st
+            .live
             .values()
-            .filter(|r| selector.iter().all(|(k, val)| r.labels.get(k) == Some(val)))
-            .cloned()
+            .filter(|r| matches(&r.labels))
+            .map(|r| RegionView::Live(r.clone()))
+            .chain(st.unavailable.values().filter(|u| matches(u.labels())).map(|u| RegionView::Unavailable(u.clone())))
             .collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v.sort_by(|a, b| a.name().cmp(b.name()));
         v
     }
 
-    pub fn delete(&self, name: &str) -> Result<Arc<Region>, RegionError> {
-        let region = {
-            let mut map = self.lock();
-            let r = map.get(name).cloned().ok_or_else(|| RegionError::NotFound(name.to_string()))?;
-            if r.in_use.load(Ordering::Acquire) > 0 {
-                return Err(RegionError::Busy(name.to_string()));
+    /// Deletes a region; an unavailable one just leaves the catalog (its file or object is not
+    /// touched). Returns the live region that was removed, if it was live.
+    pub fn delete(&self, name: &str) -> Result<Option<Arc<Region>>, RegionError> {
+        let removed = {
+            let mut st = self.lock();
+            if let Some(r) = st.live.get(name).cloned() {
+                if r.in_use.load(Ordering::Acquire) > 0 {
+                    return Err(RegionError::Busy(name.to_string()));
+                }
+                st.live.remove(name);
+                Some(r)
+            } else if st.unavailable.remove(name).is_some() {
+                None
+            } else {
+                return Err(RegionError::NotFound(name.to_string()));
             }
-            map.remove(name);
-            r
         };
-        self.finish_removal(&region)?;
-        info!(region = %region.name, "region deleted");
-        Ok(region)
+        match &removed {
+            Some(region) => self.finish_removal(region)?,
+            None => {
+                self.persist()?;
+                self.update_gauges();
+            }
+        }
+        info!(region = %name, "region deleted");
+        Ok(removed)
     }
 
     fn finish_removal(&self, region: &Region) -> Result<(), RegionError> {
@@ -417,25 +830,26 @@ impl RegionRegistry {
             let _ = region.memory.flush();
             self.persist()?;
         }
-        if region.kind == RegionKind::Shm && region.created_object {
-            if let Some(obj) = &region.path {
-                let _ = std::fs::remove_file(self.shm_dir.join(obj));
-            }
-        }
+        self.remove_created_object(region);
         self.update_gauges();
         Ok(())
     }
 
-    /// Removes regions whose lease ended and are not in use; returns them.
+    /// Removes regions whose lease ended and are not in use; returns the live ones. Unavailable
+    /// regions whose lease ended leave the catalog too.
     pub fn reap_expired(&self, now: SystemTime) -> Vec<Arc<Region>> {
-        let expired: Vec<Arc<Region>> = {
-            let mut map = self.lock();
-            let names: Vec<String> = map
+        let (expired, dropped) = {
+            let mut st = self.lock();
+            let names: Vec<String> = st
+                .live
                 .values()
                 .filter(|r| r.expires_at.is_some_and(|t| t <= now) && r.in_use.load(Ordering::Acquire) == 0)
                 .map(|r| r.name.clone())
                 .collect();
-            names.iter().filter_map(|n| map.remove(n)).collect()
+            let expired: Vec<Arc<Region>> = names.iter().filter_map(|n| st.live.remove(n)).collect();
+            let before = st.unavailable.len();
+            st.unavailable.retain(|_, u| u.expires_at().is_none_or(|t| t > now));
+            (expired, before != st.unavailable.len())
         };
         for r in &expired {
             info!(region = %r.name, "region lease expired; deregistered");
@@ -443,21 +857,66 @@ impl RegionRegistry {
                 warn!(region = %r.name, error = %e, "catalog update after lease expiry failed");
             }
         }
+        if dropped {
+            if let Err(e) = self.persist() {
+                warn!(error = %e, "catalog update after lease expiry failed");
+            }
+            self.update_gauges();
+        }
         expired
+    }
+
+    /// Tries every unavailable region again (the same checks as a create); those that can be
+    /// opened now become live. Returns how many did. Blocking: call it off the reactor.
+    pub fn retry_unavailable(&self) -> usize {
+        let candidates: Vec<UnavailableRegion> = self.lock().unavailable.values().cloned().collect();
+        let mut revived = 0;
+        for u in candidates {
+            let result = self.build(&u.entry.spec(), Some(&u.entry));
+            let mut st = self.lock();
+            // Deleted or replaced while we were opening: drop what we built.
+            let still = st.unavailable.get(u.name()).is_some_and(|x| x.id() == u.id());
+            match result {
+                Ok(region) if still => {
+                    st.unavailable.remove(u.name());
+                    st.live.insert(region.name.clone(), region);
+                    revived += 1;
+                    info!(region = %u.name(), "unavailable region restored");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if let Some(x) = st.unavailable.get_mut(u.name()).filter(|_| still) {
+                        let reason = e.to_string();
+                        if x.reason != reason {
+                            info!(region = %u.name(), %reason, "region still unavailable");
+                            x.reason = reason;
+                        }
+                    }
+                }
+            }
+        }
+        if revived > 0 {
+            if let Err(e) = self.persist() {
+                warn!(error = %e, "catalog update after restoring regions failed");
+            }
+            self.update_gauges();
+        }
+        revived
     }
 
     /// Flushes file-backed mappings (on shutdown).
     pub fn flush_all(&self) {
-        for r in self.lock().values() {
+        for r in self.lock().live.values() {
             if r.kind != RegionKind::Anonymous {
                 let _ = r.memory.flush();
             }
         }
     }
 
+    /// Number of regions (live and unavailable) and bytes registered by live ones.
     pub fn totals(&self) -> (usize, u64) {
-        let map = self.lock();
-        (map.len(), map.values().map(|r| r.length).sum())
+        let st = self.lock();
+        (st.live.len() + st.unavailable.len(), st.live.values().map(|r| r.length).sum())
     }
 
     fn update_gauges(&self) {
@@ -465,47 +924,133 @@ impl RegionRegistry {
         m::regions(n, bytes);
     }
 
+    /// Writes the catalog: one writer at a time, unique temp file, fsync, rename, fsync dir.
     fn persist(&self) -> Result<(), RegionError> {
+        let _writer = self.persist_lock.lock().unwrap_or_else(|p| p.into_inner());
         let entries: Vec<CatalogEntry> = {
-            let map = self.lock();
-            let mut v: Vec<CatalogEntry> = map
+            let st = self.lock();
+            let mut v: Vec<CatalogEntry> = st
+                .live
                 .values()
                 .filter(|r| r.kind != RegionKind::Anonymous)
-                .map(|r| CatalogEntry {
-                    id: r.id.clone(),
-                    name: r.name.clone(),
-                    length: r.length,
-                    kind: r.kind,
-                    path: r.path.clone(),
-                    access: r.access,
-                    labels: r.labels.clone(),
-                    created_at: r.created_at,
-                    expires_at: r.expires_at,
-                    created_object: r.created_object,
-                })
+                .map(|r| CatalogEntry::of(r))
+                .chain(st.unavailable.values().map(|u| u.entry.clone()))
                 .collect();
             v.sort_by(|a, b| a.name.cmp(&b.name));
             v
         };
-        let path = self.catalog_path();
-        let tmp = self.state_dir.join("regions.json.tmp");
         let text = serde_json::to_vec_pretty(&entries).map_err(|e| RegionError::Invalid(e.to_string()))?;
-        std::fs::write(&tmp, text).map_err(io_err(format!("writing {}", tmp.display())))?;
-        std::fs::rename(&tmp, &path).map_err(io_err(format!("renaming to {}", path.display())))?;
-        Ok(())
+        write_durably(&self.state_dir, CATALOG, &text)
     }
 }
 
-fn open_region_file(path: &Path, access: Access) -> Result<File, RegionError> {
-    if !path.exists() {
-        return Err(RegionError::PathMissing { path: path.display().to_string() });
+const CATALOG: &str = "regions.json";
+
+/// Replaces `dir/name` with `bytes` so that after a crash or power loss it holds either the old
+/// or the new content: a temp file of its own (`O_EXCL`, so concurrent writers never share
+/// one), fsync, rename over the target, fsync of the directory (which makes the rename durable).
+fn write_durably(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), RegionError> {
+    let tmp = dir.join(format!("{name}.{}.{:016x}.tmp", std::process::id(), rand::random::<u64>()));
+    let target = dir.join(name);
+    let result = (|| -> std::io::Result<()> {
+        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &target)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(format!("writing {}", target.display()))(e));
     }
-    let writable = access != Access::Read;
-    OpenOptions::new()
-        .read(true)
-        .write(writable)
-        .open(path)
-        .map_err(io_err(format!("opening {}", path.display())))
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), RegionError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(format!("syncing directory {}", dir.display())))
+}
+
+/// Temp files a killed agent left behind (`regions.json.<pid>.<random>.tmp`).
+fn remove_stale_temp_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("regions.json.") && name.ends_with(".tmp") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_symlink() {
+        "symbolic link"
+    } else {
+        "special file"
+    }
+}
+
+/// Opens `rest` beneath the directory `dir` with `flags`: no component may be a symbolic link
+/// and none may leave `dir`. `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` when the kernel has
+/// it (5.6+), else [`walk_beneath`].
+fn open_beneath(dir: BorrowedFd<'_>, rest: &Path, flags: OFlag) -> Result<OwnedFd, Errno> {
+    let how = OpenHow::new()
+        .flags(flags)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let mut tries = 0;
+    loop {
+        match nix::fcntl::openat2(dir, rest, how) {
+            Err(Errno::ENOSYS) => return walk_beneath(dir, rest, flags),
+            // The kernel saw a concurrent rename while resolving `..`: retry a few times.
+            Err(Errno::EAGAIN) if tries < 3 => tries += 1,
+            other => return other,
+        }
+    }
+}
+
+/// The openat2 fallback: one `openat` per component, directories with `O_NOFOLLOW |
+/// O_DIRECTORY`, the last with `flags | O_NOFOLLOW`. Stricter than openat2: any `..` is refused
+/// (EXDEV), even one that would stay beneath `dir`.
+fn walk_beneath(dir: BorrowedFd<'_>, rest: &Path, flags: OFlag) -> Result<OwnedFd, Errno> {
+    let mut parts: Vec<&OsStr> = Vec::new();
+    for c in rest.components() {
+        match c {
+            Component::Normal(p) => parts.push(p),
+            Component::CurDir => {}
+            Component::ParentDir | Component::RootDir | Component::Prefix(_) => return Err(Errno::EXDEV),
+        }
+    }
+    let Some((last, dirs)) = parts.split_last() else { return Err(Errno::EISDIR) };
+    let mut current: Option<OwnedFd> = None;
+    for part in dirs {
+        let at = current.as_ref().map_or(dir, |f| f.as_fd());
+        let next = nix::fcntl::openat(at, *part, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| symlink_or(at, part, e))?;
+        current = Some(next);
+    }
+    let at = current.as_ref().map_or(dir, |f| f.as_fd());
+    nix::fcntl::openat(at, *last, flags | OFlag::O_NOFOLLOW, Mode::empty())
+}
+
+/// `O_NOFOLLOW | O_DIRECTORY` on a symlink may say ENOTDIR rather than ELOOP: report ELOOP.
+fn symlink_or(at: BorrowedFd<'_>, part: &OsStr, e: Errno) -> Errno {
+    if e == Errno::ENOTDIR {
+        if let Ok(st) = nix::sys::stat::fstatat(at, part, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            if nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT == nix::sys::stat::SFlag::S_IFLNK {
+                return Errno::ELOOP;
+            }
+        }
+    }
+    e
 }
 
 /// A random 64-bit id, hex encoded.
@@ -524,5 +1069,186 @@ mod tests {
         assert!(validate_name("a/b").is_err());
         assert!(validate_name(".hidden").is_err());
         assert!(validate_name(&"x".repeat(129)).is_err());
+    }
+
+    /// openat2 and the fallback walk refuse the same escapes and open the same files.
+    #[test]
+    fn open_beneath_and_the_fallback_walk_refuse_escapes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir_all(root.join("sub")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret"), b"secret").unwrap();
+        std::fs::write(root.join("sub/ok.bin"), b"ok").unwrap();
+        std::os::unix::fs::symlink(outside.join("secret"), root.join("link")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("dirlink")).unwrap();
+        std::os::unix::fs::symlink("ok.bin", root.join("sub/inner-link")).unwrap();
+        let dir = nix::fcntl::open(&root, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+        type Opener = fn(BorrowedFd<'_>, &Path, OFlag) -> Result<OwnedFd, Errno>;
+        for (which, open) in [("openat2", open_beneath as Opener), ("walk", walk_beneath as Opener)] {
+            let fd = open(dir.as_fd(), Path::new("sub/ok.bin"), flags).unwrap_or_else(|e| panic!("{which}: {e}"));
+            assert_eq!(std::io::read_to_string(File::from(fd)).unwrap(), "ok", "{which}");
+            for (path, want) in [
+                ("link", [Errno::ELOOP].as_slice()),
+                ("dirlink/secret", &[Errno::ELOOP]),
+                ("sub/inner-link", &[Errno::ELOOP]),
+                ("../outside/secret", &[Errno::EXDEV]),
+                ("sub/../../outside/secret", &[Errno::EXDEV]),
+                ("missing", &[Errno::ENOENT]),
+            ] {
+                let e = open(dir.as_fd(), Path::new(path), flags).map(drop).unwrap_err();
+                assert!(want.contains(&e), "{which} {path}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn concurrent_durable_writes_never_share_a_temp_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let threads: Vec<_> = (0..16)
+            .map(|t| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    for i in 0..25 {
+                        write_durably(&dir, CATALOG, format!("[{t}, {i}]").as_bytes()).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let v: Vec<u32> = serde_json::from_slice(&std::fs::read(dir.join(CATALOG)).unwrap()).unwrap();
+        assert_eq!(v.len(), 2);
+        let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, [CATALOG], "no temp file left behind");
+    }
+
+    async fn registry(state: &Path, policy: RegionPolicy, max_regions: usize) -> RegionRegistry {
+        let grants = Arc::new(crate::grants::GrantTable::new(16));
+        let fabric = crate::fabric::tcp::TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants, None).await.unwrap();
+        let limits = RegionLimits { max_regions, max_registered_bytes: 1 << 30 };
+        RegionRegistry::new(Arc::new(fabric), state.to_path_buf(), limits, policy)
+    }
+
+    fn spec(name: &str, kind: RegionKind, path: &str, length: u64) -> RegionSpec {
+        RegionSpec {
+            name: name.into(),
+            length,
+            kind,
+            path: Some(path.into()),
+            access: Access::ReadWrite,
+            hugepages: false,
+            ttl: None,
+            labels: BTreeMap::new(),
+            adopt_existing: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unrestorable_region_stays_unavailable_until_its_file_is_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (state, root) = (tmp.path().join("state"), tmp.path().join("root"));
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("a.bin"), vec![1u8; 4096]).unwrap();
+        let reg = registry(&state, RegionPolicy::new(vec![root.clone()]), 2).await;
+        reg.create(spec("a", RegionKind::File, "a.bin", 4096)).unwrap();
+        drop(reg);
+        let catalog = std::fs::read(state.join(CATALOG)).unwrap();
+        std::fs::rename(root.join("a.bin"), tmp.path().join("away")).unwrap();
+
+        let reg = registry(&state, RegionPolicy::new(vec![root.clone()]), 2).await;
+        assert_eq!(reg.restore().unwrap(), 0);
+        let RegionView::Unavailable(u) = reg.describe("a").unwrap() else { panic!("a is live") };
+        assert!(u.reason.contains("does not exist"), "{}", u.reason);
+        assert!(matches!(reg.get("a"), Err(RegionError::Unavailable { .. })));
+        assert_eq!(reg.totals(), (1, 0), "counted as a region, not as registered bytes");
+        assert_eq!(std::fs::read(state.join(CATALOG)).unwrap(), catalog, "kept in the catalog");
+        reg.create(RegionSpec { kind: RegionKind::Anonymous, path: None, ..spec("b", RegionKind::Anonymous, "", 10) }).unwrap();
+        let e = reg.create(RegionSpec { kind: RegionKind::Anonymous, path: None, ..spec("c", RegionKind::Anonymous, "", 10) }).unwrap_err();
+        assert!(matches!(e, RegionError::Limit(_)), "{e}");
+        assert_eq!(reg.retry_unavailable(), 0);
+
+        std::fs::rename(tmp.path().join("away"), root.join("a.bin")).unwrap();
+        assert_eq!(reg.retry_unavailable(), 1);
+        let a = reg.get("a").unwrap();
+        assert_eq!(a.memory.len(), 4096);
+        assert_eq!(std::fs::read(state.join(CATALOG)).unwrap(), catalog);
+
+        // A root that moved away makes the same entry unavailable again at the next start.
+        drop(a);
+        drop(reg);
+        let reg = registry(&state, RegionPolicy::new(vec![tmp.path().join("elsewhere")]), 2).await;
+        reg.restore().unwrap();
+        let RegionView::Unavailable(u) = reg.describe("a").unwrap() else { panic!("a is live") };
+        assert!(u.reason.contains("outside every file root"), "{}", u.reason);
+        // Deleting it is the only way out of the catalog, and it leaves the file alone.
+        assert!(reg.delete("a").unwrap().is_none());
+        assert_eq!(std::fs::read(state.join(CATALOG)).unwrap(), b"[]");
+        assert_eq!(std::fs::read(root.join("a.bin")).unwrap(), vec![1u8; 4096]);
+    }
+
+    #[tokio::test]
+    async fn shm_objects_are_created_private_and_adopted_only_when_safe() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (state, shm) = (tmp.path().join("state"), tmp.path().join("shm"));
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::create_dir_all(&shm).unwrap();
+        let mut policy = RegionPolicy::new(vec![tmp.path().join("files")]);
+        policy.shm_dir = shm.clone();
+        let reg = registry(&state, policy, 16).await;
+        reg.create(spec("mine", RegionKind::Shm, "mine", 8192)).unwrap();
+        let meta = std::fs::metadata(shm.join("mine")).unwrap();
+        assert_eq!((meta.mode() & 0o777, meta.len()), (0o600, 8192));
+        // Another app's object.
+        std::fs::write(shm.join("app"), b"app-private-data!!").unwrap();
+        std::os::unix::fs::chown(shm.join("app"), Some(65534), None).unwrap();
+        let e = reg.create(spec("s", RegionKind::Shm, "app", 65536)).unwrap_err();
+        assert!(matches!(e, RegionError::ShmExists { .. }), "{e}");
+        let e = reg.create(RegionSpec { adopt_existing: true, ..spec("s", RegionKind::Shm, "app", 16) }).unwrap_err();
+        assert!(matches!(e, RegionError::Denied(_)), "{e}");
+        std::os::unix::fs::chown(shm.join("app"), Some(nix::unistd::geteuid().as_raw()), None).unwrap();
+        let e = reg.create(RegionSpec { adopt_existing: true, ..spec("s", RegionKind::Shm, "app", 65536) }).unwrap_err();
+        assert!(matches!(e, RegionError::FileTooShort { .. }), "{e}");
+        assert_eq!(std::fs::read(shm.join("app")).unwrap(), b"app-private-data!!", "never resized");
+        assert_eq!(reg.list(&BTreeMap::new()).len(), 1);
+
+        // Restart with the created object gone: re-created (the catalog says the agent made it).
+        // An adopted object that is gone is not: the region is unavailable.
+        reg.create(RegionSpec { adopt_existing: true, ..spec("adopted", RegionKind::Shm, "app", 16) }).unwrap();
+        drop(reg);
+        std::fs::remove_file(shm.join("mine")).unwrap();
+        std::fs::remove_file(shm.join("app")).unwrap();
+        let mut policy = RegionPolicy::new(vec![tmp.path().join("files")]);
+        policy.shm_dir = shm.clone();
+        let reg = registry(&state, policy, 16).await;
+        assert_eq!(reg.restore().unwrap(), 1);
+        assert!(reg.get("mine").is_ok());
+        assert_eq!(std::fs::metadata(shm.join("mine")).unwrap().mode() & 0o777, 0o600);
+        assert!(matches!(reg.get("adopted"), Err(RegionError::Unavailable { .. })));
+        assert!(!shm.join("app").exists(), "an adopted object is never re-created");
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_catalog_is_moved_aside() {
+        for content in [&b""[..], &b"[{\"id\": \"x\", \"na"[..], &b"\xff\x00garbage"[..]] {
+            let tmp = tempfile::tempdir().unwrap();
+            let state = tmp.path().to_path_buf();
+            std::fs::write(state.join(CATALOG), content).unwrap();
+            let reg = registry(&state, RegionPolicy::new(vec![state.join("files")]), 16).await;
+            assert_eq!(reg.restore().unwrap(), 0);
+            let aside: Vec<PathBuf> = std::fs::read_dir(&state)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.to_string_lossy().contains(".corrupt-"))
+                .collect();
+            assert_eq!(aside.len(), 1);
+            assert_eq!(std::fs::read(&aside[0]).unwrap(), content);
+            assert_eq!(std::fs::read(state.join(CATALOG)).unwrap(), b"[]");
+        }
     }
 }

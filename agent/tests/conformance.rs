@@ -73,6 +73,7 @@ fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
             hugepages: false,
             ttl: None,
             labels: Default::default(),
+            adopt_existing: false,
         })
         .unwrap()
 }

@@ -120,8 +120,8 @@ async fn bad_transfer_inputs_get_clear_statuses_and_change_nothing() {
 async fn bad_region_inputs_get_clear_statuses() {
     let a = Agent::start("node-a");
     let mut c = a.client().await;
-    let dir = tempfile::tempdir().unwrap();
-    let short = dir.path().join("short.bin");
+    // File regions live under the file roots (default <state_dir>/files).
+    let short = a.state_dir.join("files/short.bin");
     std::fs::write(&short, vec![0u8; 100]).unwrap();
     let mk = |name: &str, len: u64, kind: pb::RegionKind, path: &str| pb::CreateRegionRequest {
         name: name.into(),
@@ -135,7 +135,8 @@ async fn bad_region_inputs_get_clear_statuses() {
         ("duplicate name", mk("r1", 4096, pb::RegionKind::Anonymous, ""), Code::AlreadyExists),
         ("zero length", mk("r2", 0, pb::RegionKind::Anonymous, ""), Code::InvalidArgument),
         ("bad name", mk("a/b", 10, pb::RegionKind::Anonymous, ""), Code::InvalidArgument),
-        ("file on a missing path", mk("f1", 4096, pb::RegionKind::File, "/nonexistent/xfer/file"), Code::InvalidArgument),
+        ("file on a missing path", mk("f1", 4096, pb::RegionKind::File, "nonexistent/file"), Code::InvalidArgument),
+        ("file outside the file roots", mk("f0", 4096, pb::RegionKind::File, "/nonexistent/xfer/file"), Code::PermissionDenied),
         ("file too short", mk("f2", 4096, pb::RegionKind::File, short.to_str().unwrap()), Code::InvalidArgument),
         ("file without a path", mk("f3", 4096, pb::RegionKind::File, ""), Code::InvalidArgument),
     ];
@@ -154,7 +155,7 @@ async fn bad_region_inputs_get_clear_statuses() {
     let o = a.ctl(&["region", "create", "r1", "--size", "4KiB"]);
     assert_eq!(o.status.code(), Some(13), "{}", s(&o));
     assert_eq!(stderr_lines(&o).len(), 1, "{}", s(&o));
-    let o = a.ctl(&["region", "create", "f9", "--size", "4KiB", "--kind", "file", "--path", "/nonexistent/x"]);
+    let o = a.ctl(&["region", "create", "f9", "--size", "4KiB", "--kind", "file", "--path", "nonexistent.bin"]);
     assert_eq!(o.status.code(), Some(4), "{}", s(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"), "{}", s(&o));
 }
@@ -305,7 +306,8 @@ async fn cancel_reports_cancelled() {
 async fn restart_keeps_file_and_shm_regions_with_their_data() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
-    let file = tmp.path().join("weights.bin");
+    let file = state.join("files/weights.bin");
+    std::fs::create_dir_all(state.join("files")).unwrap();
     std::fs::write(&file, vec![0u8; 3 << 20]).unwrap();
     let ports = Ports::new();
     let (g, m, d) = (ports.grpc, ports.metrics, ports.data);

@@ -71,6 +71,7 @@ fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
             hugepages: false,
             ttl: None,
             labels: Default::default(),
+            adopt_existing: false,
         })
         .unwrap()
 }

@@ -139,6 +139,7 @@ pub fn region_json(r: &Region) -> Value {
         // 0 unless the agent runs verbs grant mode `region` (kept for a stable schema).
         "lkey": r.lkey,
         "rkey": r.rkey,
+        "unavailable_reason": r.unavailable_reason,
         "addr": r.addr,
     })
 }
@@ -270,7 +271,7 @@ impl Table {
 
 pub fn region_table(regions: &[Region]) -> String {
     let mut t = Table::new(&[
-        "NAME", "KIND", "SIZE", "ACCESS", "EXPIRES", "LABELS", "PATH",
+        "NAME", "KIND", "SIZE", "ACCESS", "EXPIRES", "LABELS", "PATH", "STATUS",
     ]);
     for r in regions {
         t.row(vec![
@@ -281,9 +282,19 @@ pub fn region_table(regions: &[Region]) -> String {
             rfc3339(&r.expires_at).unwrap_or_else(|| "-".into()),
             labels_text(&r.labels),
             r.path.clone(),
+            region_status_text(r),
         ]);
     }
     t.render()
+}
+
+/// `available`, or `unavailable: REASON` for a catalog region the agent could not restore.
+pub fn region_status_text(r: &Region) -> String {
+    if r.unavailable_reason.is_empty() {
+        "available".into()
+    } else {
+        format!("unavailable: {}", r.unavailable_reason)
+    }
 }
 
 pub fn region_detail(r: &Region) -> String {
@@ -300,6 +311,7 @@ pub fn region_detail(r: &Region) -> String {
         kv("path:", r.path.clone());
     }
     kv("access:", access_name(r.access));
+    kv("status:", region_status_text(r));
     kv("labels:", labels_text(&r.labels));
     kv(
         "created:",

@@ -10,7 +10,7 @@ use crate::fabric::{Access, Endpoint, FabricError, FabricKind, RemoteOp, VerbsEn
 use crate::grants::GrantError;
 use crate::node::GrantParams;
 use crate::peers::{PeerError, RemoteCode};
-use crate::regions::{Region, RegionError, RegionKind, RegionSpec};
+use crate::regions::{Region, RegionError, RegionKind, RegionSpec, RegionView, UnavailableRegion};
 use crate::transfer::{Op, TransferError, TransferOptions, TransferRecord, TransferRequest, TransferState};
 
 pub fn duration_to_pb(d: Duration) -> prost_types::Duration {
@@ -137,6 +137,33 @@ pub fn region_to_pb(r: &Region) -> pb::Region {
         lkey: if exposed { r.registration.lkey() } else { 0 },
         rkey: if exposed { r.registration.rkey() } else { 0 },
         addr: if exposed { r.registration.addr() } else { 0 },
+        unavailable_reason: String::new(),
+    }
+}
+
+/// A catalog region that could not be restored: what the catalog says, no keys, and the reason.
+pub fn unavailable_region_to_pb(u: &UnavailableRegion) -> pb::Region {
+    pb::Region {
+        id: u.id().to_string(),
+        name: u.name().to_string(),
+        length: u.length(),
+        kind: kind_to_pb(u.kind()) as i32,
+        path: u.path().unwrap_or_default().to_string(),
+        access: access_to_pb(u.access()) as i32,
+        labels: u.labels().clone().into_iter().collect(),
+        created_at: Some(time_to_pb(u.created_at())),
+        expires_at: u.expires_at().map(time_to_pb),
+        lkey: 0,
+        rkey: 0,
+        addr: 0,
+        unavailable_reason: u.reason.clone(),
+    }
+}
+
+pub fn region_view_to_pb(v: &RegionView) -> pb::Region {
+    match v {
+        RegionView::Live(r) => region_to_pb(r),
+        RegionView::Unavailable(u) => unavailable_region_to_pb(u),
     }
 }
 
@@ -264,6 +291,7 @@ pub fn region_spec_from_pb(r: pb::CreateRegionRequest) -> Result<RegionSpec, Sta
         path: Some(r.path).filter(|p| !p.is_empty()),
         hugepages: r.hugepages,
         labels: r.labels.into_iter().collect(),
+        adopt_existing: r.adopt_existing,
     })
 }
 
@@ -339,7 +367,10 @@ pub fn region_status(e: RegionError) -> Status {
         RegionError::Invalid(_) | RegionError::PathMissing { .. } | RegionError::FileTooShort { .. } => {
             Status::invalid_argument(e.to_string())
         }
-        RegionError::Busy(_) => Status::failed_precondition(e.to_string()),
+        RegionError::NotRegular { .. } => Status::invalid_argument(e.to_string()),
+        RegionError::Busy(_) | RegionError::Unavailable { .. } => Status::failed_precondition(e.to_string()),
+        RegionError::Denied(_) => Status::permission_denied(e.to_string()),
+        RegionError::ShmExists { .. } => Status::already_exists(e.to_string()),
         RegionError::Limit(_) => Status::resource_exhausted(e.to_string()),
         RegionError::Io { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
             Status::permission_denied(e.to_string())
@@ -481,6 +512,12 @@ mod tests {
         assert_eq!(region_status(RegionError::NotFound("x".into())).code(), Code::NotFound);
         assert_eq!(region_status(RegionError::Invalid("x".into())).code(), Code::InvalidArgument);
         assert_eq!(region_status(RegionError::Limit("x".into())).code(), Code::ResourceExhausted);
+        assert_eq!(region_status(RegionError::Denied("x".into())).code(), Code::PermissionDenied);
+        assert_eq!(region_status(RegionError::NotRegular { path: "p".into(), kind: "FIFO" }).code(), Code::InvalidArgument);
+        assert_eq!(region_status(RegionError::ShmExists { object: "o".into() }).code(), Code::AlreadyExists);
+        let unavailable = region_status(RegionError::Unavailable { name: "r".into(), reason: "file missing".into() });
+        assert_eq!(unavailable.code(), Code::FailedPrecondition);
+        assert!(unavailable.message().contains("file missing"), "{}", unavailable.message());
         assert_eq!(grant_status(GrantError::Expired("g".into())).code(), Code::FailedPrecondition);
         assert_eq!(
             peer_status(PeerError::Unreachable { addr: "a".into(), detail: "refused".into() }).code(),

@@ -179,19 +179,25 @@ impl Agent for Services {
     }
 
     async fn delete_region(&self, req: Request<pb::DeleteRegionRequest>) -> Result<Response<pb::DeleteRegionResponse>, Status> {
-        self.node.delete_region(&req.into_inner().name).map_err(region_status)?;
+        let node = self.node.clone();
+        let name = req.into_inner().name;
+        // The catalog write fsyncs: keep it off the reactor.
+        tokio::task::spawn_blocking(move || node.delete_region(&name))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(region_status)?;
         Ok(Response::new(pb::DeleteRegionResponse {}))
     }
 
     async fn list_regions(&self, req: Request<pb::ListRegionsRequest>) -> Result<Response<pb::ListRegionsResponse>, Status> {
         let sel = req.into_inner().label_selector.into_iter().collect();
-        let regions = self.node.regions.list(&sel).iter().map(|r| region_to_pb(r)).collect();
+        let regions = self.node.regions.list(&sel).iter().map(region_view_to_pb).collect();
         Ok(Response::new(pb::ListRegionsResponse { regions }))
     }
 
     async fn get_region(&self, req: Request<pb::GetRegionRequest>) -> Result<Response<pb::Region>, Status> {
-        let r = self.node.regions.get(&req.into_inner().name).map_err(region_status)?;
-        Ok(Response::new(region_to_pb(&r)))
+        let r = self.node.regions.describe(&req.into_inner().name).map_err(region_status)?;
+        Ok(Response::new(region_view_to_pb(&r)))
     }
 
     async fn write_region(&self, req: Request<Streaming<pb::WriteRegionRequest>>) -> Result<Response<pb::WriteRegionResponse>, Status> {

@@ -15,7 +15,8 @@ use crate::Ctx;
 pub enum Kind {
     /// Agent-allocated, zeroed memory.
     Anonymous,
-    /// A file on the agent's node mapped shared (`--path`); persists across restarts.
+    /// A regular file under the agent's `regions.file_roots` mapped shared (`--path`, relative
+    /// to the first root or absolute inside one); persists across restarts.
     File,
     /// A POSIX shared-memory object under /dev/shm (`--path` = object name).
     Shm,
@@ -55,9 +56,16 @@ pub struct Opt {
     /// Back anonymous memory with huge pages.
     #[arg(long)]
     pub hugepages: bool,
+    /// Kind shm: use an object that already exists (owned by the agent's uid or the agent's
+    /// `regions.shm_owner`, at least --size long; never resized nor removed by the agent).
+    #[arg(long)]
+    pub adopt: bool,
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    if opt.adopt && !matches!(opt.kind, Kind::Shm) {
+        anyhow::bail!("--adopt applies to --kind shm only");
+    }
     if matches!(opt.kind, Kind::File) && opt.path.is_none() {
         // Usage-level mistake, but only detectable after parsing: say so plainly.
         anyhow::bail!("--kind file needs --path PATH (a file on the agent's node)");
@@ -83,6 +91,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             .transpose()
             .context("--ttl is too long")?,
         labels: opt.labels.into_iter().collect(),
+        adopt_existing: opt.adopt,
     };
     let mut client = ctx.client().await?;
     let region = client
