@@ -72,6 +72,7 @@ fn region(s: &Side, name: &str) -> Arc<Region> {
             hugepages: false,
             ttl: None,
             labels: Default::default(),
+            adopt_existing: false,
         })
         .unwrap()
 }
