@@ -113,6 +113,11 @@ fn caller_of<T>(req: &Request<T>) -> Result<auth::Caller, Status> {
     auth::caller(req).cloned().ok_or_else(|| auth_status(auth::AuthError::NoCertificate))
 }
 
+/// Most QPs (tcp: data streams) and outstanding work requests per QP a caller may ask for
+/// (`SubmitTransfer` checks the same bounds in `Node::submit`).
+const MAX_QPS: usize = 64;
+const MAX_DEPTH: usize = 4096;
+
 fn require(cond: bool, msg: &str) -> Result<(), Status> {
     if cond {
         Ok(())
@@ -305,6 +310,9 @@ impl Agent for Services {
         require(!r.peer.is_empty(), "peer address is required")?;
         let peer = self.node.peers.peer(&r.peer).map_err(peer_status)?;
         let qps = if r.qps == 0 { self.node.config.transfer.qps } else { r.qps as usize };
+        // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
+        // tcp fabric's stream vector abort the agent).
+        require((1..=MAX_QPS).contains(&qps), "qps must be 1-64")?;
         let lease = self.node.peers.lease(&peer, qps, self.node.config.transfer.depth).await.map_err(peer_status)?;
         self.node.peers.release(&peer, lease, true);
         Ok(Response::new(peer_info(&self.node, &peer)))
@@ -318,6 +326,8 @@ impl Agent for Services {
     async fn bench(&self, req: Request<pb::BenchRequest>) -> Result<Response<pb::BenchResponse>, Status> {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
+        // 0 = the agent's default; otherwise the bounds SubmitTransfer applies.
+        require(r.qps as usize <= MAX_QPS && r.depth as usize <= MAX_DEPTH, "qps must be 1-64 and depth 1-4096")?;
         let p = BenchParams {
             peer: r.peer,
             op: op_from_pb(r.op).unwrap_or(crate::transfer::Op::Write),
