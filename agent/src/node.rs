@@ -645,7 +645,9 @@ impl Node {
             peer: grant.node_name.clone(),
             inbound: false,
         };
-        let handle = self.transfers.insert(record.clone());
+        let handle = self.transfers.insert(record);
+        // The id it was stored under (the registry never replaces a record).
+        let record = handle.snapshot();
         drop(slot); // the registry counts it from here
         let plan = Plan {
             local: local.acquire(),

@@ -8,6 +8,7 @@
 mod common;
 
 use common::pki::Pki;
+use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
@@ -18,6 +19,28 @@ fn anon(name: &str, len: u64) -> pb::CreateRegionRequest {
         kind: pb::RegionKind::Anonymous as i32,
         access: pb::Access::ReadWrite as i32,
         ..Default::default()
+    }
+}
+
+fn connect_req(id: &str) -> pb::PeerConnectRequest {
+    pb::PeerConnectRequest {
+        version: 1,
+        node_name: "whoever".into(),
+        fabric: pb::FabricKind::Tcp as i32,
+        endpoints: vec![],
+        connection_id: id.into(),
+    }
+}
+
+fn grant_req(region: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
+    pb::GrantRequest {
+        region: region.into(),
+        offset: 0,
+        length: 4096,
+        op: op as i32,
+        ttl: None,
+        node_name: "whoever".into(),
+        connection_id: conn.into(),
     }
 }
 
@@ -52,4 +75,113 @@ async fn connect_and_bench_refuse_absurd_qps_instead_of_aborting() {
     // No scratch region was left behind on B by the refused benchmarks.
     let on_b = pki.agent_client(&b, "xferctl").await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
     assert!(on_b.is_empty(), "{on_b:?}");
+}
+
+// ------------------------------------------------------------------ a peer's Complete and other callers' records
+
+/// `Peer.Complete` inserted its inbound record under the `transfer_id` the peer sent, replacing
+/// whatever record had that id: a node that learned a transfer id (every target learns the
+/// initiator's ids in `Complete`) could replace the record of a client's transfer on the
+/// initiator (GetTransfer/WatchTransfer then showed the forger's record, and CancelTransfer
+/// cancelled nothing), and an agent writing to itself lost its own outbound record. The id was
+/// not validated either (any length).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_replace_another_callers_transfer_record() {
+    let pki = Pki::new();
+    let (a, _ta) = pki.agent("node-a");
+    let (b, _tb) = pki.agent("node-b");
+    let mut ca = pki.agent_client(&a, "xferctl").await;
+    let mut cb = pki.agent_client(&b, "xferctl").await;
+    ca.create_region(anon("src", 64 << 10)).await.unwrap();
+    ca.create_region(anon("bait", 4096)).await.unwrap();
+    cb.create_region(anon("dst", 64 << 10)).await.unwrap();
+    let data = random_bytes(64 << 10, 21);
+    let msg = pb::WriteRegionRequest { region: "src".into(), offset: 0, data: data.clone() };
+    ca.write_region(futures::stream::iter(vec![msg])).await.unwrap();
+
+    // The client's transfer A -> B.
+    let mut req = write_req("src", &b, "dst", 64 << 10);
+    req.remote.as_mut().unwrap().agent = b.addr();
+    let t = ca.submit_transfer(req).await.unwrap().into_inner();
+    let mut w = ca.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
+    let mut done = t.clone();
+    while let Some(m) = w.message().await.unwrap() {
+        done = m;
+    }
+    assert_eq!(done.state, pb::TransferState::Succeeded as i32, "{done:?}");
+
+    // node-c (a valid node certificate, as any target of A's transfers would be) asks A for a
+    // grant and completes it under the client's transfer id.
+    let mut evil = pki.peer(&a, "node-c").await;
+    evil.connect(connect_req("evil")).await.unwrap();
+    let g = evil.grant(grant_req("bait", "evil", pb::Access::Write)).await.unwrap().into_inner();
+    let _ = evil
+        .complete(pb::CompleteRequest {
+            transfer_id: t.id.clone(),
+            grant_id: g.grant_id,
+            bytes: 4096,
+            op: pb::Op::Write as i32,
+            node_name: "node-b".into(),
+            has_checksum: true,
+            checksum: 1,
+            algo: pb::ChecksumAlgo::Xxh3 as i32,
+            success: true,
+        })
+        .await;
+
+    // The client's record is untouched: still the outbound, succeeded write to B.
+    let now = ca.get_transfer(pb::GetTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
+    assert!(!now.inbound, "the record was replaced by node-c's inbound record: {now:?}");
+    assert_eq!((now.state, now.peer.as_str(), now.bytes_done), (done.state, done.peer.as_str(), done.bytes_done), "{now:?}");
+    let list = ca.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
+    assert_eq!(list.iter().filter(|x| x.id == t.id).count(), 1, "{list:?}");
+    assert!(cb.read_region(pb::ReadRegionRequest { region: "dst".into(), offset: 0, length: 0 }).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_validates_the_transfer_id() {
+    let b = Agent::start("node-b");
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let mut p = b.peer_client().await;
+    p.connect(connect_req("c1")).await.unwrap();
+    let g = p.grant(grant_req("dst", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    for bad in [String::new(), "x".repeat(1 << 20), "a b".into(), "é".into()] {
+        let e = p
+            .complete(pb::CompleteRequest {
+                transfer_id: bad.clone(),
+                grant_id: g.grant_id.clone(),
+                bytes: 4096,
+                op: pb::Op::Write as i32,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{:?}: {e:?}", &bad[..bad.len().min(8)]);
+    }
+    // Nothing was recorded, and the grant is still live (a good id completes it).
+    let list = b.client().await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
+    assert!(list.is_empty(), "{list:?}");
+    p.complete(pb::CompleteRequest { transfer_id: "t-1".into(), grant_id: g.grant_id, bytes: 4096, op: pb::Op::Write as i32, ..Default::default() })
+        .await
+        .unwrap();
+}
+
+/// An agent writing to itself (peer = its own address) used to lose its outbound record to the
+/// inbound one of the same id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_to_the_agent_itself_keeps_its_outbound_record() {
+    let a = Agent::start("node-a");
+    a.create("src", 64 << 10, pb::Access::ReadWrite).await;
+    a.create("dst", 64 << 10, pb::Access::ReadWrite).await;
+    let data = random_bytes(64 << 10, 22);
+    a.put("src", 0, &data).await;
+    let done = a.transfer(write_req("src", &a, "dst", 64 << 10)).await.unwrap();
+    assert_eq!(done.state, pb::TransferState::Succeeded as i32);
+    let t = a.client().await.get_transfer(pb::GetTransferRequest { id: done.id.clone() }).await.unwrap().into_inner();
+    assert!(!t.inbound, "{t:?}");
+    assert_eq!(t.remote.as_ref().unwrap().region, "dst");
+    let list = a.client().await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
+    assert_eq!(list.len(), 2, "one outbound and one inbound record: {list:?}");
+    assert_eq!(list.iter().filter(|t| t.inbound).count(), 1, "{list:?}");
+    assert!(a.read("dst", 0, 64 << 10).await == data);
 }

@@ -164,8 +164,14 @@ impl TransferRegistry {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn insert(&self, record: TransferRecord) -> Arc<TransferHandle> {
+    /// Adds a record; returns its handle, whose record carries the id it was stored under. A record
+    /// is never replaced: a record whose id is taken gets a fresh one (defence in depth: inbound
+    /// records live in their own registry under `PEER/ID`, see [`TransferRegistry::insert_new`]).
+    pub fn insert(&self, mut record: TransferRecord) -> Arc<TransferHandle> {
         let mut g = self.lock();
+        while g.by_id.contains_key(&record.id) {
+            record.id = crate::regions::new_id();
+        }
         Self::insert_locked(&mut g, record, self.history)
     }
 
@@ -182,9 +188,7 @@ impl TransferRegistry {
         let id = record.id.clone();
         let (tx, _) = watch::channel(record);
         let handle = Arc::new(TransferHandle { record: tx, cancel: CancellationToken::new() });
-        if g.by_id.insert(id.clone(), handle.clone()).is_some() {
-            g.order.retain(|x| x != &id);
-        }
+        g.by_id.insert(id.clone(), handle.clone());
         g.order.push_back(id);
         // Forget the oldest finished transfers beyond the history bound.
         while g.order.len() > history {
