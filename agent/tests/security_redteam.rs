@@ -44,6 +44,30 @@ fn grant_req(region: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
     }
 }
 
+// ------------------------------------------------------------------ promise 3: keys and addresses
+
+/// SECURITY.md: "rkeys and registered addresses never leave the agent except in a grant …
+/// GetRegion/ListRegions show them only in grant mode `region`". They showed the registered
+/// address (the region's virtual address in the agent: an ASLR leak) and, on verbs, the region
+/// MR's rkey, in every mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_show_no_keys_or_addresses_outside_grant_mode_region() {
+    let b = Agent::start("node-b");
+    let created = b.create("r", 4096, pb::Access::ReadWrite).await;
+    let mut c = b.client().await;
+    let got = c.get_region(pb::GetRegionRequest { name: "r".into() }).await.unwrap().into_inner();
+    let listed = c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
+    for r in [&created, &got, &listed[0]] {
+        assert_eq!((r.rkey, r.addr), (0, 0), "{r:?}");
+    }
+    // The region is otherwise intact and a grant still carries a usable address.
+    assert_eq!((got.name.as_str(), got.length), ("r", 4096));
+    let mut p = b.peer_client().await;
+    p.connect(connect_req("c1")).await.unwrap();
+    let g = p.grant(grant_req("r", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    assert_ne!(g.addr, 0);
+}
+
 // ------------------------------------------------------------------ promise 7: no panics on input
 
 /// `Agent.Connect` took `qps` from the request unchecked (SubmitTransfer checks 1-64): a client
