@@ -339,6 +339,7 @@ impl Node {
                     .into()
             }));
         }
+        let bound_to = connection.clone();
         let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), mode, connection };
         let exposure = self
             .fabric
@@ -355,7 +356,24 @@ impl Node {
             exposure,
             connection_id: p.connection_id.clone().filter(|c| !c.is_empty()),
         };
-        Ok(self.grants.insert(grant)?)
+        let grant = self.grants.insert(grant)?;
+        // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
+        // revoked the connection's grants before this one existed: re-check that the very same
+        // connection is still there, or the grant would outlive it and work on the streams of
+        // whichever connection next takes that id (ids are chosen by callers).
+        if let (Some(id), Some(conn)) = (grant.connection_id.as_deref(), bound_to) {
+            let live = self
+                .accepted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(id)
+                .is_some_and(|(owner, c)| *owner == p.peer && Arc::ptr_eq(c, &conn));
+            if !live {
+                self.grants.revoke(&grant.id);
+                return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
+            }
+        }
+        Ok(grant)
     }
 
     /// The accepted connection a grant names. It must have been made by the grant's peer

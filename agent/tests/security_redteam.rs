@@ -44,6 +44,16 @@ fn grant_req(region: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
     }
 }
 
+/// GET /metrics from the agent's metrics listener.
+fn scrape(a: &Agent) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 // ------------------------------------------------------------------ promise 3: keys and addresses
 
 /// SECURITY.md: "rkeys and registered addresses never leave the agent except in a grant …
@@ -66,6 +76,54 @@ async fn regions_show_no_keys_or_addresses_outside_grant_mode_region() {
     p.connect(connect_req("c1")).await.unwrap();
     let g = p.grant(grant_req("r", "c1", pb::Access::Write)).await.unwrap().into_inner();
     assert_ne!(g.addr, 0);
+}
+
+// ------------------------------------------------------------------ promise 4: grants die with their connection
+
+/// A `Peer.Grant` racing the `Peer.Disconnect` of its connection could be inserted after the
+/// disconnect had revoked the connection's grants: the grant outlived its connection, and since
+/// a grant is bound to a connection *id* (which callers choose), its token worked on the streams
+/// of the next connection made under that id, by any identity. (A race: without the fix this
+/// test caught it in about three runs out of four; with it, no grant can survive.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_racing_disconnect_does_not_outlive_its_connection() {
+    let b = Agent::start("node-b");
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let before = random_bytes(1 << 20, 23);
+    b.put("dst", 0, &before).await;
+    // Grants and disconnects on separate HTTP/2 connections, so the agent serves them in parallel.
+    let p = b.peer_client().await;
+    let pd = b.peer_client().await;
+    let mut survivors = Vec::new();
+    for i in 0..300 {
+        let id = format!("race-{i}");
+        p.clone().connect(connect_req(&id)).await.unwrap();
+        // Sixteen grants against one disconnect: some land in the window between the connection
+        // lookup and the grant's insertion.
+        let grants: Vec<_> = (0..16)
+            .map(|_| {
+                let (mut pg, gid) = (p.clone(), id.clone());
+                tokio::spawn(async move { pg.grant(grant_req("dst", &gid, pb::Access::Write)).await })
+            })
+            .collect();
+        pd.clone().disconnect(pb::DisconnectRequest { connection_id: id.clone(), node_name: String::new() }).await.unwrap();
+        for g in grants {
+            if let Ok(r) = g.await.unwrap() {
+                survivors.push((id.clone(), r.into_inner()));
+            }
+        }
+    }
+    assert!(!survivors.is_empty(), "no grant won the race: the test proves nothing");
+    // Every connection is gone, so is every grant.
+    assert!(scrape(&b).lines().any(|l| l == "xfer_grants_active 0"), "{}", scrape(&b));
+    // And a new connection under a raced id cannot use the old token.
+    survivors.dedup_by(|a, b| a.0 == b.0);
+    for (id, g) in survivors.iter().take(20) {
+        let mut s = b.data_stream(id).await;
+        let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
+        assert_eq!(raw_write(&mut s, token, g.addr, &[0xee; 64]), (10, 5), "{id}: REM_ACCESS_ERR");
+    }
+    assert!(b.read("dst", 0, 1 << 20).await == before, "bytes changed");
 }
 
 // ------------------------------------------------------------------ promise 7: no panics on input
