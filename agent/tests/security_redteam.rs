@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::pki::Pki;
+use common::pki::{role_uri, uri, Pki};
 use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
@@ -52,6 +52,35 @@ fn scrape(a: &Agent) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+// ------------------------------------------------------------------ promise 2: roles from certificates
+
+/// A certificate carrying two role URIs (a client and a node URI, say: an issuer whose policy
+/// checks that *one* requested SAN is allowed) got whichever role its issuer listed first: with
+/// the node URI first, a would-be client called `xfer.v1.Peer`. An SVID carries exactly one URI
+/// SAN; conflicting role URIs now carry no role, in either order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_with_conflicting_role_uris_gets_nothing() {
+    let pki = Pki::new();
+    pki.leaf("node-first", vec![uri(&role_uri("node", "app")), uri(&role_uri("client", "app"))]);
+    pki.leaf("client-first", vec![uri(&role_uri("client", "app")), uri(&role_uri("node", "app"))]);
+    pki.leaf("two-nodes", vec![uri(&role_uri("node", "node-a")), uri(&role_uri("node", "node-c"))]);
+    let (b, _t) = pki.agent("node-b");
+    pki.agent_client(&b, "xferctl").await.create_region(anon("dst", 1 << 20)).await.unwrap();
+    for who in ["node-first", "client-first", "two-nodes"] {
+        let ch = pki.channel(&b.addr(), "ca.crt", Some(who)).await.unwrap();
+        let e = xfer_proto::v1::peer_client::PeerClient::new(ch.clone()).connect(connect_req(&format!("c-{who}"))).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{who}: {e:?}");
+        assert!(e.message().contains("conflicting"), "{who}: {e:?}");
+        let e = xfer_proto::v1::agent_client::AgentClient::new(ch).get_info(pb::GetInfoRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{who}: {e:?}");
+    }
+    // Nothing was made on their behalf; a plain node still connects and is granted.
+    let mut node = pki.peer(&b, "node-a").await;
+    node.connect(connect_req("ok")).await.unwrap();
+    node.grant(grant_req("dst", "ok", pb::Access::Write)).await.unwrap();
+    assert!(scrape(&b).lines().any(|l| l == "xfer_grants_active 1"), "{}", scrape(&b));
 }
 
 // ------------------------------------------------------------------ promise 3: keys and addresses

@@ -128,6 +128,8 @@ pub enum AuthError {
     Unusable(String),
     #[error("certificate carries no xfer role: it needs a URI SAN spiffe://{trust_domain}/xfer/{{node|client|admin}}/NAME{dns}")]
     NoRole { trust_domain: String, dns: &'static str },
+    #[error("certificate carries conflicting xfer role URIs ({0}): a certificate must carry one identity")]
+    Ambiguous(String),
     #[error("{method} needs {need}; the caller {name:?} has the {role} role")]
     Denied { method: String, need: &'static str, role: Role, name: String },
     #[error("{0} is not a method this agent serves")]
@@ -157,13 +159,18 @@ impl RolePolicy {
             Ok(None) => Vec::new(),
             Err(e) => return Err(AuthError::Unusable(format!("bad subjectAltName: {e}"))),
         };
-        // URI SANs first: the SPIFFE convention is the primary one.
-        for n in &names {
-            if let GeneralName::URI(u) = n {
-                if let Some(c) = self.role_of_uri(u) {
-                    return Ok(c);
-                }
+        // URI SANs first: the SPIFFE convention is the primary one. An SVID has exactly one URI
+        // SAN; a certificate whose role URIs disagree (say a client and a node URI) is ambiguous
+        // and gets no role, rather than whichever its issuer happened to list first.
+        let mut uri_callers = names.iter().filter_map(|n| match n {
+            GeneralName::URI(u) => self.role_of_uri(u),
+            _ => None,
+        });
+        if let Some(first) = uri_callers.next() {
+            if let Some(other) = uri_callers.find(|c| *c != first) {
+                return Err(AuthError::Ambiguous(format!("{} {:?} and {} {:?}", first.role, first.name, other.role, other.name)));
             }
+            return Ok(first);
         }
         for n in &names {
             if let GeneralName::DNSName(d) = n {
@@ -410,6 +417,17 @@ mod tests {
             .caller_of(&cert_with(vec![uri("spiffe://dev.example/xfer/admin/a"), uri("spiffe://prod.example/xfer/client/b")]))
             .unwrap();
         assert_eq!((c.role, c.name.as_str()), (Role::Client, "b"));
+        // Two role URIs that disagree: no role, whatever their order.
+        for sans in [
+            vec![uri("spiffe://prod.example/xfer/client/a"), uri("spiffe://prod.example/xfer/node/a")],
+            vec![uri("spiffe://prod.example/xfer/node/a"), uri("spiffe://prod.example/xfer/client/a")],
+            vec![uri("spiffe://prod.example/xfer/node/a"), uri("spiffe://prod.example/xfer/node/b")],
+        ] {
+            assert!(matches!(pinned.caller_of(&cert_with(sans)), Err(AuthError::Ambiguous(_))));
+        }
+        // The same one twice is not a conflict.
+        let same = vec![uri("spiffe://prod.example/xfer/node/a"), uri("spiffe://prod.example/xfer/node/a")];
+        assert_eq!(pinned.caller_of(&cert_with(same)).unwrap().name, "a");
     }
 
     #[test]
