@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::pki::{role_uri, uri, Pki};
+use std::time::Duration;
+
+use common::pki::{ip, role_uri, uri, Pki};
 use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
@@ -155,6 +157,26 @@ async fn a_grant_racing_disconnect_does_not_outlive_its_connection() {
     assert!(b.read("dst", 0, 1 << 20).await == before, "bytes changed");
 }
 
+// ------------------------------------------------------------------ promise 5: labels keyed on identity
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known gap: the initiator labels metrics and records with the node_name the target \
+            declares in its Peer.Connect/Grant replies, not with the target certificate's NAME"]
+async fn the_initiator_labels_a_target_by_its_certificate_not_its_claim() {
+    // An agent whose certificate says node-b runs with node_name "node-c" (any name it likes):
+    // A's record (and its `peer` metric label) for the transfer to it says "node-c".
+    let pki = Pki::new();
+    pki.leaf("node-c", vec![uri(&role_uri("node", "node-b")), ip("127.0.0.1")]);
+    let (a, _ta) = pki.agent("node-a");
+    let (b, _tb) = pki.agent("node-c");
+    let mut ca = pki.agent_client(&a, "xferctl").await;
+    ca.create_region(anon("src", 4096)).await.unwrap();
+    pki.agent_client(&b, "xferctl").await.create_region(anon("dst", 4096)).await.unwrap();
+    let t = ca.submit_transfer(write_req("src", &b, "dst", 4096)).await.unwrap().into_inner();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = ca.get_transfer(pb::GetTransferRequest { id: t.id }).await.unwrap().into_inner();
+    assert_eq!(t.peer, "node-b", "the target's certificate says node-b: {t:?}");
+}
 // ------------------------------------------------------------------ promise 7: no panics on input
 
 /// `Agent.Connect` took `qps` from the request unchecked (SubmitTransfer checks 1-64): a client
