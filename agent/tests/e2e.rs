@@ -249,9 +249,9 @@ async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_res
     let a = Agent::start("node-a");
     let tmp = tempfile::tempdir().unwrap();
     let b_state = tmp.path().join("b");
-    let b_ports = Ports::new();
-    let (bg, bm, bd) = (b_ports.grpc, b_ports.metrics, b_ports.data);
-    let mut b = Agent::start_with("node-b", &b_state, b_ports, &[]);
+    let mut b = Agent::start_with("node-b", &b_state, Ports::new(), &[]);
+    // The ports it got (it may have retried on others), for the restart below.
+    let (bg, bm, bd) = (b.ports.grpc, b.ports.metrics, b.ports.data);
     a.create("src", 512 << 20, pb::Access::ReadWrite).await;
     b.create("dst", 512 << 20, pb::Access::ReadWrite).await;
     let mut req = write_req("src", &b, "dst", 0);
@@ -272,7 +272,7 @@ async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_res
     assert!(!last.error.is_empty() && !last.error_code.is_empty(), "{last:?}");
 
     // The peer comes back on the same address: the next transfer reconnects by itself.
-    let b = Agent::start_with("node-b", &b_state, Ports { grpc: bg, metrics: bm, data: bd }, &[]);
+    let b = Agent::start_with("node-b", &b_state, Ports { grpc: bg, metrics: bm, data: bd, auto: false }, &[]);
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
     let data = random_bytes(1 << 20, 77);
     a.put("src", 0, &data).await;
@@ -309,10 +309,9 @@ async fn restart_keeps_file_and_shm_regions_with_their_data() {
     let file = state.join("files/weights.bin");
     std::fs::create_dir_all(state.join("files")).unwrap();
     std::fs::write(&file, vec![0u8; 3 << 20]).unwrap();
-    let ports = Ports::new();
-    let (g, m, d) = (ports.grpc, ports.metrics, ports.data);
     let shm_name = format!("xfer-test-{}", std::process::id());
-    let mut a = Agent::start_with("node-a", &state, ports, &[]);
+    let mut a = Agent::start_with("node-a", &state, Ports::new(), &[]);
+    let (g, m, d) = (a.ports.grpc, a.ports.metrics, a.ports.data);
     let o = a.ctl(&["region", "create", "weights", "--size", "2MiB", "--kind", "file", "--path", file.to_str().unwrap()]);
     assert!(o.status.success(), "{}", s(&o));
     let o = a.ctl(&["region", "create", "kv", "--size", "1MiB", "--kind", "shm", "--path", &shm_name]);
@@ -326,7 +325,7 @@ async fn restart_keeps_file_and_shm_regions_with_their_data() {
     // A file region is a shared mapping: the bytes are in the file.
     assert!(std::fs::read(&file).unwrap()[..2 << 20] == data[..]);
 
-    let a = Agent::start_with("node-a", &state, Ports { grpc: g, metrics: m, data: d }, &[]);
+    let a = Agent::start_with("node-a", &state, Ports { grpc: g, metrics: m, data: d, auto: false }, &[]);
     let list = a.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner();
     let names: Vec<&str> = list.regions.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, vec!["kv", "weights"], "file and shm regions come back; anonymous ones do not");

@@ -9,29 +9,6 @@ use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
-fn grant_req(region: &str) -> pb::GrantRequest {
-    pb::GrantRequest {
-        region: region.into(),
-        offset: 0,
-        length: 4096,
-        op: pb::Access::Write as i32,
-        ttl: None,
-        node_name: "node-x".into(),
-        connection_id: "c1".into(),
-    }
-}
-
-fn complete_req(grant_id: &str, transfer_id: &str, bytes: u64) -> pb::CompleteRequest {
-    pb::CompleteRequest {
-        transfer_id: transfer_id.into(),
-        grant_id: grant_id.into(),
-        bytes,
-        op: pb::Op::Write as i32,
-        node_name: "node-x".into(),
-        ..Default::default()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_complete_cannot_replace_or_hide_an_outbound_transfer() {
     let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
@@ -46,8 +23,8 @@ async fn a_forged_complete_cannot_replace_or_hide_an_outbound_transfer() {
     // The attacker completes a grant of its own on A under the running transfer's id.
     let _session = a.data_session("c1").await;
     let mut p = a.peer_client().await;
-    let g = p.grant(grant_req("src")).await.unwrap().into_inner();
-    p.complete(complete_req(&g.grant_id, &t.id, 4096)).await.unwrap();
+    let g = p.grant(grant_req("src", "node-x", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    p.complete(complete_req(&g.grant_id, &t.id, 4096, "node-x")).await.unwrap();
 
     // The outbound record is untouched and still counted, watched and cancellable.
     let got = c.get_transfer(pb::GetTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
@@ -69,23 +46,23 @@ async fn bad_and_duplicate_ids_are_refused_and_change_nothing() {
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
     let _session = b.data_session("c1").await;
     let mut p = b.peer_client().await;
-    let g = p.grant(grant_req("dst")).await.unwrap().into_inner();
+    let g = p.grant(grant_req("dst", "node-x", "c1", pb::Access::Write)).await.unwrap().into_inner();
     for bad in ["", "a/b", "x y", "ü", &"i".repeat(65)] {
-        let e = p.complete(complete_req(&g.grant_id, bad, 4096)).await.unwrap_err();
+        let e = p.complete(complete_req(&g.grant_id, bad, 4096, "node-x")).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}: {e:?}");
     }
     // A 12 MiB id (under the 16 MiB message limit) is refused before anything keeps it, and the
     // refusal does not echo it.
-    let e = p.complete(complete_req(&g.grant_id, &"i".repeat(12 << 20), 4096)).await.unwrap_err();
+    let e = p.complete(complete_req(&g.grant_id, &"i".repeat(12 << 20), 4096, "node-x")).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().len() < 200, "{}", e.message().len());
     // The grant survived all of that: the first valid Complete works.
-    p.complete(complete_req(&g.grant_id, "t-1", 4096)).await.unwrap();
+    p.complete(complete_req(&g.grant_id, "t-1", 4096, "node-x")).await.unwrap();
 
     // A second Complete under the same id, with another grant: ALREADY_EXISTS; the first record
     // keeps its bytes, and the second grant is still live (its owner can revoke it).
-    let g2 = p.grant(grant_req("dst")).await.unwrap().into_inner();
-    let e = p.complete(complete_req(&g2.grant_id, "t-1", 1)).await.unwrap_err();
+    let g2 = p.grant(grant_req("dst", "node-x", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    let e = p.complete(complete_req(&g2.grant_id, "t-1", 1, "node-x")).await.unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
     let rec = b.client().await.get_transfer(pb::GetTransferRequest { id: "loopback/t-1".into() }).await.unwrap().into_inner();
     assert_eq!((rec.length, rec.inbound), (4096, true), "{rec:?}");
@@ -102,10 +79,10 @@ async fn inbound_history_is_bounded_and_listable() {
     let mut p = b.peer_client().await;
     let n = 1100;
     for i in 0..n {
-        let g = p.grant(grant_req("dst")).await.unwrap().into_inner();
+        let g = p.grant(grant_req("dst", "node-x", "c1", pb::Access::Write)).await.unwrap().into_inner();
         // Longest valid ids, so the bound is tested at its largest records.
         let id = format!("{i:0>64}");
-        p.complete(complete_req(&g.grant_id, &id, 4096)).await.unwrap();
+        p.complete(complete_req(&g.grant_id, &id, 4096, "node-x")).await.unwrap();
     }
     let list = b.client().await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
     assert_eq!(list.len(), 1000, "history bound");

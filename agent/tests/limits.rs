@@ -8,29 +8,6 @@ use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
-/// A grant request on data connection `c1` (tcp grants are bound to a connection).
-fn grant_req(region: &str, peer: &str) -> pb::GrantRequest {
-    pb::GrantRequest {
-        region: region.into(),
-        offset: 0,
-        length: 4096,
-        op: pb::Access::Write as i32,
-        ttl: None,
-        node_name: peer.into(),
-        connection_id: "c1".into(),
-    }
-}
-
-fn anon(name: &str, len: u64) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::Anonymous as i32,
-        access: pb::Access::ReadWrite as i32,
-        ..Default::default()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_regions_and_max_registered_bytes() {
     let a = Agent::start_env("node-a", &[("XFER_LIMITS__MAX_REGIONS", "2"), ("XFER_LIMITS__MAX_REGISTERED_BYTES", "1MiB")]);
@@ -63,15 +40,15 @@ async fn max_grants_per_peer_directly_and_through_a_submit() {
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
     let _session = b.data_session("c1").await;
     let mut p = b.peer_client().await;
-    let g1 = p.grant(grant_req("dst", "node-a")).await.unwrap().into_inner();
-    p.grant(grant_req("dst", "node-a")).await.unwrap();
-    let e = p.grant(grant_req("dst", "node-a")).await.unwrap_err();
+    let g1 = p.grant(grant_req("dst", "node-a", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    p.grant(grant_req("dst", "node-a", "c1", pb::Access::Write)).await.unwrap();
+    let e = p.grant(grant_req("dst", "node-a", "c1", pb::Access::Write)).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("max_grants_per_peer"), "{e:?}");
     // The limit is keyed on who calls (in plaintext: the address, every loopback address being
     // one caller), not on the name it declares. Per-identity quotas with certificates:
     // tests/security.rs.
-    let e = p.grant(grant_req("dst", "node-z")).await.unwrap_err();
+    let e = p.grant(grant_req("dst", "node-z", "c1", pb::Access::Write)).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "a declared name is not a new quota: {e:?}");
 
     // Agent A on loopback is the same caller: its submit needs a third grant from B, and
@@ -171,7 +148,7 @@ async fn oversized_messages_are_refused_and_the_agent_keeps_serving() {
 
     // Peer.Grant with a region name far past the limit.
     let _session = a.data_session("c1").await;
-    let mut g = grant_req("r", "node-x");
+    let mut g = grant_req("r", "node-x", "c1", pb::Access::Write);
     g.region = "x".repeat(LIMIT + 1);
     let e = a.peer_client().await.grant(g).await.unwrap_err();
     assert_eq!(e.code(), oversized_code, "{e:?}");
@@ -182,5 +159,5 @@ async fn oversized_messages_are_refused_and_the_agent_keeps_serving() {
     let w = a.client().await.write_region(futures::stream::iter(msgs)).await.unwrap().into_inner();
     assert_eq!(w.bytes_written, data.len() as u64);
     assert!(a.read("r", 0, data.len() as u64).await == data);
-    a.peer_client().await.grant(grant_req("r", "node-x")).await.unwrap();
+    a.peer_client().await.grant(grant_req("r", "node-x", "c1", pb::Access::Write)).await.unwrap();
 }

@@ -19,47 +19,6 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
 
-fn anon(name: &str, len: u64) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::Anonymous as i32,
-        access: pb::Access::ReadWrite as i32,
-        ..Default::default()
-    }
-}
-
-fn grant_req(region: &str, declared: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
-    pb::GrantRequest {
-        region: region.into(),
-        offset: 0,
-        length: 4096,
-        op: op as i32,
-        ttl: None,
-        node_name: declared.into(),
-        connection_id: conn.into(),
-    }
-}
-
-fn connect_req(id: &str) -> pb::PeerConnectRequest {
-    pb::PeerConnectRequest {
-        version: 1,
-        node_name: "whoever".into(),
-        fabric: pb::FabricKind::Tcp as i32,
-        endpoints: vec![],
-        connection_id: id.into(),
-    }
-}
-
-/// GET /metrics from the agent's metrics listener.
-fn scrape(a: &Agent) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 async fn region_names(c: &mut AgentClient<Channel>) -> Vec<String> {
     c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions.into_iter().map(|r| r.name).collect()
 }

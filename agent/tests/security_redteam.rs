@@ -14,48 +14,6 @@ use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
-fn anon(name: &str, len: u64) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::Anonymous as i32,
-        access: pb::Access::ReadWrite as i32,
-        ..Default::default()
-    }
-}
-
-fn connect_req(id: &str) -> pb::PeerConnectRequest {
-    pb::PeerConnectRequest {
-        version: 1,
-        node_name: "whoever".into(),
-        fabric: pb::FabricKind::Tcp as i32,
-        endpoints: vec![],
-        connection_id: id.into(),
-    }
-}
-
-fn grant_req(region: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
-    pb::GrantRequest {
-        region: region.into(),
-        offset: 0,
-        length: 4096,
-        op: op as i32,
-        ttl: None,
-        node_name: "whoever".into(),
-        connection_id: conn.into(),
-    }
-}
-
-/// GET /metrics from the agent's metrics listener.
-fn scrape(a: &Agent) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 // ------------------------------------------------------------------ promise 2: roles from certificates
 
 /// A certificate carrying two role URIs (a client and a node URI, say: an issuer whose policy
@@ -81,7 +39,7 @@ async fn a_certificate_with_conflicting_role_uris_gets_nothing() {
     // Nothing was made on their behalf; a plain node still connects and is granted.
     let mut node = pki.peer(&b, "node-a").await;
     node.connect(connect_req("ok")).await.unwrap();
-    node.grant(grant_req("dst", "ok", pb::Access::Write)).await.unwrap();
+    node.grant(grant_req("dst", "whoever", "ok", pb::Access::Write)).await.unwrap();
     assert!(scrape(&b).lines().any(|l| l == "xfer_grants_active 1"), "{}", scrape(&b));
 }
 
@@ -105,7 +63,7 @@ async fn regions_show_no_keys_or_addresses_outside_grant_mode_region() {
     assert_eq!((got.name.as_str(), got.length), ("r", 4096));
     let mut p = b.peer_client().await;
     p.connect(connect_req("c1")).await.unwrap();
-    let g = p.grant(grant_req("r", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    let g = p.grant(grant_req("r", "whoever", "c1", pb::Access::Write)).await.unwrap().into_inner();
     assert_ne!(g.addr, 0);
 }
 
@@ -134,7 +92,7 @@ async fn a_grant_racing_disconnect_does_not_outlive_its_connection() {
         let grants: Vec<_> = (0..16)
             .map(|_| {
                 let (mut pg, gid) = (p.clone(), id.clone());
-                tokio::spawn(async move { pg.grant(grant_req("dst", &gid, pb::Access::Write)).await })
+                tokio::spawn(async move { pg.grant(grant_req("dst", "whoever", &gid, pb::Access::Write)).await })
             })
             .collect();
         pd.clone().disconnect(pb::DisconnectRequest { connection_id: id.clone(), node_name: String::new() }).await.unwrap();
@@ -247,7 +205,7 @@ async fn a_peer_cannot_replace_another_callers_transfer_record() {
     // grant and completes it under the client's transfer id.
     let mut evil = pki.peer(&a, "node-c").await;
     evil.connect(connect_req("evil")).await.unwrap();
-    let g = evil.grant(grant_req("bait", "evil", pb::Access::Write)).await.unwrap().into_inner();
+    let g = evil.grant(grant_req("bait", "whoever", "evil", pb::Access::Write)).await.unwrap().into_inner();
     let _ = evil
         .complete(pb::CompleteRequest {
             transfer_id: t.id.clone(),
@@ -277,7 +235,7 @@ async fn complete_validates_the_transfer_id() {
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
     let mut p = b.peer_client().await;
     p.connect(connect_req("c1")).await.unwrap();
-    let g = p.grant(grant_req("dst", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    let g = p.grant(grant_req("dst", "whoever", "c1", pb::Access::Write)).await.unwrap().into_inner();
     for bad in [String::new(), "x".repeat(1 << 20), "a b".into(), "é".into()] {
         let e = p
             .complete(pb::CompleteRequest {

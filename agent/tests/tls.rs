@@ -100,19 +100,6 @@ async fn unauthenticated_and_foreign_clients_are_refused() {
     assert_eq!(get_info(&pki, &a, "ca.crt", Some("xferctl")).await, Ok("node-a".into()));
 }
 
-/// A grant request on the caller's data connection `conn` (tcp grants are bound to one).
-fn grant_req(region: &str, declared: &str, conn: &str) -> pb::GrantRequest {
-    pb::GrantRequest {
-        region: region.into(),
-        offset: 0,
-        length: 4096,
-        op: pb::Access::Write as i32,
-        ttl: None,
-        node_name: declared.into(),
-        connection_id: conn.into(),
-    }
-}
-
 /// `Peer.Connect` (tcp) as connection `id`, over the caller's mTLS channel.
 async fn connect(p: &mut PeerClient<Channel>, id: &str) {
     p.connect(pb::PeerConnectRequest {
@@ -124,20 +111,6 @@ async fn connect(p: &mut PeerClient<Channel>, id: &str) {
     })
     .await
     .unwrap();
-}
-
-fn complete_req(grant_id: &str, declared: &str) -> pb::CompleteRequest {
-    pb::CompleteRequest {
-        transfer_id: format!("t-{grant_id}"),
-        grant_id: grant_id.into(),
-        bytes: 4096,
-        op: pb::Op::Write as i32,
-        node_name: declared.into(),
-        has_checksum: false,
-        checksum: 0,
-        algo: 0,
-        success: true,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,25 +134,25 @@ async fn grants_are_bound_to_the_certificate_identity() {
     connect(&mut as_c, "conn-c").await;
 
     // node-a's grant: node-c cannot complete or revoke it, even when it claims to be node-a.
-    let g = as_a.grant(grant_req("dst", "node-a", "conn-a")).await.unwrap().into_inner();
+    let g = as_a.grant(grant_req("dst", "node-a", "conn-a", pb::Access::Write)).await.unwrap().into_inner();
     for declared in ["node-c", "node-a"] {
-        let e = as_c.complete(complete_req(&g.grant_id, declared)).await.unwrap_err();
+        let e = as_c.complete(complete_req(&g.grant_id, &format!("t-{}", g.grant_id), 4096, declared)).await.unwrap_err();
         assert_eq!(e.code(), Code::PermissionDenied, "complete as {declared}: {e:?}");
     }
     let e = as_c.revoke(pb::RevokeRequest { grant_id: g.grant_id.clone() }).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // The owner can.
-    as_a.complete(complete_req(&g.grant_id, "node-a")).await.unwrap();
-    let g2 = as_a.grant(grant_req("dst", "node-a", "conn-a")).await.unwrap().into_inner();
+    as_a.complete(complete_req(&g.grant_id, &format!("t-{}", g.grant_id), 4096, "node-a")).await.unwrap();
+    let g2 = as_a.grant(grant_req("dst", "node-a", "conn-a", pb::Access::Write)).await.unwrap().into_inner();
     as_a.revoke(pb::RevokeRequest { grant_id: g2.grant_id.clone() }).await.unwrap();
     let e = as_a.revoke(pb::RevokeRequest { grant_id: g2.grant_id }).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 
     // A grant requested by node-c while claiming to be node-a is node-c's, not node-a's.
-    let g3 = as_c.grant(grant_req("dst", "node-a", "conn-c")).await.unwrap().into_inner();
-    let e = as_a.complete(complete_req(&g3.grant_id, "node-a")).await.unwrap_err();
+    let g3 = as_c.grant(grant_req("dst", "node-a", "conn-c", pb::Access::Write)).await.unwrap().into_inner();
+    let e = as_a.complete(complete_req(&g3.grant_id, &format!("t-{}", g3.grant_id), 4096, "node-a")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
-    as_c.complete(complete_req(&g3.grant_id, "whatever")).await.unwrap();
+    as_c.complete(complete_req(&g3.grant_id, &format!("t-{}", g3.grant_id), 4096, "whatever")).await.unwrap();
     let list = pki.agent_client(&b, "xferctl").await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner();
     let mut peers: Vec<_> = list.transfers.iter().filter(|t| t.inbound).map(|t| t.peer.clone()).collect();
     peers.sort();

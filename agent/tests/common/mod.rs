@@ -65,6 +65,64 @@ pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u3
     (status, r[4], data)
 }
 
+/// An anonymous read-write region request.
+pub fn anon(name: &str, len: u64) -> pb::CreateRegionRequest {
+    pb::CreateRegionRequest {
+        name: name.into(),
+        length: len,
+        kind: pb::RegionKind::Anonymous as i32,
+        access: pb::Access::ReadWrite as i32,
+        ..Default::default()
+    }
+}
+
+/// `Peer.Connect` (tcp) as connection `id`; the declared name is ignored by the agent.
+pub fn connect_req(id: &str) -> pb::PeerConnectRequest {
+    pb::PeerConnectRequest {
+        version: 1,
+        node_name: "whoever".into(),
+        fabric: pb::FabricKind::Tcp as i32,
+        endpoints: vec![],
+        connection_id: id.into(),
+    }
+}
+
+/// A 4 KiB grant at offset 0 of `region` for `op`, on the caller's connection `conn` (tcp grants
+/// are bound to one), declaring the node name `declared` (which the agent ignores).
+pub fn grant_req(region: &str, declared: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
+    pb::GrantRequest {
+        region: region.into(),
+        offset: 0,
+        length: 4096,
+        op: op as i32,
+        ttl: None,
+        node_name: declared.into(),
+        connection_id: conn.into(),
+    }
+}
+
+/// `Peer.Complete` of a WRITE grant, recorded as `transfer_id`.
+pub fn complete_req(grant_id: &str, transfer_id: &str, bytes: u64, declared: &str) -> pb::CompleteRequest {
+    pb::CompleteRequest {
+        transfer_id: transfer_id.into(),
+        grant_id: grant_id.into(),
+        bytes,
+        op: pb::Op::Write as i32,
+        node_name: declared.into(),
+        ..Default::default()
+    }
+}
+
+/// GET /metrics from the agent's metrics listener (a plain HTTP/1.0 request).
+pub fn scrape(a: &Agent) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -84,13 +142,15 @@ pub struct Ports {
     pub grpc: u16,
     pub metrics: u16,
     pub data: u16,
+    /// Chosen by [`Ports::new`]: may be replaced if another test took one first.
+    pub auto: bool,
 }
 
 impl Ports {
     /// gRPC and metrics on free ports; the data listener on a port the agent picks (`data: 0`),
     /// which peers learn through `Peer.Connect`.
     pub fn new() -> Ports {
-        Ports { grpc: free_port(), metrics: free_port(), data: 0 }
+        Ports { grpc: free_port(), metrics: free_port(), data: 0, auto: true }
     }
 }
 
@@ -126,26 +186,39 @@ impl Agent {
     }
 
     /// Like [`Agent::start_with`], with extra environment variables (e.g. `XFER_INSECURE`).
-    pub fn start_with_env(name: &str, state_dir: &Path, ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
+    /// Ports from [`Ports::new`] can be taken by another test between choosing and binding them:
+    /// an agent that exits with a bind error then starts again on fresh ports (fixed ports, as
+    /// restart tests pass, are not changed).
+    pub fn start_with_env(name: &str, state_dir: &Path, mut ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         std::fs::create_dir_all(state_dir).unwrap();
         let log = state_dir.with_extension(format!("{name}.log"));
-        let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-        let child = Command::new(agent_bin())
-            .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
-            .arg(state_dir)
-            .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
-            .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
-            .args(if ports.data == 0 { vec![] } else { vec!["--data-listen".to_string(), format!("127.0.0.1:{}", ports.data)] })
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .unwrap();
-        let mut a = Agent { name: name.into(), child: Some(child), ports, state_dir: state_dir.to_path_buf(), log, _tmp: None };
-        a.wait_ready();
-        a
+        for attempt in 1.. {
+            let _ = std::fs::remove_file(&log);
+            let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+            let child = Command::new(agent_bin())
+                .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
+                .arg(state_dir)
+                .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
+                .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
+                .args(if ports.data == 0 { vec![] } else { vec!["--data-listen".to_string(), format!("127.0.0.1:{}", ports.data)] })
+                .args(extra)
+                .env("RUST_LOG", "info")
+                .envs(env.iter().copied())
+                .stdout(Stdio::null())
+                .stderr(logf)
+                .spawn()
+                .unwrap();
+            let auto = ports.auto;
+            let mut a = Agent { name: name.into(), child: Some(child), ports, state_dir: state_dir.to_path_buf(), log: log.clone(), _tmp: None };
+            match a.wait_ready() {
+                Ok(()) => return a,
+                Err(logs) if auto && attempt < 5 && logs.contains("cannot bind") && logs.contains("Address already in use") => {
+                    ports = Ports::new();
+                }
+                Err(logs) => panic!("agent {name} exited early: {logs}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
     }
 
     pub fn addr(&self) -> String {
@@ -156,14 +229,16 @@ impl Agent {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn wait_ready(&mut self) {
+    /// Waits until this agent (not whoever else holds the port) serves: it logs "xfer-agent
+    /// serving" only after binding every listener. `Err(logs)` if it exited first.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if std::net::TcpStream::connect(self.addr()).is_ok() {
-                return;
+            if self.logs().contains("xfer-agent serving") && std::net::TcpStream::connect(self.addr()).is_ok() {
+                return Ok(());
             }
             if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
-                panic!("agent {} exited early with {st}: {}", self.name, self.logs());
+                return Err(format!("{st}: {}", self.logs()));
             }
             assert!(Instant::now() < deadline, "agent {} not ready: {}", self.name, self.logs());
             std::thread::sleep(Duration::from_millis(25));
