@@ -145,7 +145,8 @@ pub fn options(cfg: &Config) -> VerbsOptions {
         device: Some(cfg.verbs.device.clone()).filter(|d| !d.is_empty()),
         port: cfg.verbs.port,
         gid_index: u32::try_from(cfg.verbs.gid_index).ok(),
-        bind_ip: (!ip.is_unspecified()).then_some(ip),
+        // Neither an unspecified nor a loopback listener (the default) names a RoCE netdev.
+        bind_ip: (!ip.is_unspecified() && !ip.is_loopback()).then_some(ip),
         timeout: cfg.verbs.timeout,
         retry_cnt: cfg.verbs.retry_cnt,
         rnr_retry: cfg.verbs.rnr_retry,
