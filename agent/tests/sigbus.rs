@@ -251,6 +251,22 @@ async fn a_transfer_from_a_truncated_file_fails_while_another_succeeds() {
     assert_eq!(t.error_code, "REM_ACCESS_ERR", "{t:?}");
     assert!(a.read("sink", 0, MIB).await == sink);
 
+    // READ into A's own truncated file region: the bytes would land in zero pages; the
+    // transfer fails with the same code.
+    file_region(&a, "into", MIB, 6).await;
+    truncate(&a, "into", MIB / 2);
+    let read = pb::SubmitTransferRequest {
+        op: pb::Op::Read as i32,
+        local: Some(pb::LocalRange { region: "into".into(), offset: 0 }),
+        remote: Some(pb::RemoteRange { agent: b.addr(), region: "dst2".into(), offset: 0 }),
+        length: MIB,
+        options: None,
+    };
+    let t = a.transfer(read).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Failed as i32, "{t:?}");
+    assert_eq!(t.error_code, "REGION_POISONED", "{t:?}");
+    assert_eq!(std::fs::metadata(root_of(&a).join("into.bin")).unwrap().len(), MIB / 2, "not extended");
+
     alive(&mut a, pa).await;
     alive(&mut b, pb_).await;
     // A poisoned source is refused at submit from now on.
