@@ -35,6 +35,8 @@ pub enum StartError {
     Tls(crate::service::tls::TlsError),
     #[error("gRPC server: {0}")]
     Grpc(String),
+    #[error("cannot install the SIGBUS handler: {0}")]
+    Sigbus(std::io::Error),
 }
 
 /// Binds a listener for the setting `key`; the error says so.
@@ -76,6 +78,9 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
 
 /// Runs the agent until `shutdown` is cancelled, then drains and returns.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartError> {
+    // Before any region is mapped: a file that shrinks under its mapping poisons that region
+    // instead of killing the agent (verbs::sigbus; file mappings also install it on first use).
+    crate::verbs::sigbus::install().map_err(StartError::Sigbus)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
     if cfg.regions.file_roots.is_empty() {

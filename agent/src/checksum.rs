@@ -1,6 +1,6 @@
 //! End-to-end checksums of region ranges (xxh3-64 or crc32c), computed straight over region
 //! memory in bounded pieces so a long range never holds one huge borrow.
-use crate::verbs::memory::{OutOfRange, RegionMemory};
+use crate::verbs::memory::{MemError, RegionMemory};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -11,7 +11,10 @@ pub enum Algo {
 
 const PIECE: u64 = 4 << 20;
 
-pub fn checksum(mem: &RegionMemory, offset: u64, len: u64, algo: Algo) -> Result<u64, OutOfRange> {
+/// `MemError::Poisoned` if the region's file shrank under its mapping (checked after hashing, so
+/// a sum over zeros standing in for missing pages is never returned).
+pub fn checksum(mem: &RegionMemory, offset: u64, len: u64, algo: Algo) -> Result<u64, MemError> {
+    mem.intact()?;
     mem.check(offset, len)?;
     let mut pos = offset;
     let end = offset + len;
@@ -23,6 +26,7 @@ pub fn checksum(mem: &RegionMemory, offset: u64, len: u64, algo: Algo) -> Result
                 h.update(mem.slice(pos, n)?);
                 pos += n;
             }
+            mem.intact()?;
             Ok(h.digest())
         }
         Algo::Crc32c => {
@@ -32,6 +36,7 @@ pub fn checksum(mem: &RegionMemory, offset: u64, len: u64, algo: Algo) -> Result
                 c = crc32c::crc32c_append(c, mem.slice(pos, n)?);
                 pos += n;
             }
+            mem.intact()?;
             Ok(c as u64)
         }
     }

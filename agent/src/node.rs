@@ -440,7 +440,7 @@ impl Node {
                 let got = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, bytes, algo))
                     .await
                     .map_err(|e| TransferError::Internal(e.to_string()))?
-                    .map_err(|e| TransferError::Invalid(e.to_string()))?;
+                    .map_err(|e| TransferError::Region(g.region.mem_error(e)))?;
                 Some((got == expected, got))
             }
             None => None,
@@ -687,7 +687,15 @@ impl Node {
         let rec = handle.snapshot();
         let started = Instant::now();
         info!(bytes = rec.length, "transfer started");
-        let outcome = self.execute(&handle, &plan, &rec, started).await;
+        let mut outcome = self.execute(&handle, &plan, &rec, started).await;
+        // The local region's file shrank under its mapping while the transfer copied it: whatever
+        // the fabric reported (a local protection error, or success over zeros standing in for
+        // the missing pages), the transfer failed, and the code says why.
+        if !matches!(outcome, Err(Outcome::Cancelled)) {
+            if let Err(e) = plan.local.0.intact() {
+                outcome = Err(Outcome::Failed(REGION_POISONED.into(), e.to_string()));
+            }
+        }
         let (state, code, msg) = match outcome {
             Ok(verified) => {
                 handle.update(|r| {
@@ -796,7 +804,10 @@ impl Node {
                 let v = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, len, algo))
                     .await
                     .map_err(|e| Outcome::Failed("INTERNAL".into(), e.to_string()))?
-                    .map_err(|e| Outcome::Failed("INTERNAL".into(), e.to_string()))?;
+                    .map_err(|e| match plan.local.0.mem_error(e) {
+                        e @ crate::regions::RegionError::Poisoned { .. } => Outcome::Failed(REGION_POISONED.into(), e.to_string()),
+                        e => Outcome::Failed("INTERNAL".into(), e.to_string()),
+                    })?;
                 Some((algo, v))
             }
             None => None,
@@ -1137,6 +1148,9 @@ enum Outcome {
     Cancelled,
     Failed(String, String),
 }
+
+/// `error_code` of a transfer whose local region's file shrank under its mapping.
+pub const REGION_POISONED: &str = "REGION_POISONED";
 
 fn hint(status: crate::fabric::WcStatus) -> &'static str {
     use crate::fabric::WcStatus::*;

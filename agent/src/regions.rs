@@ -95,6 +95,9 @@ pub enum RegionError {
     ShmExists { object: String },
     #[error("region {name:?} is unavailable: {reason}")]
     Unavailable { name: String, reason: String },
+    /// The region's file (or shm object) shrank under its mapping (`verbs::sigbus`).
+    #[error("region {name:?}'s file shrank under its mapping; recreate the region")]
+    Poisoned { name: String },
     #[error("limit reached: {0}")]
     Limit(String),
     #[error("{context}: {source}")]
@@ -126,6 +129,24 @@ pub struct Region {
     in_use: AtomicU32,
     /// shm object created by the agent (unlinked on delete)
     created_object: bool,
+}
+
+impl Region {
+    /// `Err(Poisoned)` once the region's file shrank under its mapping. Call it after copying
+    /// region memory, before using or acknowledging the bytes.
+    pub fn intact(&self) -> Result<(), RegionError> {
+        self.memory.intact().map_err(|_| RegionError::Poisoned { name: self.name.clone() })
+    }
+
+    /// Maps a memory error of this region to a region error (poisoning names the region).
+    pub fn mem_error(&self, e: crate::verbs::memory::MemError) -> RegionError {
+        use crate::verbs::memory::MemError;
+        match e {
+            MemError::Poisoned => RegionError::Poisoned { name: self.name.clone() },
+            MemError::OutOfRange(r) => RegionError::Invalid(r.to_string()),
+            MemError::ReadOnly(r) => RegionError::Denied(format!("region {:?}: {r}", self.name)),
+        }
+    }
 }
 
 impl std::fmt::Debug for Region {
@@ -754,11 +775,14 @@ impl RegionRegistry {
         }
     }
 
-    /// Looks a live region up by name or id; an unavailable one is FAILED_PRECONDITION naming
-    /// its reason.
+    /// Looks a live region up by name or id; an unavailable or poisoned one is
+    /// FAILED_PRECONDITION naming its reason.
     pub fn get(&self, name_or_id: &str) -> Result<Arc<Region>, RegionError> {
         match self.describe(name_or_id)? {
-            RegionView::Live(r) => Ok(r),
+            RegionView::Live(r) => {
+                r.intact()?;
+                Ok(r)
+            }
             RegionView::Unavailable(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
         }
     }

@@ -509,9 +509,25 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
         if wr.signaled {
             h.flags |= ACK_REQUESTED;
         }
+        // Memory over a file that can shrink is copied out first: a truncated page then faults in
+        // the agent (and poisons the memory, see `verbs::sigbus`) instead of failing the socket
+        // write with EFAULT, and zeros standing in for the file are never sent.
+        let bounce = if wr.op == WrOp::Write && wr.local.memory().can_shrink() {
+            let mut b = vec![0u8; wr.len as usize];
+            if let Err(e) = wr.local.memory().read_at(wr.local_offset, &mut b) {
+                warn!(qp = ctx.index, error = %e, "tcp fabric: cannot send from local memory");
+                ctx.fail(WcStatus::LocProtErr);
+                break;
+            }
+            Some(b)
+        } else {
+            None
+        };
         let res = async {
             out.write_all(&h.encode()).await?;
-            if wr.op == WrOp::Write {
+            if let Some(b) = &bounce {
+                out.write_all(b).await?;
+            } else if wr.op == WrOp::Write {
                 // Straight from region memory: no bounce buffer. Bounds were checked at post.
                 let data = wr.local.memory().slice(wr.local_offset, wr.len as u64).map_err(std::io::Error::other)?;
                 out.write_all(data).await?;
@@ -598,15 +614,27 @@ async fn handle_response(
                 put_back(ctx, p);
                 return Ok(Some(WcStatus::RemInvReqErr));
             }
-            let dst = match p.wr.local.memory().slice_mut(p.wr.local_offset, p.wr.len as u64) {
-                Ok(d) => d,
-                Err(_) => {
+            let mem = p.wr.local.memory();
+            if mem.can_shrink() {
+                // Through a buffer, so a truncated page faults in the agent (not EFAULT in the
+                // socket read), the stream stays in sync, and a poisoned region fails the WR.
+                let mut b = vec![0u8; p.wr.len as usize];
+                rd.read_exact(&mut b).await?;
+                if mem.write_at(p.wr.local_offset, &b).is_err() {
                     put_back(ctx, p);
                     return Ok(Some(WcStatus::LocProtErr));
                 }
-            };
-            // Straight into region memory: no bounce buffer.
-            rd.read_exact(dst).await?;
+            } else {
+                let dst = match mem.slice_mut(p.wr.local_offset, p.wr.len as u64) {
+                    Ok(d) => d,
+                    Err(_) => {
+                        put_back(ctx, p);
+                        return Ok(Some(WcStatus::LocProtErr));
+                    }
+                };
+                // Straight into region memory: no bounce buffer.
+                rd.read_exact(dst).await?;
+            }
             if p.wr.signaled {
                 ctx.complete(&p.wr, WcStatus::Success);
             }
@@ -809,11 +837,27 @@ where
             Kind::Write => {
                 let target = check
                     .check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write)
-                    .and_then(|(mem, off)| match mem.slice_mut(off, h.len as u64) {
-                        Ok(_) => Ok((mem, off)),
-                        Err(_) => Err(WcStatus::RemAccessErr),
+                    .and_then(|(mem, off)| match (mem.slice_mut(off, h.len as u64), mem.intact()) {
+                        (Ok(_), Ok(())) => Ok((mem, off)),
+                        _ => Err(WcStatus::RemAccessErr),
                     });
                 match target {
+                    Ok((mem, off)) if mem.can_shrink() => {
+                        // Through a buffer: a truncated page faults in the agent (poisoning the
+                        // region) rather than as EFAULT in the socket read, the stream stays in
+                        // sync, and a write that landed in zero pages is NAKed, not acknowledged.
+                        let mut b = vec![0u8; h.len as usize];
+                        rd.read_exact(&mut b).await?;
+                        if mem.write_at(off, &b).is_ok() {
+                            if h.flags & ACK_REQUESTED != 0 {
+                                wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
+                            }
+                        } else {
+                            let mut nak = Header::new(Kind::Nak, h.id);
+                            nak.status = WcStatus::RemAccessErr.code();
+                            wr.write_all(&nak.encode()).await?;
+                        }
+                    }
                     Ok((mem, off)) => {
                         // Checked just above; the payload lands straight in region memory.
                         let dst = mem.slice_mut(off, h.len as u64).map_err(std::io::Error::other)?;
@@ -833,6 +877,22 @@ where
             Kind::ReadReq => {
                 let mut resp = Header::new(Kind::ReadResp, h.id);
                 match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read) {
+                    Ok((mem, off)) if mem.can_shrink() => {
+                        // Copied out first: a truncated page faults in the agent and poisons the
+                        // region, and the zeros standing in for it are NAKed, never sent.
+                        let mut b = vec![0u8; h.len as usize];
+                        match mem.read_at(off, &mut b) {
+                            Ok(()) => {
+                                resp.len = h.len;
+                                wr.write_all(&resp.encode()).await?;
+                                wr.write_all(&b).await?;
+                            }
+                            Err(_) => {
+                                resp.status = WcStatus::RemAccessErr.code();
+                                wr.write_all(&resp.encode()).await?;
+                            }
+                        }
+                    }
                     Ok((mem, off)) => {
                         let src = mem.slice(off, h.len as u64).map_err(std::io::Error::other)?;
                         resp.len = h.len;

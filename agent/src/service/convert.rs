@@ -137,7 +137,11 @@ pub fn region_to_pb(r: &Region) -> pb::Region {
         lkey: if exposed { r.registration.lkey() } else { 0 },
         rkey: if exposed { r.registration.rkey() } else { 0 },
         addr: if exposed { r.registration.addr() } else { 0 },
-        unavailable_reason: String::new(),
+        // A region whose file shrank under its mapping stays listed (delete it to recreate).
+        unavailable_reason: match r.intact() {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        },
     }
 }
 
@@ -368,7 +372,9 @@ pub fn region_status(e: RegionError) -> Status {
             Status::invalid_argument(e.to_string())
         }
         RegionError::NotRegular { .. } => Status::invalid_argument(e.to_string()),
-        RegionError::Busy(_) | RegionError::Unavailable { .. } => Status::failed_precondition(e.to_string()),
+        RegionError::Busy(_) | RegionError::Unavailable { .. } | RegionError::Poisoned { .. } => {
+            Status::failed_precondition(e.to_string())
+        }
         RegionError::Denied(_) => Status::permission_denied(e.to_string()),
         RegionError::ShmExists { .. } => Status::already_exists(e.to_string()),
         RegionError::Limit(_) => Status::resource_exhausted(e.to_string()),
@@ -511,6 +517,7 @@ mod tests {
         use tonic::Code;
         assert_eq!(region_status(RegionError::NotFound("x".into())).code(), Code::NotFound);
         assert_eq!(region_status(RegionError::Invalid("x".into())).code(), Code::InvalidArgument);
+        assert_eq!(region_status(RegionError::Poisoned { name: "r".into() }).code(), Code::FailedPrecondition);
         assert_eq!(region_status(RegionError::Limit("x".into())).code(), Code::ResourceExhausted);
         assert_eq!(region_status(RegionError::Denied("x".into())).code(), Code::PermissionDenied);
         assert_eq!(region_status(RegionError::NotRegular { path: "p".into(), kind: "FIFO" }).code(), Code::InvalidArgument);

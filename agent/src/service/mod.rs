@@ -220,7 +220,8 @@ impl Agent for Services {
         while let Some(m) = msg {
             if !m.data.is_empty() {
                 region.check_range(offset, m.data.len() as u64).map_err(region_status)?;
-                region.memory.write_at(offset, &m.data).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                // Checks for a shrunken file after the copy: refused, not acknowledged.
+                region.memory.write_at(offset, &m.data).map_err(|e| region_status(region.mem_error(e)))?;
                 offset += m.data.len() as u64;
                 written += m.data.len() as u64;
             }
@@ -244,8 +245,10 @@ impl Agent for Services {
             }
             let n = (end - pos).min(PIECE);
             let mut buf = vec![0u8; n as usize];
+            // read_at checks for a shrunken file after the copy: zeros standing in for missing
+            // pages are never sent (FAILED_PRECONDITION naming the region instead).
             let item = u.0.memory.read_at(pos, &mut buf).map(|_| pb::ReadRegionResponse { offset: pos, data: buf });
-            Some((item.map_err(|e| Status::internal(e.to_string())), (u, pos + n, end)))
+            Some((item.map_err(|e| region_status(u.0.mem_error(e))), (u, pos + n, end)))
         });
         Ok(Response::new(Box::pin(stream)))
     }
@@ -260,7 +263,7 @@ impl Agent for Services {
         let value = tokio::task::spawn_blocking(move || crate::checksum::checksum(&u.0.memory, r.offset, len, algo))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(|e| region_status(region.mem_error(e)))?;
         Ok(Response::new(pb::ChecksumResponse { algo: algo_to_pb(algo) as i32, value }))
     }
 

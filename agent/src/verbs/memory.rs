@@ -11,6 +11,10 @@
 //! * Every accessor bounds-checks `offset + len` (with overflow checks) before touching memory.
 //! * Concurrent writes to overlapping bytes give unspecified (torn) bytes, exactly as overlapping
 //!   RDMA operations do; the agent never relies on the contents of bytes that are being written.
+//! * A file-backed mapping whose file shrinks is *poisoned* ([`super::sigbus`]): the missing
+//!   pages read as zeros and swallow writes instead of raising SIGBUS. `read_at`/`write_at` check
+//!   [`RegionMemory::intact`] after the copy; whoever copies through `slice`/`slice_mut` must do
+//!   the same before trusting, returning or acknowledging the bytes.
 use std::fs::File;
 use std::io;
 use std::ptr::NonNull;
@@ -31,12 +35,25 @@ pub struct OutOfRange {
 #[error("memory is mapped read-only")]
 pub struct ReadOnly;
 
+/// Error for memory whose file shrank under its mapping (see [`super::sigbus`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the file shrank under its mapping")]
+pub struct Poisoned;
+
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
     #[error(transparent)]
     OutOfRange(#[from] OutOfRange),
     #[error(transparent)]
     ReadOnly(#[from] ReadOnly),
+    #[error("the file shrank under its mapping")]
+    Poisoned,
+}
+
+impl From<Poisoned> for MemError {
+    fn from(_: Poisoned) -> Self {
+        MemError::Poisoned
+    }
 }
 
 enum Backing {
@@ -50,6 +67,9 @@ pub struct RegionMemory {
     ptr: NonNull<u8>,
     len: usize,
     writable: bool,
+    /// Registered with the SIGBUS registry (file and shm mappings). Declared before `backing`
+    /// so it is dropped (unregistered) before the memory is unmapped.
+    sigbus: Option<super::sigbus::Guard>,
     backing: Backing,
 }
 
@@ -85,21 +105,26 @@ impl RegionMemory {
 
     /// Shared mapping of the first `len` bytes of `file`. Writes reach the file (and other
     /// processes mapping it). The caller checked that the file is at least `len` bytes long.
+    /// The mapping is registered with the SIGBUS registry: if the file shrinks later, the memory
+    /// becomes poisoned instead of killing the agent.
     pub fn map_file(file: &File, len: usize, writable: bool) -> io::Result<Self> {
         let mut opts = MmapOptions::new();
         opts.len(len);
-        if writable {
+        let mut mem = if writable {
             // SAFETY: the mapping is shared with other processes by design (file and shm
             // regions); concurrent modification by them is part of the module contract and we
-            // never create long-lived Rust references into the mapping.
+            // never create long-lived Rust references into the mapping. Truncation by them is
+            // handled by the SIGBUS registry entered below.
             let map = unsafe { opts.map_mut(file)? };
-            Ok(Self::from_mut(map))
+            Self::from_mut(map)
         } else {
             // SAFETY: as above, read-only.
             let map = unsafe { opts.map(file)? };
             let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or_else(|| io::Error::other("null mapping"))?;
-            Ok(Self { ptr, len, writable: false, backing: Backing::ReadOnly { _map: map } })
-        }
+            Self { ptr, len, writable: false, sigbus: None, backing: Backing::ReadOnly { _map: map } }
+        };
+        mem.sigbus = Some(super::sigbus::register(mem.ptr.as_ptr() as usize, mem.len)?);
+        Ok(mem)
     }
 
     fn from_mut(mut map: MmapMut) -> Self {
@@ -107,7 +132,30 @@ impl RegionMemory {
         // An mmap never returns address 0 on success; dangling() is only reached for len 0,
         // which callers reject before mapping.
         let ptr = NonNull::new(map.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        Self { ptr, len, writable: true, backing: Backing::Writable(map) }
+        Self { ptr, len, writable: true, sigbus: None, backing: Backing::Writable(map) }
+    }
+
+    /// True once the file under this mapping shrank and a page beyond its end was touched.
+    /// Sticky: the region must be recreated.
+    pub fn poisoned(&self) -> bool {
+        self.sigbus.as_ref().is_some_and(|g| g.poisoned())
+    }
+
+    /// Whether a copy in or out of this memory can hit a truncated file (file and shm mappings).
+    /// The TCP fabric copies such memory through a buffer so the fault is taken in the agent, not
+    /// turned into EFAULT by a socket system call.
+    pub fn can_shrink(&self) -> bool {
+        self.sigbus.is_some()
+    }
+
+    /// `Err(Poisoned)` if the memory is poisoned. Call it *after* copying through `slice` or
+    /// `slice_mut`: bytes copied before it returns `Ok` are the file's.
+    pub fn intact(&self) -> Result<(), Poisoned> {
+        if self.poisoned() {
+            Err(Poisoned)
+        } else {
+            Ok(())
+        }
     }
 
     pub fn len(&self) -> u64 {
@@ -142,16 +190,19 @@ impl RegionMemory {
         Ok(offset as usize)
     }
 
-    /// Copies bytes out of the mapping.
-    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), OutOfRange> {
+    /// Copies bytes out of the mapping; `Poisoned` if the file shrank (then `buf` holds zeros
+    /// where the file is missing and must not be used).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        self.intact()?;
         buf.copy_from_slice(self.slice(offset, buf.len() as u64)?);
-        Ok(())
+        Ok(self.intact()?)
     }
 
-    /// Copies bytes into the mapping.
+    /// Copies bytes into the mapping; `Poisoned` if the file shrank (the bytes may be lost).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        self.intact()?;
         self.slice_mut(offset, data.len() as u64)?.copy_from_slice(data);
-        Ok(())
+        Ok(self.intact()?)
     }
 
     /// A view of `len` bytes at `offset`, used to send them (socket write, checksum) without a

@@ -7,6 +7,8 @@
 //! every `unsafe` block carries a `// SAFETY:` note; the rest of the crate is `deny(unsafe_code)`.
 //!
 //! # Layout (feature `verbs`)
+//! * [`sigbus`]: the SIGBUS handler and registry that let a truncated file region fail instead of
+//!   killing the agent (no feature needed).
 //! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
 //! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
 //! * [`cq`]: a completion queue with its completion channel, polled in batches.
@@ -29,6 +31,7 @@ use crate::config::Config;
 use crate::fabric::{Fabric, FabricError};
 
 pub mod memory;
+pub mod sigbus;
 
 #[cfg(feature = "verbs")]
 pub mod device;
