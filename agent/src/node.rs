@@ -167,7 +167,7 @@ impl Node {
             },
             policy,
         );
-        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls);
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls, config.limits.max_peers);
         Arc::new(Node {
             regions,
             grants,
