@@ -282,8 +282,10 @@ impl PeerEntry {
         *id = (node_name.to_string(), instance_id.to_string());
     }
 
+    /// Idle connections that can still be lent (a broken one, e.g. closed by the peer's
+    /// `limits.data_idle_timeout`, is not counted: `lease` discards it).
     pub fn idle_count(&self) -> usize {
-        self.idle.lock().map(|i| i.len()).unwrap_or(0)
+        self.idle.lock().map(|i| i.iter().filter(|l| !l.conn.is_broken()).count()).unwrap_or(0)
     }
 }
 

@@ -301,3 +301,32 @@ async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
     assert!(metric(&text, "xfer_accept_errors_total{listener=\"data\"}") >= 1.0, "{text}");
     b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_target_closed_for_idleness_is_never_lent() {
+    let a = Agent::start("node-a");
+    let b = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "300ms")]);
+    a.create("src", 1 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let data = random_bytes(1 << 20, 11);
+    a.put("src", 0, &data).await;
+    let mut c = a.client().await;
+    let info = c.connect(pb::ConnectRequest { peer: b.addr(), qps: 0 }).await.unwrap().into_inner();
+    assert_eq!(info.qps, 1, "one idle connection in the pool");
+    // B closes the idle streams; A's readers see EOF and the pooled connection is broken (ListPeers
+    // counts only connections that can be lent). Bounded by a count of calls.
+    let mut gone = false;
+    for _ in 0..100_000 {
+        let peers = c.list_peers(pb::ListPeersRequest::default()).await.unwrap().into_inner().peers;
+        if peers.iter().find(|p| p.address == b.addr()).is_some_and(|p| p.qps == 0) {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "the idle-closed connection still counts as lendable");
+    assert!(metric(&scrape(b.ports.metrics), "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0);
+    // The transfer negotiates a fresh connection instead of using the dead one.
+    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+    assert!(b.read("dst", 0, 1 << 20).await == data);
+}
