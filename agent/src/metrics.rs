@@ -72,7 +72,7 @@ pub fn describe() {
         Unit::Count,
         "Data streams closed by the agent for inactivity, by reason (handshake: no hello within limits.data_handshake_timeout; idle: no frame for limits.data_idle_timeout)."
     );
-    describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc); each backs off the listener 10 ms doubling to 1 s.");
+    describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s.");
     describe_gauge!(PEERS, Unit::Count, "Entries in the peer pool (peer agents by address); capped by limits.max_peers.");
     describe_counter!(PEERS_EVICTED, Unit::Count, "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers.");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
@@ -155,7 +155,7 @@ pub fn data_connection_closed(reason: &'static str) {
     counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
 }
 
-/// `listener`: `data` or `grpc`.
+/// `listener`: `data`, `grpc` or `health`.
 pub fn accept_error(listener: &'static str) {
     counter!(ACCEPT_ERRORS, "listener" => listener).increment(1);
 }
