@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Config, FabricChoice};
-use crate::fabric::tcp::TcpFabric;
+use crate::fabric::tcp::{DataLimits, TcpFabric};
 use crate::fabric::{Fabric, FabricError};
 use crate::grants::GrantTable;
 use crate::node::Node;
@@ -72,7 +72,14 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
 /// streams are TLS with the same certificates.
 async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMaterial>) -> Result<Arc<dyn Fabric>, StartError> {
     let listener = bind("data_listen", cfg.data_listen_addr()).await?;
-    let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone())).map_err(StartError::Fabric)?;
+    let l = &cfg.limits;
+    let limits = DataLimits {
+        max_connections: l.max_data_connections,
+        max_connections_per_peer: l.max_data_connections_per_peer,
+        handshake_timeout: l.data_handshake_timeout.0,
+        idle_timeout: l.data_idle_timeout.0,
+    };
+    let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone()), limits).map_err(StartError::Fabric)?;
     Ok(Arc::new(fabric))
 }
 
@@ -152,7 +159,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     if let Some(l) = health_listener {
         let probe = l.local_addr().ok();
         let stop = stop_grpc.clone();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        let incoming = Box::pin(crate::sys::incoming_with_backoff(l, "health"));
         let server = crate::service::health_router(&health);
         tokio::spawn(async move {
             if let Err(e) = server.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await {
@@ -165,7 +172,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
 
     let server = {
         let stop = stop_grpc.clone();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "grpc"));
         tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
     };
     shutdown.cancelled().await;
@@ -183,6 +190,12 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
 }
 
 fn log_limits() {
+    // Sockets and region files are descriptors; systemd's default soft limit (1024) is far below
+    // what the data-port and peer caps allow, so take everything the hard limit gives.
+    match crate::sys::raise_nofile() {
+        Ok((before, soft, hard)) => info!(nofile_soft_before = before, nofile_soft = soft, nofile_hard = hard, "RLIMIT_NOFILE"),
+        Err(e) => warn!(error = %e, "could not raise RLIMIT_NOFILE to its hard limit"),
+    }
     let (soft, hard) = crate::sys::memlock();
     let cap = crate::sys::cap_ipc_lock();
     let fmt = |v: u64| if v == u64::MAX { "unlimited".to_string() } else { format!("{v}") };

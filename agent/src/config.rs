@@ -212,6 +212,17 @@ pub struct LimitsConfig {
     pub max_message_size: ByteSize,
     /// Distinct `peer` label values in metrics; further peers are counted as `other`.
     pub max_peer_labels: usize,
+    /// Open sockets on the tcp data port, from accept until close (hello or not).
+    pub max_data_connections: usize,
+    /// Data streams of one identity (a session's owner), counted once the hello names a session.
+    pub max_data_connections_per_peer: usize,
+    /// A data stream must complete its (TLS handshake and) hello within this.
+    pub data_handshake_timeout: HumanDuration,
+    /// A data stream that sends no frame for this long is closed.
+    pub data_idle_timeout: HumanDuration,
+    /// Entries in the peer pool (peer agents by address); the least recently used idle one is
+    /// evicted.
+    pub max_peers: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -457,6 +468,11 @@ impl Default for LimitsConfig {
             max_transfers_per_peer: 64,
             max_message_size: ByteSize(16 << 20),
             max_peer_labels: 256,
+            max_data_connections: 4096,
+            max_data_connections_per_peer: 256,
+            data_handshake_timeout: HumanDuration(Duration::from_secs(10)),
+            data_idle_timeout: HumanDuration(Duration::from_secs(300)),
+            max_peers: 1024,
         }
     }
 }
@@ -574,6 +590,23 @@ impl Config {
         if self.limits.max_peer_labels == 0 {
             return Err(bad("limits.max_peer_labels", "must be at least 1"));
         }
+        for (key, v) in [
+            ("limits.max_data_connections", self.limits.max_data_connections),
+            ("limits.max_data_connections_per_peer", self.limits.max_data_connections_per_peer),
+            ("limits.max_peers", self.limits.max_peers),
+        ] {
+            if v == 0 {
+                return Err(bad(key, "must be at least 1"));
+            }
+        }
+        for (key, v) in [
+            ("limits.data_handshake_timeout", self.limits.data_handshake_timeout.0),
+            ("limits.data_idle_timeout", self.limits.data_idle_timeout.0),
+        ] {
+            if v.is_zero() {
+                return Err(bad(key, "must be longer than 0"));
+            }
+        }
         for (i, r) in self.tls.dns_roles.iter().enumerate() {
             crate::service::auth::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
         }
@@ -679,6 +712,33 @@ mod tests {
         let back = Config::load(Some(&f), Vec::new(), &Overrides::default()).unwrap();
         assert_eq!(back.to_toml(), c.to_toml());
         assert!(c.to_toml().contains("chunk_size = \"1MiB\""), "{}", c.to_toml());
+    }
+
+    #[test]
+    fn exhaustion_limits_load_from_env_and_refuse_zero() {
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.limits.max_data_connections, 4096);
+        assert_eq!(c.limits.max_data_connections_per_peer, 256);
+        assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
+        assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
+        assert_eq!(c.limits.max_peers, 1024);
+        let c = Config::load(
+            None,
+            env(&[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "200ms"), ("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4")]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.limits.data_idle_timeout.0, Duration::from_millis(200));
+        assert_eq!(c.limits.max_data_connections_per_peer, 4);
+        for key in ["MAX_DATA_CONNECTIONS", "MAX_DATA_CONNECTIONS_PER_PEER", "MAX_PEERS"] {
+            let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0")]), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
+        }
+        for key in ["DATA_HANDSHAKE_TIMEOUT", "DATA_IDLE_TIMEOUT"] {
+            let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0s")]), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
+        }
     }
 
     #[test]

@@ -26,6 +26,12 @@ pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
 pub const GRANTS_ACTIVE: &str = "xfer_grants_active";
 pub const FABRIC_INFO: &str = "xfer_fabric_info";
 pub const BUILD_INFO: &str = "xfer_build_info";
+pub const DATA_CONNECTIONS: &str = "xfer_data_connections";
+pub const DATA_CONNECTIONS_REFUSED: &str = "xfer_data_connections_refused_total";
+pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
+pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
+pub const PEERS: &str = "xfer_peers";
+pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 
 /// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
 /// Must run inside a tokio runtime.
@@ -55,6 +61,20 @@ pub fn describe() {
     describe_gauge!(GRANTS_ACTIVE, Unit::Count, "Grants currently valid on this agent.");
     describe_gauge!(FABRIC_INFO, "Fabric in use (value 1), with kind and device labels.");
     describe_gauge!(BUILD_INFO, "Build information (value 1), with the version label.");
+    describe_gauge!(DATA_CONNECTIONS, Unit::Count, "Open sockets on the tcp data port, from accept until close (including streams still before their hello); capped by limits.max_data_connections.");
+    describe_counter!(
+        DATA_CONNECTIONS_REFUSED,
+        Unit::Count,
+        "Data-port sockets closed at once because a cap was reached, by reason (total: limits.max_data_connections; per_peer: limits.max_data_connections_per_peer)."
+    );
+    describe_counter!(
+        DATA_CONNECTIONS_CLOSED,
+        Unit::Count,
+        "Data streams closed by the agent for inactivity, by reason (handshake: no hello within limits.data_handshake_timeout; idle: no frame for limits.data_idle_timeout)."
+    );
+    describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s.");
+    describe_gauge!(PEERS, Unit::Count, "Entries in the peer pool (peer agents by address); capped by limits.max_peers.");
+    describe_counter!(PEERS_EVICTED, Unit::Count, "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers.");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -119,4 +139,31 @@ pub fn registration_duration(d: Duration) {
 
 pub fn grants_active(n: usize) {
     gauge!(GRANTS_ACTIVE).set(n as f64);
+}
+
+pub fn data_connections(n: usize) {
+    gauge!(DATA_CONNECTIONS).set(n as f64);
+}
+
+/// `reason`: `total` or `per_peer`.
+pub fn data_connection_refused(reason: &'static str) {
+    counter!(DATA_CONNECTIONS_REFUSED, "reason" => reason).increment(1);
+}
+
+/// `reason`: `handshake` or `idle`.
+pub fn data_connection_closed(reason: &'static str) {
+    counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
+}
+
+/// `listener`: `data`, `grpc` or `health`.
+pub fn accept_error(listener: &'static str) {
+    counter!(ACCEPT_ERRORS, "listener" => listener).increment(1);
+}
+
+pub fn peers(n: usize) {
+    gauge!(PEERS).set(n as f64);
+}
+
+pub fn peer_evicted() {
+    counter!(PEERS_EVICTED).increment(1);
 }

@@ -167,7 +167,7 @@ impl Node {
             },
             policy,
         );
-        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls);
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls, config.limits.max_peers);
         Arc::new(Node {
             regions,
             grants,
@@ -837,8 +837,10 @@ impl Node {
 
     /// Leases a connection to `peer`, then asks the peer for a grant bound to it
     /// (`GrantRequest.connection_id`: grant mode mw binds its windows on that connection's QPs).
-    /// An idle connection may predate a restart of the peer, which then does not know it: it is
-    /// discarded and a fresh one negotiated (once).
+    /// An idle connection may predate a restart of the peer, which then does not know it, or break
+    /// while the grant is asked (the peer closed it for idleness): it is discarded and a fresh one
+    /// negotiated (once). A pooled connection that breaks after this fails its transfer cleanly
+    /// (`RETRY_EXC_ERR` in the record).
     async fn lease_and_grant(
         &self,
         peer: &Arc<PeerEntry>,
@@ -855,6 +857,16 @@ impl Node {
             match r {
                 Ok(grant) => {
                     peer.observe(&grant.node_name, &grant.instance_id);
+                    if grant.instance_id == lease.instance_id() && lease.reused() && lease.conn.is_broken() && !retried {
+                        // The pooled connection broke while the grant was asked (e.g. the peer
+                        // closed its idle streams, limits.data_idle_timeout): the grant is bound to
+                        // it, so drop both and start over on a fresh connection, once.
+                        debug!(peer = %peer.addr, "pooled connection broke while granting; negotiating a fresh one");
+                        self.revoke_later(peer, &grant.grant_id);
+                        self.peers.release(peer, lease, false);
+                        retried = true;
+                        continue;
+                    }
                     if grant.instance_id == lease.instance_id() {
                         return Ok((lease, grant));
                     }

@@ -19,8 +19,14 @@
 //! call after the window is a probe; any answer from the peer (even an error status) resets the
 //! back-off. A dead peer therefore costs its callers about one connect timeout per window, and
 //! never touches transfers to other peers: each peer has its own entry, channel and connections.
+//!
+//! The pool holds at most `limits.max_peers` entries (any client may name any address in
+//! `Agent.Connect` or a submit). A new address past the cap evicts the least recently used entry
+//! that nothing else holds (no transfer, lease or call in flight): its idle connections are closed
+//! and disconnected. When every entry is in use the new address is refused (RESOURCE_EXHAUSTED).
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -57,6 +63,8 @@ pub enum PeerError {
     Protocol { addr: String, detail: String },
     #[error("connecting to peer {addr} failed: {source}")]
     Fabric { addr: String, source: FabricError },
+    #[error("peer pool is full: {max} peers (limits.max_peers) are all in use; cannot add {addr}")]
+    PoolFull { addr: String, max: usize },
 }
 
 /// Consecutive transport failures after which a peer is put in back-off.
@@ -166,6 +174,8 @@ pub struct PeerEntry {
     health: Mutex<Health>,
     /// Bumped whenever a back-off window starts; calls in flight watch it to give up waiting.
     backoff_started: watch::Sender<u64>,
+    /// The pool's clock at the last lookup (LRU eviction).
+    last_used: AtomicU64,
 }
 
 impl PeerEntry {
@@ -272,8 +282,10 @@ impl PeerEntry {
         *id = (node_name.to_string(), instance_id.to_string());
     }
 
+    /// Idle connections that can still be lent (a broken one, e.g. closed by the peer's
+    /// `limits.data_idle_timeout`, is not counted: `lease` discards it).
     pub fn idle_count(&self) -> usize {
-        self.idle.lock().map(|i| i.len()).unwrap_or(0)
+        self.idle.lock().map(|i| i.iter().filter(|l| !l.conn.is_broken()).count()).unwrap_or(0)
     }
 }
 
@@ -283,13 +295,29 @@ pub struct PeerPool {
     /// mTLS for the gRPC clients to peers (None = plaintext).
     tls: Option<Arc<TlsMaterial>>,
     max_idle_per_peer: usize,
+    /// Most entries (`limits.max_peers`).
+    max_peers: usize,
+    /// Logical clock for `PeerEntry::last_used`.
+    clock: AtomicU64,
     /// addr → peer. std Mutex: map operations only.
     peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
 }
 
 impl PeerPool {
-    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, tls: Option<Arc<TlsMaterial>>) -> Self {
-        PeerPool { fabric, node_name, tls, max_idle_per_peer: 8, peers: Mutex::new(HashMap::new()) }
+    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, tls: Option<Arc<TlsMaterial>>, max_peers: usize) -> Self {
+        PeerPool {
+            fabric,
+            node_name,
+            tls,
+            max_idle_per_peer: 8,
+            max_peers: max_peers.max(1),
+            clock: AtomicU64::new(0),
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<PeerEntry>>> {
@@ -299,6 +327,7 @@ impl PeerPool {
     /// The peer at `addr` (host:port), creating its gRPC client on first use.
     pub fn peer(&self, addr: &str) -> Result<Arc<PeerEntry>, PeerError> {
         if let Some(p) = self.map().get(addr) {
+            p.last_used.store(self.tick(), Ordering::Relaxed);
             return Ok(p.clone());
         }
         let client = PeerClient::new(addr, self.tls.as_deref())?;
@@ -310,8 +339,49 @@ impl PeerPool {
             last_connect: Mutex::new(None),
             health: Mutex::new(Health::default()),
             backoff_started: watch::channel(0).0,
+            last_used: AtomicU64::new(self.tick()),
         });
-        Ok(self.map().entry(addr.to_string()).or_insert(entry).clone())
+        let (entry, evicted, size) = {
+            let mut map = self.map();
+            if let Some(p) = map.get(addr) {
+                // Another caller added it meanwhile.
+                return Ok(p.clone());
+            }
+            let mut evicted = None;
+            if map.len() >= self.max_peers {
+                // Only the map holds an entry that no transfer, lease or call uses.
+                let victim = map
+                    .values()
+                    .filter(|p| Arc::strong_count(p) == 1)
+                    .min_by_key(|p| p.last_used.load(Ordering::Relaxed))
+                    .map(|p| p.addr.clone());
+                match victim.and_then(|v| map.remove(&v)) {
+                    Some(v) => evicted = Some(v),
+                    None => return Err(PeerError::PoolFull { addr: addr.to_string(), max: self.max_peers }),
+                }
+            }
+            map.insert(addr.to_string(), entry.clone());
+            (entry, evicted, map.len())
+        };
+        m::peers(size);
+        if let Some(v) = evicted {
+            debug!(peer = %v.addr, "peer pool full (limits.max_peers): evicted the least recently used peer");
+            m::peer_evicted();
+            let drained: Vec<Lease> = v.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
+            for l in drained {
+                self.discard(&v, l);
+            }
+        }
+        Ok(entry)
+    }
+
+    /// Entries in the pool.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map().is_empty()
     }
 
     pub fn list(&self) -> Vec<Arc<PeerEntry>> {
@@ -323,13 +393,26 @@ impl PeerPool {
     /// A connection with `qps` QPs to `peer`: an idle one if healthy, else a new negotiation.
     pub async fn lease(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<Lease, PeerError> {
         let current = peer.identity.lock().map(|g| g.1.clone()).unwrap_or_default();
+        let mut stale = Vec::new();
+        let mut found = None;
         if let Ok(mut idle) = peer.idle.lock() {
-            idle.retain(|l| !l.conn.is_broken() && l.instance_id == current);
+            // A broken connection (e.g. the target closed its idle streams: the readers saw EOF)
+            // or one to an earlier instance of the peer is never lent again.
+            let (keep, drop): (Vec<Lease>, Vec<Lease>) = idle.drain(..).partition(|l| !l.conn.is_broken() && l.instance_id == current);
+            *idle = keep;
+            stale = drop;
             if let Some(pos) = idle.iter().position(|l| l.qps == qps && l.depth >= depth) {
                 let mut lease = idle.swap_remove(pos);
                 lease.reused = true;
-                return Ok(lease);
+                found = Some(lease);
             }
+        }
+        for l in stale {
+            // Closes it and tells the peer to forget the session.
+            self.discard(peer, l);
+        }
+        if let Some(lease) = found {
+            return Ok(lease);
         }
         self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await
     }

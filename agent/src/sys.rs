@@ -1,4 +1,68 @@
-//! Facts about the process the agent runs in: locked-memory limit and capabilities.
+//! Facts about the process the agent runs in: locked-memory and open-file limits, capabilities,
+//! and the back-off of accept loops that run out of file descriptors.
+use std::time::Duration;
+
+/// Raises the soft RLIMIT_NOFILE to the hard limit. Returns (soft before, soft after, hard); the
+/// error says why the raise failed (the limits are then unchanged).
+pub fn raise_nofile() -> Result<(u64, u64, u64), String> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| format!("getrlimit(RLIMIT_NOFILE): {e}"))?;
+    if soft >= hard {
+        return Ok((soft, soft, hard));
+    }
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(|e| format!("setrlimit(RLIMIT_NOFILE, {hard}): {e}"))?;
+    Ok((soft, hard, hard))
+}
+
+/// First pause after a failed accept.
+pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// Longest pause between failed accepts.
+pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Exponential back-off of an accept loop: a failed accept (EMFILE, ENFILE, ...) pauses the loop
+/// 10 ms, doubling to 1 s while accepts keep failing; a successful accept resets it. Without it
+/// a listener out of file descriptors is readable forever and its loop spins.
+#[derive(Debug, Default)]
+pub struct AcceptBackoff {
+    next: Option<Duration>,
+}
+
+impl AcceptBackoff {
+    /// Counts a failed accept on `listener` (metric label) and returns how long to pause.
+    pub fn failed(&mut self, listener: &'static str) -> Duration {
+        crate::metrics::accept_error(listener);
+        let d = self.next.unwrap_or(ACCEPT_BACKOFF_MIN);
+        self.next = Some((d * 2).min(ACCEPT_BACKOFF_MAX));
+        d
+    }
+
+    pub fn succeeded(&mut self) {
+        self.next = None;
+    }
+}
+
+/// The gRPC listener as a stream of accepted sockets, with [`AcceptBackoff`] on errors: errors are
+/// logged, counted and waited out instead of handed to the server, which would retry at once.
+pub fn incoming_with_backoff(
+    listener: tokio::net::TcpListener,
+    name: &'static str,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures::stream::unfold((listener, AcceptBackoff::default()), move |(listener, mut backoff)| async move {
+        loop {
+            match listener.accept().await {
+                Ok((s, _)) => {
+                    backoff.succeeded();
+                    return Some((Ok(s), (listener, backoff)));
+                }
+                Err(e) => {
+                    let pause = backoff.failed(name);
+                    tracing::warn!(listener = name, error = %e, ?pause, "accept failed; backing off");
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    })
+}
 
 /// RLIMIT_MEMLOCK (soft, hard) in bytes; `u64::MAX` means unlimited.
 pub fn memlock() -> (u64, u64) {
@@ -19,6 +83,22 @@ fn cap_eff_has(status: &str, bit: u32) -> Option<bool> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn accept_backoff_doubles_to_the_cap_and_resets() {
+        use super::*;
+        let mut b = AcceptBackoff::default();
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            seen.push(b.failed("test"));
+        }
+        assert_eq!(seen[0], ACCEPT_BACKOFF_MIN);
+        assert_eq!(seen[1], ACCEPT_BACKOFF_MIN * 2);
+        assert_eq!(*seen.last().unwrap(), ACCEPT_BACKOFF_MAX);
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]));
+        b.succeeded();
+        assert_eq!(b.failed("test"), ACCEPT_BACKOFF_MIN);
+    }
+
     #[test]
     fn parses_cap_eff() {
         assert_eq!(super::cap_eff_has("Name: x\nCapEff:\t0000000000004000\n", 14), Some(true));

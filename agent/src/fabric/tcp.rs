@@ -11,16 +11,25 @@
 //! Data streams are bound to the authenticated control plane (DESIGN §8): `Peer.Connect` (over
 //! mTLS, or plaintext on loopback) creates a *session* on the target with a random 32-byte secret
 //! that only the initiator learns. Every data stream starts with a hello naming the connection and
-//! presenting that secret; a stream without a valid hello within [`HELLO_TIMEOUT`] is closed.
+//! presenting that secret; a stream without a valid hello within `limits.data_handshake_timeout`
+//! is closed.
 //! Frames on a stream are checked against grants asked on *that* connection only, so a token is
 //! worthless on any other stream. With mTLS on, streams are TLS with the agent's certificates
 //! (tokio-rustls), the target checks that the client certificate is the identity that made the
 //! connection, and the initiator checks that the target's certificate has the node role. Dropping
 //! the responder's [`Accepted`] half (`Peer.Disconnect`, eviction, shutdown) ends the session and
 //! closes its streams.
+//!
+//! Exhaustion is bounded ([`DataLimits`]): every accepted socket counts against
+//! `limits.max_data_connections` from accept until it closes (hello or not); once a hello names a
+//! session, the stream also counts against its owner's `limits.max_data_connections_per_peer`
+//! (refused with a NAK `REM_ACCESS_ERR`). A stream that sends no frame for
+//! `limits.data_idle_timeout` is closed; the initiator's reader then sees EOF and marks the
+//! connection broken, so the pool never lends it again. Failed accepts (EMFILE) back off
+//! ([`crate::sys::AcceptBackoff`]) instead of spinning.
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -41,8 +50,63 @@ use crate::service::auth::Role;
 use crate::service::tls::DataTls;
 use crate::verbs::memory::RegionMemory;
 
-/// A data stream must complete its TLS handshake and hello within this.
+/// The initiator's TLS handshake on a data stream must complete within this; it is also the
+/// default of the target's `limits.data_handshake_timeout`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The target's bounds on its data port (`limits.*` in the configuration).
+#[derive(Debug, Clone, Copy)]
+pub struct DataLimits {
+    /// Open sockets from accept until close, hello or not (`limits.max_data_connections`).
+    pub max_connections: usize,
+    /// Streams of one identity, counted once the hello names a session
+    /// (`limits.max_data_connections_per_peer`).
+    pub max_connections_per_peer: usize,
+    /// (TLS handshake and) hello deadline (`limits.data_handshake_timeout`).
+    pub handshake_timeout: Duration,
+    /// A stream with no frame for this long is closed (`limits.data_idle_timeout`).
+    pub idle_timeout: Duration,
+}
+
+impl Default for DataLimits {
+    fn default() -> Self {
+        DataLimits {
+            max_connections: 4096,
+            max_connections_per_peer: 256,
+            handshake_timeout: HELLO_TIMEOUT,
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Open sockets on the data port; a [`Slot`] holds one until dropped.
+struct OpenCount {
+    open: AtomicUsize,
+    max: usize,
+}
+
+impl OpenCount {
+    /// A slot for one more socket, or None at the cap.
+    fn acquire(self: &Arc<Self>) -> Option<Slot> {
+        let r = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
+        match r {
+            Ok(n) => {
+                crate::metrics::data_connections(n + 1);
+                Some(Slot(self.clone()))
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+struct Slot(Arc<OpenCount>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let n = self.0.open.fetch_sub(1, Ordering::AcqRel);
+        crate::metrics::data_connections(n.saturating_sub(1));
+    }
+}
 /// First bytes of a data stream's hello (protocol version 1).
 const HELLO_MAGIC: &[u8; 4] = b"XFR1";
 /// Most data streams one connection may open (`transfer.qps` is at most 64).
@@ -93,39 +157,73 @@ struct Session {
     closed: CancellationToken,
 }
 
-/// Sessions by connection id. std Mutex: map operations only, never held across an await.
-#[derive(Default)]
+/// Sessions by connection id, and open streams by owner. std Mutex: map operations only, never
+/// held across an await.
 struct Sessions {
-    map: Mutex<HashMap<String, Session>>,
+    map: Mutex<SessionMaps>,
+    max_per_owner: usize,
+}
+
+#[derive(Default)]
+struct SessionMaps {
+    sessions: HashMap<String, Session>,
+    /// Admitted streams per owner, across all of its sessions.
+    per_owner: HashMap<String, usize>,
+}
+
+/// Why a hello was refused; `PerPeer` is counted apart in metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    Hello(&'static str),
+    PerPeer,
 }
 
 impl Sessions {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
+    fn new(max_per_owner: usize) -> Self {
+        Sessions { map: Mutex::new(SessionMaps::default()), max_per_owner }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SessionMaps> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Admits one more stream of `connection` presenting `secret` from `identity` (TLS: the client
-    /// certificate's NAME; plaintext: None). Returns the token that ends the stream with the session.
-    fn admit(&self, connection: &str, secret: &[u8; 32], identity: Option<&str>) -> Result<CancellationToken, &'static str> {
+    /// certificate's NAME; plaintext: None). Returns the token that ends the stream with the
+    /// session, and the session's owner (for [`Sessions::stream_ended`]).
+    fn admit(&self, connection: &str, secret: &[u8; 32], identity: Option<&str>) -> Result<(CancellationToken, String), Refusal> {
         use subtle::ConstantTimeEq;
-        let mut map = self.lock();
-        let s = map.get_mut(connection).ok_or("unknown connection")?;
+        let mut maps = self.lock();
+        let SessionMaps { sessions, per_owner } = &mut *maps;
+        let s = sessions.get_mut(connection).ok_or(Refusal::Hello("unknown connection"))?;
         if !bool::from(s.secret.0.ct_eq(secret)) {
-            return Err("wrong connection secret");
+            return Err(Refusal::Hello("wrong connection secret"));
         }
         if identity.is_some_and(|id| id != s.owner) {
-            return Err("the client certificate is not the identity that made the connection");
+            return Err(Refusal::Hello("the client certificate is not the identity that made the connection"));
         }
         if s.streams >= MAX_STREAMS_PER_SESSION {
-            return Err("too many streams on this connection");
+            return Err(Refusal::Hello("too many streams on this connection"));
         }
+        let owned = per_owner.entry(s.owner.clone()).or_insert(0);
+        if *owned >= self.max_per_owner {
+            return Err(Refusal::PerPeer);
+        }
+        *owned += 1;
         s.streams += 1;
-        Ok(s.closed.clone())
+        Ok((s.closed.clone(), s.owner.clone()))
     }
 
-    fn stream_ended(&self, connection: &str) {
-        if let Some(s) = self.lock().get_mut(connection) {
+    /// A stream admitted for `owner` on `connection` ended (its session may be gone already).
+    fn stream_ended(&self, connection: &str, owner: &str) {
+        let mut maps = self.lock();
+        if let Some(s) = maps.sessions.get_mut(connection) {
             s.streams = s.streams.saturating_sub(1);
+        }
+        if let Some(n) = maps.per_owner.get_mut(owner) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                maps.per_owner.remove(owner);
+            }
         }
     }
 }
@@ -145,7 +243,7 @@ impl Accepted for TcpAccepted {
 
 impl Drop for TcpAccepted {
     fn drop(&mut self) {
-        if let Some(s) = self.sessions.lock().remove(&self.connection) {
+        if let Some(s) = self.sessions.lock().sessions.remove(&self.connection) {
             s.closed.cancel();
         }
     }
@@ -162,19 +260,21 @@ pub struct TcpFabric {
 impl TcpFabric {
     /// Starts serving frames checked by `check` on an already bound data listener. With `tls`,
     /// streams in both directions are TLS with the agent's certificates.
-    pub fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
+    pub fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, tls: Option<DataTls>, limits: DataLimits) -> Result<TcpFabric, FabricError> {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
-        let sessions = Arc::new(Sessions::default());
-        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone() };
+        let sessions = Arc::new(Sessions::new(limits.max_connections_per_peer));
+        let open = Arc::new(OpenCount { open: AtomicUsize::new(0), max: limits.max_connections });
+        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open };
         tokio::spawn(serve(listener, ctx));
         Ok(TcpFabric { data_address, shutdown, sessions, tls })
     }
 
-    /// Binds `addr` and serves on it (tests and tools; the agent binds in `app`).
+    /// Binds `addr` and serves on it with the default [`DataLimits`] (tests and tools; the agent
+    /// binds in `app`).
     pub async fn bind(addr: SocketAddr, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
         let listener = TcpListener::bind(addr).await.map_err(|e| FabricError::Bind { addr: addr.to_string(), error: e })?;
-        TcpFabric::serve(listener, check, tls)
+        TcpFabric::serve(listener, check, tls, DataLimits::default())
     }
 
     pub fn data_address(&self) -> SocketAddr {
@@ -239,14 +339,14 @@ impl Fabric for TcpFabric {
         let session = Session { owner: peer.to_string(), secret, streams: 0, closed: CancellationToken::new() };
         {
             let mut map = self.sessions.lock();
-            if map.contains_key(connection_id) {
+            if map.sessions.contains_key(connection_id) {
                 return Err(FabricError::Negotiation {
                     step: "accept",
                     attr: "connection_id",
                     detail: format!("connection {connection_id:?} already exists"),
                 });
             }
-            map.insert(connection_id.to_string(), session);
+            map.sessions.insert(connection_id.to_string(), session);
         }
         let accepted = TcpAccepted { sessions: self.sessions.clone(), connection: connection_id.to_string() };
         Ok((vec![Endpoint::Tcp { address: self.data_address, secret: Some(secret) }], Box::new(accepted)))
@@ -668,9 +768,12 @@ struct ServeCtx {
     sessions: Arc<Sessions>,
     tls: Option<DataTls>,
     shutdown: CancellationToken,
+    limits: DataLimits,
+    open: Arc<OpenCount>,
 }
 
 async fn serve(listener: TcpListener, ctx: ServeCtx) {
+    let mut backoff = crate::sys::AcceptBackoff::default();
     loop {
         let accepted = tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
@@ -678,17 +781,32 @@ async fn serve(listener: TcpListener, ctx: ServeCtx) {
         };
         match accepted {
             Ok((stream, from)) => {
+                backoff.succeeded();
+                // Counted from accept until the socket closes: a flood of silent sockets cannot
+                // take more than the cap (and the hello deadline reclaims them).
+                let Some(slot) = ctx.open.acquire() else {
+                    crate::metrics::data_connection_refused("total");
+                    debug!(%from, max = ctx.limits.max_connections, "tcp fabric: data connection refused (limits.max_data_connections)");
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let ctx = ctx.clone();
                 tokio::spawn(async move {
                     if let Err(e) = serve_stream(stream, &ctx).await {
                         debug!(%from, error = %e, "tcp fabric: data stream ended");
                     }
+                    drop(slot);
                 });
             }
             Err(e) => {
-                warn!(error = %e, "tcp fabric: accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                // EMFILE/ENFILE: the listener stays readable, so retrying at once would spin.
+                let pause = backoff.failed("data");
+                warn!(error = %e, ?pause, "tcp fabric: accept failed; backing off");
+                tokio::select! {
+                    _ = ctx.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
             }
         }
     }
@@ -715,19 +833,26 @@ pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(String, [u8
     Ok((id, secret))
 }
 
-/// One data stream: (TLS handshake,) hello within [`HELLO_TIMEOUT`], then frames until the
-/// stream, its session or the fabric ends.
+/// One data stream: (TLS handshake,) hello within `limits.data_handshake_timeout`, then frames
+/// until the stream, its session or the fabric ends, or it idles for `limits.data_idle_timeout`.
 async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeError> {
+    let deadline = ctx.limits.handshake_timeout;
+    let late = || {
+        crate::metrics::data_connection_closed("handshake");
+    };
     match &ctx.tls {
         None => {
             let (mut rd, mut wr) = stream.into_split();
-            let hello = match tokio::time::timeout(HELLO_TIMEOUT, read_hello(&mut rd)).await {
+            let hello = match tokio::time::timeout(deadline, read_hello(&mut rd)).await {
                 Ok(Ok(h)) => h,
                 Ok(Err(e)) => {
                     refuse(&mut wr, WcStatus::RemInvReqErr).await;
                     return Err(e);
                 }
-                Err(_) => return Err(ServeError::Hello("no hello in time")),
+                Err(_) => {
+                    late();
+                    return Err(ServeError::Hello("no hello in time"));
+                }
             };
             serve_session(rd, wr, hello, None, ctx).await
         }
@@ -738,7 +863,12 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
                 let hello = read_hello(&mut s).await?;
                 Ok::<_, ServeError>((s, hello))
             };
-            let (mut s, hello) = tokio::time::timeout(HELLO_TIMEOUT, handshake).await.map_err(|_| ServeError::Hello("no TLS handshake and hello in time"))??;
+            let (mut s, hello) = tokio::time::timeout(deadline, handshake)
+                .await
+                .map_err(|_| {
+                    late();
+                    ServeError::Hello("no TLS handshake and hello in time")
+                })??;
             let who = match tls.caller_of(s.get_ref().1.peer_certificates()) {
                 Ok(c) if c.role == Role::Node => c.name,
                 _ => {
@@ -767,19 +897,28 @@ where
     W: AsyncWrite + Unpin,
 {
     let (connection, secret) = hello;
-    let closed = match ctx.sessions.admit(&connection, &secret, identity.as_deref()) {
+    let (closed, owner) = match ctx.sessions.admit(&connection, &secret, identity.as_deref()) {
         Ok(c) => c,
         Err(why) => {
             refuse(&mut wr, WcStatus::RemAccessErr).await;
-            return Err(ServeError::Hello(why));
+            return Err(match why {
+                Refusal::Hello(why) => ServeError::Hello(why),
+                Refusal::PerPeer => {
+                    crate::metrics::data_connection_refused("per_peer");
+                    ServeError::Hello("too many data streams from this identity (limits.max_data_connections_per_peer)")
+                }
+            });
         }
     };
     let r = tokio::select! {
         _ = ctx.shutdown.cancelled() => Ok(()),
         _ = closed.cancelled() => Ok(()),
-        r = serve_frames(rd, wr, &*ctx.check, &connection) => r,
+        r = serve_frames_idle(rd, wr, &*ctx.check, &connection, Some(ctx.limits.idle_timeout)) => r,
     };
-    ctx.sessions.stream_ended(&connection);
+    ctx.sessions.stream_ended(&connection, &owner);
+    if matches!(r, Err(ServeError::Idle)) {
+        crate::metrics::data_connection_closed("idle");
+    }
     r
 }
 
@@ -793,6 +932,8 @@ pub enum ServeError {
     Unexpected(Kind),
     #[error("refused data stream: {0}")]
     Hello(&'static str),
+    #[error("closed idle data stream (no frame within limits.data_idle_timeout)")]
+    Idle,
 }
 
 /// The target side of one data stream of connection `connection` (its hello already checked):
@@ -801,6 +942,16 @@ pub enum ServeError {
 /// can drive it from memory without sockets.
 #[doc(hidden)]
 pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &str) -> Result<(), ServeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    serve_frames_idle(rd, wr, check, connection, None).await
+}
+
+/// [`serve_frames`], ending with [`ServeError::Idle`] when no frame header starts arriving
+/// within `idle` (a payload already announced is read without that deadline).
+async fn serve_frames_idle<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &str, idle: Option<Duration>) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -814,7 +965,17 @@ where
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];
-        match rd.read_exact(&mut hb).await {
+        let read = match idle {
+            None => rd.read_exact(&mut hb).await,
+            Some(idle) => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    let _ = wr.flush().await;
+                    return Err(ServeError::Idle);
+                }
+            },
+        };
+        match read {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 wr.flush().await?;

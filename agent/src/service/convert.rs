@@ -424,6 +424,7 @@ pub fn peer_status(e: PeerError) -> Status {
     let msg = e.to_string();
     match &e {
         PeerError::BadAddress(_) => Status::invalid_argument(msg),
+        PeerError::PoolFull { .. } => Status::resource_exhausted(msg),
         PeerError::Unreachable { .. } => Status::unavailable(msg),
         PeerError::Protocol { .. } => Status::internal(msg),
         PeerError::Fabric { source, .. } => fabric_status_code(source, msg),

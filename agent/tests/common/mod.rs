@@ -185,17 +185,40 @@ impl Agent {
         Agent::start_with_env(name, state_dir, ports, extra, &[])
     }
 
+    /// Starts an agent with extra environment variables under `ulimit -n NOFILE` (soft and hard,
+    /// through `sh -c 'ulimit -n N; exec …'`, so the agent's pid is the child's).
+    pub fn start_env_nofile(name: &str, env: &[(&str, &str)], nofile: u64) -> Agent {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let mut a = Agent::spawn(name, &state, Ports::new(), &[], env, Some(nofile));
+        a._tmp = Some(tmp);
+        a
+    }
+
     /// Like [`Agent::start_with`], with extra environment variables (e.g. `XFER_INSECURE`).
     /// Ports from [`Ports::new`] can be taken by another test between choosing and binding them:
     /// an agent that exits with a bind error then starts again on fresh ports (fixed ports, as
     /// restart tests pass, are not changed).
-    pub fn start_with_env(name: &str, state_dir: &Path, mut ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
+    pub fn start_with_env(name: &str, state_dir: &Path, ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
+        Agent::spawn(name, state_dir, ports, extra, env, None)
+    }
+
+    /// `nofile`: start the agent under `ulimit -n N` (through `sh`, so no `pre_exec`).
+    fn spawn(name: &str, state_dir: &Path, mut ports: Ports, extra: &[&str], env: &[(&str, &str)], nofile: Option<u64>) -> Agent {
         std::fs::create_dir_all(state_dir).unwrap();
         let log = state_dir.with_extension(format!("{name}.log"));
         for attempt in 1.. {
             let _ = std::fs::remove_file(&log);
             let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-            let child = Command::new(agent_bin())
+            let mut cmd = match nofile {
+                None => Command::new(agent_bin()),
+                Some(n) => {
+                    let mut c = Command::new("sh");
+                    c.arg("-c").arg(format!("ulimit -n {n} && exec \"$0\" \"$@\"")).arg(agent_bin());
+                    c
+                }
+            };
+            let child = cmd
                 .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
                 .arg(state_dir)
                 .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])

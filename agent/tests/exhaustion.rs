@@ -1,0 +1,332 @@
+//! Exhaustion is bounded and visible (host-safety issue, bullet 6): real agents on loopback under
+//! floods of idle data connections and peer-pool churn. No sleeps: every wait is on a socket
+//! (EOF) or a gRPC answer, and loops are bounded by counts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use xfer_proto::v1 as pb;
+
+/// GET /metrics over a plain TCP socket (HTTP/1.0: the server closes when done).
+fn scrape(port: u16) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "metrics answered {out:.200}");
+    out
+}
+
+/// Sum of the samples of `series` (a name, optionally with `{labels}`), 0 when absent.
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series || (!series.contains('{') && name.starts_with(&format!("{series}{{")))).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+/// Lets this test process hold thousands of sockets.
+fn raise_own_nofile() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+fn nofile_soft(pid: u32) -> u64 {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    line.split_whitespace().nth(3).unwrap().parse().unwrap()
+}
+
+/// Reads one frame header (44 bytes) from a refused stream: (kind, status, id).
+fn read_frame(s: &mut TcpStream) -> (u8, u16, u64) {
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    (r[4], u16::from_le_bytes([r[6], r[7]]), u64::from_le_bytes(r[8..16].try_into().unwrap()))
+}
+
+/// Whether the next read sees the stream closed (EOF or a reset).
+fn at_eof(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    }
+}
+
+/// Like `raw_write`, but a stream the agent refused (and closed) gives `None` instead of a panic.
+fn try_write(s: &mut TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> Option<(u16, u8)> {
+    let mut h = [0u8; 44];
+    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
+    h[4] = 1; // WRITE
+    h[5] = 1; // ACK requested
+    h[8..16].copy_from_slice(&7u64.to_le_bytes());
+    h[16..24].copy_from_slice(&addr.to_le_bytes());
+    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[28..44].copy_from_slice(&token);
+    s.write_all(&h).ok()?;
+    s.write_all(payload).ok()?;
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).ok()?;
+    Some((u16::from_le_bytes([r[6], r[7]]), r[4]))
+}
+
+const NAK: u8 = 5;
+const REM_ACCESS_ERR: u16 = 10;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
+    raise_own_nofile();
+    let a = Agent::start("node-a");
+    let b = Agent::start_env_nofile(
+        "node-b",
+        &[("XFER_LIMITS__MAX_DATA_CONNECTIONS", "512"), ("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "3s")],
+        1024,
+    );
+    let pid = b.pid().unwrap();
+    let limit = nofile_soft(pid);
+    assert_eq!(limit, 1024, "ulimit -n 1024 sets the hard limit too: the agent cannot raise it");
+    assert!(b.logs().contains("RLIMIT_NOFILE"), "the agent logs its file limits: {}", b.logs());
+
+    const LEN: u64 = 64 << 20;
+    a.create("src", LEN, pb::Access::ReadWrite).await;
+    b.create("dst", LEN, pb::Access::ReadWrite).await;
+    let data = random_bytes(LEN as usize, 61);
+    a.put("src", 0, &data).await;
+    // A's pooled connection to B exists before the flood (the transfer reuses it).
+    a.client().await.connect(pb::ConnectRequest { peer: b.addr(), qps: 0 }).await.unwrap();
+
+    // The flood: 2 × 40 streams with a valid hello that then idle, and 2,000 sockets that never
+    // send anything. The cap (512), not the fd limit (1024), holds.
+    let (address, s1) = b.data_session("flood-1").await;
+    let (_, s2) = b.data_session("flood-2").await;
+    let flood = tokio::task::spawn_blocking(move || {
+        let mut socks = Vec::new();
+        for (id, secret) in [("flood-1", &s1), ("flood-2", &s2)] {
+            for _ in 0..40 {
+                socks.push(open_data_stream(&address, id, secret));
+            }
+        }
+        for _ in 0..2000 {
+            match TcpStream::connect(&address) {
+                Ok(s) => socks.push(s),
+                Err(e) => panic!("connect to the data port: {e}"),
+            }
+        }
+        socks
+    });
+    let mut socks = flood.await.unwrap();
+    assert!(open_fds(pid) < limit as usize, "fds {} at the limit {limit}", open_fds(pid));
+
+    // gRPC and /metrics answer; a 64 MiB transfer completes with the right bytes.
+    let t = a.transfer(write_req("src", &b, "dst", LEN)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+    assert!(b.read("dst", 0, LEN).await == data, "bytes differ");
+    let text = scrape(b.ports.metrics);
+    assert!(metric(&text, "xfer_data_connections_refused_total{reason=\"total\"}") > 0.0, "{text}");
+    let open = metric(&text, "xfer_data_connections");
+    assert!((1.0..=512.0).contains(&open), "xfer_data_connections = {open}");
+    assert!(open_fds(pid) < limit as usize, "fds {} at the limit {limit}", open_fds(pid));
+
+    // The silent sockets the agent accepted are closed at the handshake deadline (EOF), and
+    // counted. The last socket was refused at once or closed: both read EOF.
+    let silent = socks.last_mut().unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    assert!(at_eof(silent));
+    // The first silent socket was accepted (the cap was not reached yet): its EOF is the deadline.
+    let first_silent = &mut socks[80];
+    first_silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    assert!(at_eof(first_silent));
+    let text = scrape(b.ports.metrics);
+    assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"handshake\"}") > 0.0, "{text}");
+    assert!(open_fds(pid) < limit as usize);
+    drop(socks);
+    // Still serving.
+    b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stream_is_closed_and_a_busy_one_is_not() {
+    let b = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "300ms")]);
+    let mut idle = b.data_stream("c-idle").await;
+    let mut busy = b.data_stream("c-busy").await;
+    idle.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 64];
+    let mut closed = false;
+    // Frames on `busy` (NAKed: no grant, but each is a frame) until `idle` reads EOF; the
+    // count bounds the wait.
+    for _ in 0..2_000_000 {
+        let (status, kind) = raw_write(&mut busy, [0; 16], 0, &[1; 8]);
+        assert_eq!((status, kind), (REM_ACCESS_ERR, NAK), "a busy stream keeps answering");
+        match idle.read(&mut buf) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(n) => panic!("unexpected {n} bytes on an idle stream"),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("idle stream: {e}"),
+        }
+    }
+    assert!(closed, "the idle stream was never closed");
+    assert_eq!(raw_write(&mut busy, [0; 16], 0, &[1; 8]), (REM_ACCESS_ERR, NAK), "the busy stream is still open");
+    let text = scrape(b.ports.metrics);
+    assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
+    let b = Agent::start_env("node-b", &[("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4")]);
+    b.create("dst", 8192, pb::Access::ReadWrite).await;
+    let (address, secret) = b.data_session("c1").await;
+    let mut four: Vec<TcpStream> = (0..4).map(|_| open_data_stream(&address, "c1", &secret)).collect();
+    // The same identity (plaintext: every loopback caller) on another connection: over the cap.
+    let mut fifth = b.data_stream("c2").await;
+    let (kind, status, _) = read_frame(&mut fifth);
+    assert_eq!((kind, status), (NAK, REM_ACCESS_ERR), "refused with a NAK");
+    assert!(at_eof(&mut fifth), "then closed");
+
+    let g = b
+        .peer_client()
+        .await
+        .grant(pb::GrantRequest {
+            region: "dst".into(),
+            offset: 0,
+            length: 4096,
+            op: pb::Access::Write as i32,
+            ttl: None,
+            node_name: "node-a".into(),
+            connection_id: "c1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
+    for (i, s) in four.iter_mut().enumerate() {
+        assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 1; 1024]), (0, 4), "stream {i} ACKs");
+    }
+    assert!(b.read("dst", 0, 1024).await == vec![4u8; 1024]);
+    let text = scrape(b.ports.metrics);
+    assert_eq!(metric(&text, "xfer_data_connections_refused_total{reason=\"per_peer\"}"), 1.0, "{text}");
+
+    // A closed stream frees its place.
+    drop(four.pop());
+    let mut again = open_data_stream(&address, "c1", &secret);
+    // Bounded by count: the agent notices the close asynchronously; a refused attempt reads a NAK.
+    let mut ok = false;
+    for _ in 0..1000 {
+        if try_write(&mut again, token, g.addr, &[9; 16]) == Some((0, 4)) {
+            ok = true;
+            break;
+        }
+        again = open_data_stream(&address, "c1", &secret);
+    }
+    assert!(ok, "a closed stream's place was never freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peer_pool_churn_stays_bounded_and_a_live_peer_still_works() {
+    const MAX: usize = 64;
+    let a = Agent::start_env("node-a", &[("XFER_LIMITS__MAX_PEERS", "64")]);
+    let b = Agent::start("node-b");
+    a.create("src", 1 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let data = random_bytes(1 << 20, 7);
+    a.put("src", 0, &data).await;
+    a.client().await.connect(pb::ConnectRequest { peer: b.addr(), qps: 0 }).await.unwrap();
+
+    // 2,000 Connect calls to distinct closed addresses (port 9 on 127.0.x.y refuses).
+    let client = a.client().await;
+    let results: Vec<Result<(), tonic::Code>> = futures::stream::iter(0..2000u32)
+        .map(|i| {
+            let mut c = client.clone();
+            async move {
+                let peer = format!("127.0.{}.{}:9", i / 250, 1 + i % 250);
+                c.connect(pb::ConnectRequest { peer, qps: 1 }).await.map(|_| ()).map_err(|s| s.code())
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    assert!(results.iter().all(|r| r.is_err()), "a closed port answered");
+    assert!(
+        results.iter().all(|r| matches!(r, Err(tonic::Code::Unavailable | tonic::Code::ResourceExhausted))),
+        "{:?}",
+        results.iter().filter(|r| !matches!(r, Err(tonic::Code::Unavailable | tonic::Code::ResourceExhausted))).take(3).collect::<Vec<_>>()
+    );
+
+    let peers = a.client().await.list_peers(pb::ListPeersRequest::default()).await.unwrap().into_inner().peers;
+    assert!(peers.len() <= MAX, "{} pool entries", peers.len());
+    let text = scrape(a.ports.metrics);
+    let gauge = metric(&text, "xfer_peers");
+    assert!(gauge <= MAX as f64 && gauge >= 1.0, "xfer_peers = {gauge}");
+    assert!(metric(&text, "xfer_peers_evicted_total") >= (2000 - MAX) as f64 * 0.5, "{text}");
+
+    // The live peer still works (its entry may have been evicted and is made again).
+    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+    assert!(b.read("dst", 0, 1 << 20).await == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
+    raise_own_nofile();
+    // The fd limit (256), not the cap (default 4096), is what runs out: accept fails with EMFILE.
+    let b = Agent::start_env_nofile("node-b", &[("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "1h")], 256);
+    let pid = b.pid().unwrap();
+    let (address, secret) = b.data_session("c1").await;
+    let socks: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&address).unwrap()).collect();
+    // Every fd is taken; gRPC may be refused meanwhile. Freeing the sockets lets the agent recover
+    // by itself (no restart): the accepted ones read EOF, the queued ones are accepted and close.
+    assert!(open_fds(pid) <= 256);
+    drop(socks);
+    let mut s = open_data_stream(&address, "c1", &secret);
+    assert_eq!(try_write(&mut s, [0; 16], 0, &[1; 8]), Some((REM_ACCESS_ERR, NAK)), "a new data stream is served");
+    let text = scrape(b.ports.metrics);
+    assert!(metric(&text, "xfer_accept_errors_total{listener=\"data\"}") >= 1.0, "{text}");
+    b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_the_target_closed_for_idleness_is_never_lent() {
+    let a = Agent::start("node-a");
+    let b = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "300ms")]);
+    a.create("src", 1 << 20, pb::Access::ReadWrite).await;
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let data = random_bytes(1 << 20, 11);
+    a.put("src", 0, &data).await;
+    let mut c = a.client().await;
+    let info = c.connect(pb::ConnectRequest { peer: b.addr(), qps: 0 }).await.unwrap().into_inner();
+    assert_eq!(info.qps, 1, "one idle connection in the pool");
+    // B closes the idle streams; A's readers see EOF and the pooled connection is broken (ListPeers
+    // counts only connections that can be lent). Bounded by a count of calls.
+    let mut gone = false;
+    for _ in 0..100_000 {
+        let peers = c.list_peers(pb::ListPeersRequest::default()).await.unwrap().into_inner().peers;
+        if peers.iter().find(|p| p.address == b.addr()).is_some_and(|p| p.qps == 0) {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "the idle-closed connection still counts as lendable");
+    assert!(metric(&scrape(b.ports.metrics), "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0);
+    // The transfer negotiates a fresh connection instead of using the dead one.
+    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
+    assert!(b.read("dst", 0, 1 << 20).await == data);
+}
