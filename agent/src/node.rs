@@ -107,11 +107,6 @@ pub struct Node {
 /// `ListTransfers` answer.
 pub const TRANSFER_HISTORY: usize = 1000;
 
-/// Transfer ids a peer may send in `Peer.Complete`: 1-64 id characters (no '/').
-fn valid_record_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
 /// Each sink connection's read buffer.
 const SINK_BUFFER: usize = 256 << 10;
 /// A sink waits this long for each baseline connection.
@@ -420,7 +415,7 @@ impl Node {
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
-        if !valid_record_id(transfer_id) {
+        if !crate::regions::valid_wire_id(transfer_id) {
             return Err(TransferError::Invalid("transfer_id must be 1-64 characters from [A-Za-z0-9_.-]".into()));
         }
         let g = self.grants.get(grant_id, peer, SystemTime::now())?;
