@@ -29,8 +29,10 @@ pub enum StartError {
     Fabric(FabricError),
     #[error("region catalog: {0}")]
     Catalog(crate::regions::RegionError),
-    #[error("metrics_listen {addr}: {detail}")]
-    Metrics { addr: SocketAddr, detail: String },
+    #[error("cannot bind {addr} (metrics_listen): {detail}")]
+    MetricsBind { addr: SocketAddr, detail: String },
+    #[error("metrics exporter: {0}")]
+    Metrics(String),
     #[error("{0}")]
     Tls(crate::service::tls::TlsError),
     #[error("gRPC server: {0}")]
@@ -133,7 +135,10 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         Some(a) => Some(bind("health_listen", a).await?),
         None => None,
     };
-    crate::metrics::install(cfg.metrics_listen).map_err(|detail| StartError::Metrics { addr: cfg.metrics_listen, detail })?;
+    crate::metrics::install(cfg.metrics_listen).map_err(|e| match e {
+        crate::metrics::InstallError::Bind(detail) => StartError::MetricsBind { addr: cfg.metrics_listen, detail },
+        crate::metrics::InstallError::Other(detail) => StartError::Metrics(detail),
+    })?;
     crate::metrics::set_peer_label_limit(cfg.limits.max_peer_labels);
     let grants = Arc::new(GrantTable::new(cfg.limits.max_grants_per_peer));
     let (fabric, reason) = open_fabric(&cfg, &grants, tls.as_deref()).await?;

@@ -35,17 +35,30 @@ pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 
 /// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
 /// Must run inside a tokio runtime.
-pub fn install(listen: SocketAddr) -> Result<(), String> {
+pub fn install(listen: SocketAddr) -> Result<(), InstallError> {
     // Buckets from 50 µs to ~15 min: fits microsecond RDMA ops and minute-long checkpoints.
     let duration_buckets: Vec<f64> = (0..22).map(|i| 50e-6 * 2f64.powi(i)).collect();
     PrometheusBuilder::new()
         .with_http_listener(listen)
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &duration_buckets)
-        .map_err(|e| e.to_string())?
+        .map_err(|e| InstallError::Other(e.to_string()))?
         .install()
-        .map_err(|e| format!("metrics listener on {listen}: {e}"))?;
+        .map_err(|e| match e {
+            metrics_exporter_prometheus::BuildError::FailedToCreateHTTPListener(detail) => InstallError::Bind(detail),
+            other => InstallError::Other(other.to_string()),
+        })?;
     describe();
     Ok(())
+}
+
+/// Why the exporter could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// The HTTP listener could not bind (the detail is the OS error).
+    #[error("{0}")]
+    Bind(String),
+    #[error("{0}")]
+    Other(String),
 }
 
 pub fn describe() {

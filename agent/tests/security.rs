@@ -243,9 +243,12 @@ async fn bind_errors_say_bind_name_the_setting_and_appear_once() {
         (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--data-listen".into(), data.clone()], "data_listen"),
         (vec!["--listen".to_string(), a.addr()], "listen"),
         (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--health-listen".into(), a.addr()], "health_listen"),
+        (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--metrics-listen".into(), format!("127.0.0.1:{}", a.ports.metrics)], "metrics_listen"),
     ] {
         let mut args = args.clone();
-        args.extend(["--metrics-listen".to_string(), format!("127.0.0.1:{}", free_port())]);
+        if !args.iter().any(|a| a == "--metrics-listen") {
+            args.extend(["--metrics-listen".to_string(), format!("127.0.0.1:{}", free_port())]);
+        }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = run_agent(&args, &[("RUST_LOG", "error")]);
         assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
