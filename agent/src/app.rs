@@ -80,6 +80,7 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
         max_connections_per_peer: l.max_data_connections_per_peer,
         handshake_timeout: l.data_handshake_timeout.0,
         idle_timeout: l.data_idle_timeout.0,
+        payload_timeout: l.data_payload_timeout.0,
     };
     let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone()), limits).map_err(StartError::Fabric)?;
     Ok(Arc::new(fabric))

@@ -220,6 +220,9 @@ pub struct LimitsConfig {
     pub data_handshake_timeout: HumanDuration,
     /// A data stream that sends no frame for this long is closed.
     pub data_idle_timeout: HumanDuration,
+    /// A WRITE payload (or a refused one being discarded) must arrive in full within this of its
+    /// header, or the stream is closed.
+    pub data_payload_timeout: HumanDuration,
     /// Entries in the peer pool (peer agents by address); the least recently used idle one is
     /// evicted.
     pub max_peers: usize,
@@ -472,6 +475,7 @@ impl Default for LimitsConfig {
             max_data_connections_per_peer: 256,
             data_handshake_timeout: HumanDuration(Duration::from_secs(10)),
             data_idle_timeout: HumanDuration(Duration::from_secs(300)),
+            data_payload_timeout: HumanDuration(Duration::from_secs(30)),
             max_peers: 1024,
         }
     }
@@ -602,6 +606,7 @@ impl Config {
         for (key, v) in [
             ("limits.data_handshake_timeout", self.limits.data_handshake_timeout.0),
             ("limits.data_idle_timeout", self.limits.data_idle_timeout.0),
+            ("limits.data_payload_timeout", self.limits.data_payload_timeout.0),
         ] {
             if v.is_zero() {
                 return Err(bad(key, "must be longer than 0"));
@@ -722,20 +727,26 @@ mod tests {
         assert_eq!(c.limits.max_data_connections_per_peer, 256);
         assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
         assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
+        assert_eq!(c.limits.data_payload_timeout.0, Duration::from_secs(30));
         assert_eq!(c.limits.max_peers, 1024);
         let c = Config::load(
             None,
-            env(&[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "200ms"), ("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4")]),
+            env(&[
+                ("XFER_LIMITS__DATA_IDLE_TIMEOUT", "200ms"),
+                ("XFER_LIMITS__DATA_PAYLOAD_TIMEOUT", "300ms"),
+                ("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4"),
+            ]),
             &Overrides::default(),
         )
         .unwrap();
         assert_eq!(c.limits.data_idle_timeout.0, Duration::from_millis(200));
+        assert_eq!(c.limits.data_payload_timeout.0, Duration::from_millis(300));
         assert_eq!(c.limits.max_data_connections_per_peer, 4);
         for key in ["MAX_DATA_CONNECTIONS", "MAX_DATA_CONNECTIONS_PER_PEER", "MAX_PEERS"] {
             let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0")]), &Overrides::default()).unwrap_err();
             assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
         }
-        for key in ["DATA_HANDSHAKE_TIMEOUT", "DATA_IDLE_TIMEOUT"] {
+        for key in ["DATA_HANDSHAKE_TIMEOUT", "DATA_IDLE_TIMEOUT", "DATA_PAYLOAD_TIMEOUT"] {
             let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0s")]), &Overrides::default()).unwrap_err();
             assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
         }

@@ -1,16 +1,16 @@
 //! Grant table: which peer may access which range of which region, with which operation, until
 //! when. Grants are revoked explicitly (`Peer.Revoke`), on expiry (the reaper), on region deletion
 //! and on peer disconnect. Dropping a grant drops its fabric [`Exposure`], which deregisters a
-//! dedicated MR or invalidates a window on verbs; on tcp the token simply stops resolving.
+//! dedicated MR or invalidates a window on verbs; on tcp the token stops resolving, and revoking the
+//! grant's [`GrantLease`] makes sure no payload byte lands under it once the revoking call returns.
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-use crate::fabric::tcp::AccessCheck;
+use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
 use crate::regions::Region;
-use crate::verbs::memory::RegionMemory;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GrantError {
@@ -36,6 +36,9 @@ pub struct Grant {
     pub exposure: Exposure,
     /// The grantee's connection the grant was asked on; the grant dies with it.
     pub connection_id: Option<String>,
+    /// Held by every tcp WRITE payload being stored under this grant; revoked when the grant
+    /// leaves the table, which waits for a chunk being copied and closes streams mid-payload.
+    pub lease: Arc<GrantLease>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -174,18 +177,24 @@ impl GrantTable {
             }
         }
         m::grants_active(g.by_id.len());
+        drop(g);
+        // Outside the table lock: once this returns, no payload byte lands under these grants
+        // (a chunk being copied finishes first; streams mid-payload are closed).
+        for grant in &out {
+            grant.lease.revoke();
+        }
         out
     }
 }
 
 impl AccessCheck for GrantTable {
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
         let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
         // A token is valid only on the data streams of the connection it was granted on.
         if grant.connection_id.as_deref() != Some(connection) {
             return Err(WcStatus::RemAccessErr);
         }
-        if grant.op != op || grant.expires_at <= SystemTime::now() {
+        if grant.op != op || !grant.lease.is_live() {
             return Err(WcStatus::RemAccessErr);
         }
         let start = grant.exposure.addr;
@@ -197,6 +206,6 @@ impl AccessCheck for GrantTable {
         let mem = grant.region.memory.clone();
         let offset = addr - mem.addr();
         mem.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok((mem, offset))
+        Ok(Checked { memory: mem, offset, lease: grant.lease.clone() })
     }
 }

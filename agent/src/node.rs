@@ -350,6 +350,7 @@ impl Node {
             expires_at,
             exposure,
             connection_id: p.connection_id.clone().filter(|c| !c.is_empty()),
+            lease: crate::fabric::tcp::GrantLease::new(expires_at),
         };
         let grant = self.grants.insert(grant)?;
         // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up

@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use xfer_agent::fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck};
+use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck, Checked, GrantLease};
 
 /// The data connection the fuzzed stream belongs to.
 const CONNECTION: &str = "fuzz-conn";
@@ -37,10 +37,12 @@ struct Window {
 struct FuzzGrants {
     memory: Arc<RegionMemory>,
     windows: Vec<Window>,
+    /// Never revoked nor expired.
+    lease: Arc<GrantLease>,
 }
 
 impl AccessCheck for FuzzGrants {
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus> {
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
         // Grants are bound to the data connection they were asked on.
         if connection != CONNECTION {
             return Err(WcStatus::RemAccessErr);
@@ -57,7 +59,7 @@ impl AccessCheck for FuzzGrants {
         }
         let offset = addr - BASE;
         self.memory.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok((self.memory.clone(), offset))
+        Ok(Checked { memory: self.memory.clone(), offset, lease: self.lease.clone() })
     }
 }
 
@@ -71,6 +73,7 @@ fn grants() -> &'static FuzzGrants {
             // A window that ends past the region: the memory bounds check must still refuse.
             Window { token: [0x33; 16], op: RemoteOp::Write, offset: 60 << 10, len: 8 << 10 },
         ],
+        lease: GrantLease::new(std::time::SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400)),
     })
 }
 

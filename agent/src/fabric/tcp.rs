@@ -24,9 +24,14 @@
 //! `limits.max_data_connections` from accept until it closes (hello or not); once a hello names a
 //! session, the stream also counts against its owner's `limits.max_data_connections_per_peer`
 //! (refused with a NAK `REM_ACCESS_ERR`). A stream that sends no frame for
-//! `limits.data_idle_timeout` is closed; the initiator's reader then sees EOF and marks the
+//! `limits.data_idle_timeout`, or that does not complete a WRITE payload within
+//! `limits.data_payload_timeout`, is closed; the initiator's reader then sees EOF and marks the
 //! connection broken, so the pool never lends it again. Failed accepts (EMFILE) back off
 //! ([`crate::sys::AcceptBackoff`]) instead of spinning.
+//!
+//! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
+//! [`GrantLease`], so once a grant is revoked (explicitly, by expiry, with its region or its
+//! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -66,6 +71,9 @@ pub struct DataLimits {
     pub handshake_timeout: Duration,
     /// A stream with no frame for this long is closed (`limits.data_idle_timeout`).
     pub idle_timeout: Duration,
+    /// A WRITE payload must arrive in full within this of its header, or the stream is closed
+    /// (`limits.data_payload_timeout`).
+    pub payload_timeout: Duration,
 }
 
 impl Default for DataLimits {
@@ -75,6 +83,7 @@ impl Default for DataLimits {
             max_connections_per_peer: 256,
             handshake_timeout: HELLO_TIMEOUT,
             idle_timeout: Duration::from_secs(300),
+            payload_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -115,9 +124,58 @@ const MAX_STREAMS_PER_SESSION: usize = 64;
 /// The target's grant table as the TCP fabric sees it: resolves a frame's token and range to
 /// region memory, or the status to NAK with.
 pub trait AccessCheck: Send + Sync + 'static {
-    /// Returns the memory and the offset inside it for `len` bytes at remote address `addr`, for a
-    /// frame that arrived on a data stream of connection `connection`.
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<(Arc<RegionMemory>, u64), WcStatus>;
+    /// Returns the memory, the offset inside it and the grant's [`GrantLease`] for `len` bytes at
+    /// remote address `addr`, for a frame that arrived on a data stream of connection
+    /// `connection`.
+    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
+}
+
+/// A frame that passed [`AccessCheck::check`]: where its bytes go, and the lease of the grant
+/// that allowed it.
+pub struct Checked {
+    pub memory: Arc<RegionMemory>,
+    pub offset: u64,
+    pub lease: Arc<GrantLease>,
+}
+
+/// A grant's liveness as the data plane sees it. A WRITE payload is copied into region memory in
+/// chunks of at most [`PAYLOAD_CHUNK`], each under a read lock of `live` and only while the lease
+/// is live and unexpired; [`GrantLease::revoke`] takes the write lock, so once it returns no byte
+/// lands under this lease any more. It also cancels `revoked`, which closes a stream waiting for
+/// the rest of such a payload at once.
+#[derive(Debug)]
+pub struct GrantLease {
+    live: std::sync::RwLock<bool>,
+    revoked: CancellationToken,
+    expires_at: std::time::SystemTime,
+}
+
+/// Most bytes copied into region memory per check of a [`GrantLease`].
+pub const PAYLOAD_CHUNK: usize = 64 << 10;
+
+impl GrantLease {
+    pub fn new(expires_at: std::time::SystemTime) -> Arc<GrantLease> {
+        Arc::new(GrantLease { live: std::sync::RwLock::new(true), revoked: CancellationToken::new(), expires_at })
+    }
+
+    /// Ends the lease. Waits for a chunk being copied under it (never for the network: chunks
+    /// are copied from bytes already received); after it returns, no byte is written under it.
+    pub fn revoke(&self) {
+        *self.live.write().unwrap_or_else(|p| p.into_inner()) = false;
+        self.revoked.cancel();
+    }
+
+    /// Whether the lease is neither revoked nor expired (a snapshot).
+    pub fn is_live(&self) -> bool {
+        self.hold().is_some()
+    }
+
+    /// Holds the lease live while the guard lives (revocation waits for it); None once revoked
+    /// or expired.
+    fn hold(&self) -> Option<std::sync::RwLockReadGuard<'_, bool>> {
+        let g = self.live.read().unwrap_or_else(|p| p.into_inner());
+        (*g && std::time::SystemTime::now() < self.expires_at).then_some(g)
+    }
 }
 
 #[derive(Debug)]
@@ -913,11 +971,14 @@ where
     let r = tokio::select! {
         _ = ctx.shutdown.cancelled() => Ok(()),
         _ = closed.cancelled() => Ok(()),
-        r = serve_frames_idle(rd, wr, &*ctx.check, &connection, Some(ctx.limits.idle_timeout)) => r,
+        r = serve_frames_idle(rd, wr, &*ctx.check, &connection, Some(ctx.limits.idle_timeout), Some(ctx.limits.payload_timeout)) => r,
     };
     ctx.sessions.stream_ended(&connection, &owner);
-    if matches!(r, Err(ServeError::Idle)) {
-        crate::metrics::data_connection_closed("idle");
+    match r {
+        Err(ServeError::Idle) => crate::metrics::data_connection_closed("idle"),
+        Err(ServeError::PayloadTimeout) => crate::metrics::data_connection_closed("payload"),
+        Err(ServeError::Revoked) => crate::metrics::data_connection_closed("revoked"),
+        _ => {}
     }
     r
 }
@@ -934,6 +995,10 @@ pub enum ServeError {
     Hello(&'static str),
     #[error("closed idle data stream (no frame within limits.data_idle_timeout)")]
     Idle,
+    #[error("closed data stream: a WRITE payload did not arrive within limits.data_payload_timeout")]
+    PayloadTimeout,
+    #[error("closed data stream: the grant of the WRITE payload being received was revoked, expired or its region deleted")]
+    Revoked,
 }
 
 /// The target side of one data stream of connection `connection` (its hello already checked):
@@ -946,12 +1011,20 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    serve_frames_idle(rd, wr, check, connection, None).await
+    serve_frames_idle(rd, wr, check, connection, None, None).await
 }
 
 /// [`serve_frames`], ending with [`ServeError::Idle`] when no frame header starts arriving
-/// within `idle` (a payload already announced is read without that deadline).
-async fn serve_frames_idle<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &str, idle: Option<Duration>) -> Result<(), ServeError>
+/// within `idle`, and with [`ServeError::PayloadTimeout`] when a WRITE payload (stored or
+/// discarded) is not complete within `payload` of its header.
+async fn serve_frames_idle<R, W>(
+    rd: R,
+    wr: W,
+    check: &dyn AccessCheck,
+    connection: &str,
+    idle: Option<Duration>,
+    payload: Option<Duration>,
+) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -996,20 +1069,19 @@ where
         };
         match h.kind {
             Kind::Write => {
-                let target = check
-                    .check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write)
-                    .and_then(|(mem, off)| match (mem.slice_mut(off, h.len as u64), mem.intact()) {
-                        (Ok(_), Ok(())) => Ok((mem, off)),
+                let deadline = payload.map(|p| tokio::time::Instant::now() + p);
+                let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
+                    match (t.memory.slice_mut(t.offset, h.len as u64), t.memory.intact()) {
+                        (Ok(_), Ok(())) => Ok(t),
                         _ => Err(WcStatus::RemAccessErr),
-                    });
+                    }
+                });
                 match target {
-                    Ok((mem, off)) if mem.can_shrink() => {
-                        // Through a buffer: a truncated page faults in the agent (poisoning the
-                        // region) rather than as EFAULT in the socket read, the stream stays in
-                        // sync, and a write that landed in zero pages is NAKed, not acknowledged.
-                        let mut b = vec![0u8; h.len as usize];
-                        rd.read_exact(&mut b).await?;
-                        if mem.write_at(off, &b).is_ok() {
+                    Ok(t) => {
+                        // Revoked (or expired) before the payload is in: the stream is closed
+                        // rather than resynchronised, and no further byte lands.
+                        let stored = within(deadline, Some(&t.lease), store_payload(&mut rd, &t, h.len as usize)).await?;
+                        if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
                             }
@@ -1019,16 +1091,8 @@ where
                             wr.write_all(&nak.encode()).await?;
                         }
                     }
-                    Ok((mem, off)) => {
-                        // Checked just above; the payload lands straight in region memory.
-                        let dst = mem.slice_mut(off, h.len as u64).map_err(std::io::Error::other)?;
-                        rd.read_exact(dst).await?;
-                        if h.flags & ACK_REQUESTED != 0 {
-                            wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
-                        }
-                    }
                     Err(status) => {
-                        discard(&mut rd, h.len as u64).await?;
+                        within(deadline, None, async { Ok(discard(&mut rd, h.len as u64).await?) }).await?;
                         let mut nak = Header::new(Kind::Nak, h.id);
                         nak.status = status.code();
                         wr.write_all(&nak.encode()).await?;
@@ -1037,7 +1101,7 @@ where
             }
             Kind::ReadReq => {
                 let mut resp = Header::new(Kind::ReadResp, h.id);
-                match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read) {
+                match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read).map(|t| (t.memory, t.offset)) {
                     Ok((mem, off)) if mem.can_shrink() => {
                         // Copied out first: a truncated page faults in the agent and poisons the
                         // region, and the zeros standing in for it are NAKed, never sent.
@@ -1075,6 +1139,80 @@ where
             }
         }
     }
+}
+
+/// Runs a payload read until `deadline` ([`ServeError::PayloadTimeout`]) or until `lease` (if
+/// any) is revoked ([`ServeError::Revoked`]), whichever comes first.
+async fn within<T>(
+    deadline: Option<tokio::time::Instant>,
+    lease: Option<&GrantLease>,
+    read: impl std::future::Future<Output = Result<T, ServeError>>,
+) -> Result<T, ServeError> {
+    let revoked = async {
+        match lease {
+            Some(l) => l.revoked.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    let guarded = async {
+        tokio::select! {
+            biased;
+            _ = revoked => Err(ServeError::Revoked),
+            r = read => r,
+        }
+    };
+    match deadline {
+        Some(d) => tokio::time::timeout_at(d, guarded).await.unwrap_or(Err(ServeError::PayloadTimeout)),
+        None => guarded.await,
+    }
+}
+
+/// Reads a WRITE payload of `len` bytes into the checked target, chunk by chunk, each chunk
+/// copied into region memory only while the grant's lease is held live (see [`GrantLease`]).
+/// `Ok(false)`: every byte was read but some did not land (a shrunk file: NAK, the stream stays in
+/// sync). [`ServeError::Revoked`] once the lease is revoked or expired mid-payload.
+async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize) -> Result<bool, ServeError> {
+    let mem = &t.memory;
+    if mem.can_shrink() {
+        // Through a buffer: a truncated page faults in the agent (poisoning the region) rather
+        // than as EFAULT in the socket read, the stream stays in sync, and a write that landed in
+        // zero pages is NAKed, not acknowledged.
+        let mut buf = vec![0u8; len.min(PAYLOAD_CHUNK)];
+        let mut done = 0usize;
+        let mut landed = true;
+        while done < len {
+            let want = (len - done).min(PAYLOAD_CHUNK);
+            let n = rd.read(&mut buf[..want]).await?;
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            let Some(_live) = t.lease.hold() else { return Err(ServeError::Revoked) };
+            landed &= mem.write_at(t.offset + done as u64, &buf[..n]).is_ok();
+            done += n;
+        }
+        return Ok(landed);
+    }
+    // Straight from the socket into region memory: no bounce buffer. Each read into the region
+    // happens inside one poll, under the lease.
+    let dst = mem.slice_mut(t.offset, len as u64).map_err(std::io::Error::other)?;
+    let mut done = 0usize;
+    while done < len {
+        let end = (done + PAYLOAD_CHUNK).min(len);
+        let chunk = &mut dst[done..end];
+        let n = std::future::poll_fn(|cx| {
+            let Some(live) = t.lease.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
+            let mut b = tokio::io::ReadBuf::new(&mut *chunk);
+            let r = std::pin::Pin::new(&mut *rd).poll_read(cx, &mut b);
+            drop(live);
+            r.map(|r| r.map(|()| b.filled().len()).map_err(ServeError::from))
+        })
+        .await?;
+        if n == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+        done += n;
+    }
+    Ok(true)
 }
 
 /// Reads and drops `len` payload bytes of a refused WRITE so the stream stays in sync.
