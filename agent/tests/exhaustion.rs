@@ -71,15 +71,7 @@ fn at_eof(s: &mut TcpStream) -> bool {
 
 /// Like `raw_write`, but a stream the agent refused (and closed) gives `None` instead of a panic.
 fn try_write(s: &mut TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> Option<(u16, u8)> {
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = 1; // WRITE
-    h[5] = 1; // ACK requested
-    h[8..16].copy_from_slice(&7u64.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    s.write_all(&h).ok()?;
+    s.write_all(&frame_header(1, 1, 7, token, addr, payload.len() as u32)).ok()?;
     s.write_all(payload).ok()?;
     let mut r = [0u8; 44];
     s.read_exact(&mut r).ok()?;

@@ -36,15 +36,7 @@ fn grant(region: &str, conn: &str, ttl: Option<Duration>) -> pb::GrantRequest {
 
 /// A WRITE header (ACK requested) for `len` bytes at `addr`, as `raw_write` sends it.
 fn write_header(s: &mut TcpStream, token: [u8; 16], addr: u64, len: usize) {
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = 1; // WRITE
-    h[5] = 1; // ACK requested
-    h[8..16].copy_from_slice(&7u64.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&(len as u32).to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    s.write_all(&h).unwrap();
+    s.write_all(&frame_header(1, 1, 7, token, addr, len as u32)).unwrap();
 }
 
 /// Sends what is left of the payload; the agent may have closed the stream (an error is fine).

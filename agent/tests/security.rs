@@ -335,12 +335,7 @@ async fn data_streams_need_the_secret_of_a_live_connection() {
     let (_, other) = b.data_session("c2").await;
     for (id, sec) in [("c1", wrong.as_slice()), ("c2", secret.as_slice()), ("c1", other.as_slice()), ("nope", secret.as_slice())] {
         let mut s = open_data_stream(&address, id, sec);
-        let mut h = [0u8; 44];
-        h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-        h[4] = 1;
-        h[24..28].copy_from_slice(&4u32.to_le_bytes());
-        h[28..44].copy_from_slice(&token);
-        let _ = s.write_all(&h);
+        let _ = s.write_all(&frame_header(1, 0, 0, token, 0, 4));
         let _ = s.write_all(&[0xee; 4]);
         expect_refused(s, 10);
     }

@@ -28,18 +28,24 @@ pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> st
     s
 }
 
+/// The 44-byte tcp-fabric frame header (`fabric::frame`) as an initiator sends it: `kind` 1 =
+/// WRITE, 2 = READ_REQ; `flags` 1 = ACK requested.
+pub fn frame_header(kind: u8, flags: u8, id: u64, token: [u8; 16], addr: u64, len: u32) -> [u8; 44] {
+    let mut h = [0u8; 44];
+    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
+    h[4] = kind;
+    h[5] = flags;
+    h[8..16].copy_from_slice(&id.to_le_bytes());
+    h[16..24].copy_from_slice(&addr.to_le_bytes());
+    h[24..28].copy_from_slice(&len.to_le_bytes());
+    h[28..44].copy_from_slice(&token);
+    h
+}
+
 /// Sends one WRITE frame (ACK requested) on `s`; returns (NAK/ACK status, frame kind).
 pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, u8) {
     use std::io::{Read, Write};
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = 1; // WRITE
-    h[5] = 1; // ACK requested
-    h[8..16].copy_from_slice(&7u64.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    s.write_all(&h).unwrap();
+    s.write_all(&frame_header(1, 1, 7, token, addr, payload.len() as u32)).unwrap();
     s.write_all(payload).unwrap();
     let mut r = [0u8; 44];
     s.read_exact(&mut r).unwrap();
@@ -49,14 +55,7 @@ pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payloa
 /// Sends one READ request frame on `s`; returns (status, kind, payload).
 pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u32) -> (u16, u8, Vec<u8>) {
     use std::io::{Read, Write};
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = 2; // READ_REQ
-    h[8..16].copy_from_slice(&9u64.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&len.to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    s.write_all(&h).unwrap();
+    s.write_all(&frame_header(2, 0, 9, token, addr, len)).unwrap();
     let mut r = [0u8; 44];
     s.read_exact(&mut r).unwrap();
     let status = u16::from_le_bytes([r[6], r[7]]);
