@@ -70,6 +70,11 @@ impl Header {
         Header { kind, flags: 0, status: 0, id, addr: 0, len: 0, token: [0; 16] }
     }
 
+    /// A NAK of frame `id` with `status`.
+    pub fn nak(id: u64, status: crate::fabric::WcStatus) -> Self {
+        Header { status: status.code(), ..Header::new(Kind::Nak, id) }
+    }
+
     /// Bytes of payload that follow this header on the wire.
     pub fn payload_len(&self) -> u32 {
         match self.kind {

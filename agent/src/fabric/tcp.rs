@@ -904,7 +904,7 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
             let hello = match tokio::time::timeout(deadline, read_hello(&mut rd)).await {
                 Ok(Ok(h)) => h,
                 Ok(Err(e)) => {
-                    refuse(&mut wr, WcStatus::RemInvReqErr).await;
+                    refuse(&mut wr, 0, WcStatus::RemInvReqErr).await;
                     return Err(e);
                 }
                 Err(_) => {
@@ -930,7 +930,7 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
             let who = match tls.caller_of(s.get_ref().1.peer_certificates()) {
                 Ok(c) if c.role == Role::Node => c.name,
                 _ => {
-                    refuse(&mut s, WcStatus::RemAccessErr).await;
+                    refuse(&mut s, 0, WcStatus::RemAccessErr).await;
                     return Err(ServeError::Hello("data streams need a node certificate"));
                 }
             };
@@ -940,12 +940,10 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
     }
 }
 
-/// One NAK before closing a refused stream, so the initiator fails with a status rather than a
-/// bare EOF.
-async fn refuse<W: AsyncWrite + Unpin>(wr: &mut W, status: WcStatus) {
-    let mut nak = Header::new(Kind::Nak, 0);
-    nak.status = status.code();
-    let _ = wr.write_all(&nak.encode()).await;
+/// One NAK (of frame `id`, 0 before any frame) before closing a refused stream, so the initiator
+/// fails with a status rather than a bare EOF.
+async fn refuse<W: AsyncWrite + Unpin>(wr: &mut W, id: u64, status: WcStatus) {
+    let _ = wr.write_all(&Header::nak(id, status).encode()).await;
     let _ = wr.flush().await;
 }
 
@@ -958,7 +956,7 @@ where
     let (closed, owner) = match ctx.sessions.admit(&connection, &secret, identity.as_deref()) {
         Ok(c) => c,
         Err(why) => {
-            refuse(&mut wr, WcStatus::RemAccessErr).await;
+            refuse(&mut wr, 0, WcStatus::RemAccessErr).await;
             return Err(match why {
                 Refusal::Hello(why) => ServeError::Hello(why),
                 Refusal::PerPeer => {
@@ -1060,10 +1058,7 @@ where
             Ok(h) => h,
             Err(e) => {
                 // The stream cannot be resynchronised: NAK and close.
-                let mut nak = Header::new(Kind::Nak, 0);
-                nak.status = WcStatus::RemInvReqErr.code();
-                let _ = wr.write_all(&nak.encode()).await;
-                let _ = wr.flush().await;
+                refuse(&mut wr, 0, WcStatus::RemInvReqErr).await;
                 return Err(e.into());
             }
         };
@@ -1086,16 +1081,12 @@ where
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
                             }
                         } else {
-                            let mut nak = Header::new(Kind::Nak, h.id);
-                            nak.status = WcStatus::RemAccessErr.code();
-                            wr.write_all(&nak.encode()).await?;
+                            wr.write_all(&Header::nak(h.id, WcStatus::RemAccessErr).encode()).await?;
                         }
                     }
                     Err(status) => {
                         within(deadline, None, async { Ok(discard(&mut rd, h.len as u64).await?) }).await?;
-                        let mut nak = Header::new(Kind::Nak, h.id);
-                        nak.status = status.code();
-                        wr.write_all(&nak.encode()).await?;
+                        wr.write_all(&Header::nak(h.id, status).encode()).await?;
                     }
                 }
             }
@@ -1131,10 +1122,7 @@ where
                 }
             }
             other => {
-                let mut nak = Header::new(Kind::Nak, h.id);
-                nak.status = WcStatus::RemInvReqErr.code();
-                let _ = wr.write_all(&nak.encode()).await;
-                let _ = wr.flush().await;
+                refuse(&mut wr, h.id, WcStatus::RemInvReqErr).await;
                 return Err(ServeError::Unexpected(other));
             }
         }
