@@ -75,8 +75,28 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
 async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMaterial>) -> Result<Arc<dyn Fabric>, StartError> {
     let listener = bind("data_listen", cfg.data_listen_addr()).await?;
     let l = &cfg.limits;
+    let nofile = crate::sys::nofile();
+    let max_connections = match crate::sys::clamp_connections(l.max_data_connections, nofile) {
+        Some(clamped) => {
+            warn!(
+                configured = l.max_data_connections,
+                enforced = clamped,
+                nofile,
+                "limits.max_data_connections is more than half the open-file limit (RLIMIT_NOFILE); enforcing half of it. \
+                 Raise LimitNOFILE (or the container's nofile ulimit) to allow more"
+            );
+            clamped
+        }
+        None => l.max_data_connections,
+    };
+    crate::metrics::limit("open_files", nofile);
+    crate::metrics::limit("max_data_connections", max_connections as u64);
+    crate::metrics::limit("max_data_connections_per_peer", l.max_data_connections_per_peer as u64);
+    crate::metrics::limit_seconds("data_handshake_timeout", l.data_handshake_timeout.0);
+    crate::metrics::limit_seconds("data_idle_timeout", l.data_idle_timeout.0);
+    crate::metrics::limit_seconds("data_payload_timeout", l.data_payload_timeout.0);
     let limits = DataLimits {
-        max_connections: l.max_data_connections,
+        max_connections,
         max_connections_per_peer: l.max_data_connections_per_peer,
         handshake_timeout: l.data_handshake_timeout.0,
         idle_timeout: l.data_idle_timeout.0,
@@ -147,6 +167,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let device = info.devices.first().map(|d| d.name.clone()).unwrap_or_default();
     crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
     info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
+    crate::metrics::limit("max_peers", cfg.limits.max_peers as u64);
     let node = Node::new(cfg.clone(), fabric, reason, grants, tls.clone());
     let restored = node.regions.restore().map_err(StartError::Catalog)?;
     if restored > 0 {

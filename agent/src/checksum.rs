@@ -1,5 +1,6 @@
-//! End-to-end checksums of region ranges (xxh3-64 or crc32c), computed straight over region
-//! memory in bounded pieces so a long range never holds one huge borrow.
+//! End-to-end checksums of region ranges (xxh3-64 or crc32c), computed over copies of region
+//! memory taken in bounded pieces: region memory is never borrowed as a slice outside
+//! `verbs::memory` (the NIC, peers and other processes may change it meanwhile).
 use crate::verbs::memory::{MemError, RegionMemory};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -9,33 +10,36 @@ pub enum Algo {
     Crc32c,
 }
 
-const PIECE: u64 = 4 << 20;
+/// Bytes copied out per piece: small enough to stay in cache between the copy and the hash.
+const PIECE: u64 = 256 << 10;
 
 /// `MemError::Poisoned` if the region's file shrank under its mapping (checked after hashing, so
 /// a sum over zeros standing in for missing pages is never returned).
 pub fn checksum(mem: &RegionMemory, offset: u64, len: u64, algo: Algo) -> Result<u64, MemError> {
     mem.intact()?;
     mem.check(offset, len)?;
+    let mut buf = vec![0u8; len.min(PIECE) as usize];
     let mut pos = offset;
     let end = offset + len;
+    let mut each = |f: &mut dyn FnMut(&[u8])| -> Result<(), MemError> {
+        while pos < end {
+            let n = (end - pos).min(PIECE) as usize;
+            mem.read_at(pos, &mut buf[..n])?;
+            f(&buf[..n]);
+            pos += n as u64;
+        }
+        Ok(())
+    };
     match algo {
         Algo::Xxh3 => {
             let mut h = xxhash_rust::xxh3::Xxh3::new();
-            while pos < end {
-                let n = (end - pos).min(PIECE);
-                h.update(mem.slice(pos, n)?);
-                pos += n;
-            }
+            each(&mut |b| h.update(b))?;
             mem.intact()?;
             Ok(h.digest())
         }
         Algo::Crc32c => {
             let mut c = 0u32;
-            while pos < end {
-                let n = (end - pos).min(PIECE);
-                c = crc32c::crc32c_append(c, mem.slice(pos, n)?);
-                pos += n;
-            }
+            each(&mut |b| c = crc32c::crc32c_append(c, b))?;
             mem.intact()?;
             Ok(c as u64)
         }

@@ -32,6 +32,8 @@ pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
 pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
+pub const LIMIT: &str = "xfer_limit";
+pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
 
 /// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
 /// Must run inside a tokio runtime.
@@ -88,7 +90,23 @@ pub fn describe() {
     describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s.");
     describe_gauge!(PEERS, Unit::Count, "Entries in the peer pool (peer agents by address); capped by limits.max_peers.");
     describe_counter!(PEERS_EVICTED, Unit::Count, "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers.");
+    describe_gauge!(
+        LIMIT,
+        Unit::Count,
+        "Limits in force, by config key (limit=max_data_connections as enforced, i.e. at most half of open_files; max_data_connections_per_peer; max_peers; open_files: the soft RLIMIT_NOFILE after raising it)."
+    );
+    describe_gauge!(LIMIT_SECONDS, Unit::Seconds, "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout).");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// Publishes a count limit in force (`xfer_limit{limit=…}`).
+pub fn limit(name: &'static str, value: u64) {
+    gauge!(LIMIT, "limit" => name).set(value as f64);
+}
+
+/// Publishes a time limit in force (`xfer_limit_seconds{limit=…}`).
+pub fn limit_seconds(name: &'static str, value: Duration) {
+    gauge!(LIMIT_SECONDS, "limit" => name).set(value.as_secs_f64());
 }
 
 pub fn fabric_info(kind: &str, device: &str) {

@@ -14,6 +14,20 @@ pub fn raise_nofile() -> Result<(u64, u64, u64), String> {
     Ok((soft, hard, hard))
 }
 
+/// The soft RLIMIT_NOFILE now (`u64::MAX` if unlimited or unknown).
+pub fn nofile() -> u64 {
+    use nix::sys::resource::{getrlimit, Resource};
+    getrlimit(Resource::RLIMIT_NOFILE).map(|(soft, _)| soft).unwrap_or(u64::MAX)
+}
+
+/// The data-connection cap actually enforced: `configured`, but never more than half the
+/// descriptor limit `nofile`, so idle data connections alone can never take the descriptors that
+/// gRPC, peers, metrics and region files need. `None` when no clamp is needed.
+pub fn clamp_connections(configured: usize, nofile: u64) -> Option<usize> {
+    let half = usize::try_from(nofile / 2).unwrap_or(usize::MAX).max(1);
+    (configured > half).then_some(half)
+}
+
 /// First pause after a failed accept.
 pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 /// Longest pause between failed accepts.

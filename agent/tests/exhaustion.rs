@@ -85,15 +85,17 @@ const REM_ACCESS_ERR: u16 = 10;
 async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     raise_own_nofile();
     let a = Agent::start("node-a");
-    let b = Agent::start_env_nofile(
-        "node-b",
-        &[("XFER_LIMITS__MAX_DATA_CONNECTIONS", "512"), ("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "3s")],
-        1024,
-    );
+    // The default cap (4096) is more than this descriptor limit can hold: the agent enforces
+    // half the limit (512) and says so.
+    let b = Agent::start_env_nofile("node-b", &[("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "3s")], 1024);
     let pid = b.pid().unwrap();
     let limit = nofile_soft(pid);
     assert_eq!(limit, 1024, "ulimit -n 1024 sets the hard limit too: the agent cannot raise it");
     assert!(b.logs().contains("RLIMIT_NOFILE"), "the agent logs its file limits: {}", b.logs());
+    assert!(b.logs().contains("enforcing half of it"), "the clamped cap is logged: {}", b.logs());
+    let text = scrape(b.ports.metrics);
+    assert_eq!(metric(&text, "xfer_limit{limit=\"max_data_connections\"}"), 512.0, "{text}");
+    assert_eq!(metric(&text, "xfer_limit{limit=\"open_files\"}"), 1024.0, "{text}");
 
     const LEN: u64 = 64 << 20;
     a.create("src", LEN, pb::Access::ReadWrite).await;
@@ -278,11 +280,15 @@ async fn peer_pool_churn_stays_bounded_and_a_live_peer_still_works() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
     raise_own_nofile();
-    // The fd limit (256), not the cap (default 4096), is what runs out: accept fails with EMFILE.
+    // Data connections alone cannot use up the descriptors (their cap is clamped to half the
+    // limit: 128 of 256), so idle gRPC connections take them; then the data listener's accept
+    // fails with EMFILE too.
     let b = Agent::start_env_nofile("node-b", &[("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "1h")], 256);
     let pid = b.pid().unwrap();
     let (address, secret) = b.data_session("c1").await;
-    let socks: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&address).unwrap()).collect();
+    let grpc = format!("127.0.0.1:{}", b.ports.grpc);
+    let mut socks: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&grpc).unwrap()).collect();
+    socks.extend((0..20).map(|_| TcpStream::connect(&address).unwrap()));
     // Every fd is taken; gRPC may be refused meanwhile. Freeing the sockets lets the agent recover
     // by itself (no restart): the accepted ones read EOF, the queued ones are accepted and close.
     assert!(open_fds(pid) <= 256);

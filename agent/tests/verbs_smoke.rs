@@ -47,10 +47,15 @@ fn pattern(i: usize, salt: u8) -> u8 {
 }
 
 fn fill(m: &RegionMemory, salt: u8) {
-    let s = m.slice_mut(0, m.len()).unwrap();
-    for (i, b) in s.iter_mut().enumerate() {
-        *b = pattern(i, salt);
-    }
+    let s: Vec<u8> = (0..m.len() as usize).map(|i| pattern(i, salt)).collect();
+    m.write_at(0, &s).unwrap();
+}
+
+/// A copy of `len` bytes at `offset` (region memory is never borrowed outside its module).
+fn bytes(m: &RegionMemory, offset: u64, len: u64) -> Vec<u8> {
+    let mut b = vec![0u8; len as usize];
+    m.read_at(offset, &mut b).unwrap();
+    b
 }
 
 fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp, mode: GrantMode) -> Exposure {
@@ -178,7 +183,7 @@ async fn verbs_smoke() {
     let done = wait(&mut rx, signaled).await;
     let secs = t.elapsed().as_secs_f64();
     assert!(done.iter().all(|c| c.status == WcStatus::Success), "{done:?}");
-    assert!(mb.slice(0, LEN as u64).unwrap() == ma.slice(0, LEN as u64).unwrap(), "WRITE: bytes differ");
+    assert!(bytes(&mb, 0, LEN as u64) == bytes(&ma, 0, LEN as u64), "WRITE: bytes differ");
     println!("WRITE 16 MiB: {signaled} signaled completions, all SUCCESS, bytes match ({:.0} MiB/s)", 16.0 / secs);
 
     // ---- READ 16 MiB B→A (B's memory rewritten locally first), through a READ-only Mr grant.
@@ -197,7 +202,7 @@ async fn verbs_smoke() {
     let done = wait(&mut rx, signaled).await;
     let secs = t.elapsed().as_secs_f64();
     assert!(done.iter().all(|c| c.status == WcStatus::Success), "{done:?}");
-    assert!(ma.slice(0, LEN as u64).unwrap() == mb.slice(0, LEN as u64).unwrap(), "READ: bytes differ");
+    assert!(bytes(&ma, 0, LEN as u64) == bytes(&mb, 0, LEN as u64), "READ: bytes differ");
     println!("READ 16 MiB: {signaled} signaled completions, all SUCCESS, bytes match ({:.0} MiB/s)", 16.0 / secs);
 
     // ---- B runs grant mode mr (the default): its region MR has local access only, so a Region
@@ -247,14 +252,14 @@ async fn verbs_smoke() {
     // ---- An Mr grant over [1 MiB, +4096) refuses a WRITE one byte past its end.
     let base = CHUNK as u64;
     let grant = expose(&b, &rb, base, 4096, RemoteOp::Write, GrantMode::Mr);
-    let before = mb.slice(base, 8192).unwrap().to_vec();
+    let before = bytes(&mb, base, 8192);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     fill(&ma, 0x11);
     // Positive control: exactly the granted range.
     conn.post(0, wr(300, WrOp::Write, &ra, 0, 4096, grant.addr, rkey(&grant), true)).unwrap();
     let c = wait(&mut rx, 1).await;
     assert_eq!(c[0].status, WcStatus::Success, "exact-range WRITE");
-    assert_eq!(mb.slice(base, 4096).unwrap(), ma.slice(0, 4096).unwrap());
+    assert_eq!(bytes(&mb, base, 4096), bytes(&ma, 0, 4096));
     // 4097 bytes: one past the end. Then two more WRs that must be flushed.
     conn.post(0, wr(301, WrOp::Write, &ra, 0, 4097, grant.addr, rkey(&grant), true)).unwrap();
     // The error may come back before the next posts: then they are refused (QpBroken) instead
@@ -270,7 +275,7 @@ async fn verbs_smoke() {
     println!("WRITE 1 byte past an Mr grant: {:?}", c.iter().map(|c| (c.wr_id, c.status.name())).collect::<Vec<_>>());
     assert_eq!((c[0].wr_id, c[0].status), (301, WcStatus::RemAccessErr));
     assert!(c[1..].iter().all(|c| c.status == WcStatus::WrFlushErr), "{c:?}");
-    assert_eq!(mb.slice(base + 4096, 4096).unwrap(), &before[4096..], "bytes past the grant changed");
+    assert_eq!(bytes(&mb, base + 4096, 4096), before[4096..], "bytes past the grant changed");
     assert!(conn.is_broken());
     assert!(matches!(
         conn.post(0, wr(304, WrOp::Write, &ra, 0, 1, grant.addr, rkey(&grant), true)),
@@ -283,17 +288,17 @@ async fn verbs_smoke() {
     // ---- A READ-only grant refuses a WRITE (and serves a READ).
     let base = 2 * CHUNK as u64;
     let grant = expose(&b, &rb, base, 4096, RemoteOp::Read, GrantMode::Mr);
-    let before = mb.slice(base, 4096).unwrap().to_vec();
+    let before = bytes(&mb, base, 4096);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     conn.post(0, wr(400, WrOp::Read, &ra, 8192, 4096, grant.addr, rkey(&grant), true)).unwrap();
     let c = wait(&mut rx, 1).await;
     assert_eq!(c[0].status, WcStatus::Success, "READ through a READ grant");
-    assert_eq!(ma.slice(8192, 4096).unwrap(), &before[..]);
+    assert_eq!(bytes(&ma, 8192, 4096), before[..]);
     conn.post(0, wr(401, WrOp::Write, &ra, 0, 64, grant.addr, rkey(&grant), true)).unwrap();
     let c = wait(&mut rx, 1).await;
     println!("WRITE through a READ-only Mr grant: {}", c[0].status);
     assert_eq!(c[0].status, WcStatus::RemAccessErr);
-    assert_eq!(mb.slice(base, 4096).unwrap(), &before[..], "READ-only grant was written");
+    assert_eq!(bytes(&mb, base, 4096), before[..], "READ-only grant was written");
     assert!(conn.is_broken());
     conn.close();
     drop(conn);

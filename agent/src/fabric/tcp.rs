@@ -687,8 +687,7 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
                 out.write_all(b).await?;
             } else if wr.op == WrOp::Write {
                 // Straight from region memory: no bounce buffer. Bounds were checked at post.
-                let data = wr.local.memory().slice(wr.local_offset, wr.len as u64).map_err(std::io::Error::other)?;
-                out.write_all(data).await?;
+                wr.local.memory().write_all_from(&mut out, wr.local_offset, wr.len as usize).await?;
             }
             if rx.is_empty() {
                 out.flush().await?;
@@ -783,15 +782,12 @@ async fn handle_response(
                     return Ok(Some(WcStatus::LocProtErr));
                 }
             } else {
-                let dst = match mem.slice_mut(p.wr.local_offset, p.wr.len as u64) {
-                    Ok(d) => d,
-                    Err(_) => {
-                        put_back(ctx, p);
-                        return Ok(Some(WcStatus::LocProtErr));
-                    }
-                };
+                if !mem.writable() || mem.check(p.wr.local_offset, p.wr.len as u64).is_err() {
+                    put_back(ctx, p);
+                    return Ok(Some(WcStatus::LocProtErr));
+                }
                 // Straight into region memory: no bounce buffer.
-                rd.read_exact(dst).await?;
+                mem.read_exact_into(rd, p.wr.local_offset, p.wr.len as usize).await?;
             }
             if p.wr.signaled {
                 ctx.complete(&p.wr, WcStatus::Success);
@@ -1066,8 +1062,8 @@ where
             Kind::Write => {
                 let deadline = payload.map(|p| tokio::time::Instant::now() + p);
                 let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
-                    match (t.memory.slice_mut(t.offset, h.len as u64), t.memory.intact()) {
-                        (Ok(_), Ok(())) => Ok(t),
+                    match (t.memory.writable(), t.memory.check(t.offset, h.len as u64), t.memory.intact()) {
+                        (true, Ok(_), Ok(())) => Ok(t),
                         _ => Err(WcStatus::RemAccessErr),
                     }
                 });
@@ -1110,10 +1106,9 @@ where
                         }
                     }
                     Ok((mem, off)) => {
-                        let src = mem.slice(off, h.len as u64).map_err(std::io::Error::other)?;
                         resp.len = h.len;
                         wr.write_all(&resp.encode()).await?;
-                        wr.write_all(src).await?;
+                        mem.write_all_from(&mut wr, off, h.len as usize).await?;
                     }
                     Err(status) => {
                         resp.status = status.code();
@@ -1182,17 +1177,14 @@ async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize
     }
     // Straight from the socket into region memory: no bounce buffer. Each read into the region
     // happens inside one poll, under the lease.
-    let dst = mem.slice_mut(t.offset, len as u64).map_err(std::io::Error::other)?;
     let mut done = 0usize;
     while done < len {
-        let end = (done + PAYLOAD_CHUNK).min(len);
-        let chunk = &mut dst[done..end];
+        let want = (len - done).min(PAYLOAD_CHUNK);
         let n = std::future::poll_fn(|cx| {
             let Some(live) = t.lease.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
-            let mut b = tokio::io::ReadBuf::new(&mut *chunk);
-            let r = std::pin::Pin::new(&mut *rd).poll_read(cx, &mut b);
+            let r = mem.poll_read_into(std::pin::Pin::new(&mut *rd), cx, t.offset + done as u64, want);
             drop(live);
-            r.map(|r| r.map(|()| b.filled().len()).map_err(ServeError::from))
+            r.map(|r| r.map_err(ServeError::from))
         })
         .await?;
         if n == 0 {

@@ -13,11 +13,21 @@
 //!   RDMA operations do; the agent never relies on the contents of bytes that are being written.
 //! * A file-backed mapping whose file shrinks is *poisoned* ([`super::sigbus`]): the missing
 //!   pages read as zeros and swallow writes instead of raising SIGBUS. `read_at`/`write_at` check
-//!   [`RegionMemory::intact`] after the copy; whoever copies through `slice`/`slice_mut` must do
-//!   the same before trusting, returning or acknowledging the bytes.
+//!   [`RegionMemory::intact`] after the copy; whoever moves bytes with the zero-copy socket
+//!   operations must do the same before trusting, returning or acknowledging them.
+//! * No safe function returns a Rust reference (`&[u8]`, `&mut [u8]`) into the mapping: safe code
+//!   reaches region memory only through raw copies (`read_at` = copy out, `write_at` = copy in)
+//!   and the zero-copy socket operations (`poll_read_into`, `poll_write_from` and their async
+//!   wrappers), where a slice exists only inside one `poll_read`/`poll_write` call. Bytes that
+//!   other parties change concurrently are therefore never observed through a reference that
+//!   Rust assumes to be stable across user code.
 use std::fs::File;
 use std::io;
+use std::pin::Pin;
 use std::ptr::NonNull;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 
@@ -190,41 +200,117 @@ impl RegionMemory {
         Ok(offset as usize)
     }
 
-    /// Copies bytes out of the mapping; `Poisoned` if the file shrank (then `buf` holds zeros
-    /// where the file is missing and must not be used).
+    /// Copies bytes out of the mapping (a raw copy: no reference into the mapping is formed);
+    /// `Poisoned` if the file shrank (then `buf` holds zeros where the file is missing and must
+    /// not be used).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
         self.intact()?;
-        buf.copy_from_slice(self.slice(offset, buf.len() as u64)?);
+        let start = self.check(offset, buf.len() as u64)?;
+        // SAFETY: `start + buf.len()` lies within the live mapping (checked above; the mapping
+        // outlives `&self`). `ptr::copy` has memmove semantics, so it is sound even if `buf` were
+        // to overlap the mapping. Racing writers (NIC, peers, other processes) may tear the bytes,
+        // which the module contract allows; no Rust reference to the mapping is created.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(start), buf.as_mut_ptr(), buf.len()) };
         Ok(self.intact()?)
     }
 
-    /// Copies bytes into the mapping; `Poisoned` if the file shrank (the bytes may be lost).
+    /// Copies bytes into the mapping (a raw copy); `Poisoned` if the file shrank (the bytes may be
+    /// lost).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
-        self.intact()?;
-        self.slice_mut(offset, data.len() as u64)?.copy_from_slice(data);
-        Ok(self.intact()?)
-    }
-
-    /// A view of `len` bytes at `offset`, used to send them (socket write, checksum) without a
-    /// copy. Keep it short-lived: remote peers may write the same bytes meanwhile (module contract).
-    pub fn slice(&self, offset: u64, len: u64) -> Result<&[u8], OutOfRange> {
-        let start = self.check(offset, len)?;
-        // SAFETY: start+len is within the live mapping (checked above) and the mapping outlives
-        // `&self`; racing writers may change the bytes, which the module contract allows.
-        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len as usize) })
-    }
-
-    /// A mutable view of `len` bytes at `offset`, used to receive bytes straight from a socket
-    /// into region memory (no bounce buffer). Short-lived; see the module contract.
-    #[allow(clippy::mut_from_ref)]
-    pub fn slice_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], MemError> {
         if !self.writable {
             return Err(ReadOnly.into());
         }
-        let start = self.check(offset, len)?;
-        // SAFETY: within the live, writable mapping (checked above). Aliasing with other views
-        // of the same bytes is the DMA-like sharing the module contract describes.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len as usize) })
+        self.intact()?;
+        let start = self.check(offset, data.len() as u64)?;
+        // SAFETY: within the live, writable mapping (checked above); memmove semantics as in
+        // `read_at`. Concurrent access by others is the DMA-like sharing of the module contract.
+        unsafe { std::ptr::copy(data.as_ptr(), self.ptr.as_ptr().add(start), data.len()) };
+        Ok(self.intact()?)
+    }
+
+    /// Zero-copy receive: one `poll_read` of `rd` straight into `offset..offset + len` of the
+    /// mapping. Returns how many bytes landed (0 at end of stream). The only place region memory
+    /// is seen as `&mut [u8]` by code outside this module is inside `rd`'s `poll_read`, for the
+    /// duration of that call (the borrow cannot outlive it). Call [`RegionMemory::intact`] before
+    /// trusting or acknowledging the bytes; memory that [`can_shrink`](Self::can_shrink) should
+    /// be filled through [`RegionMemory::write_at`] instead, so a fault is taken by the agent and
+    /// not turned into EFAULT by a system call.
+    pub fn poll_read_into<R: AsyncRead + ?Sized>(
+        &self,
+        rd: Pin<&mut R>,
+        cx: &mut Context<'_>,
+        offset: u64,
+        len: usize,
+    ) -> Poll<io::Result<usize>> {
+        if !self.writable {
+            return Poll::Ready(Err(io::Error::other(ReadOnly)));
+        }
+        let start = match self.check(offset, len as u64) {
+            Ok(s) => s,
+            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
+        };
+        // SAFETY: `start + len` lies within the live, writable mapping (checked above), which
+        // outlives this call. The slice exists only for the duration of one `poll_read` (the
+        // `ReadBuf` borrow cannot escape it). Other writers of the same bytes (peers, the NIC,
+        // other processes) give torn bytes, as the module contract states; the agent never reads
+        // bytes it is receiving until the frame is complete.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) };
+        let mut b = ReadBuf::new(dst);
+        match rd.poll_read(cx, &mut b) {
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(b.filled().len())),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Zero-copy send: one `poll_write` of `offset..offset + len` of the mapping into `w`.
+    /// Returns how many bytes `w` took. As with [`RegionMemory::poll_read_into`], the bytes are
+    /// visible to `w` only during that call; memory that can shrink should be sent from a copy
+    /// ([`RegionMemory::read_at`]).
+    pub fn poll_write_from<W: AsyncWrite + ?Sized>(
+        &self,
+        w: Pin<&mut W>,
+        cx: &mut Context<'_>,
+        offset: u64,
+        len: usize,
+    ) -> Poll<io::Result<usize>> {
+        let start = match self.check(offset, len as u64) {
+            Ok(s) => s,
+            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
+        };
+        // SAFETY: `start + len` lies within the live mapping (checked above), which outlives this
+        // call; the shared slice lives only for one `poll_write`. Concurrent writers may tear the
+        // bytes being sent, exactly as an RDMA READ racing a WRITE would (module contract).
+        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) };
+        w.poll_write(cx, src)
+    }
+
+    /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see
+    /// [`RegionMemory::poll_read_into`]). `UnexpectedEof` if the stream ends first.
+    pub async fn read_exact_into<R: AsyncRead + Unpin + ?Sized>(&self, rd: &mut R, offset: u64, len: usize) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < len {
+            let n = std::future::poll_fn(|cx| self.poll_read_into(Pin::new(&mut *rd), cx, offset + done as u64, len - done)).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Sends `offset..offset + len` into `w` without a bounce buffer (see
+    /// [`RegionMemory::poll_write_from`]). `WriteZero` if `w` stops taking bytes.
+    pub async fn write_all_from<W: AsyncWrite + Unpin + ?Sized>(&self, w: &mut W, offset: u64, len: usize) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < len {
+            let n = std::future::poll_fn(|cx| self.poll_write_from(Pin::new(&mut *w), cx, offset + done as u64, len - done)).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            done += n;
+        }
+        Ok(())
     }
 
     /// Flushes a file-backed mapping to its file (msync).
@@ -243,9 +329,10 @@ mod tests {
     #[test]
     fn bounds_and_overflow_are_checked() {
         let m = RegionMemory::anonymous(4096, false).unwrap();
-        assert!(m.slice(4096, 1).is_err());
-        assert!(m.slice(u64::MAX, 2).is_err());
-        assert!(m.slice(0, 4096).is_ok());
+        let mut one = [0u8; 1];
+        assert!(matches!(m.read_at(4096, &mut one), Err(MemError::OutOfRange(_))));
+        assert!(m.check(u64::MAX, 2).is_err());
+        assert!(m.check(0, 4096).is_ok());
         m.write_at(10, b"abc").unwrap();
         let mut b = [0u8; 3];
         m.read_at(10, &mut b).unwrap();
@@ -259,6 +346,54 @@ mod tests {
         f.set_len(8192).unwrap();
         let m = RegionMemory::map_file(&f, 8192, false).unwrap();
         assert!(matches!(m.write_at(0, b"x"), Err(MemError::ReadOnly(_))));
-        assert!(m.slice(0, 8192).is_ok());
+        let mut all = vec![1u8; 8192];
+        m.read_at(0, &mut all).unwrap();
+        assert!(all.iter().all(|&b| b == 0));
+    }
+
+    #[tokio::test]
+    async fn zero_copy_socket_io_moves_bytes_and_checks_bounds() {
+        let m = RegionMemory::anonymous(8192, false).unwrap();
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let payload: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
+        let send = async {
+            use tokio::io::AsyncWriteExt;
+            a.write_all(&payload).await.unwrap();
+            drop(a);
+        };
+        let recv = m.read_exact_into(&mut b, 100, payload.len());
+        let ((), r) = tokio::join!(send, recv);
+        r.unwrap();
+        let mut got = vec![0u8; payload.len()];
+        m.read_at(100, &mut got).unwrap();
+        assert_eq!(got, payload);
+        // The stream ended: one more byte is UnexpectedEof, and nothing past the range moved.
+        let e = m.read_exact_into(&mut b, 0, 1).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        let mut head = [9u8; 100];
+        m.read_at(0, &mut head).unwrap();
+        assert!(head.iter().all(|&x| x == 0));
+
+        // Out of range, both directions: refused before any byte moves.
+        let (mut c, mut d) = tokio::io::duplex(64);
+        assert!(m.read_exact_into(&mut d, 8000, 193).await.is_err());
+        assert!(m.write_all_from(&mut c, 8192, 1).await.is_err());
+        // Send side: the receiver sees exactly the region's bytes.
+        let (mut e1, mut e2) = tokio::io::duplex(1 << 16);
+        m.write_all_from(&mut e1, 100, 5000).await.unwrap();
+        drop(e1);
+        let mut out = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut e2, &mut out).await.unwrap();
+        assert_eq!(out, payload);
+    }
+
+    #[tokio::test]
+    async fn zero_copy_receive_into_read_only_memory_is_refused() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(4096).unwrap();
+        let m = RegionMemory::map_file(&f, 4096, false).unwrap();
+        let (_a, mut b) = tokio::io::duplex(64);
+        let e = m.read_exact_into(&mut b, 0, 16).await.unwrap_err();
+        assert!(e.to_string().contains("read-only"), "{e}");
     }
 }

@@ -1,0 +1,88 @@
+//! Tidy: architecture invariants that the compiler does not check, checked over the source tree
+//! (rust-analyzer's `tidy.rs` style). Each test names the invariant from ARCHITECTURE.md it
+//! enforces and prints every offending `file:line`, so a failure says what to fix.
+use std::path::{Path, PathBuf};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("agent/ has a parent").to_path_buf()
+}
+
+/// Every `.rs` file of the product (not tests, benches, fuzz targets or build output).
+fn product_sources() -> Vec<(PathBuf, String)> {
+    let root = workspace_root();
+    let mut out = Vec::new();
+    let mut stack: Vec<PathBuf> = ["agent/src", "ctl/src", "proto/src", "crates"].iter().map(|d| root.join(d)).collect();
+    while let Some(dir) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if p.is_dir() {
+                if !matches!(name, "target" | "tests" | "benches") {
+                    stack.push(p);
+                }
+            } else if name.ends_with(".rs") {
+                let text = std::fs::read_to_string(&p).expect("read source");
+                out.push((p.strip_prefix(&root).unwrap_or(&p).to_path_buf(), text));
+            }
+        }
+    }
+    out.sort();
+    assert!(out.len() > 20, "tidy found only {} source files under {}", out.len(), root.display());
+    out
+}
+
+/// The lines of `text` outside `#[cfg(test)] mod tests { … }` (unit tests may do what product
+/// code may not). A test module is taken to run to the end of the file, as ours do.
+fn product_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    let end = text.lines().position(|l| l.trim() == "#[cfg(test)]").unwrap_or(usize::MAX);
+    text.lines().enumerate().take_while(move |(i, _)| *i < end).map(|(i, l)| (i + 1, l))
+}
+
+fn fail_if_any(what: &str, offenders: Vec<String>) {
+    assert!(offenders.is_empty(), "{what}:\n  {}", offenders.join("\n  "));
+}
+
+/// Region memory is shared with the NIC, peers and other processes, so no safe function may hand
+/// it out as a Rust reference: `RegionMemory`'s public API returns no `&[u8]`/`&mut [u8]`, and
+/// slices over raw pointers are built only in the region-memory module (issue 9, bullet 8).
+#[test]
+fn region_memory_is_never_handed_out_as_a_slice() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let is_memory = path.ends_with("verbs/memory.rs");
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            if is_memory && code.contains("pub fn") && (code.contains("-> &[u8]") || code.contains("&mut [u8]>") || code.contains("-> &mut [u8]") || code.contains("Result<&")) {
+                bad.push(format!("{}:{n}: public accessor returns a reference into region memory: {}", path.display(), line.trim()));
+            }
+            if !is_memory && (code.contains("from_raw_parts") || code.contains("slice_mut(")) {
+                bad.push(format!("{}:{n}: slice over raw memory outside verbs/memory.rs: {}", path.display(), line.trim()));
+            }
+        }
+    }
+    fail_if_any("region memory leaves its module as a slice", bad);
+}
+
+/// Every `unsafe` block, impl and fn carries a `// SAFETY:` comment (or, for an `unsafe fn`, a
+/// `# Safety` doc section) on one of the lines just above it.
+#[test]
+fn every_unsafe_has_a_safety_comment() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            let opens = code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn") || code.contains("unsafe extern");
+            if !opens || code.contains("#![") {
+                continue;
+            }
+            let above = &lines[n.saturating_sub(12)..n];
+            let ok = above.iter().any(|l| l.contains("SAFETY:") || l.contains("# Safety"));
+            if !ok {
+                bad.push(format!("{}:{n}: {}", path.display(), line.trim()));
+            }
+        }
+    }
+    fail_if_any("unsafe without a SAFETY comment", bad);
+}
