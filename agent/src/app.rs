@@ -95,7 +95,11 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
     crate::metrics::limit_seconds("data_handshake_timeout", l.data_handshake_timeout.0);
     crate::metrics::limit_seconds("data_idle_timeout", l.data_idle_timeout.0);
     crate::metrics::limit_seconds("data_payload_timeout", l.data_payload_timeout.0);
+    // Pending sockets are part of the total, and never all of it.
+    let max_pending = l.max_pending_data_connections.min(max_connections.div_ceil(2));
+    crate::metrics::limit("max_pending_data_connections", max_pending as u64);
     let limits = DataLimits {
+        max_pending,
         max_connections,
         max_connections_per_peer: l.max_data_connections_per_peer,
         handshake_timeout: l.data_handshake_timeout.0,

@@ -216,6 +216,9 @@ pub struct LimitsConfig {
     pub max_data_connections: usize,
     /// Data streams of one identity (a session's owner), counted once the hello names a session.
     pub max_data_connections_per_peer: usize,
+    /// Sockets on the tcp data port still before their hello; at the cap the oldest is closed to
+    /// make room, so silent sockets can never keep a real peer's stream out.
+    pub max_pending_data_connections: usize,
     /// A data stream must complete its (TLS handshake and) hello within this.
     pub data_handshake_timeout: HumanDuration,
     /// A data stream that sends no frame for this long is closed.
@@ -473,6 +476,7 @@ impl Default for LimitsConfig {
             max_peer_labels: 256,
             max_data_connections: 4096,
             max_data_connections_per_peer: 256,
+            max_pending_data_connections: 128,
             data_handshake_timeout: HumanDuration(Duration::from_secs(10)),
             data_idle_timeout: HumanDuration(Duration::from_secs(300)),
             data_payload_timeout: HumanDuration(Duration::from_secs(30)),
@@ -597,6 +601,7 @@ impl Config {
         for (key, v) in [
             ("limits.max_data_connections", self.limits.max_data_connections),
             ("limits.max_data_connections_per_peer", self.limits.max_data_connections_per_peer),
+            ("limits.max_pending_data_connections", self.limits.max_pending_data_connections),
             ("limits.max_peers", self.limits.max_peers),
         ] {
             if v == 0 {
@@ -725,6 +730,7 @@ mod tests {
         let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
         assert_eq!(c.limits.max_data_connections, 4096);
         assert_eq!(c.limits.max_data_connections_per_peer, 256);
+        assert_eq!(c.limits.max_pending_data_connections, 128);
         assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
         assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
         assert_eq!(c.limits.data_payload_timeout.0, Duration::from_secs(30));

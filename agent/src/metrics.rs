@@ -85,7 +85,7 @@ pub fn describe() {
     describe_counter!(
         DATA_CONNECTIONS_CLOSED,
         Unit::Count,
-        "Data streams closed by the agent, by reason (handshake: no hello within limits.data_handshake_timeout; idle: no frame for limits.data_idle_timeout; payload: a WRITE payload not complete within limits.data_payload_timeout; revoked: the grant of a WRITE payload being received was revoked, expired or its region deleted)."
+        "Data streams closed by the agent, by reason (handshake: no hello within limits.data_handshake_timeout; evicted: closed before its hello to make room for a newer socket, limits.max_pending_data_connections; idle: no frame for limits.data_idle_timeout; payload: a WRITE payload not complete within limits.data_payload_timeout; revoked: the grant of a WRITE payload being received was revoked, expired or its region deleted)."
     );
     describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s.");
     describe_gauge!(PEERS, Unit::Count, "Entries in the peer pool (peer agents by address); capped by limits.max_peers.");

@@ -69,6 +69,12 @@ fn at_eof(s: &mut TcpStream) -> bool {
     }
 }
 
+/// One NAK frame (`REM_INV_REQ_ERR`: the stream never said hello) and then EOF.
+fn naked_then_eof(s: &mut TcpStream) -> bool {
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).is_ok() && r[4] == NAK && at_eof(s)
+}
+
 /// Like `raw_write`, but a stream the agent refused (and closed) gives `None` instead of a panic.
 fn try_write(s: &mut TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> Option<(u16, u8)> {
     s.write_all(&frame_header(1, 1, 7, token, addr, payload.len() as u32)).ok()?;
@@ -102,8 +108,8 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     b.create("dst", LEN, pb::Access::ReadWrite).await;
     let data = random_bytes(LEN as usize, 61);
     a.put("src", 0, &data).await;
-    // A's pooled connection to B exists before the flood (the transfer reuses it).
-    a.client().await.connect(pb::ConnectRequest { peer: b.addr(), qps: 0 }).await.unwrap();
+    // No connection from A to B exists yet: the transfer must get new data streams in after the
+    // flood.
 
     // The flood: 2 × 40 streams with a valid hello that then idle, and 2,000 sockets that never
     // send anything. The cap (512), not the fd limit (1024), holds.
@@ -131,21 +137,23 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     let t = a.transfer(write_req("src", &b, "dst", LEN)).await.unwrap();
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
     assert!(b.read("dst", 0, LEN).await == data, "bytes differ");
+    // Silent sockets never held more than limits.max_pending_data_connections (128) slots: each
+    // newer one closed the oldest.
     let text = scrape(b.ports.metrics);
-    assert!(metric(&text, "xfer_data_connections_refused_total{reason=\"total\"}") > 0.0, "{text}");
+    assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"evicted\"}") >= 1000.0, "{text}");
+    assert_eq!(metric(&text, "xfer_limit{limit=\"max_pending_data_connections\"}"), 128.0, "{text}");
     let open = metric(&text, "xfer_data_connections");
     assert!((1.0..=512.0).contains(&open), "xfer_data_connections = {open}");
     assert!(open_fds(pid) < limit as usize, "fds {} at the limit {limit}", open_fds(pid));
 
-    // The silent sockets the agent accepted are closed at the handshake deadline (EOF), and
-    // counted. The last socket was refused at once or closed: both read EOF.
+    // The first silent socket was evicted (EOF); the last is still pending and is closed at the
+    // handshake deadline (EOF), and counted.
+    let first_silent = &mut socks[80];
+    first_silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    assert!(naked_then_eof(first_silent), "an evicted socket gets one NAK, then EOF");
     let silent = socks.last_mut().unwrap();
     silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     assert!(at_eof(silent));
-    // The first silent socket was accepted (the cap was not reached yet): its EOF is the deadline.
-    let first_silent = &mut socks[80];
-    first_silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    assert!(at_eof(first_silent));
     let text = scrape(b.ports.metrics);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"handshake\"}") > 0.0, "{text}");
     assert!(open_fds(pid) < limit as usize);

@@ -21,7 +21,12 @@
 //! closes its streams.
 //!
 //! Exhaustion is bounded ([`DataLimits`]): every accepted socket counts against
-//! `limits.max_data_connections` from accept until it closes (hello or not); once a hello names a
+//! `limits.max_data_connections` from accept until it closes (hello or not). Sockets still before
+//! their hello are at most `limits.max_pending_data_connections`; at that cap the *oldest* is
+//! closed to make room for the newest (`xfer_data_connections_closed_total{reason="evicted"}`).
+//! A peer's hello follows its connect within a round trip (plus a TLS handshake), so a flood of
+//! silent sockets only shortens every silent socket's life: it cannot hold the slots real peers
+//! need, unless it opens sockets faster than `max_pending` per handshake time. Once a hello names a
 //! session, the stream also counts against its owner's `limits.max_data_connections_per_peer`
 //! (refused with a NAK `REM_ACCESS_ERR`). A stream that sends no frame for
 //! `limits.data_idle_timeout`, or that does not complete a WRITE payload within
@@ -64,6 +69,9 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct DataLimits {
     /// Open sockets from accept until close, hello or not (`limits.max_data_connections`).
     pub max_connections: usize,
+    /// Sockets before their hello; the oldest is closed at the cap
+    /// (`limits.max_pending_data_connections`).
+    pub max_pending: usize,
     /// Streams of one identity, counted once the hello names a session
     /// (`limits.max_data_connections_per_peer`).
     pub max_connections_per_peer: usize,
@@ -80,6 +88,7 @@ impl Default for DataLimits {
     fn default() -> Self {
         DataLimits {
             max_connections: 4096,
+            max_pending: 128,
             max_connections_per_peer: 256,
             handshake_timeout: HELLO_TIMEOUT,
             idle_timeout: Duration::from_secs(300),
@@ -116,6 +125,49 @@ impl Drop for Slot {
         crate::metrics::data_connections(n.saturating_sub(1));
     }
 }
+/// Sockets still before their hello, oldest first (by accept order). Entering at the cap closes
+/// the oldest: see the module docs.
+struct PendingSockets {
+    queue: Mutex<std::collections::BTreeMap<u64, CancellationToken>>,
+    next: std::sync::atomic::AtomicU64,
+    max: usize,
+}
+
+impl PendingSockets {
+    fn new(max: usize) -> Arc<PendingSockets> {
+        Arc::new(PendingSockets { queue: Mutex::new(Default::default()), next: Default::default(), max: max.max(1) })
+    }
+
+    /// Registers a socket before its hello; its token is cancelled if it is evicted.
+    fn enter(self: &Arc<Self>) -> PendingGuard {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let token = CancellationToken::new();
+        // A poisoned lock means a panic while holding it; the map is still consistent.
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        while q.len() >= self.max {
+            let Some((_, oldest)) = q.pop_first() else { break };
+            oldest.cancel();
+            crate::metrics::data_connection_closed("evicted");
+        }
+        q.insert(id, token.clone());
+        PendingGuard { pending: self.clone(), id, token }
+    }
+}
+
+/// A socket's place among the [`PendingSockets`]; leaving (hello read, or the socket closed)
+/// drops it.
+struct PendingGuard {
+    pending: Arc<PendingSockets>,
+    id: u64,
+    token: CancellationToken,
+}
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        self.pending.queue.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+    }
+}
+
 /// First bytes of a data stream's hello (protocol version 1).
 const HELLO_MAGIC: &[u8; 4] = b"XFR1";
 /// Most data streams one connection may open (`transfer.qps` is at most 64).
@@ -323,7 +375,8 @@ impl TcpFabric {
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(Sessions::new(limits.max_connections_per_peer));
         let open = Arc::new(OpenCount { open: AtomicUsize::new(0), max: limits.max_connections });
-        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open };
+        let pending = PendingSockets::new(limits.max_pending);
+        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pending };
         tokio::spawn(serve(listener, ctx));
         Ok(TcpFabric { data_address, shutdown, sessions, tls })
     }
@@ -824,6 +877,7 @@ struct ServeCtx {
     shutdown: CancellationToken,
     limits: DataLimits,
     open: Arc<OpenCount>,
+    pending: Arc<PendingSockets>,
 }
 
 async fn serve(listener: TcpListener, ctx: ServeCtx) {
@@ -846,8 +900,9 @@ async fn serve(listener: TcpListener, ctx: ServeCtx) {
                 };
                 let _ = stream.set_nodelay(true);
                 let ctx = ctx.clone();
+                let pending = ctx.pending.enter();
                 tokio::spawn(async move {
-                    if let Err(e) = serve_stream(stream, &ctx).await {
+                    if let Err(e) = serve_stream(stream, pending, &ctx).await {
                         debug!(%from, error = %e, "tcp fabric: data stream ended");
                     }
                     drop(slot);
@@ -889,7 +944,7 @@ pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(String, [u8
 
 /// One data stream: (TLS handshake,) hello within `limits.data_handshake_timeout`, then frames
 /// until the stream, its session or the fabric ends, or it idles for `limits.data_idle_timeout`.
-async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeError> {
+async fn serve_stream(stream: TcpStream, pending: PendingGuard, ctx: &ServeCtx) -> Result<(), ServeError> {
     let deadline = ctx.limits.handshake_timeout;
     let late = || {
         crate::metrics::data_connection_closed("handshake");
@@ -897,17 +952,18 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
     match &ctx.tls {
         None => {
             let (mut rd, mut wr) = stream.into_split();
-            let hello = match tokio::time::timeout(deadline, read_hello(&mut rd)).await {
-                Ok(Ok(h)) => h,
-                Ok(Err(e)) => {
+            let hello = match before_hello(&pending, deadline, read_hello(&mut rd)).await {
+                Some(Ok(h)) => h,
+                Some(Err(e)) => {
                     refuse(&mut wr, 0, WcStatus::RemInvReqErr).await;
                     return Err(e);
                 }
-                Err(_) => {
+                None => {
                     late();
                     return Err(ServeError::Hello("no hello in time"));
                 }
             };
+            drop(pending);
             serve_session(rd, wr, hello, None, ctx).await
         }
         Some(tls) => {
@@ -917,12 +973,11 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
                 let hello = read_hello(&mut s).await?;
                 Ok::<_, ServeError>((s, hello))
             };
-            let (mut s, hello) = tokio::time::timeout(deadline, handshake)
-                .await
-                .map_err(|_| {
-                    late();
-                    ServeError::Hello("no TLS handshake and hello in time")
-                })??;
+            let (mut s, hello) = before_hello(&pending, deadline, handshake).await.ok_or_else(|| {
+                late();
+                ServeError::Hello("no TLS handshake and hello in time")
+            })??;
+            drop(pending);
             let who = match tls.caller_of(s.get_ref().1.peer_certificates()) {
                 Ok(c) if c.role == Role::Node => c.name,
                 _ => {
@@ -933,6 +988,21 @@ async fn serve_stream(stream: TcpStream, ctx: &ServeCtx) -> Result<(), ServeErro
             let (rd, wr) = tokio::io::split(s);
             serve_session(rd, wr, hello, Some(who), ctx).await
         }
+    }
+}
+
+/// Runs a stream's (TLS handshake and) hello until `deadline` (`None`) or until a newer socket
+/// evicts this one from the [`PendingSockets`] (an error).
+async fn before_hello<T>(
+    pending: &PendingGuard,
+    deadline: Duration,
+    hello: impl std::future::Future<Output = Result<T, ServeError>>,
+) -> Option<Result<T, ServeError>> {
+    tokio::select! {
+        _ = pending.token.cancelled() => Some(Err(ServeError::Hello(
+            "closed before its hello to make room for a newer socket (limits.max_pending_data_connections)"
+        ))),
+        r = tokio::time::timeout(deadline, hello) => r.ok(),
     }
 }
 
