@@ -299,7 +299,7 @@ impl Node {
         }
     }
 
-    pub fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
+    pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
         let region = self.regions.get(&p.region)?;
         if !region.access.allows(p.op) {
             return Err(TransferError::PermissionDenied(format!(
@@ -339,6 +339,7 @@ impl Node {
         let exposure = self
             .fabric
             .expose(&region.registration, &req)
+            .await
             .map_err(|e| TransferError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
         let grant = Grant {
             id: new_id(),

@@ -78,9 +78,9 @@ fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
         .unwrap()
 }
 
-fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
+async fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
     s.node
-        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some("conn-1".into()) })
+        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some("conn-1".into()) }).await
         .unwrap()
 }
 
@@ -122,7 +122,7 @@ async fn write_then_read_roundtrip_with_selective_signalling() {
     let dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
     let data = fill(&src, 7);
     let (conn, mut rx) = connect(&a, &b, 2, 16).await;
-    let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None);
+    let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None).await;
     // 16 chunks of 64 KiB striped over 2 QPs; only the last on each QP is signaled.
     for i in 0..16u64 {
         let qp = (i % 2) as usize;
@@ -133,7 +133,7 @@ async fn write_then_read_roundtrip_with_selective_signalling() {
     assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(14, WcStatus::Success), (15, WcStatus::Success)]);
     assert!(bytes(&dst) == data, "WRITE must land every byte");
 
-    let gr = grant(&b, "dst", 0, 1 << 20, RemoteOp::Read, None);
+    let gr = grant(&b, "dst", 0, 1 << 20, RemoteOp::Read, None).await;
     conn.post(0, wr(100, WrOp::Read, &back, 0, 1 << 20, &gr, 0, true)).unwrap();
     let c = next(&mut rx).await;
     assert_eq!((c.wr_id, c.status), (100, WcStatus::Success));
@@ -150,7 +150,7 @@ async fn write_past_the_grant_is_refused_and_bytes_past_it_are_unchanged() {
     let before = fill(&dst, 99);
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
     // Grant 4 KiB at offset 8 KiB; write 4 KiB + 1 byte.
-    let g = grant(&b, "dst", 8192, 4096, RemoteOp::Write, None);
+    let g = grant(&b, "dst", 8192, 4096, RemoteOp::Write, None).await;
     conn.post(0, wr(1, WrOp::Write, &src, 0, 4097, &g, 0, true)).unwrap();
     let c = next(&mut rx).await;
     assert_eq!((c.wr_id, c.status), (1, WcStatus::RemAccessErr));
@@ -167,13 +167,13 @@ async fn grant_for_read_does_not_allow_write_and_vice_versa() {
     fill(&src, 1);
     let before = fill(&dst, 2);
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
-    let g = grant(&b, "dst", 0, 8192, RemoteOp::Read, None);
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Read, None).await;
     conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
     assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
     assert!(bytes(&dst) == before);
 
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
-    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None).await;
     conn.post(0, wr(2, WrOp::Read, &src, 0, 4096, &g, 0, true)).unwrap();
     assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
 }
@@ -185,9 +185,9 @@ async fn region_access_ceiling_is_enforced_at_grant_time() {
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
     let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some("conn-1".into()) };
-    assert!(b.node.grant(&p("ro", RemoteOp::Write)).is_err(), "read-only region must not be granted for WRITE");
-    assert!(b.node.grant(&p("wo", RemoteOp::Read)).is_err(), "write-only region must not be granted for READ");
-    assert!(b.node.grant(&p("ro", RemoteOp::Read)).is_ok());
+    assert!(b.node.grant(&p("ro", RemoteOp::Write)).await.is_err(), "read-only region must not be granted for WRITE");
+    assert!(b.node.grant(&p("wo", RemoteOp::Read)).await.is_err(), "write-only region must not be granted for READ");
+    assert!(b.node.grant(&p("ro", RemoteOp::Read)).await.is_ok());
 }
 
 #[tokio::test]
@@ -198,7 +198,7 @@ async fn revoked_grant_key_is_dead() {
     fill(&src, 5);
     let before = fill(&dst, 6);
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
-    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None).await;
     let (addr, key) = (g.exposure.addr, g.exposure.key.clone());
     b.node.grants.revoke(&g.id);
     drop(g);
@@ -225,7 +225,7 @@ async fn expired_grant_is_refused() {
     let before = fill(&dst, 6);
     fill(&src, 1);
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
-    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, Some(Duration::from_millis(200)));
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, Some(Duration::from_millis(200))).await;
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     // Only the grant table holds the grant now: expiry must kill its key (verbs: deregister the MR).
     drop(g);
@@ -243,7 +243,7 @@ async fn after_an_error_later_work_requests_are_flushed_not_failed() {
     region(&b, "dst", 1 << 16, Access::ReadWrite);
     fill(&src, 3);
     let (conn, mut rx) = connect(&a, &b, 1, 16).await;
-    let g = grant(&b, "dst", 0, 4096, RemoteOp::Write, None);
+    let g = grant(&b, "dst", 0, 4096, RemoteOp::Write, None).await;
     conn.post(0, wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
     conn.post(0, wr(2, WrOp::Write, &src, 0, 8192, &g, 0, true)).unwrap(); // past the grant
     let mut posted = 2;
@@ -269,7 +269,7 @@ async fn local_range_is_checked_at_post() {
     let src = region(&a, "src", 4096, Access::ReadWrite);
     region(&b, "dst", 8192, Access::ReadWrite);
     let (conn, _rx) = connect(&a, &b, 1, 8).await;
-    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None);
+    let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None).await;
     assert!(conn.post(0, wr(1, WrOp::Write, &src, 1, 4096, &g, 0, true)).is_err());
     assert!(conn.post(5, wr(1, WrOp::Write, &src, 0, 16, &g, 0, true)).is_err(), "no such QP");
 }
@@ -288,10 +288,10 @@ async fn a_grant_may_name_only_the_callers_own_connection() {
         peer: "z".into(),
         connection_id: Some("conn-1".into()),
     };
-    let e = b.node.grant(&p).unwrap_err();
+    let e = b.node.grant(&p).await.unwrap_err();
     assert!(matches!(e, TransferError::PermissionDenied(_)), "another peer's connection: {e:?}");
     p.peer = "a".into();
-    assert!(b.node.grant(&p).is_ok());
+    assert!(b.node.grant(&p).await.is_ok());
 }
 
 #[tokio::test]
@@ -312,7 +312,7 @@ async fn disconnect_revokes_the_grants_of_that_connection() {
             ttl: None,
             peer: "a".into(),
             connection_id: Some("conn-1".into()),
-        })
+        }).await
         .unwrap();
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     drop(g);

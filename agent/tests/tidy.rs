@@ -86,3 +86,21 @@ fn every_unsafe_has_a_safety_comment() {
     }
     fail_if_any("unsafe without a SAFETY comment", bad);
 }
+
+/// No runtime thread ever sleeps: `std::thread::sleep` appears in product code only where the
+/// line above says `// tidy: blocking context` (code that runs on the blocking pool or its own
+/// thread). Async code waits with tokio's timers.
+#[test]
+fn no_thread_sleep_on_runtime_threads() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("thread::sleep") && !(n >= 2 && lines[n - 2].contains("tidy: blocking context")) {
+                bad.push(format!("{}:{n}: {}", path.display(), line.trim()));
+            }
+        }
+    }
+    fail_if_any("std::thread::sleep outside a marked blocking context", bad);
+}

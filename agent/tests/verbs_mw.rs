@@ -131,7 +131,7 @@ async fn mw_write_and_read_land_and_a_revoked_window_is_dead() {
     let (conn, mut rx) = connect(&a, &b, "conn-1", 2).await;
 
     // WRITE 16 KiB at dst+8 KiB through a window per QP: 8 KiB on each QP.
-    let g = b.node.grant(&params("dst", 8192, 16384, RemoteOp::Write, Some("conn-1"))).unwrap();
+    let g = b.node.grant(&params("dst", 8192, 16384, RemoteOp::Write, Some("conn-1"))).await.unwrap();
     let k = keys(&g);
     assert_eq!(k.len(), 2, "one window per responder QP");
     assert_ne!(k[0], k[1]);
@@ -149,7 +149,7 @@ async fn mw_write_and_read_land_and_a_revoked_window_is_dead() {
     println!("mw WRITE of 2 x 8 KiB through per-QP windows: SUCCESS, bytes landed");
 
     // READ through a second grant's windows on QP 1.
-    let gr = b.node.grant(&params("dst", 8192, 16384, RemoteOp::Read, Some("conn-1"))).unwrap();
+    let gr = b.node.grant(&params("dst", 8192, 16384, RemoteOp::Read, Some("conn-1"))).await.unwrap();
     conn.post(1, wr(10, WrOp::Read, &back, 0, 16384, gr.exposure.addr, gr.exposure.key.clone(), true)).unwrap();
     let c = next(&mut rx).await;
     assert_eq!((c.wr_id, c.status), (10, WcStatus::Success));
@@ -181,7 +181,7 @@ async fn mw_window_answers_only_on_its_own_qp() {
     fill(&src, 1);
     let before = fill(&dst, 2);
     let (conn, mut rx) = connect(&a, &b, "conn-1", 2).await;
-    let g = b.node.grant(&params("dst", 0, 8192, RemoteOp::Write, Some("conn-1"))).unwrap();
+    let g = b.node.grant(&params("dst", 0, 8192, RemoteOp::Write, Some("conn-1"))).await.unwrap();
     let k = keys(&g);
     // QP 1 presents the window bound on responder QP 0.
     conn.post(1, wr(1, WrOp::Write, &src, 0, 4096, g.exposure.addr, RemoteKey::Rkey(k[0]), true)).unwrap();
@@ -203,7 +203,7 @@ async fn mw_bounds_are_not_enforced_by_rxe() {
     let before = fill(&dst, 99);
     let (conn, mut rx) = connect(&a, &b, "conn-1", 1).await;
     // Grant 4 KiB at offset 8 KiB; WRITE 4 KiB + 1 byte.
-    let g = b.node.grant(&params("dst", 8192, 4096, RemoteOp::Write, Some("conn-1"))).unwrap();
+    let g = b.node.grant(&params("dst", 8192, 4096, RemoteOp::Write, Some("conn-1"))).await.unwrap();
     conn.post(0, wr(1, WrOp::Write, &src, 0, 4097, g.exposure.addr, g.exposure.key.clone(), true)).unwrap();
     let c = next(&mut rx).await;
     let after = bytes(&dst);
@@ -236,20 +236,20 @@ async fn mw_grant_needs_the_callers_own_connection() {
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     region(&b, "dst", 8192);
     let (_conn, _rx) = connect(&a, &b, "conn-1", 1).await;
-    let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, None)).unwrap_err();
+    let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, None)).await.unwrap_err();
     println!("mw grant without a connection: {e}");
     assert!(matches!(e, TransferError::FailedPrecondition(_)), "{e:?}");
-    let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("nope"))).unwrap_err();
+    let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("nope"))).await.unwrap_err();
     println!("mw grant naming an unknown connection: {e}");
     assert!(matches!(e, TransferError::FailedPrecondition(_)), "{e:?}");
     let mut p = params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"));
     p.peer = "z".into();
-    let e = b.node.grant(&p).unwrap_err();
+    let e = b.node.grant(&p).await.unwrap_err();
     println!("mw grant naming another peer's connection: {e}");
     assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
     b.node.disconnect("conn-1", "a");
-    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))), Err(TransferError::FailedPrecondition(_))));
+    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(TransferError::FailedPrecondition(_))));
 }
 
 #[tokio::test]
@@ -265,7 +265,7 @@ async fn mw_many_grants_on_one_connection_rebind_cleanly() {
     for i in 0..50u64 {
         fill(&src, i as u8);
         let off = (i % 256) * 4096;
-        let g = b.node.grant(&params("dst", off, 4096, RemoteOp::Write, Some("conn-1"))).unwrap();
+        let g = b.node.grant(&params("dst", off, 4096, RemoteOp::Write, Some("conn-1"))).await.unwrap();
         let qp = (i % 2) as usize;
         conn.post(qp, wr(i, WrOp::Write, &src, 0, 4096, g.exposure.addr, g.exposure.key.clone(), true)).unwrap();
         let c = next(&mut rx).await;
@@ -301,7 +301,7 @@ async fn grant_latency_per_mode() {
             let (mut grant_t, mut revoke_t) = (Vec::new(), Vec::new());
             for _ in 0..iters {
                 let t0 = Instant::now();
-                let g = b.node.grant(&params(&name, 0, 0, RemoteOp::Write, Some("conn-1"))).unwrap();
+                let g = b.node.grant(&params(&name, 0, 0, RemoteOp::Write, Some("conn-1"))).await.unwrap();
                 grant_t.push(t0.elapsed());
                 let t1 = Instant::now();
                 b.node.grants.revoke(&g.id);

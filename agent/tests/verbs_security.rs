@@ -181,7 +181,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
         peer: "a".into(),
         connection_id: Some("legit".into()),
     };
-    let g = b.node.grant(&params(RemoteOp::Write)).unwrap();
+    let g = b.node.grant(&params(RemoteOp::Write)).await.unwrap();
     let wr = |id, op, local: &Region, key: RemoteKey, addr| WorkRequest {
         wr_id: id,
         op,
@@ -198,7 +198,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     let after = bytes(target);
     assert!(after[4096..12288] == data[..8192], "the granted WRITE must land every byte");
     assert!(after[..4096] == before[..4096] && after[12288..] == before[12288..], "bytes outside the grant changed");
-    let gr = b.node.grant(&params(RemoteOp::Read)).unwrap();
+    let gr = b.node.grant(&params(RemoteOp::Read)).await.unwrap();
     conn.post(0, wr(11, WrOp::Read, &sink, gr.exposure.key.clone(), gr.exposure.addr)).unwrap();
     let c = next(&mut rx).await;
     assert_eq!((c.wr_id, c.status), (11, WcStatus::Success), "READ through a grant");

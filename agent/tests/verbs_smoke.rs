@@ -58,7 +58,7 @@ fn bytes(m: &RegionMemory, offset: u64, len: u64) -> Vec<u8> {
     b
 }
 
-fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp, mode: GrantMode) -> Exposure {
+async fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp, mode: GrantMode) -> Exposure {
     f.expose(
         reg,
         &ExposeRequest {
@@ -71,6 +71,7 @@ fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, o
             connection: None,
         },
     )
+    .await
     .unwrap()
 }
 
@@ -167,7 +168,7 @@ async fn verbs_smoke() {
 
     // ---- WRITE 16 MiB A→B in 1 MiB chunks over 2 QPs; only every 4th and the last signaled.
     let (conn, _acc, mut rx) = connect(&a, &b, 2, 16).await;
-    let grant_w = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr);
+    let grant_w = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr).await;
     assert_eq!(grant_w.addr, mb.addr());
     let chunks = LEN / CHUNK;
     let mut signaled = 0;
@@ -188,7 +189,7 @@ async fn verbs_smoke() {
 
     // ---- READ 16 MiB B→A (B's memory rewritten locally first), through a READ-only Mr grant.
     fill(&mb, 0xc3);
-    let grant_r = expose(&b, &rb, 0, LEN as u64, RemoteOp::Read, GrantMode::Mr);
+    let grant_r = expose(&b, &rb, 0, LEN as u64, RemoteOp::Read, GrantMode::Mr).await;
     let mut signaled = 0;
     for i in 0..chunks {
         let qp = i % 2;
@@ -221,6 +222,7 @@ async fn verbs_smoke() {
                 connection: None,
             },
         )
+        .await
         .unwrap_err();
     println!("Region grant on an mr fabric: {err}");
 
@@ -239,6 +241,7 @@ async fn verbs_smoke() {
                 connection: None,
             },
         )
+        .await
         .unwrap_err();
     println!("Mw grant: {err}");
 
@@ -251,7 +254,7 @@ async fn verbs_smoke() {
 
     // ---- An Mr grant over [1 MiB, +4096) refuses a WRITE one byte past its end.
     let base = CHUNK as u64;
-    let grant = expose(&b, &rb, base, 4096, RemoteOp::Write, GrantMode::Mr);
+    let grant = expose(&b, &rb, base, 4096, RemoteOp::Write, GrantMode::Mr).await;
     let before = bytes(&mb, base, 8192);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     fill(&ma, 0x11);
@@ -287,7 +290,7 @@ async fn verbs_smoke() {
 
     // ---- A READ-only grant refuses a WRITE (and serves a READ).
     let base = 2 * CHUNK as u64;
-    let grant = expose(&b, &rb, base, 4096, RemoteOp::Read, GrantMode::Mr);
+    let grant = expose(&b, &rb, base, 4096, RemoteOp::Read, GrantMode::Mr).await;
     let before = bytes(&mb, base, 4096);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     conn.post(0, wr(400, WrOp::Read, &ra, 8192, 4096, grant.addr, rkey(&grant), true)).unwrap();
@@ -305,7 +308,7 @@ async fn verbs_smoke() {
 
     // ---- close() flushes outstanding WRs and the memory they use stays alive until then.
     let (conn, acc, mut rx) = connect(&a, &b, 1, 64).await;
-    let grant = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr);
+    let grant = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr).await;
     let m2 = Arc::new(RegionMemory::anonymous(LEN, false).unwrap());
     let r2 = a.register(Arc::clone(&m2), Access::Read).unwrap();
     for i in 0..16u64 {

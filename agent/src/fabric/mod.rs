@@ -458,8 +458,10 @@ pub trait Fabric: Send + Sync + 'static {
     /// read access is implied, local write access whenever the memory is writable.
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError>;
 
-    /// Exposes a range of a registration to one peer for one operation.
-    fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError>;
+    /// Exposes a range of a registration to one peer for one operation. Never blocks the
+    /// calling runtime thread: work that waits for a device (registering a grant MR pins pages;
+    /// binding memory windows waits for their completions) runs on the blocking pool.
+    async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError>;
 
     /// Initiator: creates `qps` local QPs (or prepares data streams) for a peer. `depth` is the
     /// most WRs the caller keeps outstanding per QP.

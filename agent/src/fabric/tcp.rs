@@ -413,7 +413,7 @@ impl Fabric for TcpFabric {
         Ok(Arc::new(TcpRegistration { memory, access }))
     }
 
-    fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
+    async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
         reg.memory().check(req.offset, req.len).map_err(|e| FabricError::LocalRange(e.to_string()))?;
         // 128 bits from the OS-seeded CSPRNG: unguessable, checked on every frame.
         let token: [u8; 16] = rand::random();

@@ -405,7 +405,7 @@ impl Peer for Services {
         let mut p = grant_params_from_pb(req.into_inner())?;
         // The grant is bound to the authenticated identity, not the declared name.
         p.peer = peer;
-        let g = self.node.grant(&p).map_err(transfer_status)?;
+        let g = self.node.grant(&p).await.map_err(transfer_status)?;
         let (rkey, token, qp_rkeys) = match &g.exposure.key {
             crate::fabric::RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new()),
             crate::fabric::RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec()),

@@ -486,7 +486,8 @@ impl VerbsAccepted {
     /// Binds one fresh type-2 window per QP over `[addr, addr+len)` of `mr` with `access`
     /// (`IBV_ACCESS_REMOTE_READ` or `_WRITE`) and waits for every bind to complete, so the keys
     /// work as soon as the grant is answered. Blocks the calling thread for the bind round trip
-    /// through the device (microseconds on hardware; bounded by [`BIND_TIMEOUT`]).
+    /// through the device (microseconds on hardware; bounded by [`BIND_TIMEOUT`]), so it runs on
+    /// the blocking pool (`VerbsFabric::expose`), never on a runtime thread.
     ///
     /// The caller has checked that `[addr, addr+len)` lies inside `mr`, whose memory is
     /// `memory`. A failed bind moves the QP to ERR (the device does), and so breaks the peer's
@@ -560,6 +561,7 @@ impl VerbsAccepted {
                         "memory-window binds did not complete within {BIND_TIMEOUT:?}"
                     ))));
                 }
+                // tidy: blocking context (the blocking pool, see the doc comment).
                 std::thread::sleep(Duration::from_micros(20));
             }
         }

@@ -18,7 +18,7 @@ use sideway::ibverbs::AccessFlags;
 /// The verbs data plane: one device context and PD shared by every registration and connection.
 pub struct VerbsFabric {
     dev: Arc<Device>,
-    opts: VerbsOptions,
+    opts: Arc<VerbsOptions>,
 }
 
 impl std::fmt::Debug for VerbsFabric {
@@ -32,7 +32,7 @@ impl VerbsFabric {
     pub fn open(opts: VerbsOptions) -> Result<VerbsFabric, FabricError> {
         opts.validate()?;
         let dev = Device::open(&opts)?;
-        Ok(VerbsFabric { dev: Arc::new(dev), opts })
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts) })
     }
 
     pub fn device_name(&self) -> &str {
@@ -66,80 +66,16 @@ impl Fabric for VerbsFabric {
         Ok(Arc::new(VerbsRegistration::new(&self.dev.pd, memory, access, self.opts.grant_mode)?))
     }
 
-    fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
-        let vreg = Self::ours(reg)?;
-        let memory = reg.memory();
-        memory.check(req.offset, req.len).map_err(|e| FabricError::LocalRange(e.to_string()))?;
-        if req.len == 0 {
-            return Err(FabricError::LocalRange("cannot expose an empty range".into()));
+    async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
+        // Mode `region` only hands out a key; `mr` pins pages (ibv_reg_mr) and `mw` waits for
+        // the binds' completions, so those run on the blocking pool, never on a runtime thread.
+        if req.mode == GrantMode::Region {
+            return expose_now(&self.dev, &self.opts, reg, req);
         }
-        if !reg.access().allows(req.op) {
-            return Err(FabricError::Registration(format!(
-                "region access ceiling {} does not allow remote {}",
-                reg.access(),
-                req.op
-            )));
-        }
-        let addr = reg.addr() + req.offset;
-        match req.mode {
-            GrantMode::Region => {
-                // Only a fabric opened in grant mode `region` gives region MRs remote access; in
-                // `mr` and `mw` the region MR's keys open nothing remotely (DESIGN §8).
-                if !vreg.remote_key_exposed() {
-                    return Err(FabricError::Other(
-                        "grant mode region needs the fabric opened for it (verbs.grant_mode = \"region\" at \
-                         start-up): this region's MR has local access only"
-                            .into(),
-                    ));
-                }
-                Ok(Exposure { addr, key: RemoteKey::Rkey(reg.rkey()), keepalive: None })
-            }
-            GrantMode::Mr => {
-                let flags = match req.op {
-                    RemoteOp::Read => AccessFlags::RemoteRead,
-                    RemoteOp::Write => {
-                        if !memory.writable() {
-                            return Err(FabricError::Registration("remote write to read-only memory".into()));
-                        }
-                        AccessFlags::RemoteWrite | AccessFlags::LocalWrite
-                    }
-                };
-                let grant_mr = mr::reg(&self.dev.pd, memory, req.offset, req.len, flags)?;
-                let key = RemoteKey::Rkey(grant_mr.rkey());
-                let keep = GrantMr { _mr: grant_mr, _memory: Arc::clone(memory) };
-                Ok(Exposure { addr, key, keepalive: Some(Box::new(keep)) })
-            }
-            GrantMode::Mw => {
-                if !self.opts.mw_grants() {
-                    return Err(FabricError::Other(
-                        "grant mode mw needs the fabric opened for it (verbs.grant_mode = \"mw\" at start-up)".into(),
-                    ));
-                }
-                if self.dev.max_mw == 0 {
-                    return Err(FabricError::Other(format!("device {} supports no memory windows (max_mw 0)", self.dev.name)));
-                }
-                let Some(conn) = &req.connection else {
-                    return Err(FabricError::Other(
-                        "grant mode mw binds a window on the grantee's QPs: the grant names no connection".into(),
-                    ));
-                };
-                let Some(accepted) = conn.as_any().downcast_ref::<VerbsAccepted>() else {
-                    return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
-                };
-                let access = match req.op {
-                    RemoteOp::Read => sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
-                    RemoteOp::Write => {
-                        if !memory.writable() {
-                            return Err(FabricError::Registration("remote write to read-only memory".into()));
-                        }
-                        sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-                    }
-                };
-                let grant = accepted.bind_windows(&self.dev.pd, &vreg.mr, memory, addr, req.len, access)?;
-                let key = RemoteKey::PerQp(grant.rkeys().into());
-                Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
-            }
-        }
+        let (dev, opts, reg, req) = (Arc::clone(&self.dev), Arc::clone(&self.opts), Arc::clone(reg), req.clone());
+        tokio::task::spawn_blocking(move || expose_now(&dev, &opts, &reg, &req))
+            .await
+            .map_err(|e| FabricError::Other(format!("exposing a grant: the blocking task failed: {e}")))?
     }
 
     async fn prepare(
@@ -151,7 +87,7 @@ impl Fabric for VerbsFabric {
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
         let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true, false)?;
-        Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: self.opts.clone(), sink }))
+        Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
     async fn accept(&self, peer: &str, _connection_id: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
@@ -165,3 +101,80 @@ impl Fabric for VerbsFabric {
         Ok((eps, Box::new(VerbsAccepted::new(inner))))
     }
 }
+
+/// [`Fabric::expose`] for verbs, synchronously (on the blocking pool for modes `mr` and `mw`).
+fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
+    let vreg = VerbsFabric::ours(reg)?;
+    let memory = reg.memory();
+    memory.check(req.offset, req.len).map_err(|e| FabricError::LocalRange(e.to_string()))?;
+    if req.len == 0 {
+        return Err(FabricError::LocalRange("cannot expose an empty range".into()));
+    }
+    if !reg.access().allows(req.op) {
+        return Err(FabricError::Registration(format!(
+            "region access ceiling {} does not allow remote {}",
+            reg.access(),
+            req.op
+        )));
+    }
+    let addr = reg.addr() + req.offset;
+    match req.mode {
+        GrantMode::Region => {
+            // Only a fabric opened in grant mode `region` gives region MRs remote access; in
+            // `mr` and `mw` the region MR's keys open nothing remotely (DESIGN §8).
+            if !vreg.remote_key_exposed() {
+                return Err(FabricError::Other(
+                    "grant mode region needs the fabric opened for it (verbs.grant_mode = \"region\" at \
+                     start-up): this region's MR has local access only"
+                        .into(),
+                ));
+            }
+            Ok(Exposure { addr, key: RemoteKey::Rkey(reg.rkey()), keepalive: None })
+        }
+        GrantMode::Mr => {
+            let flags = match req.op {
+                RemoteOp::Read => AccessFlags::RemoteRead,
+                RemoteOp::Write => {
+                    if !memory.writable() {
+                        return Err(FabricError::Registration("remote write to read-only memory".into()));
+                    }
+                    AccessFlags::RemoteWrite | AccessFlags::LocalWrite
+                }
+            };
+            let grant_mr = mr::reg(&dev.pd, memory, req.offset, req.len, flags)?;
+            let key = RemoteKey::Rkey(grant_mr.rkey());
+            let keep = GrantMr { _mr: grant_mr, _memory: Arc::clone(memory) };
+            Ok(Exposure { addr, key, keepalive: Some(Box::new(keep)) })
+        }
+        GrantMode::Mw => {
+            if !opts.mw_grants() {
+                return Err(FabricError::Other(
+                    "grant mode mw needs the fabric opened for it (verbs.grant_mode = \"mw\" at start-up)".into(),
+                ));
+            }
+            if dev.max_mw == 0 {
+                return Err(FabricError::Other(format!("device {} supports no memory windows (max_mw 0)", dev.name)));
+            }
+            let Some(conn) = &req.connection else {
+                return Err(FabricError::Other(
+                    "grant mode mw binds a window on the grantee's QPs: the grant names no connection".into(),
+                ));
+            };
+            let Some(accepted) = conn.as_any().downcast_ref::<VerbsAccepted>() else {
+                return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
+            };
+            let access = match req.op {
+                RemoteOp::Read => sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                RemoteOp::Write => {
+                    if !memory.writable() {
+                        return Err(FabricError::Registration("remote write to read-only memory".into()));
+                    }
+                    sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                }
+            };
+            let grant = accepted.bind_windows(&dev.pd, &vreg.mr, memory, addr, req.len, access)?;
+            let key = RemoteKey::PerQp(grant.rkeys().into());
+            Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
+        }
+    }
+    }
