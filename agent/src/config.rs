@@ -3,10 +3,10 @@
 //!
 //! Everything is parsed into validated types (sizes like `4MiB`, durations like `30s`); an
 //! invalid value is a [`ConfigError`] naming the key, which the binary reports with exit code 64.
-use std::fmt;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::str::FromStr;
+
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -24,91 +24,8 @@ fn bad(key: &str, problem: impl Into<String>) -> ConfigError {
     ConfigError { key: key.to_string(), problem: problem.into() }
 }
 
-/// A byte count that reads `4096`, `4KiB`, `64MiB`, `1GiB`, `2TiB` (also `KB`/`MB`/`GB` as powers of 1000).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ByteSize(pub u64);
-
-impl FromStr for ByteSize {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_size(s).map(ByteSize)
-    }
-}
-
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    if num.is_empty() {
-        return Err(format!("invalid size {s:?}: expected a number with an optional unit like 4KiB or 64MiB"));
-    }
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" | "k" => 1 << 10,
-        "MiB" | "M" => 1 << 20,
-        "GiB" | "G" => 1 << 30,
-        "TiB" | "T" => 1 << 40,
-        "KB" | "kB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        u => return Err(format!("invalid size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB)")),
-    };
-    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows 64 bits"))
-}
-
-impl fmt::Display for ByteSize {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.0;
-        for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-            if n >= 1 << shift && n.is_multiple_of(1 << shift) {
-                return write!(f, "{}{unit}", n >> shift);
-            }
-        }
-        write!(f, "{n}")
-    }
-}
-
-impl Serialize for ByteSize {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for ByteSize {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(ByteSize(n)),
-            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
-        }
-    }
-}
-
-/// A duration that reads `30s`, `5m`, `1h 30m`, `250ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HumanDuration(pub Duration);
-
-impl Serialize for HumanDuration {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(self.0).to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for HumanDuration {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        humantime::parse_duration(&s)
-            .map(HumanDuration)
-            .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
-    }
-}
+/// Sizes (`4KiB`, `1.5GiB`, `16Gi`) and durations (`30s`) in the grammar xferctl's flags use too.
+pub use xfer_common::{parse_size, ByteSize, HumanDuration};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

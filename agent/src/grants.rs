@@ -133,6 +133,11 @@ impl GrantTable {
         self.remove_where(|g| g.connection_id.as_deref() == Some(connection_id)).len()
     }
 
+    /// Whether any grant is bound to `connection_id`.
+    pub fn has_connection(&self, connection_id: &str) -> bool {
+        self.read().by_id.values().any(|g| g.connection_id.as_deref() == Some(connection_id))
+    }
+
     pub fn revoke_peer(&self, peer: &str) -> usize {
         self.remove_where(|g| g.peer == peer).len()
     }

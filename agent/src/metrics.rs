@@ -33,6 +33,7 @@ pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 pub const LIMIT: &str = "xfer_limit";
+pub const ACCEPTED_CONNECTIONS: &str = "xfer_accepted_connections";
 pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
 
 /// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
@@ -96,7 +97,13 @@ pub fn describe() {
         "Limits in force, by config key (limit=max_data_connections as enforced, i.e. at most half of open_files; max_data_connections_per_peer; max_peers; open_files: the soft RLIMIT_NOFILE after raising it)."
     );
     describe_gauge!(LIMIT_SECONDS, Unit::Seconds, "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout).");
+    describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// Connections peers made to this agent and have not disconnected.
+pub fn accepted_connections(n: usize) {
+    gauge!(ACCEPTED_CONNECTIONS).set(n as f64);
 }
 
 /// Publishes a count limit in force (`xfer_limit{limit=…}`).

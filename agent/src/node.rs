@@ -66,7 +66,9 @@ pub struct BenchResult {
 
 /// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
 /// on them, tcp grants work only on its streams)
-type AcceptedConn = (String, Arc<dyn Accepted>);
+/// An accepted connection: its owner (the caller's identity), the responder half, and when it was
+/// accepted (a sequence number: lower is older).
+type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 
 /// Responder halves one peer identity may hold; connecting more evicts one of them.
 const MAX_CONNECTIONS_PER_PEER: usize = 256;
@@ -87,6 +89,8 @@ pub struct Node {
     pub instance_id: String,
     /// Responder halves of connections, by connection id (peer node, keepalive).
     accepted: Mutex<HashMap<String, AcceptedConn>>,
+    /// Orders `accepted` by age (eviction takes the oldest).
+    accept_seq: std::sync::atomic::AtomicU64,
     /// Cancelled on SIGTERM: refuse new transfers.
     pub draining: CancellationToken,
     /// Submits past the limit check that have not inserted their record yet, by peer address.
@@ -172,6 +176,7 @@ impl Node {
             started: Instant::now(),
             instance_id: new_id(),
             accepted: Mutex::new(HashMap::new()),
+            accept_seq: std::sync::atomic::AtomicU64::new(0),
             draining: CancellationToken::new(),
             submitting: Mutex::new(HashMap::new()),
             pending_revokes: Arc::new(AtomicUsize::new(0)),
@@ -260,20 +265,44 @@ impl Node {
             return Err(taken());
         }
         let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
-        let evicted = {
+        let seq = self.accept_seq.fetch_add(1, Ordering::Relaxed);
+        let (evicted, total) = {
             let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
             if acc.contains_key(connection_id) {
                 return Err(taken());
             }
-            // Bound per-peer state: a peer that never disconnects cannot grow it without limit.
-            let from_peer: Vec<String> = acc.iter().filter(|(_, v)| v.0 == peer).map(|(k, _)| k.clone()).collect();
-            let evicted = if from_peer.len() >= MAX_CONNECTIONS_PER_PEER { from_peer.first().and_then(|k| acc.remove_entry(k)) } else { None };
-            acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep)));
-            evicted
+            // Bound per-peer state: a peer that never disconnects (one that crashed, or leaks)
+            // cannot grow it without limit. Only a connection that holds no grant is evicted,
+            // the oldest first: evicting one in use would revoke a running transfer's grants.
+            let mut evicted = None;
+            let from_peer = acc.values().filter(|v| v.0 == peer).count();
+            if from_peer >= MAX_CONNECTIONS_PER_PEER {
+                let idle = acc
+                    .iter()
+                    .filter(|(k, v)| v.0 == peer && !self.grants.has_connection(k))
+                    .min_by_key(|(_, v)| v.2)
+                    .map(|(k, _)| k.clone());
+                match idle {
+                    Some(k) => evicted = acc.remove_entry(&k),
+                    None => {
+                        return Err(FabricError::Negotiation {
+                            step: "connect",
+                            attr: "connections",
+                            detail: format!(
+                                "{peer} already has {from_peer} connections to this agent, each with a live grant \
+                                 (limit {MAX_CONNECTIONS_PER_PEER} per peer)"
+                            ),
+                        });
+                    }
+                }
+            }
+            acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep), seq));
+            (evicted, acc.len())
         };
+        m::accepted_connections(total);
         if let Some((id, _)) = evicted {
             let n = self.grants.revoke_connection(&id);
-            debug!(peer, connection = %id, grants = n, "evicted one of the peer's connections (limit {MAX_CONNECTIONS_PER_PEER} per peer)");
+            warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limit {MAX_CONNECTIONS_PER_PEER} per peer)");
         }
         Ok(mine)
     }
@@ -283,11 +312,9 @@ impl Node {
     pub fn disconnect(&self, connection_id: &str, owner: &str) {
         let removed = {
             let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
-            if acc.get(connection_id).is_some_and(|c| c.0 == owner) {
-                acc.remove(connection_id)
-            } else {
-                None
-            }
+            let removed = if acc.get(connection_id).is_some_and(|c| c.0 == owner) { acc.remove(connection_id) } else { None };
+            m::accepted_connections(acc.len());
+            removed
         };
         // Dropped outside the lock: a tcp session closes its streams, verbs tears QPs down.
         let removed = removed.is_some();
@@ -364,7 +391,7 @@ impl Node {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(id)
-                .is_some_and(|(owner, c)| *owner == p.peer && Arc::ptr_eq(c, &conn));
+                .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, &conn));
             if !live {
                 self.grants.revoke(&grant.id);
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
@@ -380,7 +407,7 @@ impl Node {
         let Some(id) = p.connection_id.as_deref().filter(|s| !s.is_empty()) else { return Ok(None) };
         let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
         match acc.get(id) {
-            Some((owner, conn)) if *owner == p.peer => Ok(Some(conn.clone())),
+            Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
             None if self.grant_needs_connection() => {
                 Err(TransferError::FailedPrecondition(format!(
@@ -1099,6 +1126,7 @@ impl Node {
         self.peers.close_all();
         if let Ok(mut acc) = self.accepted.lock() {
             acc.clear();
+            m::accepted_connections(0);
         }
         self.regions.flush_all();
     }

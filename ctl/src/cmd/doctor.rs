@@ -17,7 +17,6 @@ use crate::Ctx;
 
 /// Below this a verbs agent cannot register useful regions (containerd's default is 8 MiB).
 const MEMLOCK_MIN: u64 = 64 << 20;
-const CAP_IPC_LOCK_BIT: u32 = 14;
 
 #[derive(Debug, Args)]
 pub struct Opt {
@@ -468,14 +467,9 @@ fn is_zero_gid(gid: &str) -> bool {
     gid.chars().all(|c| c == '0' || c == ':')
 }
 
-/// Whether `CapEff` in a `/proc/PID/status` text has CAP_IPC_LOCK (bit 14).
+/// Whether `CapEff` in a `/proc/PID/status` text has CAP_IPC_LOCK (parsing shared with the agent).
 pub fn cap_ipc_lock(status: &str) -> Option<bool> {
-    let hex = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))?
-        .trim();
-    let bits = u64::from_str_radix(hex, 16).ok()?;
-    Some(bits & (1 << CAP_IPC_LOCK_BIT) != 0)
+    xfer_common::host::has_cap(status, xfer_common::host::CAP_IPC_LOCK)
 }
 
 #[cfg(test)]
