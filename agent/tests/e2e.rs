@@ -4,7 +4,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use tonic::Code;
