@@ -29,10 +29,10 @@ pub enum StartError {
     Fabric(FabricError),
     #[error("region catalog: {0}")]
     Catalog(crate::regions::RegionError),
-    #[error("cannot bind {addr} (metrics_listen): {detail}")]
-    MetricsBind { addr: SocketAddr, detail: String },
     #[error("metrics exporter: {0}")]
-    Metrics(String),
+    Metrics(crate::metrics::InstallError),
+    #[error("ready file {path}: {error}")]
+    ReadyFile { path: String, error: std::io::Error },
     #[error("{0}")]
     Tls(crate::service::tls::TlsError),
     #[error("gRPC server: {0}")]
@@ -110,6 +110,34 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
     Ok(Arc::new(fabric))
 }
 
+/// The bound address of a listener (the port the OS chose if `configured` has port 0).
+fn local_addr(key: &'static str, configured: SocketAddr, l: &TcpListener) -> Result<SocketAddr, StartError> {
+    l.local_addr().map_err(|error| StartError::Bind { key, addr: configured, error })
+}
+
+/// What the agent bound, as written to `ready_file`: JSON
+/// `{"grpc": "IP:PORT", "data": "IP:PORT" | null, "metrics": "IP:PORT", "health": "IP:PORT" | null}`
+/// (`data`: the tcp fabric's data listener; null on verbs. `health`: null unless `health_listen`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Bound {
+    pub grpc: SocketAddr,
+    pub data: Option<SocketAddr>,
+    pub metrics: SocketAddr,
+    pub health: Option<SocketAddr>,
+}
+
+impl Bound {
+    /// Writes the JSON to `path` through a temporary file and a rename, so a reader sees the
+    /// whole file or none.
+    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
 /// Runs the agent until `shutdown` is cancelled, then drains and returns.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     // Before any region is mapped: a file that shrinks under its mapping poisons that region
@@ -155,15 +183,27 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         }
         Some(t)
     };
+    if let Some(path) = &cfg.ready_file {
+        // A ready file that exists is this run's: a stale one from an earlier run goes first.
+        match std::fs::remove_file(path) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                return Err(StartError::ReadyFile { path: path.display().to_string(), error })
+            }
+            _ => {}
+        }
+    }
     let listener = bind("listen", cfg.listen).await?;
     let health_listener = match cfg.health_listen {
-        Some(a) => Some(bind("health_listen", a).await?),
+        Some(a) => {
+            let l = bind("health_listen", a).await?;
+            let bound = local_addr("health_listen", a, &l)?;
+            Some((l, bound))
+        }
         None => None,
     };
-    crate::metrics::install(cfg.metrics_listen).map_err(|e| match e {
-        crate::metrics::InstallError::Bind(detail) => StartError::MetricsBind { addr: cfg.metrics_listen, detail },
-        crate::metrics::InstallError::Other(detail) => StartError::Metrics(detail),
-    })?;
+    let metrics_listener = bind("metrics_listen", cfg.metrics_listen).await?;
+    let metrics_addr = local_addr("metrics_listen", cfg.metrics_listen, &metrics_listener)?;
+    crate::metrics::install(metrics_listener).map_err(StartError::Metrics)?;
     crate::metrics::set_peer_label_limit(cfg.limits.max_peer_labels);
     let grants = Arc::new(GrantTable::new(cfg.limits.max_grants_per_peer));
     let (fabric, reason) = open_fabric(&cfg, &grants, tls.as_deref()).await?;
@@ -179,7 +219,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     }
     node.spawn_reapers(shutdown.clone());
 
-    let local = listener.local_addr().map_err(|error| StartError::Bind { key: "listen", addr: cfg.listen, error })?;
+    let local = local_addr("listen", cfg.listen, &listener)?;
     let health = tonic_health::server::HealthReporter::new();
     let router = Services::new(node.clone())
         .router(cfg.limits.max_message_size.0 as usize, tls.as_deref(), health.clone())
@@ -187,8 +227,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         .map_err(StartError::Grpc)?;
     // gRPC stops accepting when draining starts; in-flight transfers keep their connections.
     let stop_grpc = CancellationToken::new();
-    if let Some(l) = health_listener {
-        let probe = l.local_addr().ok();
+    let health_addr = health_listener.as_ref().map(|(_, a)| *a);
+    if let Some((l, probe)) = health_listener {
         let stop = stop_grpc.clone();
         let incoming = Box::pin(crate::sys::incoming_with_backoff(l, "health"));
         let server = crate::service::health_router(&health);
@@ -197,15 +237,28 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
                 warn!(error = %e, "health listener stopped");
             }
         });
-        info!(health = ?probe, "plaintext health listener (grpc.health.v1 only) for probes");
+        info!(health = %probe, "plaintext health listener (grpc.health.v1 only) for probes");
     }
-    info!(node = %cfg.node_name, grpc = %local, metrics = %cfg.metrics_listen, "xfer-agent serving");
 
     let server = {
         let stop = stop_grpc.clone();
         let incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "grpc"));
         tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
     };
+    // Every listener is bound and served: report the addresses (ports chosen by the OS for port 0
+    // included), in this log line and, if configured, the ready file.
+    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr };
+    if let Some(path) = &cfg.ready_file {
+        bound.write(path).map_err(|error| StartError::ReadyFile { path: path.display().to_string(), error })?;
+    }
+    info!(
+        node = %cfg.node_name,
+        grpc = %bound.grpc,
+        data = %bound.data.map(|a| a.to_string()).unwrap_or_else(|| "-".into()),
+        metrics = %bound.metrics,
+        health = %bound.health.map(|a| a.to_string()).unwrap_or_else(|| "-".into()),
+        "xfer-agent serving"
+    );
     shutdown.cancelled().await;
     info!(grace = ?cfg.shutdown.grace.0, "shutting down: draining transfers");
     health.set_service_status("", tonic_health::ServingStatus::NotServing).await;

@@ -310,6 +310,11 @@ pub struct Config {
     /// client certificate (kubelet); unset = off
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_listen: Option<SocketAddr>,
+    /// Once every listener is bound, the agent writes the addresses it bound (ports the OS
+    /// picked for port 0 included) to this file as JSON (`app::Bound`); removed at start. Unset =
+    /// no file (the "xfer-agent serving" log line carries the same addresses).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ready_file: Option<PathBuf>,
     pub fabric: FabricChoice,
     pub state_dir: PathBuf,
     /// plaintext gRPC; false = mTLS on both services with the `tls` files
@@ -340,6 +345,7 @@ impl Default for Config {
             metrics_listen: addr("0.0.0.0:9470"),
             data_listen: None,
             health_listen: None,
+            ready_file: None,
             fabric: FabricChoice::Auto,
             state_dir: PathBuf::from("/var/lib/xfer"),
             insecure: true,
@@ -422,6 +428,7 @@ pub struct Overrides {
     pub metrics_listen: Option<String>,
     pub data_listen: Option<String>,
     pub health_listen: Option<String>,
+    pub ready_file: Option<PathBuf>,
     pub fabric: Option<FabricChoice>,
     pub state_dir: Option<PathBuf>,
     pub log_format: Option<LogFormat>,
@@ -457,6 +464,7 @@ impl Config {
         b = set(b, "metrics_listen", flags.metrics_listen.clone())?;
         b = set(b, "data_listen", flags.data_listen.clone())?;
         b = set(b, "health_listen", flags.health_listen.clone())?;
+        b = set(b, "ready_file", flags.ready_file.as_ref().map(|p| p.display().to_string()))?;
         b = set(b, "fabric", flags.fabric.map(|f| format!("{f:?}").to_lowercase()))?;
         b = set(b, "state_dir", flags.state_dir.as_ref().map(|p| p.display().to_string()))?;
         b = set(b, "log.format", flags.log_format.map(|f| format!("{f:?}").to_lowercase()))?;

@@ -30,6 +30,10 @@ struct Flags {
     /// Plaintext gRPC health-only listener for probes [default: off]
     #[arg(long)]
     health_listen: Option<String>,
+    /// Write the bound addresses as JSON {grpc, data, metrics, health} to this file once serving
+    /// (listeners may use port 0) [default: off]
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
     /// Data plane [default: auto]
     #[arg(long, value_enum)]
     fabric: Option<FabricChoice>,
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
         metrics_listen: flags.metrics_listen.clone(),
         data_listen: flags.data_listen.clone(),
         health_listen: flags.health_listen.clone(),
+        ready_file: flags.ready_file.clone(),
         fabric: flags.fabric,
         state_dir: flags.state_dir.clone(),
         log_format: flags.log_format,

@@ -6,13 +6,12 @@
 //! used: later peers are counted under `other` ([`peer_label`]). `op`, `result` and `status` are
 //! small enums.
 use std::collections::HashSet;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
 pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
@@ -36,33 +35,65 @@ pub const LIMIT: &str = "xfer_limit";
 pub const ACCEPTED_CONNECTIONS: &str = "xfer_accepted_connections";
 pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
 
-/// Installs the Prometheus exporter's HTTP listener (GET /metrics) and describes every metric.
-/// Must run inside a tokio runtime.
-pub fn install(listen: SocketAddr) -> Result<(), InstallError> {
+/// Installs the Prometheus recorder, serves it over HTTP on `listener` (GET /metrics, or any
+/// path; `/health` answers `OK`), and describes every metric. The caller binds the listener, so
+/// `metrics_listen` may name port 0 and the agent reports the port it got. Must run inside a
+/// tokio runtime.
+pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
     // Buckets from 50 µs to ~15 min: fits microsecond RDMA ops and minute-long checkpoints.
     let duration_buckets: Vec<f64> = (0..22).map(|i| 50e-6 * 2f64.powi(i)).collect();
-    PrometheusBuilder::new()
-        .with_http_listener(listen)
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &duration_buckets)
-        .map_err(|e| InstallError::Other(e.to_string()))?
-        .install()
-        .map_err(|e| match e {
-            metrics_exporter_prometheus::BuildError::FailedToCreateHTTPListener(detail) => InstallError::Bind(detail),
-            other => InstallError::Other(other.to_string()),
-        })?;
+        .map_err(|e| InstallError(e.to_string()))?
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| InstallError(e.to_string()))?;
+    // What the exporter's own listener would do: drain histograms' old buckets now and then.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    tokio::spawn(serve(listener, handle));
     describe();
     Ok(())
 }
 
-/// Why the exporter could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum InstallError {
-    /// The HTTP listener could not bind (the detail is the OS error).
-    #[error("{0}")]
-    Bind(String),
-    #[error("{0}")]
-    Other(String),
+/// The HTTP/1 scrape endpoint: every accepted connection gets the text exposition format.
+async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
+    use futures::StreamExt;
+    let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics"));
+    while let Some(Ok(stream)) = incoming.next().await {
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let handle = handle.clone();
+                async move {
+                    let (body, content_type) = if req.uri().path() == "/health" {
+                        ("OK".to_string(), "text/plain")
+                    } else {
+                        (tokio::task::spawn_blocking(move || handle.render()).await.unwrap_or_default(), "text/plain")
+                    };
+                    let mut response = hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from(body)));
+                    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
+                    Ok::<_, std::convert::Infallible>(response)
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
+                tracing::debug!(error = %e, "metrics connection ended with an error");
+            }
+        });
+    }
 }
+
+/// Why the recorder could not be installed (e.g. one is installed already in this process).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InstallError(String);
 
 pub fn describe() {
     describe_counter!(TRANSFERS, Unit::Count, "Transfers finished, by operation and result (succeeded, failed, cancelled).");

@@ -80,18 +80,19 @@ async fn sigterm_cancels_what_outlives_the_grace_refuses_new_work_and_exits_0() 
     let term = Instant::now();
     a.sigterm();
     // (c) During the drain the agent still answers, but refuses new transfers with UNAVAILABLE.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.wait_log("shutting down: draining").await;
     let e = c.submit_transfer(write_req("small", &b, "other", 4096)).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     assert!(e.message().contains("shutting down"), "{e:?}");
     let info = c.get_info(pb::GetInfoRequest {}).await;
     assert!(info.is_ok(), "reads are still served while draining: {info:?}");
 
-    // (b) The slow transfer outlives the 2 s grace: CANCELLED, exit 0 within a few seconds.
-    let code = a.wait_exit(Duration::from_secs(10)).await.expect("agent exits within 10 s of SIGTERM");
+    // (b) The slow transfer outlives the 2 s grace: CANCELLED, exit 0 (no sooner than the grace:
+    // a lower bound the agent's timer sets; the 60 s limit is only a safety net against a hang).
+    let code = a.wait_exit(Duration::from_secs(60)).await.expect("agent exits after SIGTERM");
     let took = term.elapsed();
     assert_eq!(code, Some(0), "{}", a.logs());
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(6), "exit after {took:?}");
+    assert!(took >= Duration::from_secs(2), "exit after {took:?}, before the grace");
     let seen = watch.await.unwrap();
     let last = seen.last().unwrap();
     assert_eq!(last.state, pb::TransferState::Cancelled as i32, "CANCELLED, not FAILED: {last:?}");

@@ -473,9 +473,7 @@ async fn a_missing_file_makes_its_region_unavailable_until_the_file_is_back() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let env = [("XFER_REGIONS__RETRY_INTERVAL", "50ms"), ("XFER_LIMITS__MAX_REGIONS", "3")];
-    let ports = Ports::new();
-    let mut a = Agent::start_with_env("node-a", &state, ports, &[], &env);
-    let (g, m) = (a.ports.grpc, a.ports.metrics);
+    let mut a = Agent::start_with_env("node-a", &state, Ports::new(), &[], &env);
     let root = root_of(&a);
     std::fs::write(root.join("w.bin"), vec![0u8; 8192]).unwrap();
     std::fs::write(root.join("other.bin"), random_bytes(4096, 7)).unwrap();
@@ -488,7 +486,7 @@ async fn a_missing_file_makes_its_region_unavailable_until_the_file_is_back() {
     // The file is briefly gone while the agent starts.
     let away = tmp.path().join("w.away");
     std::fs::rename(root.join("w.bin"), &away).unwrap();
-    let a = Agent::start_with_env("node-a", &state, Ports { grpc: g, metrics: m, data: 0, auto: false }, &[], &env);
+    let a = Agent::start_with_env("node-a", &state, Ports::new(), &[], &env);
     let mut c = a.client().await;
     let w = c.get_region(pb::GetRegionRequest { name: "w".into() }).await.unwrap().into_inner();
     assert!(w.unavailable_reason.contains("does not exist"), "{w:?}");
@@ -536,9 +534,7 @@ async fn a_missing_file_makes_its_region_unavailable_until_the_file_is_back() {
 async fn an_unavailable_region_leaves_the_catalog_only_by_delete() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
-    let ports = Ports::new();
-    let mut a = Agent::start_with("node-a", &state, ports, &[]);
-    let (g, m) = (a.ports.grpc, a.ports.metrics);
+    let mut a = Agent::start_with("node-a", &state, Ports::new(), &[]);
     let root = root_of(&a);
     std::fs::write(root.join("gone.bin"), vec![0u8; 4096]).unwrap();
     let o = a.ctl(&["region", "create", "gone", "--size", "4KiB", "--kind", "file", "--path", "gone.bin"]);
@@ -547,13 +543,13 @@ async fn an_unavailable_region_leaves_the_catalog_only_by_delete() {
     std::fs::remove_file(root.join("gone.bin")).unwrap();
     // Two restarts with the file missing: still there, still unavailable.
     for _ in 0..2 {
-        let mut a = Agent::start_with("node-a", &state, Ports { grpc: g, metrics: m, data: 0, auto: false }, &[]);
+        let mut a = Agent::start_with("node-a", &state, Ports::new(), &[]);
         let r = a.client().await.get_region(pb::GetRegionRequest { name: "gone".into() }).await.unwrap().into_inner();
         assert!(!r.unavailable_reason.is_empty(), "{r:?}");
         assert!(a.logs().contains("could not restore region"), "{}", a.logs());
         assert_eq!(a.terminate(), Some(0));
     }
-    let a = Agent::start_with("node-a", &state, Ports { grpc: g, metrics: m, data: 0, auto: false }, &[]);
+    let a = Agent::start_with("node-a", &state, Ports::new(), &[]);
     let o = a.ctl(&["region", "delete", "gone"]);
     assert!(o.status.success(), "{o:?}");
     let catalog: serde_json::Value = serde_json::from_slice(&std::fs::read(state.join("regions.json")).unwrap()).unwrap();

@@ -51,11 +51,11 @@ impl Prometheus {
         std::fs::write(&config, cfg).unwrap();
         let data = dir.path().join("tsdb");
         let log = dir.path().join("prometheus.log");
-        let port = free_port();
         let child = Command::new(PROMETHEUS)
             .arg(format!("--config.file={}", config.display()))
             .arg(format!("--storage.tsdb.path={}", data.display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            // Port 0: Prometheus logs the address it bound ("Listening on" address=…).
+            .arg("--web.listen-address=127.0.0.1:0")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -64,7 +64,8 @@ impl Prometheus {
         let http = ureq::Agent::new_with_config(
             ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(5))).http_status_as_error(false).build(),
         );
-        let mut p = Prometheus { child, url: format!("http://127.0.0.1:{port}"), log, http, _dir: dir };
+        let mut p = Prometheus { child, url: String::new(), log, http, _dir: dir };
+        p.url = format!("http://{}", p.bound_address());
         p.wait_ready();
         p
     }
@@ -82,6 +83,26 @@ impl Prometheus {
         let mut resp = req.call().ok()?;
         let status = resp.status().as_u16();
         Some((status, resp.body_mut().read_to_string().ok()?))
+    }
+
+    /// The address the web listener bound, from Prometheus' "Listening on" log line.
+    fn bound_address(&mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let logs = self.logs();
+            let found = logs
+                .lines()
+                .filter(|l| l.contains("msg=\"Listening on\""))
+                .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("address=")).map(String::from));
+            if let Some(addr) = found {
+                return addr;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("prometheus exited early with {st}:\n{logs}");
+            }
+            assert!(Instant::now() < deadline, "prometheus never said where it listens after 30 s:\n{logs}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn wait_ready(&mut self) {

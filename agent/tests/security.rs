@@ -190,7 +190,7 @@ fn run_agent(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
 
 #[test]
 fn plaintext_on_a_network_address_is_refused_at_start() {
-    let metrics = format!("127.0.0.1:{}", free_port());
+    let metrics = "127.0.0.1:0".to_string();
     for (args, key) in [
         (vec!["--listen", "0.0.0.0:0"], "listen = 0.0.0.0:0"),
         (vec!["--listen", "127.0.0.1:0", "--data-listen", "0.0.0.0:0"], "data_listen = 0.0.0.0:0"),
@@ -247,7 +247,7 @@ async fn bind_errors_say_bind_name_the_setting_and_appear_once() {
     ] {
         let mut args = args.clone();
         if !args.iter().any(|a| a == "--metrics-listen") {
-            args.extend(["--metrics-listen".to_string(), format!("127.0.0.1:{}", free_port())]);
+            args.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let o = run_agent(&args, &[("RUST_LOG", "error")]);
@@ -262,8 +262,9 @@ async fn bind_errors_say_bind_name_the_setting_and_appear_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_work_with_mtls_on_through_the_health_listener_only() {
     let pki = Pki::new();
-    let health = free_port();
-    let (a, _t) = pki.agent_with("node-a", &format!("health_listen = \"127.0.0.1:{health}\""), "", &[]);
+    let (a, _t) = pki.agent_with("node-a", "health_listen = \"127.0.0.1:0\"", "", &[]);
+    let health = a.ports.health;
+    assert_ne!(health, 0, "the ready file reports the health listener");
     let ch = Channel::from_shared(format!("http://127.0.0.1:{health}")).unwrap().connect().await.unwrap();
     let r = tonic_health::pb::health_client::HealthClient::new(ch.clone())
         .check(tonic_health::pb::HealthCheckRequest { service: String::new() })

@@ -1,11 +1,13 @@
 //! Grant mode `mw` (type-2 memory windows) on real Soft-RoCE, through two in-process agent cores
 //! (`Node`s) on rxe0 and rxe1, plus the grant latency of every mode.
 //!
-//! Runs only where `XFER_RXE_A_DEV` is set (the rxe VM sets it; `scripts/rxe-guest-test` runs
-//! it); elsewhere each test prints a note and returns.
+//! Every test needs the devices, so every test is `#[ignore = "needs Soft-RoCE"]`: on the host
+//! `cargo test` reports them as ignored (never as passed); `scripts/rxe-guest-test` runs them in
+//! the VM with `--include-ignored` and fails unless every one ran and passed. Without the
+//! `XFER_RXE_*` variables they fail.
 //! ```text
 //! cargo test -p xfer-agent --test verbs_mw --no-run
-//! scripts/rxe-vm run -- <test binary> --nocapture --test-threads=1
+//! scripts/rxe-vm run -- <test binary> --include-ignored --nocapture --test-threads=1
 //! ```
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -27,14 +29,6 @@ struct Side {
     node: Arc<Node>,
     dev: String,
     _dir: tempfile::TempDir,
-}
-
-fn in_vm() -> bool {
-    if std::env::var("XFER_RXE_A_DEV").is_ok() {
-        return true;
-    }
-    eprintln!("note: XFER_RXE_A_DEV is not set; skipping the mw tests (run them in scripts/rxe-vm)");
-    false
 }
 
 fn side(name: &str, which: char, mode: GrantMode) -> Side {
@@ -118,10 +112,8 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<Completion>) -> Completion {
 }
 
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn mw_write_and_read_land_and_a_revoked_window_is_dead() {
-    if !in_vm() {
-        return;
-    }
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     let src = region(&a, "src", 64 << 10);
     let back = region(&a, "back", 64 << 10);
@@ -171,10 +163,8 @@ async fn mw_write_and_read_land_and_a_revoked_window_is_dead() {
 }
 
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn mw_window_answers_only_on_its_own_qp() {
-    if !in_vm() {
-        return;
-    }
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     let src = region(&a, "src", 8192);
     let dst = region(&b, "dst", 8192);
@@ -192,10 +182,8 @@ async fn mw_window_answers_only_on_its_own_qp() {
 }
 
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn mw_bounds_are_not_enforced_by_rxe() {
-    if !in_vm() {
-        return;
-    }
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     let src = region(&a, "src", 64 << 10);
     let dst = region(&b, "dst", 64 << 10);
@@ -229,10 +217,8 @@ async fn mw_bounds_are_not_enforced_by_rxe() {
 }
 
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn mw_grant_needs_the_callers_own_connection() {
-    if !in_vm() {
-        return;
-    }
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     region(&b, "dst", 8192);
     let (_conn, _rx) = connect(&a, &b, "conn-1", 1).await;
@@ -253,10 +239,8 @@ async fn mw_grant_needs_the_callers_own_connection() {
 }
 
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn mw_many_grants_on_one_connection_rebind_cleanly() {
-    if !in_vm() {
-        return;
-    }
     // Grant, use and revoke repeatedly on one connection: every bind completes, every key works.
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mw));
     let src = region(&a, "src", 4096);
@@ -283,13 +267,14 @@ fn median(v: &mut [Duration]) -> Duration {
     v[v.len() / 2]
 }
 
-/// Grant latency per mode: `Node::grant` (expose + insert) and revocation (the exposure's
-/// drop), on 4 KiB, 1 MiB and 64 MiB ranges. mw binds one window per QP of a 2-QP connection.
+/// Grants and revocation in every mode, on 4 KiB, 1 MiB and 64 MiB ranges: each grant covers
+/// the whole region with a key of its mode's shape (mw: one window per QP of the 2-QP
+/// connection, each window a different key), sits in the grant table until revoked, and is gone
+/// from it after. The grant and revoke latency medians are printed for comparison between modes
+/// (TCG-emulated: compare modes, not absolutes); no time is asserted.
 #[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn grant_latency_per_mode() {
-    if !in_vm() {
-        return;
-    }
     let sizes: [(u64, &str, usize); 3] = [(4 << 10, "4 KiB", 50), (1 << 20, "1 MiB", 30), (64 << 20, "64 MiB", 8)];
     let mut rows = Vec::new();
     for mode in [GrantMode::Region, GrantMode::Mr, GrantMode::Mw] {
@@ -303,10 +288,23 @@ async fn grant_latency_per_mode() {
                 let t0 = Instant::now();
                 let g = b.node.grant(&params(&name, 0, 0, RemoteOp::Write, Some("conn-1"))).await.unwrap();
                 grant_t.push(t0.elapsed());
+                assert_eq!(g.len, len, "{mode:?} {label}: a length-0 grant covers the whole region");
+                match (mode, &g.exposure.key) {
+                    (GrantMode::Mw, RemoteKey::PerQp(k)) => {
+                        assert_eq!(k.len(), 2, "{label}: one window per QP");
+                        assert_ne!(k[0], k[1], "{label}: each QP's window has its own key");
+                    }
+                    (GrantMode::Mw, other) => panic!("{label}: an mw grant hands out per-QP keys, got {other:?}"),
+                    (_, RemoteKey::PerQp(k)) => panic!("{mode:?} {label}: per-QP keys {k:?} outside grant mode mw"),
+                    _ => {}
+                }
+                assert_eq!(b.node.grants.len(), 1, "{mode:?} {label}: the grant is in the table");
                 let t1 = Instant::now();
-                b.node.grants.revoke(&g.id);
+                let revoked = b.node.grants.revoke(&g.id).is_some();
                 drop(g);
                 revoke_t.push(t1.elapsed());
+                assert!(revoked, "{mode:?} {label}: revoke finds the grant");
+                assert_eq!(b.node.grants.len(), 0, "{mode:?} {label}: revoked grants leave the table");
             }
             rows.push((format!("{mode:?}").to_lowercase(), label, iters, median(&mut grant_t), median(&mut revoke_t)));
         }

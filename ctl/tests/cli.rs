@@ -1,5 +1,5 @@
 //! Black-box tests of the `xferctl` binary that need no agent: help output, usage errors and the
-//! exit code for an unreachable agent. Tests against a real agent live with the agent.
+//! exit code for an unreachable agent. `real_agent.rs` runs xferctl against real agents.
 
 // A test helper that cannot run the binary has nothing better to do than fail the test.
 #![allow(clippy::expect_used)]

@@ -1,11 +1,12 @@
-//! Test harness: real `xfer-agent` processes on 127.0.0.1 with free ports and temp state dirs,
-//! driven by the real `xferctl` binary and by real gRPC clients.
+//! Test harness: real `xfer-agent` processes on 127.0.0.1 with temp state dirs, driven by the
+//! real `xferctl` binary and by real gRPC clients. Agents listen on port 0 and report the ports
+//! they bound in their ready file (`--ready-file`): no port is chosen before it is bound, so
+//! parallel test binaries cannot race for one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 pub mod pki;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -122,8 +123,37 @@ pub fn scrape(a: &Agent) -> String {
     out
 }
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// The value of the unlabelled gauge `name` in a scrape of `a` (0 if absent).
+pub fn gauge(a: &Agent, name: &str) -> f64 {
+    let prefix = format!("{name} ");
+    scrape(a).lines().find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().parse().unwrap())).unwrap_or(0.0)
+}
+
+/// Waits until the unlabelled gauge `name` of `a` reads `want` (polled, at most 3000 times 20 ms
+/// apart: a safety net against a hang; the wait is for the value).
+pub async fn wait_gauge(a: &Agent, name: &str, want: f64) {
+    for _ in 0..3000 {
+        if gauge(a, name) == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{name} never reached {want}: {}", scrape(a));
+}
+
+/// A loopback port that is bound (so nobody else can take it) but not listening: a connection to
+/// it is refused at once. The port stays reserved until this is dropped.
+pub struct ClosedPort {
+    _socket: tokio::net::TcpSocket,
+    pub addr: std::net::SocketAddr,
+}
+
+pub fn closed_port() -> ClosedPort {
+    // No SO_REUSEADDR: a listener bound with it (as std's and tokio's are) cannot share the port.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    ClosedPort { _socket: socket, addr }
 }
 
 pub fn agent_bin() -> PathBuf {
@@ -137,19 +167,27 @@ pub fn xferctl_bin() -> PathBuf {
     p
 }
 
+/// Ports to listen on (0: the agent's OS picks one); once the agent serves, the ports it bound,
+/// read from its ready file.
 pub struct Ports {
     pub grpc: u16,
     pub metrics: u16,
+    /// The tcp data listener; 0 as input: no `--data-listen` flag (the host of `listen`, port 0).
     pub data: u16,
-    /// Chosen by [`Ports::new`]: may be replaced if another test took one first.
-    pub auto: bool,
+    /// Reported only: the health listener if one is configured (`health_listen`), else 0.
+    pub health: u16,
 }
 
 impl Ports {
-    /// gRPC and metrics on free ports; the data listener on a port the agent picks (`data: 0`),
-    /// which peers learn through `Peer.Connect`.
+    /// Every listener on a port the agent's OS picks; the agent reports them.
     pub fn new() -> Ports {
-        Ports { grpc: free_port(), metrics: free_port(), data: 0, auto: true }
+        Ports { grpc: 0, metrics: 0, data: 0, health: 0 }
+    }
+
+    /// The same gRPC and metrics ports again, to restart an agent where peers and scrapers know
+    /// it (the data port is picked afresh: peers learn it through `Peer.Connect`).
+    pub fn same(&self) -> Ports {
+        Ports { grpc: self.grpc, metrics: self.metrics, data: 0, health: 0 }
     }
 }
 
@@ -195,54 +233,49 @@ impl Agent {
     }
 
     /// Like [`Agent::start_with`], with extra environment variables (e.g. `XFER_INSECURE`).
-    /// Ports from [`Ports::new`] can be taken by another test between choosing and binding them:
-    /// an agent that exits with a bind error then starts again on fresh ports (fixed ports, as
-    /// restart tests pass, are not changed).
     pub fn start_with_env(name: &str, state_dir: &Path, ports: Ports, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         Agent::spawn(name, state_dir, ports, extra, env, None)
     }
 
     /// `nofile`: start the agent under `ulimit -n N` (through `sh`, so no `pre_exec`).
-    fn spawn(name: &str, state_dir: &Path, mut ports: Ports, extra: &[&str], env: &[(&str, &str)], nofile: Option<u64>) -> Agent {
+    fn spawn(name: &str, state_dir: &Path, ports: Ports, extra: &[&str], env: &[(&str, &str)], nofile: Option<u64>) -> Agent {
         std::fs::create_dir_all(state_dir).unwrap();
         let log = state_dir.with_extension(format!("{name}.log"));
-        for attempt in 1.. {
-            let _ = std::fs::remove_file(&log);
-            let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
-            let mut cmd = match nofile {
-                None => Command::new(agent_bin()),
-                Some(n) => {
-                    let mut c = Command::new("sh");
-                    c.arg("-c").arg(format!("ulimit -n {n} && exec \"$0\" \"$@\"")).arg(agent_bin());
-                    c
-                }
-            };
-            let child = cmd
-                .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
-                .arg(state_dir)
-                .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
-                .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
-                .args(if ports.data == 0 { vec![] } else { vec!["--data-listen".to_string(), format!("127.0.0.1:{}", ports.data)] })
-                .args(extra)
-                .env("RUST_LOG", "info")
-                .envs(env.iter().copied())
-                .stdout(Stdio::null())
-                .stderr(logf)
-                .spawn()
-                .unwrap();
-            let auto = ports.auto;
-            let mut a = Agent { name: name.into(), child: Some(child), ports, state_dir: state_dir.to_path_buf(), log: log.clone(), _tmp: None };
-            match a.wait_ready() {
-                Ok(()) => return a,
-                Err(logs) if auto && attempt < 5 && logs.contains("cannot bind") && logs.contains("Address already in use") => {
-                    ports = Ports::new();
-                }
-                Err(logs) => panic!("agent {name} exited early: {logs}"),
+        let ready = state_dir.with_extension(format!("{name}.ready"));
+        let _ = std::fs::remove_file(&log);
+        // The agent removes a stale ready file itself, but only once it runs: before that, a
+        // restarted agent's old file would read as ready.
+        let _ = std::fs::remove_file(&ready);
+        let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = match nofile {
+            None => Command::new(agent_bin()),
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c").arg(format!("ulimit -n {n} && exec \"$0\" \"$@\"")).arg(agent_bin());
+                c
             }
+        };
+        let child = cmd
+            .args(["--node-name", name, "--fabric", "tcp", "--state-dir"])
+            .arg(state_dir)
+            .arg("--ready-file")
+            .arg(&ready)
+            .args(["--listen", &format!("127.0.0.1:{}", ports.grpc)])
+            .args(["--metrics-listen", &format!("127.0.0.1:{}", ports.metrics)])
+            .args(if ports.data == 0 { vec![] } else { vec!["--data-listen".to_string(), format!("127.0.0.1:{}", ports.data)] })
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .unwrap();
+        let mut a = Agent { name: name.into(), child: Some(child), ports, state_dir: state_dir.to_path_buf(), log, _tmp: None };
+        if let Err(logs) = a.wait_ready(&ready) {
+            panic!("agent {name} exited early: {logs}");
         }
-        unreachable!("the loop returns or panics")
+        a
     }
-
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.ports.grpc)
     }
@@ -251,19 +284,28 @@ impl Agent {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Waits until this agent (not whoever else holds the port) serves: it logs "xfer-agent
-    /// serving" only after binding every listener. `Err(logs)` if it exited first.
-    fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(20);
+    /// Waits until the agent serves: it writes its ready file (the ports it bound, as JSON) only
+    /// after binding and serving every listener, and removes a stale one first. Records the
+    /// bound ports. `Err(logs)` if the agent exited first.
+    fn wait_ready(&mut self, ready: &Path) -> Result<(), String> {
+        // A safety net against a hung start, not a synchronisation: readiness is the file.
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if self.logs().contains("xfer-agent serving") && std::net::TcpStream::connect(self.addr()).is_ok() {
+            // The agent writes the file under a temporary name and renames it: all or nothing.
+            if let Ok(text) = std::fs::read_to_string(ready) {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("ready file {text:?}: {e}"));
+                let port = |k: &str| -> u16 {
+                    v[k].as_str().map(|a| a.parse::<std::net::SocketAddr>().unwrap().port()).unwrap_or(0)
+                };
+                self.ports = Ports { grpc: port("grpc"), metrics: port("metrics"), data: port("data"), health: port("health") };
+                assert!(self.ports.grpc != 0 && self.ports.metrics != 0, "ready file without ports: {text}");
                 return Ok(());
             }
             if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
                 return Err(format!("{st}: {}", self.logs()));
             }
-            assert!(Instant::now() < deadline, "agent {} not ready: {}", self.name, self.logs());
-            std::thread::sleep(Duration::from_millis(25));
+            assert!(Instant::now() < deadline, "agent {} not ready after 60 s: {}", self.name, self.logs());
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -303,6 +345,18 @@ impl Agent {
             Some(pb::endpoint::Kind::Tcp(t)) => (t.address.clone(), t.secret.clone()),
             other => panic!("not a tcp endpoint: {other:?}"),
         }
+    }
+
+    /// Waits until the agent's log contains `needle` (polled, at most 6000 times 10 ms apart: a
+    /// safety net against a hang; the wait is for the line).
+    pub async fn wait_log(&self, needle: &str) {
+        for _ in 0..6000 {
+            if self.logs().contains(needle) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("agent {} never logged {needle:?}: {}", self.name, self.logs());
     }
 
     pub fn pid(&self) -> Option<u32> {

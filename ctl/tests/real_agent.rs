@@ -1,0 +1,230 @@
+//! The real `xferctl` binary against real `xfer-agent` processes (tcp fabric, loopback, port 0):
+//! regions, put/get, cp both ways, watch/show/cancel, failed transfers, peers, bench, and the exit
+//! code and one-line error for each refusal. Statuses and messages are the agent's own, so a
+//! change on either side shows up here. (`mock_agent.rs` keeps a fake only for the client's
+//! stream framing, which a real agent cannot report.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// `xfer-agent` is built next to `xferctl` (`cargo build --workspace --bins`; `make test` does).
+fn agent_bin() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_xferctl")).with_file_name("xfer-agent");
+    assert!(p.exists(), "{} missing: run `cargo build --workspace --bins` first (make test does)", p.display());
+    p
+}
+
+/// A real agent on 127.0.0.1, every listener on port 0; its gRPC address from its ready file.
+struct Agent {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    fn start(name: &str) -> Agent {
+        let dir = tempfile::tempdir().unwrap();
+        let (ready, log) = (dir.path().join("ready.json"), dir.path().join("agent.log"));
+        let mut child = Command::new(agent_bin())
+            .args(["--node-name", name, "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--ready-file")
+            .arg(&ready)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        // Ready when the agent has written the file (after serving every listener); 60 s is a
+        // safety net against a hung start.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addr = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                break v["grpc"].as_str().unwrap().to_string();
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("agent {name} exited with {st}: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            }
+            assert!(Instant::now() < deadline, "agent {name} not ready after 60 s");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        Agent { child, addr, log, _dir: dir }
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_xferctl"))
+            .arg("--agent")
+            .arg(&self.addr)
+            .args(args)
+            .env_remove("XFER_AGENT")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run xferctl")
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Exit `code` with exactly one stderr line, `error: …(STATUS)`.
+fn refused(o: &Output, code: i32, status: &str, what: &str) {
+    let e = err(o);
+    assert_eq!(o.status.code(), Some(code), "{what}: {e}");
+    assert_eq!(e.lines().count(), 1, "{what}: one line: {e}");
+    assert!(e.starts_with("error: "), "{what}: {e}");
+    assert!(e.trim_end().ends_with(&format!("({status})")), "{what}: {e}");
+}
+
+#[test]
+fn regions_put_get_and_their_refusals() {
+    let a = Agent::start("node-a");
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["src", "dst"] {
+        let o = a.ctl(&["region", "create", name, "--size", "4MiB"]);
+        assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    }
+    refused(&a.ctl(&["region", "create", "src", "--size", "1KiB"]), 13, "ALREADY_EXISTS", "duplicate name");
+    let o = a.ctl(&["region", "show", "foo"]);
+    refused(&o, 3, "NOT_FOUND", "missing region");
+    assert!(err(&o).contains("foo"), "names the region: {}", err(&o));
+
+    let o = a.ctl(&["--json", "region", "list"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let mut names: Vec<&str> = v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["dst", "src"]);
+
+    // put at an offset, get it back (to a file and to stdout).
+    let payload: Vec<u8> = (0..(2 << 20) + 12345u32).map(|i| (i % 251) as u8).collect();
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &payload).unwrap();
+    let o = a.ctl(&["put", input.to_str().unwrap(), "src@4KiB"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(out(&o).contains(&format!("{} bytes in", payload.len())), "{}", out(&o));
+    let output = dir.path().join("out.bin");
+    let len = payload.len().to_string();
+    let o = a.ctl(&["get", "src@4096", "--len", &len, output.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(std::fs::read(&output).unwrap() == payload);
+    let o = a.ctl(&["get", "src@4KiB", "--len", "1000", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert_eq!(o.stdout, payload[..1000]);
+    assert!(err(&o).contains("1000 bytes in"), "summary on stderr: {}", err(&o));
+
+    // Past the end: the agent says INVALID_ARGUMENT (the fake this replaced said OUT_OF_RANGE;
+    // both exit 4).
+    let o = a.ctl(&["get", "src@4MiB", "--len", "1", "-"]);
+    refused(&o, 4, "INVALID_ARGUMENT", "read past the end");
+    assert!(err(&o).contains("outside region"), "{}", err(&o));
+    refused(&a.ctl(&["put", input.to_str().unwrap(), "src@3MiB"]), 4, "INVALID_ARGUMENT", "write past the end");
+
+    let o = a.ctl(&["region", "delete", "dst"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    refused(&a.ctl(&["region", "delete", "dst"]), 3, "NOT_FOUND", "delete twice");
+}
+
+#[test]
+fn cp_both_ways_watch_show_cancel_and_a_failed_transfer() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    let dir = tempfile::tempdir().unwrap();
+    for (ag, name) in [(&a, "src"), (&b, "dst")] {
+        let o = ag.ctl(&["region", "create", name, "--size", "4MiB"]);
+        assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    }
+    let payload: Vec<u8> = (0..4u32 << 20).map(|i| (i.wrapping_mul(7) >> 3) as u8).collect();
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &payload).unwrap();
+    assert_eq!(a.ctl(&["put", input.to_str().unwrap(), "src"]).status.code(), Some(0));
+
+    // cp: WRITE from the SRC agent (A) to B, then the bytes are on B.
+    let dst = format!("{}:dst@1MiB", b.addr);
+    let o = a.ctl(&["cp", "src@4KiB", &dst, "--len", "2MiB"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(out(&o).trim().starts_with("copied 2097152 bytes in "), "{}", out(&o));
+    let o = b.ctl(&["get", "dst@1MiB", "--len", "2MiB", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(o.stdout == payload[4096..4096 + (2 << 20)], "WRITE landed on B");
+
+    // --pull: READ initiated by the DST agent (B, here --agent); --json prints the final record.
+    let src = format!("{}:src", a.addr);
+    let o = b.ctl(&["--json", "cp", "--pull", "--verify", &src, "dst"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!((v["op"].as_str(), v["state"].as_str()), (Some("read"), Some("succeeded")), "{v}");
+    assert_eq!((v["local"]["region"].as_str(), v["remote"]["region"].as_str()), (Some("dst"), Some("src")), "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    let pulled = v["id"].as_str().unwrap().to_string();
+    let o = b.ctl(&["get", "dst", "-"]);
+    assert!(o.stdout == payload, "READ brought every byte");
+
+    // show / watch of the finished transfer; cancelling it changes nothing (the agent answers
+    // with the record; the fake this replaced said FAILED_PRECONDITION).
+    let o = b.ctl(&["transfer", "show", &pulled]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(out(&o).contains("succeeded"), "{}", out(&o));
+    let o = b.ctl(&["transfer", "watch", &pulled]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let o = b.ctl(&["transfer", "cancel", &pulled]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let o = b.ctl(&["--json", "transfer", "show", &pulled]);
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(v["state"], "succeeded", "a cancel after the end leaves the record: {v}");
+    refused(&b.ctl(&["transfer", "watch", "t-nope"]), 3, "NOT_FOUND", "watch an unknown transfer");
+
+    // A transfer that fails (4 KiB chunks one at a time cannot finish within 1 ms): exit 10 with
+    // the error on one line; watching it later exits the same way.
+    let o = a.ctl(&["--json", "cp", "src", &format!("{}:dst", b.addr), "--chunk", "4KiB", "--depth", "1", "--qps", "1", "--timeout", "1ms"]);
+    assert_eq!(o.status.code(), Some(10), "{}\n{}", err(&o), out(&o));
+    assert_eq!(err(&o).lines().count(), 1, "{}", err(&o));
+    let o = a.ctl(&["--json", "transfer", "list"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let failed: Vec<&str> = v.as_array().unwrap().iter().filter(|t| t["state"] == "failed").map(|t| t["id"].as_str().unwrap()).collect();
+    assert_eq!(failed.len(), 1, "{v}");
+    let o = a.ctl(&["transfer", "watch", failed[0]]);
+    assert_eq!(o.status.code(), Some(10), "{}", err(&o));
+}
+
+#[test]
+fn unreachable_peer_and_bench() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    // A peer the agent cannot reach (nothing listens on port 1): UNAVAILABLE -> 8.
+    refused(&a.ctl(&["connect", "127.0.0.1:1"]), 8, "UNAVAILABLE", "unreachable peer");
+    // A reachable one: connect, then it is listed.
+    let o = a.ctl(&["connect", &b.addr]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", err(&o), a.logs());
+    let o = a.ctl(&["peers"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(out(&o).contains(&b.addr), "{}", out(&o));
+
+    // bench between the two agents, with a raw TCP baseline, as JSON.
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr, "--sizes", "4KiB,64KiB", "--iters", "2", "--baseline", "tcp"]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", err(&o), a.logs());
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    assert!(v["baseline"]["bytes"].as_u64().unwrap() >= 1 << 30, "the baseline streams at least 1 GiB: {v}");
+}
