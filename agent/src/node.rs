@@ -381,6 +381,14 @@ impl Node {
             lease: crate::fabric::tcp::GrantLease::new(expires_at),
         };
         let grant = self.grants.insert(grant)?;
+        // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
+        // grants before this one existed: re-check that the very same region is still live, or
+        // the grant would outlive it (its token writing into a region nobody can see or delete).
+        let region_live = matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
+        if !region_live {
+            self.grants.revoke(&grant.id);
+            return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
+        }
         // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
         // revoked the connection's grants before this one existed: re-check that the very same
         // connection is still there, or the grant would outlive it and work on the streams of

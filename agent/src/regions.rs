@@ -672,6 +672,9 @@ impl RegionRegistry {
     /// non-blocking (a FIFO or device never blocks), and it must be a regular file. Returns the
     /// file and its full path (root + the part beneath it).
     fn open_region_file(&self, path: &str, access: Access) -> Result<(File, String), RegionError> {
+        if path.contains('\0') {
+            return Err(RegionError::Invalid(format!("file path {path:?} contains a NUL byte")));
+        }
         let (root, rest) = self.locate(path)?;
         let full = root.join(&rest).display().to_string();
         if rest.as_os_str().is_empty() {
@@ -689,6 +692,7 @@ impl RegionRegistry {
             Errno::EISDIR => RegionError::NotRegular { path: full.clone(), kind: "directory" },
             Errno::ENXIO => RegionError::NotRegular { path: full.clone(), kind: "special file" },
             Errno::ENOTDIR => RegionError::Invalid(format!("file {full:?}: a component of the path is not a directory")),
+            Errno::ENAMETOOLONG => RegionError::Invalid(format!("file {full:?}: the path or a component of it is too long")),
             other => io_err(format!("opening {full}"))(other.into()),
         })?;
         let file = File::from(fd);
