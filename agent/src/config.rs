@@ -133,6 +133,9 @@ pub struct LimitsConfig {
     pub max_data_connections: usize,
     /// Data streams of one identity (a session's owner), counted once the hello names a session.
     pub max_data_connections_per_peer: usize,
+    /// Open connections on the gRPC port (enforced as at most a quarter of RLIMIT_NOFILE); further
+    /// sockets are closed at once.
+    pub max_grpc_connections: usize,
     /// Sockets on the tcp data port still before their hello; at the cap the oldest is closed to
     /// make room, so silent sockets can never keep a real peer's stream out.
     pub max_pending_data_connections: usize,
@@ -400,6 +403,7 @@ impl Default for LimitsConfig {
             max_data_connections: 4096,
             max_data_connections_per_peer: 256,
             max_pending_data_connections: 128,
+            max_grpc_connections: 1024,
             data_handshake_timeout: HumanDuration(Duration::from_secs(10)),
             data_idle_timeout: HumanDuration(Duration::from_secs(300)),
             data_payload_timeout: HumanDuration(Duration::from_secs(30)),
@@ -527,6 +531,7 @@ impl Config {
             ("limits.max_data_connections", self.limits.max_data_connections),
             ("limits.max_data_connections_per_peer", self.limits.max_data_connections_per_peer),
             ("limits.max_pending_data_connections", self.limits.max_pending_data_connections),
+            ("limits.max_grpc_connections", self.limits.max_grpc_connections),
             ("limits.max_peers", self.limits.max_peers),
         ] {
             if v == 0 {

@@ -33,6 +33,8 @@ pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 pub const LIMIT: &str = "xfer_limit";
 pub const ACCEPTED_CONNECTIONS: &str = "xfer_accepted_connections";
+pub const LISTENER_CONNECTIONS: &str = "xfer_listener_connections";
+pub const LISTENER_CONNECTIONS_REFUSED: &str = "xfer_listener_connections_refused_total";
 pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
 
 /// Installs the Prometheus recorder, serves it over HTTP on `listener` (GET /metrics, or any
@@ -65,7 +67,9 @@ pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
 /// The HTTP/1 scrape endpoint: every accepted connection gets the text exposition format.
 async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
     use futures::StreamExt;
-    let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics"));
+    let (_, cap) = crate::sys::control_caps(0, crate::sys::nofile());
+    let limit = crate::sys::ConnLimit::new("metrics", cap);
+    let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics", limit));
     while let Some(Ok(stream)) = incoming.next().await {
         let handle = handle.clone();
         tokio::spawn(async move {
@@ -128,8 +132,31 @@ pub fn describe() {
         "Limits in force, by config key (limit=max_data_connections as enforced, i.e. at most half of open_files; max_data_connections_per_peer; max_peers; open_files: the soft RLIMIT_NOFILE after raising it)."
     );
     describe_gauge!(LIMIT_SECONDS, Unit::Seconds, "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout).");
+    describe_gauge!(LISTENER_CONNECTIONS, Unit::Count, "Open connections of a control listener (listener: grpc, health, metrics); capped (xfer_limit).");
+    describe_counter!(LISTENER_CONNECTIONS_REFUSED, Unit::Count, "Sockets a control listener closed at once because it was at its cap (limits.max_grpc_connections for grpc; health and metrics at most 64 each).");
     describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// Open connections of a control listener (grpc, health, metrics).
+pub fn listener_connections(listener: &'static str, n: usize) {
+    gauge!(LISTENER_CONNECTIONS, "listener" => listener).set(n as f64);
+}
+
+/// A control listener closed a socket at once because it was at its cap.
+pub fn listener_connection_refused(listener: &'static str) {
+    counter!(LISTENER_CONNECTIONS_REFUSED, "listener" => listener).increment(1);
+}
+
+/// The cap of a control listener (`xfer_limit{limit="max_<listener>_connections"}`).
+pub fn limit_for_listener(listener: &'static str, max: u64) {
+    let name = match listener {
+        "grpc" => "max_grpc_connections",
+        "health" => "max_health_connections",
+        "metrics" => "max_metrics_connections",
+        _ => "max_other_connections",
+    };
+    limit(name, max);
 }
 
 /// Connections peers made to this agent and have not disconnected.

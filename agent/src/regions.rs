@@ -843,7 +843,24 @@ impl RegionRegistry {
             }
         };
         match &removed {
-            Some(region) => self.finish_removal(region)?,
+            Some(region) => {
+                if let Err(e) = self.finish_removal(region) {
+                    // The catalog could not be written (ENOSPC, EIO, ...): a failed delete
+                    // changes nothing, so the region goes back, live, with its grants. (Left
+                    // out, it would be gone for callers yet back after a restart, and its grants
+                    // would outlive it.)
+                    let mut st = self.lock();
+                    if !st.live.contains_key(name) {
+                        st.live.insert(name.to_string(), Arc::clone(region));
+                        drop(st);
+                        self.update_gauges();
+                        return Err(e);
+                    }
+                    // Its name was taken meanwhile: it stays deleted, and the caller revokes
+                    // its grants (Node::delete_region always does on `Ok`).
+                    warn!(region = %name, error = %e, "region deleted but the catalog could not be written");
+                }
+            }
             None => {
                 self.persist()?;
                 self.update_gauges();

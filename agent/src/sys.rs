@@ -55,27 +55,135 @@ impl AcceptBackoff {
     }
 }
 
-/// The gRPC listener as a stream of accepted sockets, with [`AcceptBackoff`] on errors: errors are
-/// logged, counted and waited out instead of handed to the server, which would retry at once.
+/// Open connections of one listener (gRPC, health, metrics), at most `max`: a [`Counted`] socket
+/// holds a slot until it is dropped. A socket accepted at the cap is closed at once and counted
+/// (`xfer_listener_connections_refused_total{listener}`), so idle sockets on a control port can
+/// never take the descriptors that region files, the catalog and the data plane need.
+#[derive(Debug)]
+pub struct ConnLimit {
+    open: std::sync::atomic::AtomicUsize,
+    max: usize,
+    name: &'static str,
+}
+
+impl ConnLimit {
+    pub fn new(name: &'static str, max: usize) -> std::sync::Arc<ConnLimit> {
+        crate::metrics::limit_for_listener(name, max as u64);
+        std::sync::Arc::new(ConnLimit { open: Default::default(), max: max.max(1), name })
+    }
+
+    fn admit<S>(self: &std::sync::Arc<Self>, inner: S) -> Option<Counted<S>> {
+        use std::sync::atomic::Ordering;
+        let r = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
+        match r {
+            Ok(n) => {
+                crate::metrics::listener_connections(self.name, n + 1);
+                Some(Counted { inner, limit: self.clone() })
+            }
+            Err(_) => {
+                crate::metrics::listener_connection_refused(self.name);
+                None
+            }
+        }
+    }
+}
+
+/// An accepted socket that holds one slot of its listener's [`ConnLimit`].
+#[derive(Debug)]
+pub struct Counted<S> {
+    inner: S,
+    limit: std::sync::Arc<ConnLimit>,
+}
+
+impl<S> Drop for Counted<S> {
+    fn drop(&mut self) {
+        let n = self.limit.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        crate::metrics::listener_connections(self.limit.name, n.saturating_sub(1));
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// The caller's address (plaintext identity) and certificates come from the socket underneath.
+impl tonic::transport::server::Connected for Counted<tokio::net::TcpStream> {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// A listener as a stream of accepted sockets, each holding a slot of `limit`, with
+/// [`AcceptBackoff`] on errors: errors are logged, counted and waited out instead of handed to
+/// the server, which would retry at once.
 pub fn incoming_with_backoff(
     listener: tokio::net::TcpListener,
     name: &'static str,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::stream::unfold((listener, AcceptBackoff::default()), move |(listener, mut backoff)| async move {
-        loop {
-            match listener.accept().await {
-                Ok((s, _)) => {
-                    backoff.succeeded();
-                    return Some((Ok(s), (listener, backoff)));
-                }
-                Err(e) => {
-                    let pause = backoff.failed(name);
-                    tracing::warn!(listener = name, error = %e, ?pause, "accept failed; backing off");
-                    tokio::time::sleep(pause).await;
+    limit: std::sync::Arc<ConnLimit>,
+) -> impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>> {
+    futures::stream::unfold((listener, AcceptBackoff::default()), move |(listener, mut backoff)| {
+        let limit = limit.clone();
+        async move {
+            loop {
+                match listener.accept().await {
+                    Ok((s, from)) => {
+                        backoff.succeeded();
+                        match limit.admit(s) {
+                            Some(s) => return Some((Ok(s), (listener, backoff))),
+                            None => tracing::debug!(listener = name, %from, "connection refused: the listener is at its cap"),
+                        }
+                    }
+                    Err(e) => {
+                        let pause = backoff.failed(name);
+                        tracing::warn!(listener = name, error = %e, ?pause, "accept failed; backing off");
+                        tokio::time::sleep(pause).await;
+                    }
                 }
             }
         }
     })
+}
+
+/// Caps of the control listeners for a descriptor limit `nofile`: gRPC gets
+/// `configured` but at most a quarter of it; health and metrics at most 64 each and a sixteenth.
+/// With the data port's half, at least an eighth of the descriptors stay for region files, the
+/// catalog and connections to peers.
+pub fn control_caps(configured_grpc: usize, nofile: u64) -> (usize, usize) {
+    let part = |d: u64| usize::try_from(nofile / d).unwrap_or(usize::MAX).max(1);
+    (configured_grpc.min(part(4)), 64usize.min(part(16)))
 }
 
 /// RLIMIT_MEMLOCK (soft, hard) in bytes; `u64::MAX` means unlimited.

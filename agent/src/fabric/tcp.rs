@@ -1063,6 +1063,8 @@ pub enum ServeError {
     PayloadTimeout,
     #[error("closed data stream: the grant of the WRITE payload being received was revoked, expired or its region deleted")]
     Revoked,
+    #[error("closed data stream: the region's file shrank while a READ answer was being sent")]
+    ShrankMidAnswer,
 }
 
 /// The target side of one data stream of connection `connection` (its hello already checked):
@@ -1160,18 +1162,28 @@ where
                 let mut resp = Header::new(Kind::ReadResp, h.id);
                 match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read).map(|t| (t.memory, t.offset)) {
                     Ok((mem, off)) if mem.can_shrink() => {
-                        // Copied out first: a truncated page faults in the agent and poisons the
-                        // region, and the zeros standing in for it are NAKed, never sent.
-                        let mut b = vec![0u8; h.len as usize];
-                        match mem.read_at(off, &mut b) {
-                            Ok(()) => {
-                                resp.len = h.len;
-                                wr.write_all(&resp.encode()).await?;
-                                wr.write_all(&b).await?;
-                            }
-                            Err(_) => {
-                                resp.status = WcStatus::RemAccessErr.code();
-                                wr.write_all(&resp.encode()).await?;
+                        // Copied out piece by piece through one small buffer (a peer's READ never
+                        // makes the agent hold its whole length): a truncated page faults in the
+                        // agent and poisons the region, and zeros standing in for it are never
+                        // sent. A region already poisoned is NAKed; one that is poisoned while its
+                        // answer is on the way closes the stream (the header promised the length),
+                        // so the initiator fails the WR instead of taking the zeros.
+                        if mem.intact().is_err() {
+                            resp.status = WcStatus::RemAccessErr.code();
+                            wr.write_all(&resp.encode()).await?;
+                        } else {
+                            resp.len = h.len;
+                            wr.write_all(&resp.encode()).await?;
+                            let len = h.len as usize;
+                            let mut b = vec![0u8; len.min(PAYLOAD_CHUNK)];
+                            let mut done = 0usize;
+                            while done < len {
+                                let n = (len - done).min(PAYLOAD_CHUNK);
+                                if mem.read_at(off + done as u64, &mut b[..n]).is_err() {
+                                    return Err(ServeError::ShrankMidAnswer);
+                                }
+                                wr.write_all(&b[..n]).await?;
+                                done += n;
                             }
                         }
                     }

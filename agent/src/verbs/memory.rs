@@ -80,6 +80,12 @@ pub struct RegionMemory {
     /// Registered with the SIGBUS registry (file and shm mappings). Declared before `backing`
     /// so it is dropped (unregistered) before the memory is unmapped.
     sigbus: Option<super::sigbus::Guard>,
+    /// The mapped file (a duplicate descriptor), for file and shm mappings: a truncation inside
+    /// the last page raises no SIGBUS (the page still exists), so [`RegionMemory::intact`] also
+    /// compares the file's size with the mapping.
+    file: Option<File>,
+    /// Set once the file was seen shorter than the mapping (sticky, like SIGBUS poisoning).
+    short: std::sync::atomic::AtomicBool,
     backing: Backing,
 }
 
@@ -131,9 +137,10 @@ impl RegionMemory {
             // SAFETY: as above, read-only.
             let map = unsafe { opts.map(file)? };
             let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or_else(|| io::Error::other("null mapping"))?;
-            Self { ptr, len, writable: false, sigbus: None, backing: Backing::ReadOnly { _map: map } }
+            Self { ptr, len, writable: false, sigbus: None, file: None, short: Default::default(), backing: Backing::ReadOnly { _map: map } }
         };
         mem.sigbus = Some(super::sigbus::register(mem.ptr.as_ptr() as usize, mem.len)?);
+        mem.file = Some(file.try_clone()?);
         Ok(mem)
     }
 
@@ -142,13 +149,14 @@ impl RegionMemory {
         // An mmap never returns address 0 on success; dangling() is only reached for len 0,
         // which callers reject before mapping.
         let ptr = NonNull::new(map.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        Self { ptr, len, writable: true, sigbus: None, backing: Backing::Writable(map) }
+        Self { ptr, len, writable: true, sigbus: None, file: None, short: Default::default(), backing: Backing::Writable(map) }
     }
 
-    /// True once the file under this mapping shrank and a page beyond its end was touched.
-    /// Sticky: the region must be recreated.
+    /// True once the file under this mapping shrank and a page beyond its end was touched, or
+    /// [`RegionMemory::intact`] saw the file shorter than the mapping. Sticky: the region must be
+    /// recreated.
     pub fn poisoned(&self) -> bool {
-        self.sigbus.as_ref().is_some_and(|g| g.poisoned())
+        self.short.load(std::sync::atomic::Ordering::Acquire) || self.sigbus.as_ref().is_some_and(|g| g.poisoned())
     }
 
     /// Whether a copy in or out of this memory can hit a truncated file (file and shm mappings).
@@ -162,10 +170,17 @@ impl RegionMemory {
     /// `slice_mut`: bytes copied before it returns `Ok` are the file's.
     pub fn intact(&self) -> Result<(), Poisoned> {
         if self.poisoned() {
-            Err(Poisoned)
-        } else {
-            Ok(())
+            return Err(Poisoned);
         }
+        // A file cut inside its last mapped page raises no SIGBUS for that page: compare sizes
+        // (one fstat; if it fails, nothing can be told and the SIGBUS check stands).
+        if let Some(f) = &self.file {
+            if f.metadata().is_ok_and(|m| m.len() < self.len as u64) {
+                self.short.store(true, std::sync::atomic::Ordering::Release);
+                return Err(Poisoned);
+            }
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> u64 {
