@@ -609,7 +609,10 @@ impl Node {
             return Err(TransferError::ShuttingDown);
         }
         let slot = self.reserve_slot(&req.remote_agent)?;
-        let local = self.regions.get(&req.local_region)?;
+        // In use from the lookup on (under the registry lock): a DeleteRegion meanwhile is
+        // refused as busy instead of deleting a region this transfer is about to move bytes in.
+        let local_use = self.regions.acquire(&req.local_region)?;
+        let local = Arc::clone(&local_use.0);
         if req.local_offset > local.length {
             return Err(TransferError::Invalid(format!(
                 "offset {} is beyond the end of region {:?} ({} bytes)",
@@ -700,7 +703,7 @@ impl Node {
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
         let plan = Plan {
-            local: local.acquire(),
+            local: local_use,
             peer,
             grant,
             lease: Mutex::new(Some(lease)),

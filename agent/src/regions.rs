@@ -791,6 +791,28 @@ impl RegionRegistry {
         }
     }
 
+    /// A live region by name or id, marked in use *before* the registry lock is released:
+    /// [`RegionRegistry::delete`] refuses a region in use under the same lock, so once this
+    /// returns the region cannot be deleted until the [`RegionUse`] is dropped (looking it up and
+    /// then calling [`Region::acquire`] leaves a window in which a delete can slip through, after
+    /// which bytes would still land in a deleted file region).
+    pub fn acquire(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
+        let st = self.lock();
+        let live = st.live.get(name_or_id).or_else(|| st.live.values().find(|r| r.id == name_or_id)).cloned();
+        if let Some(r) = live {
+            let u = r.acquire();
+            drop(st);
+            u.0.intact()?;
+            return Ok(u);
+        }
+        let unavailable = st.unavailable.get(name_or_id).or_else(|| st.unavailable.values().find(|u| u.id() == name_or_id)).cloned();
+        drop(st);
+        match unavailable {
+            Some(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
+            None => Err(RegionError::NotFound(name_or_id.to_string())),
+        }
+    }
+
     /// A region by name or id, live or unavailable.
     pub fn describe(&self, name_or_id: &str) -> Result<RegionView, RegionError> {
         let st = self.lock();
@@ -1198,6 +1220,26 @@ mod tests {
             labels: BTreeMap::new(),
             adopt_existing: false,
         }
+    }
+
+    #[tokio::test]
+    async fn a_region_in_use_cannot_be_deleted_and_use_starts_under_the_lock() {
+        let tmp = tempfile::tempdir().unwrap();
+        let reg = registry(tmp.path(), RegionPolicy::new(vec![tmp.path().to_path_buf()]), 4).await;
+        let mut anon = spec("a", RegionKind::Anonymous, "", 4096);
+        anon.path = None;
+        let r = reg.create(anon).unwrap();
+        // By name and by id; the use is the very region.
+        let u = reg.acquire("a").unwrap();
+        assert!(Arc::ptr_eq(&u.0, &r));
+        let by_id = reg.acquire(&r.id).unwrap();
+        assert!(matches!(reg.delete("a"), Err(RegionError::Busy(_))));
+        drop(u);
+        assert!(matches!(reg.delete("a"), Err(RegionError::Busy(_))), "still used through its id");
+        drop(by_id);
+        reg.delete("a").unwrap();
+        assert!(matches!(reg.acquire("a"), Err(RegionError::NotFound(_))));
+        assert!(matches!(reg.acquire(&r.id), Err(RegionError::NotFound(_))));
     }
 
     #[tokio::test]

@@ -209,11 +209,11 @@ impl Agent for Services {
         let mut stream = req.into_inner();
         let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("empty WriteRegion stream"))?;
         require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
-        let region = self.node.regions.get(&first.region).map_err(region_status)?;
+        let use_ = self.node.regions.acquire(&first.region).map_err(region_status)?;
+        let region = &use_.0;
         if !region.memory.writable() {
             return Err(Status::permission_denied(format!("region {:?} is mapped read-only", region.name)));
         }
-        let _use = region.acquire();
         let mut offset = first.offset;
         let mut written = 0u64;
         let mut msg = Some(first);
@@ -234,11 +234,11 @@ impl Agent for Services {
 
     async fn read_region(&self, req: Request<pb::ReadRegionRequest>) -> Result<Response<Self::ReadRegionStream>, Status> {
         let r = req.into_inner();
-        let region = self.node.regions.get(&r.region).map_err(region_status)?;
+        let use_ = self.node.regions.acquire(&r.region).map_err(region_status)?;
+        let region = &use_.0;
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
         region.check_range(r.offset, len).map_err(region_status)?;
         const PIECE: u64 = 1 << 20;
-        let use_ = region.acquire();
         let stream = futures::stream::unfold((use_, r.offset, r.offset + len), move |(u, pos, end)| async move {
             if pos >= end {
                 return None;
@@ -256,10 +256,10 @@ impl Agent for Services {
     async fn checksum(&self, req: Request<pb::ChecksumRequest>) -> Result<Response<pb::ChecksumResponse>, Status> {
         let r = req.into_inner();
         let algo = algo_from_pb(r.algo)?;
-        let region = self.node.regions.get(&r.region).map_err(region_status)?;
+        let u = self.node.regions.acquire(&r.region).map_err(region_status)?;
+        let region = u.0.clone();
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
         region.check_range(r.offset, len).map_err(region_status)?;
-        let u = region.acquire();
         let value = tokio::task::spawn_blocking(move || crate::checksum::checksum(&u.0.memory, r.offset, len, algo))
             .await
             .map_err(|e| Status::internal(e.to_string()))?

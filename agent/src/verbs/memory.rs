@@ -219,7 +219,9 @@ impl RegionMemory {
     /// `Poisoned` if the file shrank (then `buf` holds zeros where the file is missing and must
     /// not be used).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
-        self.intact()?;
+        if self.poisoned() {
+            return Err(MemError::Poisoned);
+        }
         let start = self.check(offset, buf.len() as u64)?;
         // SAFETY: `start + buf.len()` lies within the live mapping (checked above; the mapping
         // outlives `&self`). `ptr::copy` has memmove semantics, so it is sound even if `buf` were
@@ -235,7 +237,9 @@ impl RegionMemory {
         if !self.writable {
             return Err(ReadOnly.into());
         }
-        self.intact()?;
+        if self.poisoned() {
+            return Err(MemError::Poisoned);
+        }
         let start = self.check(offset, data.len() as u64)?;
         // SAFETY: within the live, writable mapping (checked above); memmove semantics as in
         // `read_at`. Concurrent access by others is the DMA-like sharing of the module contract.
