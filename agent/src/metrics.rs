@@ -33,6 +33,7 @@ pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 pub const LIMIT: &str = "xfer_limit";
 pub const ACCEPTED_CONNECTIONS: &str = "xfer_accepted_connections";
+pub const CATALOG_WRITE_FAILURES: &str = "xfer_catalog_write_failures_total";
 pub const LISTENER_CONNECTIONS: &str = "xfer_listener_connections";
 pub const LISTENER_CONNECTIONS_REFUSED: &str = "xfer_listener_connections_refused_total";
 pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
@@ -134,6 +135,7 @@ pub fn describe() {
     describe_gauge!(LIMIT_SECONDS, Unit::Seconds, "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout).");
     describe_gauge!(LISTENER_CONNECTIONS, Unit::Count, "Open connections of a control listener (listener: grpc, health, metrics); capped (xfer_limit).");
     describe_counter!(LISTENER_CONNECTIONS_REFUSED, Unit::Count, "Sockets a control listener closed at once because it was at its cap (limits.max_grpc_connections for grpc; health and metrics at most 64 each).");
+    describe_counter!(CATALOG_WRITE_FAILURES, Unit::Count, "Catalog (regions.json) writes that failed after a region was deleted or expired; the catalog is rewritten later (regions.retry_interval).");
     describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
@@ -157,6 +159,11 @@ pub fn limit_for_listener(listener: &'static str, max: u64) {
         _ => "max_other_connections",
     };
     limit(name, max);
+}
+
+/// A catalog write failed (the catalog is retried; see `regions`).
+pub fn catalog_write_failed() {
+    counter!(CATALOG_WRITE_FAILURES).increment(1);
 }
 
 /// Connections peers made to this agent and have not disconnected.

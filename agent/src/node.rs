@@ -222,7 +222,11 @@ impl Node {
                     _ = tick.tick() => {}
                 }
                 let n = node.clone();
-                let _ = tokio::task::spawn_blocking(move || n.regions.retry_unavailable()).await;
+                let _ = tokio::task::spawn_blocking(move || {
+                    n.regions.retry_unavailable();
+                    n.regions.retry_dirty_catalog();
+                })
+                .await;
             }
         });
     }

@@ -361,6 +361,8 @@ pub struct RegionRegistry {
     /// One catalog writer at a time. A writer takes it, *then* snapshots the maps, so the last
     /// rename always carries the newest state. Never held across an await.
     persist_lock: Mutex<()>,
+    /// The last catalog write failed: the catalog on disk is stale (see `finish_removal`).
+    catalog_dirty: std::sync::atomic::AtomicBool,
     /// Bytes the agent holds outside regions (benchmark buffers), counted against
     /// `max_registered_bytes` like regions ([`Reservation`]).
     reserved: Arc<AtomicU64>,
@@ -412,6 +414,7 @@ impl RegionRegistry {
             limits,
             inner: Mutex::new(Inner::default()),
             persist_lock: Mutex::new(()),
+            catalog_dirty: Default::default(),
             reserved: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -865,24 +868,7 @@ impl RegionRegistry {
             }
         };
         match &removed {
-            Some(region) => {
-                if let Err(e) = self.finish_removal(region) {
-                    // The catalog could not be written (ENOSPC, EIO, ...): a failed delete
-                    // changes nothing, so the region goes back, live, with its grants. (Left
-                    // out, it would be gone for callers yet back after a restart, and its grants
-                    // would outlive it.)
-                    let mut st = self.lock();
-                    if !st.live.contains_key(name) {
-                        st.live.insert(name.to_string(), Arc::clone(region));
-                        drop(st);
-                        self.update_gauges();
-                        return Err(e);
-                    }
-                    // Its name was taken meanwhile: it stays deleted, and the caller revokes
-                    // its grants (Node::delete_region always does on `Ok`).
-                    warn!(region = %name, error = %e, "region deleted but the catalog could not be written");
-                }
-            }
+            Some(region) => self.finish_removal(region),
             None => {
                 self.persist()?;
                 self.update_gauges();
@@ -892,14 +878,45 @@ impl RegionRegistry {
         Ok(removed)
     }
 
-    fn finish_removal(&self, region: &Region) -> Result<(), RegionError> {
+    /// Completes the removal of a region already taken out of `live`. A catalog that cannot be
+    /// written (ENOSPC, EIO, EMFILE...) does not undo the delete: the region is gone for callers,
+    /// and the caller revokes its grants, so nothing can reach it; the catalog is marked dirty
+    /// and rewritten by the next catalog write or [`RegionRegistry::retry_unavailable`]'s pass.
+    /// (Undoing it instead would leave an agent out of descriptors unable to free any.) Until
+    /// then a crash would bring the region back from the stale catalog, which is logged.
+    fn finish_removal(&self, region: &Region) {
         if region.kind != RegionKind::Anonymous {
             let _ = region.memory.flush();
-            self.persist()?;
+            self.persist_or_mark_dirty("deleting region", &region.name);
         }
         self.remove_created_object(region);
         self.update_gauges();
-        Ok(())
+    }
+
+    /// Writes the catalog; on failure marks it dirty (retried later) and says so loudly.
+    fn persist_or_mark_dirty(&self, what: &str, name: &str) {
+        if let Err(e) = self.persist() {
+            self.catalog_dirty.store(true, Ordering::Release);
+            m::catalog_write_failed();
+            error!(region = %name, error = %e, "{what}: the catalog could not be written; it is retried, and until it is written a crash would bring the region back");
+        }
+    }
+
+    /// Rewrites a catalog whose last write failed. Returns whether it is clean now.
+    pub fn retry_dirty_catalog(&self) -> bool {
+        if !self.catalog_dirty.load(Ordering::Acquire) {
+            return true;
+        }
+        match self.persist() {
+            Ok(()) => {
+                info!("catalog rewritten after an earlier failure");
+                true
+            }
+            Err(e) => {
+                warn!(error = %e, "catalog still cannot be written");
+                false
+            }
+        }
     }
 
     /// Removes regions whose lease ended and are not in use; returns the live ones. Unavailable
@@ -920,14 +937,10 @@ impl RegionRegistry {
         };
         for r in &expired {
             info!(region = %r.name, "region lease expired; deregistered");
-            if let Err(e) = self.finish_removal(r) {
-                warn!(region = %r.name, error = %e, "catalog update after lease expiry failed");
-            }
+            self.finish_removal(r);
         }
         if dropped {
-            if let Err(e) = self.persist() {
-                warn!(error = %e, "catalog update after lease expiry failed");
-            }
+            self.persist_or_mark_dirty("dropping expired unavailable regions", "-");
             self.update_gauges();
         }
         expired
@@ -1007,7 +1020,9 @@ impl RegionRegistry {
             v
         };
         let text = serde_json::to_vec_pretty(&entries).map_err(|e| RegionError::Invalid(e.to_string()))?;
-        write_durably(&self.state_dir, CATALOG, &text)
+        write_durably(&self.state_dir, CATALOG, &text)?;
+        self.catalog_dirty.store(false, Ordering::Release);
+        Ok(())
     }
 }
 

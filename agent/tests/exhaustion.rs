@@ -288,21 +288,37 @@ async fn peer_pool_churn_stays_bounded_and_a_live_peer_still_works() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
     raise_own_nofile();
-    // Data connections alone cannot use up the descriptors (their cap is clamped to half the
-    // limit: 128 of 256), so idle gRPC connections take them; then the data listener's accept
-    // fails with EMFILE too.
+    // Sockets alone cannot use up the descriptors (every listener has its share of the limit),
+    // so file regions take them (each holds one descriptor of its file) until one can no longer
+    // be made; then the data listener's accept fails with EMFILE too.
     let b = Agent::start_env_nofile("node-b", &[("XFER_LIMITS__DATA_HANDSHAKE_TIMEOUT", "1h")], 256);
     let pid = b.pid().unwrap();
     let (address, secret) = b.data_session("c1").await;
-    let grpc = format!("127.0.0.1:{}", b.ports.grpc);
-    let mut socks: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&grpc).unwrap()).collect();
-    socks.extend((0..20).map(|_| TcpStream::connect(&address).unwrap()));
-    // Every fd is taken; gRPC may be refused meanwhile. Freeing the sockets lets the agent recover
-    // by itself (no restart): the accepted ones read EOF, the queued ones are accepted and close.
+    std::fs::write(root_of(&b).join("f.bin"), vec![0u8; 4096]).unwrap();
+    let mut c = b.client().await;
+    let mut made = Vec::new();
+    for i in 0..300 {
+        let name = format!("f{i}");
+        match c.create_region(file_region_req(&name, 4096, "f.bin", pb::Access::ReadWrite)).await {
+            Ok(_) => made.push(name),
+            Err(e) => {
+                assert!(e.message().contains("Too many open files"), "the descriptors ran out: {e:?}");
+                break;
+            }
+        }
+    }
+    assert!(made.len() < 300, "256 descriptors held {} file regions", made.len());
+    let socks: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(&address).unwrap()).collect();
+    // Every fd is taken. Freeing some lets the agent recover by itself (no restart): the queued
+    // sockets are accepted.
     assert!(open_fds(pid) <= 256);
+    for name in made {
+        c.delete_region(pb::DeleteRegionRequest { name }).await.unwrap();
+    }
     drop(socks);
     let mut s = open_data_stream(&address, "c1", &secret);
     assert_eq!(try_write(&mut s, [0; 16], 0, &[1; 8]), Some((REM_ACCESS_ERR, NAK)), "a new data stream is served");
+    // The failed accepts were counted (scraped now: /metrics had no descriptor either).
     let text = scrape(b.ports.metrics);
     assert!(metric(&text, "xfer_accept_errors_total{listener=\"data\"}") >= 1.0, "{text}");
     b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();

@@ -16,17 +16,6 @@ use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
-fn file_req(name: &str, len: u64, path: &str, access: pb::Access) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::File as i32,
-        path: path.into(),
-        access: access as i32,
-        ..Default::default()
-    }
-}
-
 fn shm_req(name: &str, len: u64, object: &str, adopt: bool) -> pb::CreateRegionRequest {
     pb::CreateRegionRequest {
         name: name.into(),
@@ -52,10 +41,6 @@ async fn snapshot(a: &Agent) -> Snapshot {
         regions: list.regions.into_iter().map(|r| (r.name, r.path, r.unavailable_reason)).collect(),
         catalog: std::fs::read(a.state_dir.join("regions.json")).ok(),
     }
-}
-
-fn root_of(a: &Agent) -> PathBuf {
-    a.state_dir.join("files")
 }
 
 /// A unique shm object name for this test process.
@@ -90,7 +75,7 @@ async fn file_regions_cannot_escape_their_roots() {
     // Legitimate regions whose bytes must survive every refusal below.
     let good = random_bytes(4096, 1);
     std::fs::write(root.join("good.bin"), &good).unwrap();
-    c.create_region(file_req("good", 4096, "good.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("good", 4096, "good.bin", pb::Access::ReadWrite)).await.unwrap();
     a.create("anon", 4096, pb::Access::ReadWrite).await;
     let anon = random_bytes(4096, 2);
     a.put("anon", 0, &anon).await;
@@ -126,7 +111,7 @@ async fn file_regions_cannot_escape_their_roots() {
     ];
     for (what, path, code, needle) in &cases {
         for access in [pb::Access::Read, pb::Access::ReadWrite] {
-            let e = c.create_region(file_req("evil", 4096, path, access)).await.expect_err(what);
+            let e = c.create_region(file_region_req("evil", 4096, path, access)).await.expect_err(what);
             refused(&e, *code, needle, what);
         }
     }
@@ -138,7 +123,7 @@ async fn file_regions_cannot_escape_their_roots() {
         nix::sys::stat::makedev(1, 3),
     )
     .unwrap();
-    let e = c.create_region(file_req("evil", 4096, "null", pb::Access::ReadWrite)).await.unwrap_err();
+    let e = c.create_region(file_region_req("evil", 4096, "null", pb::Access::ReadWrite)).await.unwrap_err();
     refused(&e, Code::InvalidArgument, "character device", "a device node inside the root");
 
     // The reproducer of the issue, through xferctl: nothing is created, nothing can be read.
@@ -163,7 +148,7 @@ async fn file_regions_cannot_escape_their_roots() {
     let hard = root.join("hard.bin");
     std::fs::hard_link(&secret, &hard).unwrap();
     assert_eq!(std::fs::metadata(&hard).unwrap().ino(), std::fs::metadata(&secret).unwrap().ino());
-    c.create_region(file_req("hard", 4096, "hard.bin", pb::Access::Read)).await.unwrap();
+    c.create_region(file_region_req("hard", 4096, "hard.bin", pb::Access::Read)).await.unwrap();
     assert!(a.read("hard", 0, 4096).await == secret_bytes[..4096]);
     c.delete_region(pb::DeleteRegionRequest { name: "hard".into() }).await.unwrap();
     assert_eq!(std::fs::metadata(&root).unwrap().permissions().mode() & 0o777, 0o700, "the default root is private");
@@ -181,18 +166,18 @@ async fn configured_roots_take_absolute_and_relative_paths() {
     let roots = format!("{},{}", r1.display(), r2.display());
     let a = Agent::start_env("node-a", &[("XFER_REGIONS__FILE_ROOTS", &roots)]);
     let mut c = a.client().await;
-    let r = c.create_region(file_req("a", 4096, "a.bin", pb::Access::Read)).await.unwrap().into_inner();
+    let r = c.create_region(file_region_req("a", 4096, "a.bin", pb::Access::Read)).await.unwrap().into_inner();
     assert_eq!(r.path, r1.join("a.bin").display().to_string(), "relative = beneath the first root");
     let b = r2.join("b.bin").display().to_string();
-    let r = c.create_region(file_req("b", 4096, &b, pb::Access::Read)).await.unwrap().into_inner();
+    let r = c.create_region(file_region_req("b", 4096, &b, pb::Access::Read)).await.unwrap().into_inner();
     assert_eq!(r.path, b);
     let before = snapshot(&a).await;
     // A relative path never reaches the second root, and the default root is not a root now.
-    let e = c.create_region(file_req("x", 4096, "b.bin", pb::Access::Read)).await.unwrap_err();
+    let e = c.create_region(file_region_req("x", 4096, "b.bin", pb::Access::Read)).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     std::fs::create_dir_all(root_of(&a)).unwrap();
     std::fs::write(root_of(&a).join("c.bin"), vec![3u8; 4096]).unwrap();
-    let e = c.create_region(file_req("x", 4096, root_of(&a).join("c.bin").to_str().unwrap(), pb::Access::Read)).await.unwrap_err();
+    let e = c.create_region(file_region_req("x", 4096, root_of(&a).join("c.bin").to_str().unwrap(), pb::Access::Read)).await.unwrap_err();
     refused(&e, Code::PermissionDenied, &r2.display().to_string(), "outside both configured roots");
     assert_eq!(snapshot(&a).await, before);
     assert!(a.read("a", 0, 4096).await == vec![1u8; 4096]);
@@ -215,7 +200,7 @@ async fn a_fifo_is_refused_at_once_and_blocks_no_other_create() {
     let mut tasks = Vec::new();
     for access in [pb::Access::Read, pb::Access::Write, pb::Access::ReadWrite] {
         let mut c = a.client().await;
-        tasks.push(tokio::spawn(async move { c.create_region(file_req("fifo", 4096, "pipe", access)).await }));
+        tasks.push(tokio::spawn(async move { c.create_region(file_region_req("fifo", 4096, "pipe", access)).await }));
     }
     let mut c = a.client().await;
     let shm_obj = shm_name("fifo");
@@ -230,7 +215,7 @@ async fn a_fifo_is_refused_at_once_and_blocks_no_other_create() {
 
     // And a create right after (and one racing a FIFO create) completes.
     let mut c1 = a.client().await;
-    let fifo = tokio::spawn(async move { c1.create_region(file_req("fifo", 4096, "pipe", pb::Access::Read)).await });
+    let fifo = tokio::spawn(async move { c1.create_region(file_region_req("fifo", 4096, "pipe", pb::Access::Read)).await });
     let mut c2 = a.client().await;
     let anon = tokio::spawn(async move {
         c2.create_region(pb::CreateRegionRequest { name: "after".into(), length: 4096, ..Default::default() }).await
@@ -357,7 +342,7 @@ async fn concurrent_creates_and_deletes_keep_the_catalog_whole() {
                 let name = format!("r{n}");
                 let result = if i % 2 == 0 {
                     let req = if (t + i / 2) % 2 == 0 {
-                        file_req(&name, 4096, &format!("f{n}.bin"), pb::Access::ReadWrite)
+                        file_region_req(&name, 4096, &format!("f{n}.bin"), pb::Access::ReadWrite)
                     } else {
                         shm_req(&name, 4096, &shm_name(&format!("c{n}")), false)
                     };
@@ -478,8 +463,8 @@ async fn a_missing_file_makes_its_region_unavailable_until_the_file_is_back() {
     std::fs::write(root.join("w.bin"), vec![0u8; 8192]).unwrap();
     std::fs::write(root.join("other.bin"), random_bytes(4096, 7)).unwrap();
     let mut c = a.client().await;
-    c.create_region(file_req("w", 8192, "w.bin", pb::Access::ReadWrite)).await.unwrap();
-    c.create_region(file_req("other", 4096, "other.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("w", 8192, "w.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("other", 4096, "other.bin", pb::Access::ReadWrite)).await.unwrap();
     assert_eq!(a.terminate(), Some(0));
     let catalog_before = std::fs::read(state.join("regions.json")).unwrap();
 
@@ -517,7 +502,7 @@ async fn a_missing_file_makes_its_region_unavailable_until_the_file_is_back() {
     a.create("third", 4096, pb::Access::ReadWrite).await;
     let e = c.create_region(pb::CreateRegionRequest { name: "fourth".into(), length: 4096, ..Default::default() }).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
-    let e = c.create_region(file_req("w", 8192, "other.bin", pb::Access::Read)).await.unwrap_err();
+    let e = c.create_region(file_region_req("w", 8192, "other.bin", pb::Access::Read)).await.unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "an unavailable region keeps its name: {e:?}");
 
     // The file comes back with new bytes: the region follows without a restart.

@@ -19,40 +19,6 @@ const NAK: u8 = 5;
 const ACK: u8 = 4;
 const REM_ACCESS_ERR: u16 = 10;
 
-fn file_req(name: &str, len: u64, path: &str, access: pb::Access) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::File as i32,
-        path: path.into(),
-        access: access as i32,
-        ..Default::default()
-    }
-}
-
-fn root_of(a: &Agent) -> PathBuf {
-    a.state_dir.join("files")
-}
-
-/// A grant of `len` bytes at offset 0 of `region` for `op` on connection `conn`: (addr, token).
-async fn grant(a: &Agent, region: &str, len: u64, op: pb::Access, conn: &str) -> Result<(u64, [u8; 16]), tonic::Status> {
-    let g = a
-        .peer_client()
-        .await
-        .grant(pb::GrantRequest {
-            region: region.into(),
-            offset: 0,
-            length: len,
-            op: op as i32,
-            ttl: None,
-            node_name: "node-x".into(),
-            connection_id: conn.into(),
-        })
-        .await?
-        .into_inner();
-    Ok((g.addr, g.token.as_slice().try_into().unwrap()))
-}
-
 /// Region names, paths and reasons, and the catalog's bytes: what a refusal must not change.
 async fn snapshot(a: &Agent) -> (Vec<(String, String, String)>, Option<Vec<u8>>) {
     let list = a.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner();
@@ -94,7 +60,7 @@ async fn odd_paths_are_refused_with_a_clear_code_and_change_nothing() {
     let good = random_bytes(4096, 5);
     std::fs::write(root.join("good.bin"), &good).unwrap();
     let mut c = a.client().await;
-    c.create_region(file_req("good", 4096, "good.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("good", 4096, "good.bin", pb::Access::ReadWrite)).await.unwrap();
     let outside = tempfile::tempdir().unwrap();
     std::fs::write(outside.path().join("secret"), vec![9u8; 4096]).unwrap();
     let before = snapshot(&a).await;
@@ -115,7 +81,7 @@ async fn odd_paths_are_refused_with_a_clear_code_and_change_nothing() {
     ];
     for (what, path) in &cases {
         for access in [pb::Access::Read, pb::Access::ReadWrite] {
-            let e = c.create_region(file_req("evil", 4096, path, access)).await.expect_err(what);
+            let e = c.create_region(file_region_req("evil", 4096, path, access)).await.expect_err(what);
             assert!(
                 matches!(e.code(), Code::InvalidArgument | Code::PermissionDenied),
                 "{what}: refusals are INVALID_ARGUMENT or PERMISSION_DENIED, got {e:?}"
@@ -127,10 +93,10 @@ async fn odd_paths_are_refused_with_a_clear_code_and_change_nothing() {
     // A FIFO swapped in for the file of a live region changes nothing for the mapping; the same
     // path is refused (and never blocks) for the next create.
     std::fs::write(root.join("swap.bin"), vec![1u8; 4096]).unwrap();
-    c.create_region(file_req("swap", 4096, "swap.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("swap", 4096, "swap.bin", pb::Access::ReadWrite)).await.unwrap();
     std::fs::remove_file(root.join("swap.bin")).unwrap();
     nix::unistd::mkfifo(&root.join("swap.bin"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-    let e = c.create_region(file_req("swap2", 4096, "swap.bin", pb::Access::Read)).await.unwrap_err();
+    let e = c.create_region(file_region_req("swap2", 4096, "swap.bin", pb::Access::Read)).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("FIFO"), "{e:?}");
     assert!(a.read("swap", 0, 4096).await == vec![1u8; 4096]);
@@ -178,7 +144,7 @@ async fn a_file_truncated_inside_a_page_is_not_served_as_zeros() {
     let root = root_of(&a);
     let data = random_bytes(8192, 7);
     std::fs::write(root.join("f.bin"), &data).unwrap();
-    a.client().await.create_region(file_req("f", 8192, "f.bin", pb::Access::ReadWrite)).await.unwrap();
+    a.client().await.create_region(file_region_req("f", 8192, "f.bin", pb::Access::ReadWrite)).await.unwrap();
     std::fs::OpenOptions::new().write(true).open(root.join("f.bin")).unwrap().set_len(4097).unwrap();
 
     // Reading the range the file lost.
@@ -235,9 +201,9 @@ async fn a_big_read_on_a_file_region_does_not_pin_its_size_in_agent_memory() {
     let pid = a.pid().unwrap();
     let f = std::fs::File::create(root_of(&a).join("big.bin")).unwrap();
     f.set_len(LEN).unwrap(); // sparse: costs no disk
-    a.client().await.create_region(file_req("big", LEN, "big.bin", pb::Access::Read)).await.unwrap();
+    a.client().await.create_region(file_region_req("big", LEN, "big.bin", pb::Access::Read)).await.unwrap();
     let (address, secret) = a.data_session("c1").await;
-    let (addr, token) = grant(&a, "big", LEN, pb::Access::Read, "c1").await.unwrap();
+    let (addr, token) = grant_token(&a, "big", LEN, pb::Access::Read, "c1").await.unwrap();
     let baseline = rss_anon_kib(pid);
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
@@ -274,9 +240,9 @@ async fn a_failed_delete_never_leaves_live_grants_behind() {
     let before = random_bytes(4096, 11);
     std::fs::write(root.join("victim.bin"), &before).unwrap();
     let mut c = a.client().await;
-    c.create_region(file_req("victim", 4096, "victim.bin", pb::Access::ReadWrite)).await.unwrap();
+    c.create_region(file_region_req("victim", 4096, "victim.bin", pb::Access::ReadWrite)).await.unwrap();
     let mut s = a.data_stream("c1").await;
-    let (addr, token) = grant(&a, "victim", 4096, pb::Access::Write, "c1").await.unwrap();
+    let (addr, token) = grant_token(&a, "victim", 4096, pb::Access::Write, "c1").await.unwrap();
 
     // The catalog write will fail: its name is taken by a directory.
     let catalog = a.state_dir.join("regions.json");
@@ -284,20 +250,23 @@ async fn a_failed_delete_never_leaves_live_grants_behind() {
     std::fs::create_dir(&catalog).unwrap();
     std::fs::write(catalog.join("keep"), b"x").unwrap();
 
-    // A failed delete changes nothing: the region is still there, with its grant.
-    let deleted = c.delete_region(pb::DeleteRegionRequest { name: "victim".into() }).await;
-    assert!(deleted.is_err(), "the catalog could not be written, yet DeleteRegion succeeded");
-    let listed = c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
-    assert!(listed.iter().any(|r| r.name == "victim"), "DeleteRegion failed ({deleted:?}) but the region is gone: it can never be deleted again");
-    let data = random_bytes(4096, 12);
-    assert_eq!(raw_write(&mut s, token, addr, &data), (0, ACK), "the region (and its grant) must be as before");
-
-    // Once the catalog can be written, the delete goes through and the grant dies with it.
-    std::fs::remove_dir_all(&catalog).unwrap();
+    // The delete goes through in the agent (an agent out of descriptors must be able to free
+    // them), and the region's grant dies with it: no byte lands after DeleteRegion returns.
     c.delete_region(pb::DeleteRegionRequest { name: "victim".into() }).await.unwrap();
+    let listed = c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
+    assert!(!listed.iter().any(|r| r.name == "victim"), "deleted, yet listed");
     let w = raw_write(&mut s, token, addr, &[0xee; 4096]);
     assert_eq!(w, (REM_ACCESS_ERR, NAK), "a WRITE under the deleted region's grant was acknowledged");
-    assert!(std::fs::read(root.join("victim.bin")).unwrap() == data, "bytes landed in the file after DeleteRegion");
+    assert!(std::fs::read(root.join("victim.bin")).unwrap() == before, "bytes landed in the file after DeleteRegion");
+    assert!(a.logs().contains("the catalog could not be written"), "the stale catalog is reported: {}", a.logs());
+    assert!(scrape(&a).contains("xfer_catalog_write_failures_total 1"), "and counted");
+
+    // Once the catalog can be written, the next write drops the region from it for good.
+    std::fs::remove_dir_all(&catalog).unwrap();
+    std::fs::write(root.join("other.bin"), [0u8; 4096]).unwrap();
+    c.create_region(file_region_req("other", 4096, "other.bin", pb::Access::ReadWrite)).await.unwrap();
+    let text = std::fs::read_to_string(&catalog).unwrap();
+    assert!(text.contains("\"other\"") && !text.contains("\"victim\""), "{text}");
 }
 
 /// `Peer.Grant` looks the region up, then inserts the grant; `DeleteRegion` removes the region,
@@ -364,7 +333,7 @@ async fn a_grpc_socket_flood_leaves_descriptors_for_regions_and_the_catalog() {
         assert_eq!(h[3], 4, "SETTINGS");
         held.push(s);
     }
-    let created = c.create_region(file_req("f", 4096, "f.bin", pb::Access::ReadWrite)).await;
+    let created = c.create_region(file_region_req("f", 4096, "f.bin", pb::Access::ReadWrite)).await;
     assert!(
         refused || created.is_ok(),
         "{} idle gRPC sockets took the agent's descriptors: creating a file region fails: {created:?}",

@@ -16,26 +16,11 @@ const MIB: u64 = 1 << 20;
 const REM_ACCESS_ERR: u16 = 10;
 const KIND_NAK: u8 = 5;
 
-fn file_req(name: &str, len: u64, path: &str) -> pb::CreateRegionRequest {
-    pb::CreateRegionRequest {
-        name: name.into(),
-        length: len,
-        kind: pb::RegionKind::File as i32,
-        path: path.into(),
-        access: pb::Access::ReadWrite as i32,
-        ..Default::default()
-    }
-}
-
-fn root_of(a: &Agent) -> PathBuf {
-    a.state_dir.join("files")
-}
-
 /// A file region `name` over `<root>/<name>.bin` holding `len` seeded bytes.
 async fn file_region(a: &Agent, name: &str, len: u64, seed: u64) -> Vec<u8> {
     let bytes = random_bytes(len as usize, seed);
     std::fs::write(root_of(a).join(format!("{name}.bin")), &bytes).unwrap();
-    a.client().await.create_region(file_req(name, len, &format!("{name}.bin"))).await.unwrap();
+    a.client().await.create_region(file_region_req(name, len, &format!("{name}.bin"), pb::Access::ReadWrite)).await.unwrap();
     bytes
 }
 
@@ -160,25 +145,6 @@ async fn write_region_into_a_truncated_file_is_refused() {
     assert!(a.read("anon", 0, MIB).await == anon);
 }
 
-/// A grant on `region` for `op` over its first `len` bytes on connection `conn`: (addr, token).
-async fn grant(a: &Agent, region: &str, len: u64, op: pb::Access, conn: &str) -> Result<(u64, [u8; 16]), tonic::Status> {
-    let g = a
-        .peer_client()
-        .await
-        .grant(pb::GrantRequest {
-            region: region.into(),
-            offset: 0,
-            length: len,
-            op: op as i32,
-            ttl: None,
-            node_name: "node-x".into(),
-            connection_id: conn.into(),
-        })
-        .await?
-        .into_inner();
-    Ok((g.addr, g.token.as_slice().try_into().unwrap()))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_frames_on_a_truncated_file_are_naked() {
     let mut a = Agent::start("node-a");
@@ -187,10 +153,10 @@ async fn remote_frames_on_a_truncated_file_are_naked() {
     file_region(&a, "rd", MIB, 1).await;
     file_region(&a, "wr", MIB, 2).await;
     let mut s = a.data_stream("c1").await;
-    let (raddr, rtok) = grant(&a, "rd", MIB, pb::Access::Read, "c1").await.unwrap();
-    let (waddr, wtok) = grant(&a, "wr", MIB, pb::Access::Write, "c1").await.unwrap();
+    let (raddr, rtok) = grant_token(&a, "rd", MIB, pb::Access::Read, "c1").await.unwrap();
+    let (waddr, wtok) = grant_token(&a, "wr", MIB, pb::Access::Write, "c1").await.unwrap();
     // A grant on the bystander, used after the faults on the same stream.
-    let (aaddr, atok) = grant(&a, "anon", MIB, pb::Access::Read, "c1").await.unwrap();
+    let (aaddr, atok) = grant_token(&a, "anon", MIB, pb::Access::Read, "c1").await.unwrap();
 
     truncate(&a, "rd", 0);
     truncate(&a, "wr", 0);
@@ -208,7 +174,7 @@ async fn remote_frames_on_a_truncated_file_are_naked() {
     // Both regions report the fault, and no new grant is handed out on them.
     for r in ["rd", "wr"] {
         assert!(region_reason(&a, r).await.contains("shrank"), "{r}");
-        let e = grant(&a, r, 4096, pb::Access::Read, "c1").await.unwrap_err();
+        let e = grant_token(&a, r, 4096, pb::Access::Read, "c1").await.unwrap_err();
         poisoned_status(&e, r, "Grant on a poisoned region");
     }
     alive(&mut a, pid).await;

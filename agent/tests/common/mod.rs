@@ -528,3 +528,40 @@ pub async fn watch_to_end(a: &Agent, id: &str) -> pb::Transfer {
     }
     last.unwrap()
 }
+
+/// The agent's default file root (`<state_dir>/files`).
+pub fn root_of(a: &Agent) -> PathBuf {
+    a.state_dir.join("files")
+}
+
+/// CreateRegion for a file region over `path` (relative to a file root).
+pub fn file_region_req(name: &str, len: u64, path: &str, access: pb::Access) -> pb::CreateRegionRequest {
+    pb::CreateRegionRequest {
+        name: name.into(),
+        length: len,
+        kind: pb::RegionKind::File as i32,
+        path: path.into(),
+        access: access as i32,
+        ..Default::default()
+    }
+}
+
+/// A tcp grant on `region` for `op` over its first `len` bytes on connection `conn`, asked
+/// through the Peer service: (addr, token).
+pub async fn grant_token(a: &Agent, region: &str, len: u64, op: pb::Access, conn: &str) -> Result<(u64, [u8; 16]), tonic::Status> {
+    let g = a
+        .peer_client()
+        .await
+        .grant(pb::GrantRequest {
+            region: region.into(),
+            offset: 0,
+            length: len,
+            op: op as i32,
+            ttl: None,
+            node_name: "node-x".into(),
+            connection_id: conn.into(),
+        })
+        .await?
+        .into_inner();
+    Ok((g.addr, g.token.as_slice().try_into().unwrap()))
+}
