@@ -240,9 +240,10 @@ mod tests {
 
     #[test]
     fn byte_size_round_trips_through_text_and_serde() {
-        for s in ["4096", "4KiB", "64MiB", "1GiB", "2TiB", "1000"] {
+        for (s, shown) in [("4096", "4KiB"), ("4KiB", "4KiB"), ("64MiB", "64MiB"), ("1GiB", "1GiB"), ("2TiB", "2TiB"), ("1000", "1000"), ("16Gi", "16GiB")] {
             let b: ByteSize = s.parse().unwrap();
-            assert_eq!(b.to_string(), s);
+            assert_eq!(b.to_string(), shown);
+            assert_eq!(shown.parse::<ByteSize>().unwrap(), b, "what is shown reads back");
         }
         let v: ByteSize = serde_json::from_str("\"16Gi\"").unwrap();
         assert_eq!(v, ByteSize(16 << 30));
