@@ -9,14 +9,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 
 use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
 const NAK: u8 = 5;
-const ACK: u8 = 4;
 const REM_ACCESS_ERR: u16 = 10;
 
 /// Region names, paths and reasons, and the catalog's bytes: what a refusal must not change.

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 
 use common::*;
 use tonic::Code;

@@ -109,7 +109,7 @@ pub fn format_size_compact(bytes: u64) -> String {
     const UNITS: [(&str, u32); 4] = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
     for (name, shift) in UNITS {
         let unit = 1u64 << shift;
-        if bytes >= unit && bytes % unit == 0 {
+        if bytes >= unit && bytes.is_multiple_of(unit) {
             return format!("{}{name}", bytes / unit);
         }
     }
