@@ -106,3 +106,86 @@ fn no_thread_sleep_on_runtime_threads() {
     }
     fail_if_any("std::thread::sleep outside a marked blocking context", bad);
 }
+
+/// One proto boundary: only `agent/src/service/` imports `xfer_proto` in the agent (domain
+/// modules never see protobuf types).
+#[test]
+fn only_the_service_module_knows_protobuf() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let p = path.to_string_lossy();
+        if !p.starts_with("agent/src/") || p.starts_with("agent/src/service/") {
+            continue;
+        }
+        for (n, line) in product_lines(&text) {
+            if line.split("//").next().unwrap_or("").contains("xfer_proto") {
+                bad.push(format!("{p}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    fail_if_any("xfer_proto used outside agent/src/service/", bad);
+}
+
+/// gRPC statuses are made in one place: `tonic::Status` is constructed only in
+/// `agent/src/service/convert.rs` (every domain error maps there, so codes stay consistent).
+#[test]
+fn statuses_are_built_only_in_convert() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let p = path.to_string_lossy();
+        if !p.starts_with("agent/src/") || p.ends_with("service/convert.rs") {
+            continue;
+        }
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            let builds = code.match_indices("Status::").any(|(i, _)| {
+                let before = &code[..i];
+                let after = &code[i + "Status::".len()..];
+                // `tonic::Status::x(` or `Status::x(`, not `WcStatus::`/`TransferStatus::`.
+                !before.ends_with(|c: char| c.is_alphanumeric() || c == '_')
+                    && after.starts_with(|c: char| c.is_ascii_lowercase())
+                    && after.split(|c: char| !(c.is_alphanumeric() || c == '_')).next().is_some_and(|f| after[f.len()..].starts_with('('))
+            });
+            if builds {
+                bad.push(format!("{p}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    fail_if_any("tonic::Status built outside service/convert.rs", bad);
+}
+
+/// Every source file opens with a `//!` module doc saying what it is for.
+#[test]
+fn every_file_has_a_module_doc() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        if !text.trim_start().starts_with("//!") {
+            bad.push(path.display().to_string());
+        }
+    }
+    fail_if_any("files without a //! module doc", bad);
+}
+
+/// No `unwrap()`/`expect(` in product code unless a comment within the three lines above (or on
+/// the line) states the invariant that makes it safe.
+#[test]
+fn unwraps_state_their_invariant() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            if !(code.contains(".unwrap()") || code.contains(".expect(")) {
+                continue;
+            }
+            // Lines n-3..=n (1-based n is this line): a `//` comment (not a `//!` module doc),
+            // on its own line or trailing this one.
+            let from = n.saturating_sub(4);
+            let commented = lines[from..n].iter().any(|l| l.contains("//") && !l.trim_start().starts_with("//!"));
+            if !commented {
+                bad.push(format!("{}:{n}: {}", path.display(), line.trim()));
+            }
+        }
+    }
+    fail_if_any("unwrap/expect without an invariant comment", bad);
+}

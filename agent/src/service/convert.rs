@@ -272,8 +272,18 @@ pub(crate) fn require(cond: bool, msg: &str) -> Result<(), Status> {
     if cond {
         Ok(())
     } else {
-        Err(Status::invalid_argument(msg.to_string()))
+        Err(invalid(msg))
     }
+}
+
+/// INVALID_ARGUMENT for a malformed request (what a domain type cannot express).
+pub(crate) fn invalid(msg: impl Into<String>) -> Status {
+    Status::invalid_argument(msg.into())
+}
+
+/// INTERNAL for a blocking task that panicked or was cancelled (the runtime shutting down).
+pub(crate) fn join_status(e: tokio::task::JoinError) -> Status {
+    Status::internal(format!("a blocking task failed: {e}"))
 }
 
 /// An optional request duration (ttl, timeout); `what` names the field in the error.

@@ -14,6 +14,7 @@ use xfer_proto::v1::agent_server::{Agent, AgentServer};
 use xfer_proto::v1::peer_server::{Peer, PeerServer};
 
 use crate::node::{BenchParams, Node};
+use crate::regions::RegionError;
 
 pub mod auth;
 pub mod client;
@@ -118,13 +119,6 @@ fn caller_of<T>(req: &Request<T>) -> Result<auth::Caller, Status> {
 const MAX_QPS: usize = 64;
 const MAX_DEPTH: usize = 4096;
 
-fn require(cond: bool, msg: &str) -> Result<(), Status> {
-    if cond {
-        Ok(())
-    } else {
-        Err(Status::invalid_argument(msg.to_string()))
-    }
-}
 
 
 #[tonic::async_trait]
@@ -178,7 +172,7 @@ impl Agent for Services {
         // Mapping and registration can take long for big regions: keep them off the reactor.
         let region = tokio::task::spawn_blocking(move || node.regions.create(spec))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(join_status)?
             .map_err(region_status)?;
         Ok(Response::new(region_to_pb(&region)))
     }
@@ -189,7 +183,7 @@ impl Agent for Services {
         // The catalog write fsyncs: keep it off the reactor.
         tokio::task::spawn_blocking(move || node.delete_region(&name))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(join_status)?
             .map_err(region_status)?;
         Ok(Response::new(pb::DeleteRegionResponse {}))
     }
@@ -207,12 +201,12 @@ impl Agent for Services {
 
     async fn write_region(&self, req: Request<Streaming<pb::WriteRegionRequest>>) -> Result<Response<pb::WriteRegionResponse>, Status> {
         let mut stream = req.into_inner();
-        let first = stream.message().await?.ok_or_else(|| Status::invalid_argument("empty WriteRegion stream"))?;
+        let first = stream.message().await?.ok_or_else(|| invalid("empty WriteRegion stream"))?;
         require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
         let use_ = self.node.regions.acquire(&first.region).map_err(region_status)?;
         let region = &use_.0;
         if !region.memory.writable() {
-            return Err(Status::permission_denied(format!("region {:?} is mapped read-only", region.name)));
+            return Err(region_status(RegionError::Denied(format!("region {:?} is mapped read-only", region.name))));
         }
         let mut offset = first.offset;
         let mut written = 0u64;
@@ -262,7 +256,7 @@ impl Agent for Services {
         region.check_range(r.offset, len).map_err(region_status)?;
         let value = tokio::task::spawn_blocking(move || crate::checksum::checksum(&u.0.memory, r.offset, len, algo))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(join_status)?
             .map_err(|e| region_status(region.mem_error(e)))?;
         Ok(Response::new(pb::ChecksumResponse { algo: algo_to_pb(algo) as i32, value }))
     }
