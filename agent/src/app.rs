@@ -213,7 +213,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
     crate::metrics::limit("max_peers", cfg.limits.max_peers as u64);
     let node = Node::new(cfg.clone(), fabric, reason, grants, tls.clone());
-    let restored = node.regions.restore().map_err(StartError::Catalog)?;
+    let restored = node.restore_regions().map_err(StartError::Catalog)?;
     if restored > 0 {
         info!(regions = restored, "restored regions from the catalog");
     }

@@ -22,6 +22,9 @@ use xfer_agent::transfer::TransferError;
 
 struct Side {
     node: Arc<Node>,
+    /// The node's fabric and grant table, as the test made them (the node keeps its own private).
+    fabric: Arc<dyn Fabric>,
+    grants: Arc<GrantTable>,
     _dir: tempfile::TempDir,
 }
 
@@ -49,7 +52,7 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             xfer_agent::verbs::open_fabric(&cfg).unwrap()
         }
     };
-    Side { node: Node::new(cfg, fabric, "test".into(), grants, None), _dir: dir }
+    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), None), fabric, grants, _dir: dir }
 }
 
 /// A connects to B with `qps` QPs, as connection `conn-1` of peer "a" (which replaces an earlier
@@ -57,10 +60,10 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
 async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     b.node.disconnect("conn-1", "a");
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", "conn-1", qps, depth, tx).await.unwrap();
+    let pending = a.fabric.prepare("b", "conn-1", qps, depth, tx).await.unwrap();
     let eps = b
         .node
-        .accept_connection("a", "conn-1", a.node.fabric.kind(), &pending.local_endpoints())
+        .accept_connection("a", "conn-1", a.fabric.kind(), &pending.local_endpoints())
         .await
         .unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
@@ -68,8 +71,7 @@ async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Conne
 
 fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
     s.node
-        .regions
-        .create(RegionSpec {
+        .create_region(RegionSpec {
             name: name.into(),
             length: len,
             kind: RegionKind::Anonymous,
@@ -200,7 +202,7 @@ async fn revoked_grant_key_is_dead(k: Kind) {
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
     let g = grant(&b, "dst", 0, 8192, RemoteOp::Write, None).await;
     let (addr, key) = (g.exposure.addr, g.exposure.key.clone());
-    b.node.grants.revoke(&g.id);
+    b.grants.revoke(&g.id);
     drop(g);
     let w = WorkRequest {
         wr_id: 9,
@@ -230,8 +232,8 @@ async fn expired_grant_is_refused(k: Kind) {
     drop(g);
     // The reaper as it runs once the TTL has passed (reap takes the time: no waiting).
     let now = std::time::SystemTime::now();
-    assert_eq!(b.node.grants.reap(now), 0, "not expired before its TTL");
-    assert_eq!(b.node.grants.reap(now + Duration::from_secs(61)), 1);
+    assert_eq!(b.grants.reap(now), 0, "not expired before its TTL");
+    assert_eq!(b.grants.reap(now + Duration::from_secs(61)), 1);
     conn.post(0, w).unwrap();
     assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr);
     assert!(bytes(&dst) == before);
@@ -313,9 +315,9 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
         .unwrap();
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     drop(g);
-    assert_eq!(b.node.grants.len(), 1);
+    assert_eq!(b.grants.len(), 1);
     b.node.disconnect("conn-1", "a");
-    assert_eq!(b.node.grants.len(), 0, "the connection's grants are revoked with it");
+    assert_eq!(b.grants.len(), 0, "the connection's grants are revoked with it");
     // Whatever the fabric does with the old key now (tcp: refused; verbs: the QPs are gone),
     // it must not succeed, and the bytes must not change.
     let _ = conn.post(0, w);

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{
+use xfer_agent::fabric::{Fabric, 
     Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp,
 };
 use xfer_agent::grants::{Grant, GrantTable};
@@ -27,6 +27,9 @@ use xfer_agent::transfer::TransferError;
 
 struct Side {
     node: Arc<Node>,
+    /// The node's fabric and grant table, as the test made them (the node keeps its own private).
+    fabric: Arc<dyn Fabric>,
+    grants: Arc<GrantTable>,
     dev: String,
     _dir: tempfile::TempDir,
 }
@@ -42,21 +45,20 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
     let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
-    Side { node: Node::new(cfg, fabric, "test".into(), grants, None), dev: var("_DEV"), _dir: dir }
+    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), None), fabric, grants, dev: var("_DEV"), _dir: dir }
 }
 
 /// A connects to B with `qps` QPs; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str, qps: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", id, qps, 16, tx).await.unwrap();
-    let eps = b.node.accept_connection("a", id, a.node.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let pending = a.fabric.prepare("b", id, qps, 16, tx).await.unwrap();
+    let eps = b.node.accept_connection("a", id, a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
 
 fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
     s.node
-        .regions
-        .create(RegionSpec {
+        .create_region(RegionSpec {
             name: name.into(),
             length: len,
             kind: RegionKind::Anonymous,
@@ -150,7 +152,7 @@ async fn mw_write_and_read_land_and_a_revoked_window_is_dead() {
 
     // Revoke the WRITE grant: its windows are deallocated, the old key is dead.
     let (addr, old) = (g.exposure.addr, g.exposure.key.clone());
-    b.node.grants.revoke(&g.id);
+    b.grants.revoke(&g.id);
     drop(g);
     let landed = bytes(&dst);
     fill(&src, 55);
@@ -257,7 +259,7 @@ async fn mw_many_grants_on_one_connection_rebind_cleanly() {
         let mut got = vec![0u8; 4096];
         dst.memory.read_at(off, &mut got).unwrap();
         assert!(got == bytes(&src), "grant {i}: bytes did not land");
-        b.node.grants.revoke(&g.id);
+        b.grants.revoke(&g.id);
     }
     println!("50 mw grants bound, used and revoked on one connection: all SUCCESS");
 }
@@ -298,13 +300,13 @@ async fn grant_latency_per_mode() {
                     (_, RemoteKey::PerQp(k)) => panic!("{mode:?} {label}: per-QP keys {k:?} outside grant mode mw"),
                     _ => {}
                 }
-                assert_eq!(b.node.grants.len(), 1, "{mode:?} {label}: the grant is in the table");
+                assert_eq!(b.grants.len(), 1, "{mode:?} {label}: the grant is in the table");
                 let t1 = Instant::now();
-                let revoked = b.node.grants.revoke(&g.id).is_some();
+                let revoked = b.grants.revoke(&g.id).is_some();
                 drop(g);
                 revoke_t.push(t1.elapsed());
                 assert!(revoked, "{mode:?} {label}: revoke finds the grant");
-                assert_eq!(b.node.grants.len(), 0, "{mode:?} {label}: revoked grants leave the table");
+                assert_eq!(b.grants.len(), 0, "{mode:?} {label}: revoked grants leave the table");
             }
             rows.push((format!("{mode:?}").to_lowercase(), label, iters, median(&mut grant_t), median(&mut revoke_t)));
         }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
+use xfer_agent::fabric::{Fabric, Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionKind, RegionSpec};
@@ -31,6 +31,9 @@ const LEN: u64 = 64 << 10;
 
 struct Side {
     node: Arc<Node>,
+    /// The node's fabric and grant table, as the test made them (the node keeps its own private).
+    fabric: Arc<dyn Fabric>,
+    grants: Arc<GrantTable>,
     _dir: tempfile::TempDir,
 }
 
@@ -49,21 +52,20 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
     let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
-    Side { node: Node::new(cfg, fabric, "test".into(), grants, None), _dir: dir }
+    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), None), fabric, grants, _dir: dir }
 }
 
 /// A connects to B with one QP; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.node.fabric.prepare("b", id, 1, 16, tx).await.unwrap();
-    let eps = b.node.accept_connection("a", id, a.node.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let pending = a.fabric.prepare("b", id, 1, 16, tx).await.unwrap();
+    let eps = b.node.accept_connection("a", id, a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
 
 fn region(s: &Side, name: &str) -> Arc<Region> {
     s.node
-        .regions
-        .create(RegionSpec {
+        .create_region(RegionSpec {
             name: name.into(),
             length: LEN,
             kind: RegionKind::Anonymous,
@@ -104,8 +106,8 @@ fn op_name(op: WrOp) -> &'static str {
 /// region to the region's registered address with `key`. Returns the completion status; checks
 /// every byte of the target and of the attacker's READ buffer against `expect_success`.
 async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, op: WrOp, expect_success: bool) -> WcStatus {
-    let src = a.node.regions.get("src").unwrap();
-    let sink = a.node.regions.get("sink").unwrap();
+    let src = a.node.region("src").unwrap();
+    let sink = a.node.region("sink").unwrap();
     let target_before = fill(target, 0x5a);
     let src_bytes = fill(&src, 0xa5);
     let sink_before = fill(&sink, 0x3c);
@@ -166,8 +168,8 @@ async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, o
 
 /// A legitimate grant, asked on a fresh connection after the attacks: WRITE and READ work.
 async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
-    let src = a.node.regions.get("src").unwrap();
-    let sink = a.node.regions.get("sink").unwrap();
+    let src = a.node.region("src").unwrap();
+    let sink = a.node.region("sink").unwrap();
     let before = fill(target, 0x11);
     let data = fill(&src, 0x77);
     fill(&sink, 0);
@@ -204,8 +206,8 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     assert_eq!((c.wr_id, c.status), (11, WcStatus::Success), "READ through a grant");
     assert!(bytes(&sink)[..8192] == data[..8192], "the granted READ must bring every byte back");
     println!("  legitimate grant on a fresh connection afterwards: WRITE {} + READ {}, bytes landed", WcStatus::Success, WcStatus::Success);
-    b.node.grants.revoke(&g.id);
-    b.node.grants.revoke(&gr.id);
+    b.grants.revoke(&g.id);
+    b.grants.revoke(&gr.id);
     conn.close();
     b.node.disconnect("legit", "a");
 }

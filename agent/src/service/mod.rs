@@ -125,14 +125,14 @@ const MAX_DEPTH: usize = 4096;
 impl Agent for Services {
     async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Result<Response<pb::AgentInfo>, Status> {
         let n = &self.node;
-        let info = n.fabric.info();
+        let info = n.fabric_info();
         let (soft, hard) = crate::sys::memlock();
-        let (regions, registered) = n.regions.totals();
+        let (regions, registered) = n.region_totals();
         Ok(Response::new(pb::AgentInfo {
-            node_name: n.config.node_name.clone(),
+            node_name: n.node_name().to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             fabric: fabric_to_pb(info.kind) as i32,
-            fabric_reason: n.fabric_reason.clone(),
+            fabric_reason: n.fabric_reason().to_string(),
             devices: info
                 .devices
                 .iter()
@@ -155,11 +155,11 @@ impl Agent for Services {
                 memlock_soft: soft,
                 memlock_hard: hard,
                 cap_ipc_lock: crate::sys::cap_ipc_lock(),
-                max_regions: n.config.limits.max_regions as u32,
-                max_registered_bytes: n.config.limits.max_registered_bytes.0,
-                max_transfers: n.config.limits.max_transfers as u32,
+                max_regions: n.limits().max_regions as u32,
+                max_registered_bytes: n.limits().max_registered_bytes.0,
+                max_transfers: n.limits().max_transfers as u32,
             }),
-            uptime: Some(duration_to_pb(n.started.elapsed())),
+            uptime: Some(duration_to_pb(n.uptime())),
             data_address: info.data_address.map(|a| a.to_string()).unwrap_or_default(),
             regions: regions as u32,
             registered_bytes: registered,
@@ -170,7 +170,7 @@ impl Agent for Services {
         let spec = region_spec_from_pb(req.into_inner())?;
         let node = self.node.clone();
         // Mapping and registration can take long for big regions: keep them off the reactor.
-        let region = tokio::task::spawn_blocking(move || node.regions.create(spec))
+        let region = tokio::task::spawn_blocking(move || node.create_region(spec))
             .await
             .map_err(join_status)?
             .map_err(region_status)?;
@@ -190,12 +190,12 @@ impl Agent for Services {
 
     async fn list_regions(&self, req: Request<pb::ListRegionsRequest>) -> Result<Response<pb::ListRegionsResponse>, Status> {
         let sel = req.into_inner().label_selector.into_iter().collect();
-        let regions = self.node.regions.list(&sel).iter().map(region_view_to_pb).collect();
+        let regions = self.node.list_regions(&sel).iter().map(region_view_to_pb).collect();
         Ok(Response::new(pb::ListRegionsResponse { regions }))
     }
 
     async fn get_region(&self, req: Request<pb::GetRegionRequest>) -> Result<Response<pb::Region>, Status> {
-        let r = self.node.regions.describe(&req.into_inner().name).map_err(region_status)?;
+        let r = self.node.describe_region(&req.into_inner().name).map_err(region_status)?;
         Ok(Response::new(region_view_to_pb(&r)))
     }
 
@@ -203,7 +203,7 @@ impl Agent for Services {
         let mut stream = req.into_inner();
         let first = stream.message().await?.ok_or_else(|| invalid("empty WriteRegion stream"))?;
         require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
-        let use_ = self.node.regions.acquire(&first.region).map_err(region_status)?;
+        let use_ = self.node.use_region(&first.region).map_err(region_status)?;
         let region = &use_.0;
         if !region.memory.writable() {
             return Err(region_status(RegionError::Denied(format!("region {:?} is mapped read-only", region.name))));
@@ -228,7 +228,7 @@ impl Agent for Services {
 
     async fn read_region(&self, req: Request<pb::ReadRegionRequest>) -> Result<Response<Self::ReadRegionStream>, Status> {
         let r = req.into_inner();
-        let use_ = self.node.regions.acquire(&r.region).map_err(region_status)?;
+        let use_ = self.node.use_region(&r.region).map_err(region_status)?;
         let region = &use_.0;
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
         region.check_range(r.offset, len).map_err(region_status)?;
@@ -250,7 +250,7 @@ impl Agent for Services {
     async fn checksum(&self, req: Request<pb::ChecksumRequest>) -> Result<Response<pb::ChecksumResponse>, Status> {
         let r = req.into_inner();
         let algo = algo_from_pb(r.algo)?;
-        let u = self.node.regions.acquire(&r.region).map_err(region_status)?;
+        let u = self.node.use_region(&r.region).map_err(region_status)?;
         let region = u.0.clone();
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
         region.check_range(r.offset, len).map_err(region_status)?;
@@ -305,18 +305,15 @@ impl Agent for Services {
     async fn connect(&self, req: Request<pb::ConnectRequest>) -> Result<Response<pb::PeerInfo>, Status> {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
-        let peer = self.node.peers.peer(&r.peer).map_err(peer_status)?;
-        let qps = if r.qps == 0 { self.node.config.transfer.qps } else { r.qps as usize };
         // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
-        // tcp fabric's stream vector abort the agent).
-        require((1..=MAX_QPS).contains(&qps), "qps must be 1-64")?;
-        let lease = self.node.peers.lease(&peer, qps, self.node.config.transfer.depth).await.map_err(peer_status)?;
-        self.node.peers.release(&peer, lease, true);
+        // tcp fabric's stream vector abort the agent). 0 = the configured default.
+        require(r.qps as usize <= MAX_QPS, "qps must be 1-64")?;
+        let peer = self.node.connect_peer(&r.peer, r.qps as usize).await.map_err(peer_status)?;
         Ok(Response::new(peer_info(&self.node, &peer)))
     }
 
     async fn list_peers(&self, _: Request<pb::ListPeersRequest>) -> Result<Response<pb::ListPeersResponse>, Status> {
-        let peers = self.node.peers.list().iter().map(|p| peer_info(&self.node, p)).collect();
+        let peers = self.node.peers().iter().map(|p| peer_info(&self.node, p)).collect();
         Ok(Response::new(pb::ListPeersResponse { peers }))
     }
 
@@ -344,7 +341,7 @@ impl Agent for Services {
             lat_p50_us: b.lat_p50_us,
             lat_p99_us: b.lat_p99_us,
             lat_iters: b.lat_iters,
-            fabric: fabric_to_pb(self.node.fabric.kind()) as i32,
+            fabric: fabric_to_pb(self.node.fabric_kind()) as i32,
         }))
     }
 
@@ -369,7 +366,7 @@ fn peer_info(node: &Node, p: &crate::peers::PeerEntry) -> pb::PeerInfo {
     pb::PeerInfo {
         address: p.addr.clone(),
         node_name: p.node_name(),
-        fabric: fabric_to_pb(node.fabric.kind()) as i32,
+        fabric: fabric_to_pb(node.fabric_kind()) as i32,
         qps: p.idle_count() as u32,
         state: if p.node_name().is_empty() { "NEW".into() } else { "CONNECTED".into() },
         connect_duration: p.last_connect.lock().ok().and_then(|l| *l).map(duration_to_pb),
@@ -387,10 +384,10 @@ impl Peer for Services {
         let mine = self.node.accept_connection(&peer, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
         Ok(Response::new(pb::PeerConnectResponse {
             version: 1,
-            node_name: self.node.config.node_name.clone(),
-            fabric: fabric_to_pb(self.node.fabric.kind()) as i32,
+            node_name: self.node.node_name().to_string(),
+            fabric: fabric_to_pb(self.node.fabric_kind()) as i32,
             endpoints: mine.iter().map(endpoint_to_pb).collect(),
-            instance_id: self.node.instance_id.clone(),
+            instance_id: self.node.instance_id().to_string(),
         }))
     }
 
@@ -413,8 +410,8 @@ impl Peer for Services {
             length: g.len,
             expires_at: Some(time_to_pb(g.expires_at)),
             region_id: g.region.id.clone(),
-            instance_id: self.node.instance_id.clone(),
-            node_name: self.node.config.node_name.clone(),
+            instance_id: self.node.instance_id().to_string(),
+            node_name: self.node.node_name().to_string(),
             qp_rkeys,
         }))
     }

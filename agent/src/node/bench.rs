@@ -1,0 +1,277 @@
+//! Benchmarks (`Agent.Bench`: perftest-style WRITE/READ over a scratch region on the target),
+//! the raw TCP baseline client and its one-shot sink (`Peer.OpenSink`), and bench scratch
+//! regions (`Peer.OpenBenchRegion`/`CloseBenchRegion`).
+#[allow(unused_imports)]
+use super::*;
+
+#[derive(Debug, Clone)]
+pub struct BenchParams {
+    pub peer: String,
+    pub op: Op,
+    pub size: u64,
+    pub iters: u32,
+    pub qps: usize,
+    pub depth: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct BenchResult {
+    pub size: u64,
+    pub iters: u32,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub lat_avg_us: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_iters: u32,
+}
+
+/// Each sink connection's read buffer.
+const SINK_BUFFER: usize = 256 << 10;
+/// A sink waits this long for each baseline connection.
+const SINK_ACCEPT_WITHIN: Duration = Duration::from_secs(10);
+/// A sink closes after this, whatever its state.
+const SINK_LIFETIME: Duration = Duration::from_secs(120);
+/// Largest TCP baseline send buffer.
+const BASELINE_MAX_BLOCK: u64 = 16 << 20;
+/// A benchmark's scratch region on the target is reaped after this at the latest.
+const BENCH_REGION_TTL: Duration = Duration::from_secs(600);
+
+impl Node {
+    /// `Peer.OpenSink`: a one-shot listener that reads and discards, for the raw TCP baseline.
+    /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
+    /// counted against `max_registered_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
+    /// [`SINK_LIFETIME`] in all.
+    pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
+        let n = connections.clamp(1, 64);
+        let slot = self.sink_slot.clone().try_acquire_owned().map_err(|_| {
+            TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into())
+        })?;
+        let reservation = self.regions.reserve(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
+        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
+            .await
+            .map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+        tokio::spawn(async move {
+            let _held = (slot, reservation);
+            let work = async {
+                let mut tasks = Vec::new();
+                for _ in 0..n {
+                    let (mut s, _) = tokio::time::timeout(SINK_ACCEPT_WITHIN, listener.accept())
+                        .await
+                        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
+                    tasks.push(tokio::spawn(async move {
+                        let mut buf = vec![0u8; SINK_BUFFER];
+                        while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+                        let _ = s.shutdown().await;
+                    }));
+                }
+                drop(listener);
+                for t in tasks {
+                    let _ = t.await;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            match tokio::time::timeout(SINK_LIFETIME, work).await {
+                Err(_) => warn!("tcp baseline sink reached its lifetime; closed"),
+                Ok(Err(e)) => debug!(error = %e, "tcp baseline sink closed"),
+                Ok(Ok(())) => {}
+            }
+        });
+        Ok(addr)
+    }
+
+    /// `Peer.OpenBenchRegion`: the target side of a benchmark, a scratch region for `owner`. One
+    /// at a time per agent; the region counts against the region limits and its lease ends after
+    /// [`BENCH_REGION_TTL`] even if the caller never closes it.
+    pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
+        if length == 0 || length > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
+        }
+        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((name, _)) = slot.as_ref() {
+            if self.regions.get(name).is_ok() {
+                return Err(TransferError::Limit("a benchmark against this agent is already running (one at a time)".into()));
+            }
+        }
+        let name = format!("xfer-bench-{}", new_id());
+        self.regions.create(crate::regions::RegionSpec {
+            name: name.clone(),
+            length,
+            kind: crate::regions::RegionKind::Anonymous,
+            path: None,
+            access: crate::fabric::Access::ReadWrite,
+            hugepages: false,
+            ttl: Some(BENCH_REGION_TTL),
+            labels: [("xfer.io/scratch".to_string(), "bench".to_string()), ("xfer.io/owner".to_string(), owner.to_string())].into(),
+            adopt_existing: false,
+        })?;
+        *slot = Some((name.clone(), owner.to_string()));
+        Ok(name)
+    }
+
+    /// `Peer.CloseBenchRegion`: deletes the caller's scratch region (no-op for anything else).
+    pub fn close_bench_region(&self, owner: &str, name: &str) -> Result<(), TransferError> {
+        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some((n, o)) if n == name && o == owner => {
+                let n = n.clone();
+                *slot = None;
+                drop(slot);
+                match self.delete_region(&n) {
+                    Ok(()) | Err(crate::regions::RegionError::NotFound(_)) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            _ => Err(crate::regions::RegionError::NotFound(name.to_string()).into()),
+        }
+    }
+
+    // ------------------------------------------------------------------ benchmarks
+
+    /// perftest-style data-path benchmark against `peer`. Admin-only; one at a time; its buffer
+    /// counts against `max_registered_bytes` here and the target's scratch region against the
+    /// target's region limits.
+    pub async fn bench(&self, p: BenchParams) -> Result<BenchResult, TransferError> {
+        if p.size == 0 || p.size > crate::fabric::frame::MAX_PAYLOAD as u64 {
+            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
+        }
+        let _admin = self.admin_slot("Bench")?;
+        let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
+        let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
+        let peer = self.peers.peer(&p.peer)?;
+        let scratch = peer.call(|| peer.client.open_bench_region(p.size)).await?;
+        let res = self.bench_with(&peer, &scratch, &p, iters).await;
+        if let Err(e) = peer.client.close_bench_region(&scratch).await {
+            warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer (its lease ends it)");
+        }
+        res
+    }
+
+    async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
+        let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
+        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600) };
+        let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
+        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
+        let local = self
+            .fabric
+            .register(mem, crate::fabric::Access::ReadWrite)
+            .map_err(|e| TransferError::Internal(e.to_string()))?;
+        let cancel = CancellationToken::new();
+        let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let qps = if p.qps == 0 { self.config.transfer.qps } else { p.qps };
+        let depth = if p.depth == 0 { self.config.transfer.depth } else { p.depth };
+
+        // Bandwidth: iters WRs of `size`, `depth` outstanding per QP. Each phase has its own
+        // connection, and so its own grant (mw grants are bound to a connection).
+        let (mut lease, grant) = self.lease_and_grant(peer, qps, depth, &ask).await?;
+        let mut machine = Machine::new(MachineConfig {
+            total: p.size * iters as u64,
+            chunk: p.size,
+            qps: lease.conn.qps(),
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            deadline: Some(Instant::now() + Duration::from_secs(600)),
+        });
+        let t0 = Instant::now();
+        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None).await;
+        let seconds = t0.elapsed().as_secs_f64();
+        let bw_state = machine.state().clone();
+        let clean = bw_state == State::Succeeded;
+        self.peers.release(peer, lease, clean);
+        if let State::Failed(f) = bw_state {
+            self.revoke_later(peer, &grant.grant_id);
+            return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
+        }
+
+        // Latency: one WR at a time on one QP.
+        self.revoke_later(peer, &grant.grant_id);
+        let lat_iters = iters.clamp(1, 10_000);
+        let (mut lease, grant) = self.lease_and_grant(peer, 1, 1, &ask).await?;
+        let mut machine = Machine::new(MachineConfig {
+            total: p.size * lat_iters as u64,
+            chunk: p.size,
+            qps: 1,
+            depth: 1,
+            signal_every: 1,
+            deadline: Some(Instant::now() + Duration::from_secs(600)),
+        });
+        let mut probe = LatencyProbe::default();
+        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
+        let lat_ok = machine.state() == &State::Succeeded;
+        self.peers.release(peer, lease, lat_ok);
+        self.revoke_later(peer, &grant.grant_id);
+        if !lat_ok {
+            return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", machine.state())));
+        }
+        let mut us: Vec<f64> = probe.samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        us.sort_by(|a, b| a.total_cmp(b));
+        let pct = |q: f64| us.get(((us.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+        Ok(BenchResult {
+            size: p.size,
+            iters,
+            bytes: p.size * iters as u64,
+            seconds,
+            lat_avg_us: us.iter().sum::<f64>() / us.len().max(1) as f64,
+            lat_p50_us: pct(0.5),
+            lat_p99_us: pct(0.99),
+            lat_iters: us.len() as u32,
+        })
+    }
+
+    /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
+    /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
+    /// `max_registered_bytes`.
+    pub async fn tcp_baseline(&self, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
+        let _admin = self.admin_slot("TcpBaseline")?;
+        let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
+        let _memory = self.regions.reserve(block as u64, "the TCP baseline buffer")?;
+        let peer = self.peers.peer(peer_addr)?;
+        let n = connections.clamp(1, 64);
+        let sink = peer.call(|| peer.client.open_sink(n)).await?;
+        let per = bytes.div_ceil(n as u64);
+        let buf: Arc<[u8]> = vec![0xa5u8; block].into();
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let sink = sink.clone();
+            let buf = buf.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut s = TcpStream::connect(&sink).await?;
+                s.set_nodelay(true)?;
+                let mut left = per;
+                while left > 0 {
+                    let k = (left as usize).min(buf.len());
+                    s.write_all(&buf[..k]).await?;
+                    left -= k as u64;
+                }
+                s.shutdown().await?;
+                // Wait for the sink to close: all bytes were read on the far side.
+                let mut one = [0u8; 1];
+                let _ = s.read(&mut one).await;
+                Ok::<u64, std::io::Error>(per)
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t
+                .await
+                .map_err(|e| TransferError::Internal(e.to_string()))?
+                .map_err(|e| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail: e.to_string() }))?;
+        }
+        Ok((total, t0.elapsed().as_secs_f64()))
+    }
+}
+
+fn bench_wr(seq: u64, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {
+    WorkRequest {
+        wr_id: seq,
+        op,
+        local: local.clone(),
+        local_offset: 0,
+        len: size as u32,
+        remote_addr: grant.addr,
+        remote_key: grant.key.clone(),
+        signaled,
+    }
+}

@@ -1,0 +1,57 @@
+//! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
+//! the check until the transfer's record counts), and the one-at-a-time admin slot.
+#[allow(unused_imports)]
+use super::*;
+
+/// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
+/// limit check until the transfer's record is in the registry (which then counts it).
+pub(super) struct SubmitSlot<'a> {
+    node: &'a Node,
+    peer: String,
+}
+
+impl Drop for SubmitSlot<'_> {
+    fn drop(&mut self) {
+        let mut m = self.node.submitting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.peer);
+            }
+        }
+    }
+}
+
+impl Node {
+    pub(super) fn submitting_count(&self) -> usize {
+        self.submitting.lock().map(|m| m.values().sum()).unwrap_or(0)
+    }
+
+    /// Checks `limits.max_transfers` and `limits.max_transfers_per_peer` and holds a slot until
+    /// the transfer's record is inserted, so concurrent submits cannot overshoot.
+    pub(super) fn reserve_slot(&self, peer: &str) -> Result<SubmitSlot<'_>, TransferError> {
+        let limits = &self.config.limits;
+        let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
+        let active = self.transfers.active(None);
+        let total = active.len() + m.values().sum::<usize>();
+        if total >= limits.max_transfers {
+            return Err(TransferError::Limit(format!("max_transfers = {} ({total} running)", limits.max_transfers)));
+        }
+        let to_peer = active.iter().filter(|h| h.record.borrow().remote_agent == peer).count() + m.get(peer).copied().unwrap_or(0);
+        if to_peer >= limits.max_transfers_per_peer {
+            return Err(TransferError::Limit(format!(
+                "max_transfers_per_peer = {} ({to_peer} running to {peer})",
+                limits.max_transfers_per_peer
+            )));
+        }
+        *m.entry(peer.to_string()).or_insert(0) += 1;
+        Ok(SubmitSlot { node: self, peer: peer.to_string() })
+    }
+
+    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+    pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+        self.admin_slot.clone().try_acquire_owned().map_err(|_| {
+            TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)"))
+        })
+    }
+}

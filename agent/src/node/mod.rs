@@ -1,0 +1,321 @@
+//! The agent's core: regions, grants, transfers, peers and the fabric, and the operations the
+//! gRPC services expose (in domain types). `service` converts protobuf to these calls and back.
+//!
+//! `Node` is split by role, one file each; its fields are private to this module:
+//! * this file — the `Node` itself, start-up (`new`, reapers), region deletion and drain;
+//! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
+//! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
+//! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
+//! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::checksum::{self, Algo};
+use crate::config::Config;
+use crate::fabric::{
+    Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, GrantMode, Registration, RemoteOp, WorkRequest, WrOp,
+};
+use crate::grants::{Grant, GrantError, GrantTable};
+use crate::metrics as m;
+use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
+use crate::service::tls::TlsMaterial;
+use crate::regions::{new_id, RegionPolicy, RegionRegistry, RegionUse};
+use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
+use crate::transfer::driver::{pump, LatencyProbe};
+use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
+use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use crate::verbs::memory::RegionMemory;
+
+
+mod bench;
+mod initiator;
+mod limits;
+mod responder;
+
+pub use bench::{BenchParams, BenchResult};
+pub use initiator::REGION_POISONED;
+pub use responder::GrantParams;
+use responder::AcceptedConn;
+
+pub struct Node {
+    config: Config,
+    fabric: Arc<dyn Fabric>,
+    fabric_reason: String,
+    regions: RegionRegistry,
+    grants: Arc<GrantTable>,
+    /// Transfers this agent initiated.
+    transfers: TransferRegistry,
+    /// Transfers peers completed into this agent (`Peer.Complete`), by `PEER/ID`.
+    inbound: TransferRegistry,
+    peers: PeerPool,
+    started: Instant,
+    /// Random per start: peers use it to notice this agent restarted.
+    instance_id: String,
+    /// Responder halves of connections, by connection id (peer node, keepalive).
+    accepted: Mutex<HashMap<String, AcceptedConn>>,
+    /// Orders `accepted` by age (eviction takes the oldest).
+    accept_seq: std::sync::atomic::AtomicU64,
+    /// Cancelled on SIGTERM: refuse new transfers.
+    draining: CancellationToken,
+    /// Submits past the limit check that have not inserted their record yet, by peer address.
+    /// Counted with the active transfers so concurrent submits cannot overshoot the limits.
+    submitting: Mutex<HashMap<String, usize>>,
+    /// Background revocations of peer grants in flight; `drain` waits for them.
+    pending_revokes: Arc<AtomicUsize>,
+    /// Admin calls (`Bench`, `TcpBaseline`) run one at a time.
+    admin_slot: Arc<tokio::sync::Semaphore>,
+    /// One `Peer.OpenSink` at a time; its task holds the permit until the sink closes.
+    sink_slot: Arc<tokio::sync::Semaphore>,
+    /// The scratch region of the benchmark running against this agent, and its owner.
+    bench_region: Mutex<Option<(String, String)>>,
+}
+
+/// Finished transfers remembered per direction. Every field of a record is bounded (ids 64
+/// bytes, names 253), so both histories together stay far below `limits.max_message_size` in one
+/// `ListTransfers` answer.
+pub const TRANSFER_HISTORY: usize = 1000;
+
+impl Node {
+    /// `tls`: the agent's mTLS material for its calls to peers (None = plaintext).
+    pub fn new(
+        config: Config,
+        fabric: Arc<dyn Fabric>,
+        fabric_reason: String,
+        grants: Arc<GrantTable>,
+        tls: Option<Arc<TlsMaterial>>,
+    ) -> Arc<Node> {
+        let mut policy = RegionPolicy::new(config.regions.effective_file_roots(&config.state_dir));
+        policy.shm_mode = config.regions.shm_mode.0;
+        // Both were checked by Config::validate; a failure here keeps the private defaults.
+        policy.shm_gid = config.regions.shm_gid().unwrap_or(None);
+        if let Ok(uid) = config.regions.shm_owner_uid() {
+            policy.shm_owner = uid;
+        }
+        let regions = RegionRegistry::new(
+            fabric.clone(),
+            config.state_dir.clone(),
+            crate::regions::RegionLimits {
+                max_regions: config.limits.max_regions,
+                max_registered_bytes: config.limits.max_registered_bytes.0,
+            },
+            policy,
+        );
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls, config.limits.max_peers);
+        Arc::new(Node {
+            regions,
+            grants,
+            transfers: TransferRegistry::new(TRANSFER_HISTORY),
+            inbound: TransferRegistry::new(TRANSFER_HISTORY),
+            peers,
+            started: Instant::now(),
+            instance_id: new_id(),
+            accepted: Mutex::new(HashMap::new()),
+            accept_seq: std::sync::atomic::AtomicU64::new(0),
+            draining: CancellationToken::new(),
+            submitting: Mutex::new(HashMap::new()),
+            pending_revokes: Arc::new(AtomicUsize::new(0)),
+            admin_slot: Arc::new(tokio::sync::Semaphore::new(1)),
+            sink_slot: Arc::new(tokio::sync::Semaphore::new(1)),
+            bench_region: Mutex::new(None),
+            fabric,
+            fabric_reason,
+            config,
+        })
+    }
+
+    /// Background housekeeping: region leases and grant expiry.
+    pub fn spawn_reapers(self: &Arc<Self>, shutdown: CancellationToken) {
+        let node = self.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let now = SystemTime::now();
+                node.grants.reap(now);
+                // Catalog writes fsync: off the reactor.
+                let n = node.clone();
+                let expired = tokio::task::spawn_blocking(move || n.regions.reap_expired(now)).await.unwrap_or_default();
+                for r in expired {
+                    node.grants.revoke_region(&r.id);
+                }
+            }
+        });
+        // Regions the catalog has but that could not be restored (file missing, owner mismatch,
+        // ...) come back as soon as they can: retried every `regions.retry_interval`.
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(node.config.regions.retry_interval.0);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let n = node.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    n.regions.retry_unavailable();
+                    n.regions.retry_dirty_catalog();
+                })
+                .await;
+            }
+        });
+    }
+
+    pub fn delete_region(&self, name: &str) -> Result<(), crate::regions::RegionError> {
+        let Some(r) = self.regions.delete(name)? else {
+            // An unavailable region: never registered, so no grants.
+            return Ok(());
+        };
+        let n = self.grants.revoke_region(&r.id);
+        if n > 0 {
+            info!(region = %name, grants = n, "revoked grants of deleted region");
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ what services read
+
+    /// This agent's node name (its certificate's NAME under mTLS).
+    pub fn node_name(&self) -> &str {
+        &self.config.node_name
+    }
+
+    /// Random per start: peers use it to notice this agent restarted.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    pub fn fabric_kind(&self) -> FabricKind {
+        self.fabric.kind()
+    }
+
+    pub fn fabric_info(&self) -> crate::fabric::FabricInfo {
+        self.fabric.info()
+    }
+
+    /// Why this fabric was chosen (`fabric = auto` explains itself).
+    pub fn fabric_reason(&self) -> &str {
+        &self.fabric_reason
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// The limits and transfer defaults in force (the validated configuration).
+    pub fn limits(&self) -> &crate::config::LimitsConfig {
+        &self.config.limits
+    }
+
+    // ------------------------------------------------------------------ regions
+
+    /// Re-creates file and shm regions from the catalog (at start); how many came back.
+    pub fn restore_regions(&self) -> Result<usize, crate::regions::RegionError> {
+        self.regions.restore()
+    }
+
+    /// Maps (or allocates) and registers a region. Blocking: call it off the runtime's threads.
+    pub fn create_region(&self, spec: crate::regions::RegionSpec) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
+        self.regions.create(spec)
+    }
+
+    pub fn list_regions(&self, selector: &std::collections::BTreeMap<String, String>) -> Vec<crate::regions::RegionView> {
+        self.regions.list(selector)
+    }
+
+    pub fn describe_region(&self, name: &str) -> Result<crate::regions::RegionView, crate::regions::RegionError> {
+        self.regions.describe(name)
+    }
+
+    /// A live region, marked in use until the returned guard drops (see `RegionRegistry::acquire`).
+    pub fn use_region(&self, name: &str) -> Result<RegionUse, crate::regions::RegionError> {
+        self.regions.acquire(name)
+    }
+
+    /// A live, intact region by name or id (not marked in use: see [`Node::use_region`]).
+    pub fn region(&self, name: &str) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
+        self.regions.get(name)
+    }
+
+    /// Number of regions (live and unavailable) and bytes registered by live ones.
+    pub fn region_totals(&self) -> (usize, u64) {
+        self.regions.totals()
+    }
+
+    // ------------------------------------------------------------------ peers
+
+    /// `Agent.Connect`: a healthy pooled connection with `qps` QPs (0 = the configured default)
+    /// to the agent at `addr`, made now if there is none; returns the peer's pool entry.
+    pub async fn connect_peer(&self, addr: &str, qps: usize) -> Result<Arc<PeerEntry>, PeerError> {
+        let peer = self.peers.peer(addr)?;
+        let qps = if qps == 0 { self.config.transfer.qps } else { qps };
+        let lease = self.peers.lease(&peer, qps, self.config.transfer.depth).await?;
+        self.peers.release(&peer, lease, true);
+        Ok(peer)
+    }
+
+    /// The peer pool's entries, by address.
+    pub fn peers(&self) -> Vec<Arc<PeerEntry>> {
+        self.peers.list()
+    }
+
+    /// SIGTERM: refuse new transfers, wait up to `grace` for running ones, cancel the rest
+    /// (they end CANCELLED), revoke grants (ours, and the peers' grants of cancelled transfers)
+    /// and close connections.
+    pub async fn drain(&self, grace: Duration) {
+        self.draining.cancel();
+        let deadline = Instant::now() + grace;
+        let mut submitting = self.submitting_count();
+        loop {
+            let active = self.transfers.active(None);
+            if active.is_empty() && submitting == 0 {
+                info!("no transfers running");
+                break;
+            }
+            if Instant::now() >= deadline {
+                warn!(transfers = active.len(), "shutdown grace elapsed; cancelling running transfers");
+                for h in &active {
+                    h.cancel.cancel();
+                }
+                // Give the drivers a moment to record CANCELLED.
+                for _ in 0..100 {
+                    if self.transfers.active(None).is_empty() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // Submits that passed the draining check before it was set insert their record or
+            // give up (they re-check `draining` after the grant) within one peer call.
+            submitting = self.submitting_count();
+        }
+        // Peer grants of transfers that did not succeed are revoked in the background: let those
+        // calls finish (bounded), so the peers do not keep exposures until they expire.
+        let until = Instant::now() + Duration::from_secs(3);
+        while self.pending_revokes.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let n = self.grants.revoke_all();
+        info!(grants = n, "revoked all grants");
+        self.peers.close_all();
+        if let Ok(mut acc) = self.accepted.lock() {
+            acc.clear();
+            m::accepted_connections(0);
+        }
+        self.regions.flush_all();
+    }
+}

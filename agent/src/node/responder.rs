@@ -1,0 +1,302 @@
+//! The target side of the Peer service: accepting a peer's connection (and bounding how many it
+//! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
+#[allow(unused_imports)]
+use super::*;
+
+/// What `Peer.Grant` asks for, in domain terms.
+#[derive(Debug, Clone)]
+pub struct GrantParams {
+    pub region: String,
+    pub offset: u64,
+    /// 0 = the rest of the region
+    pub length: u64,
+    pub op: RemoteOp,
+    pub ttl: Option<Duration>,
+    pub peer: String,
+    /// The grantee's connection to bind the grant to (`GrantRequest.connection_id`). Grant mode
+    /// `mw` on verbs needs it: the windows are bound on that connection's QPs.
+    pub connection_id: Option<String>,
+}
+
+/// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
+/// on them, tcp grants work only on its streams)
+/// An accepted connection: its owner (the caller's identity), the responder half, and when it was
+/// accepted (a sequence number: lower is older).
+pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
+
+/// Responder halves one peer identity may hold; connecting more evicts one of them.
+const MAX_CONNECTIONS_PER_PEER: usize = 256;
+
+impl Node {
+    // ------------------------------------------------------------------ Peer side
+
+    pub async fn accept_connection(
+        &self,
+        peer: &str,
+        connection_id: &str,
+        fabric: FabricKind,
+        endpoints: &[Endpoint],
+    ) -> Result<Vec<Endpoint>, FabricError> {
+        if fabric != self.fabric.kind() {
+            return Err(FabricError::Negotiation {
+                step: "connect",
+                attr: "fabric",
+                detail: format!("initiator runs {fabric}, this agent runs {}", self.fabric.kind()),
+            });
+        }
+        let taken = || FabricError::Negotiation {
+            step: "connect",
+            attr: "connection_id",
+            detail: format!("connection {connection_id:?} already exists on this agent"),
+        };
+        // An id is never reused: another caller's connection must not be replaced by naming it.
+        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
+            return Err(taken());
+        }
+        let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
+        let seq = self.accept_seq.fetch_add(1, Ordering::Relaxed);
+        let (evicted, total) = {
+            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            if acc.contains_key(connection_id) {
+                return Err(taken());
+            }
+            // Bound per-peer state: a peer that never disconnects (one that crashed, or leaks)
+            // cannot grow it without limit. Only a connection that holds no grant is evicted,
+            // the oldest first: evicting one in use would revoke a running transfer's grants.
+            let mut evicted = None;
+            let from_peer = acc.values().filter(|v| v.0 == peer).count();
+            if from_peer >= MAX_CONNECTIONS_PER_PEER {
+                let idle = acc
+                    .iter()
+                    .filter(|(k, v)| v.0 == peer && !self.grants.has_connection(k))
+                    .min_by_key(|(_, v)| v.2)
+                    .map(|(k, _)| k.clone());
+                match idle {
+                    Some(k) => evicted = acc.remove_entry(&k),
+                    None => {
+                        return Err(FabricError::Negotiation {
+                            step: "connect",
+                            attr: "connections",
+                            detail: format!(
+                                "{peer} already has {from_peer} connections to this agent, each with a live grant \
+                                 (limit {MAX_CONNECTIONS_PER_PEER} per peer)"
+                            ),
+                        });
+                    }
+                }
+            }
+            acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep), seq));
+            (evicted, acc.len())
+        };
+        m::accepted_connections(total);
+        if let Some((id, _)) = evicted {
+            let n = self.grants.revoke_connection(&id);
+            warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limit {MAX_CONNECTIONS_PER_PEER} per peer)");
+        }
+        Ok(mine)
+    }
+
+    /// Drops the responder half of a connection and revokes the grants asked for on it, if the
+    /// peer `owner` made it.
+    pub fn disconnect(&self, connection_id: &str, owner: &str) {
+        let removed = {
+            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            let removed = if acc.get(connection_id).is_some_and(|c| c.0 == owner) { acc.remove(connection_id) } else { None };
+            m::accepted_connections(acc.len());
+            removed
+        };
+        // Dropped outside the lock: a tcp session closes its streams, verbs tears QPs down.
+        let removed = removed.is_some();
+        if removed {
+            let n = self.grants.revoke_connection(connection_id);
+            if n > 0 {
+                info!(connection = %connection_id, grants = n, "peer disconnected; revoked its grants on that connection");
+            }
+        }
+    }
+
+    pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
+        let region = self.regions.get(&p.region)?;
+        if !region.access.allows(p.op) {
+            return Err(TransferError::PermissionDenied(format!(
+                "region {:?} has access {:?}; remote {} is not allowed",
+                region.name, region.access, p.op
+            )));
+        }
+        if p.offset > region.length {
+            return Err(TransferError::Invalid(format!(
+                "offset {} is beyond the end of region {:?} ({} bytes)",
+                p.offset, region.name, region.length
+            )));
+        }
+        let length = if p.length == 0 { region.length - p.offset } else { p.length };
+        if length == 0 {
+            return Err(TransferError::Invalid(format!("nothing to grant: offset {} is the end of region {:?}", p.offset, region.name)));
+        }
+        region.check_range(p.offset, length)?;
+        let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
+        let expires_at = SystemTime::now() + ttl;
+        let mode = self.config.verbs.grant_mode;
+        let connection = self.grant_connection(p)?;
+        if self.grant_needs_connection() && connection.is_none() {
+            return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
+                "tcp grants are bound to a data connection: the grant request must name a connection the \
+                 caller made with Peer.Connect (connection_id)"
+                    .into()
+            } else {
+                "this agent grants with memory windows (verbs.grant_mode = mw), which are bound to the \
+                 grantee's QPs: the grant request must name a connection the caller made with Peer.Connect \
+                 (connection_id)"
+                    .into()
+            }));
+        }
+        let bound_to = connection.clone();
+        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), mode, connection };
+        let exposure = self
+            .fabric
+            .expose(&region.registration, &req)
+            .await
+            .map_err(|e| TransferError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
+        let grant = Grant {
+            id: new_id(),
+            region,
+            peer: p.peer.clone(),
+            offset: p.offset,
+            len: length,
+            op: p.op,
+            expires_at,
+            exposure,
+            connection_id: p.connection_id.clone().filter(|c| !c.is_empty()),
+            lease: crate::fabric::tcp::GrantLease::new(expires_at),
+        };
+        let grant = self.grants.insert(grant)?;
+        // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
+        // grants before this one existed: re-check that the very same region is still live, or
+        // the grant would outlive it (its token writing into a region nobody can see or delete).
+        let region_live = matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
+        if !region_live {
+            self.grants.revoke(&grant.id);
+            return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
+        }
+        // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
+        // revoked the connection's grants before this one existed: re-check that the very same
+        // connection is still there, or the grant would outlive it and work on the streams of
+        // whichever connection next takes that id (ids are chosen by callers).
+        if let (Some(id), Some(conn)) = (grant.connection_id.as_deref(), bound_to) {
+            let live = self
+                .accepted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(id)
+                .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, &conn));
+            if !live {
+                self.grants.revoke(&grant.id);
+                return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
+            }
+        }
+        Ok(grant)
+    }
+
+    /// The accepted connection a grant names. It must have been made by the grant's peer
+    /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
+    /// connection (`mw` on verbs); other modes do not use it.
+    fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
+        let Some(id) = p.connection_id.as_deref().filter(|s| !s.is_empty()) else { return Ok(None) };
+        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        match acc.get(id) {
+            Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
+            Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
+            None if self.grant_needs_connection() => {
+                Err(TransferError::FailedPrecondition(format!(
+                    "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
+                )))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Grants that only work on the grantee's connection: tcp tokens (checked per data stream)
+    /// and verbs memory windows (bound on its QPs).
+    fn grant_needs_connection(&self) -> bool {
+        match self.fabric.kind() {
+            FabricKind::Tcp => true,
+            FabricKind::Verbs => self.config.verbs.grant_mode == GrantMode::Mw,
+        }
+    }
+
+    pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
+        let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
+        self.grants.revoke(&g.id);
+        Ok(())
+    }
+
+    /// `Peer.Complete`: the initiator says the data landed (or was read). Verifies the checksum
+    /// when one is sent, records an inbound transfer, and revokes the grant.
+    pub async fn complete_inbound(
+        &self,
+        transfer_id: &str,
+        grant_id: &str,
+        peer: &str,
+        bytes: u64,
+        op_write: bool,
+        checksum: Option<(Algo, u64)>,
+    ) -> Result<Option<(bool, u64)>, TransferError> {
+        if !crate::regions::valid_wire_id(transfer_id) {
+            return Err(TransferError::Invalid("transfer_id must be 1-64 characters from [A-Za-z0-9_.-]".into()));
+        }
+        let g = self.grants.get(grant_id, peer, SystemTime::now())?;
+        // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
+        // never name an outbound transfer (whose ids have no '/') or another peer's record.
+        let record_id = format!("{peer}/{transfer_id}");
+        if self.inbound.get(&record_id).is_ok() {
+            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+        }
+        if bytes > g.len {
+            return Err(TransferError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
+        }
+        let verdict = match checksum {
+            Some((algo, expected)) => {
+                let mem = g.region.memory.clone();
+                let off = g.offset;
+                let got = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, bytes, algo))
+                    .await
+                    .map_err(|e| TransferError::Internal(e.to_string()))?
+                    .map_err(|e| TransferError::Region(g.region.mem_error(e)))?;
+                Some((got == expected, got))
+            }
+            None => None,
+        };
+        let op = if op_write { Op::Write } else { Op::Read };
+        let now = SystemTime::now();
+        let ok = verdict.is_none_or(|v| v.0);
+        let rec = TransferRecord {
+            id: record_id.clone(),
+            op,
+            local_region: g.region.name.clone(),
+            local_offset: g.offset,
+            remote_agent: String::new(),
+            remote_region: String::new(),
+            remote_offset: 0,
+            length: bytes,
+            state: if ok { TransferState::Succeeded } else { TransferState::Failed },
+            bytes_done: bytes,
+            error: (!ok).then(|| "checksum mismatch".to_string()),
+            error_code: (!ok).then(|| "CHECKSUM_MISMATCH".to_string()),
+            created_at: now,
+            started_at: Some(now),
+            finished_at: Some(now),
+            elapsed: Duration::ZERO,
+            verified: verdict.is_some_and(|v| v.0),
+            checksum: verdict.map(|v| v.1),
+            peer: peer.to_string(),
+            inbound: true,
+        };
+        if self.inbound.insert_new(rec).is_none() {
+            // A concurrent Complete with the same id won: it keeps its record and the grant.
+            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+        }
+        m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
+        self.grants.revoke(&g.id);
+        Ok(verdict)
+    }
+}
