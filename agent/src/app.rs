@@ -212,7 +212,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
     info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
     crate::metrics::limit("max_peers", cfg.limits.max_peers as u64);
-    let node = Node::new(cfg.clone(), fabric, reason, grants, tls.clone());
+    let node = Node::new(cfg.clone(), fabric, reason, grants, crate::service::client::connector(tls.clone()));
     let restored = node.restore_regions().map_err(StartError::Catalog)?;
     if restored > 0 {
         info!(regions = restored, "restored regions from the catalog");

@@ -10,6 +10,7 @@
 //! * [`regions`] — region registry, leases, catalog persistence.
 //! * [`grants`] — grant table, expiry, revocation; the TCP fabric's access check.
 //! * [`transfer`] — transfer records, the sans-IO [`transfer::machine`] and its tokio driver.
+//! * [`peer_api`] — the calls made on a peer agent ([`peer_api::PeerApi`]), in domain types.
 //! * [`peers`] — connection pool per peer (lease, reuse, recreate).
 //! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
 //! * [`verbs`] — the only `unsafe`: region memory and the sideway verbs fabric.
@@ -23,6 +24,7 @@ pub mod fabric;
 pub mod grants;
 pub mod metrics;
 pub mod node;
+pub mod peer_api;
 pub mod peers;
 pub mod regions;
 pub mod service;

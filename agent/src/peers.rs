@@ -33,39 +33,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, info_span, warn, Instrument};
 
-use crate::fabric::{Completion, Connection, Endpoint, Fabric, FabricError, FabricKind};
+use crate::fabric::{Completion, Connection, Fabric, FabricError};
 use crate::metrics as m;
-use crate::service::client::PeerClient;
-use crate::service::tls::TlsMaterial;
-
-/// Coarse class of a remote error, mirrored from the peer's gRPC status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemoteCode {
-    NotFound,
-    InvalidArgument,
-    PermissionDenied,
-    FailedPrecondition,
-    ResourceExhausted,
-    Unavailable,
-    DeadlineExceeded,
-    Other,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum PeerError {
-    #[error("invalid peer address {0:?}")]
-    BadAddress(String),
-    #[error("peer {addr} is unreachable: {detail}")]
-    Unreachable { addr: String, detail: String },
-    #[error("peer {addr}: {message}")]
-    Remote { addr: String, code: RemoteCode, message: String },
-    #[error("peer {addr} sent an invalid reply: {detail}")]
-    Protocol { addr: String, detail: String },
-    #[error("connecting to peer {addr} failed: {source}")]
-    Fabric { addr: String, source: FabricError },
-    #[error("peer pool is full: {max} peers (limits.max_peers) are all in use; cannot add {addr}")]
-    PoolFull { addr: String, max: usize },
-}
+use crate::peer_api::{Connector, PeerApi};
+pub use crate::peer_api::{HandshakeReply, PeerError, RemoteCode};
 
 /// Consecutive transport failures after which a peer is put in back-off.
 pub const BACKOFF_AFTER: u32 = 3;
@@ -80,21 +51,6 @@ pub const CALL_ATTEMPTS: u32 = 3;
 const RETRY_DELAY: Duration = Duration::from_millis(100);
 /// A transport failure that took this long was a timeout, not a refusal: back off at once.
 const SLOW_FAILURE: Duration = Duration::from_secs(1);
-
-impl PeerError {
-    /// The peer did not answer (transport failure), as opposed to answering with an error.
-    pub fn is_transport(&self) -> bool {
-        matches!(self, PeerError::Unreachable { .. })
-    }
-
-    /// The connection was refused: nothing was sent, so retrying cannot duplicate a request.
-    fn is_refused(&self) -> bool {
-        match self {
-            PeerError::Unreachable { detail, .. } => detail.contains("Connection refused") || detail.contains("os error 111"),
-            _ => false,
-        }
-    }
-}
 
 /// Transport health of one peer: consecutive failures and the back-off window.
 #[derive(Debug, Default)]
@@ -129,15 +85,6 @@ impl Health {
     }
 }
 
-/// Result of the responder's half of `Peer.Connect`.
-#[derive(Debug, Clone)]
-pub struct HandshakeReply {
-    pub node_name: String,
-    pub instance_id: String,
-    pub fabric: FabricKind,
-    pub endpoints: Vec<Endpoint>,
-}
-
 /// A connection leased by one transfer.
 pub struct Lease {
     pub conn: Arc<dyn Connection>,
@@ -165,7 +112,7 @@ impl Lease {
 /// One peer agent, by the address transfers name it with.
 pub struct PeerEntry {
     pub addr: String,
-    pub client: PeerClient,
+    pub client: Arc<dyn PeerApi>,
     /// Node name and instance id learned from the last Connect/Grant. std Mutex: no awaits held.
     identity: Mutex<(String, String)>,
     idle: Mutex<Vec<Lease>>,
@@ -292,8 +239,8 @@ impl PeerEntry {
 pub struct PeerPool {
     fabric: Arc<dyn Fabric>,
     node_name: String,
-    /// mTLS for the gRPC clients to peers (None = plaintext).
-    tls: Option<Arc<TlsMaterial>>,
+    /// Makes the client for a new peer address.
+    connector: Connector,
     max_idle_per_peer: usize,
     /// Most entries (`limits.max_peers`).
     max_peers: usize,
@@ -304,11 +251,11 @@ pub struct PeerPool {
 }
 
 impl PeerPool {
-    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, tls: Option<Arc<TlsMaterial>>, max_peers: usize) -> Self {
+    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, connector: Connector, max_peers: usize) -> Self {
         PeerPool {
             fabric,
             node_name,
-            tls,
+            connector,
             max_idle_per_peer: 8,
             max_peers: max_peers.max(1),
             clock: AtomicU64::new(0),
@@ -330,7 +277,7 @@ impl PeerPool {
             p.last_used.store(self.tick(), Ordering::Relaxed);
             return Ok(p.clone());
         }
-        let client = PeerClient::new(addr, self.tls.as_deref())?;
+        let client = (self.connector)(addr)?;
         let entry = Arc::new(PeerEntry {
             addr: addr.to_string(),
             client,

@@ -52,7 +52,7 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             xfer_agent::verbs::open_fabric(&cfg).unwrap()
         }
     };
-    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), None), fabric, grants, _dir: dir }
+    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
 }
 
 /// A connects to B with `qps` QPs, as connection `conn-1` of peer "a" (which replaces an earlier

@@ -45,7 +45,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
     let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
-    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), None), fabric, grants, dev: var("_DEV"), _dir: dir }
+    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, dev: var("_DEV"), _dir: dir }
 }
 
 /// A connects to B with `qps` QPs; B knows the connection as `id`, made by peer "a".

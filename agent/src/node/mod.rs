@@ -26,9 +26,8 @@ use crate::fabric::{
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
 use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
-use crate::service::tls::TlsMaterial;
 use crate::regions::{new_id, RegionPolicy, RegionRegistry, RegionUse};
-use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
+use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
@@ -90,7 +89,7 @@ impl Node {
         fabric: Arc<dyn Fabric>,
         fabric_reason: String,
         grants: Arc<GrantTable>,
-        tls: Option<Arc<TlsMaterial>>,
+        connector: Connector,
     ) -> Arc<Node> {
         let mut policy = RegionPolicy::new(config.regions.effective_file_roots(&config.state_dir));
         policy.shm_mode = config.regions.shm_mode.0;
@@ -108,7 +107,7 @@ impl Node {
             },
             policy,
         );
-        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), tls, config.limits.max_peers);
+        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), connector, config.limits.max_peers);
         Arc::new(Node {
             regions,
             grants,

@@ -1,61 +1,14 @@
 //! The agent's gRPC client to other agents: domain calls in, protobuf on the wire. Together with
 //! `service::mod` this is the only code that sees protobuf types.
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use xfer_proto::v1 as pb;
 
 use super::convert;
 use super::tls::TlsMaterial;
-use crate::checksum::Algo;
 use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
-use crate::peers::{HandshakeReply, PeerError, RemoteCode};
-
-/// What `Peer.Grant` returns.
-#[derive(Clone)]
-pub struct GrantInfo {
-    pub grant_id: String,
-    pub addr: u64,
-    pub key: RemoteKey,
-    pub length: u64,
-    pub expires_at: Option<SystemTime>,
-    pub node_name: String,
-    pub instance_id: String,
-}
-
-impl std::fmt::Debug for GrantInfo {
-    // The remote address is not printed, and `RemoteKey` hides the key (SECURITY.md).
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrantInfo")
-            .field("grant_id", &self.grant_id)
-            .field("key", &self.key)
-            .field("length", &self.length)
-            .field("node_name", &self.node_name)
-            .finish_non_exhaustive()
-    }
-}
-
-/// What `Peer.Grant` is asked for.
-#[derive(Debug, Clone)]
-pub struct GrantAsk<'a> {
-    pub region: &'a str,
-    pub offset: u64,
-    /// 0 = the rest of the region
-    pub length: u64,
-    pub op: RemoteOp,
-    pub ttl: Duration,
-}
-
-#[derive(Debug, Clone)]
-pub struct CompleteParams {
-    pub transfer_id: String,
-    pub grant_id: String,
-    pub bytes: u64,
-    pub op_write: bool,
-    pub node_name: String,
-    pub checksum: Option<(Algo, u64)>,
-    pub success: bool,
-}
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 
 #[derive(Clone)]
 pub struct PeerClient {
@@ -114,8 +67,11 @@ impl PeerClient {
     fn bad(&self, detail: impl Into<String>) -> PeerError {
         PeerError::Protocol { addr: self.addr.clone(), detail: detail.into() }
     }
+}
 
-    pub async fn handshake(
+#[async_trait::async_trait]
+impl PeerApi for PeerClient {
+    async fn handshake(
         &self,
         node_name: &str,
         fabric: FabricKind,
@@ -142,7 +98,7 @@ impl PeerClient {
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
     /// windows on that connection's QPs).
-    pub async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
+    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
         let req = pb::GrantRequest {
             region: ask.region.to_string(),
             offset: ask.offset,
@@ -178,7 +134,7 @@ impl PeerClient {
         })
     }
 
-    pub async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
+    async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
         self.peer
             .clone()
             .revoke(pb::RevokeRequest { grant_id: grant_id.to_string() })
@@ -188,7 +144,7 @@ impl PeerClient {
     }
 
     /// Returns whether the target's checksum matched (true when none was sent).
-    pub async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError> {
+    async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError> {
         let (has, algo, value) = match p.checksum {
             Some((a, v)) => (true, convert::algo_to_pb(a), v),
             None => (false, pb::ChecksumAlgo::Xxh3, 0),
@@ -208,13 +164,13 @@ impl PeerClient {
         Ok(!has || r.checksum_matched)
     }
 
-    pub async fn disconnect(&self, connection_id: &str, node_name: &str) {
+    async fn disconnect(&self, connection_id: &str, node_name: &str) {
         let req = pb::DisconnectRequest { connection_id: connection_id.to_string(), node_name: node_name.to_string() };
         // Best effort: a dead peer has already dropped the connection's state.
         let _ = self.peer.clone().disconnect(req).await;
     }
 
-    pub async fn open_sink(&self, connections: u32) -> Result<String, PeerError> {
+    async fn open_sink(&self, connections: u32) -> Result<String, PeerError> {
         let r = self
             .peer
             .clone()
@@ -226,7 +182,7 @@ impl PeerClient {
     }
 
     /// `Peer.OpenBenchRegion`: a scratch region on the peer for a benchmark; returns its name.
-    pub async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
+    async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
         let r = self
             .peer
             .clone()
@@ -238,7 +194,7 @@ impl PeerClient {
         Ok(r.region)
     }
 
-    pub async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
+    async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
         self.peer
             .clone()
             .close_bench_region(pb::CloseBenchRegionRequest { region: region.to_string() })
@@ -247,6 +203,15 @@ impl PeerClient {
         Ok(())
     }
 }
+
+/// The [`Connector`](crate::peer_api::Connector) the agent uses: a gRPC [`PeerClient`] per peer
+/// address, over mTLS when `tls` is given.
+pub fn connector(tls: Option<std::sync::Arc<TlsMaterial>>) -> crate::peer_api::Connector {
+    std::sync::Arc::new(move |addr: &str| -> Result<std::sync::Arc<dyn PeerApi>, PeerError> {
+        Ok(std::sync::Arc::new(PeerClient::new(addr, tls.as_deref())?))
+    })
+}
+
 
 /// Whether a status came from the transport (no answer from the peer) rather than the peer.
 fn is_transport(s: &tonic::Status) -> bool {

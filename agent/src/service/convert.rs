@@ -9,7 +9,7 @@ use crate::checksum::Algo;
 use crate::fabric::{Access, Endpoint, FabricError, FabricKind, RemoteOp, VerbsEndpoint};
 use crate::grants::GrantError;
 use crate::node::GrantParams;
-use crate::peers::{PeerError, RemoteCode};
+use crate::peer_api::{PeerError, RemoteCode};
 use crate::regions::{Region, RegionError, RegionKind, RegionSpec, RegionView, UnavailableRegion};
 use crate::transfer::{Op, TransferError, TransferOptions, TransferRecord, TransferRequest, TransferState};
 

@@ -1,0 +1,142 @@
+//! The calls this agent makes on a peer agent's Peer service, in domain types: the [`PeerApi`]
+//! trait, its request and reply types, and its errors. `service::client` implements it over gRPC
+//! (the only place that sees the protobuf messages); `peers` and `node` use only this module, so
+//! the initiator's logic does not depend on the transport and can run against a fake peer.
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use crate::checksum::Algo;
+use crate::fabric::{Endpoint, FabricError, FabricKind, RemoteKey, RemoteOp};
+
+/// What `Peer.Grant` returns.
+#[derive(Clone)]
+pub struct GrantInfo {
+    pub grant_id: String,
+    pub addr: u64,
+    pub key: RemoteKey,
+    pub length: u64,
+    pub expires_at: Option<SystemTime>,
+    pub node_name: String,
+    pub instance_id: String,
+}
+
+impl std::fmt::Debug for GrantInfo {
+    // The remote address is not printed, and `RemoteKey` hides the key (SECURITY.md).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantInfo")
+            .field("grant_id", &self.grant_id)
+            .field("key", &self.key)
+            .field("length", &self.length)
+            .field("node_name", &self.node_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What `Peer.Grant` is asked for.
+#[derive(Debug, Clone)]
+pub struct GrantAsk<'a> {
+    pub region: &'a str,
+    pub offset: u64,
+    /// 0 = the rest of the region
+    pub length: u64,
+    pub op: RemoteOp,
+    pub ttl: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct CompleteParams {
+    pub transfer_id: String,
+    pub grant_id: String,
+    pub bytes: u64,
+    pub op_write: bool,
+    pub node_name: String,
+    pub checksum: Option<(Algo, u64)>,
+    pub success: bool,
+}
+
+/// Result of the responder's half of `Peer.Connect`.
+#[derive(Debug, Clone)]
+pub struct HandshakeReply {
+    pub node_name: String,
+    pub instance_id: String,
+    pub fabric: FabricKind,
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// Coarse class of a remote error, mirrored from the peer's gRPC status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteCode {
+    NotFound,
+    InvalidArgument,
+    PermissionDenied,
+    FailedPrecondition,
+    ResourceExhausted,
+    Unavailable,
+    DeadlineExceeded,
+    Other,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("invalid peer address {0:?}")]
+    BadAddress(String),
+    #[error("peer {addr} is unreachable: {detail}")]
+    Unreachable { addr: String, detail: String },
+    #[error("peer {addr}: {message}")]
+    Remote { addr: String, code: RemoteCode, message: String },
+    #[error("peer {addr} sent an invalid reply: {detail}")]
+    Protocol { addr: String, detail: String },
+    #[error("connecting to peer {addr} failed: {source}")]
+    Fabric { addr: String, source: FabricError },
+    #[error("peer pool is full: {max} peers (limits.max_peers) are all in use; cannot add {addr}")]
+    PoolFull { addr: String, max: usize },
+}
+
+impl PeerError {
+    /// The peer did not answer (transport failure), as opposed to answering with an error.
+    pub fn is_transport(&self) -> bool {
+        matches!(self, PeerError::Unreachable { .. })
+    }
+
+    /// The connection was refused: nothing was sent, so retrying cannot duplicate a request.
+    pub(crate) fn is_refused(&self) -> bool {
+        match self {
+            PeerError::Unreachable { detail, .. } => detail.contains("Connection refused") || detail.contains("os error 111"),
+            _ => false,
+        }
+    }
+}
+
+/// One peer agent's Peer service, as the initiator calls it.
+#[async_trait]
+pub trait PeerApi: Send + Sync {
+    /// `Peer.Connect`: offer our endpoints for connection `connection_id`; the peer's reply.
+    async fn handshake(
+        &self,
+        node_name: &str,
+        fabric: FabricKind,
+        endpoints: Vec<Endpoint>,
+        connection_id: &str,
+    ) -> Result<HandshakeReply, PeerError>;
+    /// `Peer.Grant`, bound to connection `connection_id`.
+    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError>;
+    /// `Peer.Revoke`.
+    async fn revoke(&self, grant_id: &str) -> Result<(), PeerError>;
+    /// `Peer.Complete`: the data landed (or was read); with a checksum the peer verifies it.
+    /// Returns whether the peer's checksum matched (true without one).
+    async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError>;
+    /// `Peer.Disconnect` (best effort: errors are logged, not returned).
+    async fn disconnect(&self, connection_id: &str, node_name: &str);
+    /// `Peer.OpenSink` for the raw TCP baseline: the sink's address.
+    async fn open_sink(&self, connections: u32) -> Result<String, PeerError>;
+    /// `Peer.OpenBenchRegion`: a scratch region's name.
+    async fn open_bench_region(&self, length: u64) -> Result<String, PeerError>;
+    /// `Peer.CloseBenchRegion`.
+    async fn close_bench_region(&self, region: &str) -> Result<(), PeerError>;
+}
+
+/// Makes the [`PeerApi`] client for a peer address (`host:port`): the gRPC client in the agent
+/// (`service::client::connector`), a fake in tests.
+pub type Connector = Arc<dyn Fn(&str) -> Result<Arc<dyn PeerApi>, PeerError> + Send + Sync>;
