@@ -221,21 +221,32 @@ impl Node {
         .await;
         let clean = machine.state() == &State::Succeeded && machine.outstanding() == 0;
         let state = machine.state().clone();
-        self.peers.release(&plan.peer, lease, clean);
-        match state {
-            State::Succeeded => {}
-            State::Cancelled => return Err(Outcome::Cancelled),
-            State::Failed(Failure::Completion { status, .. }) => {
-                return Err(Outcome::Failed(
-                    status.name().to_string(),
-                    format!("work request failed with {status}{}", hint(status)),
-                ))
-            }
-            State::Failed(Failure::Post(e)) => return Err(Outcome::Failed("POST_FAILED".into(), e)),
-            State::Failed(Failure::Timeout) => return Err(Outcome::Failed("DEADLINE_EXCEEDED".into(), "transfer timed out".into())),
-            State::Running => return Err(Outcome::Failed("INTERNAL".into(), "engine stopped early".into())),
+        let failed = match state {
+            State::Succeeded => None,
+            State::Cancelled => Some(Outcome::Cancelled),
+            State::Failed(Failure::Completion { status, .. }) => Some(Outcome::Failed(
+                status.name().to_string(),
+                format!("work request failed with {status}{}", hint(status)),
+            )),
+            State::Failed(Failure::Post(e)) => Some(Outcome::Failed("POST_FAILED".into(), e)),
+            State::Failed(Failure::Timeout) => Some(Outcome::Failed("DEADLINE_EXCEEDED".into(), "transfer timed out".into())),
+            State::Running => Some(Outcome::Failed("INTERNAL".into(), "engine stopped early".into())),
+        };
+        if let Some(outcome) = failed {
+            self.peers.release(&plan.peer, lease, clean);
+            return Err(outcome);
         }
-        // Data landed. Tell the target (and let it verify), then report.
+        // Data landed. Tell the target (and let it verify), then report. The connection goes back
+        // to the pool only after `Peer.Complete`: the grant is bound to it, and another transfer
+        // that leased it and then discarded it (a cancel) would make the target revoke this
+        // transfer's grant before its Complete arrived ("grant not found" at verify).
+        let result = self.finish(plan, rec).await;
+        self.peers.release(&plan.peer, lease, true);
+        result
+    }
+
+    /// Verifies (optionally) and sends `Peer.Complete` for a transfer whose data landed.
+    async fn finish(&self, plan: &Plan, rec: &TransferRecord) -> Result<Option<u64>, Outcome> {
         let sum = match plan.verify {
             Some(algo) => {
                 let mem = plan.local.0.memory.clone();
