@@ -14,7 +14,7 @@
 //! * [`peers`] — connection pool per peer (lease, reuse, recreate).
 //! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
 //! * [`verbs`] — the only `unsafe`: region memory and the sideway verbs fabric.
-//! * [`metrics`], [`checksum`], [`sys`] — metric names, checksums, process limits.
+//! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
 #![deny(unsafe_code)]
 
 pub mod app;
@@ -22,6 +22,7 @@ pub mod checksum;
 pub mod config;
 pub mod fabric;
 pub mod grants;
+pub mod ids;
 pub mod metrics;
 pub mod node;
 pub mod peer_api;

@@ -368,7 +368,7 @@ impl PeerPool {
         let started = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
-        let connection_id = crate::regions::new_id();
+        let connection_id = crate::ids::new_id();
         let pending = self.fabric.prepare(&peer.addr, &connection_id, qps, depth, tx).await.map_err(fabric_err)?;
         let endpoints = pending.local_endpoints();
         let reply = peer

@@ -44,6 +44,8 @@ use nix::sys::stat::Mode;
 use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
 
+use crate::ids::new_id;
+
 use crate::fabric::{Access, Fabric, FabricError, Registration};
 use crate::metrics as m;
 use crate::verbs::memory::RegionMemory;
@@ -1133,18 +1135,6 @@ fn symlink_or(at: BorrowedFd<'_>, part: &OsStr, e: Errno) -> Errno {
         }
     }
     e
-}
-
-/// Ids a peer chooses (connection ids in `Peer.Connect`/`Grant` and the data-stream hello,
-/// transfer ids in `Peer.Complete`): 1-64 characters of `[A-Za-z0-9_.-]`, so never a '/' (inbound
-/// records are keyed `PEER/ID`) and never large.
-pub fn valid_wire_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-/// A random 64-bit id, hex encoded.
-pub fn new_id() -> String {
-    format!("{:016x}", rand::random::<u64>())
 }
 
 #[cfg(test)]

@@ -196,7 +196,7 @@ fn unwraps_state_their_invariant() {
 #[test]
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
-        &["sys", "metrics"],               // process facts and metric names
+        &["sys", "metrics", "ids"],        // process facts, metric names, ids
         &["checksum"],                     // over region memory
         &["verbs", "fabric"],              // the data plane: memory, the Fabric trait, tcp and verbs
         &["config"],                       // the validated configuration

@@ -26,7 +26,8 @@ use crate::fabric::{
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
 use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
-use crate::regions::{new_id, RegionPolicy, RegionRegistry, RegionUse};
+use crate::ids::new_id;
+use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};

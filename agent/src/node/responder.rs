@@ -241,7 +241,7 @@ impl Node {
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
-        if !crate::regions::valid_wire_id(transfer_id) {
+        if !crate::ids::valid_wire_id(transfer_id) {
             return Err(TransferError::Invalid("transfer_id must be 1-64 characters from [A-Za-z0-9_.-]".into()));
         }
         let g = self.grants.get(grant_id, peer, SystemTime::now())?;

@@ -343,7 +343,7 @@ pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(FabricKind, V
         return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
     }
     require(!r.node_name.is_empty(), "node_name is required")?;
-    require(crate::regions::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
+    require(crate::ids::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
     let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
     let eps = r.endpoints.iter().map(endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(Status::invalid_argument)?;
     if eps.len() > 64 {
@@ -362,7 +362,7 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
     };
     let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
-    require(r.connection_id.is_empty() || crate::regions::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
+    require(r.connection_id.is_empty() || crate::ids::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
     let connection_id = Some(r.connection_id).filter(|c| !c.is_empty());
     Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id })
 }

@@ -170,7 +170,7 @@ impl TransferRegistry {
     pub fn insert(&self, mut record: TransferRecord) -> Arc<TransferHandle> {
         let mut g = self.lock();
         while g.by_id.contains_key(&record.id) {
-            record.id = crate::regions::new_id();
+            record.id = crate::ids::new_id();
         }
         Self::insert_locked(&mut g, record, self.history)
     }
