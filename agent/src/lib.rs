@@ -12,9 +12,10 @@
 //! * [`transfer`] — transfer records, the sans-IO [`transfer::machine`] and its tokio driver.
 //! * [`peers`] — connection pool per peer (lease, reuse, recreate).
 //! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
-//! * [`verbs`] — the only `unsafe`: region memory and the sideway verbs fabric.
+//! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
+//!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
 //! * [`metrics`], [`checksum`], [`sys`] — metric names, checksums, process limits.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod app;
 pub mod checksum;

@@ -25,7 +25,7 @@ use crate::service::client::{CompleteParams, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
-use crate::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
