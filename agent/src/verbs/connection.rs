@@ -129,8 +129,8 @@ impl ConnInner {
         };
         let cq = Cq::new(&dev.ctx, cqe, channel.as_ref())?;
         let mut slots = Vec::with_capacity(qps);
-        for i in 0..qps {
-            let qp = RcQp::create(&dev.pd, &cq, i, depth as u32, bind_mw)?;
+        for _ in 0..qps {
+            let qp = RcQp::create(&dev.pd, &cq, depth as u32, bind_mw)?;
             let port = dev.port;
             qp.to_init(port).map_err(|e| modify_err("INIT", "port", e, format!("port {port}, pkey_index 0")))?;
             slots.push(QpSlot { qp, psn: draw_psn()? });
@@ -248,9 +248,9 @@ impl ConnInner {
         let status = WcStatus::from_code(wc.status());
         crate::metrics::work_completion(status.name());
         let wr_qp = queue_of(wc.wr_id());
-        let qp = match self.slots.iter().position(|s| s.qp.qpn() == wc.qp_num()) {
+        let by_index = || self.slots.iter().position(|s| s.qp.index() == wr_qp);
+        let qp = match self.slots.iter().position(|s| s.qp.qpn() == wc.qp_num()).or_else(by_index) {
             Some(i) => i,
-            None if wr_qp < self.slots.len() => wr_qp,
             None => {
                 tracing::error!(wr_id = wc.wr_id(), qp_num = wc.qp_num(), peer = %self.peer, "completion for an unknown QP; ignored");
                 return;
@@ -290,10 +290,16 @@ impl ConnInner {
     /// Retires the window binds whose completions are in `buf` (the responder's CQ) and empties it.
     fn retire_binds(&self, buf: &mut Vec<RawWc>) {
         for wc in buf.drain(..) {
-            if let Some(slot) = self.slots.get(queue_of(wc.wr_id())) {
-                slot.qp.retire(wc);
+            if let Some(i) = self.slot_of(&wc) {
+                self.slots[i].qp.retire(wc);
             }
         }
+    }
+
+    /// The slot whose QP posted the WR `wc` reports (by the QP index in its `wr_id`).
+    fn slot_of(&self, wc: &RawWc) -> Option<usize> {
+        let index = queue_of(wc.wr_id());
+        self.slots.iter().position(|s| s.qp.index() == index)
     }
 
     /// Polls the CQ empty; returns how many completions were handled.
@@ -563,18 +569,19 @@ impl VerbsAccepted {
             let n = inner.cq.poll(POLL_BATCH, &mut buf).map_err(|e| give_up(FabricError::Io(e)))?;
             for wc in buf.drain(..) {
                 let status = WcStatus::from_code(wc.status());
-                let i = queue_of(wc.wr_id());
+                let slot = inner.slot_of(&wc);
                 if !status.is_success() {
                     let code = wc.status();
-                    if let Some(slot) = inner.slots.get(i) {
-                        slot.qp.retire(wc);
+                    let i = slot.unwrap_or_else(|| queue_of(wc.wr_id()));
+                    if let Some(s) = slot {
+                        inner.slots[s].qp.retire(wc);
                     }
                     return Err(give_up(FabricError::Other(format!(
                         "memory-window bind on responder QP {i} completed with {status} (status {code})"
                     ))));
                 }
-                let Some(slot) = inner.slots.get(i) else { continue };
-                if slot.qp.retire(wc).is_some() && !done[i] {
+                let Some(i) = slot else { continue };
+                if inner.slots[i].qp.retire(wc).is_some() && !done[i] {
                     done[i] = true;
                     left -= 1;
                 }

@@ -10,6 +10,7 @@
 //! `assert_eq!(ibv_destroy_cq(..), 0)`. This wrapper logs a failed destroy instead of panicking.
 use std::io;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rdma_mummy_sys as sys;
@@ -29,8 +30,8 @@ pub struct RawWc {
     status: u32,
     byte_len: u32,
     qp_num: u32,
-    /// Address of the `Cq` it was read from.
-    cq: usize,
+    /// Id of the `Cq` it was read from.
+    cq: u64,
 }
 
 impl RawWc {
@@ -53,12 +54,16 @@ impl RawWc {
     }
     /// True if the completion was read from `cq`.
     pub(crate) fn from(&self, cq: &Arc<Cq>) -> bool {
-        self.cq == Arc::as_ptr(cq) as usize
+        self.cq == cq.id
     }
 }
 
 pub struct Cq {
     cq: NonNull<sys::ibv_cq_ex>,
+    /// Unique for the life of the process: tells completions of different CQs apart.
+    id: u64,
+    /// The next QP index handed out on this CQ (`RcQp::create`); indices are never reused.
+    next_index: AtomicUsize,
     /// Serializes polling (one reader per CQ keeps the in-flight bookkeeping in order).
     poll_lock: Mutex<()>,
     // Drop order: the CQ is destroyed in `Drop::drop` before these fields are released, so the
@@ -94,7 +99,9 @@ impl Cq {
         let raw = unsafe { sys::ibv_create_cq_ex(ctx.context().as_ptr(), &mut attr) };
         let cq = NonNull::new(raw)
             .ok_or_else(|| VerbsError::Other(format!("ibv_create_cq_ex({cqe}): {}", io::Error::last_os_error())))?;
-        let cq = Cq { cq, poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let cq = Cq { cq, id, next_index: AtomicUsize::new(0), poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
         // SAFETY: `cq` points at a live CQ; reading its context's ops table.
         let ops_ok = unsafe {
             let c = cq.cq.as_ref();
@@ -106,6 +113,13 @@ impl Cq {
             return Err(VerbsError::Other("provider lacks ibv_poll_cq or ibv_req_notify_cq".into()));
         }
         Ok(Arc::new(cq))
+    }
+
+    /// Claims the next QP index on this CQ (0, 1, 2...), or `None` once index `max` is taken.
+    pub(crate) fn claim_index(&self, max: usize) -> Option<usize> {
+        self.next_index
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |i| (i <= max).then_some(i + 1))
+            .ok()
     }
 
     /// The device context the CQ was created in.
@@ -146,7 +160,7 @@ impl Cq {
             return Err(io::Error::other(format!("ibv_poll_cq returned {n}")));
         }
         let n = (n as usize).min(max);
-        let me = self as *const Cq as usize;
+        let me = self.id;
         out.extend(wcs[..n].iter().map(|w| RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num, cq: me }));
         Ok(n)
     }

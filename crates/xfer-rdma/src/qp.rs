@@ -162,19 +162,20 @@ impl<K> std::fmt::Debug for RcQp<K> {
 }
 
 impl<K> RcQp<K> {
-    /// Creates an RC QP (RESET) whose send and receive completions go to `cq`, the `index`-th
-    /// QP of its CQ (at most [`MAX_INDEX`]; tells completions apart in [`queue_of`]). With
-    /// `bind_mw` it can also post type-2 memory-window binds.
-    pub fn create(pd: &Arc<ProtectionDomain>, cq: &Arc<Cq>, index: usize, max_send_wr: u32, bind_mw: bool) -> Result<Self, VerbsError> {
-        if index > MAX_INDEX {
-            return Err(VerbsError::Other(format!("QP index {index} exceeds {MAX_INDEX}")));
-        }
+    /// Creates an RC QP (RESET) whose send and receive completions go to `cq`. It gets the next
+    /// index of `cq` ([`RcQp::index`]: 0, 1, 2... in creation order, never reused, at most
+    /// [`MAX_INDEX`]), which its completions carry ([`queue_of`]). With `bind_mw` it can also post
+    /// type-2 memory-window binds.
+    pub fn create(pd: &Arc<ProtectionDomain>, cq: &Arc<Cq>, max_send_wr: u32, bind_mw: bool) -> Result<Self, VerbsError> {
         // SAFETY: reading the raw PD pointer of a live PD (we keep an Arc below) and the context
         // pointer it holds.
         let pd_ctx = unsafe { (*pd.pd().as_ptr()).context };
         if pd_ctx != cq.context_ptr() {
             return Err(VerbsError::Other("the CQ and the PD belong to different device contexts".into()));
         }
+        let Some(index) = cq.claim_index(MAX_INDEX) else {
+            return Err(VerbsError::Other(format!("a CQ takes at most {} QPs", MAX_INDEX + 1)));
+        };
         let mut send_ops = sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
             | sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0;
         if bind_mw {
@@ -241,7 +242,7 @@ impl<K> RcQp<K> {
         unsafe { self.qp.as_ref().qp_num }
     }
 
-    /// The QP's index in its CQ (see [`RcQp::create`]).
+    /// The QP's index on its CQ (see [`RcQp::create`]), unique among the CQ's QPs.
     pub fn index(&self) -> usize {
         self.index
     }
@@ -457,7 +458,8 @@ impl<K> RcQp<K> {
     /// reports (`None` if none: a silent success, or a completion this QP does not know).
     ///
     /// `wc` must come from this QP's CQ and name this QP (by QP number, or by the index in its
-    /// `wr_id` where a device garbles the number); otherwise nothing is retired. A completion
+    /// `wr_id`, unique on the CQ, where a device garbles the number); otherwise nothing is
+    /// retired. A completion
     /// for `seq` retires every entry up to it: WRs complete in order on an RC QP, and
     /// unsignaled WRs that succeeded produce no completion of their own. Defensively, an error
     /// completion whose `wr_id` matches nothing in flight retires the oldest outstanding WR (an
