@@ -1,4 +1,5 @@
 //! Generates the xfer.v1 code with a vendored `protoc`, so a build needs no system protobuf compiler.
+#![forbid(unsafe_code)]
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("PROTOC").is_none() {
         // Build scripts are single-threaded, so setting the variable races with nothing.

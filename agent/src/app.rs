@@ -141,8 +141,8 @@ impl Bound {
 /// Runs the agent until `shutdown` is cancelled, then drains and returns.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartError> {
     // Before any region is mapped: a file that shrinks under its mapping poisons that region
-    // instead of killing the agent (verbs::sigbus; file mappings also install it on first use).
-    crate::verbs::sigbus::install().map_err(StartError::Sigbus)?;
+    // instead of killing the agent (xfer_rdma::sigbus; file mappings also install it on first use).
+    xfer_rdma::sigbus::install().map_err(StartError::Sigbus)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
     if cfg.regions.file_roots.is_empty() {

@@ -1,7 +1,7 @@
 //! End-to-end checksums of region ranges (xxh3-64 or crc32c), computed over copies of region
 //! memory taken in bounded pieces: region memory is never borrowed as a slice outside
-//! `verbs::memory` (the NIC, peers and other processes may change it meanwhile).
-use crate::verbs::memory::{MemError, RegionMemory};
+//! `xfer_rdma::memory` (the NIC, peers and other processes may change it meanwhile).
+use xfer_rdma::memory::{MemError, RegionMemory};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

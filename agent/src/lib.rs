@@ -13,9 +13,10 @@
 //! * [`peer_api`] — the calls made on a peer agent ([`peer_api::PeerApi`]), in domain types.
 //! * [`peers`] — connection pool per peer (lease, reuse, recreate).
 //! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
-//! * [`verbs`] — the only `unsafe`: region memory and the sideway verbs fabric.
+//! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
+//!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod app;
 pub mod checksum;

@@ -1,4 +1,5 @@
 //! `xfer-agent`: flags → config → [`xfer_agent::app::run`]. Exit 64 on bad configuration.
+#![forbid(unsafe_code)]
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -48,7 +48,7 @@ use crate::ids::new_id;
 
 use crate::fabric::{Access, Fabric, FabricError, Registration};
 use crate::metrics as m;
-use crate::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -97,7 +97,7 @@ pub enum RegionError {
     ShmExists { object: String },
     #[error("region {name:?} is unavailable: {reason}")]
     Unavailable { name: String, reason: String },
-    /// The region's file (or shm object) shrank under its mapping (`verbs::sigbus`).
+    /// The region's file (or shm object) shrank under its mapping (`xfer_rdma::sigbus`).
     #[error("region {name:?}'s file shrank under its mapping; recreate the region")]
     Poisoned { name: String },
     #[error("limit reached: {0}")]
@@ -141,8 +141,8 @@ impl Region {
     }
 
     /// Maps a memory error of this region to a region error (poisoning names the region).
-    pub fn mem_error(&self, e: crate::verbs::memory::MemError) -> RegionError {
-        use crate::verbs::memory::MemError;
+    pub fn mem_error(&self, e: xfer_rdma::memory::MemError) -> RegionError {
+        use xfer_rdma::memory::MemError;
         match e {
             MemError::Poisoned => RegionError::Poisoned { name: self.name.clone() },
             MemError::OutOfRange(r) => RegionError::Invalid(r.to_string()),

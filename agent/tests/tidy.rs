@@ -45,21 +45,95 @@ fn fail_if_any(what: &str, offenders: Vec<String>) {
     assert!(offenders.is_empty(), "{what}:\n  {}", offenders.join("\n  "));
 }
 
+/// The one crate allowed to contain `unsafe` (issue 10, bullet 1).
+const UNSAFE_CRATE: &str = "crates/xfer-rdma/";
+/// Where region memory lives, the only file that may build slices over raw pointers.
+const REGION_MEMORY: &str = "crates/xfer-rdma/src/memory.rs";
+
+/// Every `.rs` file under `dirs` (relative to the workspace root), build output excluded.
+fn sources_under(dirs: &[&str]) -> Vec<(PathBuf, String)> {
+    let root = workspace_root();
+    let mut out = Vec::new();
+    let mut stack: Vec<PathBuf> = dirs.iter().map(|d| root.join(d)).collect();
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            let Ok(rd) = std::fs::read_dir(&p) else { continue };
+            for e in rd.flatten() {
+                if e.file_name() != "target" {
+                    stack.push(e.path());
+                }
+            }
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            let text = std::fs::read_to_string(&p).expect("read source");
+            out.push((p.strip_prefix(&root).unwrap_or(&p).to_path_buf(), text));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// One unsafe crate: no `unsafe` anywhere outside `crates/xfer-rdma` — product code, unit and
+/// integration tests, build scripts and fuzz targets — and every other crate root is
+/// `#![forbid(unsafe_code)]`, so the compiler keeps it that way.
+#[test]
+fn unsafe_lives_only_in_the_rdma_crate() {
+    let mut bad = Vec::new();
+    let dirs = ["agent", "ctl", "proto", "crates", "fuzz/fuzz_targets"];
+    for (path, text) in sources_under(&dirs) {
+        let p = path.to_string_lossy();
+        if p.starts_with(UNSAFE_CRATE) || p == "agent/tests/tidy.rs" {
+            continue;
+        }
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let words = code.split(|c: char| !(c.is_alphanumeric() || c == '_'));
+            if words.into_iter().any(|w| w == "unsafe") {
+                bad.push(format!("{p}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    let roots = [
+        "agent/src/lib.rs",
+        "agent/src/main.rs",
+        "ctl/src/lib.rs",
+        "ctl/src/main.rs",
+        "proto/src/lib.rs",
+        "proto/build.rs",
+        "crates/xfer-common/src/lib.rs",
+    ];
+    for root in roots {
+        let text = std::fs::read_to_string(workspace_root().join(root)).expect("read crate root");
+        if !text.lines().any(|l| l.trim() == "#![forbid(unsafe_code)]") {
+            bad.push(format!("{root}: crate root without #![forbid(unsafe_code)]"));
+        }
+    }
+    // A new crate must be added to `roots` (or be the unsafe crate).
+    for (path, _) in sources_under(&["crates"]) {
+        let p = path.to_string_lossy().into_owned();
+        if p.ends_with("/src/lib.rs") && !p.starts_with(UNSAFE_CRATE) && !roots.contains(&p.as_str()) {
+            bad.push(format!("{p}: crate root not checked for #![forbid(unsafe_code)] (add it to tidy)"));
+        }
+    }
+    fail_if_any("unsafe outside crates/xfer-rdma", bad);
+}
+
 /// Region memory is shared with the NIC, peers and other processes, so no safe function may hand
 /// it out as a Rust reference: `RegionMemory`'s public API returns no `&[u8]`/`&mut [u8]`, and
 /// slices over raw pointers are built only in the region-memory module (issue 9, bullet 8).
 #[test]
 fn region_memory_is_never_handed_out_as_a_slice() {
     let mut bad = Vec::new();
+    let memory = product_sources().into_iter().filter(|(p, _)| p.ends_with(REGION_MEMORY)).count();
+    assert_eq!(memory, 1, "{REGION_MEMORY} not found: update tidy");
     for (path, text) in product_sources() {
-        let is_memory = path.ends_with("verbs/memory.rs");
+        let is_memory = path.ends_with(REGION_MEMORY);
         for (n, line) in product_lines(&text) {
             let code = line.split("//").next().unwrap_or("");
             if is_memory && code.contains("pub fn") && (code.contains("-> &[u8]") || code.contains("&mut [u8]>") || code.contains("-> &mut [u8]") || code.contains("Result<&")) {
                 bad.push(format!("{}:{n}: public accessor returns a reference into region memory: {}", path.display(), line.trim()));
             }
             if !is_memory && (code.contains("from_raw_parts") || code.contains("slice_mut(")) {
-                bad.push(format!("{}:{n}: slice over raw memory outside verbs/memory.rs: {}", path.display(), line.trim()));
+                bad.push(format!("{}:{n}: slice over raw memory outside {REGION_MEMORY}: {}", path.display(), line.trim()));
             }
         }
     }
@@ -67,13 +141,16 @@ fn region_memory_is_never_handed_out_as_a_slice() {
 }
 
 /// Every `unsafe` block, impl and fn carries a `// SAFETY:` comment (or, for an `unsafe fn`, a
-/// `# Safety` doc section) on one of the lines just above it.
+/// `# Safety` doc section) on one of the lines just above it. Checked over the whole of
+/// `crates/xfer-rdma`, unit tests included (product code elsewhere has no `unsafe` at all).
 #[test]
 fn every_unsafe_has_a_safety_comment() {
     let mut bad = Vec::new();
-    for (path, text) in product_sources() {
+    let unsafe_crate = sources_under(&[UNSAFE_CRATE]);
+    assert!(unsafe_crate.len() >= 5, "tidy found only {} files under {UNSAFE_CRATE}", unsafe_crate.len());
+    for (path, text) in unsafe_crate {
         let lines: Vec<&str> = text.lines().collect();
-        for (n, line) in product_lines(&text) {
+        for (n, line) in lines.iter().enumerate().map(|(i, l)| (i + 1, *l)) {
             let code = line.split("//").next().unwrap_or("");
             let opens = code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn") || code.contains("unsafe extern");
             if !opens || code.contains("#![") {
@@ -197,7 +274,7 @@ fn unwraps_state_their_invariant() {
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
         &["sys", "metrics", "ids"],        // process facts, metric names, ids
-        &["checksum"],                     // over region memory
+        &["checksum"],                     // over region memory (xfer-rdma)
         &["verbs", "fabric"],              // the data plane: memory, the Fabric trait, tcp and verbs
         &["config"],                       // the validated configuration
         &["grants", "regions"],            // what peers may touch, and the memory itself
@@ -207,7 +284,6 @@ fn modules_respect_the_layering() {
         &["app"],                          // start-up
     ];
     const KNOWN_UPWARD: &[(&str, &str, &str)] = &[
-        ("checksum", "verbs", "region memory lives in verbs/ until the unsafe crate takes it"),
         ("fabric", "service", "tcp data-plane TLS (service::tls::DataTls) and roles (service::auth)"),
         ("verbs", "config", "verbs::options reads the Config"),
         ("config", "service", "tls.dns_roles and trust_domain are validated by service::auth"),

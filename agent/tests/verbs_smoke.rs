@@ -20,7 +20,7 @@ use xfer_agent::fabric::{
     Access, Completion, Connection, ExposeRequest, Exposure, Fabric, FabricError, GrantMode, Registration, RemoteKey,
     RemoteOp, WcStatus, WorkRequest, WrOp,
 };
-use xfer_agent::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 use xfer_agent::verbs::{probe, VerbsFabric, VerbsOptions};
 
 const LEN: usize = 16 << 20;

@@ -39,7 +39,7 @@
 //!
 //! On failure exactly one line `error: ...` goes to stderr, naming the gRPC status code where
 //! there is one, e.g. `error: region "foo" not found (NOT_FOUND)`.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod client;
 pub mod cmd;

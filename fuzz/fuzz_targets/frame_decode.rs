@@ -17,7 +17,7 @@ use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck, Checked, Gr
 /// The data connection the fuzzed stream belongs to.
 const CONNECTION: &str = "fuzz-conn";
 use xfer_agent::fabric::{RemoteOp, WcStatus};
-use xfer_agent::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 /// Remote address of region offset 0 (a fixed value so the fuzzer can reach the windows).
 const BASE: u64 = 0x1_0000;

@@ -3,6 +3,7 @@
 //! Only the agent's `service` module and `xferctl` use these types; the agent's domain types live in
 //! its own modules and are converted at that one boundary.
 #![allow(clippy::all, missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod v1 {
     tonic::include_proto!("xfer.v1");

@@ -26,7 +26,7 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
-use crate::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 pub mod frame;
 pub mod tcp;

@@ -58,7 +58,7 @@ use super::{
 };
 use crate::service::auth::Role;
 use crate::service::tls::DataTls;
-use crate::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 /// The initiator's TLS handshake on a data stream must complete within this; it is also the
 /// default of the target's `limits.data_handshake_timeout`.
@@ -721,7 +721,7 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
             h.flags |= ACK_REQUESTED;
         }
         // Memory over a file that can shrink is copied out first: a truncated page then faults in
-        // the agent (and poisons the memory, see `verbs::sigbus`) instead of failing the socket
+        // the agent (and poisons the memory, see `xfer_rdma::sigbus`) instead of failing the socket
         // write with EFAULT, and zeros standing in for the file are never sent.
         let bounce = if wr.op == WrOp::Write && wr.local.memory().can_shrink() {
             let mut b = vec![0u8; wr.len as usize];

@@ -32,7 +32,7 @@ use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
 use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
-use crate::verbs::memory::RegionMemory;
+use xfer_rdma::memory::RegionMemory;
 
 
 mod bench;

@@ -1,15 +1,16 @@
-//! A verbs connection: `qps` RC QPs to one peer sharing one CQ, the per-QP in-flight lists that
-//! keep posted memory alive, and the task that drives the CQ from its completion channel.
+//! A verbs connection: `qps` RC QPs to one peer sharing one CQ, completion delivery, and the task
+//! that drives the CQ from its completion channel. No `unsafe`: the raw objects and posting are
+//! `xfer_rdma`'s.
 //!
 //! # In-flight accounting
-//! Each QP numbers its WRs (`seq`) and posts them with the device `wr_id = qp << 48 | seq`. The
-//! in-flight list holds each WR's `Arc<dyn Registration>` (and so its memory) in post order. A
-//! completion for `seq` retires every entry up to it: WRs complete in order on an RC QP, and
-//! unsignaled WRs that succeeded produce no completion of their own. Flushes (after an error or
-//! `close`) complete every remaining WR, so the list drains; only then does the CQ task stop.
-//! Memory is therefore never released while the device may still touch it — and if the task
-//! has to give up waiting, the QPs are destroyed (which ends all DMA) before the lists drop.
-use std::collections::VecDeque;
+//! Each QP (`xfer_rdma::qp::RcQp`) numbers its WRs and keeps, per WR in post order, the MR (and so
+//! the memory) it points at plus our [`InFlight`] (the transfer's `wr_id` and its
+//! `Arc<dyn Registration>`). A completion retires every entry up to the WR it reports: WRs
+//! complete in order on an RC QP, and unsignaled WRs that succeeded produce no completion of their
+//! own. Flushes (after an error or `close`) complete every remaining WR, so the lists drain; only
+//! then does the CQ task stop. Memory is therefore never released while the device may still
+//! touch it — and if the task has to give up waiting, the QPs are destroyed (which ends all DMA)
+//! before the lists drop.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,47 +18,39 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rand::TryRngCore;
 use sideway::ibverbs::completion::CompletionChannel;
-use tokio::io::unix::AsyncFd;
+use xfer_rdma::cq::{Cq, RawWc};
+use xfer_rdma::mr::Mr;
+use xfer_rdma::mw::Mw;
+use xfer_rdma::qp::{queue_of, RcQp, RdmaOp, RdmaWr, Route, RtrAttrs, RtsAttrs, WindowAccess};
 
-use super::cq::{Cq, RawWc};
 use super::device::Device;
-use super::mw::{next_rkey, Mw, MwGrant};
-use super::negotiate;
-use super::qp::Qp;
+use super::mr::VerbsRegistration;
+use super::mw::MwGrant;
+use super::negotiate::{self, LINK_ETHERNET};
 use super::VerbsOptions;
 use crate::fabric::{
-    Completion, CompletionSink, Connection, Endpoint, FabricError, PendingConnection, RemoteKey, VerbsEndpoint,
-    WcStatus, WorkRequest, WrOp,
+    Completion, CompletionSink, Connection, Endpoint, FabricError, PendingConnection, Registration, RemoteKey,
+    VerbsEndpoint, WcStatus, WorkRequest, WrOp,
 };
 
-const SEQ_BITS: u32 = 48;
-const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
-/// Completions read per `ibv_start_poll` batch.
+/// Completions read per `ibv_poll_cq` batch.
 const POLL_BATCH: usize = 64;
 /// After `close`, how long the CQ task waits for flushes before it destroys the QPs anyway.
 const CLOSE_GRACE: Duration = Duration::from_secs(10);
 
-struct InFlight {
-    seq: u64,
+/// What a QP's in-flight list keeps for us per WR, handed back when the WR is retired.
+pub(crate) struct InFlight {
+    /// The transfer's `wr_id` (a bind's: the QP index).
     wr_id: u64,
-    /// Held only to keep the memory registered and mapped until the WR is retired.
-    _local: Arc<dyn crate::fabric::Registration>,
-}
-
-#[derive(Default)]
-struct SlotState {
-    inflight: VecDeque<InFlight>,
-    next_seq: u64,
+    /// The work request's registration, kept until the WR is retired (the QP also keeps its MR
+    /// and memory itself). `None` for window binds.
+    _local: Option<Arc<dyn Registration>>,
 }
 
 pub(crate) struct QpSlot {
-    // Field order is drop order: the QP is destroyed (no more DMA) before in-flight memory is
-    // released.
-    qp: Qp,
+    /// The QP with its in-flight list; destroying it ends DMA before in-flight memory is released.
+    qp: RcQp<InFlight>,
     psn: u32,
-    /// Posting lock and in-flight list. Held while posting so the CQ task cannot see a
-    /// completion for a WR that is not on the list yet.
-    state: Mutex<SlotState>,
 }
 
 pub(crate) struct ConnInner {
@@ -72,6 +65,11 @@ pub(crate) struct ConnInner {
     closing: AtomicBool,
     /// Wakes the CQ task on `close` (a stored permit is not lost if the task is busy).
     wake: tokio::sync::Notify,
+}
+
+/// `ibv_modify_qp`'s error in `step` as a negotiation error.
+fn modify_err(step: &'static str, attr: &'static str, e: std::io::Error, what: String) -> FabricError {
+    FabricError::Negotiation { step, attr, detail: format!("ibv_modify_qp: {e} ({what})") }
 }
 
 fn draw_psn() -> Result<u32, FabricError> {
@@ -132,9 +130,10 @@ impl ConnInner {
         let cq = Cq::new(&dev.ctx, cqe, channel.as_ref())?;
         let mut slots = Vec::with_capacity(qps);
         for _ in 0..qps {
-            let qp = Qp::create(&dev.pd, &cq, depth as u32, bind_mw)?;
-            qp.to_init(dev.port)?;
-            slots.push(QpSlot { qp, psn: draw_psn()?, state: Mutex::new(SlotState::default()) });
+            let qp = RcQp::create(&dev.pd, &cq, depth as u32, bind_mw)?;
+            let port = dev.port;
+            qp.to_init(port).map_err(|e| modify_err("INIT", "port", e, format!("port {port}, pkey_index 0")))?;
+            slots.push(QpSlot { qp, psn: draw_psn()? });
         }
         Ok(ConnInner {
             slots,
@@ -171,14 +170,64 @@ impl ConnInner {
     pub fn connect(&self, dev: &Device, opts: &VerbsOptions, remote: &[Endpoint]) -> Result<(), FabricError> {
         let paths = negotiate::validate_remote(&dev.local_port(), remote, Some(self.slots.len()))?;
         for (slot, path) in self.slots.iter().zip(&paths) {
-            slot.qp.to_rtr(path, &dev.link_layer, dev.port, dev.gid_index, dev.max_rd_atomic)?;
-            slot.qp.to_rts(slot.psn, path.max_rd_atomic, opts)?;
+            let r = &path.remote;
+            let sgid_index = dev.gid_index;
+            let route = if dev.link_layer == LINK_ETHERNET {
+                Route::Global { dgid: r.gid, sgid_index: sgid_index.min(255) as u8 }
+            } else {
+                Route::Local { dlid: r.lid as u16 }
+            };
+            let rtr = RtrAttrs {
+                port: dev.port,
+                path_mtu: path.path_mtu,
+                dest_qpn: r.qpn,
+                rq_psn: r.psn,
+                max_dest_rd_atomic: dev.max_rd_atomic,
+                route,
+            };
+            slot.qp.to_rtr(&rtr).map_err(|e| {
+                // Route resolution of the GRH fails with ETIMEDOUT / ENETUNREACH / EHOSTUNREACH.
+                let attr = match e.raw_os_error() {
+                    Some(nix::libc::ETIMEDOUT | nix::libc::ENETUNREACH | nix::libc::EHOSTUNREACH) => "dgid",
+                    _ => "attributes",
+                };
+                modify_err(
+                    "RTR",
+                    attr,
+                    e,
+                    format!(
+                        "dest_qpn {:#x}, path_mtu code {}, sgid_index {sgid_index}, dgid {}, max_dest_rd_atomic {}",
+                        r.qpn,
+                        path.path_mtu,
+                        negotiate::gid_string(&r.gid),
+                        dev.max_rd_atomic
+                    ),
+                )
+            })?;
+            let rts = RtsAttrs {
+                sq_psn: slot.psn,
+                timeout: opts.timeout,
+                retry_cnt: opts.retry_cnt,
+                rnr_retry: opts.rnr_retry,
+                max_rd_atomic: path.max_rd_atomic,
+            };
+            slot.qp.to_rts(&rts).map_err(|e| {
+                modify_err(
+                    "RTS",
+                    "attributes",
+                    e,
+                    format!(
+                        "timeout {}, retry_cnt {}, rnr_retry {}, max_rd_atomic {}",
+                        opts.timeout, opts.retry_cnt, opts.rnr_retry, path.max_rd_atomic
+                    ),
+                )
+            })?;
         }
         Ok(())
     }
 
     fn all_idle(&self) -> bool {
-        self.slots.iter().all(|s| s.state.lock().unwrap_or_else(|e| e.into_inner()).inflight.is_empty())
+        self.slots.iter().all(|s| s.qp.is_idle())
     }
 
     fn set_err_all(&self) {
@@ -189,43 +238,27 @@ impl ConnInner {
 
     /// Retires in-flight entries up to the WR `wc` reports and delivers its completion.
     ///
-    /// The QP is identified by the completion's QP number; the WR by the `seq` in its `wr_id`.
-    /// Defensively, an error completion whose `wr_id` matches nothing in flight retires the
-    /// oldest outstanding WR of its QP (flushes arrive in post order, one per WR), so a device
-    /// that garbles flush `wr_id`s cannot leave the list undrained. (The `wr_id 0` flushes first
-    /// seen on rxe turned out to be stale CQEs from the extended-poll bug noted in `cq.rs`.)
+    /// The QP is identified by the completion's QP number (or, failing that, the QP index in its
+    /// `wr_id`); `RcQp::retire` finds the WR and, defensively, retires the oldest outstanding WR
+    /// for an error completion that matches nothing in flight (flushes arrive in post order, one
+    /// per WR), so a device that garbles flush `wr_id`s cannot leave the list undrained. (The
+    /// `wr_id 0` flushes first seen on rxe turned out to be stale CQEs from the extended-poll bug
+    /// noted in `xfer_rdma::cq`.)
     fn handle(&self, wc: RawWc, sink: &CompletionSink) {
-        let status = WcStatus::from_code(wc.status);
+        let status = WcStatus::from_code(wc.status());
         crate::metrics::work_completion(status.name());
-        let wr_qp = (wc.wr_id >> SEQ_BITS) as usize;
-        let seq = wc.wr_id & SEQ_MASK;
-        let qp = match self.slots.iter().position(|s| s.qp.qpn() == wc.qp_num) {
+        let wr_qp = queue_of(wc.wr_id());
+        let by_index = || self.slots.iter().position(|s| s.qp.index() == wr_qp);
+        let qp = match self.slots.iter().position(|s| s.qp.qpn() == wc.qp_num()).or_else(by_index) {
             Some(i) => i,
-            None if wr_qp < self.slots.len() => wr_qp,
             None => {
-                tracing::error!(wr_id = wc.wr_id, qp_num = wc.qp_num, peer = %self.peer, "completion for an unknown QP; ignored");
+                tracing::error!(wr_id = wc.wr_id(), qp_num = wc.qp_num(), peer = %self.peer, "completion for an unknown QP; ignored");
                 return;
             }
         };
         let slot = &self.slots[qp];
-        let wr_id = {
-            let mut st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-            if wr_qp == qp && st.inflight.iter().any(|e| e.seq == seq) {
-                // In order: everything before `seq` completed silently (unsignaled successes).
-                let mut found = None;
-                while let Some(e) = st.inflight.pop_front() {
-                    if e.seq == seq {
-                        found = Some(e.wr_id);
-                        break;
-                    }
-                }
-                found
-            } else if !status.is_success() {
-                st.inflight.pop_front().map(|e| e.wr_id)
-            } else {
-                None
-            }
-        };
+        let (raw_wr_id, byte_len) = (wc.wr_id(), wc.byte_len());
+        let wr_id = slot.qp.retire(wc).map(|e| e.wr_id);
         if !status.is_success() {
             if !self.broken.swap(true, Ordering::AcqRel) && status != WcStatus::WrFlushErr {
                 tracing::warn!(peer = %self.peer, qp, status = %status, "work request failed; QP moves to ERR");
@@ -236,11 +269,11 @@ impl ConnInner {
             }
         }
         let Some(wr_id) = wr_id else {
-            tracing::error!(wr_id = wc.wr_id, qp, status = %status, peer = %self.peer, "completion for a WR not in flight; ignored");
+            tracing::error!(wr_id = raw_wr_id, qp, status = %status, peer = %self.peer, "completion for a WR not in flight; ignored");
             return;
         };
         // A dropped receiver only means nobody waits for this connection any more.
-        let _ = sink.send(Completion { wr_id, qp, status, byte_len: wc.byte_len });
+        let _ = sink.send(Completion { wr_id, qp, status, byte_len });
     }
 
     /// Reports every WR still in flight as flushed (the CQ task gives up waiting for the device).
@@ -248,11 +281,25 @@ impl ConnInner {
     /// destroyed.
     fn report_unflushed(&self, sink: &CompletionSink) {
         for (qp, slot) in self.slots.iter().enumerate() {
-            let st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-            for e in &st.inflight {
+            slot.qp.for_each_in_flight(|e| {
                 let _ = sink.send(Completion { wr_id: e.wr_id, qp, status: WcStatus::WrFlushErr, byte_len: 0 });
+            });
+        }
+    }
+
+    /// Retires the window binds whose completions are in `buf` (the responder's CQ) and empties it.
+    fn retire_binds(&self, buf: &mut Vec<RawWc>) {
+        for wc in buf.drain(..) {
+            if let Some(i) = self.slot_of(&wc) {
+                self.slots[i].qp.retire(wc);
             }
         }
+    }
+
+    /// The slot whose QP posted the WR `wc` reports (by the QP index in its `wr_id`).
+    fn slot_of(&self, wc: &RawWc) -> Option<usize> {
+        let index = queue_of(wc.wr_id());
+        self.slots.iter().position(|s| s.qp.index() == index)
     }
 
     /// Polls the CQ empty; returns how many completions were handled.
@@ -276,14 +323,8 @@ impl ConnInner {
 /// connection is closed and every WR has been retired.
 async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
     let afd = match &inner.channel {
-        // SAFETY: the AsyncFd owns an Arc of the channel, so the fd it watches stays open (it is
-        // closed only by ibv_destroy_comp_channel in the channel's Drop) until the AsyncFd is
-        // dropped and has deregistered it.
-        Some(ch) => match unsafe {
-            AsyncFd::register_with_interest(Arc::clone(ch), tokio::io::Interest::READABLE)
-        }
-        .map_err(std::io::Error::from)
-        {
+        // The AsyncFd owns an Arc of the channel, so the fd it watches stays open.
+        Some(ch) => match xfer_rdma::cq::watch_channel(ch) {
             Ok(a) => Some(a),
             Err(e) => {
                 tracing::error!(peer = %inner.peer, error = %e, "cannot watch the completion channel; busy-polling");
@@ -420,30 +461,18 @@ impl Connection for VerbsConnection {
             })?,
             RemoteKey::Token(_) => return Err(FabricError::BadRemoteKey),
         };
-        let mem = wr.local.memory();
-        mem.check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
-        if wr.op == WrOp::Read && !mem.writable() {
-            return Err(FabricError::LocalRange("READ into read-only local memory".into()));
-        }
-        let laddr = wr.local.addr() + wr.local_offset;
-        let lkey = wr.local.lkey();
-        let mut st = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-        if st.inflight.len() >= slot.qp.max_send_wr as usize {
-            return Err(FabricError::Other(format!(
-                "send queue of QP {qp} is full ({} WRs outstanding): the caller exceeded its depth",
-                st.inflight.len()
-            )));
-        }
-        let seq = st.next_seq & SEQ_MASK;
-        let dev_wr_id = ((qp as u64) << SEQ_BITS) | seq;
-        // SAFETY: we hold the slot's posting lock (exclusive posting). The local range was
-        // checked against the registration's memory above, and the registration is pushed onto
-        // the in-flight list below, under the same lock, before the CQ task can retire it.
-        unsafe {
-            slot.qp.post_rdma(dev_wr_id, wr.op == WrOp::Read, wr.signaled, rkey, wr.remote_addr, lkey, laddr, wr.len)?;
-        }
-        st.next_seq = st.next_seq.wrapping_add(1);
-        st.inflight.push_back(InFlight { seq, wr_id: wr.wr_id, _local: wr.local });
+        let mr: Arc<Mr> = match wr.local.as_any().downcast_ref::<VerbsRegistration>() {
+            Some(v) => Arc::clone(&v.mr),
+            None => return Err(FabricError::Registration("registration does not belong to the verbs fabric".into())),
+        };
+        let op = match wr.op {
+            WrOp::Read => RdmaOp::Read,
+            WrOp::Write => RdmaOp::Write,
+        };
+        let rdma = RdmaWr { op, signaled: wr.signaled, rkey, remote_addr: wr.remote_addr, local_offset: wr.local_offset, len: wr.len };
+        // The QP checks the local range against the MR and keeps the MR (with its memory) and
+        // the registration until the WR is retired.
+        slot.qp.post_rdma(rdma, &mr, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) })?;
         Ok(())
     }
 
@@ -495,11 +524,10 @@ impl VerbsAccepted {
     pub fn bind_windows(
         &self,
         pd: &Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
-        mr: &Arc<sideway::ibverbs::memory_region::MemoryRegion>,
-        memory: &Arc<super::memory::RegionMemory>,
-        addr: u64,
+        mr: &Arc<Mr>,
+        offset: u64,
         len: u64,
-        access: u32,
+        access: WindowAccess,
     ) -> Result<MwGrant, FabricError> {
         let inner = &self.inner;
         let _g = self.bind_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -510,29 +538,27 @@ impl VerbsAccepted {
         for _ in &inner.slots {
             windows.push(Mw::alloc(pd)?);
         }
-        // Nothing else posts on the responder QPs; drop anything stale before counting.
+        // Nothing else posts on the responder QPs; retire anything stale before counting.
         let mut buf = Vec::with_capacity(POLL_BATCH);
         let _ = inner.cq.poll(POLL_BATCH, &mut buf);
-        buf.clear();
-        let keys: Vec<u32> = windows.iter().map(|w| next_rkey(w.rkey())).collect();
-        // SAFETY: reading the raw MR pointer of a live MR; `mr` (and so the MR) outlives every
-        // bind below: it is moved into the returned grant, or the QPs are in ERR before it drops.
-        let mr_ptr = unsafe { mr.mr().as_ptr() };
+        inner.retire_binds(&mut buf);
         let give_up = |e: FabricError| {
-            // Outstanding binds must not complete against windows we are about to deallocate.
+            // The connection is done for; binds still outstanding keep their windows (and the
+            // MR) alive on the QPs' in-flight lists until they are flushed or the QPs destroyed.
             inner.broken.store(true, Ordering::Release);
             inner.set_err_all();
             e
         };
+        let mut keys = Vec::with_capacity(windows.len());
         for (i, (slot, mw)) in inner.slots.iter().zip(&windows).enumerate() {
-            let _post = slot.state.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: posting is serialized by the slot lock and the bind lock (the responder
-            // posts nothing else). The window and the MR belong to this QP's PD (the device's
-            // one PD) and stay alive until the completion is polled below, or until the QPs are
-            // in ERR (`give_up`) and the WR is flushed.
-            let r = unsafe { slot.qp.post_bind_mw(i as u64, mw.as_ptr(), keys[i], mr_ptr, addr, len, access) };
-            if let Err(e) = r {
-                return Err(give_up(FabricError::Other(format!("posting a memory-window bind on responder QP {i}: {e}"))));
+            // The QP checks the range against the MR and keeps the window and the MR until the
+            // bind is retired below.
+            match slot.qp.post_bind_mw(mw, mr, offset, len, access, InFlight { wr_id: i as u64, _local: None }) {
+                Ok(key) => keys.push(key),
+                Err(e) => {
+                    // `e` reads as before the move (an I/O error prints as itself).
+                    return Err(give_up(FabricError::Other(format!("posting a memory-window bind on responder QP {i}: {e}"))));
+                }
             }
         }
         let deadline = std::time::Instant::now() + BIND_TIMEOUT;
@@ -542,15 +568,20 @@ impl VerbsAccepted {
             buf.clear();
             let n = inner.cq.poll(POLL_BATCH, &mut buf).map_err(|e| give_up(FabricError::Io(e)))?;
             for wc in buf.drain(..) {
-                let status = WcStatus::from_code(wc.status);
-                let i = wc.wr_id as usize;
+                let status = WcStatus::from_code(wc.status());
+                let slot = inner.slot_of(&wc);
                 if !status.is_success() {
+                    let code = wc.status();
+                    let i = slot.unwrap_or_else(|| queue_of(wc.wr_id()));
+                    if let Some(s) = slot {
+                        inner.slots[s].qp.retire(wc);
+                    }
                     return Err(give_up(FabricError::Other(format!(
-                        "memory-window bind on responder QP {i} completed with {status} (status {})",
-                        wc.status
+                        "memory-window bind on responder QP {i} completed with {status} (status {code})"
                     ))));
                 }
-                if i < done.len() && !done[i] {
+                let Some(i) = slot else { continue };
+                if inner.slots[i].qp.retire(wc).is_some() && !done[i] {
                     done[i] = true;
                     left -= 1;
                 }
@@ -565,10 +596,12 @@ impl VerbsAccepted {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
-        for (mw, key) in windows.iter_mut().zip(keys) {
+        // Every bind was retired (`done`), so the QPs hold no handle on the windows any more:
+        // dropping the grant deallocates them.
+        for (mw, key) in windows.iter().zip(keys) {
             mw.set_rkey(key);
         }
-        Ok(MwGrant { windows, _mr: Arc::clone(mr), _memory: Arc::clone(memory), _conn: Arc::clone(inner) })
+        Ok(MwGrant { windows, _mr: Arc::clone(mr), _conn: Arc::clone(inner) })
     }
 }
 

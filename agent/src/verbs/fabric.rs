@@ -3,17 +3,19 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use sideway::ibverbs::AccessFlags;
+use xfer_rdma::memory::RegionMemory;
+use xfer_rdma::mr::Mr;
+use xfer_rdma::qp::WindowAccess;
+
 use super::connection::{ConnInner, VerbsAccepted, VerbsPending};
 use super::device::Device;
-use super::memory::RegionMemory;
-use super::mr::{self, GrantMr, VerbsRegistration};
+use super::mr::VerbsRegistration;
 use super::{negotiate, VerbsOptions};
 use crate::fabric::{
     Access, Accepted, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
     GrantMode, PendingConnection, Registration, RemoteKey, RemoteOp,
 };
-use rdma_mummy_sys as sys;
-use sideway::ibverbs::AccessFlags;
 
 /// The verbs data plane: one device context and PD shared by every registration and connection.
 pub struct VerbsFabric {
@@ -141,10 +143,11 @@ fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration
                     AccessFlags::RemoteWrite | AccessFlags::LocalWrite
                 }
             };
-            let grant_mr = mr::reg(&dev.pd, memory, req.offset, req.len, flags)?;
+            // A dedicated MR over exactly the granted range (it keeps the memory alive); dropping
+            // it deregisters (revokes) it.
+            let grant_mr: Arc<Mr> = Mr::register(&dev.pd, memory, req.offset, req.len, flags)?;
             let key = RemoteKey::Rkey(grant_mr.rkey());
-            let keep = GrantMr { _mr: grant_mr, _memory: Arc::clone(memory) };
-            Ok(Exposure { addr, key, keepalive: Some(Box::new(keep)) })
+            Ok(Exposure { addr, key, keepalive: Some(Box::new(grant_mr)) })
         }
         GrantMode::Mw => {
             if !opts.mw_grants() {
@@ -164,15 +167,15 @@ fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration
                 return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
             };
             let access = match req.op {
-                RemoteOp::Read => sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                RemoteOp::Read => WindowAccess::RemoteRead,
                 RemoteOp::Write => {
                     if !memory.writable() {
                         return Err(FabricError::Registration("remote write to read-only memory".into()));
                     }
-                    sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                    WindowAccess::RemoteWrite
                 }
             };
-            let grant = accepted.bind_windows(&dev.pd, &vreg.mr, memory, addr, req.len, access)?;
+            let grant = accepted.bind_windows(&dev.pd, &vreg.mr, req.offset, req.len, access)?;
             let key = RemoteKey::PerQp(grant.rkeys().into());
             Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
         }

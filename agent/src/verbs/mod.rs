@@ -1,46 +1,29 @@
-//! The only module with `unsafe`: region memory shared with hardware, and (with the `verbs`
-//! feature) the sideway-based verbs fabric.
-//!
-//! # Why unsafe lives here
-//! RDMA hands raw addresses to a device that reads and writes them behind the compiler's back, and
-//! libibverbs is a C API of raw pointers. Everything that touches either is in this module and
-//! every `unsafe` block carries a `// SAFETY:` note; the rest of the crate is `deny(unsafe_code)`.
+//! The verbs fabric: device/GID selection, negotiation, connections and grants over RC QPs — safe
+//! code over the raw verbs objects of the `xfer-rdma` crate, which holds every `unsafe`
+//! (region memory, the SIGBUS guard, CQ/QP/MR/MW and posting). This module has none.
 //!
 //! # Layout (feature `verbs`)
-//! * [`sigbus`]: the SIGBUS handler and registry that let a truncated file region fail instead of
-//!   killing the agent (no feature needed).
 //! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
 //! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
-//! * [`cq`]: a completion queue with its completion channel, polled in batches.
-//! * [`qp`]: an RC queue pair (extended `ibv_wr_*` posting API) and its state transitions.
-//! * [`mr`]: registrations (region MRs) and grant MRs.
-//! * [`mw`]: type-2 memory windows (grant mode `mw`), bound on a responder connection's QPs.
-//! * [`connection`]: a set of QPs to one peer, the in-flight list that keeps memory alive, and the
-//!   tokio task that drives the CQ from its channel through `AsyncFd`.
+//! * [`mr`]: region registrations (access flags per grant mode) over `xfer_rdma::mr::Mr`.
+//! * [`mw`]: what a grant in mode `mw` keeps alive (`xfer_rdma::mw::Mw` windows bound on a
+//!   responder connection's QPs).
+//! * [`connection`]: a set of `xfer_rdma::qp::RcQp`s to one peer sharing one CQ, completion
+//!   delivery, and the tokio task that drives the CQ from its channel through `AsyncFd`
+//!   (`xfer_rdma::cq::watch_channel`). The QPs' in-flight lists (in `xfer-rdma`) keep posted
+//!   memory alive.
 //! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
 //!
-//! sideway is used for the device list, device context, PD, MRs and the completion channel. The
-//! CQ, QP and MW objects are wrapped here directly over `rdma-mummy-sys` because sideway 0.4 does
-//! not expose CQ events / QP numbers in completions, and its CQ/QP wrappers `assert!` in `Drop` and
-//! `panic!` on unknown enum values — nothing a device or a peer sends may panic the agent.
-#![allow(unsafe_code)]
-
+//! sideway's safe API is used here for the device list, device context and PD.
 use std::sync::Arc;
 
 use crate::config::Config;
 use crate::fabric::{Fabric, FabricError};
 
-pub mod memory;
-pub mod sigbus;
-
 #[cfg(feature = "verbs")]
 pub mod device;
 #[cfg(feature = "verbs")]
 pub mod negotiate;
-#[cfg(feature = "verbs")]
-mod cq;
-#[cfg(feature = "verbs")]
-mod qp;
 #[cfg(feature = "verbs")]
 mod mr;
 #[cfg(feature = "verbs")]
@@ -54,6 +37,20 @@ mod fabric;
 pub use device::probe;
 #[cfg(feature = "verbs")]
 pub use fabric::VerbsFabric;
+
+#[cfg(feature = "verbs")]
+impl From<xfer_rdma::VerbsError> for FabricError {
+    fn from(e: xfer_rdma::VerbsError) -> Self {
+        use xfer_rdma::VerbsError as E;
+        match e {
+            E::Setup { step, attr, detail } => FabricError::Negotiation { step, attr, detail },
+            E::Registration(s) => FabricError::Registration(s),
+            E::LocalRange(s) => FabricError::LocalRange(s),
+            E::Other(s) => FabricError::Other(s),
+            E::Io(e) => FabricError::Io(e),
+        }
+    }
+}
 
 /// Settings of the verbs fabric.
 #[cfg(feature = "verbs")]

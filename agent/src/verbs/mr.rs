@@ -1,14 +1,14 @@
-//! Memory registrations: the region MR (`Fabric::register`) and dedicated grant MRs
-//! (`GrantMode::Mr`). sideway's `MemoryRegion` is used as is: its `Drop` deregisters without
-//! asserting.
+//! Memory registrations: the region MR (`Fabric::register`) and its access flags per grant mode.
+//! The MR itself (registration, and the memory it keeps alive) is `xfer_rdma::mr::Mr`; grant mode
+//! `mr` registers a dedicated `Mr` per grant (`fabric::expose_now`).
 use std::sync::Arc;
 use std::time::Instant;
 
-use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
+use xfer_rdma::memory::RegionMemory;
+use xfer_rdma::mr::Mr;
 
-use super::memory::RegionMemory;
 use crate::fabric::{Access, FabricError, GrantMode, Registration, RemoteOp};
 
 /// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
@@ -54,39 +54,11 @@ pub(crate) fn remote_access(flags: AccessFlags) -> bool {
     flags.contains(AccessFlags::RemoteRead) || flags.contains(AccessFlags::RemoteWrite)
 }
 
-/// Registers `[addr, addr+len)` of `memory` (already bounds-checked by the caller).
-pub(crate) fn reg(
-    pd: &Arc<ProtectionDomain>,
-    memory: &RegionMemory,
-    offset: u64,
-    len: u64,
-    flags: AccessFlags,
-) -> Result<Arc<MemoryRegion>, FabricError> {
-    let start = memory.check(offset, len).map_err(|e| FabricError::Registration(e.to_string()))?;
-    if len == 0 {
-        return Err(FabricError::Registration("cannot register an empty range".into()));
-    }
-    let ptr = memory.as_mut_ptr() as usize + start;
-    // SAFETY: [ptr, ptr+len) lies inside the live mapping (checked above). The returned MR is
-    // always stored next to an Arc<RegionMemory> declared after it (VerbsRegistration,
-    // GrantMr), so the memory is unmapped only after the MR is deregistered.
-    unsafe { pd.reg_mr(ptr, len as usize, flags) }.map_err(|e| {
-        let os = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default();
-        let hint = if os.contains("Cannot allocate memory") || os.contains("Resource temporarily") {
-            " (RLIMIT_MEMLOCK too low? raise it or grant CAP_IPC_LOCK)"
-        } else {
-            ""
-        };
-        FabricError::Registration(format!("ibv_reg_mr({len} bytes, {flags:?}): {e}: {os}{hint}"))
-    })
-}
-
 /// A region registered with the device. Its MR has remote access only in grant mode `region`
 /// (see [`region_flags`]).
 pub(crate) struct VerbsRegistration {
-    // Field order is drop order: the MR is deregistered before the memory may be unmapped.
-    pub mr: Arc<MemoryRegion>,
-    pub memory: Arc<RegionMemory>,
+    /// The MR over the whole memory (it owns the memory: see `xfer_rdma::mr`).
+    pub mr: Arc<Mr>,
     pub access: Access,
     pub flags: AccessFlags,
 }
@@ -94,7 +66,7 @@ pub(crate) struct VerbsRegistration {
 impl std::fmt::Debug for VerbsRegistration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VerbsRegistration")
-            .field("memory", &self.memory)
+            .field("memory", self.mr.memory())
             .field("access", &self.access)
             .field("flags", &self.flags)
             .finish()
@@ -111,15 +83,15 @@ impl VerbsRegistration {
     ) -> Result<Self, FabricError> {
         let flags = region_flags(memory.writable(), access, mode)?;
         let started = Instant::now();
-        let mr = reg(pd, &memory, 0, memory.len(), flags)?;
+        let mr = Mr::register(pd, &memory, 0, memory.len(), flags)?;
         crate::metrics::registration_duration(started.elapsed());
-        Ok(VerbsRegistration { mr, memory, access, flags })
+        Ok(VerbsRegistration { mr, access, flags })
     }
 }
 
 impl Registration for VerbsRegistration {
     fn memory(&self) -> &Arc<RegionMemory> {
-        &self.memory
+        self.mr.memory()
     }
     fn lkey(&self) -> u32 {
         self.mr.lkey()
@@ -136,12 +108,6 @@ impl Registration for VerbsRegistration {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
-}
-
-/// A dedicated MR over exactly one granted range; dropping it deregisters (revokes) it.
-pub(crate) struct GrantMr {
-    pub _mr: Arc<MemoryRegion>,
-    pub _memory: Arc<RegionMemory>,
 }
 
 #[cfg(test)]

@@ -2,16 +2,18 @@
 //!
 //! Region memory behaves like DMA memory: the NIC (verbs fabric) or the TCP fabric's socket tasks
 //! read and write it concurrently with each other and with local applications that share a `file`
-//! or `shm` mapping. Rust references cannot describe that, so this type lives in the one module that
-//! may use `unsafe` and exposes a small API whose contract is spelled out below.
+//! or `shm` mapping. Rust references cannot describe that, so this type lives in the one crate that
+//! may use `unsafe` (raw-pointer copies, slices that exist only inside one socket call) and
+//! exposes a small safe API whose contract is spelled out below.
 //!
 //! # Contract
 //! * The mapping stays valid for as long as any `Arc<RegionMemory>` exists; every in-flight work
-//!   request holds one (see `fabric::WorkRequest`), so memory is never unmapped under a posted WR.
+//!   request holds one (the agent's `fabric::WorkRequest`; on verbs also the QP's in-flight list,
+//!   through `mr::Mr`, feature `verbs`), so memory is never unmapped under a posted WR.
 //! * Every accessor bounds-checks `offset + len` (with overflow checks) before touching memory.
 //! * Concurrent writes to overlapping bytes give unspecified (torn) bytes, exactly as overlapping
 //!   RDMA operations do; the agent never relies on the contents of bytes that are being written.
-//! * A file-backed mapping whose file shrinks is *poisoned* ([`super::sigbus`]): the missing
+//! * A file-backed mapping whose file shrinks is *poisoned* ([`crate::sigbus`]): the missing
 //!   pages read as zeros and swallow writes instead of raising SIGBUS. `read_at`/`write_at` check
 //!   [`RegionMemory::intact`] after the copy; whoever moves bytes with the zero-copy socket
 //!   operations must do the same before trusting, returning or acknowledging them.
@@ -45,7 +47,7 @@ pub struct OutOfRange {
 #[error("memory is mapped read-only")]
 pub struct ReadOnly;
 
-/// Error for memory whose file shrank under its mapping (see [`super::sigbus`]).
+/// Error for memory whose file shrank under its mapping (see [`crate::sigbus`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the file shrank under its mapping")]
 pub struct Poisoned;
@@ -79,7 +81,7 @@ pub struct RegionMemory {
     writable: bool,
     /// Registered with the SIGBUS registry (file and shm mappings). Declared before `backing`
     /// so it is dropped (unregistered) before the memory is unmapped.
-    sigbus: Option<super::sigbus::Guard>,
+    sigbus: Option<crate::sigbus::Guard>,
     /// The mapped file (a duplicate descriptor), for file and shm mappings: a truncation inside
     /// the last page raises no SIGBUS (the page still exists), so [`RegionMemory::intact`] also
     /// compares the file's size with the mapping.
@@ -139,7 +141,7 @@ impl RegionMemory {
             let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or_else(|| io::Error::other("null mapping"))?;
             Self { ptr, len, writable: false, sigbus: None, file: None, short: Default::default(), backing: Backing::ReadOnly { _map: map } }
         };
-        mem.sigbus = Some(super::sigbus::register(mem.ptr.as_ptr() as usize, mem.len)?);
+        mem.sigbus = Some(crate::sigbus::register(mem.ptr.as_ptr() as usize, mem.len)?);
         mem.file = Some(file.try_clone()?);
         Ok(mem)
     }

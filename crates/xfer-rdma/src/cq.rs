@@ -1,30 +1,69 @@
-//! Completion queue (extended CQ) with an optional completion channel.
+//! Completion queue (extended CQ) with an optional completion channel, and [`watch_channel`],
+//! which registers a completion channel's fd with tokio.
+//!
+//! Unsafe lives here because the CQ is a raw libibverbs object (created, polled, armed and
+//! destroyed through its pointer) and tokio's `AsyncFd::register_with_interest` is `unsafe` (the
+//! fd must stay open while registered).
 //!
 //! Wrapped here over rdma-mummy-sys rather than sideway because sideway 0.4 has no
 //! `ibv_req_notify_cq` / `ibv_get_cq_event` / `ibv_ack_cq_events`, and its CQ `Drop` does
 //! `assert_eq!(ibv_destroy_cq(..), 0)`. This wrapper logs a failed destroy instead of panicking.
 use std::io;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::CompletionChannel;
 use sideway::ibverbs::device_context::DeviceContext;
 
-use crate::fabric::FabricError;
+use tokio::io::unix::AsyncFd;
 
-/// One work completion as read from the CQ (status kept raw: unknown values never panic).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RawWc {
-    pub wr_id: u64,
-    pub status: u32,
-    pub byte_len: u32,
-    /// The QP the completion belongs to (reliable even where a flush's `wr_id` is not).
-    pub qp_num: u32,
+use crate::error::VerbsError;
+
+/// One work completion as read from a [`Cq`] (status kept raw: unknown values never panic). Made
+/// only by [`Cq::poll`] and neither `Clone` nor `Copy`, so it can retire in-flight WRs
+/// ([`crate::qp::RcQp::retire`]) once.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RawWc {
+    wr_id: u64,
+    status: u32,
+    byte_len: u32,
+    qp_num: u32,
+    /// Id of the `Cq` it was read from.
+    cq: u64,
 }
 
-pub(crate) struct Cq {
+impl RawWc {
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    /// `ibv_wc_status` code (0 = success).
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+    pub fn is_success(&self) -> bool {
+        self.status == 0 // IBV_WC_SUCCESS
+    }
+    pub fn byte_len(&self) -> u32 {
+        self.byte_len
+    }
+    /// The QP the completion belongs to (reliable even where a flush's `wr_id` is not).
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+    /// True if the completion was read from `cq`.
+    pub(crate) fn from(&self, cq: &Arc<Cq>) -> bool {
+        self.cq == cq.id
+    }
+}
+
+pub struct Cq {
     cq: NonNull<sys::ibv_cq_ex>,
+    /// Unique for the life of the process: tells completions of different CQs apart.
+    id: u64,
+    /// The next QP index handed out on this CQ (`RcQp::create`); indices are never reused.
+    next_index: AtomicUsize,
     /// Serializes polling (one reader per CQ keeps the in-flight bookkeeping in order).
     poll_lock: Mutex<()>,
     // Drop order: the CQ is destroyed in `Drop::drop` before these fields are released, so the
@@ -40,7 +79,7 @@ unsafe impl Send for Cq {}
 unsafe impl Sync for Cq {}
 
 impl Cq {
-    pub fn new(ctx: &Arc<DeviceContext>, cqe: u32, channel: Option<&Arc<CompletionChannel>>) -> Result<Arc<Cq>, FabricError> {
+    pub fn new(ctx: &Arc<DeviceContext>, cqe: u32, channel: Option<&Arc<CompletionChannel>>) -> Result<Arc<Cq>, VerbsError> {
         let mut attr = sys::ibv_cq_init_attr_ex {
             cqe,
             cq_context: std::ptr::null_mut(),
@@ -59,8 +98,10 @@ impl Cq {
         // fully initialised ibv_cq_init_attr_ex; a NULL return is handled.
         let raw = unsafe { sys::ibv_create_cq_ex(ctx.context().as_ptr(), &mut attr) };
         let cq = NonNull::new(raw)
-            .ok_or_else(|| FabricError::Other(format!("ibv_create_cq_ex({cqe}): {}", io::Error::last_os_error())))?;
-        let cq = Cq { cq, poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
+            .ok_or_else(|| VerbsError::Other(format!("ibv_create_cq_ex({cqe}): {}", io::Error::last_os_error())))?;
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let cq = Cq { cq, id, next_index: AtomicUsize::new(0), poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
         // SAFETY: `cq` points at a live CQ; reading its context's ops table.
         let ops_ok = unsafe {
             let c = cq.cq.as_ref();
@@ -69,12 +110,25 @@ impl Cq {
                 && ex.ops.poll_cq.is_some()
         };
         if !ops_ok {
-            return Err(FabricError::Other("provider lacks ibv_poll_cq or ibv_req_notify_cq".into()));
+            return Err(VerbsError::Other("provider lacks ibv_poll_cq or ibv_req_notify_cq".into()));
         }
         Ok(Arc::new(cq))
     }
 
-    pub fn as_ibv_cq(&self) -> *mut sys::ibv_cq {
+    /// Claims the next QP index on this CQ (0, 1, 2...), or `None` once index `max` is taken.
+    pub(crate) fn claim_index(&self, max: usize) -> Option<usize> {
+        self.next_index
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |i| (i <= max).then_some(i + 1))
+            .ok()
+    }
+
+    /// The device context the CQ was created in.
+    pub(crate) fn context_ptr(&self) -> *mut sys::ibv_context {
+        // SAFETY: reading the raw pointer of the context we keep an Arc to.
+        unsafe { self._ctx.context().as_ptr() }
+    }
+
+    pub(crate) fn as_ibv_cq(&self) -> *mut sys::ibv_cq {
         self.cq.as_ptr().cast()
     }
 
@@ -106,7 +160,8 @@ impl Cq {
             return Err(io::Error::other(format!("ibv_poll_cq returned {n}")));
         }
         let n = (n as usize).min(max);
-        out.extend(wcs[..n].iter().map(|w| RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num }));
+        let me = self.id;
+        out.extend(wcs[..n].iter().map(|w| RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num, cq: me }));
         Ok(n)
     }
 
@@ -133,6 +188,18 @@ impl Cq {
             n += 1;
         }
     }
+}
+
+/// Watches `channel`'s fd for readability on the current tokio runtime (a completion event is
+/// queued). The returned `AsyncFd` owns an `Arc` of the channel, so the fd stays open for as long
+/// as it is registered. Panics, like tokio, when called outside a runtime.
+pub fn watch_channel(channel: &Arc<CompletionChannel>) -> io::Result<AsyncFd<Arc<CompletionChannel>>> {
+    // SAFETY: the fd is the channel's, opened by ibv_create_comp_channel and closed only by
+    // ibv_destroy_comp_channel in the channel's Drop. The AsyncFd owns an Arc of the channel, so
+    // the fd stays open (and `as_raw_fd` returns the same fd) until the AsyncFd is dropped and
+    // has deregistered it.
+    unsafe { AsyncFd::register_with_interest(Arc::clone(channel), tokio::io::Interest::READABLE) }
+        .map_err(io::Error::from)
 }
 
 impl Drop for Cq {

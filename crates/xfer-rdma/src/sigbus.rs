@@ -255,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_truncated_file_mapping_reads_zeros_and_is_poisoned() {
-        use super::super::memory::{MemError, RegionMemory};
+        use crate::memory::{MemError, RegionMemory};
         let f = tempfile::tempfile().unwrap();
         f.set_len(16384).unwrap();
         let m = RegionMemory::map_file(&f, 16384, true).unwrap();
