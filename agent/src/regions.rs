@@ -74,6 +74,24 @@ pub struct RegionSpec {
     pub adopt_existing: bool,
 }
 
+impl RegionSpec {
+    /// Private, zeroed anonymous memory of `length` bytes with remote access ceiling `access`, no
+    /// lease and no labels (set the fields to change that).
+    pub fn anonymous(name: &str, length: u64, access: Access) -> RegionSpec {
+        RegionSpec {
+            name: name.to_string(),
+            length,
+            kind: RegionKind::Anonymous,
+            path: None,
+            access,
+            hugepages: false,
+            ttl: None,
+            labels: BTreeMap::new(),
+            adopt_existing: false,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
     #[error("region {0:?} not found")]

@@ -17,7 +17,7 @@ use xfer_agent::fabric::tcp::TcpFabric;
 use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
-use xfer_agent::regions::{Region, RegionKind, RegionSpec};
+use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::transfer::TransferError;
 
 struct Side {
@@ -71,17 +71,7 @@ async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Conne
 
 fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
     s.node
-        .create_region(RegionSpec {
-            name: name.into(),
-            length: len,
-            kind: RegionKind::Anonymous,
-            path: None,
-            access,
-            hugepages: false,
-            ttl: None,
-            labels: Default::default(),
-            adopt_existing: false,
-        })
+        .create_region(RegionSpec::anonymous(name, len, access))
         .unwrap()
 }
 

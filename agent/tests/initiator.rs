@@ -15,7 +15,7 @@ use xfer_agent::fabric::{Access, Endpoint, Fabric, FabricKind, RemoteKey};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
-use xfer_agent::regions::{RegionKind, RegionSpec};
+use xfer_agent::regions::RegionSpec;
 use xfer_agent::transfer::{Op, TransferOptions, TransferRecord, TransferRequest, TransferState};
 
 /// The initiator's name as the target sees it (what a certificate's NAME would be).
@@ -117,17 +117,7 @@ async fn node(name: &str, connector: Connector) -> Node2 {
 
 fn region(n: &Node, name: &str, len: u64, fill: u8) {
     let r = n
-        .create_region(RegionSpec {
-            name: name.into(),
-            length: len,
-            kind: RegionKind::Anonymous,
-            path: None,
-            access: Access::ReadWrite,
-            hugepages: false,
-            ttl: None,
-            labels: Default::default(),
-            adopt_existing: false,
-        })
+        .create_region(RegionSpec::anonymous(name, len, Access::ReadWrite))
         .unwrap();
     r.memory.write_at(0, &vec![fill; len as usize]).unwrap();
 }

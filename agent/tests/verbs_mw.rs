@@ -22,7 +22,7 @@ use xfer_agent::fabric::{Fabric,
 };
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
-use xfer_agent::regions::{Region, RegionKind, RegionSpec};
+use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::transfer::TransferError;
 
 struct Side {
@@ -58,17 +58,7 @@ async fn connect(a: &Side, b: &Side, id: &str, qps: usize) -> (Arc<dyn Connectio
 
 fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
     s.node
-        .create_region(RegionSpec {
-            name: name.into(),
-            length: len,
-            kind: RegionKind::Anonymous,
-            path: None,
-            access: Access::ReadWrite,
-            hugepages: false,
-            ttl: None,
-            labels: Default::default(),
-            adopt_existing: false,
-        })
+        .create_region(RegionSpec::anonymous(name, len, Access::ReadWrite))
         .unwrap()
 }
 

@@ -23,7 +23,7 @@ use xfer_agent::config::{Config, FabricChoice};
 use xfer_agent::fabric::{Fabric, Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
-use xfer_agent::regions::{Region, RegionKind, RegionSpec};
+use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::service::convert::region_to_pb;
 
 /// The target region: big enough for several MTUs per WR.
@@ -65,17 +65,7 @@ async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::Un
 
 fn region(s: &Side, name: &str) -> Arc<Region> {
     s.node
-        .create_region(RegionSpec {
-            name: name.into(),
-            length: LEN,
-            kind: RegionKind::Anonymous,
-            path: None,
-            access: Access::ReadWrite,
-            hugepages: false,
-            ttl: None,
-            labels: Default::default(),
-            adopt_existing: false,
-        })
+        .create_region(RegionSpec::anonymous(name, LEN, Access::ReadWrite))
         .unwrap()
 }
 

@@ -96,15 +96,9 @@ impl Node {
         }
         let name = format!("xfer-bench-{}", new_id());
         self.regions.create(crate::regions::RegionSpec {
-            name: name.clone(),
-            length,
-            kind: crate::regions::RegionKind::Anonymous,
-            path: None,
-            access: crate::fabric::Access::ReadWrite,
-            hugepages: false,
             ttl: Some(BENCH_REGION_TTL),
             labels: [("xfer.io/scratch".to_string(), "bench".to_string()), ("xfer.io/owner".to_string(), owner.to_string())].into(),
-            adopt_existing: false,
+            ..crate::regions::RegionSpec::anonymous(&name, length, crate::fabric::Access::ReadWrite)
         })?;
         *slot = Some((name.clone(), owner.to_string()));
         Ok(name)
