@@ -11,14 +11,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-
-/// The sum of the samples of `series` in a scrape.
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' ').filter(|(name, _)| *name == series).and_then(|(_, v)| v.parse::<f64>().ok()))
-        .sum()
-}
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

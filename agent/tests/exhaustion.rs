@@ -13,39 +13,6 @@ use common::*;
 use futures::StreamExt;
 use xfer_proto::v1 as pb;
 
-/// GET /metrics over a plain TCP socket (HTTP/1.0: the server closes when done).
-fn scrape(port: u16) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "metrics answered {out:.200}");
-    out
-}
-
-/// Sum of the samples of `series` (a name, optionally with `{labels}`), 0 when absent.
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series || (!series.contains('{') && name.starts_with(&format!("{series}{{")))).then(|| value.parse::<f64>().ok())?
-        })
-        .sum()
-}
-
-/// Lets this test process hold thousands of sockets.
-fn raise_own_nofile() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
-}
-
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
-}
-
 fn nofile_soft(pid: u32) -> u64 {
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
     let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
@@ -99,7 +66,7 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     assert_eq!(limit, 1024, "ulimit -n 1024 sets the hard limit too: the agent cannot raise it");
     assert!(b.logs().contains("RLIMIT_NOFILE"), "the agent logs its file limits: {}", b.logs());
     assert!(b.logs().contains("enforcing half of it"), "the clamped cap is logged: {}", b.logs());
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert_eq!(metric(&text, "xfer_limit{limit=\"max_data_connections\"}"), 512.0, "{text}");
     assert_eq!(metric(&text, "xfer_limit{limit=\"open_files\"}"), 1024.0, "{text}");
 
@@ -139,7 +106,7 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     assert!(b.read("dst", 0, LEN).await == data, "bytes differ");
     // Silent sockets never held more than limits.max_pending_data_connections (128) slots: each
     // newer one closed the oldest.
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"evicted\"}") >= 1000.0, "{text}");
     assert_eq!(metric(&text, "xfer_limit{limit=\"max_pending_data_connections\"}"), 128.0, "{text}");
     let open = metric(&text, "xfer_data_connections");
@@ -154,7 +121,7 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     let silent = socks.last_mut().unwrap();
     silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     assert!(at_eof(silent));
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"handshake\"}") > 0.0, "{text}");
     assert!(open_fds(pid) < limit as usize);
     drop(socks);
@@ -187,7 +154,7 @@ async fn an_idle_stream_is_closed_and_a_busy_one_is_not() {
     }
     assert!(closed, "the idle stream was never closed");
     assert_eq!(raw_write(&mut busy, [0; 16], 0, &[1; 8]), (REM_ACCESS_ERR, NAK), "the busy stream is still open");
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0, "{text}");
 }
 
@@ -223,7 +190,7 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
         assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 1; 1024]), (0, 4), "stream {i} ACKs");
     }
     assert!(b.read("dst", 0, 1024).await == vec![4u8; 1024]);
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert_eq!(metric(&text, "xfer_data_connections_refused_total{reason=\"per_peer\"}"), 1.0, "{text}");
 
     // A closed stream frees its place.
@@ -274,7 +241,7 @@ async fn peer_pool_churn_stays_bounded_and_a_live_peer_still_works() {
 
     let peers = a.client().await.list_peers(pb::ListPeersRequest::default()).await.unwrap().into_inner().peers;
     assert!(peers.len() <= MAX, "{} pool entries", peers.len());
-    let text = scrape(a.ports.metrics);
+    let text = scrape(&a);
     let gauge = metric(&text, "xfer_peers");
     assert!(gauge <= MAX as f64 && gauge >= 1.0, "xfer_peers = {gauge}");
     assert!(metric(&text, "xfer_peers_evicted_total") >= (2000 - MAX) as f64 * 0.5, "{text}");
@@ -319,7 +286,7 @@ async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
     let mut s = open_data_stream(&address, "c1", &secret);
     assert_eq!(try_write(&mut s, [0; 16], 0, &[1; 8]), Some((REM_ACCESS_ERR, NAK)), "a new data stream is served");
     // The failed accepts were counted (scraped now: /metrics had no descriptor either).
-    let text = scrape(b.ports.metrics);
+    let text = scrape(&b);
     assert!(metric(&text, "xfer_accept_errors_total{listener=\"data\"}") >= 1.0, "{text}");
     b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();
 }
@@ -346,7 +313,7 @@ async fn a_pooled_connection_the_target_closed_for_idleness_is_never_lent() {
         }
     }
     assert!(gone, "the idle-closed connection still counts as lendable");
-    assert!(metric(&scrape(b.ports.metrics), "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0);
+    assert!(metric(&scrape(&b), "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0);
     // The transfer negotiates a fresh connection instead of using the dead one.
     let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");

@@ -26,16 +26,6 @@ async fn snapshot(a: &Agent) -> (Vec<(String, String, String)>, Option<Vec<u8>>)
     )
 }
 
-fn raise_own_nofile() {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
-}
-
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
-}
-
 /// `RssAnon` of a process in KiB (its private heap: bounce buffers, not the file mappings).
 fn rss_anon_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

@@ -50,17 +50,6 @@ fn poisoned_status(e: &tonic::Status, region: &str, what: &str) {
     assert!(e.message().contains(region) && e.message().contains("shrank"), "{what}: names the region and the cause: {e:?}");
 }
 
-/// Follows a transfer until it ends; its last state.
-async fn watch_to_end(a: &Agent, id: &str) -> pb::Transfer {
-    let mut c = a.client().await;
-    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: id.into() }).await.unwrap().into_inner();
-    let mut last = None;
-    while let Some(m) = w.message().await.unwrap() {
-        last = Some(m);
-    }
-    last.expect("at least one update")
-}
-
 /// ReadRegion over the whole region; the stream's first error.
 async fn read_err(a: &Agent, region: &str) -> tonic::Status {
     let mut c = a.client().await;

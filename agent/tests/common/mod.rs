@@ -113,14 +113,41 @@ pub fn complete_req(grant_id: &str, transfer_id: &str, bytes: u64, declared: &st
     }
 }
 
-/// GET /metrics from the agent's metrics listener (a plain HTTP/1.0 request).
+/// GET /metrics from the agent's metrics listener (a plain HTTP/1.0 request: the server closes
+/// when done); the answer must be a 200.
 pub fn scrape(a: &Agent) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200"), "metrics answered {out:.200}");
     out
+}
+
+/// Sum of the samples of `series` in a scrape: an exact name with `{labels}`, or a bare name
+/// (its unlabelled sample and every labelled one); 0 when absent.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series || (!series.contains('{') && name.starts_with(&format!("{series}{{")))).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+/// Lets this test process hold thousands of sockets (soft RLIMIT_NOFILE up to the hard limit).
+pub fn raise_own_nofile() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+}
+
+/// Open descriptors of process `pid`.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
 }
 
 /// The value of the unlabelled gauge `name` in a scrape of `a` (0 if absent).
