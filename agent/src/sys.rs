@@ -55,32 +55,67 @@ impl AcceptBackoff {
     }
 }
 
+/// Open sockets, at most `max`: [`Slots::take`] gives a [`Slot`] that holds one until it is
+/// dropped, and `report` hears the new count on every change (a gauge). The data port and the
+/// control listeners count their sockets with it.
+pub struct Slots {
+    open: std::sync::atomic::AtomicUsize,
+    max: usize,
+    report: Box<dyn Fn(usize) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Slots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slots").field("open", &self.open).field("max", &self.max).finish()
+    }
+}
+
+impl Slots {
+    pub fn new(max: usize, report: impl Fn(usize) + Send + Sync + 'static) -> std::sync::Arc<Slots> {
+        std::sync::Arc::new(Slots { open: Default::default(), max, report: Box::new(report) })
+    }
+
+    /// A slot for one more socket, or None at the cap.
+    pub fn take(self: &std::sync::Arc<Self>) -> Option<Slot> {
+        use std::sync::atomic::Ordering;
+        let n = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1)).ok()?;
+        (self.report)(n + 1);
+        Some(Slot(self.clone()))
+    }
+}
+
+/// One socket's place in its [`Slots`].
+#[derive(Debug)]
+pub struct Slot(std::sync::Arc<Slots>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let n = self.0.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        (self.0.report)(n.saturating_sub(1));
+    }
+}
+
 /// Open connections of one listener (gRPC, health, metrics), at most `max`: a [`Counted`] socket
 /// holds a slot until it is dropped. A socket accepted at the cap is closed at once and counted
 /// (`xfer_listener_connections_refused_total{listener}`), so idle sockets on a control port can
 /// never take the descriptors that region files, the catalog and the data plane need.
 #[derive(Debug)]
 pub struct ConnLimit {
-    open: std::sync::atomic::AtomicUsize,
-    max: usize,
+    slots: std::sync::Arc<Slots>,
     name: &'static str,
 }
 
 impl ConnLimit {
     pub fn new(name: &'static str, max: usize) -> std::sync::Arc<ConnLimit> {
         crate::metrics::limit_for_listener(name, max as u64);
-        std::sync::Arc::new(ConnLimit { open: Default::default(), max: max.max(1), name })
+        let slots = Slots::new(max.max(1), move |n| crate::metrics::listener_connections(name, n));
+        std::sync::Arc::new(ConnLimit { slots, name })
     }
 
-    fn admit<S>(self: &std::sync::Arc<Self>, inner: S) -> Option<Counted<S>> {
-        use std::sync::atomic::Ordering;
-        let r = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
-        match r {
-            Ok(n) => {
-                crate::metrics::listener_connections(self.name, n + 1);
-                Some(Counted { inner, limit: self.clone() })
-            }
-            Err(_) => {
+    fn admit<S>(&self, inner: S) -> Option<Counted<S>> {
+        match self.slots.take() {
+            Some(slot) => Some(Counted { inner, _slot: slot }),
+            None => {
                 crate::metrics::listener_connection_refused(self.name);
                 None
             }
@@ -92,14 +127,7 @@ impl ConnLimit {
 #[derive(Debug)]
 pub struct Counted<S> {
     inner: S,
-    limit: std::sync::Arc<ConnLimit>,
-}
-
-impl<S> Drop for Counted<S> {
-    fn drop(&mut self) {
-        let n = self.limit.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        crate::metrics::listener_connections(self.limit.name, n.saturating_sub(1));
-    }
+    _slot: Slot,
 }
 
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<S> {

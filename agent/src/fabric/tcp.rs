@@ -39,7 +39,7 @@
 //! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -97,34 +97,6 @@ impl Default for DataLimits {
     }
 }
 
-/// Open sockets on the data port; a [`Slot`] holds one until dropped.
-struct OpenCount {
-    open: AtomicUsize,
-    max: usize,
-}
-
-impl OpenCount {
-    /// A slot for one more socket, or None at the cap.
-    fn acquire(self: &Arc<Self>) -> Option<Slot> {
-        let r = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1));
-        match r {
-            Ok(n) => {
-                crate::metrics::data_connections(n + 1);
-                Some(Slot(self.clone()))
-            }
-            Err(_) => None,
-        }
-    }
-}
-
-struct Slot(Arc<OpenCount>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let n = self.0.open.fetch_sub(1, Ordering::AcqRel);
-        crate::metrics::data_connections(n.saturating_sub(1));
-    }
-}
 /// Sockets still before their hello, oldest first (by accept order). Entering at the cap closes
 /// the oldest: see the module docs.
 struct PendingSockets {
@@ -374,7 +346,7 @@ impl TcpFabric {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(Sessions::new(limits.max_connections_per_peer));
-        let open = Arc::new(OpenCount { open: AtomicUsize::new(0), max: limits.max_connections });
+        let open = crate::sys::Slots::new(limits.max_connections, crate::metrics::data_connections);
         let pending = PendingSockets::new(limits.max_pending);
         let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pending };
         tokio::spawn(serve(listener, ctx));
@@ -876,7 +848,8 @@ struct ServeCtx {
     tls: Option<DataTls>,
     shutdown: CancellationToken,
     limits: DataLimits,
-    open: Arc<OpenCount>,
+    /// Open sockets on the data port (`limits.max_data_connections`), from accept until close.
+    open: Arc<crate::sys::Slots>,
     pending: Arc<PendingSockets>,
 }
 
@@ -892,7 +865,7 @@ async fn serve(listener: TcpListener, ctx: ServeCtx) {
                 backoff.succeeded();
                 // Counted from accept until the socket closes: a flood of silent sockets cannot
                 // take more than the cap (and the hello deadline reclaims them).
-                let Some(slot) = ctx.open.acquire() else {
+                let Some(slot) = ctx.open.take() else {
                     crate::metrics::data_connection_refused("total");
                     debug!(%from, max = ctx.limits.max_connections, "tcp fabric: data connection refused (limits.max_data_connections)");
                     drop(stream);
