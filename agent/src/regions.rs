@@ -805,13 +805,9 @@ impl RegionRegistry {
     /// Looks a live region up by name or id; an unavailable or poisoned one is
     /// FAILED_PRECONDITION naming its reason.
     pub fn get(&self, name_or_id: &str) -> Result<Arc<Region>, RegionError> {
-        match self.describe(name_or_id)? {
-            RegionView::Live(r) => {
-                r.intact()?;
-                Ok(r)
-            }
-            RegionView::Unavailable(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
-        }
+        let r = Self::live(self.describe(name_or_id)?)?;
+        r.intact()?;
+        Ok(r)
     }
 
     /// A live region by name or id, marked in use *before* the registry lock is released:
@@ -820,39 +816,41 @@ impl RegionRegistry {
     /// then calling [`Region::acquire`] leaves a window in which a delete can slip through, after
     /// which bytes would still land in a deleted file region).
     pub fn acquire(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
-        let st = self.lock();
-        let live = st.live.get(name_or_id).or_else(|| st.live.values().find(|r| r.id == name_or_id)).cloned();
-        if let Some(r) = live {
-            let u = r.acquire();
-            drop(st);
-            u.0.intact()?;
-            return Ok(u);
-        }
-        let unavailable = st.unavailable.get(name_or_id).or_else(|| st.unavailable.values().find(|u| u.id() == name_or_id)).cloned();
-        drop(st);
-        match unavailable {
-            Some(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
-            None => Err(RegionError::NotFound(name_or_id.to_string())),
-        }
+        let u = {
+            let st = self.lock();
+            let view = Self::find(&st, name_or_id).ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))?;
+            Self::live(view)?.acquire()
+        };
+        u.0.intact()?;
+        Ok(u)
     }
 
     /// A region by name or id, live or unavailable.
     pub fn describe(&self, name_or_id: &str) -> Result<RegionView, RegionError> {
-        let st = self.lock();
+        Self::find(&self.lock(), name_or_id).ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))
+    }
+
+    /// The lookup `describe`, `get` and `acquire` share: a name first (live, then unavailable),
+    /// then an id.
+    fn find(st: &Inner, name_or_id: &str) -> Option<RegionView> {
         if let Some(r) = st.live.get(name_or_id) {
-            return Ok(RegionView::Live(r.clone()));
+            return Some(RegionView::Live(r.clone()));
         }
         if let Some(u) = st.unavailable.get(name_or_id) {
-            return Ok(RegionView::Unavailable(u.clone()));
+            return Some(RegionView::Unavailable(u.clone()));
         }
         if let Some(r) = st.live.values().find(|r| r.id == name_or_id) {
-            return Ok(RegionView::Live(r.clone()));
+            return Some(RegionView::Live(r.clone()));
         }
-        st.unavailable
-            .values()
-            .find(|u| u.id() == name_or_id)
-            .map(|u| RegionView::Unavailable(u.clone()))
-            .ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))
+        st.unavailable.values().find(|u| u.id() == name_or_id).map(|u| RegionView::Unavailable(u.clone()))
+    }
+
+    /// The live region of a view; an unavailable one is FAILED_PRECONDITION naming its reason.
+    fn live(view: RegionView) -> Result<Arc<Region>, RegionError> {
+        match view {
+            RegionView::Live(r) => Ok(r),
+            RegionView::Unavailable(u) => Err(RegionError::Unavailable { name: u.name().to_string(), reason: u.reason }),
+        }
     }
 
     /// Live and unavailable regions whose labels match `selector`, by name.
