@@ -35,8 +35,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::fabric::{Completion, Connection, Fabric, FabricError};
 use crate::metrics as m;
-use crate::peer_api::{Connector, PeerApi};
-pub use crate::peer_api::{HandshakeReply, PeerError, RemoteCode};
+use crate::peer_api::{Connector, PeerApi, PeerError};
 
 /// Consecutive transport failures after which a peer is put in back-off.
 pub const BACKOFF_AFTER: u32 = 3;
@@ -447,6 +446,7 @@ impl PeerPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::peer_api::RemoteCode;
 
     #[test]
     fn back_off_starts_after_consecutive_failures_doubles_to_the_cap_and_resets() {

@@ -25,7 +25,8 @@ use crate::fabric::{
 };
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
-use crate::peers::{Lease, PeerEntry, PeerError, PeerPool, RemoteCode};
+use crate::peer_api::{PeerError, RemoteCode};
+use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::ids::new_id;
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo};

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::checksum::Algo;
 use crate::grants::GrantError;
-use crate::peers::PeerError;
+use crate::peer_api::PeerError;
 use crate::regions::RegionError;
 
 pub mod driver;
