@@ -230,7 +230,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let health_addr = health_listener.as_ref().map(|(_, a)| *a);
     if let Some((l, probe)) = health_listener {
         let stop = stop_grpc.clone();
-        let (_, cap) = crate::sys::control_caps(0, crate::sys::nofile());
+        let cap = crate::sys::probe_cap(crate::sys::nofile());
         let incoming = Box::pin(crate::sys::incoming_with_backoff(l, "health", crate::sys::ConnLimit::new("health", cap)));
         let server = crate::service::health_router(&health);
         tokio::spawn(async move {
@@ -243,7 +243,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
 
     let server = {
         let stop = stop_grpc.clone();
-        let (cap, _) = crate::sys::control_caps(cfg.limits.max_grpc_connections, crate::sys::nofile());
+        let cap = crate::sys::grpc_cap(cfg.limits.max_grpc_connections, crate::sys::nofile());
         let incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "grpc", crate::sys::ConnLimit::new("grpc", cap)));
         tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
     };

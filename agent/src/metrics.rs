@@ -68,7 +68,7 @@ pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
 /// The HTTP/1 scrape endpoint: every accepted connection gets the text exposition format.
 async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
     use futures::StreamExt;
-    let (_, cap) = crate::sys::control_caps(0, crate::sys::nofile());
+    let cap = crate::sys::probe_cap(crate::sys::nofile());
     let limit = crate::sys::ConnLimit::new("metrics", cap);
     let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics", limit));
     while let Some(Ok(stream)) = incoming.next().await {

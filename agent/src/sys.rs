@@ -24,7 +24,7 @@ pub fn nofile() -> u64 {
 /// descriptor limit `nofile`, so idle data connections alone can never take the descriptors that
 /// gRPC, peers, metrics and region files need. `None` when no clamp is needed.
 pub fn clamp_connections(configured: usize, nofile: u64) -> Option<usize> {
-    let half = usize::try_from(nofile / 2).unwrap_or(usize::MAX).max(1);
+    let half = share(nofile, 2);
     (configured > half).then_some(half)
 }
 
@@ -205,13 +205,23 @@ pub fn incoming_with_backoff(
     })
 }
 
-/// Caps of the control listeners for a descriptor limit `nofile`: gRPC gets
-/// `configured` but at most a quarter of it; health and metrics at most 64 each and a sixteenth.
-/// With the data port's half, at least an eighth of the descriptors stay for region files, the
-/// catalog and connections to peers.
-pub fn control_caps(configured_grpc: usize, nofile: u64) -> (usize, usize) {
-    let part = |d: u64| usize::try_from(nofile / d).unwrap_or(usize::MAX).max(1);
-    (configured_grpc.min(part(4)), 64usize.min(part(16)))
+/// Shares of the descriptor limit `nofile`: the data port gets at most half
+/// ([`clamp_connections`]), gRPC at most a quarter ([`grpc_cap`]), health and metrics at most a
+/// sixteenth each ([`probe_cap`]); so at least an eighth stays for region files, the catalog and
+/// connections to peers.
+fn share(nofile: u64, divisor: u64) -> usize {
+    usize::try_from(nofile / divisor).unwrap_or(usize::MAX).max(1)
+}
+
+/// The gRPC listener's cap: `configured` (`limits.max_grpc_connections`), at most a quarter of
+/// `nofile`.
+pub fn grpc_cap(configured: usize, nofile: u64) -> usize {
+    configured.min(share(nofile, 4))
+}
+
+/// The health and metrics listeners' cap: 64, at most a sixteenth of `nofile`.
+pub fn probe_cap(nofile: u64) -> usize {
+    64usize.min(share(nofile, 16))
 }
 
 /// RLIMIT_MEMLOCK (soft, hard) in bytes; `u64::MAX` means unlimited.
@@ -227,6 +237,24 @@ pub fn cap_ipc_lock() -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn descriptor_shares() {
+        use super::*;
+        // The data port keeps to half the limit.
+        assert_eq!(clamp_connections(4096, 1024), Some(512));
+        assert_eq!(clamp_connections(512, 1024), None);
+        assert_eq!(clamp_connections(4096, u64::MAX), None);
+        assert_eq!(clamp_connections(4096, 1), Some(1));
+        // gRPC a quarter, health and metrics a sixteenth (and never more than 64).
+        assert_eq!(grpc_cap(1024, 1024), 256);
+        assert_eq!(grpc_cap(1024, 256), 64);
+        assert_eq!(grpc_cap(100, 1 << 20), 100);
+        assert_eq!(grpc_cap(1024, 2), 1);
+        assert_eq!(probe_cap(1024), 64);
+        assert_eq!(probe_cap(256), 16);
+        assert_eq!(probe_cap(2), 1);
+    }
+
     #[test]
     fn accept_backoff_doubles_to_the_cap_and_resets() {
         use super::*;
