@@ -661,6 +661,7 @@ mod tests {
         assert_eq!(c.limits.max_data_connections, 4096);
         assert_eq!(c.limits.max_data_connections_per_peer, 256);
         assert_eq!(c.limits.max_pending_data_connections, 128);
+        assert_eq!(c.limits.max_grpc_connections, 1024);
         assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
         assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
         assert_eq!(c.limits.data_payload_timeout.0, Duration::from_secs(30));
