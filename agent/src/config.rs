@@ -487,15 +487,9 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.transfer;
-        if t.chunk_size.0 == 0 || t.chunk_size.0 > crate::fabric::frame::MAX_PAYLOAD as u64 {
-            return Err(bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::fabric::frame::MAX_PAYLOAD as u64))));
-        }
-        if t.depth == 0 || t.depth > 4096 {
-            return Err(bad("transfer.depth", "must be between 1 and 4096"));
-        }
-        if t.qps == 0 || t.qps > 64 {
-            return Err(bad("transfer.qps", "must be between 1 and 64"));
-        }
+        crate::shape::chunk(t.chunk_size.0).map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
+        crate::shape::depth(t.depth).map_err(|e| bad("transfer.depth", e.to_string()))?;
+        crate::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
         if t.signal_every == 0 {
             return Err(bad("transfer.signal_every", "must be at least 1"));
         }

@@ -30,6 +30,7 @@ pub mod peer_api;
 pub mod peers;
 pub mod regions;
 pub mod service;
+pub mod shape;
 pub mod sys;
 pub mod transfer;
 pub mod verbs;

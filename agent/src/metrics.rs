@@ -14,6 +14,7 @@ use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gau
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
+pub const TRANSFER_FAILURES: &str = "xfer_transfer_failures_total";
 pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
 pub const TRANSFER_DURATION: &str = "xfer_transfer_duration_seconds";
 pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
@@ -102,6 +103,11 @@ pub struct InstallError(String);
 
 pub fn describe() {
     describe_counter!(TRANSFERS, Unit::Count, "Transfers finished, by operation and result (succeeded, failed, cancelled).");
+    describe_counter!(
+        TRANSFER_FAILURES,
+        Unit::Count,
+        "Transfers that failed or were cancelled, by operation and failure code (Transfer.error_code)."
+    );
     describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved by transfers, by operation and peer node.");
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
@@ -188,6 +194,11 @@ pub fn fabric_info(kind: &str, device: &str) {
 pub fn transfer_finished(op: &'static str, result: &'static str, elapsed: Duration) {
     counter!(TRANSFERS, "op" => op, "result" => result).increment(1);
     histogram!(TRANSFER_DURATION, "op" => op).record(elapsed.as_secs_f64());
+}
+
+/// A transfer that did not succeed, by its failure code (a closed set: the label stays bounded).
+pub fn transfer_failure(op: &'static str, code: &'static str) {
+    counter!(TRANSFER_FAILURES, "op" => op, "code" => code).increment(1);
 }
 
 /// Most distinct `peer` label values (`limits.max_peer_labels`).

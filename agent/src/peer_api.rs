@@ -65,6 +65,13 @@ pub struct HandshakeReply {
     pub endpoints: Vec<Endpoint>,
 }
 
+/// The `xfer-error` metadata value of a refusal because the named connection is unknown.
+pub const UNKNOWN_CONNECTION: &str = "unknown-connection";
+/// The gRPC metadata key that refines a status code for machines (like `google.rpc.ErrorInfo`'s
+/// reason): the initiator retries on a fresh connection only for this, not for any
+/// FAILED_PRECONDITION.
+pub const ERROR_REASON_KEY: &str = "xfer-error";
+
 /// Coarse class of a remote error, mirrored from the peer's gRPC status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RemoteCode {
@@ -72,6 +79,9 @@ pub enum RemoteCode {
     InvalidArgument,
     PermissionDenied,
     FailedPrecondition,
+    /// The peer does not know the connection a call named (it closed it, or restarted): a
+    /// FAILED_PRECONDITION marked with [`UNKNOWN_CONNECTION`] in the `xfer-error` metadata.
+    UnknownConnection,
     ResourceExhausted,
     Unavailable,
     DeadlineExceeded,

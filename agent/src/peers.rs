@@ -84,28 +84,119 @@ impl Health {
     }
 }
 
-/// A connection leased by one transfer.
-pub struct Lease {
-    pub conn: Arc<dyn Connection>,
-    pub completions: mpsc::UnboundedReceiver<Completion>,
-    pub connection_id: String,
-    pub qps: usize,
-    pub depth: usize,
+/// A negotiated connection: its QPs (or streams), its completions and who it was made with. It
+/// rests in a peer's idle list between leases.
+pub struct PooledConn {
+    conn: Arc<dyn Connection>,
+    completions: mpsc::UnboundedReceiver<Completion>,
+    connection_id: String,
+    qps: usize,
+    depth: usize,
+    /// The peer's instance id when the connection was negotiated.
     instance_id: String,
+}
+
+/// A connection leased by one transfer: an RAII guard. [`Lease::release`] hands it back (to the
+/// idle list when `clean`); dropping it without that discards it — the connection is closed and
+/// the peer told to forget it — so no exit path, early return, panic or cancelled future can leak
+/// a connection or put one with unknown WRs back in the pool.
+pub struct Lease {
+    /// `None` once released.
+    inner: Option<PooledConn>,
     /// Taken from the idle list (negotiated for an earlier transfer).
     reused: bool,
+    peer: Arc<PeerEntry>,
+    home: Arc<Home>,
+}
+
+/// What a lease needs to go back: the pool's settings, shared by every lease it made.
+struct Home {
+    node_name: String,
+    max_idle_per_peer: usize,
 }
 
 impl Lease {
+    #[allow(clippy::expect_used)]
+    fn inner(&self) -> &PooledConn {
+        // Invariant: `inner` is taken only by `release(self)` and `drop`, which consume the lease.
+        self.inner.as_ref().expect("a live lease holds its connection")
+    }
+
+    pub fn conn(&self) -> &Arc<dyn Connection> {
+        &self.inner().conn
+    }
+
+    /// The connection's completion queue (this lease's transfer is its only reader).
+    #[allow(clippy::expect_used)]
+    pub fn completions(&mut self) -> &mut mpsc::UnboundedReceiver<Completion> {
+        // Invariant: as in `inner`.
+        &mut self.inner.as_mut().expect("a live lease holds its connection").completions
+    }
+
+    pub fn connection_id(&self) -> &str {
+        &self.inner().connection_id
+    }
+
+    pub fn qps(&self) -> usize {
+        self.inner().qps
+    }
+
     /// The peer's instance id when the connection was negotiated.
     pub fn instance_id(&self) -> &str {
-        &self.instance_id
+        &self.inner().instance_id
     }
 
     /// Whether the connection came from the idle list rather than a fresh negotiation.
     pub fn reused(&self) -> bool {
         self.reused
     }
+
+    /// Hands the connection back. `clean` means every WR it posted has completed successfully:
+    /// then, if it is healthy and the idle list has room, the next transfer may reuse it.
+    pub fn release(mut self, clean: bool) {
+        let Some(mut c) = self.inner.take() else { return };
+        // Completions that arrived after the transfer stopped listening belong to no one.
+        while c.completions.try_recv().is_ok() {}
+        if clean && !c.conn.is_broken() {
+            if let Ok(mut idle) = self.peer.idle.lock() {
+                if idle.len() < self.home.max_idle_per_peer {
+                    idle.push(c);
+                    drop(idle);
+                    update_gauge(&self.peer);
+                    return;
+                }
+            }
+        }
+        discard(&self.peer, &self.home.node_name, c);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(c) = self.inner.take() {
+            debug!(peer = %self.peer.addr, connection = %c.connection_id, "lease dropped without release; discarding its connection");
+            discard(&self.peer, &self.home.node_name, c);
+        }
+    }
+}
+
+/// Closes a connection and tells the peer to forget its session (in the background; skipped when
+/// no runtime is left, at exit).
+fn discard(peer: &Arc<PeerEntry>, me: &str, c: PooledConn) {
+    c.conn.close();
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        let client = peer.client.clone();
+        let me = me.to_string();
+        rt.spawn(async move { client.disconnect(&c.connection_id, &me).await });
+    }
+    update_gauge(peer);
+}
+
+fn update_gauge(peer: &Arc<PeerEntry>) {
+    let name = peer.node_name();
+    let label = if name.is_empty() { peer.addr.clone() } else { name };
+    let idle_qps: usize = peer.idle.lock().map(|i| i.iter().map(|l| l.qps).sum()).unwrap_or(0);
+    m::qp_connections(&label, "idle", idle_qps);
 }
 
 /// One peer agent, by the address transfers name it with.
@@ -114,7 +205,7 @@ pub struct PeerEntry {
     pub client: Arc<dyn PeerApi>,
     /// Node name and instance id learned from the last Connect/Grant. std Mutex: no awaits held.
     identity: Mutex<(String, String)>,
-    idle: Mutex<Vec<Lease>>,
+    idle: Mutex<Vec<PooledConn>>,
     pub last_connect: Mutex<Option<Duration>>,
     /// Consecutive transport failures and the back-off window. std Mutex: no awaits held.
     health: Mutex<Health>,
@@ -237,10 +328,10 @@ impl PeerEntry {
 
 pub struct PeerPool {
     fabric: Arc<dyn Fabric>,
-    node_name: String,
+    /// This agent's name and the idle-list bound, shared with every lease.
+    home: Arc<Home>,
     /// Makes the client for a new peer address.
     connector: Connector,
-    max_idle_per_peer: usize,
     /// Most entries (`limits.max_peers`).
     max_peers: usize,
     /// Logical clock for `PeerEntry::last_used`.
@@ -253,9 +344,8 @@ impl PeerPool {
     pub fn new(fabric: Arc<dyn Fabric>, node_name: String, connector: Connector, max_peers: usize) -> Self {
         PeerPool {
             fabric,
-            node_name,
+            home: Arc::new(Home { node_name, max_idle_per_peer: 8 }),
             connector,
-            max_idle_per_peer: 8,
             max_peers: max_peers.max(1),
             clock: AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
@@ -313,9 +403,9 @@ impl PeerPool {
         if let Some(v) = evicted {
             debug!(peer = %v.addr, "peer pool full (limits.max_peers): evicted the least recently used peer");
             m::peer_evicted();
-            let drained: Vec<Lease> = v.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
+            let drained: Vec<PooledConn> = v.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
             for l in drained {
-                self.discard(&v, l);
+                discard(&v, &self.home.node_name, l);
             }
         }
         Ok(entry)
@@ -344,34 +434,40 @@ impl PeerPool {
         if let Ok(mut idle) = peer.idle.lock() {
             // A broken connection (e.g. the target closed its idle streams: the readers saw EOF)
             // or one to an earlier instance of the peer is never lent again.
-            let (keep, drop): (Vec<Lease>, Vec<Lease>) = idle.drain(..).partition(|l| !l.conn.is_broken() && l.instance_id == current);
+            let (keep, drop): (Vec<PooledConn>, Vec<PooledConn>) =
+                idle.drain(..).partition(|l| !l.conn.is_broken() && l.instance_id == current);
             *idle = keep;
             stale = drop;
             if let Some(pos) = idle.iter().position(|l| l.qps == qps && l.depth >= depth) {
-                let mut lease = idle.swap_remove(pos);
-                lease.reused = true;
-                found = Some(lease);
+                found = Some(idle.swap_remove(pos));
             }
         }
         for l in stale {
             // Closes it and tells the peer to forget the session.
-            self.discard(peer, l);
+            discard(peer, &self.home.node_name, l);
         }
-        if let Some(lease) = found {
-            return Ok(lease);
+        if let Some(c) = found {
+            update_gauge(peer);
+            return Ok(self.guard(peer, c, true));
         }
-        self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await
+        let c = self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await?;
+        Ok(self.guard(peer, c, false))
     }
 
-    async fn negotiate(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<Lease, PeerError> {
+    fn guard(&self, peer: &Arc<PeerEntry>, c: PooledConn, reused: bool) -> Lease {
+        Lease { inner: Some(c), reused, peer: peer.clone(), home: self.home.clone() }
+    }
+
+    async fn negotiate(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<PooledConn, PeerError> {
         let started = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
         let connection_id = crate::ids::new_id();
         let pending = self.fabric.prepare(&peer.addr, &connection_id, qps, depth, tx).await.map_err(fabric_err)?;
         let endpoints = pending.local_endpoints();
+        let node_name = &self.home.node_name;
         let reply = peer
-            .call(|| peer.client.handshake(&self.node_name, self.fabric.kind(), endpoints.clone(), &connection_id))
+            .call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id))
             .await?;
         if reply.fabric != self.fabric.kind() {
             return Err(fabric_err(FabricError::Negotiation {
@@ -385,7 +481,7 @@ impl PeerPool {
             Err(e) => {
                 let client = peer.client.clone();
                 let id = connection_id.clone();
-                let me = self.node_name.clone();
+                let me = node_name.clone();
                 tokio::spawn(async move { client.disconnect(&id, &me).await });
                 return Err(fabric_err(e));
             }
@@ -397,47 +493,16 @@ impl PeerPool {
             *l = Some(took);
         }
         debug!(peer = %peer.addr, qps, ?took, "connection negotiated");
-        self.update_gauge(peer);
-        Ok(Lease { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id, reused: false })
-    }
-
-    /// Returns a lease. `clean` means every WR it posted has completed successfully.
-    pub fn release(&self, peer: &Arc<PeerEntry>, mut lease: Lease, clean: bool) {
-        // Completions that arrived after the transfer stopped listening belong to no one.
-        while lease.completions.try_recv().is_ok() {}
-        let reusable = clean && !lease.conn.is_broken();
-        if reusable {
-            if let Ok(mut idle) = peer.idle.lock() {
-                if idle.len() < self.max_idle_per_peer {
-                    idle.push(lease);
-                    return;
-                }
-            }
-        }
-        self.discard(peer, lease);
-    }
-
-    fn discard(&self, peer: &Arc<PeerEntry>, lease: Lease) {
-        lease.conn.close();
-        let client = peer.client.clone();
-        let me = self.node_name.clone();
-        tokio::spawn(async move { client.disconnect(&lease.connection_id, &me).await });
-        self.update_gauge(peer);
-    }
-
-    fn update_gauge(&self, peer: &Arc<PeerEntry>) {
-        let name = peer.node_name();
-        let label = if name.is_empty() { peer.addr.clone() } else { name };
-        let idle_qps: usize = peer.idle.lock().map(|i| i.iter().map(|l| l.qps).sum()).unwrap_or(0);
-        m::qp_connections(&label, "idle", idle_qps);
+        update_gauge(peer);
+        Ok(PooledConn { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id })
     }
 
     /// Closes every idle connection (shutdown).
     pub fn close_all(&self) {
         for p in self.list() {
-            let drained: Vec<Lease> = p.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
+            let drained: Vec<PooledConn> = p.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
             for l in drained {
-                self.discard(&p, l);
+                discard(&p, &self.home.node_name, l);
             }
         }
     }

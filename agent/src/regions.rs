@@ -184,14 +184,18 @@ impl Region {
 
     /// Checks `offset..offset+len` against the region.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<(), RegionError> {
-        match offset.checked_add(len) {
-            None => Err(RegionError::Invalid(format!("offset {offset} + length {len} overflows"))),
-            Some(end) if end > self.length => Err(RegionError::Invalid(format!(
-                "range {offset}..{end} is outside region {:?} of {} bytes",
-                self.name, self.length
-            ))),
-            Some(_) => Ok(()),
+        check_range(&self.name, self.length, offset, len)
+    }
+}
+
+/// Checks `offset..offset+len` against a region `name` of `length` bytes.
+pub fn check_range(name: &str, length: u64, offset: u64, len: u64) -> Result<(), RegionError> {
+    match offset.checked_add(len) {
+        None => Err(RegionError::Invalid(format!("offset {offset} + length {len} overflows"))),
+        Some(end) if end > length => {
+            Err(RegionError::Invalid(format!("range {offset}..{end} is outside region {name:?} of {length} bytes")))
         }
+        Some(_) => Ok(()),
     }
 }
 

@@ -30,6 +30,25 @@ struct LocalPeer {
     hold_complete: Option<Arc<Notify>>,
     /// Notified when a held `complete` has arrived (and is waiting).
     complete_arrived: Arc<Notify>,
+    /// While set, `grant` waits here after the target granted (the answer is not yet returned).
+    hold_grant: Option<Arc<Notify>>,
+    /// Notified when a held grant has been made at the target.
+    grant_made: Arc<Notify>,
+    /// Notified on every `disconnect` and `revoke` call.
+    gave_back: Arc<Notify>,
+}
+
+impl LocalPeer {
+    fn new(target: Arc<Node>) -> LocalPeer {
+        LocalPeer {
+            target,
+            hold_complete: None,
+            complete_arrived: Arc::new(Notify::new()),
+            hold_grant: None,
+            grant_made: Arc::new(Notify::new()),
+            gave_back: Arc::new(Notify::new()),
+        }
+    }
 }
 
 fn remote(e: impl std::fmt::Display) -> PeerError {
@@ -60,6 +79,10 @@ impl PeerApi for LocalPeer {
             connection_id: Some(connection_id.to_string()),
         };
         let g = self.target.grant(&p).await.map_err(remote)?;
+        if let Some(hold) = &self.hold_grant {
+            self.grant_made.notify_one();
+            hold.notified().await;
+        }
         let key: RemoteKey = g.exposure.key.clone();
         Ok(GrantInfo {
             grant_id: g.id.clone(),
@@ -73,7 +96,9 @@ impl PeerApi for LocalPeer {
     }
 
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
-        self.target.revoke(grant_id, A).map_err(remote)
+        let r = self.target.revoke(grant_id, A).map_err(remote);
+        self.gave_back.notify_one();
+        r
     }
 
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError> {
@@ -87,6 +112,7 @@ impl PeerApi for LocalPeer {
 
     async fn disconnect(&self, connection_id: &str, _node_name: &str) {
         self.target.disconnect(connection_id, A);
+        self.gave_back.notify_one();
     }
 
     async fn open_sink(&self, _connections: u32) -> Result<String, PeerError> {
@@ -104,6 +130,7 @@ impl PeerApi for LocalPeer {
 
 struct Node2 {
     node: Arc<Node>,
+    grants: Arc<GrantTable>,
     _dir: tempfile::TempDir,
 }
 
@@ -112,7 +139,7 @@ async fn node(name: &str, connector: Connector) -> Node2 {
     let cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
     let grants = Arc::new(GrantTable::new(1024));
     let fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
-    Node2 { node: Node::new(cfg, fabric, "test".into(), grants, connector), _dir: dir }
+    Node2 { node: Node::new(cfg, fabric, "test".into(), grants.clone(), connector), grants, _dir: dir }
 }
 
 fn region(n: &Node, name: &str, len: u64, fill: u8) {
@@ -162,7 +189,7 @@ async fn a_connection_is_not_lent_to_another_transfer_before_complete() {
     let target = b.node.clone();
     let (h, ar) = (hold.clone(), arrived.clone());
     let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> {
-        Ok(Arc::new(LocalPeer { target: target.clone(), hold_complete: Some(h.clone()), complete_arrived: ar.clone() }))
+        Ok(Arc::new(LocalPeer { hold_complete: Some(h.clone()), complete_arrived: ar.clone(), ..LocalPeer::new(target.clone()) }))
     });
     let a = node(A, connector).await;
     region(&a.node, "src", 64 << 10, 7);
@@ -186,4 +213,39 @@ async fn a_connection_is_not_lent_to_another_transfer_before_complete() {
     let mut got = vec![0u8; 64 << 10];
     b.node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
     assert!(got.iter().all(|&x| x == 7));
+}
+
+/// A submit whose caller goes away while the peer is granting (the gRPC request was dropped):
+/// nothing the half-done submit obtained survives. The lease guard discards the connection,
+/// which (`Peer.Disconnect`) revokes every grant the target bound to it — including the one whose
+/// answer never arrived — and no record or slot is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_dropped_mid_grant_leaves_nothing_behind() {
+    let b = node("node-b", Arc::new(|_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") })).await;
+    let hold = Arc::new(Notify::new());
+    let peer = Arc::new(LocalPeer { hold_grant: Some(hold.clone()), ..LocalPeer::new(b.node.clone()) });
+    let (made, gave_back) = (peer.grant_made.clone(), peer.gave_back.clone());
+    let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
+    let a = node(A, connector).await;
+    region(&a.node, "src", 64 << 10, 7);
+    region(&b.node, "dst", 64 << 10, 0);
+    assert_eq!(b.grants.len(), 0);
+
+    let submit = tokio::spawn({
+        let n = a.node.clone();
+        async move { n.submit(write("src", "dst", 64 << 10, false)).await }
+    });
+    made.notified().await;
+    assert_eq!(b.grants.len(), 1, "the target granted");
+    submit.abort();
+    assert!(submit.await.unwrap_err().is_cancelled());
+    // The dropped lease disconnects; that revokes the grant bound to the connection.
+    gave_back.notified().await;
+    assert_eq!(b.grants.len(), 0, "the grant went with the connection");
+    assert!(a.node.list_transfers().is_empty(), "no record of a submit that never returned");
+    // The initiator still works: the same transfer goes through.
+    hold.notify_one(); // a permit for the next held grant
+    let t = a.node.submit(write("src", "dst", 64 << 10, false)).await.unwrap();
+    let r = finished(&a.node, &t.id).await;
+    assert_eq!(r.state, TransferState::Succeeded, "{r:?}");
 }

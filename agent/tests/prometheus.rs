@@ -295,6 +295,10 @@ async fn real_prometheus_sees_transfer_counters() {
         q(r#"xfer_transfers_total{node="node-a",op="write",result="failed"}"#, 1.0);
         q(r#"xfer_transfers_total{node="node-a",op="write",result="cancelled"}"#, 1.0);
         q(r#"sum(xfer_transfers_total{result=~"failed|cancelled"})"#, 2.0);
+        // ... and why: the record's error_code is the metric's code label.
+        q(r#"sum(xfer_transfer_failures_total{node="node-a",op="write"})"#, 2.0);
+        q(r#"xfer_transfer_failures_total{node="node-a",op="write",code="CANCELLED"}"#, 1.0);
+        q(&format!(r#"xfer_transfer_failures_total{{node="node-a",op="write",code="{}"}}"#, failed.error_code), 1.0);
 
         // The duration is a real histogram (buckets applied), one observation per finished transfer.
         q(r#"sum(xfer_transfer_duration_seconds_count)"#, n_ok + 2.0);

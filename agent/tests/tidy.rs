@@ -275,7 +275,7 @@ fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
         &["sys", "metrics", "ids"],        // process facts, metric names, ids
         &["checksum"],                     // over region memory (xfer-rdma)
-        &["verbs", "fabric"],              // the data plane: memory, the Fabric trait, tcp and verbs
+        &["verbs", "fabric", "shape"],     // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
         &["config"],                       // the validated configuration
         &["grants", "regions"],            // what peers may touch, and the memory itself
         &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool

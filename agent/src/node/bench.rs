@@ -85,9 +85,7 @@ impl Node {
     /// at a time per agent; the region counts against the region limits and its lease ends after
     /// [`BENCH_REGION_TTL`] even if the caller never closes it.
     pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
-        if length == 0 || length > crate::fabric::frame::MAX_PAYLOAD as u64 {
-            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
-        }
+        crate::shape::bench_size(length)?;
         let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((name, _)) = slot.as_ref() {
             if self.regions.get(name).is_ok() {
@@ -127,9 +125,7 @@ impl Node {
     /// counts against `max_registered_bytes` here and the target's scratch region against the
     /// target's region limits.
     pub async fn bench(&self, p: BenchParams) -> Result<BenchResult, TransferError> {
-        if p.size == 0 || p.size > crate::fabric::frame::MAX_PAYLOAD as u64 {
-            return Err(TransferError::Invalid(format!("bench size must be 1..={} bytes", crate::fabric::frame::MAX_PAYLOAD)));
-        }
+        crate::shape::bench_size(p.size)?;
         let _admin = self.admin_slot("Bench")?;
         let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
         let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
@@ -153,35 +149,38 @@ impl Node {
             .map_err(|e| TransferError::Internal(e.to_string()))?;
         let cancel = CancellationToken::new();
         let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
-        let qps = if p.qps == 0 { self.config.transfer.qps } else { p.qps };
-        let depth = if p.depth == 0 { self.config.transfer.depth } else { p.depth };
+        let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
+        let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
 
         // Bandwidth: iters WRs of `size`, `depth` outstanding per QP. Each phase has its own
-        // connection, and so its own grant (mw grants are bound to a connection).
-        let (mut lease, grant) = self.lease_and_grant(peer, qps, depth, &ask).await?;
+        // connection, and so its own grant (mw grants are bound to a connection); both are RAII
+        // guards in `held`, given back when it drops.
+        let mut held = self.bench_acquire(peer, &ask, qps, depth).await?;
+        let (lease, grant) = held_parts(&mut held)?;
         let mut machine = Machine::new(MachineConfig {
             total: p.size * iters as u64,
             chunk: p.size,
-            qps: lease.conn.qps(),
+            qps: lease.qps(),
             depth,
             signal_every: self.config.transfer.signal_every,
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let t0 = Instant::now();
-        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None).await;
         let seconds = t0.elapsed().as_secs_f64();
         let bw_state = machine.state().clone();
-        let clean = bw_state == State::Succeeded;
-        self.peers.release(peer, lease, clean);
+        if let Some(l) = held.lease.take() {
+            l.release(bw_state == State::Succeeded);
+        }
+        drop(held);
         if let State::Failed(f) = bw_state {
-            self.revoke_later(peer, &grant.grant_id);
             return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
         }
 
         // Latency: one WR at a time on one QP.
-        self.revoke_later(peer, &grant.grant_id);
         let lat_iters = iters.clamp(1, 10_000);
-        let (mut lease, grant) = self.lease_and_grant(peer, 1, 1, &ask).await?;
+        let mut held = self.bench_acquire(peer, &ask, 1, 1).await?;
+        let (lease, grant) = held_parts(&mut held)?;
         let mut machine = Machine::new(MachineConfig {
             total: p.size * lat_iters as u64,
             chunk: p.size,
@@ -191,10 +190,12 @@ impl Node {
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let mut probe = LatencyProbe::default();
-        pump(&mut machine, &mut lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
         let lat_ok = machine.state() == &State::Succeeded;
-        self.peers.release(peer, lease, lat_ok);
-        self.revoke_later(peer, &grant.grant_id);
+        if let Some(l) = held.lease.take() {
+            l.release(lat_ok);
+        }
+        drop(held);
         if !lat_ok {
             return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", machine.state())));
         }
@@ -211,6 +212,25 @@ impl Node {
             lat_p99_us: pct(0.99),
             lat_iters: us.len() as u32,
         })
+    }
+
+    /// A connection and a grant on the scratch region, through the transfer session's acquire
+    /// phase (the same stale-connection handling as a transfer).
+    async fn bench_acquire(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, TransferError> {
+        let mut s = Session::new(SessionConfig {
+            length: ask.length,
+            local_name: "bench buffer".into(),
+            local_length: ask.length,
+            local_offset: 0,
+            chunk: ask.length,
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            verify: false,
+            timeout: Duration::from_secs(600),
+        });
+        let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
+        self.acquire(&mut s, &mut held, ask, qps, depth).await?;
+        Ok(held)
     }
 
     /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
@@ -267,5 +287,14 @@ fn bench_wr(seq: u64, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant:
         remote_addr: grant.addr,
         remote_key: grant.key.clone(),
         signaled,
+    }
+}
+
+/// The lease and (a copy of) the grant an accepted acquire holds.
+fn held_parts(held: &mut Held) -> Result<(&mut Lease, GrantInfo), TransferError> {
+    let grant = held.grant.as_ref().map(|g| g.info.clone());
+    match (held.lease.as_mut(), grant) {
+        (Some(l), Some(g)) => Ok((l, g)),
+        _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
     }
 }

@@ -1,7 +1,13 @@
-//! The initiator side: `submit` validates a transfer, leases a connection and obtains the peer's
-//! grant; `run`/`execute` drive the sans-IO machine over the fabric, verify, complete and release.
+//! The initiator side, driving the sans-IO [`Session`]: `submit` validates a transfer and runs the
+//! session through lease and grant (errors there are the submit's errors); `run` drives it through
+//! the data, the local check, verification and `Peer.Complete` in a task. What the transfer holds
+//! from its peer — the leased connection and the grant — lives in [`Held`] as RAII guards, so a
+//! path that forgets them, or a dropped future, still gives them back.
 #[allow(unused_imports)]
 use super::*;
+use crate::shape;
+use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::session::{Command, Event, Session, SessionConfig};
 
 impl Node {
     // ------------------------------------------------------------------ Initiator side
@@ -40,44 +46,39 @@ impl Node {
             local.check_range(req.local_offset, length)?;
         }
         let opts = &req.options;
-        let chunk = opts.chunk_size.unwrap_or(self.config.transfer.chunk_size.0);
-        if chunk == 0 || chunk > crate::fabric::frame::MAX_PAYLOAD as u64 {
-            return Err(TransferError::Invalid(format!("chunk size must be between 1 and {} bytes", crate::fabric::frame::MAX_PAYLOAD)));
-        }
-        let qps = opts.qps.unwrap_or(self.config.transfer.qps);
-        let depth = opts.depth.unwrap_or(self.config.transfer.depth);
-        if !(1..=64).contains(&qps) || !(1..=4096).contains(&depth) {
-            return Err(TransferError::Invalid("qps must be 1-64 and depth 1-4096".into()));
-        }
-        let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(self.config.transfer.timeout.0);
+        let t = &self.config.transfer;
+        let chunk = shape::chunk(opts.chunk_size.unwrap_or(t.chunk_size.0))?;
+        let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
+        let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
+        let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
         let peer = self.peers.peer(&req.remote_agent)?;
         let remote_op = match req.op {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,
         };
-        let grant_ttl = timeout + Duration::from_secs(60);
+        let mut session = Session::new(SessionConfig {
+            length,
+            local_name: local.name.clone(),
+            local_length: local.length,
+            local_offset: req.local_offset,
+            chunk,
+            depth,
+            signal_every: t.signal_every,
+            verify: opts.verify,
+            timeout,
+        });
         // Connect first: the grant is bound to this connection (grant mode mw binds its windows
         // on the connection's QPs). Connect failures are submit errors (UNAVAILABLE, ...).
-        let ask = GrantAsk { region: &req.remote_region, offset: req.remote_offset, length, op: remote_op, ttl: grant_ttl };
-        let (lease, grant) = self.lease_and_grant(&peer, qps, depth, &ask).await?;
-        let length = if length == 0 { grant.length } else { length };
-        let refuse = |e: TransferError, lease| {
-            self.revoke_later(&peer, &grant.grant_id);
-            self.peers.release(&peer, lease, true);
-            Err(e)
-        };
-        if grant.length < length {
-            return refuse(TransferError::Invalid(format!("peer granted {} bytes, {} needed", grant.length, length)), lease);
-        }
-        if let Err(e) = local.check_range(req.local_offset, length) {
-            return refuse(e.into(), lease);
-        }
-        if length == 0 {
-            return refuse(TransferError::Invalid("zero-length transfer: nothing to copy".into()), lease);
-        }
+        let ask = GrantAsk { region: &req.remote_region, offset: req.remote_offset, length, op: remote_op, ttl: timeout + Duration::from_secs(60) };
+        let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
+        let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
-            return refuse(TransferError::ShuttingDown, lease);
+            session.handle(Event::Abort(TransferError::ShuttingDown));
+            return Err(match held.settle(&mut session) {
+                Some(Command::Refuse(e)) => e,
+                _ => TransferError::ShuttingDown,
+            });
         }
         let now = SystemTime::now();
         let record = TransferRecord {
@@ -99,61 +100,104 @@ impl Node {
             elapsed: Duration::ZERO,
             verified: false,
             checksum: None,
-            peer: grant.node_name.clone(),
+            peer: held.grant.as_ref().map(|g| g.info.node_name.clone()).unwrap_or_default(),
             inbound: false,
         };
         let handle = self.transfers.insert(record);
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
-        let plan = Plan {
-            local: local_use,
-            peer,
-            grant,
-            lease: Mutex::new(Some(lease)),
-            chunk,
-            depth,
-            verify: opts.verify.then(|| opts.algo.unwrap_or(Algo::Xxh3)),
-            deadline: Instant::now() + timeout,
-        };
+        let plan = Plan { session, held, local: local_use, algo: opts.algo.unwrap_or(Algo::Xxh3) };
         let node = self.clone();
         let span = info_span!("transfer", id = %record.id, op = req.op.as_str(), peer = %req.remote_agent);
         tokio::spawn(async move { node.run(handle, plan).await }.instrument(span));
         Ok(record)
     }
 
-    async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, plan: Plan) {
+    /// Drives `s` through lease and grant until it accepts (the transfer's length) or refuses.
+    /// Also used by the benchmark, which then moves the data itself.
+    pub(super) async fn acquire(
+        &self,
+        s: &mut Session,
+        held: &mut Held,
+        ask: &GrantAsk<'_>,
+        qps: usize,
+        depth: usize,
+    ) -> Result<u64, TransferError> {
+        let me = &self.config.node_name;
+        loop {
+            let ev = match held.settle(s) {
+                Some(Command::Accept { length }) => return Ok(length),
+                Some(Command::Refuse(e)) => return Err(e),
+                Some(Command::Lease) => match self.peers.lease(&held.peer, qps, depth).await {
+                    Ok(l) => {
+                        let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
+                        held.lease = Some(l);
+                        ev
+                    }
+                    Err(e) => Event::LeaseFailed(e.into()),
+                },
+                Some(Command::AskGrant) => {
+                    let Some(lease) = held.lease.as_ref() else {
+                        return Err(TransferError::Internal("grant asked without a connection".into()));
+                    };
+                    let peer = held.peer.clone();
+                    let cid = lease.connection_id().to_string();
+                    match peer.call(|| peer.client.grant(ask, me, &cid)).await {
+                        Ok(g) => {
+                            peer.observe(&g.node_name, &g.instance_id);
+                            let same_instance = g.instance_id == lease.instance_id();
+                            if !same_instance {
+                                debug!(peer = %peer.addr, "peer restarted since the connection was made; negotiating a fresh one");
+                            }
+                            let ev = Event::Granted { length: g.length, same_instance, conn_broken: lease.conn().is_broken() };
+                            held.hold_grant(g);
+                            ev
+                        }
+                        Err(e @ PeerError::Remote { code: RemoteCode::UnknownConnection, .. }) => {
+                            debug!(peer = %peer.addr, "peer does not know the connection; negotiating a fresh one if it was pooled");
+                            Event::GrantUnknownConnection(e.into())
+                        }
+                        Err(e) => Event::GrantFailed(e.into()),
+                    }
+                }
+                Some(other) => return Err(TransferError::Internal(format!("unexpected {other:?} before the transfer started"))),
+                None => return Err(TransferError::Internal("transfer session stopped before accepting".into())),
+            };
+            s.handle(ev);
+        }
+    }
+
+    async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, mut plan: Plan) {
         let rec = handle.snapshot();
         let started = Instant::now();
         info!(bytes = rec.length, "transfer started");
-        let mut outcome = self.execute(&handle, &plan, &rec, started).await;
-        // The local region's file shrank under its mapping while the transfer copied it: whatever
-        // the fabric reported (a local protection error, or success over zeros standing in for
-        // the missing pages), the transfer failed, and the code says why.
-        if !matches!(outcome, Err(Outcome::Cancelled)) {
-            if let Err(e) = plan.local.0.intact() {
-                outcome = Err(Outcome::Failed(REGION_POISONED.into(), e.to_string()));
-            }
+        if handle.cancel.is_cancelled() {
+            plan.session.handle(Event::Cancel);
+        } else {
+            handle.update(|r| {
+                r.state = TransferState::Running;
+                r.started_at = Some(SystemTime::now());
+            });
+            plan.session.start(Instant::now());
         }
-        let (state, code, msg) = match outcome {
-            Ok(verified) => {
-                handle.update(|r| {
-                    r.verified = verified.is_some();
-                    r.checksum = verified;
-                });
-                (TransferState::Succeeded, None, None)
-            }
-            Err(Outcome::Cancelled) => (TransferState::Cancelled, Some("CANCELLED".to_string()), Some("cancelled".to_string())),
-            Err(Outcome::Failed(code, msg)) => (TransferState::Failed, Some(code), Some(msg)),
-        };
-        if state != TransferState::Succeeded {
-            self.revoke_later(&plan.peer, &plan.grant.grant_id);
-        }
+        let outcome = self.drive(&handle, &mut plan, &rec, started).await;
         let elapsed = started.elapsed();
+        let (state, failure) = match outcome {
+            Ok(sum) => {
+                handle.update(|r| {
+                    r.verified = sum.is_some();
+                    r.checksum = sum;
+                });
+                (TransferState::Succeeded, None)
+            }
+            Err(f) if f.code == FailureCode::Cancelled => (TransferState::Cancelled, Some(f)),
+            Err(f) => (TransferState::Failed, Some(f)),
+        };
         handle.update(|r| {
             r.state = state;
-            r.error_code = code.clone();
-            r.error = msg.clone();
+            r.error_code = failure.as_ref().map(|f| f.code);
+            r.error = failure.as_ref().map(|f| f.message.clone());
             r.finished_at = Some(SystemTime::now());
             r.elapsed = elapsed;
         });
@@ -164,184 +208,124 @@ impl Node {
             _ => "failed",
         };
         m::transfer_finished(rec.op.as_str(), result, elapsed);
-        m::transfer_bytes(rec.op.as_str(), &peer_label(&plan.peer), done);
-        match state {
-            TransferState::Succeeded => info!(bytes = done, secs = elapsed.as_secs_f64(), "transfer succeeded"),
-            _ => warn!(result, code = ?code, error = ?msg, bytes = done, "transfer did not succeed"),
-        }
-    }
-
-    /// Moves the data; `Ok(checksum)` on success (the checksum when verified).
-    async fn execute(&self, handle: &TransferHandle, plan: &Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Outcome> {
-        // Leased at submit (the grant is bound to it).
-        let Some(mut lease) = plan.lease.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-            return Err(Outcome::Failed("INTERNAL".into(), "transfer started without its connection".into()));
-        };
-        if handle.cancel.is_cancelled() {
-            self.peers.release(&plan.peer, lease, true);
-            return Err(Outcome::Cancelled);
-        }
-        handle.update(|r| {
-            r.state = TransferState::Running;
-            r.started_at = Some(SystemTime::now());
-        });
-        let mut machine = Machine::new(MachineConfig {
-            total: rec.length,
-            chunk: plan.chunk,
-            qps: lease.conn.qps(),
-            depth: plan.depth,
-            signal_every: self.config.transfer.signal_every,
-            deadline: Some(plan.deadline),
-        });
-        let local = plan.local.0.registration.clone();
-        let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
-        let (local_off, remote_addr, key) = (rec.local_offset, plan.grant.addr, plan.grant.key.clone());
-        pump(
-            &mut machine,
-            &mut lease,
-            &handle.cancel,
-            |p| WorkRequest {
-                wr_id: p.seq,
-                op,
-                local: local.clone(),
-                local_offset: local_off + p.offset,
-                len: p.len,
-                remote_addr: remote_addr + p.offset,
-                remote_key: key.clone(),
-                signaled: p.signaled,
-            },
-            |bytes| {
-                handle.update(|r| {
-                    r.bytes_done = bytes;
-                    r.elapsed = started.elapsed();
-                })
-            },
-            None,
-        )
-        .await;
-        let clean = machine.state() == &State::Succeeded && machine.outstanding() == 0;
-        let state = machine.state().clone();
-        let failed = match state {
-            State::Succeeded => None,
-            State::Cancelled => Some(Outcome::Cancelled),
-            State::Failed(Failure::Completion { status, .. }) => Some(Outcome::Failed(
-                status.name().to_string(),
-                format!("work request failed with {status}{}", hint(status)),
-            )),
-            State::Failed(Failure::Post(e)) => Some(Outcome::Failed("POST_FAILED".into(), e)),
-            State::Failed(Failure::Timeout) => Some(Outcome::Failed("DEADLINE_EXCEEDED".into(), "transfer timed out".into())),
-            State::Running => Some(Outcome::Failed("INTERNAL".into(), "engine stopped early".into())),
-        };
-        if let Some(outcome) = failed {
-            self.peers.release(&plan.peer, lease, clean);
-            return Err(outcome);
-        }
-        // Data landed. Tell the target (and let it verify), then report. The connection goes back
-        // to the pool only after `Peer.Complete`: the grant is bound to it, and another transfer
-        // that leased it and then discarded it (a cancel) would make the target revoke this
-        // transfer's grant before its Complete arrived ("grant not found" at verify).
-        let result = self.finish(plan, rec).await;
-        self.peers.release(&plan.peer, lease, true);
-        result
-    }
-
-    /// Verifies (optionally) and sends `Peer.Complete` for a transfer whose data landed.
-    async fn finish(&self, plan: &Plan, rec: &TransferRecord) -> Result<Option<u64>, Outcome> {
-        let sum = match plan.verify {
-            Some(algo) => {
-                let mem = plan.local.0.memory.clone();
-                let (off, len) = (rec.local_offset, rec.length);
-                let v = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, len, algo))
-                    .await
-                    .map_err(|e| Outcome::Failed("INTERNAL".into(), e.to_string()))?
-                    .map_err(|e| match plan.local.0.mem_error(e) {
-                        e @ crate::regions::RegionError::Poisoned { .. } => Outcome::Failed(REGION_POISONED.into(), e.to_string()),
-                        e => Outcome::Failed("INTERNAL".into(), e.to_string()),
-                    })?;
-                Some((algo, v))
+        m::transfer_bytes(rec.op.as_str(), &peer_label(&plan.held.peer), done);
+        match failure {
+            None => info!(bytes = done, secs = elapsed.as_secs_f64(), "transfer succeeded"),
+            Some(f) => {
+                m::transfer_failure(rec.op.as_str(), f.code.as_str());
+                warn!(result, code = %f.code, error = %f.message, bytes = done, "transfer did not succeed");
             }
-            None => None,
+        }
+    }
+
+    /// Runs the session from `start` to `Finish`: posts, completions, cancel, time, the local
+    /// check, the checksum and `Peer.Complete`.
+    async fn drive(&self, handle: &TransferHandle, plan: &mut Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Failure> {
+        let Plan { session: s, held, local, algo, .. } = plan;
+        let Some((remote_addr, key)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone())) else {
+            // Cancelled before it started: the session finishes without the grant being read.
+            return finish_without_data(s, held);
         };
+        let registration = local.0.registration.clone();
+        let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let mut reported = 0;
+        loop {
+            while let Some(cmd) = held.settle(s) {
+                match cmd {
+                    Command::Post(p) => {
+                        let wr = WorkRequest {
+                            wr_id: p.seq,
+                            op,
+                            local: registration.clone(),
+                            local_offset: rec.local_offset + p.offset,
+                            len: p.len,
+                            remote_addr: remote_addr + p.offset,
+                            remote_key: key.clone(),
+                            signaled: p.signaled,
+                        };
+                        let posted = match held.lease.as_ref() {
+                            Some(l) => l.conn().post(p.qp, wr).map_err(|e| e.to_string()),
+                            None => Err("no connection".to_string()),
+                        };
+                        if let Err(reason) = posted {
+                            s.handle(Event::PostFailed { seq: p.seq, reason });
+                        }
+                    }
+                    Command::CheckLocal => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
+                    Command::Checksum => {
+                        let r = self.checksum(local, rec, *algo).await;
+                        s.handle(Event::Checksummed(r));
+                    }
+                    Command::Complete { checksum } => {
+                        let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
+                        s.handle(Event::Completed(r));
+                    }
+                    Command::Finish(r) => {
+                        report(handle, s.bytes_done(), &mut reported, started);
+                        return r;
+                    }
+                    other => {
+                        return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));
+                    }
+                }
+            }
+            report(handle, s.bytes_done(), &mut reported, started);
+            let Some(lease) = held.lease.as_mut() else {
+                return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
+            };
+            let deadline = s.poll_timeout();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                c = lease.completions().recv() => match c {
+                    Some(c) => {
+                        s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status });
+                        // Batch: take whatever else is already there before posting again.
+                        while let Ok(c) = lease.completions().try_recv() {
+                            s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status });
+                        }
+                    }
+                    None => s.handle(Event::ConnectionClosed),
+                },
+                _ = handle.cancel.cancelled() => s.handle(Event::Cancel),
+                _ = sleep => s.handle_timeout(Instant::now()),
+            }
+        }
+    }
+
+    async fn checksum(&self, local: &RegionUse, rec: &TransferRecord, algo: Algo) -> Result<u64, Failure> {
+        let mem = local.0.memory.clone();
+        let (off, len) = (rec.local_offset, rec.length);
+        tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, len, algo))
+            .await
+            .map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?
+            .map_err(|e| match local.0.mem_error(e) {
+                e @ crate::regions::RegionError::Poisoned { .. } => Failure::new(FailureCode::RegionPoisoned, e.to_string()),
+                e => Failure::new(FailureCode::Internal, e.to_string()),
+            })
+    }
+
+    /// `Peer.Complete`: `Ok(matched)` (true without a checksum), or why the call failed.
+    async fn complete(&self, held: &Held, rec: &TransferRecord, checksum: Option<(Algo, u64)>) -> Result<bool, String> {
+        let Some(grant) = held.grant.as_ref() else { return Err("no grant to complete".into()) };
         let params = CompleteParams {
             transfer_id: rec.id.clone(),
-            grant_id: plan.grant.grant_id.clone(),
+            grant_id: grant.info.grant_id.clone(),
             bytes: rec.length,
             op_write: rec.op == Op::Write,
             node_name: self.config.node_name.clone(),
-            checksum: sum,
+            checksum,
             success: true,
         };
-        match plan.peer.call(|| plan.peer.client.complete(params.clone())).await {
-            Ok(true) => Ok(sum.map(|s| s.1)),
-            Ok(false) => Err(Outcome::Failed(
-                "CHECKSUM_MISMATCH".into(),
-                "checksum of the destination range does not match the source".into(),
-            )),
-            Err(e) if sum.is_some() => Err(Outcome::Failed("VERIFY_FAILED".into(), format!("could not verify: {e}"))),
-            Err(e) => {
-                warn!(error = %e, "Peer.Complete failed; the data landed but the target did not record it");
-                Ok(None)
-            }
-        }
-    }
-
-    /// Leases a connection to `peer`, then asks the peer for a grant bound to it
-    /// (`GrantRequest.connection_id`: grant mode mw binds its windows on that connection's QPs).
-    /// An idle connection may predate a restart of the peer, which then does not know it, or break
-    /// while the grant is asked (the peer closed it for idleness): it is discarded and a fresh one
-    /// negotiated (once). A pooled connection that breaks after this fails its transfer cleanly
-    /// (`RETRY_EXC_ERR` in the record).
-    pub(super) async fn lease_and_grant(
-        &self,
-        peer: &Arc<PeerEntry>,
-        qps: usize,
-        depth: usize,
-        ask: &GrantAsk<'_>,
-    ) -> Result<(Lease, GrantInfo), TransferError> {
-        let me = &self.config.node_name;
-        let mut retried = false;
-        loop {
-            let lease = self.peers.lease(peer, qps, depth).await?;
-            let cid = lease.connection_id.clone();
-            let r = peer.call(|| peer.client.grant(ask, me, &cid)).await;
-            match r {
-                Ok(grant) => {
-                    peer.observe(&grant.node_name, &grant.instance_id);
-                    if grant.instance_id == lease.instance_id() && lease.reused() && lease.conn.is_broken() && !retried {
-                        // The pooled connection broke while the grant was asked (e.g. the peer
-                        // closed its idle streams, limits.data_idle_timeout): the grant is bound to
-                        // it, so drop both and start over on a fresh connection, once.
-                        debug!(peer = %peer.addr, "pooled connection broke while granting; negotiating a fresh one");
-                        self.revoke_later(peer, &grant.grant_id);
-                        self.peers.release(peer, lease, false);
-                        retried = true;
-                        continue;
-                    }
-                    if grant.instance_id == lease.instance_id() {
-                        return Ok((lease, grant));
-                    }
-                    // The peer restarted after this connection was made: its QPs are gone. The
-                    // grant itself does not use the connection (an mw grant would have failed).
-                    self.peers.release(peer, lease, false);
-                    match self.peers.lease(peer, qps, depth).await {
-                        Ok(fresh) => return Ok((fresh, grant)),
-                        Err(e) => {
-                            self.revoke_later(peer, &grant.grant_id);
-                            return Err(e.into());
-                        }
-                    }
-                }
-                Err(PeerError::Remote { code: RemoteCode::FailedPrecondition, .. }) if lease.reused() && !retried => {
-                    debug!(peer = %peer.addr, "peer does not know a pooled connection; negotiating a fresh one");
-                    self.peers.release(peer, lease, false);
-                    retried = true;
-                }
-                Err(e) => {
-                    self.peers.release(peer, lease, true);
-                    return Err(e.into());
-                }
-            }
-        }
+        let peer = &held.peer;
+        peer.call(|| peer.client.complete(params.clone())).await.map_err(|e| {
+            warn!(error = %e, "Peer.Complete failed; the data landed but the target did not record it");
+            e.to_string()
+        })
     }
 
     /// A transfer record by id: an outbound id, or `PEER/ID` for an inbound one.
@@ -367,49 +351,119 @@ impl Node {
         Ok(h.snapshot())
     }
 
-    /// Revokes a peer's grant in the background (best effort; `drain` waits for these).
-    pub(super) fn revoke_later(&self, peer: &Arc<PeerEntry>, grant_id: &str) {
-        let peer = peer.clone();
-        let id = grant_id.to_string();
-        let pending = self.pending_revokes.clone();
-        pending.fetch_add(1, Ordering::AcqRel);
-        tokio::spawn(async move {
-            let _ = peer.call(|| peer.client.revoke(&id)).await;
-            pending.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// A session that ends before any data moved (cancelled between submit and start).
+fn finish_without_data(s: &mut Session, held: &mut Held) -> Result<Option<u64>, Failure> {
+    match held.settle(s) {
+        Some(Command::Finish(r)) => r,
+        other => Err(Failure::new(FailureCode::Internal, format!("transfer started without its grant ({other:?})"))),
+    }
+}
+
+fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Instant) {
+    if bytes != *reported {
+        *reported = bytes;
+        handle.update(|r| {
+            r.bytes_done = bytes;
+            r.elapsed = started.elapsed();
         });
     }
 }
 
-
+/// What a running transfer owns.
 pub(super) struct Plan {
+    session: Session,
+    held: Held,
+    /// Keeps the local region in use (DeleteRegion refuses it as busy).
     local: RegionUse,
-    peer: Arc<PeerEntry>,
-    grant: GrantInfo,
-    /// The connection the grant is bound to; `execute` takes it (std Mutex: no awaits held).
-    lease: Mutex<Option<Lease>>,
-    chunk: u64,
-    depth: usize,
-    verify: Option<Algo>,
-    deadline: Instant,
+    /// The checksum algorithm when verifying.
+    algo: Algo,
 }
 
-pub(super) enum Outcome {
-    Cancelled,
-    Failed(String, String),
+/// What a transfer holds from its peer, as RAII guards: the leased connection ([`Lease`]: back to
+/// the pool or discarded) and the grant ([`GrantGuard`]: revoked unless the peer consumed it).
+/// The session's `Release`/`Revoke`/`GrantConsumed` commands are applied here; anything still
+/// held when this drops is discarded and revoked.
+pub(super) struct Held {
+    pub(super) peer: Arc<PeerEntry>,
+    pub(super) lease: Option<Lease>,
+    pub(super) grant: Option<GrantGuard>,
+    pending_revokes: Arc<AtomicUsize>,
 }
 
-/// `error_code` of a transfer whose local region's file shrank under its mapping.
-pub const REGION_POISONED: &str = "REGION_POISONED";
-
-fn hint(status: crate::fabric::WcStatus) -> &'static str {
-    use crate::fabric::WcStatus::*;
-    match status {
-        RemAccessErr => " (the peer refused access: outside the grant, wrong operation, expired or revoked)",
-        RetryExcErr => " (the peer stopped answering: dead agent, broken link or closed connection)",
-        RnrRetryExcErr => " (the peer's receive queue was not ready)",
-        RemInvReqErr => " (the peer rejected the request as invalid)",
-        _ => "",
+impl Held {
+    pub(super) fn new(peer: Arc<PeerEntry>, pending_revokes: Arc<AtomicUsize>) -> Held {
+        Held { peer, lease: None, grant: None, pending_revokes }
     }
+
+    fn hold_grant(&mut self, info: GrantInfo) {
+        let g = GrantGuard { info, peer: self.peer.clone(), pending: self.pending_revokes.clone(), armed: true };
+        // A grant still held here would be revoked by its guard's drop.
+        self.grant = Some(g);
+    }
+
+    /// The session's next command, after applying the resource ones (release, revoke, consumed).
+    pub(super) fn settle(&mut self, s: &mut Session) -> Option<Command> {
+        loop {
+            match s.poll()? {
+                Command::Release { clean } => {
+                    if let Some(l) = self.lease.take() {
+                        l.release(clean);
+                    }
+                }
+                Command::Revoke => {
+                    if let Some(g) = self.grant.take() {
+                        g.revoke();
+                    }
+                }
+                Command::GrantConsumed => {
+                    if let Some(mut g) = self.grant.take() {
+                        g.armed = false;
+                    }
+                }
+                other => return Some(other),
+            }
+        }
+    }
+}
+
+/// A grant a peer gave this agent: revoked in the background when dropped, unless the peer
+/// consumed it (its `Peer.Complete` revokes it there).
+pub(super) struct GrantGuard {
+    pub(super) info: GrantInfo,
+    peer: Arc<PeerEntry>,
+    pending: Arc<AtomicUsize>,
+    armed: bool,
+}
+
+impl GrantGuard {
+    pub(super) fn revoke(mut self) {
+        self.armed = false;
+        revoke_later(&self.peer, &self.info.grant_id, &self.pending);
+    }
+}
+
+impl Drop for GrantGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            revoke_later(&self.peer, &self.info.grant_id, &self.pending);
+        }
+    }
+}
+
+/// Revokes a peer's grant in the background (best effort; `drain` waits for these). Skipped
+/// when no runtime is left (at exit): the grant then ends with its TTL.
+fn revoke_later(peer: &Arc<PeerEntry>, grant_id: &str, pending: &Arc<AtomicUsize>) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+    let peer = peer.clone();
+    let id = grant_id.to_string();
+    let pending = pending.clone();
+    pending.fetch_add(1, Ordering::AcqRel);
+    rt.spawn(async move {
+        let _ = peer.call(|| peer.client.revoke(&id)).await;
+        pending.fetch_sub(1, Ordering::AcqRel);
+    });
 }
 
 fn peer_label(peer: &PeerEntry) -> String {

@@ -25,13 +25,13 @@ use crate::fabric::{
 };
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;
-use crate::peer_api::{PeerError, RemoteCode};
-use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::ids::new_id;
+use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError, RemoteCode};
+use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
-use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo};
 use crate::transfer::driver::{pump, LatencyProbe};
-use crate::transfer::machine::{Failure, Machine, MachineConfig, State};
+use crate::transfer::machine::{Machine, MachineConfig, State};
+use crate::transfer::session::{Session, SessionConfig};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
 use xfer_rdma::memory::RegionMemory;
 
@@ -42,7 +42,7 @@ mod limits;
 mod responder;
 
 pub use bench::{BenchParams, BenchResult};
-pub use initiator::REGION_POISONED;
+use initiator::Held;
 pub use responder::GrantParams;
 use responder::AcceptedConn;
 
@@ -262,8 +262,7 @@ impl Node {
     pub async fn connect_peer(&self, addr: &str, qps: usize) -> Result<Arc<PeerEntry>, PeerError> {
         let peer = self.peers.peer(addr)?;
         let qps = if qps == 0 { self.config.transfer.qps } else { qps };
-        let lease = self.peers.lease(&peer, qps, self.config.transfer.depth).await?;
-        self.peers.release(&peer, lease, true);
+        self.peers.lease(&peer, qps, self.config.transfer.depth).await?.release(true);
         Ok(peer)
     }
 

@@ -207,7 +207,7 @@ impl Node {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
             None if self.grant_needs_connection() => {
-                Err(TransferError::FailedPrecondition(format!(
+                Err(TransferError::UnknownConnection(format!(
                     "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
                 )))
             }
@@ -281,7 +281,7 @@ impl Node {
             state: if ok { TransferState::Succeeded } else { TransferState::Failed },
             bytes_done: bytes,
             error: (!ok).then(|| "checksum mismatch".to_string()),
-            error_code: (!ok).then(|| "CHECKSUM_MISMATCH".to_string()),
+            error_code: (!ok).then_some(crate::transfer::failure::FailureCode::ChecksumMismatch),
             created_at: now,
             started_at: Some(now),
             finished_at: Some(now),

@@ -52,6 +52,11 @@ impl PeerClient {
             Code::NotFound => RemoteCode::NotFound,
             Code::InvalidArgument | Code::OutOfRange => RemoteCode::InvalidArgument,
             Code::PermissionDenied | Code::Unauthenticated => RemoteCode::PermissionDenied,
+            Code::FailedPrecondition
+                if s.metadata().get(crate::peer_api::ERROR_REASON_KEY).is_some_and(|v| v == crate::peer_api::UNKNOWN_CONNECTION) =>
+            {
+                RemoteCode::UnknownConnection
+            }
             Code::FailedPrecondition => RemoteCode::FailedPrecondition,
             Code::ResourceExhausted => RemoteCode::ResourceExhausted,
             Code::DeadlineExceeded => RemoteCode::DeadlineExceeded,
@@ -239,4 +244,28 @@ fn transport_detail(s: &tonic::Status) -> String {
         src = e.source();
     }
     parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer_api::RemoteCode;
+    use crate::transfer::TransferError;
+
+    /// The responder's "unknown connection" refusal reaches the initiator as its own code (the
+    /// marker survives the status), while any other FAILED_PRECONDITION stays what it is: only
+    /// the former makes the initiator retry on a fresh connection.
+    #[tokio::test]
+    async fn unknown_connection_is_told_apart_from_other_preconditions() {
+        let c = PeerClient::new("127.0.0.1:1", None).unwrap();
+        let code = |e: TransferError| match c.err(super::super::convert::transfer_status(e)) {
+            PeerError::Remote { code, .. } => code,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(code(TransferError::UnknownConnection("no connection \"x\"".into())), RemoteCode::UnknownConnection);
+        assert_eq!(code(TransferError::FailedPrecondition("region is draining".into())), RemoteCode::FailedPrecondition);
+        // A status that merely says the words is not the marker.
+        let s = tonic::Status::failed_precondition("unknown-connection");
+        assert!(matches!(c.err(s), PeerError::Remote { code: RemoteCode::FailedPrecondition, .. }));
+    }
 }

@@ -192,7 +192,7 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
         state: state_to_pb(t.state) as i32,
         bytes_done: t.bytes_done,
         error: t.error.clone().unwrap_or_default(),
-        error_code: t.error_code.clone().unwrap_or_default(),
+        error_code: t.error_code.map(|c| c.as_str().to_string()).unwrap_or_default(),
         created_at: Some(time_to_pb(t.created_at)),
         started_at: t.started_at.map(time_to_pb),
         finished_at: t.finished_at.map(time_to_pb),
@@ -437,7 +437,7 @@ pub fn peer_status(e: PeerError) -> Status {
             RemoteCode::NotFound => Status::not_found(msg),
             RemoteCode::InvalidArgument => Status::invalid_argument(msg),
             RemoteCode::PermissionDenied => Status::permission_denied(msg),
-            RemoteCode::FailedPrecondition => Status::failed_precondition(msg),
+            RemoteCode::FailedPrecondition | RemoteCode::UnknownConnection => Status::failed_precondition(msg),
             RemoteCode::ResourceExhausted => Status::resource_exhausted(msg),
             RemoteCode::Unavailable => Status::unavailable(msg),
             RemoteCode::DeadlineExceeded => Status::deadline_exceeded(msg),
@@ -452,8 +452,17 @@ pub fn transfer_status(e: TransferError) -> Status {
         TransferError::Peer(p) => peer_status(p),
         TransferError::Grant(g) => grant_status(g),
         TransferError::Invalid(m) => Status::invalid_argument(m),
+        e @ TransferError::Shape(_) => Status::invalid_argument(e.to_string()),
         TransferError::PermissionDenied(m) => Status::permission_denied(m),
         TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
+        TransferError::UnknownConnection(m) => {
+            let mut s = Status::failed_precondition(m);
+            s.metadata_mut().insert(
+                crate::peer_api::ERROR_REASON_KEY,
+                tonic::metadata::MetadataValue::from_static(crate::peer_api::UNKNOWN_CONNECTION),
+            );
+            s
+        }
         e @ TransferError::NotFound(_) => Status::not_found(e.to_string()),
         e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
         TransferError::AlreadyExists(m) => Status::already_exists(m),

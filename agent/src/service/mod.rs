@@ -116,8 +116,6 @@ fn caller_of<T>(req: &Request<T>) -> Result<auth::Caller, Status> {
 
 /// Most QPs (tcp: data streams) and outstanding work requests per QP a caller may ask for
 /// (`SubmitTransfer` checks the same bounds in `Node::submit`).
-const MAX_QPS: usize = 64;
-const MAX_DEPTH: usize = 4096;
 
 
 
@@ -307,7 +305,9 @@ impl Agent for Services {
         require(!r.peer.is_empty(), "peer address is required")?;
         // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
         // tcp fabric's stream vector abort the agent). 0 = the configured default.
-        require(r.qps as usize <= MAX_QPS, "qps must be 1-64")?;
+        if r.qps != 0 {
+            crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
+        }
         let peer = self.node.connect_peer(&r.peer, r.qps as usize).await.map_err(peer_status)?;
         Ok(Response::new(peer_info(&self.node, &peer)))
     }
@@ -321,7 +321,12 @@ impl Agent for Services {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
         // 0 = the agent's default; otherwise the bounds SubmitTransfer applies.
-        require(r.qps as usize <= MAX_QPS && r.depth as usize <= MAX_DEPTH, "qps must be 1-64 and depth 1-4096")?;
+        if r.qps != 0 {
+            crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
+        }
+        if r.depth != 0 {
+            crate::shape::depth(r.depth as usize).map_err(|e| transfer_status(e.into()))?;
+        }
         let p = BenchParams {
             peer: r.peer,
             op: op_from_pb(r.op).unwrap_or(crate::transfer::Op::Write),

@@ -32,7 +32,7 @@ pub async fn pump(
             if let Some(pr) = probe.as_deref_mut() {
                 pr.posted.insert(p.seq, Instant::now());
             }
-            if let Err(e) = lease.conn.post(p.qp, make_wr(&p)) {
+            if let Err(e) = lease.conn().post(p.qp, make_wr(&p)) {
                 machine.handle_post_error(p.seq, e.to_string());
                 break;
             }
@@ -48,11 +48,11 @@ pub async fn pump(
             }
         };
         tokio::select! {
-            c = lease.completions.recv() => match c {
+            c = lease.completions().recv() => match c {
                 Some(c) => {
                     complete(machine, &mut probe, c.qp, c.wr_id, c.status);
                     // Batch: take whatever else is already there before posting again.
-                    while let Ok(c) = lease.completions.try_recv() {
+                    while let Ok(c) = lease.completions().try_recv() {
                         complete(machine, &mut probe, c.qp, c.wr_id, c.status);
                     }
                 }

@@ -1,14 +1,16 @@
-//! Sans-IO transfer state machine: chunking, the per-QP window, selective signalling, progress,
-//! failure and cancellation. It does no IO and never reads the clock: the driver feeds it
-//! completions ([`Machine::handle_completion`]), cancellation and the current time, and asks it
+//! Sans-IO data movement of one transfer: chunking, the per-QP window, selective signalling,
+//! progress, failure and cancellation. It does no IO and never reads the clock: the driver feeds
+//! it completions ([`Machine::handle_completion`]), cancellation and the current time, and asks it
 //! what to post next ([`Machine::poll_transmit`]) and when it times out
-//! ([`Machine::poll_timeout`]).
+//! ([`Machine::poll_timeout`]). The transfer's whole lifecycle around it (lease, grant, verify,
+//! complete, revoke, release) is the [`super::session::Session`].
 //!
-//! Chunk `c` goes to QP `c % qps` (striping). A QP has at most `depth` WRs outstanding. A WR is
-//! signaled when it is the `signal_every`-th since the last signaled one on its QP, when it fills
-//! the QP's window, or when it is the QP's last chunk — so there is always a signaled WR at the
-//! tail of every non-empty window and the machine can never wait on silent WRs. A successful
-//! signaled completion retires every earlier WR on its QP (RC ordering).
+//! Chunks go to whichever QP has room, in *runs*: a run picks the QP with the most free window
+//! slots (ties round-robin), reserves up to `signal_every` of them (never more than the chunks
+//! left) and posts that many consecutive chunks there, signalling only the run's last WR. So one
+//! slow or full QP never holds back the others, and every QP's window ends in a signaled WR
+//! whenever no run is open — the machine never waits on silent WRs. A successful signaled
+//! completion retires every earlier WR on its QP (RC ordering).
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -42,12 +44,12 @@ pub enum State {
     Running,
     Succeeded,
     /// The first error; later flushes are not separate failures.
-    Failed(Failure),
+    Failed(Fault),
     Cancelled,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Failure {
+pub enum Fault {
     Completion { status: WcStatus, seq: u64 },
     Post(String),
     Timeout,
@@ -65,7 +67,10 @@ pub struct Machine {
     chunks: u64,
     next_chunk: u64,
     windows: Vec<VecDeque<Outstanding>>,
-    since_signal: Vec<usize>,
+    /// The open run: its QP and the chunks still to post in it (slots already reserved).
+    run: Option<(usize, usize)>,
+    /// Where the next QP search starts (ties go round-robin).
+    next_qp: usize,
     bytes_done: u64,
     state: State,
 }
@@ -81,7 +86,8 @@ impl Machine {
             chunks,
             next_chunk: 0,
             windows: vec![VecDeque::new(); cfg.qps],
-            since_signal: vec![0; cfg.qps],
+            run: None,
+            next_qp: 0,
             bytes_done: 0,
             state: if chunks == 0 { State::Succeeded } else { State::Running },
             cfg,
@@ -105,29 +111,43 @@ impl Machine {
         self.windows.iter().map(|w| w.len()).sum()
     }
 
-    /// The next WR to post, if the window allows one.
+    /// The next WR to post, if a window has room.
     pub fn poll_transmit(&mut self) -> Option<Post> {
         if self.state != State::Running || self.next_chunk >= self.chunks {
             return None;
         }
+        let (qp, left) = match self.run {
+            Some(run) => run,
+            None => {
+                let (qp, room) = self.roomiest()?;
+                self.next_qp = (qp + 1) % self.cfg.qps;
+                let chunks_left = usize::try_from(self.chunks - self.next_chunk).unwrap_or(usize::MAX);
+                (qp, self.cfg.signal_every.min(room).min(chunks_left))
+            }
+        };
+        // The run's last WR is signaled; the slots were reserved when it opened.
+        let signaled = left <= 1;
+        self.run = (!signaled).then_some((qp, left - 1));
         let c = self.next_chunk;
-        let qp = (c % self.cfg.qps as u64) as usize;
-        let window = &mut self.windows[qp];
-        if window.len() >= self.cfg.depth {
-            return None;
-        }
         let offset = c * self.cfg.chunk;
         let len = (self.cfg.total - offset).min(self.cfg.chunk) as u32;
-        let last_for_qp = c + self.cfg.qps as u64 >= self.chunks;
-        self.since_signal[qp] += 1;
-        let signaled =
-            self.since_signal[qp] >= self.cfg.signal_every || window.len() + 1 == self.cfg.depth || last_for_qp;
-        if signaled {
-            self.since_signal[qp] = 0;
-        }
-        window.push_back(Outstanding { seq: c, len });
+        self.windows[qp].push_back(Outstanding { seq: c, len });
         self.next_chunk += 1;
         Some(Post { qp, seq: c, offset, len, signaled })
+    }
+
+    /// The QP with the most free window slots (ties: the first from `next_qp` on), if any has one.
+    fn roomiest(&self) -> Option<(usize, usize)> {
+        let n = self.cfg.qps;
+        let mut best: Option<(usize, usize)> = None;
+        for i in 0..n {
+            let q = (self.next_qp + i) % n;
+            let room = self.cfg.depth - self.windows[q].len();
+            if room > 0 && best.is_none_or(|(_, r)| room > r) {
+                best = Some((q, room));
+            }
+        }
+        best
     }
 
     /// Feeds one work completion.
@@ -148,7 +168,7 @@ impl Machine {
             }
         } else if self.state == State::Running {
             // Flushes after the first error are expected and not separate failures.
-            self.state = State::Failed(Failure::Completion { status, seq });
+            self.state = State::Failed(Fault::Completion { status, seq });
         }
     }
 
@@ -158,7 +178,7 @@ impl Machine {
             w.retain(|o| o.seq != seq);
         }
         if self.state == State::Running {
-            self.state = State::Failed(Failure::Post(reason));
+            self.state = State::Failed(Fault::Post(reason));
         }
     }
 
@@ -178,7 +198,7 @@ impl Machine {
 
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.state == State::Running && self.cfg.deadline.is_some_and(|d| now >= d) {
-            self.state = State::Failed(Failure::Timeout);
+            self.state = State::Failed(Fault::Timeout);
         }
     }
 }
@@ -227,10 +247,69 @@ mod tests {
         for p in &posts {
             assert_eq!(p.offset, next);
             next += p.len as u64;
-            assert_eq!(p.qp as u64, p.seq % 3);
         }
         assert_eq!(next, 10_007);
         assert_eq!(posts.last().map(|p| p.len), Some(7));
+        assert!(posts.last().is_some_and(|p| p.signaled));
+        let used: std::collections::BTreeSet<usize> = posts.iter().map(|p| p.qp).collect();
+        assert_eq!(used.len(), 3, "every QP carried chunks");
+    }
+
+    /// Whenever no run is open, the newest WR of every non-empty window is signaled: the machine
+    /// can always make progress from completions alone. Checked over many shapes.
+    #[test]
+    fn no_window_ever_ends_in_a_silent_wr() {
+        for qps in 1..=4 {
+            for depth in 1..=6 {
+                for every in 1..=7 {
+                    for total in [1u64, 2, 5, 13, 40] {
+                        let mut m = Machine::new(cfg(total, 1, qps, depth, every));
+                        let mut tails: Vec<Option<Post>> = vec![None; qps];
+                        let mut rounds = 0;
+                        while !m.is_done() {
+                            while let Some(p) = m.poll_transmit() {
+                                tails[p.qp] = Some(p);
+                            }
+                            assert!(m.run.is_none(), "poll_transmit returned None inside a run");
+                            for (q, t) in tails.iter().enumerate() {
+                                if !m.windows[q].is_empty() {
+                                    assert!(t.is_some_and(|p| p.signaled), "qps {qps} depth {depth} every {every}: QP {q} ends silent");
+                                }
+                            }
+                            // Complete the oldest signaled WR of the fullest window.
+                            let q = (0..qps).max_by_key(|&q| m.windows[q].len()).unwrap();
+                            let tail = tails[q].unwrap();
+                            m.handle_completion(q, tail.seq, WcStatus::Success);
+                            rounds += 1;
+                            assert!(rounds < 1000, "no progress");
+                        }
+                        assert_eq!(m.bytes_done(), total);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A QP whose completions do not come (a slow path) does not hold back the others: chunks
+    /// keep flowing to whichever QP has room.
+    #[test]
+    fn a_stalled_qp_does_not_stall_the_others() {
+        let mut m = Machine::new(cfg(1000, 1, 2, 4, 2));
+        let mut stalled = 0;
+        let mut done_elsewhere = 0;
+        for _ in 0..100 {
+            let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+            for p in posts {
+                if p.qp == 0 {
+                    stalled += 1; // never completed
+                } else if p.signaled {
+                    m.handle_completion(p.qp, p.seq, WcStatus::Success);
+                }
+            }
+            done_elsewhere = m.bytes_done();
+        }
+        assert_eq!(stalled, 4, "QP 0 got one window and then no more");
+        assert!(done_elsewhere >= 190, "QP 1 kept moving: {done_elsewhere}");
     }
 
     #[test]
@@ -269,7 +348,7 @@ mod tests {
         m.handle_completion(0, 0, WcStatus::Success);
         m.handle_completion(0, 1, WcStatus::RemAccessErr);
         m.handle_completion(0, 2, WcStatus::WrFlushErr);
-        assert_eq!(m.state(), &State::Failed(Failure::Completion { status: WcStatus::RemAccessErr, seq: 1 }));
+        assert_eq!(m.state(), &State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, seq: 1 }));
         assert_eq!(m.bytes_done(), 1);
         assert_eq!(m.poll_transmit(), None);
     }
@@ -296,7 +375,7 @@ mod tests {
         m.handle_timeout(t0 + Duration::from_secs(4));
         assert_eq!(m.state(), &State::Running);
         m.handle_timeout(t0 + Duration::from_secs(5));
-        assert_eq!(m.state(), &State::Failed(Failure::Timeout));
+        assert_eq!(m.state(), &State::Failed(Fault::Timeout));
         assert_eq!(m.poll_timeout(), None);
     }
 

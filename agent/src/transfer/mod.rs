@@ -13,7 +13,9 @@ use crate::peer_api::PeerError;
 use crate::regions::RegionError;
 
 pub mod driver;
+pub mod failure;
 pub mod machine;
+pub mod session;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -86,7 +88,7 @@ pub struct TransferRecord {
     pub state: TransferState,
     pub bytes_done: u64,
     pub error: Option<String>,
-    pub error_code: Option<String>,
+    pub error_code: Option<failure::FailureCode>,
     pub created_at: SystemTime,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
@@ -108,8 +110,15 @@ pub enum TransferError {
     Grant(#[from] GrantError),
     #[error("{0}")]
     Invalid(String),
+    /// A chunk size, QP count or depth out of bounds (INVALID_ARGUMENT).
+    #[error("{0}")]
+    Shape(#[from] crate::shape::ShapeError),
     #[error("{0}")]
     PermissionDenied(String),
+    /// A peer named a connection this agent does not have (closed, or made with an earlier
+    /// instance): FAILED_PRECONDITION, marked so the peer can tell it from other preconditions.
+    #[error("{0}")]
+    UnknownConnection(String),
     /// The request is valid but the system is not in a state to serve it (FAILED_PRECONDITION).
     #[error("{0}")]
     FailedPrecondition(String),

@@ -1,0 +1,432 @@
+//! Sans-IO transfer session: the initiator's whole lifecycle of one transfer as a state machine —
+//! lease a connection, obtain the peer's grant bound to it (retrying once on a stale pooled
+//! connection), run the data [`Machine`], check the local region, verify, send `Peer.Complete`,
+//! and give back the lease and the grant on every path.
+//!
+//! It does no IO and never reads the clock. The driver (`node::initiator`) asks it what to do
+//! ([`Session::poll`] → [`Command`]), does it, and feeds back what happened ([`Session::handle`] →
+//! [`Event`]), plus the time ([`Session::poll_timeout`], [`Session::handle_timeout`]).
+//!
+//! ```text
+//!  Lease ─Leased─▶ AskGrant ─Granted─▶ Accept ─start─▶ Post… ─landed─▶ CheckLocal ─▶ [Checksum] ─▶ Complete ─▶ Finish
+//!    ▲                │ stale pooled connection: Release, Lease again (once)   │ fault/cancel/timeout: Release, Revoke, Finish
+//!    └────────────────┘ any error before Accept: Release, Revoke, Refuse
+//! ```
+//!
+//! Resource rule (checked by the tests for every fault at every step): each `Leased` is matched
+//! by exactly one `Release`, and each `Granted` by exactly one `Revoke` or `GrantConsumed`, before
+//! the session's last command (`Refuse` or `Finish`). The driver backs this with RAII guards, so
+//! even a dropped driver future gives both back.
+//!
+//! Cancellation counts until the data has landed. After the last completion the bytes are at
+//! the destination and the session finishes its bookkeeping (check, verify, complete) regardless.
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::failure::{Failure, FailureCode};
+use super::machine::{Fault, Machine, MachineConfig, Post, State};
+use super::TransferError;
+use crate::fabric::WcStatus;
+
+/// What the session needs to know up front.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Bytes asked for; 0 = the rest of the source range, which for a READ is what the peer grants.
+    pub length: u64,
+    /// The local region's name and length, and the transfer's offset in it.
+    pub local_name: String,
+    pub local_length: u64,
+    pub local_offset: u64,
+    pub chunk: u64,
+    pub depth: usize,
+    pub signal_every: usize,
+    /// Checksum the local range and have the target compare (`Peer.Complete`).
+    pub verify: bool,
+    /// From `start` to the last completion.
+    pub timeout: Duration,
+}
+
+/// What the driver must do next.
+#[derive(Debug)]
+pub enum Command {
+    /// Lease a connection to the peer → [`Event::Leased`] or [`Event::LeaseFailed`].
+    Lease,
+    /// Ask the peer for a grant bound to the leased connection → [`Event::Granted`],
+    /// [`Event::GrantUnknownConnection`] or [`Event::GrantFailed`].
+    AskGrant,
+    /// Give the lease back; `clean` = no WR of it is outstanding or failed, so it may be reused.
+    Release { clean: bool },
+    /// Revoke the peer's grant (best effort, in the background).
+    Revoke,
+    /// The peer's `Peer.Complete` took the grant: forget it without revoking.
+    GrantConsumed,
+    /// The transfer is accepted with this length: record it and call [`Session::start`] (or
+    /// feed [`Event::Abort`] to refuse it after all, e.g. the agent started draining).
+    Accept { length: u64 },
+    /// The submit fails with this error (nothing is held any more).
+    Refuse(TransferError),
+    /// Post this work request → completions, or [`Event::PostFailed`].
+    Post(Post),
+    /// Check that the local region's backing is intact → [`Event::LocalChecked`].
+    CheckLocal,
+    /// Checksum the local range → [`Event::Checksummed`].
+    Checksum,
+    /// Send `Peer.Complete` (with the checksum when verifying) → [`Event::Completed`].
+    Complete { checksum: Option<u64> },
+    /// The transfer ended: `Ok(checksum when verified)` or why not.
+    Finish(Result<Option<u64>, Failure>),
+}
+
+/// What happened.
+#[derive(Debug)]
+pub enum Event {
+    /// A connection with `qps` QPs; `reused` = from the idle pool (negotiated earlier).
+    Leased { qps: usize, reused: bool },
+    LeaseFailed(TransferError),
+    /// The peer's grant: its length, whether the peer is the same instance the connection was
+    /// made with, and whether the connection broke meanwhile.
+    Granted { length: u64, same_instance: bool, conn_broken: bool },
+    /// The peer does not know the leased connection (it closed it, or restarted).
+    GrantUnknownConnection(TransferError),
+    GrantFailed(TransferError),
+    /// Before `start`: give up with this error (the caller went away, the agent is draining).
+    Abort(TransferError),
+    Completion { qp: usize, seq: u64, status: WcStatus },
+    PostFailed { seq: u64, reason: String },
+    /// The connection's completion channel closed.
+    ConnectionClosed,
+    /// `CancelTransfer` or drain.
+    Cancel,
+    /// `Err(why)`: the local region's file shrank under its mapping.
+    LocalChecked(Result<(), String>),
+    Checksummed(Result<u64, Failure>),
+    /// `Ok(checksum matched, or no checksum sent)`, or why the call failed.
+    Completed(Result<bool, String>),
+}
+
+#[derive(Debug)]
+enum Phase {
+    Leasing { have_grant: bool, retried: bool },
+    Granting { retried: bool },
+    Accepted,
+    Running(Machine),
+    /// `CheckLocal` sent; then the machine's result applies.
+    Checking(Result<(), Failure>),
+    Verifying,
+    Completing { checksum: Option<u64> },
+    Done,
+}
+
+#[derive(Debug)]
+pub struct Session {
+    cfg: SessionConfig,
+    phase: Phase,
+    out: VecDeque<Command>,
+    leased: bool,
+    granted: bool,
+    reused: bool,
+    qps: usize,
+    grant_len: u64,
+    length: u64,
+    bytes_done: u64,
+}
+
+impl Session {
+    pub fn new(cfg: SessionConfig) -> Session {
+        let mut s = Session {
+            cfg,
+            phase: Phase::Leasing { have_grant: false, retried: false },
+            out: VecDeque::new(),
+            leased: false,
+            granted: false,
+            reused: false,
+            qps: 1,
+            grant_len: 0,
+            length: 0,
+            bytes_done: 0,
+        };
+        s.out.push_back(Command::Lease);
+        s
+    }
+
+    /// The next command, if any. In the running phase this is the next WR the windows allow.
+    pub fn poll(&mut self) -> Option<Command> {
+        if let Some(c) = self.out.pop_front() {
+            return Some(c);
+        }
+        match &mut self.phase {
+            Phase::Running(m) => m.poll_transmit().map(Command::Post),
+            _ => None,
+        }
+    }
+
+    /// The transfer's length once accepted.
+    pub fn length(&self) -> u64 {
+        self.length
+    }
+
+    pub fn bytes_done(&self) -> u64 {
+        self.bytes_done
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done) && self.out.is_empty()
+    }
+
+    /// Whether the data phase runs (the driver waits for completions, cancel and time only then).
+    pub fn is_running(&self) -> bool {
+        matches!(self.phase, Phase::Running(_))
+    }
+
+    /// Starts moving data (after `Accept`); the deadline is `now + timeout`.
+    pub fn start(&mut self, now: Instant) {
+        if !matches!(self.phase, Phase::Accepted) {
+            return;
+        }
+        let m = Machine::new(MachineConfig {
+            total: self.length,
+            chunk: self.cfg.chunk,
+            qps: self.qps,
+            depth: self.cfg.depth,
+            signal_every: self.cfg.signal_every,
+            deadline: now.checked_add(self.cfg.timeout),
+        });
+        self.phase = Phase::Running(m);
+        self.after_machine();
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match &self.phase {
+            Phase::Running(m) => m.poll_timeout(),
+            _ => None,
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Phase::Running(m) = &mut self.phase {
+            m.handle_timeout(now);
+            self.after_machine();
+        }
+    }
+
+    pub fn handle(&mut self, ev: Event) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        self.phase = match (phase, ev) {
+            // A lease or grant that arrives after the end (the session was aborted while it was
+            // being obtained) is given straight back.
+            (Phase::Done, Event::Leased { .. }) => {
+                self.out.push_back(Command::Release { clean: true });
+                Phase::Done
+            }
+            (Phase::Done, Event::Granted { .. }) => {
+                self.out.push_back(Command::Revoke);
+                Phase::Done
+            }
+            (Phase::Done, _) => Phase::Done,
+
+            // ---- acquiring: lease, then grant
+            (Phase::Leasing { have_grant, retried }, Event::Leased { qps, reused }) => {
+                self.leased = true;
+                self.reused = reused;
+                self.qps = qps.max(1);
+                if have_grant {
+                    self.accept()
+                } else {
+                    self.out.push_back(Command::AskGrant);
+                    Phase::Granting { retried }
+                }
+            }
+            (Phase::Leasing { .. }, Event::LeaseFailed(e)) => self.refuse(e),
+            (Phase::Granting { retried }, Event::Granted { length, same_instance, conn_broken }) => {
+                self.granted = true;
+                self.grant_len = length;
+                if same_instance && self.reused && conn_broken && !retried {
+                    // The pooled connection broke while the grant was asked (the peer closed its
+                    // idle streams): the grant is bound to it, so drop both and start over, once.
+                    self.revoke();
+                    self.release(false);
+                    self.out.push_back(Command::Lease);
+                    Phase::Leasing { have_grant: false, retried: true }
+                } else if same_instance {
+                    self.accept()
+                } else {
+                    // The peer restarted after this connection was made: its QPs are gone. The
+                    // grant does not use the connection (a bound grant would have failed).
+                    self.release(false);
+                    self.out.push_back(Command::Lease);
+                    Phase::Leasing { have_grant: true, retried }
+                }
+            }
+            (Phase::Granting { retried: false }, Event::GrantUnknownConnection(_)) if self.reused => {
+                self.release(false);
+                self.out.push_back(Command::Lease);
+                Phase::Leasing { have_grant: false, retried: true }
+            }
+            (Phase::Granting { .. }, Event::GrantUnknownConnection(e) | Event::GrantFailed(e)) => self.refuse(e),
+            (Phase::Leasing { .. } | Phase::Granting { .. } | Phase::Accepted, Event::Abort(e)) => self.refuse(e),
+            (Phase::Accepted, Event::Cancel) => {
+                self.release(true);
+                self.revoke();
+                self.finish(Err(Failure::cancelled()))
+            }
+
+            // ---- moving data
+            (Phase::Running(mut m), ev) => {
+                match ev {
+                    Event::Completion { qp, seq, status } => m.handle_completion(qp, seq, status),
+                    Event::PostFailed { seq, reason } => m.handle_post_error(seq, reason),
+                    Event::ConnectionClosed => m.handle_post_error(u64::MAX, "connection closed".into()),
+                    Event::Cancel => m.handle_cancel(),
+                    _ => {}
+                }
+                self.phase = Phase::Running(m);
+                self.after_machine();
+                std::mem::replace(&mut self.phase, Phase::Done)
+            }
+
+            // ---- after the data: check, verify, complete
+            (Phase::Checking(_), Event::LocalChecked(Err(why))) => {
+                self.release(false);
+                self.revoke();
+                self.finish(Err(Failure::new(FailureCode::RegionPoisoned, why)))
+            }
+            (Phase::Checking(Err(f)), Event::LocalChecked(Ok(()))) => {
+                self.release(false);
+                self.revoke();
+                self.finish(Err(f))
+            }
+            (Phase::Checking(Ok(())), Event::LocalChecked(Ok(()))) => {
+                if self.cfg.verify {
+                    self.out.push_back(Command::Checksum);
+                    Phase::Verifying
+                } else {
+                    self.out.push_back(Command::Complete { checksum: None });
+                    Phase::Completing { checksum: None }
+                }
+            }
+            (Phase::Verifying, Event::Checksummed(Ok(sum))) => {
+                self.out.push_back(Command::Complete { checksum: Some(sum) });
+                Phase::Completing { checksum: Some(sum) }
+            }
+            (Phase::Verifying, Event::Checksummed(Err(f))) => {
+                self.release(true);
+                self.revoke();
+                self.finish(Err(f))
+            }
+            (Phase::Completing { checksum }, Event::Completed(r)) => {
+                // The connection goes back only now: the grant is bound to it, and a transfer that
+                // leased it and then discarded it would make the target revoke this transfer's
+                // grant before its Complete arrived.
+                self.release(true);
+                match r {
+                    Ok(matched) => {
+                        // The target recorded the transfer and revoked the grant either way.
+                        self.granted = false;
+                        self.out.push_back(Command::GrantConsumed);
+                        self.finish(match matched {
+                            true => Ok(checksum),
+                            false => Err(Failure::new(
+                                FailureCode::ChecksumMismatch,
+                                "checksum of the destination range does not match the source",
+                            )),
+                        })
+                    }
+                    Err(why) => {
+                        self.revoke();
+                        match checksum {
+                            Some(_) => self.finish(Err(Failure::new(FailureCode::VerifyFailed, format!("could not verify: {why}")))),
+                            // The data landed; the target just did not record it.
+                            None => self.finish(Ok(None)),
+                        }
+                    }
+                }
+            }
+            // Anything else does not apply in this phase (a cancel after the data landed, a late
+            // completion, a duplicate answer): ignored.
+            (phase, _) => phase,
+        };
+    }
+
+    fn accept(&mut self) -> Phase {
+        let length = if self.cfg.length == 0 { self.grant_len } else { self.cfg.length };
+        let c = &self.cfg;
+        let refusal = if self.grant_len < length {
+            Some(TransferError::Invalid(format!("peer granted {} bytes, {} needed", self.grant_len, length)))
+        } else if let Err(e) = crate::regions::check_range(&c.local_name, c.local_length, c.local_offset, length) {
+            Some(e.into())
+        } else if length == 0 {
+            Some(TransferError::Invalid("zero-length transfer: nothing to copy".into()))
+        } else {
+            None
+        };
+        if let Some(e) = refusal {
+            return self.refuse(e);
+        }
+        self.length = length;
+        self.out.push_back(Command::Accept { length });
+        Phase::Accepted
+    }
+
+    /// Moves on when the machine reached a terminal state.
+    fn after_machine(&mut self) {
+        let Phase::Running(m) = &self.phase else { return };
+        self.bytes_done = m.bytes_done();
+        if !m.is_done() {
+            return;
+        }
+        let clean = m.outstanding() == 0;
+        let next = match m.state().clone() {
+            State::Running => return,
+            State::Succeeded if clean => Phase::Checking(Ok(())),
+            State::Succeeded => Phase::Checking(Err(Failure::new(FailureCode::Internal, "engine stopped with WRs outstanding"))),
+            State::Cancelled => {
+                self.release(false);
+                self.revoke();
+                self.phase = self.finish(Err(Failure::cancelled()));
+                return;
+            }
+            State::Failed(fault) => Phase::Checking(Err(failure_of(fault))),
+        };
+        self.out.push_back(Command::CheckLocal);
+        self.phase = next;
+    }
+
+    fn release(&mut self, clean: bool) {
+        if std::mem::take(&mut self.leased) {
+            self.out.push_back(Command::Release { clean });
+        }
+    }
+
+    fn revoke(&mut self) {
+        if std::mem::take(&mut self.granted) {
+            self.out.push_back(Command::Revoke);
+        }
+    }
+
+    fn refuse(&mut self, e: TransferError) -> Phase {
+        // Nothing was posted: the connection is as good as it was.
+        self.release(true);
+        self.revoke();
+        self.out.push_back(Command::Refuse(e));
+        Phase::Done
+    }
+
+    fn finish(&mut self, r: Result<Option<u64>, Failure>) -> Phase {
+        self.out.push_back(Command::Finish(r));
+        Phase::Done
+    }
+}
+
+fn failure_of(fault: Fault) -> Failure {
+    match fault {
+        Fault::Completion { status, .. } => {
+            let code = FailureCode::Completion(status);
+            Failure::new(code, format!("work request failed with {status}{}", code.hint()))
+        }
+        Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
+        Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
+    }
+}
+
+#[cfg(test)]
+mod tests;
