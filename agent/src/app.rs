@@ -51,7 +51,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
     let want_verbs = match cfg.fabric {
         FabricChoice::Tcp => false,
         FabricChoice::Verbs => true,
-        FabricChoice::Auto => match crate::verbs::usable_device(cfg) {
+        FabricChoice::Auto => match crate::verbs::usable_device(&cfg.verbs_options()) {
             Ok(dev) => {
                 info!(device = %dev, "auto: usable RDMA device found");
                 true
@@ -63,7 +63,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
         },
     };
     if want_verbs {
-        let f = crate::verbs::open_fabric(cfg).map_err(StartError::Fabric)?;
+        let f = crate::verbs::open_fabric(cfg.verbs_options()).map_err(StartError::Fabric)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         return Ok((f, reason.to_string()));
     }

@@ -78,26 +78,7 @@ pub struct VerbsConfig {
     pub busy_poll: bool,
 }
 
-/// A caller role (DESIGN §8): what a certificate may call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RoleName {
-    /// Another agent: `xfer.v1.Peer` only.
-    Node,
-    /// xferctl or an application: `xfer.v1.Agent`.
-    Client,
-    /// A client that may also run benchmarks (`Bench`, `TcpBaseline`).
-    Admin,
-}
-
-/// Maps a DNS SAN to a role, for CAs that cannot issue URI SANs: `pattern` is a DNS name whose
-/// first label may be `*`, which matches exactly one label; that label (or the whole name without
-/// a `*`) becomes the caller's NAME.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DnsRole {
-    pub pattern: String,
-    pub role: RoleName,
-}
+pub use crate::identity::{DnsRole, RoleName};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -485,6 +466,24 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The verbs fabric's options this configuration asks for.
+    pub fn verbs_options(&self) -> crate::verbs::VerbsOptions {
+        let ip = self.listen.ip();
+        crate::verbs::VerbsOptions {
+            device: Some(self.verbs.device.clone()).filter(|d| !d.is_empty()),
+            port: self.verbs.port,
+            gid_index: u32::try_from(self.verbs.gid_index).ok(),
+            // Neither an unspecified nor a loopback listener (the default) names a RoCE netdev.
+            bind_ip: (!ip.is_unspecified() && !ip.is_loopback()).then_some(ip),
+            timeout: self.verbs.timeout,
+            retry_cnt: self.verbs.retry_cnt,
+            rnr_retry: self.verbs.rnr_retry,
+            busy_poll: self.verbs.busy_poll,
+            grant_mode: self.verbs.grant_mode,
+            ..crate::verbs::VerbsOptions::default()
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.transfer;
         crate::shape::chunk(t.chunk_size.0).map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
@@ -493,15 +492,11 @@ impl Config {
         if t.signal_every == 0 {
             return Err(bad("transfer.signal_every", "must be at least 1"));
         }
-        if self.verbs.retry_cnt > 6 {
-            return Err(bad("verbs.retry_cnt", "must be <= 6 (7 means retry forever)"));
-        }
-        if self.verbs.rnr_retry > 6 {
-            return Err(bad("verbs.rnr_retry", "must be <= 6 (7 means retry forever)"));
-        }
-        if self.verbs.timeout == 0 || self.verbs.timeout > 31 {
-            return Err(bad("verbs.timeout", "must be between 1 and 31 (0 waits forever)"));
-        }
+        // The verbs fabric's own checks (one place for the retry and timeout bounds).
+        self.verbs_options().validate().map_err(|e| match e {
+            crate::fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
+            other => bad("verbs", other.to_string()),
+        })?;
         if self.verbs.gid_index < -1 {
             return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
         }
@@ -542,10 +537,10 @@ impl Config {
             }
         }
         for (i, r) in self.tls.dns_roles.iter().enumerate() {
-            crate::service::auth::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
+            crate::identity::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
         }
         if !self.tls.trust_domain.is_empty() {
-            crate::service::auth::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
+            crate::identity::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
         }
         self.regions.validate()?;
         self.check_plaintext()

@@ -23,6 +23,7 @@ pub mod checksum;
 pub mod config;
 pub mod fabric;
 pub mod grants;
+pub mod identity;
 pub mod ids;
 pub mod metrics;
 pub mod node;

@@ -49,7 +49,7 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             cfg.verbs.device = var("_DEV");
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
-            xfer_agent::verbs::open_fabric(&cfg).unwrap()
+            xfer_agent::verbs::open_fabric(cfg.verbs_options()).unwrap()
         }
     };
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }

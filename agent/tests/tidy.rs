@@ -273,7 +273,7 @@ fn unwraps_state_their_invariant() {
 #[test]
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
-        &["sys", "metrics", "ids"],        // process facts, metric names, ids
+        &["sys", "metrics", "ids", "identity"], // process facts, metric names, ids, who a certificate is
         &["checksum"],                     // over region memory (xfer-rdma)
         &["verbs", "fabric", "shape"],     // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
         &["config"],                       // the validated configuration
@@ -284,9 +284,6 @@ fn modules_respect_the_layering() {
         &["app"],                          // start-up
     ];
     const KNOWN_UPWARD: &[(&str, &str, &str)] = &[
-        ("fabric", "service", "tcp data-plane TLS (service::tls::DataTls) and roles (service::auth)"),
-        ("verbs", "config", "verbs::options reads the Config"),
-        ("config", "service", "tls.dns_roles and trust_domain are validated by service::auth"),
     ];
     let layer = |m: &str| LAYERS.iter().position(|l| l.contains(&m));
     let mut upward = std::collections::BTreeSet::new();

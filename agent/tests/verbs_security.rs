@@ -50,7 +50,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.verbs.grant_mode = mode;
     cfg.listen = format!("{}:7470", var(which, "")).parse().unwrap();
     cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
-    let fabric = xfer_agent::verbs::open_fabric(&cfg).unwrap();
+    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options()).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
 }

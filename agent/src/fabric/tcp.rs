@@ -56,8 +56,8 @@ use super::{
     FabricError, FabricInfo, FabricKind, PendingConnection, Registration, RemoteKey, RemoteOp, WcStatus,
     WorkRequest, WrOp,
 };
-use crate::service::auth::Role;
-use crate::service::tls::DataTls;
+use crate::identity::Role;
+use crate::identity::tls::DataTls;
 use xfer_rdma::memory::RegionMemory;
 
 /// The initiator's TLS handshake on a data stream must complete within this; it is also the
@@ -452,7 +452,7 @@ impl TcpPending {
         let connect_err = |e: std::io::Error| FabricError::Connect { addr: address.to_string(), source: e };
         let stream = if address.ip().is_unspecified() {
             // The target listens on every address: reach it where its gRPC service answered.
-            let host = crate::service::tls::host_of(&self.peer);
+            let host = crate::identity::tls::host_of(&self.peer);
             TcpStream::connect((host, address.port())).await.map_err(connect_err)?
         } else {
             TcpStream::connect(address).await.map_err(connect_err)?

@@ -17,7 +17,6 @@
 //! sideway's safe API is used here for the device list, device context and PD.
 use std::sync::Arc;
 
-use crate::config::Config;
 use crate::fabric::{Fabric, FabricError};
 
 #[cfg(feature = "verbs")]
@@ -53,7 +52,6 @@ impl From<xfer_rdma::VerbsError> for FabricError {
 }
 
 /// Settings of the verbs fabric.
-#[cfg(feature = "verbs")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsOptions {
     /// Device name (`mlx5_0`, `rxe0`); `None` = the first device whose `port` is ACTIVE.
@@ -85,7 +83,6 @@ pub struct VerbsOptions {
     pub grant_mode: crate::fabric::GrantMode,
 }
 
-#[cfg(feature = "verbs")]
 impl Default for VerbsOptions {
     fn default() -> Self {
         VerbsOptions {
@@ -104,7 +101,6 @@ impl Default for VerbsOptions {
     }
 }
 
-#[cfg(feature = "verbs")]
 impl VerbsOptions {
     /// Rejects settings that would make a QP hang forever or that the spec forbids.
     pub fn validate(&self) -> Result<(), crate::fabric::FabricError> {
@@ -137,28 +133,10 @@ impl VerbsOptions {
     }
 }
 
-/// The verbs options a configuration asks for.
-#[cfg(feature = "verbs")]
-pub fn options(cfg: &Config) -> VerbsOptions {
-    let ip = cfg.listen.ip();
-    VerbsOptions {
-        device: Some(cfg.verbs.device.clone()).filter(|d| !d.is_empty()),
-        port: cfg.verbs.port,
-        gid_index: u32::try_from(cfg.verbs.gid_index).ok(),
-        // Neither an unspecified nor a loopback listener (the default) names a RoCE netdev.
-        bind_ip: (!ip.is_unspecified() && !ip.is_loopback()).then_some(ip),
-        timeout: cfg.verbs.timeout,
-        retry_cnt: cfg.verbs.retry_cnt,
-        rnr_retry: cfg.verbs.rnr_retry,
-        grant_mode: cfg.verbs.grant_mode,
-        ..VerbsOptions::default()
-    }
-}
-
 /// Name of a usable device (an ACTIVE port), or why there is none.
 #[cfg(feature = "verbs")]
-pub fn usable_device(cfg: &Config) -> Result<String, String> {
-    let devices = probe(&options(cfg)).map_err(|e| e.to_string())?;
+pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
+    let devices = probe(opts).map_err(|e| e.to_string())?;
     if devices.is_empty() {
         return Err("no RDMA devices found".into());
     }
@@ -176,16 +154,16 @@ pub fn usable_device(cfg: &Config) -> Result<String, String> {
 }
 
 #[cfg(feature = "verbs")]
-pub fn open_fabric(cfg: &Config) -> Result<Arc<dyn Fabric>, FabricError> {
-    Ok(Arc::new(VerbsFabric::open(options(cfg))?))
+pub fn open_fabric(opts: VerbsOptions) -> Result<Arc<dyn Fabric>, FabricError> {
+    Ok(Arc::new(VerbsFabric::open(opts)?))
 }
 
 #[cfg(not(feature = "verbs"))]
-pub fn usable_device(_cfg: &Config) -> Result<String, String> {
+pub fn usable_device(_opts: &VerbsOptions) -> Result<String, String> {
     Err("this agent was built without the verbs feature".to_string())
 }
 
 #[cfg(not(feature = "verbs"))]
-pub fn open_fabric(_cfg: &Config) -> Result<Arc<dyn Fabric>, FabricError> {
+pub fn open_fabric(_opts: VerbsOptions) -> Result<Arc<dyn Fabric>, FabricError> {
     Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
 }
