@@ -35,7 +35,7 @@ pub struct Grant {
     pub expires_at: SystemTime,
     pub exposure: Exposure,
     /// The grantee's connection the grant was asked on; the grant dies with it.
-    pub connection_id: Option<String>,
+    pub connection_id: Option<crate::ids::ConnectionId>,
     /// Held by every tcp WRITE payload being stored under this grant; revoked when the grant
     /// leaves the table, which waits for a chunk being copied and closes streams mid-payload.
     pub lease: Arc<GrantLease>,
@@ -129,13 +129,13 @@ impl GrantTable {
     }
 
     /// Revokes the grants asked for on one connection (the peer disconnected it).
-    pub fn revoke_connection(&self, connection_id: &str) -> usize {
-        self.remove_where(|g| g.connection_id.as_deref() == Some(connection_id)).len()
+    pub fn revoke_connection(&self, connection_id: &crate::ids::ConnectionId) -> usize {
+        self.remove_where(|g| g.connection_id.as_ref() == Some(connection_id)).len()
     }
 
     /// Whether any grant is bound to `connection_id`.
-    pub fn has_connection(&self, connection_id: &str) -> bool {
-        self.read().by_id.values().any(|g| g.connection_id.as_deref() == Some(connection_id))
+    pub fn has_connection(&self, connection_id: &crate::ids::ConnectionId) -> bool {
+        self.read().by_id.values().any(|g| g.connection_id.as_ref() == Some(connection_id))
     }
 
     pub fn revoke_peer(&self, peer: &str) -> usize {
@@ -193,10 +193,10 @@ impl GrantTable {
 }
 
 impl AccessCheck for GrantTable {
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+    fn check(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
         let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
         // A token is valid only on the data streams of the connection it was granted on.
-        if grant.connection_id.as_deref() != Some(connection) {
+        if grant.connection_id.as_ref() != Some(connection) {
             return Err(WcStatus::RemAccessErr);
         }
         if grant.op != op || !grant.lease.is_live() {

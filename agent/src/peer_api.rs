@@ -128,17 +128,17 @@ pub trait PeerApi: Send + Sync {
         node_name: &str,
         fabric: FabricKind,
         endpoints: Vec<Endpoint>,
-        connection_id: &str,
+        connection_id: &crate::ids::ConnectionId,
     ) -> Result<HandshakeReply, PeerError>;
     /// `Peer.Grant`, bound to connection `connection_id`.
-    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError>;
+    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &crate::ids::ConnectionId) -> Result<GrantInfo, PeerError>;
     /// `Peer.Revoke`.
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError>;
     /// `Peer.Complete`: the data landed (or was read); with a checksum the peer verifies it.
     /// Returns whether the peer's checksum matched (true without one).
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError>;
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
-    async fn disconnect(&self, connection_id: &str, node_name: &str);
+    async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP baseline: the sink's address.
     async fn open_sink(&self, connections: u32) -> Result<String, PeerError>;
     /// `Peer.OpenBenchRegion`: a scratch region's name.

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::fabric::{Completion, Connection, Fabric, FabricError};
+use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::peer_api::{Connector, PeerApi, PeerError};
 
@@ -89,7 +90,7 @@ impl Health {
 pub struct PooledConn {
     conn: Arc<dyn Connection>,
     completions: mpsc::UnboundedReceiver<Completion>,
-    connection_id: String,
+    connection_id: ConnectionId,
     qps: usize,
     depth: usize,
     /// The peer's instance id when the connection was negotiated.
@@ -133,7 +134,7 @@ impl Lease {
         &mut self.inner.as_mut().expect("a live lease holds its connection").completions
     }
 
-    pub fn connection_id(&self) -> &str {
+    pub fn connection_id(&self) -> &ConnectionId {
         &self.inner().connection_id
     }
 
@@ -462,7 +463,7 @@ impl PeerPool {
         let started = Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
-        let connection_id = crate::ids::new_id();
+        let connection_id = ConnectionId::random();
         let pending = self.fabric.prepare(&peer.addr, &connection_id, qps, depth, tx).await.map_err(fabric_err)?;
         let endpoints = pending.local_endpoints();
         let node_name = &self.home.node_name;

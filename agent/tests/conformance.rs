@@ -8,6 +8,7 @@
 //! reports them as ignored, never as passed; `scripts/rxe-guest-test` runs this binary with
 //! `--include-ignored` and fails unless every case of both fabrics ran and passed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,15 +56,19 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
 }
 
+fn cid(s: &str) -> ConnectionId {
+    ConnectionId::parse(s).unwrap()
+}
+
 /// A connects to B with `qps` QPs, as connection `conn-1` of peer "a" (which replaces an earlier
 /// `conn-1`: connection ids are never reused while one is open).
 async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
-    b.node.disconnect("conn-1", "a");
+    b.node.disconnect(&cid("conn-1"), "a");
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.fabric.prepare("b", "conn-1", qps, depth, tx).await.unwrap();
+    let pending = a.fabric.prepare("b", &cid("conn-1"), qps, depth, tx).await.unwrap();
     let eps = b
         .node
-        .accept_connection("a", "conn-1", a.fabric.kind(), &pending.local_endpoints())
+        .accept_connection("a", &cid("conn-1"), a.fabric.kind(), &pending.local_endpoints())
         .await
         .unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
@@ -77,7 +82,7 @@ fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
 
 async fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
     s.node
-        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some("conn-1".into()) }).await
+        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some(cid("conn-1")) }).await
         .unwrap()
 }
 
@@ -177,7 +182,7 @@ async fn region_access_ceiling_is_enforced_at_grant_time(k: Kind) {
     let _conn = connect(&a, &b, 1, 8).await;
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
-    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some("conn-1".into()) };
+    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some(cid("conn-1")) };
     assert!(b.node.grant(&p("ro", RemoteOp::Write)).await.is_err(), "read-only region must not be granted for WRITE");
     assert!(b.node.grant(&p("wo", RemoteOp::Read)).await.is_err(), "write-only region must not be granted for READ");
     assert!(b.node.grant(&p("ro", RemoteOp::Read)).await.is_ok());
@@ -276,7 +281,7 @@ async fn a_grant_may_name_only_the_callers_own_connection(k: Kind) {
         op: RemoteOp::Write,
         ttl: None,
         peer: "z".into(),
-        connection_id: Some("conn-1".into()),
+        connection_id: Some(cid("conn-1")),
     };
     let e = b.node.grant(&p).await.unwrap_err();
     assert!(matches!(e, TransferError::PermissionDenied(_)), "another peer's connection: {e:?}");
@@ -300,13 +305,13 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
             op: RemoteOp::Write,
             ttl: None,
             peer: "a".into(),
-            connection_id: Some("conn-1".into()),
+            connection_id: Some(cid("conn-1")),
         }).await
         .unwrap();
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     drop(g);
     assert_eq!(b.grants.len(), 1);
-    b.node.disconnect("conn-1", "a");
+    b.node.disconnect(&cid("conn-1"), "a");
     assert_eq!(b.grants.len(), 0, "the connection's grants are revoked with it");
     // Whatever the fabric does with the old key now (tcp: refused; verbs: the QPs are gone),
     // it must not succeed, and the bytes must not change.

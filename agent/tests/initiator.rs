@@ -4,6 +4,7 @@
 //! a call held while other transfers run — are made deterministic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,7 +58,7 @@ fn remote(e: impl std::fmt::Display) -> PeerError {
 
 #[async_trait]
 impl PeerApi for LocalPeer {
-    async fn handshake(&self, node_name: &str, fabric: FabricKind, endpoints: Vec<Endpoint>, connection_id: &str) -> Result<HandshakeReply, PeerError> {
+    async fn handshake(&self, node_name: &str, fabric: FabricKind, endpoints: Vec<Endpoint>, connection_id: &ConnectionId) -> Result<HandshakeReply, PeerError> {
         assert_eq!(node_name, A);
         let endpoints = self.target.accept_connection(A, connection_id, fabric, &endpoints).await.map_err(remote)?;
         Ok(HandshakeReply {
@@ -68,7 +69,7 @@ impl PeerApi for LocalPeer {
         })
     }
 
-    async fn grant(&self, ask: &GrantAsk<'_>, _node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
+    async fn grant(&self, ask: &GrantAsk<'_>, _node_name: &str, connection_id: &ConnectionId) -> Result<GrantInfo, PeerError> {
         let p = GrantParams {
             region: ask.region.to_string(),
             offset: ask.offset,
@@ -76,7 +77,7 @@ impl PeerApi for LocalPeer {
             op: ask.op,
             ttl: Some(ask.ttl),
             peer: A.to_string(),
-            connection_id: Some(connection_id.to_string()),
+            connection_id: Some(connection_id.clone()),
         };
         let g = self.target.grant(&p).await.map_err(remote)?;
         if let Some(hold) = &self.hold_grant {
@@ -110,7 +111,7 @@ impl PeerApi for LocalPeer {
         Ok(p.checksum.is_none() || v.is_some_and(|v| v.0))
     }
 
-    async fn disconnect(&self, connection_id: &str, _node_name: &str) {
+    async fn disconnect(&self, connection_id: &ConnectionId, _node_name: &str) {
         self.target.disconnect(connection_id, A);
         self.gave_back.notify_one();
     }

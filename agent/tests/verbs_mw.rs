@@ -12,6 +12,7 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,11 +49,15 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, dev: var("_DEV"), _dir: dir }
 }
 
+fn cid(s: &str) -> ConnectionId {
+    ConnectionId::parse(s).unwrap()
+}
+
 /// A connects to B with `qps` QPs; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str, qps: usize) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.fabric.prepare("b", id, qps, 16, tx).await.unwrap();
-    let eps = b.node.accept_connection("a", id, a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let pending = a.fabric.prepare("b", &cid(id), qps, 16, tx).await.unwrap();
+    let eps = b.node.accept_connection("a", &cid(id), a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
 
@@ -63,7 +68,7 @@ fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
 }
 
 fn params(region: &str, offset: u64, len: u64, op: RemoteOp, conn: Option<&str>) -> GrantParams {
-    GrantParams { region: region.into(), offset, length: len, op, ttl: None, peer: "a".into(), connection_id: conn.map(Into::into) }
+    GrantParams { region: region.into(), offset, length: len, op, ttl: None, peer: "a".into(), connection_id: conn.map(cid) }
 }
 
 fn fill(r: &Region, seed: u8) -> Vec<u8> {
@@ -226,7 +231,7 @@ async fn mw_grant_needs_the_callers_own_connection() {
     println!("mw grant naming another peer's connection: {e}");
     assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
-    b.node.disconnect("conn-1", "a");
+    b.node.disconnect(&cid("conn-1"), "a");
     assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(TransferError::FailedPrecondition(_))));
 }
 

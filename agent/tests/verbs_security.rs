@@ -15,6 +15,7 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,11 +56,15 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
 }
 
+fn cid(s: &str) -> ConnectionId {
+    ConnectionId::parse(s).unwrap()
+}
+
 /// A connects to B with one QP; B knows the connection as `id`, made by peer "a".
 async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.fabric.prepare("b", id, 1, 16, tx).await.unwrap();
-    let eps = b.node.accept_connection("a", id, a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let pending = a.fabric.prepare("b", &cid(id), 1, 16, tx).await.unwrap();
+    let eps = b.node.accept_connection("a", &cid(id), a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
 
@@ -152,7 +157,7 @@ async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, o
         assert!(conn.is_broken(), "the QP that erred is broken");
     }
     conn.close();
-    b.node.disconnect(&id, "a");
+    b.node.disconnect(&cid(&id), "a");
     c.status
 }
 
@@ -171,7 +176,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
         op,
         ttl: None,
         peer: "a".into(),
-        connection_id: Some("legit".into()),
+        connection_id: Some(cid("legit")),
     };
     let g = b.node.grant(&params(RemoteOp::Write)).await.unwrap();
     let wr = |id, op, local: &Region, key: RemoteKey, addr| WorkRequest {
@@ -199,7 +204,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     b.grants.revoke(&g.id);
     b.grants.revoke(&gr.id);
     conn.close();
-    b.node.disconnect("legit", "a");
+    b.node.disconnect(&cid("legit"), "a");
 }
 
 /// Attacks the target region in grant mode `mode` with the region MR's rkey and lkey, WRITE and

@@ -102,9 +102,9 @@ async fn connect(
     depth: usize,
 ) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.prepare("b", "conn-smoke", qps, depth, tx).await.unwrap();
+    let pending = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
-    let (b_eps, accepted) = b.accept("a", "conn-smoke", &eps).await.unwrap();
+    let (b_eps, accepted) = b.accept("a", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
     let conn = pending.complete(&b_eps).await.unwrap();
     (conn, accepted, rx)
 }

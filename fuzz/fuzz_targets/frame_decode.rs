@@ -12,10 +12,16 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use xfer_agent::fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
+use xfer_agent::ids::ConnectionId;
 use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck, Checked, GrantLease};
 
 /// The data connection the fuzzed stream belongs to.
 const CONNECTION: &str = "fuzz-conn";
+
+fn connection() -> ConnectionId {
+    // Invariant: a constant valid id.
+    ConnectionId::parse(CONNECTION).expect("valid id")
+}
 use xfer_agent::fabric::{RemoteOp, WcStatus};
 use xfer_rdma::memory::RegionMemory;
 
@@ -42,9 +48,9 @@ struct FuzzGrants {
 }
 
 impl AccessCheck for FuzzGrants {
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+    fn check(&self, connection: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
         // Grants are bound to the data connection they were asked on.
-        if connection != CONNECTION {
+        if connection.as_str() != CONNECTION {
             return Err(WcStatus::RemAccessErr);
         }
         let w = self.windows.iter().find(|w| &w.token == token).ok_or(WcStatus::RemAccessErr)?;
@@ -119,6 +125,6 @@ fuzz_target!(|data: &[u8]| {
     let _ = runtime().block_on(read_hello(&mut &data[..]));
     // serve_frames reads the slice as the stream, writes responses into the Vec.
     let mut out = Vec::new();
-    let _ = runtime().block_on(serve_frames(data, &mut out, grants(), CONNECTION));
+    let _ = runtime().block_on(serve_frames(data, &mut out, grants(), &connection()));
     check_responses(&out);
 });

@@ -120,8 +120,11 @@ fuzz_target!(|data: &[u8]| {
         }
         3 => {
             if let Ok(r) = pb::PeerConnectRequest::decode(rest) {
-                if let Ok((fabric, eps)) = c::peer_connect_from_pb(&r) {
+                if let Ok((id, fabric, eps)) = c::peer_connect_from_pb(&r) {
                     assert_eq!(r.version, 1);
+                    // An accepted id is the one sent, and a valid wire id.
+                    assert_eq!(id.as_str(), r.connection_id);
+                    assert!(xfer_agent::ids::valid_wire_id(id.as_str()));
                     assert!(matches!(fabric, FabricKind::Tcp | FabricKind::Verbs));
                     assert!(eps.len() <= 64);
                     assert_eq!(eps.len(), r.endpoints.len());

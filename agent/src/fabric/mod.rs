@@ -470,7 +470,7 @@ pub trait Fabric: Send + Sync + 'static {
     async fn prepare(
         &self,
         peer: &str,
-        connection_id: &str,
+        connection_id: &crate::ids::ConnectionId,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
@@ -482,7 +482,7 @@ pub trait Fabric: Send + Sync + 'static {
     async fn accept(
         &self,
         peer: &str,
-        connection_id: &str,
+        connection_id: &crate::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError>;
 }

@@ -37,6 +37,7 @@
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
 //! [`GrantLease`], so once a grant is revoked (explicitly, by expiry, with its region or its
 //! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
+use crate::ids::ConnectionId;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -151,7 +152,7 @@ pub trait AccessCheck: Send + Sync + 'static {
     /// Returns the memory, the offset inside it and the grant's [`GrantLease`] for `len` bytes at
     /// remote address `addr`, for a frame that arrived on a data stream of connection
     /// `connection`.
-    fn check(&self, connection: &str, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
+    fn check(&self, connection: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
 }
 
 /// A frame that passed [`AccessCheck::check`]: where its bytes go, and the lease of the grant
@@ -248,7 +249,7 @@ struct Sessions {
 
 #[derive(Default)]
 struct SessionMaps {
-    sessions: HashMap<String, Session>,
+    sessions: HashMap<ConnectionId, Session>,
     /// Admitted streams per owner, across all of its sessions.
     per_owner: HashMap<String, usize>,
 }
@@ -272,7 +273,7 @@ impl Sessions {
     /// Admits one more stream of `connection` presenting `secret` from `identity` (TLS: the client
     /// certificate's NAME; plaintext: None). Returns the token that ends the stream with the
     /// session, and the session's owner (for [`Sessions::stream_ended`]).
-    fn admit(&self, connection: &str, secret: &[u8; 32], identity: Option<&str>) -> Result<(CancellationToken, String), Refusal> {
+    fn admit(&self, connection: &ConnectionId, secret: &[u8; 32], identity: Option<&str>) -> Result<(CancellationToken, String), Refusal> {
         use subtle::ConstantTimeEq;
         let mut maps = self.lock();
         let SessionMaps { sessions, per_owner } = &mut *maps;
@@ -296,7 +297,7 @@ impl Sessions {
     }
 
     /// A stream admitted for `owner` on `connection` ended (its session may be gone already).
-    fn stream_ended(&self, connection: &str, owner: &str) {
+    fn stream_ended(&self, connection: &ConnectionId, owner: &str) {
         let mut maps = self.lock();
         if let Some(s) = maps.sessions.get_mut(connection) {
             s.streams = s.streams.saturating_sub(1);
@@ -314,7 +315,7 @@ impl Sessions {
 /// secret and closes every stream of the connection.
 struct TcpAccepted {
     sessions: Arc<Sessions>,
-    connection: String,
+    connection: ConnectionId,
 }
 
 impl Accepted for TcpAccepted {
@@ -395,7 +396,7 @@ impl Fabric for TcpFabric {
     async fn prepare(
         &self,
         peer: &str,
-        connection_id: &str,
+        connection_id: &ConnectionId,
         qps: usize,
         _depth: usize,
         sink: CompletionSink,
@@ -404,12 +405,12 @@ impl Fabric for TcpFabric {
             qps: qps.max(1),
             sink,
             peer: peer.to_string(),
-            connection: connection_id.to_string(),
+            connection: connection_id.clone(),
             tls: self.tls.clone(),
         }))
     }
 
-    async fn accept(&self, peer: &str, connection_id: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(&self, peer: &str, connection_id: &ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         if let Some(Endpoint::Verbs(_)) = remote.first() {
             return Err(FabricError::Negotiation {
                 step: "accept",
@@ -429,9 +430,9 @@ impl Fabric for TcpFabric {
                     detail: format!("connection {connection_id:?} already exists"),
                 });
             }
-            map.sessions.insert(connection_id.to_string(), session);
+            map.sessions.insert(connection_id.clone(), session);
         }
-        let accepted = TcpAccepted { sessions: self.sessions.clone(), connection: connection_id.to_string() };
+        let accepted = TcpAccepted { sessions: self.sessions.clone(), connection: connection_id.clone() };
         Ok((vec![Endpoint::Tcp { address: self.data_address, secret: Some(secret) }], Box::new(accepted)))
     }
 }
@@ -442,7 +443,7 @@ struct TcpPending {
     /// The peer's gRPC address: the data host when the target listens on an unspecified address,
     /// and the TLS server name.
     peer: String,
-    connection: String,
+    connection: ConnectionId,
     tls: Option<DataTls>,
 }
 
@@ -458,10 +459,11 @@ impl TcpPending {
             TcpStream::connect(address).await.map_err(connect_err)?
         };
         stream.set_nodelay(true)?;
-        let mut hello = Vec::with_capacity(4 + 1 + self.connection.len() + 32);
+        let id = self.connection.as_str();
+        let mut hello = Vec::with_capacity(4 + 1 + id.len() + 32);
         hello.extend_from_slice(HELLO_MAGIC);
-        hello.push(self.connection.len() as u8);
-        hello.extend_from_slice(self.connection.as_bytes());
+        hello.push(id.len() as u8);
+        hello.extend_from_slice(id.as_bytes());
         hello.extend_from_slice(&secret.0);
         match &self.tls {
             None => {
@@ -897,7 +899,7 @@ async fn serve(listener: TcpListener, ctx: ServeCtx) {
 /// Reads a stream's hello: the connection id and its secret. Public (but not API) for the fuzz
 /// target.
 #[doc(hidden)]
-pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(String, [u8; 32]), ServeError> {
+pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(ConnectionId, [u8; 32]), ServeError> {
     let mut head = [0u8; 5];
     rd.read_exact(&mut head).await?;
     if &head[..4] != HELLO_MAGIC {
@@ -909,7 +911,8 @@ pub async fn read_hello<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(String, [u8
     }
     let mut id = vec![0u8; n];
     rd.read_exact(&mut id).await?;
-    let id = String::from_utf8(id).map_err(|_| ServeError::Hello("connection id is not UTF-8"))?;
+    let id = std::str::from_utf8(&id).map_err(|_| ServeError::Hello("connection id is not UTF-8"))?;
+    let id = ConnectionId::parse(id).map_err(|_| ServeError::Hello("connection id must be 1-64 characters from [A-Za-z0-9_.-]"))?;
     let mut secret = [0u8; 32];
     rd.read_exact(&mut secret).await?;
     Ok((id, secret))
@@ -986,7 +989,7 @@ async fn refuse<W: AsyncWrite + Unpin>(wr: &mut W, id: u64, status: WcStatus) {
     let _ = wr.flush().await;
 }
 
-async fn serve_session<R, W>(rd: R, mut wr: W, hello: (String, [u8; 32]), identity: Option<String>, ctx: &ServeCtx) -> Result<(), ServeError>
+async fn serve_session<R, W>(rd: R, mut wr: W, hello: (ConnectionId, [u8; 32]), identity: Option<String>, ctx: &ServeCtx) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -1045,7 +1048,7 @@ pub enum ServeError {
 /// answers on `wr`. Returns `Ok` at a clean end of stream. Public (but not API) so the fuzz target
 /// can drive it from memory without sockets.
 #[doc(hidden)]
-pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &str) -> Result<(), ServeError>
+pub async fn serve_frames<R, W>(rd: R, wr: W, check: &dyn AccessCheck, connection: &ConnectionId) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -1060,7 +1063,7 @@ async fn serve_frames_idle<R, W>(
     rd: R,
     wr: W,
     check: &dyn AccessCheck,
-    connection: &str,
+    connection: &ConnectionId,
     idle: Option<Duration>,
     payload: Option<Duration>,
 ) -> Result<(), ServeError>

@@ -142,7 +142,7 @@ impl Node {
                         return Err(TransferError::Internal("grant asked without a connection".into()));
                     };
                     let peer = held.peer.clone();
-                    let cid = lease.connection_id().to_string();
+                    let cid = lease.connection_id().clone();
                     match peer.call(|| peer.client.grant(ask, me, &cid)).await {
                         Ok(g) => {
                             peer.observe(&g.node_name, &g.instance_id);

@@ -61,7 +61,7 @@ pub struct Node {
     /// Random per start: peers use it to notice this agent restarted.
     instance_id: String,
     /// Responder halves of connections, by connection id (peer node, keepalive).
-    accepted: Mutex<HashMap<String, AcceptedConn>>,
+    accepted: Mutex<HashMap<crate::ids::ConnectionId, AcceptedConn>>,
     /// Orders `accepted` by age (eviction takes the oldest).
     accept_seq: std::sync::atomic::AtomicU64,
     /// Cancelled on SIGTERM: refuse new transfers.

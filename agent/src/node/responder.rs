@@ -2,6 +2,7 @@
 //! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
 #[allow(unused_imports)]
 use super::*;
+use crate::ids::ConnectionId;
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
@@ -15,7 +16,7 @@ pub struct GrantParams {
     pub peer: String,
     /// The grantee's connection to bind the grant to (`GrantRequest.connection_id`). Grant mode
     /// `mw` on verbs needs it: the windows are bound on that connection's QPs.
-    pub connection_id: Option<String>,
+    pub connection_id: Option<ConnectionId>,
 }
 
 /// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
@@ -33,7 +34,7 @@ impl Node {
     pub async fn accept_connection(
         &self,
         peer: &str,
-        connection_id: &str,
+        connection_id: &ConnectionId,
         fabric: FabricKind,
         endpoints: &[Endpoint],
     ) -> Result<Vec<Endpoint>, FabricError> {
@@ -85,7 +86,7 @@ impl Node {
                     }
                 }
             }
-            acc.insert(connection_id.to_string(), (peer.to_string(), Arc::from(keep), seq));
+            acc.insert(connection_id.clone(), (peer.to_string(), Arc::from(keep), seq));
             (evicted, acc.len())
         };
         m::accepted_connections(total);
@@ -98,7 +99,7 @@ impl Node {
 
     /// Drops the responder half of a connection and revokes the grants asked for on it, if the
     /// peer `owner` made it.
-    pub fn disconnect(&self, connection_id: &str, owner: &str) {
+    pub fn disconnect(&self, connection_id: &ConnectionId, owner: &str) {
         let removed = {
             let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
             let removed = if acc.get(connection_id).is_some_and(|c| c.0 == owner) { acc.remove(connection_id) } else { None };
@@ -166,7 +167,7 @@ impl Node {
             op: p.op,
             expires_at,
             exposure,
-            connection_id: p.connection_id.clone().filter(|c| !c.is_empty()),
+            connection_id: p.connection_id.clone(),
             lease: crate::fabric::tcp::GrantLease::new(expires_at),
         };
         let grant = self.grants.insert(grant)?;
@@ -182,7 +183,7 @@ impl Node {
         // revoked the connection's grants before this one existed: re-check that the very same
         // connection is still there, or the grant would outlive it and work on the streams of
         // whichever connection next takes that id (ids are chosen by callers).
-        if let (Some(id), Some(conn)) = (grant.connection_id.as_deref(), bound_to) {
+        if let (Some(id), Some(conn)) = (grant.connection_id.as_ref(), bound_to) {
             let live = self
                 .accepted
                 .lock()
@@ -201,7 +202,7 @@ impl Node {
     /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
     /// connection (`mw` on verbs); other modes do not use it.
     fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
-        let Some(id) = p.connection_id.as_deref().filter(|s| !s.is_empty()) else { return Ok(None) };
+        let Some(id) = p.connection_id.as_ref() else { return Ok(None) };
         let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),

@@ -81,7 +81,7 @@ impl PeerApi for PeerClient {
         node_name: &str,
         fabric: FabricKind,
         endpoints: Vec<Endpoint>,
-        connection_id: &str,
+        connection_id: &crate::ids::ConnectionId,
     ) -> Result<HandshakeReply, PeerError> {
         let req = pb::PeerConnectRequest {
             version: 1,
@@ -103,7 +103,7 @@ impl PeerApi for PeerClient {
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
     /// windows on that connection's QPs).
-    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &str) -> Result<GrantInfo, PeerError> {
+    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &crate::ids::ConnectionId) -> Result<GrantInfo, PeerError> {
         let req = pb::GrantRequest {
             region: ask.region.to_string(),
             offset: ask.offset,
@@ -169,7 +169,7 @@ impl PeerApi for PeerClient {
         Ok(!has || r.checksum_matched)
     }
 
-    async fn disconnect(&self, connection_id: &str, node_name: &str) {
+    async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str) {
         let req = pb::DisconnectRequest { connection_id: connection_id.to_string(), node_name: node_name.to_string() };
         // Best effort: a dead peer has already dropped the connection's state.
         let _ = self.peer.clone().disconnect(req).await;

@@ -1,5 +1,6 @@
 //! Protobuf ⇄ domain conversions (the one proto boundary) and the mapping of every domain error
 //! to a gRPC status (DESIGN §9).
+use crate::ids::ConnectionId;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tonic::Status;
@@ -337,19 +338,24 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     })
 }
 
+/// A connection id from a peer (INVALID_ARGUMENT unless 1-64 characters of `[A-Za-z0-9_.-]`).
+pub fn connection_id_from_pb(id: &str) -> Result<ConnectionId, Status> {
+    ConnectionId::parse(id).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
 /// `Peer.Connect`: protocol version, identity and every endpoint the peer sent.
-pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(FabricKind, Vec<Endpoint>), Status> {
+pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(ConnectionId, FabricKind, Vec<Endpoint>), Status> {
     if r.version != 1 {
         return Err(Status::failed_precondition(format!("unsupported peer protocol version {} (this agent speaks 1)", r.version)));
     }
     require(!r.node_name.is_empty(), "node_name is required")?;
-    require(crate::ids::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
+    let id = connection_id_from_pb(&r.connection_id)?;
     let fabric = fabric_from_pb(r.fabric).ok_or_else(|| Status::invalid_argument("fabric kind is required"))?;
     let eps = r.endpoints.iter().map(endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(Status::invalid_argument)?;
     if eps.len() > 64 {
         return Err(Status::resource_exhausted("at most 64 QPs per connection"));
     }
-    Ok((fabric, eps))
+    Ok((id, fabric, eps))
 }
 
 /// `Peer.Grant`: required fields, the operation and the ttl.
@@ -362,8 +368,10 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         _ => return Err(Status::invalid_argument("grant op must be ACCESS_READ or ACCESS_WRITE")),
     };
     let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
-    require(r.connection_id.is_empty() || crate::ids::valid_wire_id(&r.connection_id), "connection_id must be 1-64 characters from [A-Za-z0-9_.-]")?;
-    let connection_id = Some(r.connection_id).filter(|c| !c.is_empty());
+    let connection_id = match r.connection_id.as_str() {
+        "" => None,
+        id => Some(connection_id_from_pb(id)?),
+    };
     Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id })
 }
 

@@ -383,10 +383,10 @@ impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
         let peer = caller_of(&req)?.name;
         let r = req.into_inner();
-        let (fabric, eps) = peer_connect_from_pb(&r)?;
+        let (connection_id, fabric, eps) = peer_connect_from_pb(&r)?;
         let span = tracing::info_span!("peer", %peer);
         let _g = span.enter();
-        let mine = self.node.accept_connection(&peer, &r.connection_id, fabric, &eps).await.map_err(fabric_status)?;
+        let mine = self.node.accept_connection(&peer, &connection_id, fabric, &eps).await.map_err(fabric_status)?;
         Ok(Response::new(pb::PeerConnectResponse {
             version: 1,
             node_name: self.node.node_name().to_string(),
@@ -448,7 +448,10 @@ impl Peer for Services {
     async fn disconnect(&self, req: Request<pb::DisconnectRequest>) -> Result<Response<pb::DisconnectResponse>, Status> {
         // Only the identity that made the connection may tear it down.
         let owner = caller_of(&req)?.name;
-        self.node.disconnect(&req.get_ref().connection_id, &owner);
+        // An id that is not a valid one names no connection: nothing to tear down.
+        if let Ok(id) = crate::ids::ConnectionId::parse(&req.get_ref().connection_id) {
+            self.node.disconnect(&id, &owner);
+        }
         Ok(Response::new(pb::DisconnectResponse {}))
     }
 

@@ -83,7 +83,7 @@ impl Fabric for VerbsFabric {
     async fn prepare(
         &self,
         peer: &str,
-        _connection_id: &str,
+        _connection_id: &crate::ids::ConnectionId,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
@@ -92,7 +92,7 @@ impl Fabric for VerbsFabric {
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
-    async fn accept(&self, peer: &str, _connection_id: &str, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(&self, peer: &str, _connection_id: &crate::ids::ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
