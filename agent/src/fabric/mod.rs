@@ -452,6 +452,10 @@ pub trait Connection: Send + Sync {
 #[async_trait]
 pub trait Fabric: Send + Sync + 'static {
     fn kind(&self) -> FabricKind;
+
+    /// Whether a grant works only on the grantee's connection, so asking one needs it: tcp
+    /// tokens (checked per data stream) and verbs memory windows (bound on its QPs).
+    fn grants_need_connection(&self) -> bool;
     fn info(&self) -> FabricInfo;
 
     /// Registers region memory. `access` is the region's ceiling for remote peers; local

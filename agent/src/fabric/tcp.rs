@@ -374,6 +374,10 @@ impl Drop for TcpFabric {
 
 #[async_trait]
 impl Fabric for TcpFabric {
+    fn grants_need_connection(&self) -> bool {
+        true
+    }
+
     fn kind(&self) -> FabricKind {
         FabricKind::Tcp
     }

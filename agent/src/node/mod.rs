@@ -21,7 +21,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use crate::checksum::{self, Algo};
 use crate::config::Config;
 use crate::fabric::{
-    Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, GrantMode, Registration, RemoteOp, WorkRequest, WrOp,
+    Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp,
 };
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::metrics as m;

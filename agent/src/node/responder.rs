@@ -139,7 +139,7 @@ impl Node {
         let expires_at = SystemTime::now() + ttl;
         let mode = self.config.verbs.grant_mode;
         let connection = self.grant_connection(p)?;
-        if self.grant_needs_connection() && connection.is_none() {
+        if self.fabric.grants_need_connection() && connection.is_none() {
             return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
                 "tcp grants are bound to a data connection: the grant request must name a connection the \
                  caller made with Peer.Connect (connection_id)"
@@ -207,21 +207,12 @@ impl Node {
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
-            None if self.grant_needs_connection() => {
+            None if self.fabric.grants_need_connection() => {
                 Err(TransferError::UnknownConnection(format!(
                     "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
                 )))
             }
             None => Ok(None),
-        }
-    }
-
-    /// Grants that only work on the grantee's connection: tcp tokens (checked per data stream)
-    /// and verbs memory windows (bound on its QPs).
-    fn grant_needs_connection(&self) -> bool {
-        match self.fabric.kind() {
-            FabricKind::Tcp => true,
-            FabricKind::Verbs => self.config.verbs.grant_mode == GrantMode::Mw,
         }
     }
 

@@ -56,6 +56,10 @@ impl VerbsFabric {
 
 #[async_trait]
 impl Fabric for VerbsFabric {
+    fn grants_need_connection(&self) -> bool {
+        self.opts.mw_grants()
+    }
+
     fn kind(&self) -> FabricKind {
         FabricKind::Verbs
     }
