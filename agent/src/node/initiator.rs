@@ -7,6 +7,7 @@
 use super::*;
 use crate::shape;
 use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::driver::{wait, Wake};
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 
 impl Node {
@@ -273,26 +274,15 @@ impl Node {
             let Some(lease) = held.lease.as_mut() else {
                 return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
             };
-            let deadline = s.poll_timeout();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(d.into()).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                c = lease.completions().recv() => match c {
-                    Some(c) => {
+            match wait(lease, &handle.cancel, s.poll_timeout()).await {
+                Wake::Completions(cs) => {
+                    for c in cs {
                         s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status });
-                        // Batch: take whatever else is already there before posting again.
-                        while let Ok(c) = lease.completions().try_recv() {
-                            s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status });
-                        }
                     }
-                    None => s.handle(Event::ConnectionClosed),
-                },
-                _ = handle.cancel.cancelled() => s.handle(Event::Cancel),
-                _ = sleep => s.handle_timeout(Instant::now()),
+                }
+                Wake::Closed => s.handle(Event::ConnectionClosed),
+                Wake::Cancelled => s.handle(Event::Cancel),
+                Wake::Timeout => s.handle_timeout(Instant::now()),
             }
         }
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::machine::{Machine, Post};
-use crate::fabric::WorkRequest;
+use crate::fabric::{Completion, WorkRequest};
 use crate::peers::Lease;
 
 /// Per-WR round-trip times, for the latency benchmark.
@@ -15,6 +15,41 @@ use crate::peers::Lease;
 pub struct LatencyProbe {
     posted: HashMap<u64, Instant>,
     pub samples: Vec<Duration>,
+}
+
+/// What woke a transfer that was waiting.
+pub enum Wake {
+    /// One or more completions (the first, then whatever else was already queued: a batch).
+    Completions(Vec<Completion>),
+    /// The connection's completion channel closed.
+    Closed,
+    Cancelled,
+    /// The deadline passed.
+    Timeout,
+}
+
+/// Waits for the next completions on `lease`, a cancel, or `deadline`.
+pub async fn wait(lease: &mut Lease, cancel: &CancellationToken, deadline: Option<Instant>) -> Wake {
+    let sleep = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        c = lease.completions().recv() => match c {
+            Some(c) => {
+                let mut batch = vec![c];
+                while let Ok(c) = lease.completions().try_recv() {
+                    batch.push(c);
+                }
+                Wake::Completions(batch)
+            }
+            None => Wake::Closed,
+        },
+        _ = cancel.cancelled() => Wake::Cancelled,
+        _ = sleep => Wake::Timeout,
+    }
 }
 
 /// Runs `machine` to a terminal state over `lease`.
@@ -40,26 +75,15 @@ pub async fn pump(
         if machine.is_done() {
             break;
         }
-        let deadline = machine.poll_timeout();
-        let sleep = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d.into()).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            c = lease.completions().recv() => match c {
-                Some(c) => {
+        match wait(lease, cancel, machine.poll_timeout()).await {
+            Wake::Completions(cs) => {
+                for c in cs {
                     complete(machine, &mut probe, c.qp, c.wr_id, c.status);
-                    // Batch: take whatever else is already there before posting again.
-                    while let Ok(c) = lease.completions().try_recv() {
-                        complete(machine, &mut probe, c.qp, c.wr_id, c.status);
-                    }
                 }
-                None => machine.handle_post_error(u64::MAX, "connection closed".into()),
-            },
-            _ = cancel.cancelled() => machine.handle_cancel(),
-            _ = sleep => machine.handle_timeout(Instant::now()),
+            }
+            Wake::Closed => machine.handle_post_error(u64::MAX, "connection closed".into()),
+            Wake::Cancelled => machine.handle_cancel(),
+            Wake::Timeout => machine.handle_timeout(Instant::now()),
         }
         if machine.bytes_done() != reported {
             reported = machine.bytes_done();
