@@ -224,7 +224,9 @@ async fn mw_grant_needs_the_callers_own_connection() {
     assert!(matches!(e, TransferError::FailedPrecondition(_)), "{e:?}");
     let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("nope"))).await.unwrap_err();
     println!("mw grant naming an unknown connection: {e}");
-    assert!(matches!(e, TransferError::FailedPrecondition(_)), "{e:?}");
+    // Its own variant (a marked FAILED_PRECONDITION on the wire): the initiator retries a stale
+    // pooled connection only for this.
+    assert!(matches!(e, TransferError::UnknownConnection(_)), "{e:?}");
     let mut p = params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"));
     p.peer = "z".into();
     let e = b.node.grant(&p).await.unwrap_err();
@@ -232,7 +234,7 @@ async fn mw_grant_needs_the_callers_own_connection() {
     assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
     b.node.disconnect(&cid("conn-1"), "a");
-    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(TransferError::FailedPrecondition(_))));
+    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(TransferError::UnknownConnection(_))));
 }
 
 #[tokio::test]
