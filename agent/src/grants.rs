@@ -25,7 +25,7 @@ pub enum GrantError {
 }
 
 pub struct Grant {
-    pub id: String,
+    pub id: crate::ids::GrantId,
     pub region: Arc<Region>,
     pub peer: String,
     /// Offset of the granted range inside the region.
@@ -56,11 +56,11 @@ impl std::fmt::Debug for Grant {
 
 #[derive(Default)]
 struct Inner {
-    by_id: HashMap<String, Arc<Grant>>,
+    by_id: HashMap<crate::ids::GrantId, Arc<Grant>>,
     by_token: HashMap<[u8; 16], Arc<Grant>>,
     /// Ids of grants the reaper removed, so a late `Complete`/`Revoke` hears "expired" rather
     /// than "not found". Bounded (oldest forgotten first).
-    expired: std::collections::VecDeque<String>,
+    expired: std::collections::VecDeque<crate::ids::GrantId>,
 }
 
 const EXPIRED_MEMORY: usize = 4096;
@@ -121,7 +121,7 @@ impl GrantTable {
     }
 
     pub fn revoke(&self, id: &str) -> Option<Arc<Grant>> {
-        self.remove_where(|g| g.id == id).into_iter().next()
+        self.remove_where(|g| g.id.as_str() == id).into_iter().next()
     }
 
     pub fn revoke_region(&self, region_id: &str) -> usize {
@@ -171,7 +171,7 @@ impl GrantTable {
 
     fn remove_where(&self, pred: impl Fn(&Grant) -> bool) -> Vec<Arc<Grant>> {
         let mut g = self.write();
-        let ids: Vec<String> = g.by_id.values().filter(|x| pred(x)).map(|x| x.id.clone()).collect();
+        let ids: Vec<crate::ids::GrantId> = g.by_id.values().filter(|x| pred(x)).map(|x| x.id.clone()).collect();
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(grant) = g.by_id.remove(&id) {

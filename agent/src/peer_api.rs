@@ -13,7 +13,7 @@ use crate::fabric::{Endpoint, FabricError, FabricKind, RemoteKey, RemoteOp};
 /// What `Peer.Grant` returns.
 #[derive(Clone)]
 pub struct GrantInfo {
-    pub grant_id: String,
+    pub grant_id: crate::ids::GrantId,
     pub addr: u64,
     pub key: RemoteKey,
     pub length: u64,
@@ -47,8 +47,8 @@ pub struct GrantAsk<'a> {
 
 #[derive(Debug, Clone)]
 pub struct CompleteParams {
-    pub transfer_id: String,
-    pub grant_id: String,
+    pub transfer_id: crate::ids::TransferId,
+    pub grant_id: crate::ids::GrantId,
     pub bytes: u64,
     pub op_write: bool,
     pub node_name: String,

@@ -83,7 +83,7 @@ impl Node {
         }
         let now = SystemTime::now();
         let record = TransferRecord {
-            id: new_id(),
+            id: crate::ids::TransferId::random().to_string(),
             op: req.op,
             local_region: local.name.clone(),
             local_offset: req.local_offset,
@@ -302,8 +302,11 @@ impl Node {
     /// `Peer.Complete`: `Ok(matched)` (true without a checksum), or why the call failed.
     async fn complete(&self, held: &Held, rec: &TransferRecord, checksum: Option<(Algo, u64)>) -> Result<bool, String> {
         let Some(grant) = held.grant.as_ref() else { return Err("no grant to complete".into()) };
+        // Invariant of outbound records: their ids are made by `TransferId::random` (the
+        // registry re-draws one on a collision), so they parse.
+        let transfer_id = crate::ids::TransferId::parse(&rec.id).map_err(|e| format!("transfer id: {e}"))?;
         let params = CompleteParams {
-            transfer_id: rec.id.clone(),
+            transfer_id,
             grant_id: grant.info.grant_id.clone(),
             bytes: rec.length,
             op_write: rec.op == Op::Write,

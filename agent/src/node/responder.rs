@@ -159,7 +159,7 @@ impl Node {
             .await
             .map_err(|e| TransferError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
         let grant = Grant {
-            id: new_id(),
+            id: crate::ids::GrantId::random(),
             region,
             peer: p.peer.clone(),
             offset: p.offset,
@@ -226,16 +226,13 @@ impl Node {
     /// when one is sent, records an inbound transfer, and revokes the grant.
     pub async fn complete_inbound(
         &self,
-        transfer_id: &str,
+        transfer_id: &crate::ids::TransferId,
         grant_id: &str,
         peer: &str,
         bytes: u64,
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
-        if !crate::ids::valid_wire_id(transfer_id) {
-            return Err(TransferError::Invalid("transfer_id must be 1-64 characters from [A-Za-z0-9_.-]".into()));
-        }
         let g = self.grants.get(grant_id, peer, SystemTime::now())?;
         // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
         // never name an outbound transfer (whose ids have no '/') or another peer's record.

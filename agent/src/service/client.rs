@@ -128,8 +128,9 @@ impl PeerApi for PeerClient {
         } else {
             RemoteKey::Rkey(r.rkey)
         };
+        let grant_id = crate::ids::GrantId::parse(&r.grant_id).map_err(|e| self.bad(e.to_string()))?;
         Ok(GrantInfo {
-            grant_id: r.grant_id,
+            grant_id,
             addr: r.addr,
             key,
             length: r.length,
@@ -155,8 +156,8 @@ impl PeerApi for PeerClient {
             None => (false, pb::ChecksumAlgo::Xxh3, 0),
         };
         let req = pb::CompleteRequest {
-            transfer_id: p.transfer_id,
-            grant_id: p.grant_id,
+            transfer_id: p.transfer_id.to_string(),
+            grant_id: p.grant_id.to_string(),
             bytes: p.bytes,
             op: if p.op_write { pb::Op::Write } else { pb::Op::Read } as i32,
             node_name: p.node_name,

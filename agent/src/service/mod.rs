@@ -408,7 +408,7 @@ impl Peer for Services {
             crate::fabric::RemoteKey::Token(t) => (0, t.to_vec(), Vec::new()),
         };
         Ok(Response::new(pb::GrantResponse {
-            grant_id: g.id.clone(),
+            grant_id: g.id.to_string(),
             addr: g.exposure.addr,
             rkey,
             token,
@@ -432,11 +432,12 @@ impl Peer for Services {
         let peer = caller_of(&req)?.name;
         let r = req.into_inner();
         require(!r.grant_id.is_empty(), "grant_id is required")?;
+        let transfer_id = crate::ids::TransferId::parse(&r.transfer_id).map_err(|e| invalid(e.to_string()))?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
         let op_write = op_from_pb(r.op)? == crate::transfer::Op::Write;
         let verdict = self
             .node
-            .complete_inbound(&r.transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum)
+            .complete_inbound(&transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum)
             .await
             .map_err(transfer_status)?;
         Ok(Response::new(pb::CompleteResponse {
