@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::fabric::GrantMode;
+use crate::verbs::GrantMode;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{key}: {problem}")]

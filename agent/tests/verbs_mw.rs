@@ -12,6 +12,7 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use xfer_agent::verbs::GrantMode;
 use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
 use xfer_agent::fabric::{Fabric, 
-    Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp,
+    Access, Completion, Connection, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp,
 };
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};

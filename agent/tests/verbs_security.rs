@@ -15,13 +15,14 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use xfer_agent::verbs::GrantMode;
 use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Fabric, Access, Completion, Connection, GrantMode, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
+use xfer_agent::fabric::{Fabric, Access, Completion, Connection, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};

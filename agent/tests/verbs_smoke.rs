@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use xfer_agent::fabric::{
-    Access, Completion, Connection, ExposeRequest, Exposure, Fabric, FabricError, GrantMode, Registration, RemoteKey,
+    Access, Completion, Connection, ExposeRequest, Exposure, Fabric, FabricError, Registration, RemoteKey,
     RemoteOp, WcStatus, WorkRequest, WrOp,
 };
 use xfer_rdma::memory::RegionMemory;
@@ -60,7 +60,7 @@ fn bytes(m: &RegionMemory, offset: u64, len: u64) -> Vec<u8> {
     b
 }
 
-async fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp, mode: GrantMode) -> Exposure {
+async fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp) -> Exposure {
     f.expose(
         reg,
         &ExposeRequest {
@@ -69,7 +69,6 @@ async fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: 
             op,
             expires_at: SystemTime::now() + Duration::from_secs(60),
             peer: "a".into(),
-            mode,
             connection: None,
         },
     )
@@ -168,7 +167,7 @@ async fn verbs_smoke() {
 
     // ---- WRITE 16 MiB A→B in 1 MiB chunks over 2 QPs; only every 4th and the last signaled.
     let (conn, _acc, mut rx) = connect(&a, &b, 2, 16).await;
-    let grant_w = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr).await;
+    let grant_w = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write).await;
     assert_eq!(grant_w.addr, mb.addr());
     let chunks = LEN / CHUNK;
     let mut signaled = 0;
@@ -189,7 +188,7 @@ async fn verbs_smoke() {
 
     // ---- READ 16 MiB B→A (B's memory rewritten locally first), through a READ-only Mr grant.
     fill(&mb, 0xc3);
-    let grant_r = expose(&b, &rb, 0, LEN as u64, RemoteOp::Read, GrantMode::Mr).await;
+    let grant_r = expose(&b, &rb, 0, LEN as u64, RemoteOp::Read).await;
     let mut signaled = 0;
     for i in 0..chunks {
         let qp = i % 2;
@@ -206,44 +205,10 @@ async fn verbs_smoke() {
     assert!(bytes(&ma, 0, LEN as u64) == bytes(&mb, 0, LEN as u64), "READ: bytes differ");
     println!("READ 16 MiB: {signaled} signaled completions, all SUCCESS, bytes match ({:.0} MiB/s)", 16.0 / secs);
 
-    // ---- B runs grant mode mr (the default): its region MR has local access only, so a Region
-    // grant (the region MR's rkey) is refused. agent/tests/verbs_security.rs covers mode region.
+    // ---- B runs grant mode mr (the default): its region MR has local access only. The grant
+    // mode is the fabric's (`VerbsOptions::grant_mode`), so a grant cannot ask for another mode;
+    // agent/tests/verbs_security.rs attacks the region MR's own keys in every mode.
     assert!(!rb.remote_key_exposed());
-    let err = b
-        .expose(
-            &rb,
-            &ExposeRequest {
-                offset: 4096,
-                len: 4096,
-                op: RemoteOp::Write,
-                expires_at: SystemTime::now(),
-                peer: "a".into(),
-                mode: GrantMode::Region,
-                connection: None,
-            },
-        )
-        .await
-        .unwrap_err();
-    println!("Region grant on an mr fabric: {err}");
-
-    // Mw needs a connection to bind on (and a fabric opened for it): a clear error, not a panic.
-    // agent/tests/verbs_mw.rs covers mw grants.
-    let err = b
-        .expose(
-            &rb,
-            &ExposeRequest {
-                offset: 0,
-                len: 4096,
-                op: RemoteOp::Read,
-                expires_at: SystemTime::now(),
-                peer: "a".into(),
-                mode: GrantMode::Mw,
-                connection: None,
-            },
-        )
-        .await
-        .unwrap_err();
-    println!("Mw grant: {err}");
 
     // Local range checks happen before anything is posted.
     let e = conn.post(0, wr(201, WrOp::Write, &ra, LEN as u64 - 1, 2, grant_w.addr, rkey(&grant_w), true)).unwrap_err();
@@ -254,7 +219,7 @@ async fn verbs_smoke() {
 
     // ---- An Mr grant over [1 MiB, +4096) refuses a WRITE one byte past its end.
     let base = CHUNK as u64;
-    let grant = expose(&b, &rb, base, 4096, RemoteOp::Write, GrantMode::Mr).await;
+    let grant = expose(&b, &rb, base, 4096, RemoteOp::Write).await;
     let before = bytes(&mb, base, 8192);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     fill(&ma, 0x11);
@@ -290,7 +255,7 @@ async fn verbs_smoke() {
 
     // ---- A READ-only grant refuses a WRITE (and serves a READ).
     let base = 2 * CHUNK as u64;
-    let grant = expose(&b, &rb, base, 4096, RemoteOp::Read, GrantMode::Mr).await;
+    let grant = expose(&b, &rb, base, 4096, RemoteOp::Read).await;
     let before = bytes(&mb, base, 4096);
     let (conn, _acc, mut rx) = connect(&a, &b, 1, 8).await;
     conn.post(0, wr(400, WrOp::Read, &ra, 8192, 4096, grant.addr, rkey(&grant), true)).unwrap();
@@ -308,7 +273,7 @@ async fn verbs_smoke() {
 
     // ---- close() flushes outstanding WRs and the memory they use stays alive until then.
     let (conn, acc, mut rx) = connect(&a, &b, 1, 64).await;
-    let grant = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write, GrantMode::Mr).await;
+    let grant = expose(&b, &rb, 0, LEN as u64, RemoteOp::Write).await;
     let m2 = Arc::new(RegionMemory::anonymous(LEN, false).unwrap());
     let r2 = a.register(Arc::clone(&m2), Access::Read).unwrap();
     for i in 0..16u64 {

@@ -248,20 +248,6 @@ impl fmt::Debug for RemoteKey {
     }
 }
 
-/// How a grant exposes memory on verbs (DESIGN §2). Ignored by tcp, which always uses tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GrantMode {
-    /// A dedicated MR over exactly the granted range.
-    Mr,
-    /// A type-2 memory window bound to the range on each responder QP of the grantee's
-    /// connection (`ExposeRequest::connection`). Range-safe only on devices that enforce window
-    /// bounds: rxe (6.1) checks an access against the underlying MR, not the window.
-    Mw,
-    /// The region MR's rkey (fastest, least scoped).
-    Region,
-}
-
 /// What a grant hands to a peer: where and with which key it may access the granted range.
 /// Dropping it revokes the access (deregisters the MR / invalidates the window).
 pub struct Exposure {
@@ -288,7 +274,6 @@ pub struct ExposeRequest {
     pub expires_at: SystemTime,
     /// Node name of the peer the grant is for.
     pub peer: String,
-    pub mode: GrantMode,
     /// The responder half of the grantee's connection (`GrantRequest.connection_id`): `mw`
     /// binds its windows on these QPs. Other modes and tcp ignore it.
     pub connection: Option<Arc<dyn Accepted>>,
@@ -302,7 +287,6 @@ impl fmt::Debug for ExposeRequest {
             .field("op", &self.op)
             .field("expires_at", &self.expires_at)
             .field("peer", &self.peer)
-            .field("mode", &self.mode)
             .field("connection", &self.connection.is_some())
             .finish()
     }

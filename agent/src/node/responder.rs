@@ -137,7 +137,6 @@ impl Node {
         region.check_range(p.offset, length)?;
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
         let expires_at = SystemTime::now() + ttl;
-        let mode = self.config.verbs.grant_mode;
         let connection = self.grant_connection(p)?;
         if self.fabric.grants_need_connection() && connection.is_none() {
             return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
@@ -152,7 +151,7 @@ impl Node {
             }));
         }
         let bound_to = connection.clone();
-        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), mode, connection };
+        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), connection };
         let exposure = self
             .fabric
             .expose(&region.registration, &req)

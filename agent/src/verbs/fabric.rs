@@ -1,4 +1,5 @@
 //! [`VerbsFabric`]: the `Fabric` trait over RC QPs.
+use super::GrantMode;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -14,7 +15,7 @@ use super::mr::VerbsRegistration;
 use super::{negotiate, VerbsOptions};
 use crate::fabric::{
     Access, Accepted, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
-    GrantMode, PendingConnection, Registration, RemoteKey, RemoteOp,
+    PendingConnection, Registration, RemoteKey, RemoteOp,
 };
 
 /// The verbs data plane: one device context and PD shared by every registration and connection.
@@ -75,7 +76,7 @@ impl Fabric for VerbsFabric {
     async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
         // Mode `region` only hands out a key; `mr` pins pages (ibv_reg_mr) and `mw` waits for
         // the binds' completions, so those run on the blocking pool, never on a runtime thread.
-        if req.mode == GrantMode::Region {
+        if self.opts.grant_mode == GrantMode::Region {
             return expose_now(&self.dev, &self.opts, reg, req);
         }
         let (dev, opts, reg, req) = (Arc::clone(&self.dev), Arc::clone(&self.opts), Arc::clone(reg), req.clone());
@@ -124,7 +125,7 @@ fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration
         )));
     }
     let addr = reg.addr() + req.offset;
-    match req.mode {
+    match opts.grant_mode {
         GrantMode::Region => {
             // Only a fabric opened in grant mode `region` gives region MRs remote access; in
             // `mr` and `mw` the region MR's keys open nothing remotely (DESIGN §8).
@@ -154,11 +155,6 @@ fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration
             Ok(Exposure { addr, key, keepalive: Some(Box::new(grant_mr)) })
         }
         GrantMode::Mw => {
-            if !opts.mw_grants() {
-                return Err(FabricError::Other(
-                    "grant mode mw needs the fabric opened for it (verbs.grant_mode = \"mw\" at start-up)".into(),
-                ));
-            }
             if dev.max_mw == 0 {
                 return Err(FabricError::Other(format!("device {} supports no memory windows (max_mw 0)", dev.name)));
             }

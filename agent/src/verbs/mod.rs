@@ -51,6 +51,21 @@ impl From<xfer_rdma::VerbsError> for FabricError {
     }
 }
 
+/// How the verbs fabric's grants expose memory (`verbs.grant_mode`, DESIGN §2). A property of
+/// the fabric, fixed when it opens: tcp always uses tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GrantMode {
+    /// A dedicated MR over exactly the granted range.
+    Mr,
+    /// A type-2 memory window bound to the range on each responder QP of the grantee's
+    /// connection (`ExposeRequest::connection`). Range-safe only on devices that enforce window
+    /// bounds: rxe (6.1) checks an access against the underlying MR, not the window.
+    Mw,
+    /// The region MR's rkey (fastest, least scoped).
+    Region,
+}
+
 /// Settings of the verbs fabric.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsOptions {
@@ -80,7 +95,7 @@ pub struct VerbsOptions {
     /// How grants expose memory (`verbs.grant_mode`, DESIGN §2). It decides the region MR's
     /// access: local only in `mr` and `mw` (plus window binding in `mw`, whose responder QPs can
     /// also post binds), remote access from the ceiling only in `region`.
-    pub grant_mode: crate::fabric::GrantMode,
+    pub grant_mode: GrantMode,
 }
 
 impl Default for VerbsOptions {
@@ -96,7 +111,7 @@ impl Default for VerbsOptions {
             max_rd_atomic: 16,
             cq_size: 1024,
             busy_poll: false,
-            grant_mode: crate::fabric::GrantMode::Mr,
+            grant_mode: GrantMode::Mr,
         }
     }
 }
@@ -129,7 +144,7 @@ impl VerbsOptions {
 
     /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
     pub fn mw_grants(&self) -> bool {
-        self.grant_mode == crate::fabric::GrantMode::Mw
+        self.grant_mode == GrantMode::Mw
     }
 }
 

@@ -9,7 +9,8 @@ use sideway::ibverbs::AccessFlags;
 use xfer_rdma::memory::RegionMemory;
 use xfer_rdma::mr::Mr;
 
-use crate::fabric::{Access, FabricError, GrantMode, Registration, RemoteOp};
+use super::GrantMode;
+use crate::fabric::{Access, FabricError, Registration, RemoteOp};
 
 /// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
 /// grants).
