@@ -254,8 +254,12 @@ pub struct Exposure {
     pub addr: u64,
     pub key: RemoteKey,
     /// Fabric state that must live as long as the grant (a dedicated MR, a bound window).
-    pub keepalive: Option<Box<dyn Any + Send + Sync>>,
+    pub keepalive: Option<Box<dyn Keepalive>>,
 }
+
+/// Anything a fabric keeps alive for a grant; never looked into again, only dropped.
+pub trait Keepalive: Send + Sync {}
+impl<T: Send + Sync> Keepalive for T {}
 
 impl fmt::Debug for Exposure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -274,9 +278,10 @@ pub struct ExposeRequest {
     pub expires_at: SystemTime,
     /// Node name of the peer the grant is for.
     pub peer: String,
-    /// The responder half of the grantee's connection (`GrantRequest.connection_id`): `mw`
-    /// binds its windows on these QPs. Other modes and tcp ignore it.
-    pub connection: Option<Arc<dyn Accepted>>,
+    /// The grantee's connection (`GrantRequest.connection_id`), which the caller has checked is
+    /// one this agent accepted from that peer: `mw` binds its windows on that connection's QPs
+    /// (the fabric finds them by id). Other modes and tcp ignore it.
+    pub connection: Option<crate::ids::ConnectionId>,
 }
 
 impl fmt::Debug for ExposeRequest {
@@ -414,11 +419,8 @@ pub trait PendingConnection: Send {
     async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError>;
 }
 
-/// The responder's half of a connection: keeps its QPs alive until dropped.
-pub trait Accepted: Send + Sync + 'static {
-    /// The concrete type, for the fabric that made it (verbs binds memory windows on its QPs).
-    fn as_any(&self) -> &dyn Any;
-}
+/// The responder's half of a connection: keeps its QPs (or data session) alive until dropped.
+pub trait Accepted: Send + Sync + 'static {}
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
 pub trait Connection: Send + Sync {

@@ -318,11 +318,7 @@ struct TcpAccepted {
     connection: ConnectionId,
 }
 
-impl Accepted for TcpAccepted {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
+impl Accepted for TcpAccepted {}
 
 impl Drop for TcpAccepted {
     fn drop(&mut self) {

@@ -150,8 +150,10 @@ impl Node {
                     .into()
             }));
         }
-        let bound_to = connection.clone();
-        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), connection };
+        // The fabric is told the id only of a connection checked above (accepted here, by this peer).
+        let checked_id = connection.as_ref().and(p.connection_id.clone());
+        let bound_to = connection;
+        let req = ExposeRequest { offset: p.offset, len: length, op: p.op, expires_at, peer: p.peer.clone(), connection: checked_id };
         let exposure = self
             .fabric
             .expose(&region.registration, &req)

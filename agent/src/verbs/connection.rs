@@ -605,16 +605,28 @@ impl VerbsAccepted {
     }
 }
 
-impl crate::fabric::Accepted for VerbsAccepted {
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
+/// The fabric's index of its accepted connections, by id: grant mode `mw` finds the QPs to bind
+/// on here (an `ExposeRequest` names the connection by id).
+pub(crate) type AcceptedIndex = Mutex<std::collections::HashMap<crate::ids::ConnectionId, std::sync::Weak<VerbsAccepted>>>;
+
+/// What `Fabric::accept` hands the agent: owning it keeps the responder QPs; dropping it (the
+/// peer disconnected) moves them to ERR and takes the connection out of the fabric's index.
+pub(crate) struct AcceptedHandle {
+    pub(crate) acc: Arc<VerbsAccepted>,
+    pub(crate) index: Arc<AcceptedIndex>,
+    pub(crate) id: crate::ids::ConnectionId,
 }
 
-impl Drop for VerbsAccepted {
+impl crate::fabric::Accepted for AcceptedHandle {}
+
+impl Drop for AcceptedHandle {
     fn drop(&mut self) {
         // The peer is gone: no access through these QPs from here on, even while grants still
         // hold windows bound on them (and so the QPs themselves).
-        self.inner.set_err_all();
+        self.acc.inner.set_err_all();
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        if index.get(&self.id).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.acc))) {
+            index.remove(&self.id);
+        }
     }
 }

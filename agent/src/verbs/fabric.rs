@@ -9,7 +9,7 @@ use xfer_rdma::memory::RegionMemory;
 use xfer_rdma::mr::Mr;
 use xfer_rdma::qp::WindowAccess;
 
-use super::connection::{ConnInner, VerbsAccepted, VerbsPending};
+use super::connection::{AcceptedHandle, AcceptedIndex, ConnInner, VerbsAccepted, VerbsPending};
 use super::device::Device;
 use super::mr::VerbsRegistration;
 use super::{negotiate, VerbsOptions};
@@ -22,6 +22,8 @@ use crate::fabric::{
 pub struct VerbsFabric {
     dev: Arc<Device>,
     opts: Arc<VerbsOptions>,
+    /// Accepted connections by id, for `mw` binds.
+    accepted: Arc<AcceptedIndex>,
 }
 
 impl std::fmt::Debug for VerbsFabric {
@@ -35,7 +37,7 @@ impl VerbsFabric {
     pub fn open(opts: VerbsOptions) -> Result<VerbsFabric, FabricError> {
         opts.validate()?;
         let dev = Device::open(&opts)?;
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts) })
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default() })
     }
 
     pub fn device_name(&self) -> &str {
@@ -77,10 +79,11 @@ impl Fabric for VerbsFabric {
         // Mode `region` only hands out a key; `mr` pins pages (ibv_reg_mr) and `mw` waits for
         // the binds' completions, so those run on the blocking pool, never on a runtime thread.
         if self.opts.grant_mode == GrantMode::Region {
-            return expose_now(&self.dev, &self.opts, reg, req);
+            return expose_now(&self.dev, &self.opts, &self.accepted, reg, req);
         }
         let (dev, opts, reg, req) = (Arc::clone(&self.dev), Arc::clone(&self.opts), Arc::clone(reg), req.clone());
-        tokio::task::spawn_blocking(move || expose_now(&dev, &opts, &reg, &req))
+        let accepted = Arc::clone(&self.accepted);
+        tokio::task::spawn_blocking(move || expose_now(&dev, &opts, &accepted, &reg, &req))
             .await
             .map_err(|e| FabricError::Other(format!("exposing a grant: the blocking task failed: {e}")))?
     }
@@ -97,7 +100,7 @@ impl Fabric for VerbsFabric {
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
-    async fn accept(&self, peer: &str, _connection_id: &crate::ids::ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(&self, peer: &str, connection_id: &crate::ids::ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
@@ -105,12 +108,22 @@ impl Fabric for VerbsFabric {
         let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants())?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
-        Ok((eps, Box::new(VerbsAccepted::new(inner))))
+        let acc = Arc::new(VerbsAccepted::new(inner));
+        // The agent refuses an id that is in use, so an entry here under the same id is one
+        // whose handle is being dropped: the new connection takes the id.
+        self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));
+        Ok((eps, Box::new(AcceptedHandle { acc, index: Arc::clone(&self.accepted), id: connection_id.clone() })))
     }
 }
 
 /// [`Fabric::expose`] for verbs, synchronously (on the blocking pool for modes `mr` and `mw`).
-fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
+fn expose_now(
+    dev: &Arc<Device>,
+    opts: &VerbsOptions,
+    accepted: &AcceptedIndex,
+    reg: &Arc<dyn Registration>,
+    req: &ExposeRequest,
+) -> Result<Exposure, FabricError> {
     let vreg = VerbsFabric::ours(reg)?;
     let memory = reg.memory();
     memory.check(req.offset, req.len).map_err(|e| FabricError::LocalRange(e.to_string()))?;
@@ -163,8 +176,9 @@ fn expose_now(dev: &Arc<Device>, opts: &VerbsOptions, reg: &Arc<dyn Registration
                     "grant mode mw binds a window on the grantee's QPs: the grant names no connection".into(),
                 ));
             };
-            let Some(accepted) = conn.as_any().downcast_ref::<VerbsAccepted>() else {
-                return Err(FabricError::Other("the grant's connection does not belong to the verbs fabric".into()));
+            let found = accepted.lock().unwrap_or_else(|e| e.into_inner()).get(conn).and_then(std::sync::Weak::upgrade);
+            let Some(accepted) = found else {
+                return Err(FabricError::Other(format!("connection {conn} is not open on this agent")));
             };
             let access = match req.op {
                 RemoteOp::Read => WindowAccess::RemoteRead,
