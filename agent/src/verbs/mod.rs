@@ -6,12 +6,11 @@
 //! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
 //! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
 //! * [`mr`]: region registrations (access flags per grant mode) over `xfer_rdma::mr::Mr`.
-//! * [`mw`]: what a grant in mode `mw` keeps alive (`xfer_rdma::mw::Mw` windows bound on a
-//!   responder connection's QPs).
 //! * [`connection`]: a set of `xfer_rdma::qp::RcQp`s to one peer sharing one CQ, completion
 //!   delivery, and the tokio task that drives the CQ from its channel through `AsyncFd`
 //!   (`xfer_rdma::cq::watch_channel`). The QPs' in-flight lists (in `xfer-rdma`) keep posted
-//!   memory alive.
+//!   memory alive. Also the responder half (`VerbsAccepted`) and grant mode `mw`: window binds
+//!   on its QPs and what an `mw` grant keeps alive (`MwGrant`).
 //! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
 //!
 //! sideway's safe API is used here for the device list, device context and PD.
@@ -25,8 +24,6 @@ pub mod device;
 pub mod negotiate;
 #[cfg(feature = "verbs")]
 mod mr;
-#[cfg(feature = "verbs")]
-mod mw;
 #[cfg(feature = "verbs")]
 mod connection;
 #[cfg(feature = "verbs")]
