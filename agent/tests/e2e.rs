@@ -363,13 +363,44 @@ async fn region_lease_expires() {
 async fn health_and_reflection_are_served() {
     let a = Agent::start("node-a");
     let ch = tonic::transport::Channel::from_shared(format!("http://{}", a.addr())).unwrap().connect().await.unwrap();
-    let mut h = tonic_health::pb::health_client::HealthClient::new(ch);
+    let mut h = tonic_health::pb::health_client::HealthClient::new(ch.clone());
     let r = h
         .check(tonic_health::pb::HealthCheckRequest { service: "xfer.v1.Agent".into() })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(r.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    // Reflection in both versions lists the services (v1alpha is what Python's grpcio-reflection
+    // and many other tools speak).
+    {
+        use tonic_reflection::pb::v1 as r1;
+        let req = r1::ServerReflectionRequest {
+            message_request: Some(r1::server_reflection_request::MessageRequest::ListServices(String::new())),
+            ..Default::default()
+        };
+        let mut c = r1::server_reflection_client::ServerReflectionClient::new(ch.clone());
+        let mut answers = c.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
+        let names: Vec<String> = match answers.message().await.unwrap().and_then(|m| m.message_response) {
+            Some(r1::server_reflection_response::MessageResponse::ListServicesResponse(l)) => l.service.into_iter().map(|s| s.name).collect(),
+            other => panic!("v1: {other:?}"),
+        };
+        assert!(names.iter().any(|n| n == "xfer.v1.Agent") && names.iter().any(|n| n == "xfer.v1.Peer"), "v1: {names:?}");
+    }
+    {
+        use tonic_reflection::pb::v1alpha as ra;
+        let req = ra::ServerReflectionRequest {
+            message_request: Some(ra::server_reflection_request::MessageRequest::FileContainingSymbol("xfer.v1.Agent".into())),
+            ..Default::default()
+        };
+        let mut c = ra::server_reflection_client::ServerReflectionClient::new(ch.clone());
+        let mut answers = c.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
+        match answers.message().await.unwrap().and_then(|m| m.message_response) {
+            Some(ra::server_reflection_response::MessageResponse::FileDescriptorResponse(f)) => {
+                assert!(!f.file_descriptor_proto.is_empty(), "v1alpha: no descriptor for xfer.v1.Agent");
+            }
+            other => panic!("v1alpha: {other:?}"),
+        }
+    }
     let info = a.ctl(&["--json", "info"]);
     assert!(info.status.success(), "{}", s(&info));
     let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();

@@ -189,6 +189,27 @@ fn xferctl_with_and_without_certificates() {
     let o = xferctl(&a, &["--json", "info"], &[("XFER_CERT", cert.clone()), ("XFER_KEY", key.clone()), ("XFER_CA", ca.clone())]);
     assert!(o.status.success(), "env: {}", String::from_utf8_lossy(&o.stderr));
 
+    // An https:// agent address works with the TLS options ...
+    let https = format!("https://{}", a.addr());
+    let at_https = |args: &[&str]| {
+        Command::new(xferctl_bin())
+            .args(["--agent", &https])
+            .args(args)
+            .env_remove("XFER_CERT")
+            .env_remove("XFER_KEY")
+            .env_remove("XFER_CA")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let o = at_https(&["--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap(), "--ca", ca.to_str().unwrap(), "info"]);
+    assert!(o.status.success(), "https:// address: {}", String::from_utf8_lossy(&o.stderr));
+    // ... and without them it is a usage error that says what is missing, not a parse error.
+    let o = at_https(&["info"]);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines = stderr_lines(&o);
+    assert!(lines.len() == 1 && lines[0].contains("asks for TLS: give --ca"), "{lines:?}");
+
     let o = xferctl(&a, &["info"], &[]);
     assert_eq!(o.status.code(), Some(8), "{}", String::from_utf8_lossy(&o.stderr));
     let lines = stderr_lines(&o);

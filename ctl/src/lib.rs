@@ -143,8 +143,16 @@ pub fn main() -> ExitCode {
         ca,
         server_name: cli.tls_server_name,
     });
+    let (agent, wants_tls) = target::split_tls_scheme(&cli.agent);
+    if wants_tls && tls.is_none() {
+        eprintln!(
+            "error: --agent {} asks for TLS: give --ca (and --cert/--key for mTLS), or XFER_CA/XFER_CERT/XFER_KEY",
+            cli.agent
+        );
+        return ExitCode::from(2);
+    }
     let ctx = Ctx {
-        agent: cli.agent,
+        agent: agent.to_string(),
         json: cli.json,
         tls,
     };

@@ -12,10 +12,29 @@ pub const DEFAULT_PORT: u16 = 7470;
 pub const DEFAULT_AGENT: &str = "127.0.0.1:7470";
 
 /// Normalises an agent address to `host:port`: a host without a port gets [`DEFAULT_PORT`], IPv6
-/// literals must be bracketed (`[::1]` or `[::1]:7470`). A leading `http://` is accepted and dropped.
+/// literals must be bracketed (`[::1]` or `[::1]:7470`). A leading `http://` is accepted and
+/// dropped; a leading `https://` is kept on the result (`https://host:port`): it asks for TLS,
+/// which [`split_tls_scheme`] takes off again where the TLS options are known.
 pub fn normalize_agent(input: &str) -> Result<String, String> {
     let s = input.trim();
-    let s = s.strip_prefix("http://").unwrap_or(s);
+    if let Some(rest) = s.strip_prefix("https://") {
+        return normalize_plain(input, rest).map(|a| format!("https://{a}"));
+    }
+    normalize_plain(input, s.strip_prefix("http://").unwrap_or(s))
+}
+
+/// `https://host:port` → (`host:port`, true); anything else → (itself, false).
+pub fn split_tls_scheme(agent: &str) -> (&str, bool) {
+    match agent.strip_prefix("https://") {
+        Some(a) => (a, true),
+        None => (agent, false),
+    }
+}
+
+fn normalize_plain(input: &str, s: &str) -> Result<String, String> {
+    if s.contains("://") {
+        return Err(format!("invalid agent address {input:?}: only http:// and https:// are understood"));
+    }
     let s = s.strip_suffix('/').unwrap_or(s);
     if s.is_empty() {
         return Err("empty agent address".into());
@@ -160,6 +179,12 @@ mod tests {
         assert_eq!(normalize_agent("[::1]:8000").as_deref(), Ok("[::1]:8000"));
         assert_eq!(normalize_agent("http://h:1/").as_deref(), Ok("h:1"));
         assert!(normalize_agent("::1").unwrap_err().contains("bracketed"));
+        // https:// asks for TLS: kept on the address until the TLS options are known.
+        assert_eq!(normalize_agent("https://node-b:7470/").as_deref(), Ok("https://node-b:7470"));
+        assert_eq!(normalize_agent("https://[::1]").as_deref(), Ok("https://[::1]:7470"));
+        assert_eq!(split_tls_scheme("https://node-b:7470"), ("node-b:7470", true));
+        assert_eq!(split_tls_scheme("node-b:7470"), ("node-b:7470", false));
+        assert!(normalize_agent("grpc://h:1").unwrap_err().contains("only http:// and https://"));
         assert!(normalize_agent("h:port").unwrap_err().contains("bad port"));
         assert!(normalize_agent("h:0").is_err());
         assert!(normalize_agent("h:70000").is_err());

@@ -140,7 +140,9 @@ pub fn region_json(r: &Region) -> Value {
         "lkey": r.lkey,
         "rkey": r.rkey,
         "unavailable_reason": r.unavailable_reason,
-        "addr": r.addr,
+        // 64-bit values as strings, as protobuf's JSON mapping writes uint64: a JSON number
+        // above 2^53 is rounded by jq and JavaScript.
+        "addr": r.addr.to_string(),
     })
 }
 
@@ -161,7 +163,7 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "elapsed_seconds": t.elapsed_seconds,
         "gib_per_s": crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds),
         "verified": t.verified,
-        "checksum": t.checksum,
+        "checksum": t.checksum.to_string(),
         "peer": t.peer,
         "inbound": t.inbound,
     })
@@ -484,7 +486,7 @@ mod tests {
         let text = region_detail(&r);
         assert!(!text.contains("lkey") && !text.contains("addr:"), "{text}");
         let v = region_json(&r);
-        assert_eq!((v["lkey"].clone(), v["rkey"].clone(), v["addr"].clone()), (0.into(), 0.into(), 0.into()));
+        assert_eq!((v["lkey"].clone(), v["rkey"].clone(), v["addr"].clone()), (0.into(), 0.into(), "0".into()));
         // Grant mode region: the region MR's keys are its remote access, and are shown.
         let r = Region { name: "dst".into(), lkey: 0x1234, rkey: 0x1234, addr: 0x7f00_0000_1000, ..Default::default() };
         let text = region_detail(&r);
@@ -506,5 +508,19 @@ mod tests {
         assert_eq!(v["state"], "failed");
         assert_eq!(v["error_code"], "REM_ACCESS_ERR");
         assert_eq!(v["started_at"], Value::Null);
+    }
+
+    /// 64-bit checksums and addresses are strings in JSON: as numbers, anything above 2^53 would
+    /// be rounded by jq and JavaScript (protobuf's JSON mapping writes uint64 as strings too).
+    #[test]
+    fn u64_values_are_json_strings_and_survive_a_round_trip() {
+        let big = u64::MAX - 2; // not representable as an f64
+        let t = Transfer { id: "t1".into(), verified: true, checksum: big, ..Default::default() };
+        let text = json_text(&transfer_json(&t));
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back["checksum"], big.to_string());
+        assert_eq!(back["checksum"].as_str().and_then(|s| s.parse::<u64>().ok()), Some(big));
+        let r = Region { name: "r".into(), addr: big, ..Default::default() };
+        assert_eq!(region_json(&r)["addr"], big.to_string());
     }
 }

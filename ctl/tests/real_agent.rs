@@ -228,3 +228,32 @@ fn unreachable_peer_and_bench() {
     assert_eq!(rows.len(), 2, "{v}");
     assert!(v["baseline"]["bytes"].as_u64().unwrap() >= 1 << 30, "the baseline streams at least 1 GiB: {v}");
 }
+
+/// `xferctl version` names both sides; `--client` needs no agent; an unreachable agent is
+/// UNAVAILABLE (8) after the client's own version is printed.
+#[test]
+fn version_names_the_client_and_the_agent() {
+    let a = Agent::start("node-v");
+    let want = env!("CARGO_PKG_VERSION");
+    let o = a.ctl(&["version"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let text = out(&o);
+    assert!(text.contains(&format!("client: xferctl {want}")), "{text}");
+    assert!(text.contains("agent:  xfer-agent ") && text.contains("node node-v"), "{text}");
+    let o = a.ctl(&["--json", "version"]);
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(v["client"]["version"], want);
+    assert_eq!(v["agent"]["node_name"], "node-v");
+    assert!(v["agent"]["version"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
+
+    let nowhere = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xferctl")).args(["--agent", "127.0.0.1:1"]).args(args).env_remove("XFER_AGENT").output().unwrap()
+    };
+    let o = nowhere(&["version", "--client"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert_eq!(out(&o), format!("client: xferctl {want}\n"));
+    let o = nowhere(&["version"]);
+    assert_eq!(o.status.code(), Some(8), "{}", err(&o));
+    assert_eq!(out(&o), format!("client: xferctl {want}\n"), "the client's version is still printed");
+    assert_eq!(err(&o).lines().count(), 1, "{}", err(&o));
+}

@@ -48,11 +48,15 @@ impl Services {
     ) -> Result<Router, String> {
         health.set_serving::<AgentServer<Services>>().await;
         health.set_serving::<PeerServer<Services>>().await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .map_err(|e| e.to_string())?;
+        // Both reflection versions: grpcurl and grpc-java speak v1, while Python's
+        // grpcio-reflection and many other tools still speak only v1alpha.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection().build_v1().map_err(|e| e.to_string())?;
+        let reflection_v1alpha = reflection().build_v1alpha().map_err(|e| e.to_string())?;
         let mut server = tonic::transport::Server::builder();
         let auth = match tls {
             Some(t) => {
@@ -66,7 +70,8 @@ impl Services {
             .layer(auth::AuthLayer::new(auth))
             .tcp_nodelay(true)
             .add_service(health_service(&health))
-            .add_service(reflection)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .add_service(AgentServer::new(self.clone()).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
             .add_service(PeerServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
     }

@@ -13,6 +13,7 @@ pub mod peers;
 pub mod put;
 pub mod region;
 pub mod transfer;
+pub mod version;
 
 use clap::Subcommand;
 
@@ -46,6 +47,8 @@ pub enum Command {
     Demo(demo::Opt),
     /// Print a shell completion script.
     Completions(completions::Opt),
+    /// Print this client's version and the agent's.
+    Version(version::Opt),
 }
 
 pub async fn run(command: Command, ctx: &Ctx) -> anyhow::Result<()> {
@@ -62,5 +65,6 @@ pub async fn run(command: Command, ctx: &Ctx) -> anyhow::Result<()> {
         Command::Bench(opt) => bench::run(opt, ctx).await,
         Command::Demo(opt) => demo::run(opt, ctx).await,
         Command::Completions(opt) => completions::run(opt, ctx).await,
+        Command::Version(opt) => version::run(opt, ctx).await,
     }
 }
