@@ -28,7 +28,7 @@ fn bad(key: &str, problem: impl Into<String>) -> ConfigError {
 pub use xfer_common::{parse_size, ByteSize, HumanDuration};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum FabricChoice {
     Auto,
     Tcp,
@@ -36,10 +36,34 @@ pub enum FabricChoice {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum LogFormat {
     Text,
     Json,
+}
+
+/// A configuration word (`tcp`, `json`, ...) to one of `choices`, or an error that names the
+/// value and the choices (serde's own reads "enum X does not have variant constructor y").
+pub(crate) fn one_of<T: Copy>(value: &str, choices: &[(&str, T)]) -> Result<T, String> {
+    let v = value.trim().to_ascii_lowercase();
+    choices.iter().find(|(name, _)| *name == v).map(|(_, t)| *t).ok_or_else(|| {
+        let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+        format!("{value:?} is not one of: {}", names.join(", "))
+    })
+}
+
+impl TryFrom<String> for FabricChoice {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        one_of(&s, &[("auto", FabricChoice::Auto), ("tcp", FabricChoice::Tcp), ("verbs", FabricChoice::Verbs)])
+    }
+}
+
+impl TryFrom<String> for LogFormat {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        one_of(&s, &[("text", LogFormat::Text), ("json", LogFormat::Json)])
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -435,8 +459,18 @@ impl Config {
             }
             b = b.add_source(::config::File::from(path));
         }
-        let env: std::collections::HashMap<String, String> =
-            env.into_iter().filter(|(k, _)| k.starts_with("XFER_") && k != "XFER_AGENT").collect();
+        // Nested variables (`XFER_SECTION__KEY`) must name a known key; a single-level `XFER_X` is
+        // read only when X is a top-level key (others belong to other tools: xferctl's
+        // XFER_AGENT/XFER_CERT, test harnesses), so the check below never sees them.
+        let known = known_keys();
+        let env: std::collections::HashMap<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| match k.strip_prefix("XFER_") {
+                Some(rest) => rest.contains("__") || known.contains(&rest.to_lowercase()),
+                None => false,
+            })
+            .collect();
+        let env_names: Vec<String> = env.keys().cloned().collect();
         b = b.add_source(
             ::config::Environment::with_prefix("XFER").prefix_separator("_").separator("__").source(Some(env)),
         );
@@ -455,6 +489,19 @@ impl Config {
         b = set(b, "log.format", flags.log_format.map(|f| format!("{f:?}").to_lowercase()))?;
         b = set(b, "verbs.device", flags.device.clone())?;
         let built = b.build().map_err(config_error)?;
+        // Unknown keys are errors, not silently ignored: `[limit]`, `chunksize` or
+        // XFER_TRANFER__DEPTH would otherwise load and leave the defaults in force.
+        let merged: serde_json::Value = built.clone().try_deserialize().map_err(config_error)?;
+        if let Some(key) = unknown_keys(&merged, &known).into_iter().next() {
+            let env_name = format!("XFER_{}", key.to_uppercase().replace('.', "__"));
+            let from = if env_names.iter().any(|n| n == &env_name) {
+                format!("environment variable {env_name}")
+            } else {
+                "the config file".to_string()
+            };
+            let hint = closest_key(&key, &known).map(|k| format!("; did you mean `{k}`?")).unwrap_or_default();
+            return Err(bad(&key, format!("unknown key (from {from}){hint}")));
+        }
         let mut cfg: Config = built.try_deserialize().map_err(config_error)?;
         if cfg.node_name.is_empty() {
             cfg.node_name = nix::unistd::gethostname()
@@ -580,13 +627,86 @@ impl Config {
     }
 }
 
+/// Every key the configuration has, as dotted paths (`transfer.depth`), sections included.
+fn known_keys() -> std::collections::BTreeSet<String> {
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+        if let serde_json::Value::Object(m) = v {
+            for (k, v) in m {
+                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                walk(&path, v, out);
+                out.insert(path);
+            }
+        }
+    }
+    // The defaults with every optional key set: keys that are `None` by default are skipped
+    // when serializing (`skip_serializing_if`, for --print-config's TOML) and would look unknown.
+    // A new optional key must be filled here too; the config tests set each of them.
+    let mut every = Config::default();
+    every.data_listen = Some(every.listen);
+    every.health_listen = Some(every.listen);
+    every.ready_file = Some(PathBuf::from("ready"));
+    every.regions.shm_group = Some(String::new());
+    every.regions.shm_owner = Some(String::new());
+    let mut out = std::collections::BTreeSet::new();
+    // Serializing plain structs, strings and numbers cannot fail; an empty set would only make
+    // every key unknown, which the tests would show at once.
+    if let Ok(v) = serde_json::to_value(every) {
+        walk("", &v, &mut out);
+    }
+    out
+}
+
+/// Keys in `merged` that the configuration does not have. Values of known leaves (strings,
+/// lists such as `tls.dns_roles`) are not looked into.
+fn unknown_keys(merged: &serde_json::Value, known: &std::collections::BTreeSet<String>) -> Vec<String> {
+    fn walk(prefix: &str, v: &serde_json::Value, known: &std::collections::BTreeSet<String>, out: &mut Vec<String>) {
+        let serde_json::Value::Object(m) = v else { return };
+        for (k, v) in m {
+            let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+            match v {
+                // An unknown table is reported by its keys (`tranfer.depth`, which names the
+                // variable XFER_TRANFER__DEPTH and is closest to `transfer.depth`).
+                serde_json::Value::Object(inner) if !known.contains(&path) && !inner.is_empty() => walk(&path, v, &Default::default(), out),
+                _ if known.contains(&path) => walk(&path, v, known, out),
+                _ => out.push(path),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", merged, known, &mut out);
+    out
+}
+
+/// The known key closest to `key` (by the whole path or by its last part), if one is close.
+fn closest_key(key: &str, known: &std::collections::BTreeSet<String>) -> Option<String> {
+    let last = |s: &str| s.rsplit('.').next().unwrap_or(s).to_string();
+    let (k_last, k_flat) = (last(key), key.replace('_', ""));
+    known
+        .iter()
+        .map(|p| {
+            let d = strsim::levenshtein(key, p)
+                .min(strsim::levenshtein(&k_last, &last(p)))
+                .min(strsim::levenshtein(&k_flat, &last(p).replace('_', "")));
+            (d, p)
+        })
+        .filter(|(d, _)| *d <= 2.max(k_last.len() / 3))
+        .min_by_key(|(d, p)| (*d, p.len()))
+        .map(|(_, p)| p.clone())
+}
+
 fn config_error(e: ::config::ConfigError) -> ConfigError {
     use ::config::ConfigError as E;
     match e {
-        E::Type { key: Some(ref key), .. } | E::At { key: Some(ref key), .. } => bad(key, e.to_string()),
+        E::Type { key: Some(ref key), .. } | E::At { key: Some(ref key), .. } => {
+            let text = e.to_string();
+            // The key is printed in front already.
+            bad(key, text.split(" for key `").next().unwrap_or(&text))
+        }
         E::Message(m) => {
             // serde messages look like "invalid size \"x\"... for key `transfer.chunk_size`"
             let key = m.split("for key `").nth(1).and_then(|r| r.split('`').next()).unwrap_or("config").to_string();
+            // The key is printed in front already.
+            let m = m.split(" for key `").next().unwrap_or(&m).to_string();
             bad(&key, m)
         }
         other => bad("config", other.to_string()),
@@ -614,6 +734,56 @@ mod tests {
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("99999999999TiB").is_err());
         assert_eq!(ByteSize(64 << 20).to_string(), "64MiB");
+    }
+
+    /// A key the configuration does not have is an error naming it, where it came from and the
+    /// closest known key — never silently ignored with the default left in force.
+    #[test]
+    fn unknown_keys_are_refused_with_the_closest_known_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let load_file = |text: &str| {
+            let f = dir.path().join("agent.toml");
+            std::fs::write(&f, text).unwrap();
+            Config::load(Some(&f), Vec::new(), &Overrides::default())
+        };
+        for (text, key, closest) in [
+            ("[limit]\nmax_regions = 3\n", "limit.max_regions", "limits.max_regions"),
+            ("chunksize = \"1MiB\"\n", "chunksize", "transfer.chunk_size"),
+            ("[transfer]\ndept = 3\n", "transfer.dept", "transfer.depth"),
+            ("[verbs]\ngrantmode = \"mw\"\n", "verbs.grantmode", "verbs.grant_mode"),
+        ] {
+            let e = load_file(text).unwrap_err();
+            assert_eq!(e.key, key, "{text}: {e}");
+            assert!(e.problem.contains("the config file") && e.problem.contains(&format!("did you mean `{closest}`")), "{text}: {e}");
+        }
+        let env = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        let e = Config::load(None, env("XFER_TRANFER__DEPTH", "8"), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "tranfer.depth");
+        assert!(e.problem.contains("environment variable XFER_TRANFER__DEPTH") && e.problem.contains("`transfer.depth`"), "{e}");
+        // Nothing like a known key: no suggestion.
+        let e = load_file("zzzzzzzzzz = 1\n").unwrap_err();
+        assert!(!e.problem.contains("did you mean"), "{e}");
+        // Single-level XFER_ variables that are not keys belong to other tools and are ignored.
+        let others = vec![("XFER_AGENT".into(), "h:1".into()), ("XFER_CERT".into(), "c.pem".into()), ("XFER_RXE_A_DEV".into(), "rxe0".into())];
+        assert!(Config::load(None, others, &Overrides::default()).is_ok());
+        // Every optional key is known (they are skipped when None in --print-config).
+        let f = dir.path().join("all.toml");
+        std::fs::write(&f, "data_listen = \"127.0.0.1:0\"\nhealth_listen = \"127.0.0.1:0\"\nready_file = \"r.json\"\n[regions]\nshm_owner = \"\"\n").unwrap();
+        Config::load(Some(&f), Vec::new(), &Overrides::default()).unwrap();
+    }
+
+    #[test]
+    fn enum_values_are_refused_with_their_choices() {
+        let env = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        let e = Config::load(None, env("XFER_FABRIC", "tpc"), &Overrides::default()).unwrap_err();
+        assert_eq!((e.key.as_str(), e.problem.as_str()), ("fabric", "\"tpc\" is not one of: auto, tcp, verbs"));
+        let e = Config::load(None, env("XFER_VERBS__GRANT_MODE", "window"), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "verbs.grant_mode");
+        assert!(e.problem.contains("mr, mw, region"), "{e}");
+        let e = Config::load(None, env("XFER_LOG__FORMAT", "yaml"), &Overrides::default()).unwrap_err();
+        assert!(e.problem.contains("text, json"), "{e}");
+        // Case does not matter, as before.
+        assert_eq!(Config::load(None, env("XFER_FABRIC", "TCP"), &Overrides::default()).unwrap().fabric, FabricChoice::Tcp);
     }
 
     #[test]

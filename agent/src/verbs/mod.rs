@@ -51,7 +51,7 @@ impl From<xfer_rdma::VerbsError> for FabricError {
 /// How the verbs fabric's grants expose memory (`verbs.grant_mode`, DESIGN §2). A property of
 /// the fabric, fixed when it opens: tcp always uses tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum GrantMode {
     /// A dedicated MR over exactly the granted range.
     Mr,
@@ -61,6 +61,13 @@ pub enum GrantMode {
     Mw,
     /// The region MR's rkey (fastest, least scoped).
     Region,
+}
+
+impl TryFrom<String> for GrantMode {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        crate::config::one_of(&s, &[("mr", GrantMode::Mr), ("mw", GrantMode::Mw), ("region", GrantMode::Region)])
+    }
 }
 
 /// Settings of the verbs fabric.
