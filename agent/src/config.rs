@@ -26,6 +26,7 @@ fn bad(key: &str, problem: impl Into<String>) -> ConfigError {
 
 /// Sizes (`4KiB`, `1.5GiB`, `16Gi`) and durations (`30s`) in the grammar xferctl's flags use too.
 pub use xfer_common::{parse_size, ByteSize, HumanDuration};
+use xfer_common::one_of;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase", try_from = "String")]
@@ -40,16 +41,6 @@ pub enum FabricChoice {
 pub enum LogFormat {
     Text,
     Json,
-}
-
-/// A configuration word (`tcp`, `json`, ...) to one of `choices`, or an error that names the
-/// value and the choices (serde's own reads "enum X does not have variant constructor y").
-pub(crate) fn one_of<T: Copy>(value: &str, choices: &[(&str, T)]) -> Result<T, String> {
-    let v = value.trim().to_ascii_lowercase();
-    choices.iter().find(|(name, _)| *name == v).map(|(_, t)| *t).ok_or_else(|| {
-        let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
-        format!("{value:?} is not one of: {}", names.join(", "))
-    })
 }
 
 impl TryFrom<String> for FabricChoice {

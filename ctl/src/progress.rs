@@ -44,6 +44,13 @@ pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Res
     {
         if bar.is_none() && !view::is_terminal(t.state) {
             bar = byte_bar(t.length, show_bar);
+            if let Some(b) = &bar {
+                // Rate and ETA count from here: bytes done before the watch began are not part
+                // of what this watch saw move (they made a late `transfer watch` show 423 MiB/s
+                // for a 64 MiB/s transfer).
+                b.set_position(t.bytes_done);
+                b.reset_eta();
+            }
         }
         if let Some(b) = &bar {
             if t.length != 0 {
@@ -79,6 +86,16 @@ pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Res
             }
         }
     }
+}
+
+/// Cancels transfer `id` and follows it until it stops; its final record (CANCELLED, or the state
+/// it reached first when it was already finishing).
+pub async fn cancel_and_wait(client: &mut Client, id: &str) -> anyhow::Result<Transfer> {
+    client
+        .cancel_transfer(xfer_proto::v1::CancelTransferRequest { id: id.to_string() })
+        .await
+        .with_context(|| format!("cancelling transfer {id}"))?;
+    watch(client, id, false).await
 }
 
 /// `Ok` for SUCCEEDED (and verified when `want_verify`), the matching [`Failure`] otherwise.

@@ -189,6 +189,7 @@ fn cp_both_ways_watch_show_cancel_and_a_failed_transfer() {
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
     let o = b.ctl(&["transfer", "cancel", &pulled]);
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert!(out(&o).contains(": had already succeeded ("), "{}", out(&o));
     let o = b.ctl(&["--json", "transfer", "show", &pulled]);
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
     assert_eq!(v["state"], "succeeded", "a cancel after the end leaves the record: {v}");
@@ -256,4 +257,75 @@ fn version_names_the_client_and_the_agent() {
     assert_eq!(o.status.code(), Some(8), "{}", err(&o));
     assert_eq!(out(&o), format!("client: xferctl {want}\n"), "the client's version is still printed");
     assert_eq!(err(&o).lines().count(), 1, "{}", err(&o));
+}
+
+/// Waits (by asking the agent, no sleeps) until `a` has a running transfer that moved bytes;
+/// its id.
+fn running_transfer(a: &Agent) -> String {
+    loop {
+        let o = a.ctl(&["--json", "transfer", "list"]);
+        let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+        let list = v.as_array().unwrap();
+        if let Some(t) = list.iter().find(|t| t["state"] == "running" && t["bytes_done"].as_u64() > Some(0)) {
+            return t["id"].as_str().unwrap().to_string();
+        }
+        assert!(list.iter().all(|t| t["state"] != "succeeded"), "the transfer finished before it was seen running: {v}");
+    }
+}
+
+fn state_of(a: &Agent, id: &str) -> String {
+    let o = a.ctl(&["--json", "transfer", "show", id]);
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    v["state"].as_str().unwrap().to_string()
+}
+
+/// Ctrl-C during `cp` cancels the transfer and says so (exit 11), like scp or rclone; with
+/// `--detach` it leaves the transfer running and prints its id. `transfer cancel` reports the
+/// state the transfer stopped in, not the RUNNING snapshot of the moment of the cancel.
+#[test]
+fn ctrl_c_cancels_a_copy_and_detach_leaves_it_running() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    for (ag, name) in [(&a, "big"), (&b, "dst")] {
+        let o = ag.ctl(&["region", "create", name, "--size", "256MiB"]);
+        assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    }
+    // 65,536 chunks of 4 KiB, one at a time: long enough to be interrupted.
+    let dst = format!("{}:dst", b.addr);
+    let cp = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xferctl"))
+            .args(["--agent", &a.addr, "cp", "big", &dst, "--chunk", "4KiB", "--depth", "1", "--qps", "1"])
+            .args(extra)
+            .env_remove("XFER_AGENT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+
+    let child = cp(&[]);
+    let id = running_transfer(&a);
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGINT).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(11), "{}{}", err(&o), out(&o));
+    assert!(err(&o).contains(&format!("interrupted: cancelling transfer {id}")), "{}", err(&o));
+    assert_eq!(state_of(&a, &id), "cancelled", "the agent stopped it");
+
+    let child = cp(&["--detach"]);
+    let id = running_transfer(&a);
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGINT).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    assert_eq!(out(&o), format!("{id}\n"));
+    assert!(err(&o).contains("keeps running"), "{}", err(&o));
+    let state = state_of(&a, &id);
+    assert!(state == "running" || state == "succeeded", "detached, not cancelled: {state}");
+    // Cancel it now: the answer is the state it stopped in.
+    let o = a.ctl(&["transfer", "cancel", &id]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let text = out(&o);
+    assert!(text.contains(": cancelled (") || text.contains(": had already succeeded ("), "{text}");
+    assert!(!text.contains("running"), "{text}");
 }

@@ -66,7 +66,7 @@ pub enum GrantMode {
 impl TryFrom<String> for GrantMode {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
-        crate::config::one_of(&s, &[("mr", GrantMode::Mr), ("mw", GrantMode::Mw), ("region", GrantMode::Region)])
+        xfer_common::one_of(&s, &[("mr", GrantMode::Mr), ("mw", GrantMode::Mw), ("region", GrantMode::Region)])
     }
 }
 

@@ -1,10 +1,13 @@
 //! Vocabulary shared by the agent and xferctl, so both read the same text the same way: byte
-//! sizes ([`size`]), durations ([`duration`]) and facts about the host process ([`host`]).
+//! sizes ([`size`]), durations ([`duration`]), configuration words ([`words`]) and facts about the
+//! host process ([`host`]).
 #![forbid(unsafe_code)]
 
 pub mod duration;
 pub mod host;
 pub mod size;
+pub mod words;
 
 pub use duration::{parse_duration, HumanDuration};
+pub use words::one_of;
 pub use size::{format_bytes, format_size_compact, parse_size, ByteSize};

@@ -52,6 +52,10 @@ pub struct Opt {
     /// Print the transfer id and return without waiting for the transfer to finish.
     #[arg(long)]
     pub no_wait: bool,
+    /// On Ctrl-C, stop following the transfer and leave it running (prints its id). Without
+    /// it, Ctrl-C cancels the transfer, waits for it to stop and says so (exit 11).
+    #[arg(long)]
+    pub detach: bool,
 }
 
 /// Transfer tuning shared by `cp` and `demo`.
@@ -129,6 +133,9 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     };
     let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning)?;
     let mut client = ctx.connect(&plan.initiator).await?;
+    // Registered before the submit, so a Ctrl-C at any moment after it is ours (a handler first
+    // installed when the wait starts would leave a window where Ctrl-C kills xferctl outright).
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("handling Ctrl-C")?;
     let started = Instant::now();
     let t = submit(&mut client, &plan).await?;
     if opt.no_wait {
@@ -138,7 +145,20 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             ctx.print(&format!("{}\n", t.id))
         };
     }
-    let t = progress::watch(&mut client, &t.id, true).await?;
+    let id = t.id.clone();
+    let t = tokio::select! {
+        t = progress::watch(&mut client, &id, true) => t?,
+        _ = interrupt.recv() => {
+            if opt.detach {
+                eprintln!("detached: transfer {id} keeps running (follow it with `xferctl transfer watch {id}`)");
+                return if ctx.json { ctx.print_json(&serde_json::json!({"id": id, "detached": true})) } else { ctx.print(&format!("{id}\n")) };
+            }
+            // Like scp or rclone: an interrupted copy is stopped, and the user is told.
+            eprintln!("interrupted: cancelling transfer {id}");
+            let mut c = ctx.connect(&plan.initiator).await?;
+            progress::cancel_and_wait(&mut c, &id).await?
+        }
+    };
     if ctx.json {
         ctx.print_json(&view::transfer_json(&t))?;
     }

@@ -1,9 +1,9 @@
 //! `xferctl transfer cancel ID`.
 
-use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::CancelTransferRequest;
+use xfer_proto::v1::TransferState;
 
+use crate::progress;
 use crate::view;
 use crate::Ctx;
 
@@ -15,20 +15,14 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let mut client = ctx.client().await?;
-    let t = client
-        .cancel_transfer(CancelTransferRequest { id: opt.id.clone() })
-        .await
-        .with_context(|| format!("cancelling transfer {}", opt.id))?
-        .into_inner();
+    // The cancel's answer is the record at that instant (still RUNNING): follow it until it has
+    // stopped, and report that.
+    let t = progress::cancel_and_wait(&mut client, &opt.id).await?;
     if ctx.json {
         ctx.print_json(&view::transfer_json(&t))
     } else {
-        ctx.print(&format!(
-            "transfer {}: {} ({} of {} bytes done)\n",
-            t.id,
-            view::state_name(t.state),
-            t.bytes_done,
-            t.length
-        ))
+        let state = view::state_name(t.state);
+        let what = if t.state == TransferState::Cancelled as i32 { "cancelled".to_string() } else { format!("had already {state}") };
+        ctx.print(&format!("transfer {}: {what} ({} of {} bytes done)\n", t.id, t.bytes_done, t.length))
     }
 }
