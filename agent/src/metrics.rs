@@ -61,27 +61,36 @@ pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
             upkeep.run_upkeep();
         }
     });
-    tokio::spawn(serve(listener, handle));
+    // process_* (CPU, RSS, open and max fds, threads, start time), the names every Prometheus
+    // client exports and dashboards expect; refreshed on each scrape.
+    let process = metrics_process::Collector::default();
+    process.describe();
+    tokio::spawn(serve(listener, handle, process));
     describe();
     Ok(())
 }
 
 /// The HTTP/1 scrape endpoint: every accepted connection gets the text exposition format.
-async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
+async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle, process: metrics_process::Collector) {
     use futures::StreamExt;
     let cap = crate::sys::probe_cap(crate::sys::nofile());
     let limit = crate::sys::ConnLimit::new("metrics", cap);
     let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics", limit));
     while let Some(Ok(stream)) = incoming.next().await {
-        let handle = handle.clone();
+        let (handle, process) = (handle.clone(), process.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let handle = handle.clone();
+                let (handle, process) = (handle.clone(), process.clone());
                 async move {
                     let (body, content_type) = if req.uri().path() == "/health" {
                         ("OK".to_string(), "text/plain")
                     } else {
-                        (tokio::task::spawn_blocking(move || handle.render()).await.unwrap_or_default(), "text/plain")
+                        // Reading /proc/self is file IO: on the blocking pool, with the render.
+                        let render = move || {
+                            process.collect();
+                            handle.render()
+                        };
+                        (tokio::task::spawn_blocking(render).await.unwrap_or_default(), "text/plain")
                     };
                     let mut response = hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from(body)));
                     response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));

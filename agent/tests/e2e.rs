@@ -445,7 +445,16 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
     // the same), metrics and health.
     let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.data_address, format!("127.0.0.1:{}", p.data));
-    assert!(scrape(&a).contains("xfer_build_info"), "metrics served on the reported port");
+    let text = scrape(&a);
+    assert!(text.contains("xfer_build_info"), "metrics served on the reported port");
+    // process_* as every Prometheus client exports them (CPU, memory, descriptors).
+    assert!(text.contains("# TYPE process_cpu_seconds_total counter"), "{text}");
+    assert!(metric(&text, "process_resident_memory_bytes") > 0.0, "{text}");
+    assert!(metric(&text, "process_open_fds") >= 3.0, "{text}");
+    assert!(metric(&text, "process_threads") >= 1.0, "{text}");
+    // The agent raises its soft open-file limit to the hard one it inherited from this test.
+    let (_, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).unwrap();
+    assert_eq!(metric(&text, "process_max_fds"), hard as f64, "{text}");
     let ch = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", p.health)).unwrap().connect().await.unwrap();
     let r = tonic_health::pb::health_client::HealthClient::new(ch)
         .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
