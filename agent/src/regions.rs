@@ -638,9 +638,14 @@ impl RegionRegistry {
         };
         let created_now = opened.created_now;
         let memory = Arc::new(opened.memory);
-        // The fabric records xfer_registration_duration_seconds (verbs: around ibv_reg_mr).
+        // xfer_registration_duration_seconds on every fabric (verbs: ibv_reg_mr pins the pages;
+        // tcp registers nothing, and its near-zero times say so instead of an empty panel).
+        let started = std::time::Instant::now();
         let registration = match self.fabric.register(memory.clone(), spec.access) {
-            Ok(r) => r,
+            Ok(r) => {
+                crate::metrics::registration_duration(started.elapsed());
+                r
+            }
             Err(e) => {
                 if created_now {
                     if let Some(obj) = &opened.path {

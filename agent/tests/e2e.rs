@@ -445,8 +445,15 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
     // the same), metrics and health.
     let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.data_address, format!("127.0.0.1:{}", p.data));
+    a.client()
+        .await
+        .create_region(pb::CreateRegionRequest { name: "r1".into(), length: 1 << 20, ..Default::default() })
+        .await
+        .unwrap();
     let text = scrape(&a);
     assert!(text.contains("xfer_build_info"), "metrics served on the reported port");
+    // Registration time is recorded on the tcp fabric too (the dashboard's panel is not empty).
+    assert_eq!(metric(&text, "xfer_registration_duration_seconds_count"), 1.0, "{text}");
     // process_* as every Prometheus client exports them (CPU, memory, descriptors).
     assert!(text.contains("# TYPE process_cpu_seconds_total counter"), "{text}");
     assert!(metric(&text, "process_resident_memory_bytes") > 0.0, "{text}");

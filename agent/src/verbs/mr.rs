@@ -2,7 +2,6 @@
 //! The MR itself (registration, and the memory it keeps alive) is `xfer_rdma::mr::Mr`; grant mode
 //! `mr` registers a dedicated `Mr` per grant (`fabric::expose_now`).
 use std::sync::Arc;
-use std::time::Instant;
 
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
@@ -83,9 +82,8 @@ impl VerbsRegistration {
         mode: GrantMode,
     ) -> Result<Self, FabricError> {
         let flags = region_flags(memory.writable(), access, mode)?;
-        let started = Instant::now();
+        // Timed by the caller (`regions`, xfer_registration_duration_seconds on every fabric).
         let mr = Mr::register(pd, &memory, 0, memory.len(), flags)?;
-        crate::metrics::registration_duration(started.elapsed());
         Ok(VerbsRegistration { mr, access, flags })
     }
 }
