@@ -223,9 +223,10 @@ impl Node {
     /// check, the checksum and `Peer.Complete`.
     async fn drive(&self, handle: &TransferHandle, plan: &mut Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Failure> {
         let Plan { session: s, held, local, algo, .. } = plan;
+        // The session accepts only with a grant, and `held` keeps it until the session's own
+        // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
         let Some((remote_addr, key)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone())) else {
-            // Cancelled before it started: the session finishes without the grant being read.
-            return finish_without_data(s, held);
+            return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
         let registration = local.0.registration.clone();
         let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
@@ -274,12 +275,9 @@ impl Node {
             let Some(lease) = held.lease.as_mut() else {
                 return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
             };
-            match wait(lease, &handle.cancel, s.poll_timeout()).await {
-                Wake::Completions(cs) => {
-                    for c in cs {
-                        s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status });
-                    }
-                }
+            let deadline = s.poll_timeout();
+            match wait(lease, &handle.cancel, deadline, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status })).await {
+                Wake::Completions => {}
                 Wake::Closed => s.handle(Event::ConnectionClosed),
                 Wake::Cancelled => s.handle(Event::Cancel),
                 Wake::Timeout => s.handle_timeout(Instant::now()),
@@ -344,14 +342,6 @@ impl Node {
         Ok(h.snapshot())
     }
 
-}
-
-/// A session that ends before any data moved (cancelled between submit and start).
-fn finish_without_data(s: &mut Session, held: &mut Held) -> Result<Option<u64>, Failure> {
-    match held.settle(s) {
-        Some(Command::Finish(r)) => r,
-        other => Err(Failure::new(FailureCode::Internal, format!("transfer started without its grant ({other:?})"))),
-    }
 }
 
 fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Instant) {

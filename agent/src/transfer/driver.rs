@@ -19,8 +19,9 @@ pub struct LatencyProbe {
 
 /// What woke a transfer that was waiting.
 pub enum Wake {
-    /// One or more completions (the first, then whatever else was already queued: a batch).
-    Completions(Vec<Completion>),
+    /// One or more completions, each already handed to `on_completion` (the first, then whatever
+    /// else was queued: a batch, with no allocation on this hot path).
+    Completions,
     /// The connection's completion channel closed.
     Closed,
     Cancelled,
@@ -28,8 +29,14 @@ pub enum Wake {
     Timeout,
 }
 
-/// Waits for the next completions on `lease`, a cancel, or `deadline`.
-pub async fn wait(lease: &mut Lease, cancel: &CancellationToken, deadline: Option<Instant>) -> Wake {
+/// Waits for the next completions on `lease` (each passed to `on_completion`), a cancel, or
+/// `deadline`.
+pub async fn wait(
+    lease: &mut Lease,
+    cancel: &CancellationToken,
+    deadline: Option<Instant>,
+    mut on_completion: impl FnMut(Completion),
+) -> Wake {
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -39,11 +46,11 @@ pub async fn wait(lease: &mut Lease, cancel: &CancellationToken, deadline: Optio
     tokio::select! {
         c = lease.completions().recv() => match c {
             Some(c) => {
-                let mut batch = vec![c];
+                on_completion(c);
                 while let Ok(c) = lease.completions().try_recv() {
-                    batch.push(c);
+                    on_completion(c);
                 }
-                Wake::Completions(batch)
+                Wake::Completions
             }
             None => Wake::Closed,
         },
@@ -75,12 +82,9 @@ pub async fn pump(
         if machine.is_done() {
             break;
         }
-        match wait(lease, cancel, machine.poll_timeout()).await {
-            Wake::Completions(cs) => {
-                for c in cs {
-                    complete(machine, &mut probe, c.qp, c.wr_id, c.status);
-                }
-            }
+        let deadline = machine.poll_timeout();
+        match wait(lease, cancel, deadline, |c| complete(machine, &mut probe, c.qp, c.wr_id, c.status)).await {
+            Wake::Completions => {}
             Wake::Closed => machine.handle_post_error(u64::MAX, "connection closed".into()),
             Wake::Cancelled => machine.handle_cancel(),
             Wake::Timeout => machine.handle_timeout(Instant::now()),

@@ -160,22 +160,12 @@ impl Session {
         }
     }
 
-    /// The transfer's length once accepted.
-    pub fn length(&self) -> u64 {
-        self.length
-    }
-
     pub fn bytes_done(&self) -> u64 {
         self.bytes_done
     }
 
     pub fn is_done(&self) -> bool {
         matches!(self.phase, Phase::Done) && self.out.is_empty()
-    }
-
-    /// Whether the data phase runs (the driver waits for completions, cancel and time only then).
-    pub fn is_running(&self) -> bool {
-        matches!(self.phase, Phase::Running(_))
     }
 
     /// Starts moving data (after `Accept`); the deadline is `now + timeout`.

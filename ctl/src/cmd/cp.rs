@@ -155,8 +155,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             }
             // Like scp or rclone: an interrupted copy is stopped, and the user is told.
             eprintln!("interrupted: cancelling transfer {id}");
-            let mut c = ctx.connect(&plan.initiator).await?;
-            progress::cancel_and_wait(&mut c, &id).await?
+            // The watch future is dropped before this handler runs, so its client is free again.
+            progress::cancel_and_wait(&mut client, &id).await?
         }
     };
     if ctx.json {
