@@ -63,7 +63,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
         },
     };
     if want_verbs {
-        let f = crate::verbs::open_fabric(cfg.verbs_options()).map_err(StartError::Fabric)?;
+        let f = crate::verbs::open_fabric(cfg.verbs_options(), grants.clone()).map_err(StartError::Fabric)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         return Ok((f, reason.to_string()));
     }

@@ -73,6 +73,10 @@ pub struct TransferConfig {
     pub qps: usize,
     pub signal_every: usize,
     pub timeout: HumanDuration,
+    /// Most segments one batch may list (SubmitTransfer.segments): RESOURCE_EXHAUSTED above.
+    pub max_segments: usize,
+    /// Largest notification tag this agent sends or accepts, in bytes.
+    pub max_notify_bytes: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -367,6 +371,12 @@ impl Default for LogConfig {
     }
 }
 
+/// Upper bounds of `transfer.max_segments` and `transfer.max_notify_bytes`. A segment costs at
+/// most ~35 bytes of a SubmitTransfer message, so the default 65,536 fit gRPC's 4 MiB message
+/// limit; the ceiling only keeps a typo from disabling the bound. A tag is metadata, not data.
+const MAX_SEGMENTS_CEILING: usize = 1 << 20;
+const MAX_NOTIFY_CEILING: usize = 64 << 10;
+
 impl Default for TransferConfig {
     fn default() -> Self {
         TransferConfig {
@@ -375,6 +385,8 @@ impl Default for TransferConfig {
             qps: 2,
             signal_every: 4,
             timeout: HumanDuration(Duration::from_secs(300)),
+            max_segments: 65_536,
+            max_notify_bytes: 1024,
         }
     }
 }
@@ -529,6 +541,12 @@ impl Config {
         crate::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
         if t.signal_every == 0 {
             return Err(bad("transfer.signal_every", "must be at least 1"));
+        }
+        if !(1..=MAX_SEGMENTS_CEILING).contains(&t.max_segments) {
+            return Err(bad("transfer.max_segments", format!("must be between 1 and {MAX_SEGMENTS_CEILING}")));
+        }
+        if t.max_notify_bytes > MAX_NOTIFY_CEILING {
+            return Err(bad("transfer.max_notify_bytes", format!("must be at most {MAX_NOTIFY_CEILING}")));
         }
         // The verbs fabric's own checks (one place for the retry and timeout bounds).
         self.verbs_options().validate().map_err(|e| match e {

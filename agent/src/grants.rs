@@ -10,6 +10,7 @@ use std::time::SystemTime;
 use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
+use crate::notify::{About, Hub, Pending, Via};
 use crate::regions::Region;
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +40,9 @@ pub struct Grant {
     /// Held by every tcp WRITE payload being stored under this grant; revoked when the grant
     /// leaves the table, which waits for a chunk being copied and closes streams mid-payload.
     pub lease: Arc<GrantLease>,
+    /// The notification the grantee asked for (`GrantRequest.notify`); its slot is set by
+    /// [`GrantTable::insert`].
+    pub notify: Option<Pending>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -58,6 +62,9 @@ impl std::fmt::Debug for Grant {
 struct Inner {
     by_id: HashMap<crate::ids::GrantId, Arc<Grant>>,
     by_token: HashMap<[u8; 16], Arc<Grant>>,
+    /// Grants with a notification, by its slot (what a verbs marker's immediate names).
+    by_slot: HashMap<u32, Arc<Grant>>,
+    next_slot: u32,
     /// Ids of grants the reaper removed, so a late `Complete`/`Revoke` hears "expired" rather
     /// than "not found". Bounded (oldest forgotten first).
     expired: std::collections::VecDeque<crate::ids::GrantId>,
@@ -69,11 +76,20 @@ const EXPIRED_MEMORY: usize = 4096;
 pub struct GrantTable {
     inner: RwLock<Inner>,
     max_per_peer: usize,
+    hub: Arc<Hub>,
 }
+
+/// Notifications a `WatchInbound` subscriber may fall behind by before it is told it lost some.
+const NOTIFY_BACKLOG: usize = 4096;
 
 impl GrantTable {
     pub fn new(max_per_peer: usize) -> Self {
-        GrantTable { inner: RwLock::new(Inner::default()), max_per_peer }
+        GrantTable { inner: RwLock::new(Inner::default()), max_per_peer, hub: Arc::new(Hub::new(NOTIFY_BACKLOG)) }
+    }
+
+    /// Where notifications are published (`WatchInbound` subscribes here).
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
@@ -85,15 +101,30 @@ impl GrantTable {
         self.inner.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn insert(&self, grant: Grant) -> Result<Arc<Grant>, GrantError> {
-        let grant = Arc::new(grant);
+    pub fn insert(&self, mut grant: Grant) -> Result<Arc<Grant>, GrantError> {
         let mut g = self.write();
         let count = g.by_id.values().filter(|x| x.peer == grant.peer).count();
         if count >= self.max_per_peer {
             return Err(GrantError::Limit(format!("max_grants_per_peer = {}", self.max_per_peer)));
         }
+        if let Some(n) = grant.notify.as_mut() {
+            // A free, non-zero slot: the table holds far fewer grants than 2^32.
+            let mut slot = g.next_slot;
+            loop {
+                slot = slot.wrapping_add(1);
+                if slot != 0 && !g.by_slot.contains_key(&slot) {
+                    break;
+                }
+            }
+            g.next_slot = slot;
+            n.slot = slot;
+        }
+        let grant = Arc::new(grant);
         if let RemoteKey::Token(t) = grant.exposure.key {
             g.by_token.insert(t, grant.clone());
+        }
+        if let Some(n) = &grant.notify {
+            g.by_slot.insert(n.slot, grant.clone());
         }
         g.by_id.insert(grant.id.clone(), grant.clone());
         m::grants_active(g.by_id.len());
@@ -178,6 +209,9 @@ impl GrantTable {
                 if let RemoteKey::Token(t) = grant.exposure.key {
                     g.by_token.remove(&t);
                 }
+                if let Some(n) = &grant.notify {
+                    g.by_slot.remove(&n.slot);
+                }
                 out.push(grant);
             }
         }
@@ -192,7 +226,64 @@ impl GrantTable {
     }
 }
 
+impl GrantTable {
+    /// Publishes `grant`'s notification, if it has one not yet published (`Peer.Complete`: every
+    /// work request of the batch completed at the initiator, so every byte is in place).
+    pub fn publish_on_complete(&self, grant: &Grant) -> bool {
+        grant.notify.as_ref().is_some_and(|n| self.hub.publish(n, about(grant), Via::Complete))
+    }
+
+    /// Counts a marker for `grant` that arrived on `connection`; publishes when it was the last.
+    fn count_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId) -> Result<(), WcStatus> {
+        // A marker counts only on the connection the grant was asked on, and only while the
+        // grant is live (a revoked grant's batch was cancelled or failed).
+        if grant.connection_id.as_ref() != Some(connection) || !grant.lease.is_live() {
+            m::notify_marker("refused");
+            return Err(WcStatus::RemAccessErr);
+        }
+        let Some(n) = &grant.notify else {
+            m::notify_marker("no_notification");
+            return Err(WcStatus::RemInvReqErr);
+        };
+        m::notify_marker("counted");
+        if n.marker() {
+            self.hub.publish(n, about(grant), Via::Fabric);
+        }
+        Ok(())
+    }
+
+    /// A tcp NOTIFY frame: the marker names its grant by token.
+    pub fn marker_by_token(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
+        let Some(grant) = self.read().by_token.get(token).cloned() else {
+            m::notify_marker("refused");
+            return Err(WcStatus::RemAccessErr);
+        };
+        self.count_marker(&grant, connection)
+    }
+}
+
+fn about(g: &Grant) -> About<'_> {
+    About { region: &g.region.name, region_id: &g.region.id, peer: &g.peer, op: g.op, offset: g.offset, length: g.len }
+}
+
+impl crate::fabric::MarkerSink for GrantTable {
+    /// A verbs marker: the immediate of a zero-length WRITE WITH IMMEDIATE names the slot.
+    fn marker(&self, connection: &crate::ids::ConnectionId, slot: u32) {
+        let grant = self.read().by_slot.get(&slot).cloned();
+        match grant {
+            Some(g) => {
+                let _ = self.count_marker(&g, connection);
+            }
+            None => m::notify_marker("unknown_slot"),
+        }
+    }
+}
+
 impl AccessCheck for GrantTable {
+    fn marker(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
+        self.marker_by_token(connection, token)
+    }
+
     fn check(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
         let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
         // A token is valid only on the data streams of the connection it was granted on.

@@ -27,6 +27,7 @@ pub mod identity;
 pub mod ids;
 pub mod metrics;
 pub mod node;
+pub mod notify;
 pub mod peer_api;
 pub mod peers;
 pub mod regions;

@@ -38,6 +38,11 @@ pub const CATALOG_WRITE_FAILURES: &str = "xfer_catalog_write_failures_total";
 pub const LISTENER_CONNECTIONS: &str = "xfer_listener_connections";
 pub const LISTENER_CONNECTIONS_REFUSED: &str = "xfer_listener_connections_refused_total";
 pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
+pub const BATCHES: &str = "xfer_batches_total";
+pub const BATCH_SEGMENTS: &str = "xfer_batch_segments_total";
+pub const NOTIFICATIONS: &str = "xfer_notifications_total";
+pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
+pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 
 /// Installs the Prometheus recorder, serves it over HTTP on `listener` (GET /metrics, or any
 /// path; `/health` answers `OK`), and describes every metric. The caller binds the listener, so
@@ -152,7 +157,48 @@ pub fn describe() {
     describe_counter!(LISTENER_CONNECTIONS_REFUSED, Unit::Count, "Sockets a control listener closed at once because it was at its cap (limits.max_grpc_connections for grpc; health and metrics at most 64 each).");
     describe_counter!(CATALOG_WRITE_FAILURES, Unit::Count, "Catalog (regions.json) writes that failed after a region was deleted or expired; the catalog is rewritten later (regions.retry_interval).");
     describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
+    describe_counter!(BATCHES, Unit::Count, "Transfers submitted with a segment list (SubmitTransfer.segments), by operation.");
+    describe_counter!(
+        BATCH_SEGMENTS,
+        Unit::Count,
+        "Segments of submitted batches, by operation and form (asked: as listed; posted: after coalescing contiguous ones)."
+    );
+    describe_counter!(
+        NOTIFICATIONS,
+        Unit::Count,
+        "Notifications published to WatchInbound subscribers on this (target) agent, by how they were known (fabric: every marker arrived behind the data; complete: Peer.Complete came first)."
+    );
+    describe_counter!(
+        NOTIFY_MARKERS,
+        Unit::Count,
+        "Notification markers that arrived on this agent, by result (counted; refused: wrong connection or revoked grant; unknown_slot; no_notification: the grant asked for none; no_immediate; no_sink)."
+    );
+    describe_histogram!(
+        NOTIFICATION_DELAY,
+        Unit::Seconds,
+        "From the first marker of a batch arriving to its notification being published (the spread of the batch's last WRs over its QPs, plus dispatch); via=complete when Peer.Complete published it."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// A batch was submitted: `asked` segments, `posted` after coalescing.
+pub fn batch_submitted(op: &'static str, asked: usize, posted: usize) {
+    counter!(BATCHES, "op" => op).increment(1);
+    counter!(BATCH_SEGMENTS, "op" => op, "form" => "asked").increment(asked as u64);
+    counter!(BATCH_SEGMENTS, "op" => op, "form" => "posted").increment(posted as u64);
+}
+
+/// A notification was published; `delay` from its first marker, if one arrived.
+pub fn notification_published(via: &'static str, delay: Option<Duration>) {
+    counter!(NOTIFICATIONS, "via" => via).increment(1);
+    if let Some(d) = delay {
+        histogram!(NOTIFICATION_DELAY, "via" => via).record(d.as_secs_f64());
+    }
+}
+
+/// A notification marker arrived (`result` is a closed set).
+pub fn notify_marker(result: &'static str) {
+    counter!(NOTIFY_MARKERS, "result" => result).increment(1);
 }
 
 /// Open connections of a control listener (grpc, health, metrics).

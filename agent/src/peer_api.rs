@@ -20,6 +20,8 @@ pub struct GrantInfo {
     pub expires_at: Option<SystemTime>,
     pub node_name: String,
     pub instance_id: String,
+    /// The notification slot the peer assigned (`GrantAsk::notify`); 0 = none.
+    pub notify_slot: u32,
 }
 
 impl std::fmt::Debug for GrantInfo {
@@ -35,7 +37,7 @@ impl std::fmt::Debug for GrantInfo {
 }
 
 /// What `Peer.Grant` is asked for.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct GrantAsk<'a> {
     pub region: &'a str,
     pub offset: u64,
@@ -43,6 +45,8 @@ pub struct GrantAsk<'a> {
     pub length: u64,
     pub op: RemoteOp,
     pub ttl: Duration,
+    /// Ask for a notification: (the tag, markers the initiator will send: one per QP).
+    pub notify: Option<(&'a [u8], u32)>,
 }
 
 #[derive(Debug, Clone)]

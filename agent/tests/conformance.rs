@@ -50,7 +50,7 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             cfg.verbs.device = var("_DEV");
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
-            xfer_agent::verbs::open_fabric(cfg.verbs_options()).unwrap()
+            xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
         }
     };
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
@@ -82,7 +82,7 @@ fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
 
 async fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
     s.node
-        .grant(&GrantParams { region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some(cid("conn-1")) }).await
+        .grant(&GrantParams { notify: None, region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some(cid("conn-1")) }).await
         .unwrap()
 }
 
@@ -182,7 +182,7 @@ async fn region_access_ceiling_is_enforced_at_grant_time(k: Kind) {
     let _conn = connect(&a, &b, 1, 8).await;
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
-    let p = |r: &str, op| GrantParams { region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some(cid("conn-1")) };
+    let p = |r: &str, op| GrantParams { notify: None, region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some(cid("conn-1")) };
     assert!(b.node.grant(&p("ro", RemoteOp::Write)).await.is_err(), "read-only region must not be granted for WRITE");
     assert!(b.node.grant(&p("wo", RemoteOp::Read)).await.is_err(), "write-only region must not be granted for READ");
     assert!(b.node.grant(&p("ro", RemoteOp::Read)).await.is_ok());
@@ -274,7 +274,7 @@ async fn a_grant_may_name_only_the_callers_own_connection(k: Kind) {
     let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
     region(&b, "dst", 8192, Access::ReadWrite);
     let (_conn, _rx) = connect(&a, &b, 1, 8).await;
-    let mut p = GrantParams {
+    let mut p = GrantParams { notify: None,
         region: "dst".into(),
         offset: 0,
         length: 4096,
@@ -298,7 +298,7 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
     let g = b
         .node
-        .grant(&GrantParams {
+        .grant(&GrantParams { notify: None,
             region: "dst".into(),
             offset: 0,
             length: 8192,

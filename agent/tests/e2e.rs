@@ -68,7 +68,7 @@ async fn bad_transfer_inputs_get_clear_statuses_and_change_nothing() {
     for r in ["dst", "ro", "wo"] {
         b.put(r, 0, &before).await;
     }
-    let req = |local: &str, remote: &str, op: pb::Op, loff: u64, roff: u64, len: u64| pb::SubmitTransferRequest {
+    let req = |local: &str, remote: &str, op: pb::Op, loff: u64, roff: u64, len: u64| pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: loff }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: remote.into(), offset: roff }),
@@ -168,7 +168,7 @@ async fn expired_grant_is_failed_precondition() {
     let mut stream = b.data_stream("c1").await;
     let mut p = b.peer_client().await;
     let g = p
-        .grant(pb::GrantRequest {
+        .grant(pb::GrantRequest { notify: None,
             region: "dst".into(),
             offset: 0,
             length: 4096,

@@ -78,6 +78,7 @@ impl PeerApi for LocalPeer {
             ttl: Some(ask.ttl),
             peer: A.to_string(),
             connection_id: Some(connection_id.clone()),
+            notify: ask.notify.map(|(t, m)| (t.to_vec(), m)),
         };
         let g = self.target.grant(&p).await.map_err(remote)?;
         if let Some(hold) = &self.hold_grant {
@@ -93,6 +94,7 @@ impl PeerApi for LocalPeer {
             expires_at: Some(g.expires_at),
             node_name: self.target.node_name().to_string(),
             instance_id: self.target.instance_id().to_string(),
+            notify_slot: g.notify.as_ref().map_or(0, |n| n.slot),
         })
     }
 
@@ -151,7 +153,7 @@ fn region(n: &Node, name: &str, len: u64, fill: u8) {
 }
 
 fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
-    TransferRequest {
+    TransferRequest { notify: None, segments: Vec::new(),
         op: Op::Write,
         local_region: local.into(),
         local_offset: 0,

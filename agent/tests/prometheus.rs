@@ -178,7 +178,7 @@ fn metrics_text(a: &Agent) -> String {
 }
 
 fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest {
+    pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),

@@ -277,7 +277,7 @@ fn modules_respect_the_layering() {
         &["checksum"],                     // over region memory (xfer-rdma)
         &["verbs", "fabric", "shape"],     // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
         &["config"],                       // the validated configuration
-        &["grants", "regions"],            // what peers may touch, and the memory itself
+        &["notify", "grants", "regions"],  // notifications, what peers may touch, and the memory itself
         &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool
         &["node"],                         // the operations, in domain types
         &["service"],                      // the protobuf boundary: gRPC servers and client

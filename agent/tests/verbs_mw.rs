@@ -45,8 +45,8 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.verbs.grant_mode = mode;
     cfg.listen = format!("{}:7470", var("")).parse().unwrap();
     cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
-    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options()).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
+    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, dev: var("_DEV"), _dir: dir }
 }
 
@@ -69,7 +69,7 @@ fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
 }
 
 fn params(region: &str, offset: u64, len: u64, op: RemoteOp, conn: Option<&str>) -> GrantParams {
-    GrantParams { region: region.into(), offset, length: len, op, ttl: None, peer: "a".into(), connection_id: conn.map(cid) }
+    GrantParams { notify: None, region: region.into(), offset, length: len, op, ttl: None, peer: "a".into(), connection_id: conn.map(cid) }
 }
 
 fn fill(r: &Region, seed: u8) -> Vec<u8> {

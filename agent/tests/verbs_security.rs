@@ -52,8 +52,8 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.verbs.grant_mode = mode;
     cfg.listen = format!("{}:7470", var(which, "")).parse().unwrap();
     cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
-    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options()).unwrap();
     let grants = Arc::new(GrantTable::new(1024));
+    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
     Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
 }
 
@@ -95,6 +95,7 @@ fn op_name(op: WrOp) -> &'static str {
     match op {
         WrOp::Write => "WRITE",
         WrOp::Read => "READ",
+        WrOp::Notify { .. } => "NOTIFY",
     }
 }
 
@@ -110,8 +111,8 @@ async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, o
     let id = format!("attack-{key_name}-{}", op_name(op));
     let (conn, mut rx) = connect(a, b, &id).await;
     let local = match op {
-        WrOp::Write => &src,
         WrOp::Read => &sink,
+        _ => &src,
     };
     let wr = WorkRequest {
         wr_id: 1,
@@ -145,6 +146,7 @@ async fn attack(a: &Side, b: &Side, target: &Region, key_name: &str, key: u32, o
                 assert!(sink_after == target_before, "the unscoped READ must bring every byte back");
                 assert!(target_unchanged, "a READ changed the target");
             }
+            WrOp::Notify { .. } => panic!("attacks are WRITEs and READs"),
         }
     } else {
         assert_eq!(
@@ -170,7 +172,7 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     let data = fill(&src, 0x77);
     fill(&sink, 0);
     let (conn, mut rx) = connect(a, b, "legit").await;
-    let params = |op| GrantParams {
+    let params = |op| GrantParams { notify: None,
         region: "target".into(),
         offset: 4096,
         length: 8192,

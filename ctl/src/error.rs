@@ -65,6 +65,13 @@ pub enum Failure {
     TransferCancelled { id: String, error: String },
     /// Data or checksums differ.
     VerifyMismatch(String),
+    /// Bad input xferctl found itself (a malformed file, a missing option): exit 2, like clap.
+    Usage(String),
+}
+
+/// A usage error (exit 2) with this message.
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(Failure::Usage(msg.into()))
 }
 
 impl fmt::Display for Failure {
@@ -101,6 +108,7 @@ impl fmt::Display for Failure {
                 }
             }
             Failure::VerifyMismatch(msg) => write!(f, "verification failed: {msg}"),
+            Failure::Usage(msg) => f.write_str(msg),
         }
     }
 }
@@ -117,6 +125,7 @@ impl Failure {
             Failure::TransferFailed { .. } => exit::TRANSFER_FAILED,
             Failure::TransferCancelled { .. } => exit::TRANSFER_CANCELLED,
             Failure::VerifyMismatch(_) => exit::VERIFY_MISMATCH,
+            Failure::Usage(_) => exit::USAGE,
         }
     }
 }

@@ -15,6 +15,7 @@
 //! - [`client`] — connecting to an agent.
 //! - [`progress`] — following a transfer with `WatchTransfer` and a progress bar.
 //! - [`view`] — JSON views and text tables of the protobuf messages (prost types have no serde).
+//! - [`segments`] — segment lists for `cp --segments` (one `SRC DST LEN` per line, strided blocks).
 //! - [`units`] — human sizes (`4KiB`, `1.5GiB`) and durations (`30s`).
 //! - [`target`] — agent addresses and `[AGENT:]REGION[@OFFSET]` locations.
 //!
@@ -45,6 +46,7 @@ pub mod client;
 pub mod cmd;
 pub mod error;
 pub mod progress;
+pub mod segments;
 pub mod target;
 pub mod units;
 pub mod view;

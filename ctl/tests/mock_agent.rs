@@ -117,6 +117,10 @@ impl Agent for Fake {
     async fn watch_transfer(&self, _: Request<WatchTransferRequest>) -> Result<Response<Self::WatchTransferStream>, Status> {
         Err(not_here())
     }
+    type WatchInboundStream = BoxStream<xfer_proto::v1::Notification>;
+    async fn watch_inbound(&self, _: Request<xfer_proto::v1::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
+        Err(not_here())
+    }
     async fn get_transfer(&self, _: Request<GetTransferRequest>) -> Result<Response<Transfer>, Status> {
         Err(not_here())
     }

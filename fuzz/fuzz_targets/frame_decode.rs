@@ -67,6 +67,13 @@ impl AccessCheck for FuzzGrants {
         self.memory.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
         Ok(Checked { memory: self.memory.clone(), offset, lease: self.lease.clone() })
     }
+
+    fn marker(&self, connection: &ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
+        if connection.as_str() != CONNECTION || !self.windows.iter().any(|w| &w.token == token) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(())
+    }
 }
 
 fn grants() -> &'static FuzzGrants {

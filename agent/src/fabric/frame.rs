@@ -9,6 +9,8 @@
 //! * `READ_REQ{id, token, addr, len}`; answered by `READ_RESP{id, status, len}` + payload when
 //!   status is 0.
 //! * `ACK{id}` / `NAK{id, status}`: status values are `ibv_wc_status` codes (see `WcStatus`).
+//! * `NOTIFY{id, token}`: a notification marker for the grant `token` names; no payload.
+//!   `flags & ACK_REQUESTED` asks for an ACK; a refused marker is NAKed.
 //!
 //! Decoding is pure and total: any 44 bytes decode to a header or a [`FrameError`]; it is fuzzed.
 
@@ -27,6 +29,7 @@ pub enum Kind {
     ReadResp = 3,
     Ack = 4,
     Nak = 5,
+    Notify = 6,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -114,13 +117,14 @@ impl Header {
             3 => Kind::ReadResp,
             4 => Kind::Ack,
             5 => Kind::Nak,
+            6 => Kind::Notify,
             k => return Err(FrameError::BadKind(k)),
         };
         let len = u32_at(24);
         if len > MAX_PAYLOAD {
             return Err(FrameError::TooLong(len));
         }
-        if matches!(kind, Kind::Ack | Kind::Nak) && len != 0 {
+        if matches!(kind, Kind::Ack | Kind::Nak | Kind::Notify) && len != 0 {
             return Err(FrameError::UnexpectedLen(kind));
         }
         let mut token = [0u8; 16];
@@ -180,6 +184,12 @@ mod tests {
         let mut h = Header::new(Kind::Nak, 1);
         h.len = 5;
         assert_eq!(Header::decode(&h.encode()), Err(FrameError::UnexpectedLen(Kind::Nak)));
+        // A NOTIFY carries no payload: a length would desynchronise the stream.
+        let mut h = Header::new(Kind::Notify, 1);
+        h.len = 5;
+        assert_eq!(Header::decode(&h.encode()), Err(FrameError::UnexpectedLen(Kind::Notify)));
+        h.len = 0;
+        assert_eq!(Header::decode(&h.encode()).map(|h| h.payload_len()), Ok(0));
     }
 
     #[test]

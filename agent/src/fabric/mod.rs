@@ -368,6 +368,18 @@ pub enum WrOp {
     Write,
     /// remote → local
     Read,
+    /// A zero-length notification marker for the grant's slot `slot` (`len` is 0): verbs posts
+    /// an RDMA WRITE WITH IMMEDIATE (`imm = slot`) under the grant's key, tcp a NOTIFY frame
+    /// under its token. It executes at the target after every earlier WR of its QP, and the
+    /// target's [`MarkerSink`] counts it.
+    Notify { slot: u32 },
+}
+
+/// Where a responder's fabric reports the notification markers that arrive on a connection it
+/// accepted (the grant table counts them and publishes the notification).
+pub trait MarkerSink: Send + Sync + 'static {
+    /// A marker naming `slot` arrived on a QP of `connection`, after every earlier WR there.
+    fn marker(&self, connection: &crate::ids::ConnectionId, slot: u32);
 }
 
 /// A one-sided work request. `wr_id` comes back in its [`Completion`].

@@ -153,6 +153,9 @@ pub trait AccessCheck: Send + Sync + 'static {
     /// remote address `addr`, for a frame that arrived on a data stream of connection
     /// `connection`.
     fn check(&self, connection: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
+    /// A NOTIFY frame (a notification marker) under `token` arrived on a data stream of
+    /// `connection`, after every earlier frame of that stream was served. `Err` NAKs it.
+    fn marker(&self, connection: &ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus>;
 }
 
 /// A frame that passed [`AccessCheck::check`]: where its bytes go, and the lease of the grant
@@ -687,9 +690,15 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
             ctx.fail(WcStatus::LocQpOpErr);
             break;
         };
-        let mut h = Header::new(if wr.op == WrOp::Write { Kind::Write } else { Kind::ReadReq }, wr.wr_id);
+        let kind = match wr.op {
+            WrOp::Write => Kind::Write,
+            WrOp::Read => Kind::ReadReq,
+            WrOp::Notify { .. } => Kind::Notify,
+        };
+        let mut h = Header::new(kind, wr.wr_id);
         h.addr = wr.remote_addr;
-        h.len = wr.len;
+        // A NOTIFY names its grant by token; it carries no length.
+        h.len = if kind == Kind::Notify { 0 } else { wr.len };
         h.token = token;
         if wr.signaled {
             h.flags |= ACK_REQUESTED;
@@ -789,7 +798,7 @@ async fn handle_response(
     };
     let Some(p) = matched else { return Ok(Some(WcStatus::GeneralErr)) };
     match h.kind {
-        Kind::Ack if p.wr.op == WrOp::Write => {
+        Kind::Ack if matches!(p.wr.op, WrOp::Write | WrOp::Notify { .. }) => {
             ctx.complete(&p.wr, WcStatus::Success);
             Ok(None)
         }
@@ -1172,6 +1181,15 @@ where
                         resp.status = status.code();
                         wr.write_all(&resp.encode()).await?;
                     }
+                }
+            }
+            Kind::Notify => {
+                // Every earlier frame of this stream has been served (its bytes are in region
+                // memory): the marker may count.
+                match check.marker(connection, &h.token) {
+                    Ok(()) if h.flags & ACK_REQUESTED != 0 => wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?,
+                    Ok(()) => {}
+                    Err(status) => wr.write_all(&Header::nak(h.id, status).encode()).await?,
                 }
             }
             other => {

@@ -140,7 +140,7 @@ impl Node {
 
     async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600) };
+        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600), notify: None };
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
         let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
         let local = self
@@ -158,7 +158,8 @@ impl Node {
         let mut held = self.bench_acquire(peer, &ask, qps, depth).await?;
         let (lease, grant) = held_parts(&mut held)?;
         let mut machine = Machine::new(MachineConfig {
-            total: p.size * iters as u64,
+            segs: Arc::from([Seg { local: 0, remote: 0, len: p.size * iters as u64 }]),
+            markers: Markers::None,
             chunk: p.size,
             qps: lease.qps(),
             depth,
@@ -182,7 +183,8 @@ impl Node {
         let mut held = self.bench_acquire(peer, &ask, 1, 1).await?;
         let (lease, grant) = held_parts(&mut held)?;
         let mut machine = Machine::new(MachineConfig {
-            total: p.size * lat_iters as u64,
+            segs: Arc::from([Seg { local: 0, remote: 0, len: p.size * lat_iters as u64 }]),
+            markers: Markers::None,
             chunk: p.size,
             qps: 1,
             depth: 1,
@@ -219,6 +221,8 @@ impl Node {
     async fn bench_acquire(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, TransferError> {
         let mut s = Session::new(SessionConfig {
             length: ask.length,
+            batch: None,
+            markers: Markers::None,
             local_name: "bench buffer".into(),
             local_length: ask.length,
             local_offset: 0,

@@ -7,7 +7,9 @@
 use super::*;
 use crate::shape;
 use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::batch::{Batch, Dest};
 use crate::transfer::driver::{wait, Wake};
+use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 
 impl Node {
@@ -36,15 +38,44 @@ impl Node {
                 local.name
             )));
         }
+        if let Some(tag) = &req.notify {
+            let max = self.config.transfer.max_notify_bytes;
+            if tag.len() > max {
+                return Err(TransferError::Invalid(format!(
+                    "notification tag of {} bytes; at most {max} allowed (transfer.max_notify_bytes)",
+                    tag.len()
+                )));
+            }
+        }
+        // A batch: its segments are checked (naming the bad one) and coalesced before anything
+        // is asked of the peer; the grant spans them.
+        let batch = if req.segments.is_empty() {
+            None
+        } else {
+            if req.local_offset != 0 || req.remote_offset != 0 || req.length != 0 {
+                return Err(TransferError::Invalid(
+                    "with segments, the local and remote offsets and the length come from the segments and must be 0".into(),
+                ));
+            }
+            if req.options.verify {
+                return Err(TransferError::Invalid(
+                    "verify checks one contiguous range; for a batch, compare ranges with Agent.Checksum on both agents".into(),
+                ));
+            }
+            let dest = if req.op == Op::Write { Dest::Remote } else { Dest::Local };
+            Some(Batch::new(&req.segments, &local.name, local.length, dest, self.config.transfer.max_segments)?)
+        };
         let length = match (req.op, req.length) {
             (Op::Write, 0) => local.length - req.local_offset,
             (_, n) => n,
         };
-        if req.op == Op::Write && length == 0 {
-            return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
-        }
-        if req.length != 0 || req.op == Op::Write {
-            local.check_range(req.local_offset, length)?;
+        if batch.is_none() {
+            if req.op == Op::Write && length == 0 {
+                return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+            }
+            if req.length != 0 || req.op == Op::Write {
+                local.check_range(req.local_offset, length)?;
+            }
         }
         let opts = &req.options;
         let t = &self.config.transfer;
@@ -57,8 +88,24 @@ impl Node {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,
         };
+        let markers = match (&req.notify, req.op) {
+            (None, _) => Markers::None,
+            (Some(_), Op::Write) => Markers::Pipelined,
+            (Some(_), Op::Read) => Markers::AfterData,
+        };
+        let (ask_offset, ask_length) = match &batch {
+            Some(b) => (b.remote_base(), b.remote_span()),
+            None => (req.remote_offset, length),
+        };
+        let segments = batch.as_ref().map_or(1, |b| b.len() as u64);
+        let local_lo = batch.as_ref().map_or(req.local_offset, |b| b.local_lo());
+        if let Some(b) = &batch {
+            m::batch_submitted(req.op.as_str(), b.asked(), b.len());
+        }
         let mut session = Session::new(SessionConfig {
             length,
+            batch,
+            markers,
             local_name: local.name.clone(),
             local_length: local.length,
             local_offset: req.local_offset,
@@ -70,7 +117,15 @@ impl Node {
         });
         // Connect first: the grant is bound to this connection (grant mode mw binds its windows
         // on the connection's QPs). Connect failures are submit errors (UNAVAILABLE, ...).
-        let ask = GrantAsk { region: &req.remote_region, offset: req.remote_offset, length, op: remote_op, ttl: timeout + Duration::from_secs(60) };
+        let ask = GrantAsk {
+            region: &req.remote_region,
+            offset: ask_offset,
+            length: ask_length,
+            op: remote_op,
+            ttl: timeout + Duration::from_secs(60),
+            // The markers count is the leased connection's QPs, filled in when the grant is asked.
+            notify: req.notify.as_deref().map(|t| (t, 0)),
+        };
         let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
@@ -86,10 +141,10 @@ impl Node {
             id: crate::ids::TransferId::random().to_string(),
             op: req.op,
             local_region: local.name.clone(),
-            local_offset: req.local_offset,
+            local_offset: local_lo,
             remote_agent: req.remote_agent.clone(),
             remote_region: req.remote_region.clone(),
-            remote_offset: req.remote_offset,
+            remote_offset: ask_offset,
             length,
             state: TransferState::Connecting,
             bytes_done: 0,
@@ -103,6 +158,8 @@ impl Node {
             checksum: None,
             peer: held.grant.as_ref().map(|g| g.info.node_name.clone()).unwrap_or_default(),
             inbound: false,
+            segments,
+            notify: req.notify.clone(),
         };
         let handle = self.transfers.insert(record);
         // The id it was stored under (the registry never replaces a record).
@@ -144,7 +201,18 @@ impl Node {
                     };
                     let peer = held.peer.clone();
                     let cid = lease.connection_id().clone();
-                    match peer.call(|| peer.client.grant(ask, me, &cid)).await {
+                    // A notification waits for one marker per QP of this connection.
+                    let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, lease.qps() as u32)), ..*ask };
+                    match peer.call(|| peer.client.grant(&ask, me, &cid)).await {
+                        Ok(g) if ask.notify.is_some() && g.notify_slot == 0 => {
+                            // An agent that predates notifications ignores the ask: refuse
+                            // rather than move bytes nobody will be told about.
+                            held.hold_grant(g);
+                            Event::GrantFailed(TransferError::FailedPrecondition(format!(
+                                "peer {} does not support notifications (its grant carries no notification slot)",
+                                peer.addr
+                            )))
+                        }
                         Ok(g) => {
                             peer.observe(&g.node_name, &g.instance_id);
                             let same_instance = g.instance_id == lease.instance_id();
@@ -225,7 +293,7 @@ impl Node {
         let Plan { session: s, held, local, algo, .. } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
-        let Some((remote_addr, key)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone())) else {
+        let Some((remote_addr, key, notify_slot)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone(), g.info.notify_slot)) else {
             return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
         let registration = local.0.registration.clone();
@@ -237,11 +305,11 @@ impl Node {
                     Command::Post(p) => {
                         let wr = WorkRequest {
                             wr_id: p.seq,
-                            op,
+                            op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
                             local: registration.clone(),
-                            local_offset: rec.local_offset + p.offset,
+                            local_offset: p.local,
                             len: p.len,
-                            remote_addr: remote_addr + p.offset,
+                            remote_addr: remote_addr + p.remote,
                             remote_key: key.clone(),
                             signaled: p.signaled,
                         };

@@ -30,7 +30,8 @@ use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError,
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::transfer::driver::{pump, LatencyProbe};
-use crate::transfer::machine::{Machine, MachineConfig, State};
+use crate::transfer::batch::Seg;
+use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
 use xfer_rdma::memory::RegionMemory;

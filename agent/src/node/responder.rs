@@ -17,6 +17,8 @@ pub struct GrantParams {
     /// The grantee's connection to bind the grant to (`GrantRequest.connection_id`). Grant mode
     /// `mw` on verbs needs it: the windows are bound on that connection's QPs.
     pub connection_id: Option<ConnectionId>,
+    /// A notification (`GrantRequest.notify`): the tag and the markers to expect.
+    pub notify: Option<(Vec<u8>, u32)>,
 }
 
 /// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
@@ -117,6 +119,32 @@ impl Node {
     }
 
     pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
+        // A peer's notification ask is checked before anything is looked up or exposed.
+        let notify = match &p.notify {
+            None => None,
+            Some((tag, markers)) => {
+                let max = self.config.transfer.max_notify_bytes;
+                if tag.len() > max {
+                    return Err(TransferError::Invalid(format!(
+                        "notification tag of {} bytes; this agent takes at most {max} (transfer.max_notify_bytes)",
+                        tag.len()
+                    )));
+                }
+                if *markers == 0 || *markers as usize > *crate::shape::QPS.end() {
+                    return Err(TransferError::Invalid(format!(
+                        "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
+                        *crate::shape::QPS.end()
+                    )));
+                }
+                if p.connection_id.is_none() {
+                    return Err(TransferError::FailedPrecondition(
+                        "a notification is counted on the grantee's connection: the grant request must name a connection                          the caller made with Peer.Connect (connection_id)"
+                            .into(),
+                    ));
+                }
+                Some((tag.clone(), *markers))
+            }
+        };
         let region = self.regions.get(&p.region)?;
         if !region.access.allows(p.op) {
             return Err(TransferError::PermissionDenied(format!(
@@ -170,6 +198,7 @@ impl Node {
             exposure,
             connection_id: p.connection_id.clone(),
             lease: crate::fabric::tcp::GrantLease::new(expires_at),
+            notify: notify.map(|(tag, markers)| crate::notify::Pending::new(tag, markers)),
         };
         let grant = self.grants.insert(grant)?;
         // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
@@ -217,6 +246,26 @@ impl Node {
         }
     }
 
+    /// Subscribes to the notifications published on this agent (`WatchInbound`), with the id of
+    /// `region` (a name or id; empty = every region) to filter on. Subscribed before the lookup,
+    /// so nothing published once this returns is missed.
+    pub fn watch_inbound(
+        &self,
+        region: &str,
+        tag: Option<&[u8]>,
+    ) -> Result<(Option<String>, tokio::sync::broadcast::Receiver<Arc<crate::notify::Notification>>), TransferError> {
+        let max = self.config.transfer.max_notify_bytes;
+        if tag.is_some_and(|t| t.len() > max) {
+            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
+        }
+        let rx = self.grants.hub().subscribe();
+        let id = match region {
+            "" => None,
+            r => Some(self.regions.get(r)?.id.clone()),
+        };
+        Ok((id, rx))
+    }
+
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
         let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
         self.grants.revoke(&g.id);
@@ -241,7 +290,9 @@ impl Node {
         if self.inbound.get(&record_id).is_ok() {
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
-        if bytes > g.len {
+        // A checksum covers the first `bytes` of the grant. Without one, `bytes` is the peer's
+        // count of what it moved, which a batch READing one block twice may put above the span.
+        if checksum.is_some() && bytes > g.len {
             return Err(TransferError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
         }
         let verdict = match checksum {
@@ -280,12 +331,19 @@ impl Node {
             checksum: verdict.map(|v| v.1),
             peer: peer.to_string(),
             inbound: true,
+            segments: 1,
+            notify: g.notify.as_ref().map(|n| n.tag.clone()),
         };
         if self.inbound.insert_new(rec).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
         m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
+        // Every WR of the batch completed at the initiator: if its markers have not all been
+        // seen yet, the notification is due now (published once either way).
+        if ok {
+            self.grants.publish_on_complete(&g);
+        }
         self.grants.revoke(&g.id);
         Ok(verdict)
     }

@@ -115,6 +115,7 @@ impl PeerApi for PeerClient {
             ttl: Some(convert::duration_to_pb(ask.ttl)),
             node_name: node_name.to_string(),
             connection_id: connection_id.to_string(),
+            notify: ask.notify.map(|(tag, markers)| pb::NotifyRequest { tag: tag.to_vec(), markers }),
         };
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
         let key = if !r.token.is_empty() {
@@ -137,6 +138,7 @@ impl PeerApi for PeerClient {
             expires_at: r.expires_at.and_then(convert::time_from_pb),
             node_name: r.node_name,
             instance_id: r.instance_id,
+            notify_slot: r.notify_slot,
         })
     }
 

@@ -202,6 +202,25 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
         checksum: t.checksum.unwrap_or(0),
         peer: t.peer.clone(),
         inbound: t.inbound,
+        segments: t.segments,
+        notify: t.notify.clone(),
+    }
+}
+
+/// A notification for a `WatchInbound` subscriber.
+pub fn notification_to_pb(n: &crate::notify::Notification) -> pb::Notification {
+    pb::Notification {
+        region: n.region.clone(),
+        peer: n.peer.clone(),
+        tag: n.tag.clone(),
+        op: match n.op {
+            RemoteOp::Write => pb::Op::Write,
+            RemoteOp::Read => pb::Op::Read,
+        } as i32,
+        offset: n.offset,
+        length: n.length,
+        at: Some(time_to_pb(n.at)),
+        via: n.via.as_str().to_string(),
     }
 }
 
@@ -327,6 +346,12 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
         remote_region: remote.region,
         remote_offset: remote.offset,
         length: r.length,
+        segments: r
+            .segments
+            .iter()
+            .map(|s| crate::transfer::batch::SegmentSpec { local: s.local_offset, remote: s.remote_offset, len: s.length })
+            .collect(),
+        notify: r.notify,
         options: TransferOptions {
             chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
             qps: (o.qps > 0).then_some(o.qps as usize),
@@ -372,7 +397,8 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         "" => None,
         id => Some(connection_id_from_pb(id)?),
     };
-    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id })
+    let notify = r.notify.map(|n| (n.tag, n.markers));
+    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id, notify })
 }
 
 // ---------------------------------------------------------------- errors → status
@@ -461,6 +487,8 @@ pub fn transfer_status(e: TransferError) -> Status {
         TransferError::Grant(g) => grant_status(g),
         TransferError::Invalid(m) => Status::invalid_argument(m),
         e @ TransferError::Shape(_) => Status::invalid_argument(e.to_string()),
+        e @ TransferError::Batch(crate::transfer::batch::BatchError::TooMany { .. }) => Status::resource_exhausted(e.to_string()),
+        e @ TransferError::Batch(_) => Status::invalid_argument(e.to_string()),
         TransferError::PermissionDenied(m) => Status::permission_denied(m),
         TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
         TransferError::UnknownConnection(m) => {

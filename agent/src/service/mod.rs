@@ -290,6 +290,39 @@ impl Agent for Services {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    type WatchInboundStream = Stream2<pb::Notification>;
+
+    async fn watch_inbound(&self, req: Request<pb::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
+        use tokio::sync::broadcast::error::RecvError;
+        let r = req.into_inner();
+        let (region_id, rx) = self.node.watch_inbound(&r.region, r.tag.as_deref()).map_err(transfer_status)?;
+        let tag = r.tag;
+        let stream = futures::stream::unfold(Some(rx), move |rx| {
+            let (region_id, tag) = (region_id.clone(), tag.clone());
+            async move {
+                let mut rx = rx?;
+                loop {
+                    match rx.recv().await {
+                        Ok(n) => {
+                            if region_id.as_ref().is_some_and(|id| *id != n.region_id) || tag.as_ref().is_some_and(|t| *t != n.tag) {
+                                continue;
+                            }
+                            return Some((Ok(notification_to_pb(&n)), Some(rx)));
+                        }
+                        Err(RecvError::Lagged(k)) => {
+                            let s = Status::data_loss(format!(
+                                "this subscriber fell {k} notifications behind and missed them; subscribe again"
+                            ));
+                            return Some((Err(s), None));
+                        }
+                        Err(RecvError::Closed) => return None,
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
     async fn get_transfer(&self, req: Request<pb::GetTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
         let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&h.snapshot())))
@@ -423,6 +456,7 @@ impl Peer for Services {
             instance_id: self.node.instance_id().to_string(),
             node_name: self.node.node_name().to_string(),
             qp_rkeys,
+            notify_slot: g.notify.as_ref().map_or(0, |n| n.slot),
         }))
     }
 

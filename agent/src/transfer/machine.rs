@@ -11,32 +11,58 @@
 //! slow or full QP never holds back the others, and every QP's window ends in a signaled WR
 //! whenever no run is open — the machine never waits on silent WRs. A successful signaled
 //! completion retires every earlier WR on its QP (RC ordering).
+//!
+//! A batch's segments are walked in order, each cut into chunks of at most `chunk` bytes (a
+//! segment never shares a WR with another: their addresses are not contiguous). With
+//! [`Markers`], the machine ends every QP with one zero-length *marker* WR that carries the
+//! batch's notification to the target; the transfer succeeds once the markers completed too.
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
+use super::batch::Seg;
 use crate::fabric::WcStatus;
 
-#[derive(Debug, Clone, Copy)]
+/// Whether and when the machine posts one notification marker per QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Markers {
+    None,
+    /// Right behind the QP's last data WR. For WRITEs: an RC QP (and a tcp stream) executes in
+    /// order at the target, so the marker arrives after every byte before it is in place.
+    Pipelined,
+    /// Once every data WR has completed. For READs: the target's memory has been read only when
+    /// the READ responses are back.
+    AfterData,
+}
+
+#[derive(Debug, Clone)]
 pub struct MachineConfig {
-    pub total: u64,
+    /// The segments, in order (never empty for a transfer).
+    pub segs: Arc<[Seg]>,
     pub chunk: u64,
     pub qps: usize,
     pub depth: usize,
     pub signal_every: usize,
     /// Absolute deadline for the whole transfer.
     pub deadline: Option<Instant>,
+    pub markers: Markers,
 }
 
 /// A work request to post.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Post {
     pub qp: usize,
-    /// Per-transfer sequence number (the chunk index); the driver uses it as `wr_id`.
+    /// Per-transfer sequence number (the chunk index; markers follow the chunks); the driver
+    /// uses it as `wr_id`.
     pub seq: u64,
-    /// Byte offset of the chunk inside the transfer.
-    pub offset: u64,
+    /// Absolute offset in the local region.
+    pub local: u64,
+    /// Offset from the grant's start.
+    pub remote: u64,
     pub len: u32,
     pub signaled: bool,
+    /// A zero-length notification marker (see [`Markers`]).
+    pub marker: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,6 +92,11 @@ pub struct Machine {
     cfg: MachineConfig,
     chunks: u64,
     next_chunk: u64,
+    /// Where the next chunk starts: a segment index and the offset inside it.
+    seg: usize,
+    seg_off: u64,
+    /// Per QP: its marker was posted.
+    marker_sent: Vec<bool>,
     windows: Vec<VecDeque<Outstanding>>,
     /// The open run: its QP and the chunks still to post in it (slots already reserved).
     run: Option<(usize, usize)>,
@@ -81,15 +112,21 @@ impl Machine {
         cfg.qps = cfg.qps.max(1);
         cfg.depth = cfg.depth.max(1);
         cfg.signal_every = cfg.signal_every.clamp(1, cfg.depth);
-        let chunks = cfg.total.div_ceil(cfg.chunk);
+        let chunk = cfg.chunk;
+        let chunks = cfg.segs.iter().map(|s| s.len.div_ceil(chunk)).fold(0u64, u64::saturating_add);
+        let marker_sent = vec![cfg.markers == Markers::None; cfg.qps];
+        let done = chunks == 0 && cfg.markers == Markers::None;
         Machine {
             chunks,
             next_chunk: 0,
+            seg: 0,
+            seg_off: 0,
+            marker_sent,
             windows: vec![VecDeque::new(); cfg.qps],
             run: None,
             next_qp: 0,
             bytes_done: 0,
-            state: if chunks == 0 { State::Succeeded } else { State::Running },
+            state: if done { State::Succeeded } else { State::Running },
             cfg,
         }
     }
@@ -113,8 +150,11 @@ impl Machine {
 
     /// The next WR to post, if a window has room.
     pub fn poll_transmit(&mut self) -> Option<Post> {
-        if self.state != State::Running || self.next_chunk >= self.chunks {
+        if self.state != State::Running {
             return None;
+        }
+        if self.next_chunk >= self.chunks {
+            return self.poll_marker();
         }
         let (qp, left) = match self.run {
             Some(run) => run,
@@ -129,11 +169,35 @@ impl Machine {
         let signaled = left <= 1;
         self.run = (!signaled).then_some((qp, left - 1));
         let c = self.next_chunk;
-        let offset = c * self.cfg.chunk;
-        let len = (self.cfg.total - offset).min(self.cfg.chunk) as u32;
-        self.windows[qp].push_back(Outstanding { seq: c, len });
+        // `next_chunk < chunks` means a segment with bytes left remains at `seg`.
+        let s = *self.cfg.segs.get(self.seg)?;
+        let len = (s.len - self.seg_off).min(self.cfg.chunk);
+        let post = Post { qp, seq: c, local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: len as u32, signaled, marker: false };
+        self.seg_off += len;
+        if self.seg_off >= s.len {
+            self.seg += 1;
+            self.seg_off = 0;
+        }
+        self.windows[qp].push_back(Outstanding { seq: c, len: post.len });
         self.next_chunk += 1;
-        Some(Post { qp, seq: c, offset, len, signaled })
+        Some(post)
+    }
+
+    /// The next marker, once every chunk is posted (and, for [`Markers::AfterData`], retired).
+    fn poll_marker(&mut self) -> Option<Post> {
+        if self.cfg.markers == Markers::AfterData && self.outstanding() > 0 {
+            return None;
+        }
+        let qp = (0..self.cfg.qps).find(|&q| !self.marker_sent[q] && self.windows[q].len() < self.cfg.depth)?;
+        self.marker_sent[qp] = true;
+        let seq = self.chunks.saturating_add(qp as u64);
+        self.windows[qp].push_back(Outstanding { seq, len: 0 });
+        Some(Post { qp, seq, local: 0, remote: 0, len: 0, signaled: true, marker: true })
+    }
+
+    /// Every chunk and marker posted.
+    fn all_posted(&self) -> bool {
+        self.next_chunk >= self.chunks && self.marker_sent.iter().all(|&m| m)
     }
 
     /// The QP with the most free window slots (ties: the first from `next_qp` on), if any has one.
@@ -163,7 +227,7 @@ impl Machine {
         let Some(o) = window.pop_front() else { return };
         if status.is_success() {
             self.bytes_done += o.len as u64;
-            if self.state == State::Running && self.next_chunk >= self.chunks && self.outstanding() == 0 {
+            if self.state == State::Running && self.all_posted() && self.outstanding() == 0 {
                 self.state = State::Succeeded;
             }
         } else if self.state == State::Running {
@@ -209,7 +273,8 @@ mod tests {
     use std::time::Duration;
 
     fn cfg(total: u64, chunk: u64, qps: usize, depth: usize, signal_every: usize) -> MachineConfig {
-        MachineConfig { total, chunk, qps, depth, signal_every, deadline: None }
+        let segs: Arc<[Seg]> = if total == 0 { Arc::from([]) } else { Arc::from([Seg { local: 0, remote: 0, len: total }]) };
+        MachineConfig { segs, chunk, qps, depth, signal_every, deadline: None, markers: Markers::None }
     }
 
     /// Drives a machine against a perfect in-order fabric: completes the signaled WRs in order.
@@ -245,7 +310,7 @@ mod tests {
         assert_eq!(m.bytes_done(), 10_007);
         let mut next = 0;
         for p in &posts {
-            assert_eq!(p.offset, next);
+            assert_eq!((p.local, p.remote), (next, next));
             next += p.len as u64;
         }
         assert_eq!(next, 10_007);
@@ -310,6 +375,92 @@ mod tests {
         }
         assert_eq!(stalled, 4, "QP 0 got one window and then no more");
         assert!(done_elsewhere >= 190, "QP 1 kept moving: {done_elsewhere}");
+    }
+
+    fn segs(v: &[(u64, u64, u64)]) -> Arc<[Seg]> {
+        v.iter().map(|&(local, remote, len)| Seg { local, remote, len }).collect()
+    }
+
+    /// Every byte of every segment is posted once, to the right place, and no WR crosses a
+    /// segment boundary.
+    #[test]
+    fn segments_are_walked_in_chunks_that_never_cross_them() {
+        let list = segs(&[(0, 500, 25), (100, 0, 1), (40, 30, 10)]);
+        let mut c = cfg(0, 10, 2, 3, 2);
+        c.segs = list.clone();
+        let mut m = Machine::new(c);
+        let posts = run_perfect(&mut m);
+        assert_eq!(m.state(), &State::Succeeded);
+        assert_eq!(m.bytes_done(), 36);
+        let got: Vec<(u64, u64, u32)> = posts.iter().map(|p| (p.local, p.remote, p.len)).collect();
+        assert_eq!(got, vec![(0, 500, 10), (10, 510, 10), (20, 520, 5), (100, 0, 1), (40, 30, 10)]);
+        assert!(posts.iter().all(|p| !p.marker));
+    }
+
+    /// Pipelined markers: one per QP (also a QP that carried no data), each behind that QP's
+    /// last data WR, and the transfer succeeds only once they completed.
+    #[test]
+    fn pipelined_markers_end_every_qp_and_gate_success() {
+        let mut c = cfg(3, 1, 4, 8, 1);
+        c.markers = Markers::Pipelined;
+        let mut m = Machine::new(c);
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(posts.iter().filter(|p| !p.marker).count(), 3);
+        let markers: Vec<&Post> = posts.iter().filter(|p| p.marker).collect();
+        assert_eq!(markers.iter().map(|p| p.qp).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert!(markers.iter().all(|p| p.signaled && p.len == 0));
+        for q in 0..4 {
+            let on_q: Vec<&Post> = posts.iter().filter(|p| p.qp == q).collect();
+            assert!(on_q.last().is_some_and(|p| p.marker), "QP {q} does not end in its marker");
+        }
+        // Data completes first: still running until every marker is back.
+        for p in posts.iter().filter(|p| !p.marker) {
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        assert_eq!(m.state(), &State::Running);
+        for p in &markers[..3] {
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        assert_eq!(m.state(), &State::Running);
+        m.handle_completion(markers[3].qp, markers[3].seq, WcStatus::Success);
+        assert_eq!(m.state(), &State::Succeeded);
+        assert_eq!(m.bytes_done(), 3);
+    }
+
+    /// After-data markers (READs) wait until every data WR is retired, and a failed marker
+    /// fails the transfer.
+    #[test]
+    fn after_data_markers_wait_for_the_data_and_can_fail() {
+        let mut c = cfg(4, 1, 2, 4, 2);
+        c.markers = Markers::AfterData;
+        let mut m = Machine::new(c);
+        let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(data.len(), 4);
+        assert!(data.iter().all(|p| !p.marker));
+        let signaled: Vec<&Post> = data.iter().filter(|p| p.signaled).collect();
+        m.handle_completion(signaled[0].qp, signaled[0].seq, WcStatus::Success);
+        assert_eq!(m.poll_transmit(), None, "a marker before the data is back");
+        m.handle_completion(signaled[1].qp, signaled[1].seq, WcStatus::Success);
+        let markers: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(markers.len(), 2);
+        assert!(markers.iter().all(|p| p.marker));
+        m.handle_completion(markers[0].qp, markers[0].seq, WcStatus::RemAccessErr);
+        assert!(matches!(m.state(), State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, .. })));
+    }
+
+    /// A full QP delays its marker; it goes out once the window has room.
+    #[test]
+    fn a_marker_waits_for_room_on_its_qp() {
+        let mut c = cfg(2, 1, 1, 2, 2);
+        c.markers = Markers::Pipelined;
+        let mut m = Machine::new(c);
+        let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(data.len(), 2, "window of 2 full of data");
+        m.handle_completion(0, data[1].seq, WcStatus::Success);
+        let marker = m.poll_transmit().expect("marker once there is room");
+        assert!(marker.marker);
+        m.handle_completion(0, marker.seq, WcStatus::Success);
+        assert_eq!(m.state(), &State::Succeeded);
     }
 
     #[test]

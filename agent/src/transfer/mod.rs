@@ -12,6 +12,7 @@ use crate::grants::GrantError;
 use crate::peer_api::PeerError;
 use crate::regions::RegionError;
 
+pub mod batch;
 pub mod driver;
 pub mod failure;
 pub mod machine;
@@ -73,6 +74,10 @@ pub struct TransferRequest {
     /// 0 = the rest of the source range
     pub length: u64,
     pub options: TransferOptions,
+    /// A batch (then the offsets and `length` above are 0); empty = one range.
+    pub segments: Vec<batch::SegmentSpec>,
+    /// Notify the target's `WatchInbound` subscribers with this tag once every byte landed.
+    pub notify: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone)]
@@ -98,6 +103,10 @@ pub struct TransferRecord {
     pub peer: String,
     /// Kept by the target when the initiator reported completion (`Peer.Complete`).
     pub inbound: bool,
+    /// Segments after coalescing (1 for a single range).
+    pub segments: u64,
+    /// The notification tag asked for.
+    pub notify: Option<Vec<u8>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +122,9 @@ pub enum TransferError {
     /// A chunk size, QP count or depth out of bounds (INVALID_ARGUMENT).
     #[error("{0}")]
     Shape(#[from] crate::shape::ShapeError),
+    /// A bad segment list (INVALID_ARGUMENT; too many segments: RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    Batch(#[from] batch::BatchError),
     #[error("{0}")]
     PermissionDenied(String),
     /// A peer named a connection this agent does not have (closed, or made with an earlier

@@ -24,7 +24,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::failure::{Failure, FailureCode};
-use super::machine::{Fault, Machine, MachineConfig, Post, State};
+use super::batch::Batch;
+use super::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
 use super::TransferError;
 use crate::fabric::WcStatus;
 
@@ -32,7 +33,13 @@ use crate::fabric::WcStatus;
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
     /// Bytes asked for; 0 = the rest of the source range, which for a READ is what the peer grants.
+    /// Ignored with `batch`.
     pub length: u64,
+    /// A batch's checked segments (the grant must span [`Batch::remote_span`]); `None` = one
+    /// range of `length` bytes at `local_offset`.
+    pub batch: Option<Batch>,
+    /// Notification markers to end every QP with.
+    pub markers: Markers,
     /// The local region's name and length, and the transfer's offset in it.
     pub local_name: String,
     pub local_length: u64,
@@ -127,7 +134,8 @@ pub struct Session {
     reused: bool,
     qps: usize,
     grant_len: u64,
-    length: u64,
+    /// Set on accept: what the machine moves.
+    batch: Option<Batch>,
     bytes_done: u64,
 }
 
@@ -142,7 +150,7 @@ impl Session {
             reused: false,
             qps: 1,
             grant_len: 0,
-            length: 0,
+            batch: None,
             bytes_done: 0,
         };
         s.out.push_back(Command::Lease);
@@ -173,8 +181,10 @@ impl Session {
         if !matches!(self.phase, Phase::Accepted) {
             return;
         }
+        let Some(batch) = self.batch.as_ref() else { return };
         let m = Machine::new(MachineConfig {
-            total: self.length,
+            segs: batch.segs().clone(),
+            markers: self.cfg.markers,
             chunk: self.cfg.chunk,
             qps: self.qps,
             depth: self.cfg.depth,
@@ -338,6 +348,17 @@ impl Session {
     }
 
     fn accept(&mut self) -> Phase {
+        if let Some(b) = &self.cfg.batch {
+            // The grant was asked over the batch's remote span; a peer that granted less
+            // (its region is shorter) names the first segment it cannot take.
+            if let Err(e) = b.check_grant(b.remote_base(), self.grant_len) {
+                return self.refuse(TransferError::Invalid(format!("peer granted {} bytes: {e}", self.grant_len)));
+            }
+            let length = b.bytes();
+            self.batch = Some(b.clone());
+            self.out.push_back(Command::Accept { length });
+            return Phase::Accepted;
+        }
         let length = if self.cfg.length == 0 { self.grant_len } else { self.cfg.length };
         let c = &self.cfg;
         let refusal = if self.grant_len < length {
@@ -352,7 +373,7 @@ impl Session {
         if let Some(e) = refusal {
             return self.refuse(e);
         }
-        self.length = length;
+        self.batch = Some(Batch::single(c.local_offset, 0, length));
         self.out.push_back(Command::Accept { length });
         Phase::Accepted
     }

@@ -28,14 +28,20 @@ use super::mr::VerbsRegistration;
 use super::negotiate::{self, LINK_ETHERNET};
 use super::VerbsOptions;
 use crate::fabric::{
-    Completion, CompletionSink, Connection, Endpoint, FabricError, PendingConnection, Registration, RemoteKey,
+    Completion, CompletionSink, Connection, Endpoint, FabricError, MarkerSink, PendingConnection, Registration, RemoteKey,
     VerbsEndpoint, WcStatus, WorkRequest, WrOp,
 };
+use crate::ids::ConnectionId;
 
 /// Completions read per `ibv_poll_cq` batch.
 const POLL_BATCH: usize = 64;
 /// After `close`, how long the CQ task waits for flushes before it destroys the QPs anyway.
 const CLOSE_GRACE: Duration = Duration::from_secs(10);
+/// Receives each responder QP keeps posted for notification markers (each marker consumes one
+/// and the receive task reposts it). An initiator has at most `depth` markers in flight per QP,
+/// so this many absorb every depth the agent allows before a marker can meet an empty queue
+/// (then the sender's RNR retries cover the repost).
+const RECV_DEPTH: u32 = 1024;
 
 /// What a QP's in-flight list keeps for us per WR, handed back when the WR is retired.
 pub(crate) struct InFlight {
@@ -53,9 +59,11 @@ pub(crate) struct QpSlot {
 }
 
 pub(crate) struct ConnInner {
-    // Drop order: QPs first, then the CQ they use, then its channel (also held by the CQ).
+    // Drop order: QPs first, then the CQs they use, then their channels (also held by the CQs).
     slots: Vec<QpSlot>,
     cq: Arc<Cq>,
+    /// Responder connections: the receive CQ (with its channel) where markers complete.
+    recv: Option<(Arc<Cq>, Arc<CompletionChannel>)>,
     channel: Option<Arc<CompletionChannel>>,
     peer: String,
     /// Set on the first error completion: the pool replaces the connection.
@@ -81,7 +89,10 @@ fn draw_psn() -> Result<u32, FabricError> {
 
 impl ConnInner {
     /// Creates the CQ (with a completion channel if `with_channel`) and `qps` QPs in INIT. With
-    /// `bind_mw` the QPs can post memory-window binds (responder QPs in grant mode `mw`).
+    /// `bind_mw` the QPs can post memory-window binds (responder QPs in grant mode `mw`). With
+    /// `markers` (responder QPs) they also get a receive CQ of their own, with a completion
+    /// channel, and [`RECV_DEPTH`] empty receives each for notification markers.
+    #[allow(clippy::too_many_arguments)]
     pub fn build(
         dev: &Arc<Device>,
         opts: &VerbsOptions,
@@ -90,6 +101,7 @@ impl ConnInner {
         depth: usize,
         with_channel: bool,
         bind_mw: bool,
+        markers: bool,
     ) -> Result<ConnInner, FabricError> {
         if qps == 0 || qps > negotiate::MAX_QPS_PER_CONNECTION {
             return Err(FabricError::Negotiation {
@@ -127,16 +139,37 @@ impl ConnInner {
             None
         };
         let cq = Cq::new(&dev.ctx, cqe, channel.as_ref())?;
+        let recv = if markers {
+            let per_qp = RECV_DEPTH.min(dev.max_qp_wr).max(1);
+            let ch = dev
+                .ctx
+                .create_comp_channel()
+                .map_err(|e| FabricError::Other(format!("ibv_create_comp_channel: {e}")))?;
+            ch.set_nonblocking(true)?;
+            // Every receive may complete (flushes do): size the CQ for all of them.
+            let rcqe = (qps * per_qp as usize).min(dev.max_cqe as usize) as u32;
+            let per_qp = per_qp.min(rcqe / qps.max(1) as u32).max(1);
+            Some((Cq::new(&dev.ctx, rcqe, Some(&ch))?, ch, per_qp))
+        } else {
+            None
+        };
         let mut slots = Vec::with_capacity(qps);
         for _ in 0..qps {
-            let qp = RcQp::create(&dev.pd, &cq, depth as u32, bind_mw)?;
+            let qp = RcQp::create_with_recv(&dev.pd, &cq, recv.as_ref().map(|(r, _, n)| (r, *n)), depth as u32, bind_mw)?;
             let port = dev.port;
             qp.to_init(port).map_err(|e| modify_err("INIT", "port", e, format!("port {port}, pkey_index 0")))?;
+            if let Some((_, _, n)) = &recv {
+                for i in 0..*n {
+                    qp.post_recv_empty(i as u64)
+                        .map_err(|e| FabricError::Other(format!("posting the marker receives: {e}")))?;
+                }
+            }
             slots.push(QpSlot { qp, psn: draw_psn()? });
         }
         Ok(ConnInner {
             slots,
             cq,
+            recv: recv.map(|(r, ch, _)| (r, ch)),
             channel,
             peer: peer.to_string(),
             broken: AtomicBool::new(false),
@@ -407,6 +440,89 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
     tracing::debug!(peer = %inner.peer, "CQ task stopped");
 }
 
+/// The responder's receive task: waits on the receive CQ's channel, hands each marker's
+/// immediate (the grant's notification slot) to `markers` and reposts the receive it consumed.
+/// A marker's receive completes only after every earlier WR of its QP has executed here (RC
+/// ordering), which is the whole guarantee a notification gives. Ends when the connection is
+/// dropped (its QPs move to ERR and the receives flush; receives hold no memory, so nothing
+/// waits for the flushes).
+async fn run_recv(inner: Arc<ConnInner>, id: ConnectionId, markers: Option<Arc<dyn MarkerSink>>) {
+    let Some((rcq, ch)) = inner.recv.as_ref() else { return };
+    let afd = match xfer_rdma::cq::watch_channel(ch) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(peer = %inner.peer, error = %e, "cannot watch the marker receive channel; markers on this connection are not seen");
+            return;
+        }
+    };
+    let mut buf = Vec::with_capacity(POLL_BATCH);
+    let drain = |buf: &mut Vec<RawWc>| -> Result<usize, std::io::Error> {
+        let mut total = 0;
+        loop {
+            buf.clear();
+            let n = rcq.poll(POLL_BATCH, buf)?;
+            for wc in buf.drain(..) {
+                let Some(slot) = inner.slots.iter().find(|s| s.qp.owns_recv(&wc)) else { continue };
+                if !wc.is_success() {
+                    // Flushed (the connection is going away) or failed: the QP is in ERR.
+                    continue;
+                }
+                match (wc.imm(), &markers) {
+                    (Some(imm), Some(sink)) => sink.marker(&id, imm),
+                    (Some(_), None) => crate::metrics::notify_marker("no_sink"),
+                    (None, _) => crate::metrics::notify_marker("no_immediate"),
+                }
+                if let Err(e) = slot.qp.post_recv_empty(wc.wr_id()) {
+                    if !inner.closing.load(Ordering::Acquire) {
+                        tracing::warn!(peer = %inner.peer, error = %e, "cannot repost a marker receive");
+                    }
+                }
+            }
+            total += n;
+            if n < POLL_BATCH {
+                return Ok(total);
+            }
+        }
+    };
+    loop {
+        if inner.closing.load(Ordering::Acquire) {
+            break;
+        }
+        if let Err(e) = drain(&mut buf) {
+            tracing::error!(peer = %inner.peer, error = %e, "polling the marker receive CQ failed");
+            break;
+        }
+        if let Err(e) = rcq.req_notify() {
+            tracing::error!(peer = %inner.peer, error = %e, "ibv_req_notify_cq failed on the marker receive CQ");
+            break;
+        }
+        // A marker that completed between the drain and the arm raised no event.
+        match drain(&mut buf) {
+            Ok(n) if n > 0 => continue,
+            Ok(_) => {}
+            Err(_) => continue,
+        }
+        tokio::select! {
+            r = afd.readable() => match r {
+                Ok(mut guard) => {
+                    if let Err(e) = rcq.drain_events() {
+                        tracing::warn!(peer = %inner.peer, error = %e, "reading marker CQ events failed");
+                    }
+                    guard.clear_ready();
+                }
+                Err(e) => {
+                    tracing::error!(peer = %inner.peer, error = %e, "marker receive channel poll failed");
+                    break;
+                }
+            },
+            _ = inner.wake.notified() => {}
+        }
+    }
+    drop(afd);
+    let _ = rcq.drain_events();
+    tracing::debug!(peer = %inner.peer, "marker receive task stopped");
+}
+
 /// The initiator's connection between `prepare` and the responder's answer.
 pub(crate) struct VerbsPending {
     pub inner: ConnInner,
@@ -467,6 +583,11 @@ impl Connection for VerbsConnection {
         let op = match wr.op {
             WrOp::Read => RdmaOp::Read,
             WrOp::Write => RdmaOp::Write,
+            WrOp::Notify { slot: imm } => {
+                // Zero length, under the grant's key and address like the data before it.
+                slot.qp.post_write_imm(rkey, wr.remote_addr, imm, wr.signaled, &mr, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) })?;
+                return Ok(());
+            }
         };
         let rdma = RdmaWr { op, signaled: wr.signaled, rkey, remote_addr: wr.remote_addr, local_offset: wr.local_offset, len: wr.len };
         // The QP checks the local range against the MR and keeps the MR (with its memory) and
@@ -537,8 +658,14 @@ pub(crate) struct VerbsAccepted {
 const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl VerbsAccepted {
-    pub fn new(inner: ConnInner) -> Self {
-        VerbsAccepted { inner: Arc::new(inner), bind_lock: Mutex::new(()) }
+    /// Keeps the responder QPs; with a receive side, starts the task that hands the markers
+    /// arriving on connection `id` to `markers`.
+    pub fn new(inner: ConnInner, id: ConnectionId, markers: Option<Arc<dyn MarkerSink>>) -> Self {
+        let inner = Arc::new(inner);
+        if inner.recv.is_some() {
+            tokio::spawn(run_recv(Arc::clone(&inner), id, markers));
+        }
+        VerbsAccepted { inner, bind_lock: Mutex::new(()) }
     }
 
     /// Binds one fresh type-2 window per QP over `[addr, addr+len)` of `mr` with `access`
@@ -653,6 +780,9 @@ impl Drop for AcceptedHandle {
         // The peer is gone: no access through these QPs from here on, even while grants still
         // hold windows bound on them (and so the QPs themselves).
         self.acc.inner.set_err_all();
+        // Stops the marker receive task.
+        self.acc.inner.closing.store(true, Ordering::Release);
+        self.acc.inner.wake.notify_one();
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if index.get(&self.id).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.acc))) {
             index.remove(&self.id);

@@ -24,6 +24,8 @@ pub struct VerbsFabric {
     opts: Arc<VerbsOptions>,
     /// Accepted connections by id, for `mw` binds.
     accepted: Arc<AcceptedIndex>,
+    /// Where responder connections report notification markers.
+    markers: Option<Arc<dyn crate::fabric::MarkerSink>>,
 }
 
 impl std::fmt::Debug for VerbsFabric {
@@ -37,7 +39,14 @@ impl VerbsFabric {
     pub fn open(opts: VerbsOptions) -> Result<VerbsFabric, FabricError> {
         opts.validate()?;
         let dev = Device::open(&opts)?;
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default() })
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None })
+    }
+
+    /// Reports the notification markers that arrive on accepted connections to `sink` (the
+    /// grant table). Without one they are received and dropped.
+    pub fn with_markers(mut self, sink: Arc<dyn crate::fabric::MarkerSink>) -> Self {
+        self.markers = Some(sink);
+        self
     }
 
     pub fn device_name(&self) -> &str {
@@ -96,7 +105,7 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true, false)?;
+        let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true, false, false)?;
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
@@ -104,11 +113,12 @@ impl Fabric for VerbsFabric {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
-        // one-WR send queue and no completion channel (binds are polled by `bind_windows`).
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants())?;
+        // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
+        // receives (notification markers) complete on a CQ of their own.
+        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants(), true)?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
-        let acc = Arc::new(VerbsAccepted::new(inner));
+        let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone()));
         // The agent refuses an id that is in use, so an entry here under the same id is one
         // whose handle is being dropped: the new connection takes the id.
         self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));

@@ -173,8 +173,8 @@ pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
 }
 
 #[cfg(feature = "verbs")]
-pub fn open_fabric(opts: VerbsOptions) -> Result<Arc<dyn Fabric>, FabricError> {
-    Ok(Arc::new(VerbsFabric::open(opts)?))
+pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::fabric::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
+    Ok(Arc::new(VerbsFabric::open(opts)?.with_markers(markers)))
 }
 
 #[cfg(not(feature = "verbs"))]
@@ -183,6 +183,6 @@ pub fn usable_device(_opts: &VerbsOptions) -> Result<String, String> {
 }
 
 #[cfg(not(feature = "verbs"))]
-pub fn open_fabric(_opts: VerbsOptions) -> Result<Arc<dyn Fabric>, FabricError> {
+pub fn open_fabric(_opts: VerbsOptions, _markers: Arc<dyn crate::fabric::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
     Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
 }

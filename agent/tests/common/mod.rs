@@ -90,7 +90,7 @@ pub fn connect_req(id: &str) -> pb::PeerConnectRequest {
 /// A 4 KiB grant at offset 0 of `region` for `op`, on the caller's connection `conn` (tcp grants
 /// are bound to one), declaring the node name `declared` (which the agent ignores).
 pub fn grant_req(region: &str, declared: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
-    pb::GrantRequest {
+    pb::GrantRequest { notify: None,
         region: region.into(),
         offset: 0,
         length: 4096,
@@ -503,7 +503,7 @@ impl Drop for Agent {
 }
 
 pub fn write_req(local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest {
+    pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
@@ -579,7 +579,7 @@ pub async fn grant_token(a: &Agent, region: &str, len: u64, op: pb::Access, conn
     let g = a
         .peer_client()
         .await
-        .grant(pb::GrantRequest {
+        .grant(pb::GrantRequest { notify: None,
             region: region.into(),
             offset: 0,
             length: len,

@@ -30,6 +30,8 @@ pub struct RawWc {
     status: u32,
     byte_len: u32,
     qp_num: u32,
+    /// The immediate of a received RDMA WRITE WITH IMMEDIATE (host order), if it carried one.
+    imm: Option<u32>,
     /// Id of the `Cq` it was read from.
     cq: u64,
 }
@@ -51,6 +53,11 @@ impl RawWc {
     /// The QP the completion belongs to (reliable even where a flush's `wr_id` is not).
     pub fn qp_num(&self) -> u32 {
         self.qp_num
+    }
+    /// The immediate data of a receive completion that carried one (`IBV_WC_WITH_IMM`), in host
+    /// byte order.
+    pub fn imm(&self) -> Option<u32> {
+        self.imm
     }
     /// True if the completion was read from `cq`.
     pub(crate) fn from(&self, cq: &Arc<Cq>) -> bool {
@@ -161,7 +168,13 @@ impl Cq {
         }
         let n = (n as usize).min(max);
         let me = self.id;
-        out.extend(wcs[..n].iter().map(|w| RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num, cq: me }));
+        out.extend(wcs[..n].iter().map(|w| {
+            let with_imm = w.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+            // SAFETY: reading a u32 out of a union of two u32s (imm_data / invalidated_rkey); the
+            // device wrote it when IBV_WC_WITH_IMM is set, and any bit pattern is a valid u32.
+            let imm = with_imm.then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data }));
+            RawWc { wr_id: w.wr_id, status: w.status, byte_len: w.byte_len, qp_num: w.qp_num, imm, cq: me }
+        }));
         Ok(n)
     }
 

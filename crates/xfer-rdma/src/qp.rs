@@ -138,12 +138,17 @@ pub struct RcQp<K> {
     max_send_wr: u32,
     /// Created with `IBV_QP_EX_WITH_BIND_MW` and the provider has `wr_bind_mw`.
     can_bind: bool,
+    /// The provider has `wr_rdma_write_imm` and `wr_set_sge_list` (notification markers).
+    can_write_imm: bool,
+    /// Receives may be posted ([`RcQp::post_recv_empty`]): created with a receive CQ of its own.
+    can_recv: bool,
     /// Posting lock and in-flight list. Held while posting, so a completion is never retired
     /// for a WR that is not on the list yet.
     state: Mutex<SendState<K>>,
     // Destroyed in Drop before these are released: the in-flight memory, the CQ and the PD
     // outlive the QP.
     cq: Arc<Cq>,
+    recv_cq: Option<Arc<Cq>>,
     pd: Arc<ProtectionDomain>,
 }
 
@@ -167,6 +172,20 @@ impl<K> RcQp<K> {
     /// [`MAX_INDEX`]), which its completions carry ([`queue_of`]). With `bind_mw` it can also post
     /// type-2 memory-window binds.
     pub fn create(pd: &Arc<ProtectionDomain>, cq: &Arc<Cq>, max_send_wr: u32, bind_mw: bool) -> Result<Self, VerbsError> {
+        Self::create_with_recv(pd, cq, None, max_send_wr, bind_mw)
+    }
+
+    /// [`RcQp::create`], with receive completions going to `recv: (cq, max_recv_wr)` instead of
+    /// `cq`: a responder QP that takes notification markers (zero-length RDMA WRITE WITH
+    /// IMMEDIATE, each consuming one receive) keeps its receive completions apart from the send
+    /// completions whose in-flight bookkeeping `cq` drives.
+    pub fn create_with_recv(
+        pd: &Arc<ProtectionDomain>,
+        cq: &Arc<Cq>,
+        recv: Option<(&Arc<Cq>, u32)>,
+        max_send_wr: u32,
+        bind_mw: bool,
+    ) -> Result<Self, VerbsError> {
         // SAFETY: reading the raw PD pointer of a live PD (we keep an Arc below) and the context
         // pointer it holds.
         let pd_ctx = unsafe { (*pd.pd().as_ptr()).context };
@@ -176,7 +195,13 @@ impl<K> RcQp<K> {
         let Some(index) = cq.claim_index(MAX_INDEX) else {
             return Err(VerbsError::Other(format!("a CQ takes at most {} QPs", MAX_INDEX + 1)));
         };
+        if let Some((rcq, _)) = recv {
+            if rcq.context_ptr() != cq.context_ptr() {
+                return Err(VerbsError::Other("the receive CQ belongs to another device context".into()));
+            }
+        }
         let mut send_ops = sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE.0
+            | sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM.0
             | sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_RDMA_READ.0;
         if bind_mw {
             send_ops |= sys::ibv_qp_create_send_ops_flags::IBV_QP_EX_WITH_BIND_MW.0;
@@ -185,8 +210,9 @@ impl<K> RcQp<K> {
         // zero counts); the fields that matter are filled in below.
         let mut attr: sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
         attr.send_cq = cq.as_ibv_cq();
-        attr.recv_cq = cq.as_ibv_cq();
-        attr.cap = sys::ibv_qp_cap { max_send_wr, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        attr.recv_cq = recv.map_or_else(|| cq.as_ibv_cq(), |(r, _)| r.as_ibv_cq());
+        let max_recv_wr = recv.map_or(1, |(_, n)| n.max(1));
+        attr.cap = sys::ibv_qp_cap { max_send_wr, max_recv_wr, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
         attr.comp_mask =
@@ -194,7 +220,7 @@ impl<K> RcQp<K> {
         // SAFETY: reading the raw PD pointer of a live PD (we keep an Arc below).
         attr.pd = unsafe { pd.pd().as_ptr() };
         attr.send_ops_flags = send_ops as u64;
-        // SAFETY: the PD and CQ are live and of the same context (checked above); attr is
+        // SAFETY: the PD and the CQs are live and of the same context (checked above); attr is
         // initialised. NULL is handled.
         let raw = unsafe { sys::ibv_create_qp_ex(pd_ctx, &mut attr) };
         let qp = NonNull::new(raw).ok_or_else(|| VerbsError::Setup {
@@ -213,7 +239,19 @@ impl<K> RcQp<K> {
             }
         };
         let state = Mutex::new(SendState { inflight: VecDeque::new(), next_seq: 0 });
-        let mut me = RcQp { qp, qpx, index, max_send_wr, can_bind: false, state, cq: Arc::clone(cq), pd: Arc::clone(pd) };
+        let mut me = RcQp {
+            qp,
+            qpx,
+            index,
+            max_send_wr,
+            can_bind: false,
+            can_write_imm: false,
+            can_recv: recv.is_some(),
+            state,
+            cq: Arc::clone(cq),
+            recv_cq: recv.map(|(r, _)| Arc::clone(r)),
+            pd: Arc::clone(pd),
+        };
         // SAFETY: reading the function table of a live ibv_qp_ex.
         let ops_ok = unsafe {
             let x = me.qpx.as_ref();
@@ -226,6 +264,18 @@ impl<K> RcQp<K> {
         };
         if !ops_ok {
             return Err(VerbsError::Other("provider lacks the ibv_wr_* RDMA WRITE/READ posting API".into()));
+        }
+        // SAFETY: reading the function table of a live ibv_qp_ex.
+        me.can_write_imm = unsafe {
+            let x = me.qpx.as_ref();
+            x.wr_rdma_write_imm.is_some() && x.wr_set_sge_list.is_some()
+        };
+        if me.can_recv {
+            // SAFETY: reading the context's ops table of a live QP.
+            let has_post_recv = unsafe { (*me.qp.as_ref().context).ops.post_recv.is_some() };
+            if !has_post_recv {
+                return Err(VerbsError::Other("provider lacks ibv_post_recv".into()));
+            }
         }
         if bind_mw {
             // SAFETY: reading the function table of a live ibv_qp_ex.
@@ -407,6 +457,67 @@ impl<K> RcQp<K> {
         st.next_seq = st.next_seq.wrapping_add(1);
         st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
         Ok(())
+    }
+
+    /// Posts one notification marker: a zero-length RDMA WRITE WITH IMMEDIATE `imm` (sent in
+    /// network byte order; the receiver's [`RawWc::imm`] gives it back in host order) to
+    /// `remote_addr` under `rkey`. It touches no local memory (no scatter/gather entry); the
+    /// target consumes one posted receive for it and sees it only after every earlier WR of
+    /// this QP has executed there (RC ordering). `local` is kept in flight like a data WR's, so
+    /// the caller's accounting is the same for every WR.
+    pub fn post_write_imm(&self, rkey: u32, remote_addr: u64, imm: u32, signaled: bool, local: &Arc<Mr>, keep: K) -> Result<(), VerbsError> {
+        if !self.can_write_imm {
+            return Err(VerbsError::Io(io::Error::other("the provider cannot post RDMA WRITE WITH IMMEDIATE")));
+        }
+        if !Arc::ptr_eq(local.pd(), &self.pd) {
+            return Err(VerbsError::Other("the memory registration belongs to another protection domain".into()));
+        }
+        let mut st = self.lock();
+        let (seq, wr_id) = self.next(&st)?;
+        let q = self.qpx.as_ptr();
+        // SAFETY: we hold `state`'s lock (exclusive posting) on a live extended QP whose
+        // `wr_rdma_write_imm` and `wr_set_sge_list` were checked in `create`; one WR between
+        // wr_start and wr_complete. An empty scatter/gather list (a null pointer with count 0)
+        // makes a zero-length WRITE: the device reads no local memory.
+        let rc = unsafe {
+            sys::ibv_wr_start(q);
+            (*q).wr_id = wr_id;
+            (*q).wr_flags = if signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            sys::ibv_wr_rdma_write_imm(q, rkey, remote_addr, imm.to_be());
+            sys::ibv_wr_set_sge_list(q, 0, std::ptr::null());
+            sys::ibv_wr_complete(q)
+        };
+        if rc != 0 {
+            return Err(VerbsError::Io(io::Error::from_raw_os_error(rc)));
+        }
+        st.next_seq = st.next_seq.wrapping_add(1);
+        st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
+        Ok(())
+    }
+
+    /// Posts one receive with no scatter/gather entry, for a notification marker (a zero-length
+    /// WRITE WITH IMMEDIATE consumes one; its completion carries the immediate). Needs a QP made
+    /// by [`RcQp::create_with_recv`]. A receive with no buffer gives the device no memory to
+    /// write, so nothing has to be kept alive for it.
+    pub fn post_recv_empty(&self, wr_id: u64) -> Result<(), VerbsError> {
+        if !self.can_recv {
+            return Err(VerbsError::Io(io::Error::other("QP was not created with a receive CQ")));
+        }
+        let mut wr = sys::ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
+        let mut bad: *mut sys::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: live QP whose provider has `post_recv` (checked in `create_with_recv`); `wr` is
+        // a single, fully initialised receive with no scatter/gather entries, read by the
+        // provider before the call returns (so a stack value is enough).
+        let rc = unsafe { sys::ibv_post_recv(self.qp.as_ptr(), &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::Io(io::Error::from_raw_os_error(rc)));
+        }
+        Ok(())
+    }
+
+    /// True if `wc` was read from this QP's receive CQ and names this QP.
+    pub fn owns_recv(&self, wc: &RawWc) -> bool {
+        self.recv_cq.as_ref().is_some_and(|r| wc.from(r)) && wc.qp_num() == self.qpn()
     }
 
     /// Posts one signaled type-2 bind of `mw` over `[offset, offset+len)` of `mr`'s memory with

@@ -4,13 +4,18 @@
 //! agent holding SRC initiates an `OP_WRITE` (local = SRC, remote = DST); with `--pull` the agent
 //! holding DST initiates an `OP_READ` (local = DST, remote = SRC). The remote agent address is
 //! passed as the user wrote it: it must be reachable from the initiating agent.
+//!
+//! `--segments FILE` (`-` = stdin) makes it one batch: every listed segment (see
+//! [`crate::segments`]) moves in one transfer with one state and one progress count.
+//! `--notify TAG` has the destination... the *target* agent tell its `WatchInbound` subscribers
+//! (`xferctl watch-inbound`) once every byte has landed.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 use xfer_proto::v1::{
-    ChecksumAlgo, LocalRange, Op, RemoteRange, SubmitTransferRequest, Transfer, TransferOptions,
+    ChecksumAlgo, LocalRange, Op, RemoteRange, Segment, SubmitTransferRequest, Transfer, TransferOptions,
 };
 
 use crate::client::Client;
@@ -56,6 +61,22 @@ pub struct Opt {
     /// it, Ctrl-C cancels the transfer, waits for it to stop and says so (exit 11).
     #[arg(long)]
     pub detach: bool,
+    /// Move a list of segments as one batch: a file (`-` = stdin) with one `SRC_OFF DST_OFF LEN`
+    /// per line, or `SRC_OFF DST_OFF LEN xCOUNT [SRC_STRIDE [DST_STRIDE]]` for strided blocks.
+    /// Offsets are relative to SRC's and DST's @OFFSET.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["len", "verify"])]
+    pub segments: Option<std::path::PathBuf>,
+    /// Notify the target agent's `WatchInbound` subscribers with this tag once every byte has
+    /// landed (see `xferctl watch-inbound`).
+    #[arg(long, value_name = "TAG")]
+    pub notify: Option<String>,
+}
+
+/// A batch and its notification, for [`plan`].
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub segments: Vec<crate::segments::Seg>,
+    pub notify: Option<Vec<u8>>,
 }
 
 /// Transfer tuning shared by `cp` and `demo`.
@@ -84,6 +105,7 @@ pub fn plan(
     len: u64,
     pull: bool,
     tuning: &Tuning,
+    batch: &Batch,
 ) -> anyhow::Result<Plan> {
     let src_agent = src.agent_or(default_agent).to_string();
     let dst_agent = dst.agent_or(default_agent).to_string();
@@ -104,21 +126,34 @@ pub fn plan(
     } else {
         (src_agent, Op::Write, src, dst, dst_agent)
     };
+    // Segment offsets are relative to each side's @OFFSET; the request then carries none.
+    let shift = |base: u64, off: u64| base.checked_add(off).context("a segment offset overflows");
+    let segments = batch
+        .segments
+        .iter()
+        .map(|s| {
+            let (l, r) = if pull { (s.dst, s.src) } else { (s.src, s.dst) };
+            Ok(Segment { local_offset: shift(local.offset, l)?, remote_offset: shift(remote.offset, r)?, length: s.len })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (local_off, remote_off) = if segments.is_empty() { (local.offset, remote.offset) } else { (0, 0) };
     Ok(Plan {
         initiator,
         request: SubmitTransferRequest {
             op: op as i32,
             local: Some(LocalRange {
                 region: local.region.clone(),
-                offset: local.offset,
+                offset: local_off,
             }),
             remote: Some(RemoteRange {
                 agent: remote_agent,
                 region: remote.region.clone(),
-                offset: remote.offset,
+                offset: remote_off,
             }),
             length: len,
             options: Some(options),
+            segments,
+            notify: batch.notify.clone(),
         },
     })
 }
@@ -131,7 +166,19 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         verify: opt.verify,
         timeout: opt.timeout,
     };
-    let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning)?;
+    let segments = match &opt.segments {
+        None => Vec::new(),
+        Some(path) => {
+            let text = if path.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading the segment list from stdin")?
+            } else {
+                std::fs::read_to_string(path).with_context(|| format!("reading the segment list {}", path.display()))?
+            };
+            crate::segments::parse(&text).map_err(|e| crate::error::usage(format!("--segments {}: {e}", path.display())))?
+        }
+    };
+    let batch = Batch { segments, notify: opt.notify.map(String::into_bytes) };
+    let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning, &batch)?;
     let mut client = ctx.connect(&plan.initiator).await?;
     // Registered before the submit, so a Ctrl-C at any moment after it is ours (a handler first
     // installed when the wait starts would leave a window where Ctrl-C kills xferctl outright).
@@ -196,6 +243,7 @@ mod tests {
             100,
             false,
             &Tuning::default(),
+            &Batch::default(),
         )
         .unwrap();
         assert_eq!(p.initiator, "a:1");
@@ -217,6 +265,7 @@ mod tests {
             0,
             true,
             &Tuning::default(),
+            &Batch::default(),
         )
         .unwrap();
         assert_eq!(p.initiator, "b:7470");
@@ -239,7 +288,7 @@ mod tests {
             verify: true,
             timeout: Some(Duration::from_secs(30)),
         };
-        let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning).unwrap();
+        let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning, &Batch::default()).unwrap();
         assert_eq!(p.initiator, "d:9");
         assert_eq!(p.request.remote.as_ref().unwrap().agent, "d:9");
         let o = p.request.options.unwrap();

@@ -219,7 +219,7 @@ async fn steps(
         ),
     ];
     for (step, what, src, dst, pull) in copies {
-        let plan = cp::plan(&src, &dst, &a_addr, size, pull, &Tuning::default())?;
+        let plan = cp::plan(&src, &dst, &a_addr, size, pull, &Tuning::default(), &cp::Batch::default())?;
         // Both copies are initiated by demo-a: the WRITE because it holds the source, the READ
         // because it holds the destination.
         let started = Instant::now();

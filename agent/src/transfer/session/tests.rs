@@ -11,6 +11,8 @@ const CHUNK: u64 = 10;
 fn cfg(length: u64, verify: bool) -> SessionConfig {
     SessionConfig {
         length,
+        batch: None,
+        markers: crate::transfer::machine::Markers::None,
         local_name: "src".into(),
         local_length: 1000,
         local_offset: 0,
@@ -153,7 +155,7 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                 Command::Refuse(e) => t.refused = Some(e.to_string()),
                 Command::Post(p) => {
                     assert!(t.posted.insert(p.seq), "chunk {} posted twice", p.seq);
-                    assert_eq!(p.offset, p.seq * CHUNK);
+                    assert_eq!((p.local, p.remote), (p.seq * CHUNK, p.seq * CHUNK));
                     if f.post_fails == Some(p.seq) {
                         events.push_back(Event::PostFailed { seq: p.seq, reason: "QP in error".into() });
                         continue;
