@@ -322,6 +322,134 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
     assert!(bytes(&dst) == before);
 }
 
+/// A WRITE grant on `region` asked on connection `conn` with a notification (`tag`, one marker
+/// per QP of `markers`).
+async fn grant_notify(s: &Side, region: &str, len: u64, conn: &str, tag: &[u8], markers: u32) -> Arc<Grant> {
+    let p = GrantParams {
+        notify: Some((tag.to_vec(), markers)),
+        region: region.into(),
+        offset: 0,
+        length: len,
+        op: RemoteOp::Write,
+        ttl: None,
+        peer: "a".into(),
+        connection_id: Some(cid(conn)),
+    };
+    s.node.grant(&p).await.unwrap()
+}
+
+fn marker(id: u64, local: &Region, g: &Grant) -> WorkRequest {
+    let slot = g.notify.as_ref().map(|n| n.slot).unwrap();
+    WorkRequest { len: 0, op: WrOp::Notify { slot }, ..wr(id, WrOp::Write, local, 0, 0, g, 0, true) }
+}
+
+/// The notification guarantee: a subscriber that reads the region the moment its notification
+/// arrives sees every byte of the batch. Eight rounds, each writing new bytes over 4 QPs with
+/// the marker right behind the last data WR of every QP (no waiting for completions, as the
+/// engine posts them), the subscriber comparing all 4 MiB as soon as it is told.
+async fn a_notification_comes_only_after_every_byte_is_visible(k: Kind) {
+    const LEN: u64 = 4 << 20;
+    const CHUNK: u64 = 64 << 10;
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", LEN, Access::ReadWrite);
+    let dst = region(&b, "dst", LEN, Access::ReadWrite);
+    let (conn, mut rx) = connect(&a, &b, 4, 32).await;
+    for round in 0..8u8 {
+        let data = fill(&src, round.wrapping_mul(37).wrapping_add(1));
+        let mut notes = b.grants.hub().subscribe();
+        let tag = format!("batch-{round}");
+        let g = grant_notify(&b, "dst", LEN, "conn-1", tag.as_bytes(), 4).await;
+        // The reader: wakes on the notification and compares at once.
+        let (dst2, want, tag2) = (dst.clone(), data.clone(), tag.clone());
+        let reader = tokio::spawn(async move {
+            let n = tokio::time::timeout(Duration::from_secs(20), notes.recv()).await.expect("notification within 20 s").unwrap();
+            let seen = bytes(&dst2);
+            assert_eq!(n.tag, tag2.as_bytes(), "the notification carries its tag");
+            (seen == want, n.via, n.region.clone())
+        });
+        // 64 chunks, 16 per QP (within the depth of 32 with the marker); only markers signaled.
+        let chunks = LEN / CHUNK;
+        for i in 0..chunks {
+            conn.post((i % 4) as usize, wr(i, WrOp::Write, &src, i * CHUNK, CHUNK as u32, &g, i * CHUNK, false)).unwrap();
+        }
+        for qp in 0..4 {
+            conn.post(qp, marker(1000 + qp as u64, &src, &g)).unwrap();
+        }
+        let (complete, via, region) = reader.await.unwrap();
+        assert!(complete, "round {round}: the subscriber saw stale bytes when it was notified");
+        assert_eq!((via, region.as_str()), (xfer_agent::notify::Via::Fabric, "dst"));
+        // Drain the rest of this round's completions (the markers are signaled).
+        let mut markers_done = 0;
+        while markers_done < 4 {
+            let c = next(&mut rx).await;
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            if c.wr_id >= 1000 {
+                markers_done += 1;
+            }
+        }
+        b.grants.revoke(&g.id);
+    }
+}
+
+/// A marker counts only on the connection its grant was asked on, and only while the grant is
+/// live: a marker from another connection of the same peer, or for a revoked grant, publishes
+/// nothing. (Ordering on one connection is what proves the refused marker was processed: the
+/// valid notification sent after it on the same QP arrives, and nothing else does.)
+async fn markers_count_only_on_their_connection_and_while_the_grant_lives(k: Kind) {
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", 1 << 20, Access::ReadWrite);
+    region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let (conn1, _rx1) = connect(&a, &b, 1, 16).await;
+    // A second connection of the same peer.
+    let (tx2, mut rx2) = mpsc::unbounded_channel();
+    let pending = a.fabric.prepare("b", &cid("conn-2"), 1, 16, tx2).await.unwrap();
+    let eps = b.node.accept_connection("a", &cid("conn-2"), a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let conn2 = pending.complete(&eps).await.unwrap();
+    let mut notes = b.grants.hub().subscribe();
+    let on1 = grant_notify(&b, "dst", 1 << 20, "conn-1", b"on-conn-1", 1).await;
+    let revoked = grant_notify(&b, "dst", 1 << 20, "conn-2", b"revoked", 1).await;
+    let good = grant_notify(&b, "dst", 1 << 20, "conn-2", b"good", 1).await;
+    let revoked_marker = marker(2, &src, &revoked);
+    b.grants.revoke(&revoked.id);
+    // conn-1's grant named on conn-2 (tcp: its token; verbs: its slot under conn-1's grant key).
+    conn2.post(0, marker(1, &src, &on1)).unwrap();
+    let c = next(&mut rx2).await;
+    if matches!(k, Kind::Tcp) {
+        assert_eq!(c.status, WcStatus::RemAccessErr, "tcp NAKs a marker under another connection's token");
+        // The stream is broken now; the rest goes over a fresh conn-2.
+        b.node.disconnect(&cid("conn-2"), "a");
+        return tcp_rest(&a, &b, &src, notes).await;
+    }
+    // verbs: the WRITE WITH IMMEDIATE itself is fine (the key is valid); the target ignores it.
+    assert_eq!(c.status, WcStatus::Success, "{c:?}");
+    conn2.post(0, revoked_marker).ok();
+    let c = next(&mut rx2).await;
+    // A revoked grant's key is dead (REM_ACCESS_ERR), or, where the device does not check a
+    // zero-length WRITE's key, the marker arrives and is refused by the target.
+    if c.status == WcStatus::Success {
+        conn2.post(0, marker(3, &src, &good)).unwrap();
+        assert_eq!(next(&mut rx2).await.status, WcStatus::Success);
+        let n = tokio::time::timeout(Duration::from_secs(20), notes.recv()).await.expect("notification").unwrap();
+        assert_eq!(n.tag, b"good", "only the valid marker published");
+    }
+    assert!(notes.try_recv().is_err(), "nothing else was published");
+    assert!(!on1.notify.as_ref().unwrap().is_published());
+    drop(conn1);
+}
+
+async fn tcp_rest(a: &Side, b: &Side, src: &Region, mut notes: tokio::sync::broadcast::Receiver<Arc<xfer_agent::notify::Notification>>) {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let pending = a.fabric.prepare("b", &cid("conn-3"), 1, 16, tx).await.unwrap();
+    let eps = b.node.accept_connection("a", &cid("conn-3"), a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
+    let conn = pending.complete(&eps).await.unwrap();
+    let revoked = grant_notify(b, "dst", 1 << 20, "conn-3", b"revoked", 1).await;
+    let m = marker(1, src, &revoked);
+    b.grants.revoke(&revoked.id);
+    conn.post(0, m).unwrap();
+    assert_eq!(next(&mut rx).await.status, WcStatus::RemAccessErr, "a revoked grant's marker is NAKed");
+    assert!(notes.try_recv().is_err(), "nothing was published");
+}
+
 /// One `#[tokio::test]` per case and fabric: `tcp::<case>` runs everywhere, `verbs::<case>` only
 /// with `--ignored`/`--include-ignored` (in the Soft-RoCE VM).
 macro_rules! per_fabric {
@@ -358,4 +486,6 @@ per_fabric!(
     local_range_is_checked_at_post,
     a_grant_may_name_only_the_callers_own_connection,
     disconnect_revokes_the_grants_of_that_connection,
+    a_notification_comes_only_after_every_byte_is_visible,
+    markers_count_only_on_their_connection_and_while_the_grant_lives,
 );

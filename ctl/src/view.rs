@@ -166,7 +166,54 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "checksum": t.checksum.to_string(),
         "peer": t.peer,
         "inbound": t.inbound,
+        "segments": t.segments,
+        "notify": t.notify.as_deref().map(tag_json),
     })
+}
+
+/// A tag as JSON: its text when it is UTF-8, and always its hex.
+fn tag_json(tag: &[u8]) -> Value {
+    json!({"text": std::str::from_utf8(tag).ok(), "hex": hex(tag)})
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A tag for a terminal: its text when it is printable UTF-8, else `0x` and its hex.
+pub fn tag_text(tag: &[u8]) -> String {
+    match std::str::from_utf8(tag) {
+        Ok(s) if s.chars().all(|c| !c.is_control()) => format!("{s:?}"),
+        _ => format!("0x{}", hex(tag)),
+    }
+}
+
+pub fn notification_json(n: &xfer_proto::v1::Notification) -> Value {
+    json!({
+        "region": n.region,
+        "peer": n.peer,
+        "tag": tag_json(&n.tag),
+        "op": op_name(n.op),
+        "offset": n.offset.to_string(),
+        "length": n.length.to_string(),
+        "at": rfc3339(&n.at),
+        "via": n.via,
+    })
+}
+
+/// One line per notification: time, region, peer, op, tag, the granted range and how it was known.
+pub fn notification_line(n: &xfer_proto::v1::Notification) -> String {
+    format!(
+        "{} {} from {} {} tag {} range {}+{} via {}\n",
+        rfc3339(&n.at).unwrap_or_else(|| "-".into()),
+        n.region,
+        if n.peer.is_empty() { "?" } else { &n.peer },
+        op_name(n.op),
+        tag_text(&n.tag),
+        n.offset,
+        n.length,
+        n.via
+    )
 }
 
 fn gid_json(g: &Gid) -> Value {

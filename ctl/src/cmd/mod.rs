@@ -14,6 +14,7 @@ pub mod put;
 pub mod region;
 pub mod transfer;
 pub mod version;
+pub mod watch_inbound;
 
 use clap::Subcommand;
 
@@ -37,6 +38,8 @@ pub enum Command {
     /// List, follow, show and cancel transfers.
     #[command(subcommand)]
     Transfer(transfer::Command),
+    /// Print notifications of batches that landed in this agent's regions (`cp --notify`).
+    WatchInbound(watch_inbound::Opt),
     /// Pre-connect the agent to a peer agent.
     Connect(connect::Opt),
     /// List the agent's peer connections.
@@ -60,6 +63,7 @@ pub async fn run(command: Command, ctx: &Ctx) -> anyhow::Result<()> {
         Command::Get(opt) => get::run(opt, ctx).await,
         Command::Cp(opt) => cp::run(opt, ctx).await,
         Command::Transfer(cmd) => transfer::run(cmd, ctx).await,
+        Command::WatchInbound(opt) => watch_inbound::run(opt, ctx).await,
         Command::Connect(opt) => connect::run(opt, ctx).await,
         Command::Peers(opt) => peers::run(opt, ctx).await,
         Command::Bench(opt) => bench::run(opt, ctx).await,
