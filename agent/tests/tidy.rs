@@ -24,6 +24,11 @@ fn product_sources() -> Vec<(PathBuf, String)> {
                     stack.push(p);
                 }
             } else if name.ends_with(".rs") {
+                // `foo/tests.rs` is the body of a `#[cfg(test)] mod tests;` in `foo.rs` (checked
+                // below): test code, like the part of a file after its `#[cfg(test)]`.
+                if name == "tests.rs" && test_module_file(&p) {
+                    continue;
+                }
                 let text = std::fs::read_to_string(&p).expect("read source");
                 out.push((p.strip_prefix(&root).unwrap_or(&p).to_path_buf(), text));
             }
@@ -36,6 +41,16 @@ fn product_sources() -> Vec<(PathBuf, String)> {
 
 /// The lines of `text` outside `#[cfg(test)] mod tests { … }` (unit tests may do what product
 /// code may not). A test module is taken to run to the end of the file, as ours do.
+/// True if `path` (`…/foo/tests.rs`) is declared by its parent `…/foo.rs` as `#[cfg(test)]
+/// mod tests;`.
+fn test_module_file(path: &std::path::Path) -> bool {
+    let Some(dir) = path.parent() else { return false };
+    let parent = dir.with_extension("rs");
+    let Ok(text) = std::fs::read_to_string(parent) else { return false };
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    lines.windows(2).any(|w| w[0] == "#[cfg(test)]" && w[1] == "mod tests;")
+}
+
 fn product_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
     let end = text.lines().position(|l| l.trim() == "#[cfg(test)]").unwrap_or(usize::MAX);
     text.lines().enumerate().take_while(move |(i, _)| *i < end).map(|(i, l)| (i + 1, l))

@@ -207,6 +207,11 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
     }
 }
 
+/// A `WatchInbound` subscriber fell `missed` notifications behind: its stream ends with this.
+pub fn lagged_status(missed: u64) -> Status {
+    Status::data_loss(format!("this subscriber fell {missed} notifications behind and missed them; subscribe again"))
+}
+
 /// A notification for a `WatchInbound` subscriber.
 pub fn notification_to_pb(n: &crate::notify::Notification) -> pb::Notification {
     pb::Notification {

@@ -309,12 +309,7 @@ impl Agent for Services {
                             }
                             return Some((Ok(notification_to_pb(&n)), Some(rx)));
                         }
-                        Err(RecvError::Lagged(k)) => {
-                            let s = Status::data_loss(format!(
-                                "this subscriber fell {k} notifications behind and missed them; subscribe again"
-                            ));
-                            return Some((Err(s), None));
-                        }
+                        Err(RecvError::Lagged(k)) => return Some((Err(lagged_status(k)), None)),
                         Err(RecvError::Closed) => return None,
                     }
                 }

@@ -215,7 +215,7 @@ mod tests {
             &b.segs()[..],
             &[Seg { local: 0, remote: 0, len: 20 }, Seg { local: 20, remote: 100, len: 5 }, Seg { local: 40, remote: 105, len: 10 }]
         );
-        assert_eq!((b.asked(), b.bytes(), b.local_lo(), b.remote_base(), b.remote_span()), (5, 45, 0, 100, 115));
+        assert_eq!((b.asked(), b.bytes(), b.local_lo(), b.remote_base(), b.remote_span()), (5, 35, 0, 100, 115));
     }
 
     #[test]

@@ -185,7 +185,10 @@ impl Machine {
 
     /// The next marker, once every chunk is posted (and, for [`Markers::AfterData`], retired).
     fn poll_marker(&mut self) -> Option<Post> {
-        if self.cfg.markers == Markers::AfterData && self.outstanding() > 0 {
+        // After-data markers wait for every data WR to retire (once one marker is out, they
+        // have: what is outstanding then is markers).
+        let started = self.marker_sent.iter().any(|&m| m);
+        if self.cfg.markers == Markers::AfterData && !started && self.outstanding() > 0 {
             return None;
         }
         let qp = (0..self.cfg.qps).find(|&q| !self.marker_sent[q] && self.windows[q].len() < self.cfg.depth)?;

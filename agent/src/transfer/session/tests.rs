@@ -398,3 +398,80 @@ fn events_after_the_end_are_ignored() {
     assert!(s.poll().is_none());
     assert!(s.is_done());
 }
+
+/// A batch session: the grant must span the segments (a shorter one is refused naming the
+/// segment, with everything given back), the machine posts each segment's chunks to their own
+/// places, and with markers every QP ends in one before the data counts as landed.
+#[test]
+fn a_batch_posts_its_segments_and_ends_every_qp_with_a_marker() {
+    use crate::transfer::batch::{Batch, Dest, SegmentSpec};
+    use crate::transfer::machine::Markers;
+    let specs = [
+        SegmentSpec { local: 0, remote: 500, len: 25 },
+        SegmentSpec { local: 100, remote: 300, len: 10 },
+        SegmentSpec { local: 40, remote: 700, len: 5 },
+    ];
+    let batch = Batch::new(&specs, "src", 1000, Dest::Remote, 16).unwrap();
+    assert_eq!((batch.remote_base(), batch.remote_span()), (300, 405));
+    let new = || {
+        let mut c = cfg(0, false);
+        c.batch = Some(batch.clone());
+        c.markers = Markers::Pipelined;
+        Session::new(c)
+    };
+    let drain = |s: &mut Session| std::iter::from_fn(|| s.poll()).collect::<Vec<Command>>();
+
+    // Granted less than the span: refused, naming the segment, and both given back.
+    let mut s = new();
+    assert!(matches!(drain(&mut s)[..], [Command::Lease]));
+    s.handle(Event::Leased { qps: 2, reused: false });
+    assert!(matches!(drain(&mut s)[..], [Command::AskGrant]));
+    s.handle(Event::Granted { length: 404, same_instance: true, conn_broken: false });
+    let out = drain(&mut s);
+    assert!(matches!(out[..], [Command::Release { clean: true }, Command::Revoke, Command::Refuse(_)]), "{out:?}");
+    let Command::Refuse(e) = &out[2] else { unreachable!() };
+    assert!(e.to_string().contains("segment 2"), "{e}");
+
+    // The whole span granted: accepted with the batch's bytes, then every segment's chunks.
+    let mut s = new();
+    drain(&mut s);
+    s.handle(Event::Leased { qps: 2, reused: false });
+    drain(&mut s);
+    s.handle(Event::Granted { length: 405, same_instance: true, conn_broken: false });
+    assert!(matches!(drain(&mut s)[..], [Command::Accept { length: 40 }]));
+    s.start(Instant::now());
+    // The fabric completes every signaled WR after each round of posts (depth 3 on 2 QPs keeps
+    // one QP's marker waiting for room).
+    let mut posts: Vec<Post> = Vec::new();
+    let mut checked = false;
+    for _ in 0..10 {
+        let round: Vec<Post> = drain(&mut s)
+            .into_iter()
+            .filter_map(|c| match c {
+                Command::Post(p) => Some(p),
+                Command::CheckLocal => {
+                    checked = true;
+                    None
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        if checked {
+            break;
+        }
+        for p in round.iter().filter(|p| p.signaled) {
+            s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::Success });
+        }
+        posts.extend(round);
+    }
+    assert!(checked, "the data never landed: {posts:?}");
+    let data: Vec<(u64, u64, u32)> = posts.iter().filter(|p| !p.marker).map(|p| (p.local, p.remote, p.len)).collect();
+    assert_eq!(data, vec![(0, 200, 10), (10, 210, 10), (20, 220, 5), (100, 0, 10), (40, 400, 5)]);
+    let mut markers: Vec<usize> = posts.iter().filter(|p| p.marker).map(|p| p.qp).collect();
+    markers.sort_unstable();
+    assert_eq!(markers, vec![0, 1], "one marker per QP");
+    for q in 0..2 {
+        assert!(posts.iter().rfind(|p| p.qp == q).is_some_and(|p| p.marker), "QP {q} ends in its marker");
+    }
+    assert_eq!(s.bytes_done(), 40);
+}
