@@ -276,3 +276,23 @@ async fn xferctl_cp_segments_and_watch_inbound() {
         assert!(got[k * 4096..(k + 1) * 4096] == src[s..s + 4096], "block {k}");
     }
 }
+
+/// `xferctl bench --pattern kv` runs real batches (the product path) and leaves no scratch
+/// region behind on either agent.
+#[tokio::test]
+async fn the_kv_benchmark_runs_batches_and_cleans_up() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr(), "--pattern", "kv", "--block", "4KiB", "--blocks", "64", "--iters", "2"]);
+    assert!(o.status.success(), "{o:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let row = &doc["rows"][0];
+    assert_eq!((row["pattern"].as_str(), row["blocks"].as_u64(), row["iters"].as_u64()), (Some("kv"), Some(64), Some(2)), "{doc}");
+    assert_eq!(row["bytes"].as_u64(), Some(64 * 4096 * 2));
+    assert!(row["gbit_per_s"].as_f64().unwrap() > 0.0 && row["prep_ns_per_segment"].as_f64().unwrap() > 0.0, "{doc}");
+    // Two batches, each notified on the target.
+    assert_eq!(labelled(&scrape(&b), "xfer_notifications_total", &[]), 2.0);
+    for agent in [&a, &b] {
+        let regions = agent.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
+        assert!(regions.is_empty(), "scratch regions left: {regions:?}");
+    }
+}

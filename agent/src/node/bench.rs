@@ -12,6 +12,10 @@ pub struct BenchParams {
     pub iters: u32,
     pub qps: usize,
     pub depth: usize,
+    /// KV pattern: blocks of `size` per batch (0 = the perftest-style message benchmark).
+    pub blocks: u32,
+    /// KV pattern: pool bytes on each side (0 = 4 x blocks x size).
+    pub pool: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -24,6 +28,13 @@ pub struct BenchResult {
     pub lat_p50_us: f64,
     pub lat_p99_us: f64,
     pub lat_iters: u32,
+    pub blocks: u32,
+    pub submit_p50_us: f64,
+    pub prep_ns_per_segment: f64,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0)
 }
 
 /// Each sink connection's read buffer.
@@ -124,7 +135,10 @@ impl Node {
     /// perftest-style data-path benchmark against `peer`. Admin-only; one at a time; its buffer
     /// counts against `max_registered_bytes` here and the target's scratch region against the
     /// target's region limits.
-    pub async fn bench(&self, p: BenchParams) -> Result<BenchResult, TransferError> {
+    pub async fn bench(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
+        if p.blocks > 0 {
+            return self.bench_kv(p).await;
+        }
         crate::shape::bench_size(p.size)?;
         let _admin = self.admin_slot("Bench")?;
         let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
@@ -203,7 +217,7 @@ impl Node {
         }
         let mut us: Vec<f64> = probe.samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
         us.sort_by(|a, b| a.total_cmp(b));
-        let pct = |q: f64| us.get(((us.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+        let pct = |q: f64| percentile(&us, q);
         Ok(BenchResult {
             size: p.size,
             iters,
@@ -213,6 +227,145 @@ impl Node {
             lat_p50_us: pct(0.5),
             lat_p99_us: pct(0.99),
             lat_iters: us.len() as u32,
+            ..Default::default()
+        })
+    }
+
+    /// The KV-cache pattern through the product path: `iters` batches, each `blocks` blocks of
+    /// `size` bytes at random distinct places of a local pool written (or read) to random
+    /// distinct places of the peer's pool, each with a notification, one after the other
+    /// (`SubmitTransfer` with segments, followed to SUCCEEDED). Both pools are scratch regions,
+    /// deleted at the end.
+    async fn bench_kv(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
+        let block = crate::shape::bench_size(p.size)?;
+        let blocks = u64::from(p.blocks);
+        let pool = if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool };
+        if pool / block < blocks {
+            return Err(TransferError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
+        }
+        if blocks as usize > self.config.transfer.max_segments {
+            return Err(TransferError::Limit(format!("{blocks} blocks; a batch takes at most {} (transfer.max_segments)", self.config.transfer.max_segments)));
+        }
+        let _admin = self.admin_slot("Bench")?;
+        let iters = if p.iters == 0 { 5 } else { p.iters.min(10_000) };
+        let peer = self.peers.peer(&p.peer)?;
+        let local = format!("xfer-bench-kv-{}", new_id());
+        self.regions.create(crate::regions::RegionSpec {
+            ttl: Some(BENCH_REGION_TTL),
+            labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
+            ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
+        })?;
+        let remote = match peer.call(|| peer.client.open_bench_region(pool)).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.delete_region(&local);
+                return Err(e.into());
+            }
+        };
+        let res = self.bench_kv_with(&p, &local, &remote, block, blocks, pool, iters).await;
+        if let Err(e) = peer.client.close_bench_region(&remote).await {
+            warn!(error = %e, region = %remote, "could not delete bench scratch region on peer (its lease ends it)");
+        }
+        if let Err(e) = self.delete_region(&local) {
+            warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)");
+        }
+        res
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn bench_kv_with(
+        self: &Arc<Self>,
+        p: &BenchParams,
+        local: &str,
+        remote: &str,
+        block: u64,
+        blocks: u64,
+        pool: u64,
+        iters: u32,
+    ) -> Result<BenchResult, TransferError> {
+        // Distinct random slots on each side (a seeded Fisher-Yates over the pool's slots).
+        let slots = pool / block;
+        let pick = |seed: u64| -> Vec<u64> {
+            let mut v: Vec<u64> = (0..slots).collect();
+            let mut x = seed | 1;
+            for i in 0..blocks.min(slots) as usize {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let j = i + (x % (slots - i as u64)) as usize;
+                v.swap(i, j);
+            }
+            v.truncate(blocks as usize);
+            v
+        };
+        let (from, to) = (pick(0x9E37_79B9), pick(0x7F4A_7C15));
+        let specs: Vec<SegmentSpec> =
+            from.iter().zip(&to).map(|(&l, &r)| SegmentSpec { local: l * block, remote: r * block, len: block }).collect();
+        // What checking and coalescing the list costs (the submit does it once more).
+        let dest = if p.op == Op::Write { Dest::Remote } else { Dest::Local };
+        let t = Instant::now();
+        let prepared = Batch::new(&specs, local, pool, dest, self.config.transfer.max_segments)?;
+        let prep_ns = t.elapsed().as_nanos() as f64 / blocks.max(1) as f64;
+        drop(prepared);
+        let (mut batch_us, mut submit_us) = (Vec::new(), Vec::new());
+        let mut busy = Duration::ZERO;
+        for i in 0..iters {
+            let req = TransferRequest {
+                op: p.op,
+                local_region: local.to_string(),
+                local_offset: 0,
+                remote_agent: p.peer.clone(),
+                remote_region: remote.to_string(),
+                remote_offset: 0,
+                length: 0,
+                options: crate::transfer::TransferOptions {
+                    qps: (p.qps > 0).then_some(p.qps),
+                    depth: (p.depth > 0).then_some(p.depth),
+                    ..Default::default()
+                },
+                segments: specs.clone(),
+                notify: Some(format!("bench-kv-{i}").into_bytes()),
+            };
+            let t0 = Instant::now();
+            let rec = self.submit(req).await?;
+            submit_us.push(t0.elapsed().as_secs_f64() * 1e6);
+            let h = self.transfers.get(&rec.id)?;
+            let mut rx = h.record.subscribe();
+            let end = loop {
+                let r = rx.borrow_and_update().clone();
+                if r.state.is_terminal() {
+                    break r;
+                }
+                if rx.changed().await.is_err() {
+                    break h.snapshot();
+                }
+            };
+            let took = t0.elapsed();
+            if end.state != TransferState::Succeeded {
+                return Err(TransferError::Internal(format!(
+                    "bench batch {i} ended {:?}: {}",
+                    end.state,
+                    end.error.unwrap_or_default()
+                )));
+            }
+            busy += took;
+            batch_us.push(took.as_secs_f64() * 1e6);
+        }
+        let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
+        batch_us.sort_by(|a, b| a.total_cmp(b));
+        submit_us.sort_by(|a, b| a.total_cmp(b));
+        Ok(BenchResult {
+            size: block,
+            iters,
+            bytes: block * blocks * iters as u64,
+            seconds: busy.as_secs_f64(),
+            lat_avg_us: avg,
+            lat_p50_us: percentile(&batch_us, 0.5),
+            lat_p99_us: percentile(&batch_us, 0.99),
+            lat_iters: batch_us.len() as u32,
+            blocks: blocks as u32,
+            submit_p50_us: percentile(&submit_us, 0.5),
+            prep_ns_per_segment: prep_ns,
         })
     }
 

@@ -30,7 +30,7 @@ use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError,
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::transfer::driver::{pump, LatencyProbe};
-use crate::transfer::batch::Seg;
+use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};

@@ -367,6 +367,8 @@ impl Agent for Services {
             iters: r.iters,
             qps: r.qps as usize,
             depth: r.depth as usize,
+            blocks: r.blocks,
+            pool: r.pool,
         };
         let b = self.node.bench(p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {
@@ -380,6 +382,9 @@ impl Agent for Services {
             lat_p99_us: b.lat_p99_us,
             lat_iters: b.lat_iters,
             fabric: fabric_to_pb(self.node.fabric_kind()) as i32,
+            blocks: b.blocks,
+            submit_p50_us: b.submit_p50_us,
+            prep_ns_per_segment: b.prep_ns_per_segment,
         }))
     }
 

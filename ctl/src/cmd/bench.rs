@@ -1,6 +1,9 @@
 //! `xferctl bench --peer B`: data-path bandwidth and latency between two agents across message
 //! sizes (`Agent.Bench` runs inside the agent), optionally against a raw TCP baseline
-//! (`Agent.TcpBaseline`).
+//! (`Agent.TcpBaseline`). `--pattern kv --block SIZE --blocks N` instead runs KV-cache-shaped
+//! batches through the product path: N blocks scattered over a pool on each side, one
+//! notification per batch, and reports bandwidth, per-batch latency, the submit call and what
+//! checking the segment list costs per segment.
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -16,6 +19,14 @@ use crate::Ctx;
 pub enum OpArg {
     Write,
     Read,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Pattern {
+    /// One message size at a time, perftest-style.
+    Messages,
+    /// Batches of scattered blocks with a notification each (SubmitTransfer with segments).
+    Kv,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -51,6 +62,18 @@ pub struct Opt {
     /// Also measure a baseline and print each size's bandwidth as a ratio of it.
     #[arg(long, value_enum)]
     pub baseline: Option<Baseline>,
+    /// `kv`: batches of `--blocks` blocks of `--block` bytes scattered over `--pool`.
+    #[arg(long, value_enum, default_value = "messages")]
+    pub pattern: Pattern,
+    /// KV pattern: bytes per block.
+    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
+    pub block: u64,
+    /// KV pattern: blocks per batch.
+    #[arg(long, default_value_t = 2048)]
+    pub blocks: u32,
+    /// KV pattern: pool bytes on each side (default 4 x blocks x block).
+    #[arg(long, value_parser = parse_size)]
+    pub pool: Option<u64>,
 }
 
 /// Bytes the TCP baseline streams per run: at least 1 GiB, and 16× the largest message size.
@@ -132,7 +155,44 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
     out
 }
 
+/// The KV-pattern table: one row per run.
+pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
+    let mut header = vec!["pattern", "batches", "BW Gb/s", "BW GiB/s", "batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
+    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
+    if baseline.is_some() {
+        header.push("BW/tcp");
+    }
+    let mut t = Table::new(&header);
+    for r in rows {
+        let gbit = row_gbit(r);
+        let mut cells = vec![
+            format!("kv {}x{}", r.blocks, format_size_compact(r.size)),
+            r.iters.to_string(),
+            format!("{gbit:.2}"),
+            format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64),
+            format!("{:.2}", r.lat_p50_us / 1e3),
+            format!("{:.2}", r.lat_p99_us / 1e3),
+            format!("{:.0}", r.submit_p50_us),
+            format!("{:.0}", r.prep_ns_per_segment),
+        ];
+        if baseline.is_some() {
+            cells.push(base.map(|b| format!("{:.2}", gbit / b)).unwrap_or_else(|| "-".into()));
+        }
+        t.row(cells);
+    }
+    t.render()
+}
+
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    let kv = opt.pattern == Pattern::Kv;
+    let mut opt = opt;
+    if kv {
+        if opt.block == 0 || opt.blocks == 0 {
+            return Err(crate::error::usage("--block and --blocks must be greater than zero"));
+        }
+        opt.sizes = vec![opt.block];
+    }
+    let opt = opt;
     if opt.sizes.is_empty() || opt.sizes.contains(&0) {
         anyhow::bail!("--sizes must list sizes greater than zero");
     }
@@ -177,6 +237,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 iters: opt.iters.unwrap_or(0),
                 qps: opt.qps.unwrap_or(0),
                 depth: opt.depth.unwrap_or(0),
+                blocks: if kv { opt.blocks } else { 0 },
+                pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
             })
             .await
             .with_context(|| {
@@ -210,7 +272,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             ctx.agent,
             opt.peer
         );
-        ctx.print(&(header + &render(&rows, baseline.as_ref())))
+        let table = if kv { render_kv(&rows, baseline.as_ref()) } else { render(&rows, baseline.as_ref()) };
+        ctx.print(&(header + &table))
     }
 }
 
@@ -241,6 +304,10 @@ fn json_doc(
                 "lat_iters": r.lat_iters,
                 "fabric": view::fabric_name(r.fabric),
                 "ratio_to_baseline": base.map(|b| gbit / b),
+                "pattern": if r.blocks > 0 { "kv" } else { "messages" },
+                "blocks": r.blocks,
+                "submit_p50_us": r.submit_p50_us,
+                "prep_ns_per_segment": r.prep_ns_per_segment,
             })
         }).collect::<Vec<_>>(),
         "baseline": baseline.map(|b| json!({
