@@ -22,6 +22,17 @@ pub enum ShapeError {
     Depth,
     #[error("size must be between 1 and {MAX_CHUNK} bytes")]
     Size,
+    #[error("a benchmark pool must be between 1 and {MAX_BENCH_POOL} bytes")]
+    Pool,
+}
+
+/// Largest scratch region a benchmark asks a peer for (the KV pattern's pool); the region
+/// limits (`max_registered_bytes`) apply on top.
+pub const MAX_BENCH_POOL: u64 = 64 << 30;
+
+/// A benchmark's scratch region on the target: one message, or the KV pattern's pool.
+pub fn bench_region(n: u64) -> Result<u64, ShapeError> {
+    if (1..=MAX_BENCH_POOL).contains(&n) { Ok(n) } else { Err(ShapeError::Pool) }
 }
 
 pub fn chunk(n: u64) -> Result<u64, ShapeError> {

@@ -96,7 +96,7 @@ impl Node {
     /// at a time per agent; the region counts against the region limits and its lease ends after
     /// [`BENCH_REGION_TTL`] even if the caller never closes it.
     pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
-        crate::shape::bench_size(length)?;
+        crate::shape::bench_region(length)?;
         let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((name, _)) = slot.as_ref() {
             if self.regions.get(name).is_ok() {
@@ -239,7 +239,7 @@ impl Node {
     async fn bench_kv(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
         let block = crate::shape::bench_size(p.size)?;
         let blocks = u64::from(p.blocks);
-        let pool = if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool };
+        let pool = crate::shape::bench_region(if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool })?;
         if pool / block < blocks {
             return Err(TransferError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
         }
