@@ -98,7 +98,7 @@ async fn benchmarks_need_the_admin_role() {
     let (a, _ta) = pki.agent("node-a");
     let (b, _tb) = pki.agent("node-b");
     let baseline = pb::TcpBaselineRequest { peer: b.addr(), bytes: 4 << 20, connections: 1, block: 1 << 20 };
-    let bench = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 4, qps: 1, depth: 1 };
+    let bench = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 4, qps: 1, depth: 1, ..Default::default() };
     let mut client = pki.agent_client(&a, "xferctl").await;
     denied(&client.tcp_baseline(baseline.clone()).await.unwrap_err(), "admin");
     denied(&client.bench(bench.clone()).await.unwrap_err(), "admin");
@@ -494,7 +494,7 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     // once. Whichever gets the slot, the other must come back first, with RESOURCE_EXHAUSTED.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let peer = silent.local_addr().unwrap().to_string();
-    let req = pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1 };
+    let req = pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1, ..Default::default() };
     let (mut c1, mut c2) = (a.client().await, a.client().await);
     let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096 };
     let first = c1.bench(req);

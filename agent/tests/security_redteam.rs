@@ -153,7 +153,7 @@ async fn connect_and_bench_refuse_absurd_qps_instead_of_aborting() {
     assert!(e.message().contains("qps"), "{e:?}");
     let mut admin = pki.agent_client(&a, "admin").await;
     for (qps, depth) in [(u32::MAX, 1), (65, 1), (1, u32::MAX)] {
-        let req = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps, depth };
+        let req = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps, depth, ..Default::default() };
         let e = admin.bench(req).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "qps {qps} depth {depth}: {e:?}");
     }

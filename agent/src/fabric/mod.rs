@@ -440,6 +440,24 @@ pub trait Connection: Send + Sync {
     /// Posts a work request on QP `qp`. Non-blocking: the caller bounds the number of
     /// outstanding WRs per QP (`depth`), and the fabric sizes its queues from the same setting.
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError>;
+    /// Posts `wrs`, in order, on QP `qp`, with one doorbell where the fabric has one (verbs:
+    /// one `ibv_wr_start`/`ibv_wr_complete` around all of them, so the device is kicked once).
+    /// `Err((wr_id, e))` names the first WR that was not posted; it and every WR after it count
+    /// as not posted (a fabric that cannot tell keeps their memory until the QP is gone).
+    fn post_batch(&self, qp: usize, wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
+        for wr in wrs {
+            let id = wr.wr_id;
+            self.post(qp, wr).map_err(|e| (id, e))?;
+        }
+        Ok(())
+    }
+    /// Polls for completions now, on the caller's thread, delivering them to the connection's
+    /// sink like the fabric's own completion task would; returns how many. A connection is
+    /// leased by one transfer at a time, so its driver may poll it directly instead of waiting
+    /// to be woken (verbs: `ibv_poll_cq`; tcp has nothing to poll: 0).
+    fn progress(&self) -> usize {
+        0
+    }
     /// True once any QP hit an error: the pool replaces the connection.
     fn is_broken(&self) -> bool;
     /// Tears the connection down; outstanding WRs complete with flush errors.

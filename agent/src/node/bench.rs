@@ -181,7 +181,7 @@ impl Node {
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let t0 = Instant::now();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None, self.poll_spin()).await;
         let seconds = t0.elapsed().as_secs_f64();
         let bw_state = machine.state().clone();
         if let Some(l) = held.lease.take() {
@@ -206,7 +206,7 @@ impl Node {
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let mut probe = LatencyProbe::default();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe)).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe), self.poll_spin()).await;
         let lat_ok = machine.state() == &State::Succeeded;
         if let Some(l) = held.lease.take() {
             l.release(lat_ok);

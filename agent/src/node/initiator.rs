@@ -8,7 +8,7 @@ use super::*;
 use crate::shape;
 use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::batch::{Batch, Dest};
-use crate::transfer::driver::{wait, Wake};
+use crate::transfer::driver::{post_runs, wait, Wake};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 
@@ -299,8 +299,21 @@ impl Node {
         let registration = local.0.registration.clone();
         let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let mut reported = 0;
+        // WRs the session asked for in one go, posted together (one doorbell per QP run) before
+        // anything else happens.
+        let mut pending: Vec<(usize, WorkRequest)> = Vec::new();
         loop {
-            while let Some(cmd) = held.settle(s) {
+            loop {
+                let Some(cmd) = held.settle(s) else {
+                    if pending.is_empty() {
+                        break;
+                    }
+                    flush(held, s, &mut pending);
+                    continue;
+                };
+                if !matches!(cmd, Command::Post(_)) && !pending.is_empty() {
+                    flush(held, s, &mut pending);
+                }
                 match cmd {
                     Command::Post(p) => {
                         let wr = WorkRequest {
@@ -313,13 +326,7 @@ impl Node {
                             remote_key: key.clone(),
                             signaled: p.signaled,
                         };
-                        let posted = match held.lease.as_ref() {
-                            Some(l) => l.conn().post(p.qp, wr).map_err(|e| e.to_string()),
-                            None => Err("no connection".to_string()),
-                        };
-                        if let Err(reason) = posted {
-                            s.handle(Event::PostFailed { seq: p.seq, reason });
-                        }
+                        pending.push((p.qp, wr));
                     }
                     Command::CheckLocal => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
                     Command::Checksum => {
@@ -344,7 +351,8 @@ impl Node {
                 return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
             };
             let deadline = s.poll_timeout();
-            match wait(lease, &handle.cancel, deadline, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status })).await {
+            let spin = self.poll_spin();
+            match wait(lease, &handle.cancel, deadline, spin, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status })).await {
                 Wake::Completions => {}
                 Wake::Closed => s.handle(Event::ConnectionClosed),
                 Wake::Cancelled => s.handle(Event::Cancel),
@@ -410,6 +418,19 @@ impl Node {
         Ok(h.snapshot())
     }
 
+}
+
+/// Posts the WRs the session asked for (one doorbell per QP run) and feeds back any that failed.
+fn flush(held: &Held, s: &mut Session, pending: &mut Vec<(usize, WorkRequest)>) {
+    let failed = match held.lease.as_ref() {
+        Some(l) => post_runs(l.conn().as_ref(), pending),
+        None => Err((pending.drain(..).map(|(_, w)| w.wr_id).collect(), "no connection".to_string())),
+    };
+    if let Err((seqs, reason)) = failed {
+        for seq in seqs {
+            s.handle(Event::PostFailed { seq, reason: reason.clone() });
+        }
+    }
 }
 
 fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Instant) {

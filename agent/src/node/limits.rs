@@ -49,6 +49,15 @@ impl Node {
     }
 
     /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+    /// How long a transfer polls its own connection before sleeping (`verbs.poll_spin`; only
+    /// the verbs fabric has anything to poll).
+    pub(super) fn poll_spin(&self) -> Duration {
+        match self.fabric.kind() {
+            FabricKind::Verbs => self.config.verbs.poll_spin.0,
+            FabricKind::Tcp => Duration::ZERO,
+        }
+    }
+
     pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
         self.admin_slot.clone().try_acquire_owned().map_err(|_| {
             TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)"))

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::machine::{Machine, Post};
-use crate::fabric::{Completion, WorkRequest};
+use crate::fabric::{Completion, Connection, WorkRequest};
 use crate::peers::Lease;
 
 /// Per-WR round-trip times, for the latency benchmark.
@@ -30,13 +30,33 @@ pub enum Wake {
 }
 
 /// Waits for the next completions on `lease` (each passed to `on_completion`), a cancel, or
-/// `deadline`.
+/// `deadline`. With a `spin` budget it first polls the connection itself
+/// ([`Connection::progress`]) for up to that long, so a completion that arrives within it is
+/// handled without a wake-up through the fabric's completion task (`verbs.poll_spin`).
 pub async fn wait(
     lease: &mut Lease,
     cancel: &CancellationToken,
     deadline: Option<Instant>,
+    spin: Duration,
     mut on_completion: impl FnMut(Completion),
 ) -> Wake {
+    if !spin.is_zero() {
+        let until = Instant::now() + spin;
+        loop {
+            lease.conn().progress();
+            if let Ok(c) = lease.completions().try_recv() {
+                on_completion(c);
+                while let Ok(c) = lease.completions().try_recv() {
+                    on_completion(c);
+                }
+                return Wake::Completions;
+            }
+            if cancel.is_cancelled() || Instant::now() >= until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+    }
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d.into()).await,
@@ -59,6 +79,27 @@ pub async fn wait(
     }
 }
 
+/// Posts `pending` in order, one doorbell per run of consecutive WRs on the same QP
+/// ([`Connection::post_batch`]), and empties it. On a failure: the seqs (`wr_id`s) of every WR
+/// from the one that failed on — none of them counts as posted — and the reason.
+pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>) -> Result<(), (Vec<u64>, String)> {
+    let mut items = pending.drain(..).peekable();
+    while let Some((qp, first)) = items.next() {
+        let mut run = vec![first];
+        while let Some((_, wr)) = items.next_if(|(q, _)| *q == qp) {
+            run.push(wr);
+        }
+        let ids: Vec<u64> = run.iter().map(|w| w.wr_id).collect();
+        if let Err((id, e)) = conn.post_batch(qp, run) {
+            let from = ids.iter().position(|&x| x == id).unwrap_or(0);
+            let mut failed: Vec<u64> = ids[from..].to_vec();
+            failed.extend(items.map(|(_, w)| w.wr_id));
+            return Err((failed, e.to_string()));
+        }
+    }
+    Ok(())
+}
+
 /// Runs `machine` to a terminal state over `lease`.
 pub async fn pump(
     machine: &mut Machine,
@@ -67,23 +108,27 @@ pub async fn pump(
     mut make_wr: impl FnMut(&Post) -> WorkRequest,
     mut on_progress: impl FnMut(u64),
     mut probe: Option<&mut LatencyProbe>,
+    spin: Duration,
 ) {
     let mut reported = 0;
+    let mut pending = Vec::new();
     loop {
         while let Some(p) = machine.poll_transmit() {
             if let Some(pr) = probe.as_deref_mut() {
                 pr.posted.insert(p.seq, Instant::now());
             }
-            if let Err(e) = lease.conn().post(p.qp, make_wr(&p)) {
-                machine.handle_post_error(p.seq, e.to_string());
-                break;
+            pending.push((p.qp, make_wr(&p)));
+        }
+        if let Err((seqs, reason)) = post_runs(lease.conn().as_ref(), &mut pending) {
+            for seq in seqs {
+                machine.handle_post_error(seq, reason.clone());
             }
         }
         if machine.is_done() {
             break;
         }
         let deadline = machine.poll_timeout();
-        match wait(lease, cancel, deadline, |c| complete(machine, &mut probe, c.qp, c.wr_id, c.status)).await {
+        match wait(lease, cancel, deadline, spin, |c| complete(machine, &mut probe, c.qp, c.wr_id, c.status)).await {
             Wake::Completions => {}
             Wake::Closed => machine.handle_post_error(u64::MAX, "connection closed".into()),
             Wake::Cancelled => machine.handle_cancel(),

@@ -111,6 +111,10 @@ impl Machine {
         cfg.chunk = cfg.chunk.clamp(1, u32::MAX as u64);
         cfg.qps = cfg.qps.max(1);
         cfg.depth = cfg.depth.max(1);
+        // 0 = auto: four signaled WRs per window.
+        if cfg.signal_every == 0 {
+            cfg.signal_every = (cfg.depth / 4).max(1);
+        }
         cfg.signal_every = cfg.signal_every.clamp(1, cfg.depth);
         let chunk = cfg.chunk;
         let chunks = cfg.segs.iter().map(|s| s.len.div_ceil(chunk)).fold(0u64, u64::saturating_add);
@@ -464,6 +468,17 @@ mod tests {
         assert!(marker.marker);
         m.handle_completion(0, marker.seq, WcStatus::Success);
         assert_eq!(m.state(), &State::Succeeded);
+    }
+
+    #[test]
+    fn signal_every_zero_signals_four_times_per_window() {
+        let mut m = Machine::new(cfg(64, 1, 1, 16, 0));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(posts.len(), 16);
+        assert_eq!(posts.iter().filter(|p| p.signaled).count(), 4, "depth 16 / 4");
+        let mut m = Machine::new(cfg(8, 1, 1, 2, 0));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert!(posts.iter().all(|p| p.signaled), "depth 2: every WR (at least 1)");
     }
 
     #[test]

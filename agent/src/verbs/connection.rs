@@ -21,7 +21,7 @@ use sideway::ibverbs::completion::CompletionChannel;
 use xfer_rdma::cq::{Cq, RawWc};
 use xfer_rdma::mr::Mr;
 use xfer_rdma::mw::Mw;
-use xfer_rdma::qp::{queue_of, RcQp, RdmaOp, RdmaWr, Route, RtrAttrs, RtsAttrs, WindowAccess};
+use xfer_rdma::qp::{queue_of, Posting, RcQp, RdmaOp, RdmaWr, Route, RtrAttrs, RtsAttrs, WindowAccess};
 
 use super::device::Device;
 use super::mr::VerbsRegistration;
@@ -547,13 +547,17 @@ impl PendingConnection for VerbsPending {
 /// An established initiator connection. Dropping it closes it.
 pub(crate) struct VerbsConnection {
     inner: Arc<ConnInner>,
+    /// Where completions go, for [`Connection::progress`] (the CQ task has its own clone).
+    sink: CompletionSink,
+    /// `progress`'s poll buffer, kept to not allocate per poll (the CQ serializes polling).
+    buf: Mutex<Vec<RawWc>>,
 }
 
 impl VerbsConnection {
     pub fn start(inner: ConnInner, sink: CompletionSink, busy_poll: bool) -> Arc<dyn Connection> {
         let inner = Arc::new(inner);
-        tokio::spawn(run_cq(Arc::clone(&inner), sink, busy_poll));
-        Arc::new(VerbsConnection { inner })
+        tokio::spawn(run_cq(Arc::clone(&inner), sink.clone(), busy_poll));
+        Arc::new(VerbsConnection { inner, sink, buf: Mutex::new(Vec::with_capacity(POLL_BATCH)) })
     }
 }
 
@@ -594,6 +598,69 @@ impl Connection for VerbsConnection {
         // the registration until the WR is retired.
         slot.qp.post_rdma(rdma, &mr, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) })?;
         Ok(())
+    }
+
+    fn post_batch(&self, qp: usize, wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
+        let Some(first) = wrs.first().map(|w| w.wr_id) else { return Ok(()) };
+        let inner = &self.inner;
+        if inner.broken.load(Ordering::Acquire) || inner.closing.load(Ordering::Acquire) {
+            return Err((first, FabricError::QpBroken));
+        }
+        let slot = inner.slots.get(qp).ok_or((first, FabricError::NoSuchQp(qp)))?;
+        // One transfer's WRs: one registration for all of them (else post one by one).
+        let same = wrs.windows(2).all(|w| Arc::ptr_eq(&w[0].local, &w[1].local));
+        let mr: Arc<Mr> = match (same, wrs[0].local.as_any().downcast_ref::<VerbsRegistration>()) {
+            (true, Some(v)) => Arc::clone(&v.mr),
+            (false, _) => {
+                for wr in wrs {
+                    let id = wr.wr_id;
+                    self.post(qp, wr).map_err(|e| (id, e))?;
+                }
+                return Ok(());
+            }
+            (true, None) => return Err((first, FabricError::Registration("registration does not belong to the verbs fabric".into()))),
+        };
+        let mut items = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            let rkey = match &wr.remote_key {
+                RemoteKey::Rkey(k) => *k,
+                RemoteKey::PerQp(keys) => match keys.get(qp) {
+                    Some(k) => *k,
+                    None => {
+                        return Err((first, FabricError::Other(format!("the grant has {} per-QP keys and none for QP {qp}", keys.len()))));
+                    }
+                },
+                RemoteKey::Token(_) => return Err((first, FabricError::BadRemoteKey)),
+            };
+            let posting = match wr.op {
+                WrOp::Notify { slot: imm } => Posting::WriteImm { rkey, remote_addr: wr.remote_addr, imm, signaled: wr.signaled },
+                WrOp::Read | WrOp::Write => Posting::Rdma(RdmaWr {
+                    op: if wr.op == WrOp::Read { RdmaOp::Read } else { RdmaOp::Write },
+                    signaled: wr.signaled,
+                    rkey,
+                    remote_addr: wr.remote_addr,
+                    local_offset: wr.local_offset,
+                    len: wr.len,
+                }),
+            };
+            items.push((posting, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) }));
+        }
+        slot.qp.post_many(items, &mr).map_err(|e| {
+            if matches!(e, xfer_rdma::VerbsError::Io(_)) {
+                // The doorbell failed: the device may hold some of these WRs. The connection is
+                // done for (the pool discards it, which destroys the QPs and ends any DMA).
+                inner.broken.store(true, Ordering::Release);
+                slot.qp.to_err();
+            }
+            (first, e.into())
+        })
+    }
+
+    fn progress(&self) -> usize {
+        // Polls under the CQ's own lock, in the same order the CQ task would: completions are
+        // handled once, whoever reads them.
+        let Ok(mut buf) = self.buf.try_lock() else { return 0 };
+        self.inner.drain(&self.sink, &mut buf).unwrap_or(0)
     }
 
     fn is_broken(&self) -> bool {

@@ -62,6 +62,15 @@ pub struct RdmaWr {
     pub len: u32,
 }
 
+/// One WR of [`RcQp::post_many`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Posting {
+    Rdma(RdmaWr),
+    /// A zero-length RDMA WRITE WITH IMMEDIATE (a notification marker, see
+    /// [`RcQp::post_write_imm`]).
+    WriteImm { rkey: u32, remote_addr: u64, imm: u32, signaled: bool },
+}
+
 /// Remote access a window bind grants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WindowAccess {
@@ -456,6 +465,85 @@ impl<K> RcQp<K> {
         }
         st.next_seq = st.next_seq.wrapping_add(1);
         st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
+        Ok(())
+    }
+
+    /// Posts `wrs` (RDMA WRITEs and READs over `local`'s memory, or zero-length WRITE WITH
+    /// IMMEDIATE markers) in order with ONE doorbell: one `ibv_wr_start`, every WR, one
+    /// `ibv_wr_complete`. Every WR is checked first (nothing is posted if one is bad, or if they
+    /// do not all fit the send queue). The QP keeps `local` and each `K` on its in-flight list
+    /// like [`RcQp::post_rdma`]. If `ibv_wr_complete` fails the entries stay on the list anyway
+    /// (the device may have taken some of them): their memory then lives until the QP is
+    /// destroyed, and the caller must treat the QP as broken.
+    pub fn post_many(&self, wrs: Vec<(Posting, K)>, local: &Arc<Mr>) -> Result<(), VerbsError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        if !Arc::ptr_eq(local.pd(), &self.pd) {
+            return Err(VerbsError::Other("the memory registration belongs to another protection domain".into()));
+        }
+        for (w, _) in &wrs {
+            match w {
+                Posting::Rdma(wr) => {
+                    self.check_local(local, wr.local_offset, wr.len as u64)?;
+                    if wr.op == RdmaOp::Read && !local.memory().writable() {
+                        return Err(VerbsError::LocalRange("READ into read-only local memory".into()));
+                    }
+                }
+                Posting::WriteImm { .. } if !self.can_write_imm => {
+                    return Err(VerbsError::Io(io::Error::other("the provider cannot post RDMA WRITE WITH IMMEDIATE")));
+                }
+                Posting::WriteImm { .. } => {}
+            }
+        }
+        let base = local.memory().addr();
+        let lkey = local.lkey();
+        let mut st = self.lock();
+        if st.inflight.len() + wrs.len() > self.max_send_wr as usize {
+            return Err(VerbsError::Other(format!(
+                "send queue of QP {} cannot take {} more WRs ({} outstanding of {}): the caller exceeded its depth",
+                self.index,
+                wrs.len(),
+                st.inflight.len(),
+                self.max_send_wr
+            )));
+        }
+        let q = self.qpx.as_ptr();
+        // SAFETY: we hold `state`'s lock (exclusive posting) on a live extended QP whose function
+        // table was checked in `create` (`wr_rdma_write_imm`/`wr_set_sge_list` only when
+        // `can_write_imm`, checked above for markers). Every WR's local range lies inside
+        // `local`, an MR of this QP's PD (checked above), whose memory `local` owns; each entry
+        // is pushed onto the in-flight list under the same lock, before the doorbell, and stays
+        // there until retired or the QP is destroyed, so the memory stays registered and mapped
+        // while the device may use it. Markers read no local memory (an empty sge list).
+        let rc = unsafe {
+            sys::ibv_wr_start(q);
+            for (w, keep) in wrs {
+                let seq = st.next_seq & SEQ_MASK;
+                (*q).wr_id = ((self.index as u64) << SEQ_BITS) | seq;
+                match w {
+                    Posting::Rdma(wr) => {
+                        (*q).wr_flags = if wr.signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+                        match wr.op {
+                            RdmaOp::Read => sys::ibv_wr_rdma_read(q, wr.rkey, wr.remote_addr),
+                            RdmaOp::Write => sys::ibv_wr_rdma_write(q, wr.rkey, wr.remote_addr),
+                        }
+                        sys::ibv_wr_set_sge(q, lkey, base + wr.local_offset, wr.len);
+                    }
+                    Posting::WriteImm { rkey, remote_addr, imm, signaled } => {
+                        (*q).wr_flags = if signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+                        sys::ibv_wr_rdma_write_imm(q, rkey, remote_addr, imm.to_be());
+                        sys::ibv_wr_set_sge_list(q, 0, std::ptr::null());
+                    }
+                }
+                st.next_seq = st.next_seq.wrapping_add(1);
+                st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
+            }
+            sys::ibv_wr_complete(q)
+        };
+        if rc != 0 {
+            return Err(VerbsError::Io(io::Error::from_raw_os_error(rc)));
+        }
         Ok(())
     }
 
