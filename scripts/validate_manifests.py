@@ -3,7 +3,7 @@
 
 usage: validate_manifests.py --agent XFER-AGENT --crd-schema FILE [--crd-schema FILE...]
                              --k8s-version V [...] [--plaintext NAME...] [--defaults NAME...]
-                             [--no-schema] NAME=RENDERED.yaml [...]
+                             [--no-schema] [--expect-error NAME=TEXT...] NAME=RENDERED.yaml [...]
 
 Per source (one rendered kustomize build, helm template or file of cert-manager objects):
   * every built-in object against the Kubernetes OpenAPI-derived JSON schemas shipped by the
@@ -681,6 +681,9 @@ def main() -> int:
                     help="source NAME is a shipped default: its csi issuer and trust domain must match "
                          "the cert-manager objects given")
     ap.add_argument("--no-schema", action="store_true", help="cross-checks only (for mutation tests)")
+    ap.add_argument("--expect-error", action="append", default=[], metavar="NAME=TEXT",
+                    help="source NAME (a known-bad mutant) must fail with an error containing TEXT; its "
+                         "errors are then expected, not failures")
     ap.add_argument("--agent", required=True, metavar="XFER-AGENT",
                     help="xfer-agent binary that judges each agent.toml (--config FILE --print-config)")
     ap.add_argument("sources", nargs="+", metavar="NAME=FILE")
@@ -695,6 +698,9 @@ def main() -> int:
     for flag in ("plaintext", "defaults"):
         if not set(getattr(args, flag)) <= names:
             ap.error(f"--{flag} names no source: {sorted(set(getattr(args, flag)) - names)}")
+    expect = dict(e.partition("=")[::2] for e in args.expect_error)
+    if not set(expect) <= names:
+        ap.error(f"--expect-error names no source: {sorted(set(expect) - names)}")
     checker = Checker(schemas, args.k8s_version, set(args.plaintext), set(args.defaults), not args.no_schema,
                       args.agent)
     if checker.schema:
@@ -705,12 +711,24 @@ def main() -> int:
         name, _, path = spec.partition("=")
         total += checker.check_source(name, path)
     checker.check_across()
-    if checker.errors:
-        print(f"\nFAILED: {len(checker.errors)} problem(s):", file=sys.stderr)
-        for e in checker.errors:
+
+    def source_of(error: str) -> str:
+        return error[1:error.index("]")]
+
+    problems = [e for e in checker.errors if source_of(e) not in expect]
+    for name, text in expect.items():
+        got = [e for e in checker.errors if source_of(e) == name]
+        if not any(text in e for e in got):
+            problems.append(f"[{name}] should fail with {text!r}, got: {got or 'no error'}")
+    if problems:
+        print(f"\nFAILED: {len(problems)} problem(s):", file=sys.stderr)
+        for e in problems:
             print(f"  {e}", file=sys.stderr)
         return 1
-    print(f"OK: {total} objects from {len(args.sources)} sources valid")
+    if expect:
+        print(f"OK: {len(expect)} known-bad sources failed as expected")
+    else:
+        print(f"OK: {total} objects from {len(args.sources)} sources valid")
     return 0
 
 
