@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SETUP_STAMP := target/.setup-done
 
-.PHONY: all build release test demo bench soak soak-rxe fuzz test-rxe bench-rxe setup fmt clean
+.PHONY: all build release test demo bench soak soak-rxe fuzz test-rxe bench-rxe image setup fmt clean
 
 all: build
 
@@ -49,6 +49,13 @@ test-rxe: $(SETUP_STAMP)
 
 bench-rxe: $(SETUP_STAMP)
 	scripts/rxe-bench
+
+# Container image without a Docker daemon or a registry: release binaries (stripped) on a
+# mmdebstrap'd Debian rootfs, built with buildah and run with podman as a test (scripts/build-image).
+# IMAGE_PROFILE=debug packs the binaries `make build` made instead (CI: no release build).
+IMAGE_PROFILE ?= release
+image: $(SETUP_STAMP)
+	XFER_IMAGE_PROFILE=$(IMAGE_PROFILE) scripts/build-image
 
 fmt:
 	$(CARGO) fmt --all

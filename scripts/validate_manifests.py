@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Validate rendered Kubernetes manifests offline. Driven by scripts/validate-manifests.
 
-usage: validate_manifests.py --crd-schema FILE [--crd-schema FILE...] --k8s-version V [...]
-                             [--plaintext NAME...] [--defaults NAME...] [--no-schema]
-                             NAME=RENDERED.yaml [...]
+usage: validate_manifests.py --agent XFER-AGENT --crd-schema FILE [--crd-schema FILE...]
+                             --k8s-version V [...] [--plaintext NAME...] [--defaults NAME...]
+                             [--no-schema] [--expect-error NAME=TEXT...] NAME=RENDERED.yaml [...]
 
 Per source (one rendered kustomize build, helm template or file of cert-manager objects):
   * every built-in object against the Kubernetes OpenAPI-derived JSON schemas shipped by the
@@ -16,7 +16,11 @@ Per source (one rendered kustomize build, helm template or file of cert-manager 
     DaemonSet's pod labels and its targetPorts are container port names; ServiceAccount refs
     resolve; every volumeMount names a volume, every volume is mounted, no mount is nested in
     another; `--config` names a key of a mounted ConfigMap;
-  * agent.toml (the ConfigMap the DaemonSet runs with): parses as TOML, uses only known keys;
+  * agent.toml (the ConfigMap the DaemonSet runs with): parses as TOML, and the agent itself
+    accepts it: `XFER-AGENT --config agent.toml --print-config` (the agent refuses unknown keys,
+    bad types and enum values by name, and a plaintext non-loopback listener without
+    allow_plaintext_network), so no key list is kept here; the TLS files are replaced by empty
+    stand-ins through XFER_TLS__* (which volume provides them is checked below);
     listen/data_listen/metrics_listen/health_listen ports are the container ports grpc/data/
     metrics/health; every gRPC probe targets health_listen's port (kubelet cannot do mTLS);
     mTLS is on (insecure = false, stated explicitly) unless the source is a declared --plaintext
@@ -25,6 +29,11 @@ Per source (one rendered kustomize build, helm template or file of cert-manager 
     with mTLS, tls.cert/key/ca are files that the read-only `tls` volume provides at those paths
     (csi.cert-manager.io attributes or Secret keys), and a csi-driver certificate carries the node
     URI SAN in tls.trust_domain, the DNS SAN tls.server_name, serverAuth + clientAuth;
+  * the pod: dnsPolicy ClusterFirstWithHostNet exactly when hostNetwork (else ClusterFirst),
+    hostPorts only with hostNetwork (and equal to the container ports), a Multus networks
+    annotation only without hostNetwork; Guaranteed QoS (cpu and memory requests == limits in
+    every container); the memory limit >= [limits] max_registered_bytes + 1Gi; a system-*
+    priorityClassName comes with a ResourceQuota in its namespace scoped to that class;
   * cert-manager objects: Certificates name an Issuer in the same source, CA Issuers a CA
     Certificate's Secret, URI SANs are spiffe://TD/xfer/{node,client,admin}/NAME; across sources,
     the Issuer the --defaults sources' csi volumes use and their trust domain match these objects.
@@ -36,28 +45,24 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import posixpath
 import re
+import subprocess
 import sys
+import tempfile
 import tomllib
 
 import jsonschema
 import kubernetes_validate
 import yaml
 
-# Keys of agent.toml (the agent's config.rs; see DESIGN.md §8 and deploy/kubernetes/configmap.yaml).
-# The agent ignores unknown keys, so a typo here would silently fall back to a default.
-AGENT_TOML_KEYS = {
-    "node_name": None, "listen": None, "metrics_listen": None, "data_listen": None,
-    "health_listen": None, "fabric": None, "state_dir": None, "insecure": None,
-    "allow_plaintext_network": None,
-    "log": {"format", "level"},
-    "transfer": {"chunk_size", "depth", "qps", "timeout"},
-    "verbs": {"device", "port", "gid_index", "grant_mode"},
-    "tls": {"cert", "key", "ca", "server_name", "trust_domain", "dns_roles"},
-    "limits": {"max_regions", "max_registered_bytes", "max_transfers"},
-    "shutdown": {"grace"},
-}
+MULTUS = "k8s.v1.cni.cncf.io/networks"
+# Priority classes that clusters may admit only where a ResourceQuota scoped to them exists.
+SYSTEM_PRIORITY = ("system-node-critical", "system-cluster-critical")
+# Kubernetes quantity suffixes (memory) -> bytes.
+QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 # Listener key -> the container port name it must match.
 LISTENERS = {"listen": "grpc", "data_listen": "data", "metrics_listen": "metrics", "health_listen": "health"}
 ROLES = ("node", "client", "admin")
@@ -119,6 +124,31 @@ def under(path: str, mount: str) -> bool:
     return path == mount or path.startswith(mount.rstrip("/") + "/")
 
 
+def quantity_bytes(q) -> float | None:
+    """A Kubernetes memory quantity ('18Gi', '20G', 1073741824) in bytes; None if unparsable."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)", str(q))
+    return float(m.group(1)) * QUANTITY[m.group(2)] if m and m.group(2) in QUANTITY else None
+
+
+def size_bytes(s) -> float | None:
+    """An agent size ('16GiB', '512MiB', 4096) in bytes, per xfer-common's parse_size: k/m/g/t/p/e
+    (with or without i, iB) are binary, KB/MB/... decimal. None if unparsable."""
+    m = re.fullmatch(r"([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)", str(s).strip())
+    if not m:
+        return None
+    unit = m.group(2).lower()
+    powers = "kmgtpe"
+    if unit in ("", "b"):
+        mult = 1
+    elif len(unit) == 2 and unit[1] == "b" and unit[0] in powers:
+        mult = 1000 ** (powers.index(unit[0]) + 1)
+    elif unit[:1] in powers and unit[1:] in ("", "i", "ib"):
+        mult = 1024 ** (powers.index(unit[0]) + 1)
+    else:
+        return None
+    return float(m.group(1).replace("_", "")) * mult
+
+
 def csv(value) -> list[str]:
     return [s.strip() for s in str(value or "").split(",") if s.strip()]
 
@@ -131,7 +161,7 @@ def spiffe(uri: str) -> tuple[str, str, str] | None:
 
 class Checker:
     def __init__(self, crd_schemas: list[dict], versions: list[str], plaintext: set[str], defaults: set[str],
-                 schema: bool):
+                 schema: bool, agent: str):
         self.crd = {}
         for s in crd_schemas:
             props = s["properties"]
@@ -140,6 +170,7 @@ class Checker:
         self.plaintext = plaintext
         self.defaults = defaults
         self.schema = schema
+        self.agent = agent
         self.errors: list[str] = []
         self.notes: list[str] = []  # what each source was found to do, printed under its summary
         # For the cross-source checks: (source, issuer kind, issuer name, trust domain) of every
@@ -247,8 +278,13 @@ class Checker:
             sa = pod.get("serviceAccountName")
             if sa and (ns(ds), sa) not in accounts:
                 self.err(source, f"{ident(ds)}: serviceAccountName {sa!r} is not rendered here")
-            if not pod.get("hostNetwork") or pod.get("dnsPolicy") != "ClusterFirstWithHostNet":
-                self.err(source, f"{ident(ds)}: expected hostNetwork: true with dnsPolicy ClusterFirstWithHostNet")
+            self.check_pod_network(source, ds, tmpl)
+            self.check_qos(source, ds, pod)
+            prio = pod.get("priorityClassName")
+            if prio in SYSTEM_PRIORITY and not any(
+                    ns(q) == ns(ds) and quota_admits(q, prio) for q in of("ResourceQuota")):
+                self.err(source, f"{ident(ds)}: priorityClassName {prio} but no ResourceQuota in {ns(ds)} scoped to "
+                                 f"it: clusters that limit system-* classes (GKE by default) refuse the pods")
             volumes = {v["name"]: v for v in pod.get("volumes") or []}
             for vol in volumes.values():
                 cm = (vol.get("configMap") or {}).get("name")
@@ -290,6 +326,78 @@ class Checker:
             conf = self.agent_config(source, ds, agent, volumes, configmaps, ns(ds))
             if conf is not None:
                 self.check_agent_conf(source, ds, agent, volumes, conf)
+                self.check_memory(source, ds, agent, conf)
+
+    def check_pod_network(self, source: str, ds: dict, tmpl: dict) -> None:
+        pod = tmpl["spec"]
+        host = pod.get("hostNetwork") is True
+        dns = pod.get("dnsPolicy", "ClusterFirst")
+        want = "ClusterFirstWithHostNet" if host else "ClusterFirst"
+        if dns != want:
+            self.err(source, f"{ident(ds)}: dnsPolicy {dns} with hostNetwork {host}: want {want} "
+                             f"(ClusterFirstWithHostNet only with hostNetwork; else cluster DNS is lost or unused)")
+        for c in pod.get("containers") or []:
+            for p in c.get("ports") or []:
+                if "hostPort" not in p:
+                    continue
+                if not host:
+                    self.err(source, f"{ident(ds)}: port {p.get('name')} has hostPort {p['hostPort']} without "
+                                     f"hostNetwork: the agent has its own pod address there")
+                elif p["hostPort"] != p["containerPort"]:
+                    self.err(source, f"{ident(ds)}: port {p.get('name')}: hostPort {p['hostPort']} != containerPort "
+                                     f"{p['containerPort']} (required with hostNetwork)")
+        networks = ((tmpl.get("metadata") or {}).get("annotations") or {}).get(MULTUS)
+        if networks is not None:
+            if host:
+                self.err(source, f"{ident(ds)}: {MULTUS} with hostNetwork: true: Multus ignores hostNetwork pods")
+            value = networks.strip()
+            if value.startswith("["):
+                try:
+                    sel = json.loads(value)
+                    ok = bool(sel) and all(isinstance(n, dict) and n.get("name") for n in sel)
+                except json.JSONDecodeError:
+                    ok = False
+            else:
+                ok = bool(value) and all(re.fullmatch(r"([a-z0-9-.]+/)?[a-z0-9-.]+(@[A-Za-z0-9_.-]+)?", n.strip())
+                                         for n in value.split(","))
+            if not ok:
+                self.err(source, f"{ident(ds)}: {MULTUS} {networks!r} is neither `[ns/]name[@iface],...` nor a JSON "
+                                 f"list of objects with a name")
+            else:
+                self.notes.append(f"{ident(ds)}: pod network (hostNetwork false, {dns}) + Multus {value}")
+        elif host:
+            self.notes.append(f"{ident(ds)}: hostNetwork, {dns}, hostPorts = containerPorts")
+        else:
+            self.notes.append(f"{ident(ds)}: pod network (hostNetwork false, {dns}), no hostPorts")
+
+    def check_qos(self, source: str, ds: dict, pod: dict) -> None:
+        """Guaranteed QoS: every container has cpu and memory limits, and requests equal to them."""
+        problems = []
+        for c in (pod.get("initContainers") or []) + (pod.get("containers") or []):
+            res = c.get("resources") or {}
+            limits, requests = res.get("limits") or {}, res.get("requests") or {}
+            for r in ("cpu", "memory"):
+                if r not in limits:
+                    problems.append(f"container {c['name']} has no {r} limit")
+                elif str(requests.get(r, limits[r])) != str(limits[r]):
+                    problems.append(f"container {c['name']} requests {r} {requests[r]} != limit {limits[r]}")
+        if problems:
+            self.err(source, f"{ident(ds)}: not Guaranteed QoS ({'; '.join(problems)}): the kubelet evicts "
+                             f"Burstable pods first under memory pressure")
+        else:
+            self.notes.append(f"{ident(ds)}: Guaranteed QoS, priorityClassName {pod.get('priorityClassName') or '<none>'}")
+
+    def check_memory(self, source: str, ds: dict, c: dict, conf: dict) -> None:
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        registered = (conf.get("limits") or {}).get("max_registered_bytes")
+        if limit is None or registered is None:
+            return
+        lb, rb = quantity_bytes(limit), size_bytes(registered)
+        if lb is None or rb is None:
+            self.err(source, f"{ident(ds)}: cannot compare memory limit {limit!r} with max_registered_bytes {registered!r}")
+        elif lb < rb + 2**30:
+            self.err(source, f"{ident(ds)}: memory limit {limit} is below [limits] max_registered_bytes {registered} "
+                             f"+ 1Gi: registered regions are charged to the pod, which would be OOM-killed first")
 
     def agent_config(self, source, ds, c, volumes, configmaps, namespace) -> dict | None:
         """The agent.toml the container runs with: `--config PATH` under a ConfigMap mount."""
@@ -317,31 +425,29 @@ class Checker:
                 except tomllib.TOMLDecodeError as e:
                     self.err(source, f"{ident(obj)}: {key} is not valid TOML: {e}")
                     return None
-                self.check_toml_keys(source, ident(obj), conf)
+                self.check_with_agent(source, ident(obj), key, text)
                 return conf
         self.err(source, f"{ident(ds)}: --config {path} is not in a mounted ConfigMap")
         return None
 
-    def check_toml_keys(self, source: str, where: str, conf: dict) -> None:
-        for key, val in conf.items():
-            if key not in AGENT_TOML_KEYS:
-                self.err(source, f"{where}: agent.toml: unknown key {key!r}")
-            elif AGENT_TOML_KEYS[key] is None:
-                if isinstance(val, dict):
-                    self.err(source, f"{where}: agent.toml: {key!r} must be a value, not a table")
-            elif not isinstance(val, dict):
-                self.err(source, f"{where}: agent.toml: {key!r} must be a table")
-            else:
-                for sub in val:
-                    if sub not in AGENT_TOML_KEYS[key]:
-                        self.err(source, f"{where}: agent.toml: unknown key {key}.{sub}")
-        for key in ("depth", "qps", "max_regions", "max_transfers", "port", "gid_index"):
-            for table in conf.values():
-                if isinstance(table, dict) and key in table and not isinstance(table[key], int):
-                    self.err(source, f"{where}: agent.toml: {key} must be an integer, got {table[key]!r}")
-        for key in ("insecure", "allow_plaintext_network"):
-            if key in conf and not isinstance(conf[key], bool):
-                self.err(source, f"{where}: agent.toml: {key} must be true or false, got {conf[key]!r}")
+    def check_with_agent(self, source: str, where: str, key: str, text: str) -> None:
+        """The agent's own verdict on this file: the key list, types and enums are its own."""
+        with tempfile.TemporaryDirectory(prefix="xfer-agent-toml-") as d:
+            path = os.path.join(d, "agent.toml")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+            for k in ("CERT", "KEY", "CA"):  # the agent checks these files exist
+                stand_in = os.path.join(d, k.lower())
+                open(stand_in, "w").close()
+                env[f"XFER_TLS__{k}"] = stand_in
+            r = subprocess.run([self.agent, "--config", path, "--print-config"], env=env,
+                               capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            msg = " ".join(r.stderr.split()) or f"exit {r.returncode}"
+            self.err(source, f"{where}: xfer-agent refuses {key}: {msg}")
+        else:
+            self.notes.append(f"{where}: {key} accepted by xfer-agent --print-config")
 
     def check_agent_conf(self, source: str, ds: dict, c: dict, volumes: dict, conf: dict) -> None:
         where = f"{ident(ds)} agent.toml"
@@ -558,6 +664,13 @@ class Checker:
                     self.err(source, f"{ident(d)}: trust domain {sid[0]!r} is not the agents' ({sorted(tds)})")
 
 
+def quota_admits(quota: dict, priority_class: str) -> bool:
+    for e in (((quota.get("spec") or {}).get("scopeSelector") or {}).get("matchExpressions") or []):
+        if e.get("scopeName") == "PriorityClass" and e.get("operator") == "In" and priority_class in (e.get("values") or []):
+            return True
+    return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--crd-schema", action="append", default=[], help="trimmed CRD JSON schema (repeatable)")
@@ -568,6 +681,11 @@ def main() -> int:
                     help="source NAME is a shipped default: its csi issuer and trust domain must match "
                          "the cert-manager objects given")
     ap.add_argument("--no-schema", action="store_true", help="cross-checks only (for mutation tests)")
+    ap.add_argument("--expect-error", action="append", default=[], metavar="NAME=TEXT",
+                    help="source NAME (a known-bad mutant) must fail with an error containing TEXT; its "
+                         "errors are then expected, not failures")
+    ap.add_argument("--agent", required=True, metavar="XFER-AGENT",
+                    help="xfer-agent binary that judges each agent.toml (--config FILE --print-config)")
     ap.add_argument("sources", nargs="+", metavar="NAME=FILE")
     args = ap.parse_args()
     schemas = []
@@ -580,7 +698,11 @@ def main() -> int:
     for flag in ("plaintext", "defaults"):
         if not set(getattr(args, flag)) <= names:
             ap.error(f"--{flag} names no source: {sorted(set(getattr(args, flag)) - names)}")
-    checker = Checker(schemas, args.k8s_version, set(args.plaintext), set(args.defaults), not args.no_schema)
+    expect = dict(e.partition("=")[::2] for e in args.expect_error)
+    if not set(expect) <= names:
+        ap.error(f"--expect-error names no source: {sorted(set(expect) - names)}")
+    checker = Checker(schemas, args.k8s_version, set(args.plaintext), set(args.defaults), not args.no_schema,
+                      args.agent)
     if checker.schema:
         kinds = ", ".join(k for _, k in checker.crd)
         print(f"validating against Kubernetes {', '.join(args.k8s_version)} (strict) + vendored CRD schemas ({kinds})")
@@ -589,12 +711,24 @@ def main() -> int:
         name, _, path = spec.partition("=")
         total += checker.check_source(name, path)
     checker.check_across()
-    if checker.errors:
-        print(f"\nFAILED: {len(checker.errors)} problem(s):", file=sys.stderr)
-        for e in checker.errors:
+
+    def source_of(error: str) -> str:
+        return error[1:error.index("]")]
+
+    problems = [e for e in checker.errors if source_of(e) not in expect]
+    for name, text in expect.items():
+        got = [e for e in checker.errors if source_of(e) == name]
+        if not any(text in e for e in got):
+            problems.append(f"[{name}] should fail with {text!r}, got: {got or 'no error'}")
+    if problems:
+        print(f"\nFAILED: {len(problems)} problem(s):", file=sys.stderr)
+        for e in problems:
             print(f"  {e}", file=sys.stderr)
         return 1
-    print(f"OK: {total} objects from {len(args.sources)} sources valid")
+    if expect:
+        print(f"OK: {len(expect)} known-bad sources failed as expected")
+    else:
+        print(f"OK: {total} objects from {len(args.sources)} sources valid")
     return 0
 
 

@@ -45,7 +45,7 @@ app.kubernetes.io/part-of: xfer
 {{- end }}
 
 {{- define "xfer.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) }}
 {{- end }}
 
 {{/* Where the agent's certificate comes from: plaintext | existingSecret | certManager. */}}
@@ -61,20 +61,12 @@ app.kubernetes.io/part-of: xfer
 {{- default (printf "%s.%s.svc" (include "xfer.fullname" .) .Release.Namespace) .Values.tls.serverName }}
 {{- end }}
 
-{{/* Refuses values that would deploy something other than what they say. */}}
+{{/*
+Refuses values that would deploy something other than what they say. Types, enums, unknown keys
+(typos) and the shape of single values are values.schema.json's job, checked before this runs;
+what is left here needs more than one value, or arithmetic.
+*/}}
 {{- define "xfer.checkValues" -}}
-{{- if or (hasKey .Values.config "insecure") (hasKey .Values.config "tls") }}
-{{- fail "config.insecure and config.tls are gone: mTLS is set with tls.* (tls.enabled=false for plaintext, tls.existingSecret or tls.certManager for the certificate); see values.yaml" }}
-{{- end }}
-{{- if not (kindIs "bool" .Values.tls.enabled) }}
-{{- fail (printf "tls.enabled must be true or false (got %v)" .Values.tls.enabled) }}
-{{- end }}
-{{- $label := `[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?` }}
-{{- with .Values.tls.trustDomain }}
-{{- if not (regexMatch (printf `^%s(\.%s)*$` $label $label) .) }}
-{{- fail (printf "tls.trustDomain %q is not a lowercase DNS name" .) }}
-{{- end }}
-{{- end }}
 {{- if eq (include "xfer.tlsMode" .) "certManager" }}
 {{- if not .Values.tls.trustDomain }}
 {{- fail "tls.trustDomain is needed with cert-manager: it is part of the agents' URI SAN" }}
@@ -83,19 +75,66 @@ app.kubernetes.io/part-of: xfer
 {{- fail "tls.certManager.issuerRef.name is required (or set tls.existingSecret)" }}
 {{- end }}
 {{- end }}
-{{- range .Values.tls.dnsRoles }}
-{{- if not (has .role (list "node" "client" "admin")) }}
-{{- fail (printf "tls.dnsRoles: role must be node, client or admin (got %q)" .role) }}
-{{- end }}
-{{- if ne (len (regexFindAll `\*` .pattern -1)) 1 }}
-{{- fail (printf "tls.dnsRoles: pattern %q must contain exactly one *" .pattern) }}
-{{- end }}
-{{- end }}
 {{- $p := .Values.config.ports }}
 {{- $ports := list ($p.grpc | int) ($p.metrics | int) ($p.data | int) ($p.health | int) }}
 {{- if ne (len ($ports | uniq)) 4 }}
 {{- fail (printf "config.ports must be four different ports (got %v)" $ports) }}
 {{- end }}
+{{- if and .Values.network.hostNetwork (include "xfer.multusNetworks" .) }}
+{{- fail "network.multus.networks needs network.hostNetwork=false: Multus attaches no networks to hostNetwork pods" }}
+{{- end }}
+{{- $memory := (.Values.resources.limits | default dict).memory }}
+{{- if and $memory (not .Values.configOverride) }}
+{{- $limit := include "xfer.quantityBytes" $memory | float64 }}
+{{- $registered := include "xfer.sizeBytes" .Values.config.limits.maxRegisteredBytes | float64 }}
+{{- if lt $limit (addf $registered 1073741824.0) }}
+{{- fail (printf "resources.limits.memory %v is below config.limits.maxRegisteredBytes %v + 1Gi: registered regions are charged to the pod, which would be OOM-killed before reaching the agent's own limit; raise the memory (requests and limits) or lower maxRegisteredBytes" $memory .Values.config.limits.maxRegisteredBytes) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A Kubernetes quantity (18Gi, 20G, 1.5Ti, 1073741824) in bytes, as a float. */}}
+{{- define "xfer.quantityBytes" -}}
+{{- $q := toString . }}
+{{- $num := regexFind `^[0-9]+(\.[0-9]+)?` $q }}
+{{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- $unit := trimPrefix $num $q }}
+{{- if or (not $num) (not (hasKey $units $unit)) }}
+{{- fail (printf "%q is not a Kubernetes memory quantity (e.g. 18Gi)" $q) }}
+{{- end }}
+{{- mulf (float64 $num) (get $units $unit) }}
+{{- end }}
+
+{{/* An agent size (16GiB, 512MiB, 1g, 4096; k/m/g/t are binary, KB/MB/GB/TB decimal) in bytes. */}}
+{{- define "xfer.sizeBytes" -}}
+{{- $s := toString . | replace "_" "" | trim }}
+{{- $num := regexFind `^[0-9]+(\.[0-9]+)?` $s }}
+{{- $units := dict "" 1.0 "b" 1.0 "k" 1024.0 "kib" 1024.0 "ki" 1024.0 "m" 1048576.0 "mib" 1048576.0 "mi" 1048576.0 "g" 1073741824.0 "gib" 1073741824.0 "gi" 1073741824.0 "t" 1099511627776.0 "tib" 1099511627776.0 "ti" 1099511627776.0 "kb" 1e3 "mb" 1e6 "gb" 1e9 "tb" 1e12 }}
+{{- $unit := trimPrefix $num $s | trim | lower }}
+{{- if or (not $num) (not (hasKey $units $unit)) }}
+{{- fail (printf "%q is not a size (e.g. 16GiB)" $s) }}
+{{- end }}
+{{- mulf (float64 $num) (get $units $unit) }}
+{{- end }}
+
+{{/* network.multus.networks as the k8s.v1.cni.cncf.io/networks annotation ("" = none). */}}
+{{- define "xfer.multusNetworks" -}}
+{{- $n := .Values.network.multus.networks }}
+{{- if kindIs "string" $n }}
+{{- $n }}
+{{- else if and $n (kindIs "string" (first $n)) }}
+{{- join "," $n }}
+{{- else if $n }}
+{{- toJson $n }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when every container's cpu and memory requests equal its limits (Guaranteed QoS). */}}
+{{- define "xfer.guaranteed" -}}
+{{- $r := .Values.resources }}
+{{- $l := $r.limits | default dict }}
+{{- $q := $r.requests | default dict }}
+{{- if and $l.cpu $l.memory (eq (toString ($q.cpu | default $l.cpu)) (toString $l.cpu)) (eq (toString ($q.memory | default $l.memory)) (toString $l.memory)) }}true{{ end }}
 {{- end }}
 
 {{/* agent.toml. Integers go through `int`: Helm reads numeric values as floats. */}}
