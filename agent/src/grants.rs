@@ -228,9 +228,12 @@ impl GrantTable {
 
 impl GrantTable {
     /// Publishes `grant`'s notification, if it has one not yet published (`Peer.Complete`: every
-    /// work request of the batch completed at the initiator, so every byte is in place).
+    /// work request of the batch completed at the initiator, so every byte is in place), and
+    /// only while the grant is live: a Complete that was still verifying its checksum when the
+    /// grant was revoked (DeleteRegion, a disconnect, expiry) publishes nothing.
     pub fn publish_on_complete(&self, grant: &Grant) -> bool {
-        grant.notify.as_ref().is_some_and(|n| self.hub.publish(n, about(grant), Via::Complete))
+        let Some(n) = grant.notify.as_ref() else { return false };
+        grant.lease.while_live(|| self.hub.publish(n, about(grant), Via::Complete)).unwrap_or(false)
     }
 
     /// Counts a marker for `grant` that arrived on `connection`; publishes when it was the last.
@@ -245,10 +248,18 @@ impl GrantTable {
             m::notify_marker("no_notification");
             return Err(WcStatus::RemInvReqErr);
         };
-        m::notify_marker("counted");
-        if n.marker() {
-            self.hub.publish(n, about(grant), Via::Fabric);
+        // Counted and published under the grant's lease: a revocation either waits for this or
+        // comes first (then the marker is refused), so nothing is published once it returned.
+        let counted = grant.lease.while_live(|| {
+            if n.marker() {
+                self.hub.publish(n, about(grant), Via::Fabric);
+            }
+        });
+        if counted.is_none() {
+            m::notify_marker("refused");
+            return Err(WcStatus::RemAccessErr);
         }
+        m::notify_marker("counted");
         Ok(())
     }
 

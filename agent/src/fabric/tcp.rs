@@ -198,6 +198,14 @@ impl GrantLease {
         self.hold().is_some()
     }
 
+    /// Runs `f` with the lease held live (None, without running it, once revoked or expired):
+    /// a [`GrantLease::revoke`] waits for `f`, so once it returns `f` has run or never will.
+    /// `f` must not block or revoke.
+    pub fn while_live<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let _live = self.hold()?;
+        Some(f())
+    }
+
     /// Holds the lease live while the guard lives (revocation waits for it); None once revoked
     /// or expired.
     fn hold(&self) -> Option<std::sync::RwLockReadGuard<'_, bool>> {
@@ -1084,6 +1092,13 @@ where
     // Responses are coalesced, and flushed before any read that could wait for the initiator:
     // the initiator writes whole frames, so bytes already buffered never wait on our answers.
     let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    // Whether this stream has refused a WRITE or READ. On an RC QP a refused work request puts
+    // the QP in error and nothing behind it executes; this stream serves on (it stays in sync),
+    // but a notification marker behind a refused request must not count: the initiator pipelines
+    // its markers right behind its data, so the marker of a batch whose WRITE was just NAKed (a
+    // poisoned region, a range past the grant) is already on the wire. Initiators never reuse a
+    // stream after a NAK (the QP breaks), so this costs an honest peer nothing.
+    let mut refused = false;
     loop {
         if rd.buffer().is_empty() {
             wr.flush().await?;
@@ -1134,10 +1149,12 @@ where
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
                             }
                         } else {
+                            refused = true;
                             wr.write_all(&Header::nak(h.id, WcStatus::RemAccessErr).encode()).await?;
                         }
                     }
                     Err(status) => {
+                        refused = true;
                         within(deadline, None, async { Ok(discard(&mut rd, h.len as u64).await?) }).await?;
                         wr.write_all(&Header::nak(h.id, status).encode()).await?;
                     }
@@ -1154,6 +1171,7 @@ where
                         // answer is on the way closes the stream (the header promised the length),
                         // so the initiator fails the WR instead of taking the zeros.
                         if mem.intact().is_err() {
+                            refused = true;
                             resp.status = WcStatus::RemAccessErr.code();
                             wr.write_all(&resp.encode()).await?;
                         } else {
@@ -1178,14 +1196,20 @@ where
                         mem.write_all_from(&mut wr, off, h.len as usize).await?;
                     }
                     Err(status) => {
+                        refused = true;
                         resp.status = status.code();
                         wr.write_all(&resp.encode()).await?;
                     }
                 }
             }
+            Kind::Notify if refused => {
+                // Behind a refused request (see `refused`): flushed, as on an RC QP in error.
+                crate::metrics::notify_marker("refused");
+                wr.write_all(&Header::nak(h.id, WcStatus::WrFlushErr).encode()).await?;
+            }
             Kind::Notify => {
-                // Every earlier frame of this stream has been served (its bytes are in region
-                // memory): the marker may count.
+                // Every earlier frame of this stream has been served and accepted (its bytes are
+                // in region memory): the marker may count.
                 match check.marker(connection, &h.token) {
                     Ok(()) if h.flags & ACK_REQUESTED != 0 => wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?,
                     Ok(()) => {}
