@@ -499,3 +499,41 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
         assert_eq!(grants.len(), 0);
     });
 }
+
+/// A disconnect and a `DeleteRegion` revoke their grants' notifications: the disconnected
+/// connection's stream is closed (its marker never answered), a later Complete on either grant
+/// is refused, and nothing is published (the probe is the first notification). Recreating the
+/// region under the same name does not revive the old grant.
+#[tokio::test]
+async fn disconnect_and_delete_take_their_notifications_with_them() {
+    let b = Agent::start("node-b");
+    b.create("dst", MIB, pb::Access::ReadWrite).await;
+    b.create("other", MIB, pb::Access::ReadWrite).await;
+    let mut notes = subscribe(&b, "", None).await;
+    let c1 = Session::of(&b, "c1").await;
+    let mut s = c1.open();
+    Session::of(&b, "c2").await;
+    let by_conn = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c1", b"disconnected", 1)).await.unwrap();
+    let by_region = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c2", b"deleted", 1)).await.unwrap();
+    assert_eq!(gauge(&b, "xfer_grants_active"), 2.0);
+    b.peer_client().await.disconnect(pb::DisconnectRequest { connection_id: "c1".into(), node_name: "x".into() }).await.unwrap();
+    // The session's streams are being closed and the grant is gone: a marker gets EOF (or a
+    // reset), or at most a NAK if the stream served it before closing — never an ACK.
+    let _ = s.write_all(&frame_header(KIND_NOTIFY, 1, 1, token(&by_conn), 0, 0));
+    let mut r = [0u8; 44];
+    if s.read_exact(&mut r).is_ok() {
+        assert_eq!((u16::from_le_bytes([r[6], r[7]]), r[4]), (REM_ACCESS_ERR, KIND_NAK), "a disconnected connection's marker");
+    }
+    b.client().await.delete_region(pb::DeleteRegionRequest { name: "dst".into() }).await.unwrap();
+    b.create("dst", MIB, pb::Access::ReadWrite).await;
+    assert_eq!(gauge(&b, "xfer_grants_active"), 0.0);
+    for (g, id) in [(&by_conn, "t-conn"), (&by_region, "t-region")] {
+        let e = b.peer_client().await.complete(complete_req(&g.grant_id, id, 4096, "x")).await.expect_err(id);
+        assert_eq!(e.code(), Code::NotFound, "{id}: {e:?}");
+    }
+    // The old token on the surviving connection's stream: refused.
+    let mut s2 = Session::of(&b, "c3").await.open();
+    assert_eq!(notify_and_read(&mut s2, token(&by_region), 2, true), (REM_ACCESS_ERR, KIND_NAK, 2));
+    probe(&b, "other", "c2", b"probe").await;
+    assert_eq!(next_note(&mut notes).await.tag, b"probe");
+}
