@@ -121,6 +121,12 @@ impl Hub {
         Hub { tx }
     }
 
+    /// A new subscriber, unless `max` are subscribed already: every publication wakes every
+    /// waiting subscriber, so their number is bounded.
+    pub fn subscribe_bounded(&self, max: usize) -> Option<broadcast::Receiver<Arc<Notification>>> {
+        (self.tx.receiver_count() < max).then(|| self.tx.subscribe())
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Notification>> {
         self.tx.subscribe()
     }

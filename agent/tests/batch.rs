@@ -296,3 +296,28 @@ async fn the_kv_benchmark_runs_batches_and_cleans_up() {
         assert!(regions.is_empty(), "scratch regions left: {regions:?}");
     }
 }
+
+/// WatchInbound subscribers are bounded (each publication wakes every one): past the limit a
+/// new one gets RESOURCE_EXHAUSTED, and one leaving makes room.
+#[tokio::test]
+async fn watch_inbound_subscribers_are_bounded() {
+    let b = Agent::start("node-b");
+    let mut held = Vec::new();
+    for _ in 0..256 {
+        held.push(subscribe(&b, "", None).await);
+    }
+    let e = b.client().await.watch_inbound(pb::WatchInboundRequest::default()).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    drop(held.pop());
+    // The server notices the cancelled stream when it next polls it; retry until it has.
+    let mut ok = false;
+    for _ in 0..500 {
+        if b.client().await.watch_inbound(pb::WatchInboundRequest::default()).await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ok, "a subscriber that left freed its place");
+}

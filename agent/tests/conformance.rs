@@ -507,6 +507,28 @@ async fn polling_a_connection_delivers_each_completion_once(k: Kind) {
     assert!(rx.try_recv().is_err(), "no completion delivered twice");
 }
 
+/// A notification is counted on the grantee's connection, so asking one needs a connection the
+/// caller made: an id nobody holds (yet), or another peer's, is refused on every fabric.
+async fn a_notification_needs_the_callers_own_connection(k: Kind) {
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let (_conn, _rx) = connect(&a, &b, 1, 16).await;
+    let ask = |conn: &str, peer: &str| GrantParams {
+        notify: Some((b"t".to_vec(), 1)),
+        region: "dst".into(),
+        offset: 0,
+        length: 4096,
+        op: RemoteOp::Write,
+        ttl: None,
+        peer: peer.into(),
+        connection_id: Some(cid(conn)),
+    };
+    assert!(b.node.grant(&ask("conn-9", "a")).await.is_err(), "an id nobody holds");
+    assert!(b.node.grant(&ask("conn-1", "mallory")).await.is_err(), "another peer's connection");
+    assert_eq!(b.grants.len(), 0);
+    assert!(b.node.grant(&ask("conn-1", "a")).await.is_ok(), "the caller's own connection");
+}
+
 /// One `#[tokio::test]` per case and fabric: `tcp::<case>` runs everywhere, `verbs::<case>` only
 /// with `--ignored`/`--include-ignored` (in the Soft-RoCE VM).
 macro_rules! per_fabric {
@@ -547,4 +569,5 @@ per_fabric!(
     markers_count_only_on_their_connection_and_while_the_grant_lives,
     a_batch_of_work_requests_posts_in_order,
     polling_a_connection_delivers_each_completion_once,
+    a_notification_needs_the_callers_own_connection,
 );

@@ -27,6 +27,9 @@ pub struct GrantParams {
 /// accepted (a sequence number: lower is older).
 pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 
+/// Most `WatchInbound` subscribers at once (each publication wakes every one).
+const MAX_SUBSCRIBERS: usize = 256;
+
 /// Responder halves one peer identity may hold; connecting more evicts one of them.
 const MAX_CONNECTIONS_PER_PEER: usize = 256;
 
@@ -166,6 +169,14 @@ impl Node {
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
         let expires_at = SystemTime::now() + ttl;
         let connection = self.grant_connection(p)?;
+        if notify.is_some() && connection.is_none() {
+            // Markers count on the connection the grant names: it must be one this caller made
+            // (verbs in grant mode mr/region would otherwise take an id nobody holds yet, and
+            // whoever connected under it later could count this grant's markers).
+            return Err(TransferError::UnknownConnection(
+                "a notification is counted on the grantee's connection: name one you made with Peer.Connect".into(),
+            ));
+        }
         if self.fabric.grants_need_connection() && connection.is_none() {
             return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
                 "tcp grants are bound to a data connection: the grant request must name a connection the \
@@ -258,7 +269,9 @@ impl Node {
         if tag.is_some_and(|t| t.len() > max) {
             return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
         }
-        let rx = self.grants.hub().subscribe();
+        let rx = self.grants.hub().subscribe_bounded(MAX_SUBSCRIBERS).ok_or_else(|| {
+            TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
+        })?;
         let id = match region {
             "" => None,
             r => Some(self.regions.get(r)?.id.clone()),
