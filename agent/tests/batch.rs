@@ -55,18 +55,6 @@ fn labelled(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::Streaming<pb::Notification> {
-    a.client()
-        .await
-        .watch_inbound(pb::WatchInboundRequest { region: region.into(), tag: tag.map(<[u8]>::to_vec) })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
-async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
-    tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
-}
 
 /// 1,024 blocks of 4 KiB scattered over an 8 MiB pool, in a random order on both sides (plus a
 /// run of contiguous ones, which coalesce): the subscriber on the target, reading the region

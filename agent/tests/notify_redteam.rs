@@ -72,19 +72,6 @@ impl Session {
     }
 }
 
-async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::Streaming<pb::Notification> {
-    a.client()
-        .await
-        .watch_inbound(pb::WatchInboundRequest { region: region.into(), tag: tag.map(<[u8]>::to_vec) })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
-/// The subscriber's next notification (30 s: a hang guard, not a synchronisation).
-async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
-    tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
-}
 
 /// A fresh notification with `tag` on `region` via `Peer.Complete` (connection `conn`): the
 /// ordering probe that follows every refusal.

@@ -567,37 +567,8 @@ impl Connection for VerbsConnection {
     }
 
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {
-        let inner = &self.inner;
-        if inner.broken.load(Ordering::Acquire) || inner.closing.load(Ordering::Acquire) {
-            return Err(FabricError::QpBroken);
-        }
-        let slot = inner.slots.get(qp).ok_or(FabricError::NoSuchQp(qp))?;
-        let rkey = match &wr.remote_key {
-            RemoteKey::Rkey(k) => *k,
-            // An `mw` grant: the window bound on the responder QP paired with this one.
-            RemoteKey::PerQp(keys) => *keys.get(qp).ok_or_else(|| {
-                FabricError::Other(format!("the grant has {} per-QP keys and none for QP {qp}", keys.len()))
-            })?,
-            RemoteKey::Token(_) => return Err(FabricError::BadRemoteKey),
-        };
-        let mr: Arc<Mr> = match wr.local.as_any().downcast_ref::<VerbsRegistration>() {
-            Some(v) => Arc::clone(&v.mr),
-            None => return Err(FabricError::Registration("registration does not belong to the verbs fabric".into())),
-        };
-        let op = match wr.op {
-            WrOp::Read => RdmaOp::Read,
-            WrOp::Write => RdmaOp::Write,
-            WrOp::Notify { slot: imm } => {
-                // Zero length, under the grant's key and address like the data before it.
-                slot.qp.post_write_imm(rkey, wr.remote_addr, imm, wr.signaled, &mr, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) })?;
-                return Ok(());
-            }
-        };
-        let rdma = RdmaWr { op, signaled: wr.signaled, rkey, remote_addr: wr.remote_addr, local_offset: wr.local_offset, len: wr.len };
-        // The QP checks the local range against the MR and keeps the MR (with its memory) and
-        // the registration until the WR is retired.
-        slot.qp.post_rdma(rdma, &mr, InFlight { wr_id: wr.wr_id, _local: Some(wr.local) })?;
-        Ok(())
+        // One WR is a run of one: the same checks, in-flight keeping and doorbell handling.
+        self.post_batch(qp, vec![wr]).map_err(|(_, e)| e)
     }
 
     fn post_batch(&self, qp: usize, wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
@@ -612,9 +583,9 @@ impl Connection for VerbsConnection {
         let mr: Arc<Mr> = match (same, wrs[0].local.as_any().downcast_ref::<VerbsRegistration>()) {
             (true, Some(v)) => Arc::clone(&v.mr),
             (false, _) => {
+                // Mixed registrations (not what a transfer posts): one run per WR.
                 for wr in wrs {
-                    let id = wr.wr_id;
-                    self.post(qp, wr).map_err(|e| (id, e))?;
+                    self.post_batch(qp, vec![wr])?;
                 }
                 return Ok(());
             }

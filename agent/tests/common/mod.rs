@@ -592,3 +592,18 @@ pub async fn grant_token(a: &Agent, region: &str, len: u64, op: pb::Access, conn
         .into_inner();
     Ok((g.addr, g.token.as_slice().try_into().unwrap()))
 }
+
+/// Subscribes to `a`'s notifications (`WatchInbound`); subscribed once this returns.
+pub async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::Streaming<pb::Notification> {
+    a.client()
+        .await
+        .watch_inbound(pb::WatchInboundRequest { region: region.into(), tag: tag.map(<[u8]>::to_vec) })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// The subscriber's next notification (30 s: a hang guard, not a synchronisation).
+pub async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
+    tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
+}

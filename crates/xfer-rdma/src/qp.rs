@@ -433,39 +433,10 @@ impl<K> RcQp<K> {
     }
 
     /// Posts one RDMA WRITE or READ over `[wr.local_offset, +wr.len)` of `local`'s memory. The
-    /// QP keeps `local` (and so the memory) and `keep` until the WR is retired.
+    /// QP keeps `local` (and so the memory) and `keep` until the WR is retired. One WR of
+    /// [`RcQp::post_many`].
     pub fn post_rdma(&self, wr: RdmaWr, local: &Arc<Mr>, keep: K) -> Result<(), VerbsError> {
-        self.check_local(local, wr.local_offset, wr.len as u64)?;
-        if wr.op == RdmaOp::Read && !local.memory().writable() {
-            return Err(VerbsError::LocalRange("READ into read-only local memory".into()));
-        }
-        let laddr = local.memory().addr() + wr.local_offset;
-        let lkey = local.lkey();
-        let mut st = self.lock();
-        let (seq, wr_id) = self.next(&st)?;
-        let q = self.qpx.as_ptr();
-        // SAFETY: we hold `state`'s lock (exclusive posting) on a live extended QP whose function
-        // table was checked in `create`; one WR between wr_start and wr_complete. The local
-        // range lies inside `local`, an MR of this QP's PD (checked above) whose memory `local`
-        // owns; `local` is pushed onto the in-flight list below, under the same lock, so it
-        // stays registered and mapped until the WR is retired or the QP destroyed.
-        let rc = unsafe {
-            sys::ibv_wr_start(q);
-            (*q).wr_id = wr_id;
-            (*q).wr_flags = if wr.signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
-            match wr.op {
-                RdmaOp::Read => sys::ibv_wr_rdma_read(q, wr.rkey, wr.remote_addr),
-                RdmaOp::Write => sys::ibv_wr_rdma_write(q, wr.rkey, wr.remote_addr),
-            }
-            sys::ibv_wr_set_sge(q, lkey, laddr, wr.len);
-            sys::ibv_wr_complete(q)
-        };
-        if rc != 0 {
-            return Err(VerbsError::Io(io::Error::from_raw_os_error(rc)));
-        }
-        st.next_seq = st.next_seq.wrapping_add(1);
-        st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
-        Ok(())
+        self.post_many(vec![(Posting::Rdma(wr), keep)], local)
     }
 
     /// Posts `wrs` (RDMA WRITEs and READs over `local`'s memory, or zero-length WRITE WITH
@@ -552,35 +523,9 @@ impl<K> RcQp<K> {
     /// `remote_addr` under `rkey`. It touches no local memory (no scatter/gather entry); the
     /// target consumes one posted receive for it and sees it only after every earlier WR of
     /// this QP has executed there (RC ordering). `local` is kept in flight like a data WR's, so
-    /// the caller's accounting is the same for every WR.
+    /// the caller's accounting is the same for every WR. One WR of [`RcQp::post_many`].
     pub fn post_write_imm(&self, rkey: u32, remote_addr: u64, imm: u32, signaled: bool, local: &Arc<Mr>, keep: K) -> Result<(), VerbsError> {
-        if !self.can_write_imm {
-            return Err(VerbsError::Io(io::Error::other("the provider cannot post RDMA WRITE WITH IMMEDIATE")));
-        }
-        if !Arc::ptr_eq(local.pd(), &self.pd) {
-            return Err(VerbsError::Other("the memory registration belongs to another protection domain".into()));
-        }
-        let mut st = self.lock();
-        let (seq, wr_id) = self.next(&st)?;
-        let q = self.qpx.as_ptr();
-        // SAFETY: we hold `state`'s lock (exclusive posting) on a live extended QP whose
-        // `wr_rdma_write_imm` and `wr_set_sge_list` were checked in `create`; one WR between
-        // wr_start and wr_complete. An empty scatter/gather list (a null pointer with count 0)
-        // makes a zero-length WRITE: the device reads no local memory.
-        let rc = unsafe {
-            sys::ibv_wr_start(q);
-            (*q).wr_id = wr_id;
-            (*q).wr_flags = if signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
-            sys::ibv_wr_rdma_write_imm(q, rkey, remote_addr, imm.to_be());
-            sys::ibv_wr_set_sge_list(q, 0, std::ptr::null());
-            sys::ibv_wr_complete(q)
-        };
-        if rc != 0 {
-            return Err(VerbsError::Io(io::Error::from_raw_os_error(rc)));
-        }
-        st.next_seq = st.next_seq.wrapping_add(1);
-        st.inflight.push_back(InFlight { seq, keep, _hold: Hold::Rdma(Arc::clone(local)) });
-        Ok(())
+        self.post_many(vec![(Posting::WriteImm { rkey, remote_addr, imm, signaled }, keep)], local)
     }
 
     /// Posts one receive with no scatter/gather entry, for a notification marker (a zero-length
