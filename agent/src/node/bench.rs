@@ -156,11 +156,14 @@ impl Node {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
         let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600), notify: None };
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
-        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
-        let local = self
-            .fabric
-            .register(mem, crate::fabric::Access::ReadWrite)
-            .map_err(|e| TransferError::Internal(e.to_string()))?;
+        // Mapping and pinning the buffer (up to 256 MiB) on the blocking pool.
+        let fabric = Arc::clone(&self.fabric);
+        let local = tokio::task::spawn_blocking(move || {
+            let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
+            fabric.register(mem, crate::fabric::Access::ReadWrite).map_err(|e| TransferError::Internal(e.to_string()))
+        })
+        .await
+        .map_err(|e| TransferError::Internal(e.to_string()))??;
         let cancel = CancellationToken::new();
         let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
@@ -250,25 +253,37 @@ impl Node {
         let iters = if p.iters == 0 { 5 } else { p.iters.min(10_000) };
         let peer = self.peers.peer(&p.peer)?;
         let local = format!("xfer-bench-kv-{}", new_id());
-        self.regions.create(crate::regions::RegionSpec {
+        // Mapping and pinning a pool of gigabytes takes seconds: on the blocking pool, never on
+        // a runtime thread (which would stall this agent's gRPC connections meanwhile).
+        let (node, spec) = (Arc::clone(self), crate::regions::RegionSpec {
             ttl: Some(BENCH_REGION_TTL),
             labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
             ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
-        })?;
+        });
+        tokio::task::spawn_blocking(move || node.regions.create(spec))
+            .await
+            .map_err(|e| TransferError::Internal(e.to_string()))??;
         let remote = match peer.call(|| peer.client.open_bench_region(pool)).await {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = self.delete_region(&local);
-                return Err(e.into());
-            }
+            Ok(r) => Ok(r),
+            Err(e) => Err(TransferError::from(e)),
         };
-        let res = self.bench_kv_with(&p, &local, &remote, block, blocks, pool, iters).await;
-        if let Err(e) = peer.client.close_bench_region(&remote).await {
-            warn!(error = %e, region = %remote, "could not delete bench scratch region on peer (its lease ends it)");
+        let res = match &remote {
+            Ok(remote) => self.bench_kv_with(&p, &local, remote, block, blocks, pool, iters).await,
+            Err(_) => Ok(BenchResult::default()),
+        };
+        if let Ok(remote) = &remote {
+            if let Err(e) = peer.client.close_bench_region(remote).await {
+                warn!(error = %e, region = %remote, "could not delete bench scratch region on peer (its lease ends it)");
+            }
         }
-        if let Err(e) = self.delete_region(&local) {
-            warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)");
+        let node = Arc::clone(self);
+        let name = local.clone();
+        match tokio::task::spawn_blocking(move || node.delete_region(&name)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)"),
+            Err(e) => warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)"),
         }
+        remote?;
         res
     }
 

@@ -503,13 +503,24 @@ impl Peer for Services {
 
     async fn open_bench_region(&self, req: Request<pb::OpenBenchRegionRequest>) -> Result<Response<pb::OpenBenchRegionResponse>, Status> {
         let owner = caller_of(&req)?.name;
-        let region = self.node.open_bench_region(&owner, req.get_ref().length).map_err(transfer_status)?;
+        let (node, length) = (self.node.clone(), req.get_ref().length);
+        // Mapping and registering (pinning) the scratch region can take seconds for a big pool:
+        // off the runtime threads, like CreateRegion.
+        let region = tokio::task::spawn_blocking(move || node.open_bench_region(&owner, length))
+            .await
+            .map_err(join_status)?
+            .map_err(transfer_status)?;
         Ok(Response::new(pb::OpenBenchRegionResponse { region }))
     }
 
     async fn close_bench_region(&self, req: Request<pb::CloseBenchRegionRequest>) -> Result<Response<pb::CloseBenchRegionResponse>, Status> {
         let owner = caller_of(&req)?.name;
-        self.node.close_bench_region(&owner, &req.get_ref().region).map_err(transfer_status)?;
+        let (node, region) = (self.node.clone(), req.get_ref().region.clone());
+        // Deregistering a big region unpins its pages: off the runtime threads too.
+        tokio::task::spawn_blocking(move || node.close_bench_region(&owner, &region))
+            .await
+            .map_err(join_status)?
+            .map_err(transfer_status)?;
         Ok(Response::new(pb::CloseBenchRegionResponse {}))
     }
 }
