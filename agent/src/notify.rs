@@ -15,7 +15,8 @@
 //! The [`Hub`] fans notifications out to `WatchInbound` subscribers through a bounded broadcast
 //! channel: a subscriber that falls behind by more than its capacity is told how many it
 //! missed, never blocks the data path.
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
@@ -110,25 +111,72 @@ pub struct About<'a> {
 }
 
 /// Fan-out to `WatchInbound` subscribers.
+///
+/// One channel for every region and one per region that has subscribers: a subscriber of one
+/// region falls behind only by that region's notifications, so a busy region cannot cut off the
+/// subscribers of another.
 pub struct Hub {
-    tx: broadcast::Sender<Arc<Notification>>,
+    all: broadcast::Sender<Arc<Notification>>,
+    /// By region id; a channel is dropped once nobody listens to it.
+    regions: Mutex<HashMap<String, broadcast::Sender<Arc<Notification>>>>,
+    capacity: usize,
+    /// `WatchInbound` subscriptions alive ([`Subscription`]s).
+    subscribers: Arc<AtomicUsize>,
+}
+
+/// A counted subscription: its place is given back when it is dropped.
+pub struct Subscription {
+    rx: broadcast::Receiver<Arc<Notification>>,
+    _slot: SubscriberSlot,
+}
+
+struct SubscriberSlot(Arc<AtomicUsize>);
+
+impl Drop for SubscriberSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Subscription {
+    pub async fn recv(&mut self) -> Result<Arc<Notification>, broadcast::error::RecvError> {
+        self.rx.recv().await
+    }
+
+    pub fn try_recv(&mut self) -> Result<Arc<Notification>, broadcast::error::TryRecvError> {
+        self.rx.try_recv()
+    }
 }
 
 impl Hub {
     /// `capacity`: notifications a subscriber may fall behind before it is told it lost some.
     pub fn new(capacity: usize) -> Hub {
-        let (tx, _) = broadcast::channel(capacity.max(1));
-        Hub { tx }
+        let capacity = capacity.max(1);
+        let (all, _) = broadcast::channel(capacity);
+        Hub { all, regions: Mutex::new(HashMap::new()), capacity, subscribers: Arc::new(AtomicUsize::new(0)) }
     }
 
-    /// A new subscriber, unless `max` are subscribed already: every publication wakes every
-    /// waiting subscriber, so their number is bounded.
-    pub fn subscribe_bounded(&self, max: usize) -> Option<broadcast::Receiver<Arc<Notification>>> {
-        (self.tx.receiver_count() < max).then(|| self.tx.subscribe())
+    /// A counted subscription to one region's notifications (`Some(region id)`) or to all, unless
+    /// `max` are alive already: every publication wakes its subscribers, so they are bounded.
+    pub fn subscribe_bounded(&self, region_id: Option<&str>, max: usize) -> Option<Subscription> {
+        let taken = self.subscribers.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1));
+        if taken.is_err() {
+            return None;
+        }
+        let slot = SubscriberSlot(Arc::clone(&self.subscribers));
+        let rx = match region_id {
+            None => self.all.subscribe(),
+            Some(id) => {
+                let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+                regions.entry(id.to_string()).or_insert_with(|| broadcast::channel(self.capacity).0).subscribe()
+            }
+        };
+        Some(Subscription { rx, _slot: slot })
     }
 
+    /// Every notification, uncounted (in-process observers: tests).
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Notification>> {
-        self.tx.subscribe()
+        self.all.subscribe()
     }
 
     /// Publishes `p` unless it already was (markers and `Peer.Complete` race; the first wins).
@@ -149,7 +197,17 @@ impl Hub {
             via,
         };
         // No subscriber is not an error: nobody was waiting.
-        let _ = self.tx.send(Arc::new(n));
+        let n = Arc::new(n);
+        {
+            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(tx) = regions.get(&n.region_id) {
+                if tx.send(Arc::clone(&n)).is_err() {
+                    // Its last subscriber left: drop the channel.
+                    regions.remove(&n.region_id);
+                }
+            }
+        }
+        let _ = self.all.send(n);
         m::notification_published(via.as_str(), delay);
         true
     }
@@ -177,6 +235,26 @@ mod tests {
         assert_eq!((n.tag.as_slice(), n.via, n.region.as_str()), (&b"req-7"[..], Via::Fabric, "kv"));
         assert!(rx.try_recv().is_err(), "published once");
         assert!(!p.marker(), "a duplicate marker never completes it again");
+    }
+
+    /// A busy region does not push the subscribers of another region behind; a subscriber of
+    /// all regions is, and is told so. Subscriptions are bounded and give their place back.
+    #[test]
+    fn a_busy_region_does_not_cut_off_another_regions_subscribers() {
+        let hub = Hub::new(4);
+        let mut quiet = hub.subscribe_bounded(Some("r2"), 3).unwrap();
+        let mut all = hub.subscribe_bounded(None, 3).unwrap();
+        for i in 0..100u8 {
+            hub.publish(&Pending::new(vec![i], 1), about(), Via::Fabric); // region r1
+        }
+        let r2 = About { region: "other", region_id: "r2", ..about() };
+        hub.publish(&Pending::new(b"r2".to_vec(), 1), r2, Via::Fabric);
+        assert_eq!(quiet.try_recv().unwrap().tag, b"r2", "region r2's subscriber did not lag");
+        assert!(matches!(all.try_recv(), Err(broadcast::error::TryRecvError::Lagged(_))));
+        let third = hub.subscribe_bounded(Some("r1"), 3).unwrap();
+        assert!(hub.subscribe_bounded(None, 3).is_none(), "at most 3");
+        drop(third);
+        assert!(hub.subscribe_bounded(None, 3).is_some(), "a dropped subscription gave its place back");
     }
 
     #[test]

@@ -257,26 +257,26 @@ impl Node {
         }
     }
 
-    /// Subscribes to the notifications published on this agent (`WatchInbound`), with the id of
-    /// `region` (a name or id; empty = every region) to filter on. Subscribed before the lookup,
-    /// so nothing published once this returns is missed.
+    /// Subscribes to the notifications published on this agent (`WatchInbound`): those of
+    /// `region` (a name or id, resolved now to the region's id; empty = every region). Nothing
+    /// published once this returns is missed (short of falling 4,096 behind).
     pub fn watch_inbound(
         &self,
         region: &str,
         tag: Option<&[u8]>,
-    ) -> Result<(Option<String>, tokio::sync::broadcast::Receiver<Arc<crate::notify::Notification>>), TransferError> {
+    ) -> Result<crate::notify::Subscription, TransferError> {
         let max = self.config.transfer.max_notify_bytes;
         if tag.is_some_and(|t| t.len() > max) {
             return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
         }
-        let rx = self.grants.hub().subscribe_bounded(MAX_SUBSCRIBERS).ok_or_else(|| {
-            TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
-        })?;
         let id = match region {
             "" => None,
             r => Some(self.regions.get(r)?.id.clone()),
         };
-        Ok((id, rx))
+        // Per region: a subscriber falls behind only by its own region's notifications.
+        self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
+            TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
+        })
     }
 
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {

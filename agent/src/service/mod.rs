@@ -295,16 +295,17 @@ impl Agent for Services {
     async fn watch_inbound(&self, req: Request<pb::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
         use tokio::sync::broadcast::error::RecvError;
         let r = req.into_inner();
-        let (region_id, rx) = self.node.watch_inbound(&r.region, r.tag.as_deref()).map_err(transfer_status)?;
+        let rx = self.node.watch_inbound(&r.region, r.tag.as_deref()).map_err(transfer_status)?;
         let tag = r.tag;
         let stream = futures::stream::unfold(Some(rx), move |rx| {
-            let (region_id, tag) = (region_id.clone(), tag.clone());
+            let tag = tag.clone();
             async move {
                 let mut rx = rx?;
                 loop {
                     match rx.recv().await {
                         Ok(n) => {
-                            if region_id.as_ref().is_some_and(|id| *id != n.region_id) || tag.as_ref().is_some_and(|t| *t != n.tag) {
+                            // The subscription is the region's already; the tag is filtered here.
+                            if tag.as_ref().is_some_and(|t| *t != n.tag) {
                                 continue;
                             }
                             return Some((Ok(notification_to_pb(&n)), Some(rx)));
