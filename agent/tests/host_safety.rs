@@ -198,9 +198,11 @@ async fn a_fifo_is_refused_at_once_and_blocks_no_other_create() {
     // Nobody ever opens the FIFOs for writing: a blocking open would hang these tasks and the
     // anonymous create behind them forever.
     let mut tasks = Vec::new();
-    for access in [pb::Access::Read, pb::Access::Write, pb::Access::ReadWrite] {
+    // Distinct names: creates of one name race for its reservation, and the losers rightly hear
+    // ALREADY_EXISTS while the winner is still opening (that race made this test flaky).
+    for (name, access) in [("fifo-r", pb::Access::Read), ("fifo-w", pb::Access::Write), ("fifo-rw", pb::Access::ReadWrite)] {
         let mut c = a.client().await;
-        tasks.push(tokio::spawn(async move { c.create_region(file_region_req("fifo", 4096, "pipe", access)).await }));
+        tasks.push(tokio::spawn(async move { c.create_region(file_region_req(name, 4096, "pipe", access)).await }));
     }
     let mut c = a.client().await;
     let shm_obj = shm_name("fifo");
