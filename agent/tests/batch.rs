@@ -46,15 +46,6 @@ fn batch_req(op: pb::Op, local: &str, peer: &Agent, remote: &str, segments: Vec<
     }
 }
 
-/// Sum of the samples of `name` carrying every one of `labels` (in any order).
-fn labelled(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
-
 
 /// 1,024 blocks of 4 KiB scattered over an 8 MiB pool, in a random order on both sides (plus a
 /// run of contiguous ones, which coalesce): the subscriber on the target, reading the region

@@ -82,14 +82,6 @@ async fn probe(a: &Agent, region: &str, conn: &str, tag: &[u8]) {
     a.peer_client().await.complete(complete_req(&g.grant_id, &id, 4096, "x")).await.unwrap();
 }
 
-fn labelled(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
-
 fn markers(a: &Agent, result: &str) -> f64 {
     labelled(&scrape(a), "xfer_notify_markers_total", &[("result", result)])
 }

@@ -263,27 +263,24 @@ impl Node {
         tokio::task::spawn_blocking(move || node.regions.create(spec))
             .await
             .map_err(|e| TransferError::Internal(e.to_string()))??;
-        let remote = match peer.call(|| peer.client.open_bench_region(pool)).await {
-            Ok(r) => Ok(r),
-            Err(e) => Err(TransferError::from(e)),
-        };
-        let res = match &remote {
-            Ok(remote) => self.bench_kv_with(&p, &local, remote, block, blocks, pool, iters).await,
-            Err(_) => Ok(BenchResult::default()),
-        };
-        if let Ok(remote) = &remote {
-            if let Err(e) = peer.client.close_bench_region(remote).await {
-                warn!(error = %e, region = %remote, "could not delete bench scratch region on peer (its lease ends it)");
+        let res = match peer.call(|| peer.client.open_bench_region(pool)).await {
+            Ok(remote) => {
+                let res = self.bench_kv_with(&p, &local, &remote, block, blocks, pool, iters).await;
+                if let Err(e) = peer.client.close_bench_region(&remote).await {
+                    warn!(error = %e, region = %remote, "could not delete bench scratch region on peer (its lease ends it)");
+                }
+                res
             }
+            Err(e) => Err(e.into()),
+        };
+        let (node, name) = (Arc::clone(self), local.clone());
+        let deleted = match tokio::task::spawn_blocking(move || node.delete_region(&name)).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = deleted {
+            warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)");
         }
-        let node = Arc::clone(self);
-        let name = local.clone();
-        match tokio::task::spawn_blocking(move || node.delete_region(&name)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)"),
-            Err(e) => warn!(error = %e, region = %local, "could not delete the local bench pool (its lease ends it)"),
-        }
-        remote?;
         res
     }
 

@@ -39,13 +39,7 @@ impl Node {
             )));
         }
         if let Some(tag) = &req.notify {
-            let max = self.config.transfer.max_notify_bytes;
-            if tag.len() > max {
-                return Err(TransferError::Invalid(format!(
-                    "notification tag of {} bytes; at most {max} allowed (transfer.max_notify_bytes)",
-                    tag.len()
-                )));
-            }
+            self.check_notify_tag(tag)?;
         }
         // A batch: its segments are checked (naming the bad one) and coalesced before anything
         // is asked of the peer; the grant spans them.

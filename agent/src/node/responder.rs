@@ -126,24 +126,12 @@ impl Node {
         let notify = match &p.notify {
             None => None,
             Some((tag, markers)) => {
-                let max = self.config.transfer.max_notify_bytes;
-                if tag.len() > max {
-                    return Err(TransferError::Invalid(format!(
-                        "notification tag of {} bytes; this agent takes at most {max} (transfer.max_notify_bytes)",
-                        tag.len()
-                    )));
-                }
+                self.check_notify_tag(tag)?;
                 if *markers == 0 || *markers as usize > *crate::shape::QPS.end() {
                     return Err(TransferError::Invalid(format!(
                         "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
                         *crate::shape::QPS.end()
                     )));
-                }
-                if p.connection_id.is_none() {
-                    return Err(TransferError::FailedPrecondition(
-                        "a notification is counted on the grantee's connection: the grant request must name a connection                          the caller made with Peer.Connect (connection_id)"
-                            .into(),
-                    ));
                 }
                 Some((tag.clone(), *markers))
             }
@@ -173,9 +161,12 @@ impl Node {
             // Markers count on the connection the grant names: it must be one this caller made
             // (verbs in grant mode mr/region would otherwise take an id nobody holds yet, and
             // whoever connected under it later could count this grant's markers).
-            return Err(TransferError::UnknownConnection(
-                "a notification is counted on the grantee's connection: name one you made with Peer.Connect".into(),
-            ));
+            const WHY: &str = "a notification is counted on the grantee's connection: the grant request must name a \
+                               connection the caller made with Peer.Connect (connection_id)";
+            return Err(match p.connection_id {
+                None => TransferError::FailedPrecondition(WHY.into()),
+                Some(_) => TransferError::UnknownConnection(WHY.into()),
+            });
         }
         if self.fabric.grants_need_connection() && connection.is_none() {
             return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
@@ -277,6 +268,18 @@ impl Node {
         self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
             TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
         })
+    }
+
+    /// A notification tag this agent sends or accepts: at most `transfer.max_notify_bytes`.
+    pub(super) fn check_notify_tag(&self, tag: &[u8]) -> Result<(), TransferError> {
+        let max = self.config.transfer.max_notify_bytes;
+        if tag.len() > max {
+            return Err(TransferError::Invalid(format!(
+                "notification tag of {} bytes; this agent takes at most {max} (transfer.max_notify_bytes)",
+                tag.len()
+            )));
+        }
+        Ok(())
     }
 
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {

@@ -38,9 +38,9 @@ const POLL_BATCH: usize = 64;
 /// After `close`, how long the CQ task waits for flushes before it destroys the QPs anyway.
 const CLOSE_GRACE: Duration = Duration::from_secs(10);
 /// Receives each responder QP keeps posted for notification markers (each marker consumes one
-/// and the receive task reposts it). An initiator has at most `depth` markers in flight per QP,
-/// so this many absorb every depth the agent allows before a marker can meet an empty queue
-/// (then the sender's RNR retries cover the repost).
+/// and the receive task reposts it). A connection carries one transfer at a time, which sends
+/// one marker per QP, so the queue runs dry only if the receive task falls this many markers
+/// behind (then the sender's RNR retries cover the repost).
 const RECV_DEPTH: u32 = 1024;
 
 /// What a QP's in-flight list keeps for us per WR, handed back when the WR is retired.

@@ -138,6 +138,16 @@ pub fn metric(text: &str, series: &str) -> f64 {
         .sum()
 }
 
+/// Sum of the samples of `name` carrying every one of `labels`, in whatever order the exporter
+/// writes them (`metric` needs the exact series text).
+pub fn labelled(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 /// Lets this test process hold thousands of sockets (soft RLIMIT_NOFILE up to the hard limit).
 pub fn raise_own_nofile() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};

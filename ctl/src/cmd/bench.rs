@@ -110,17 +110,18 @@ fn row_gbit(r: &BenchResponse) -> f64 {
     }
 }
 
-/// The perftest-style table.
-pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
-    let mut header = vec![
-        "#bytes",
-        "iters",
-        "BW Gb/s",
-        "BW GiB/s",
-        "lat avg us",
-        "lat p50 us",
-        "lat p99 us",
-    ];
+/// A table whose rows are the `lead` cells, the bandwidth (Gb/s and GiB/s), the `tail` cells
+/// and, with a baseline, the bandwidth as a ratio of it (`BW/tcp`; `-` when the baseline is 0).
+fn bandwidth_table(
+    lead: &[&str],
+    tail: &[&str],
+    rows: &[BenchResponse],
+    baseline: Option<&TcpBaselineResponse>,
+    cells: impl Fn(&BenchResponse) -> (Vec<String>, Vec<String>),
+) -> String {
+    let mut header: Vec<&str> = lead.to_vec();
+    header.extend(["BW Gb/s", "BW GiB/s"]);
+    header.extend(tail);
     let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
     if baseline.is_some() {
         header.push("BW/tcp");
@@ -128,24 +129,26 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
     let mut t = Table::new(&header);
     for r in rows {
         let gbit = row_gbit(r);
-        let mut cells = vec![
-            r.size.to_string(),
-            r.iters.to_string(),
-            format!("{gbit:.2}"),
-            format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64),
-            format!("{:.2}", r.lat_avg_us),
-            format!("{:.2}", r.lat_p50_us),
-            format!("{:.2}", r.lat_p99_us),
-        ];
+        let (mut row, after) = cells(r);
+        row.push(format!("{gbit:.2}"));
+        row.push(format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64));
+        row.extend(after);
         if baseline.is_some() {
-            cells.push(
-                base.map(|b| format!("{:.2}", gbit / b))
-                    .unwrap_or_else(|| "-".into()),
-            );
+            row.push(base.map(|b| format!("{:.2}", gbit / b)).unwrap_or_else(|| "-".into()));
         }
-        t.row(cells);
+        t.row(row);
     }
-    let mut out = t.render();
+    t.render()
+}
+
+/// The perftest-style table.
+pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
+    let mut out = bandwidth_table(&["#bytes", "iters"], &["lat avg us", "lat p50 us", "lat p99 us"], rows, baseline, |r| {
+        (
+            vec![r.size.to_string(), r.iters.to_string()],
+            vec![format!("{:.2}", r.lat_avg_us), format!("{:.2}", r.lat_p50_us), format!("{:.2}", r.lat_p99_us)],
+        )
+    });
     if let Some(b) = baseline {
         out.push_str(&format!(
             "# tcp baseline (median of {BASELINE_RUNS} runs): {} bytes in {:.3} s = {:.2} Gb/s\n",
@@ -157,30 +160,18 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
 
 /// The KV-pattern table: one row per run.
 pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
-    let mut header = vec!["pattern", "batches", "BW Gb/s", "BW GiB/s", "batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
-    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
-    if baseline.is_some() {
-        header.push("BW/tcp");
-    }
-    let mut t = Table::new(&header);
-    for r in rows {
-        let gbit = row_gbit(r);
-        let mut cells = vec![
-            format!("kv {}x{}", r.blocks, format_size_compact(r.size)),
-            r.iters.to_string(),
-            format!("{gbit:.2}"),
-            format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64),
-            format!("{:.2}", r.lat_p50_us / 1e3),
-            format!("{:.2}", r.lat_p99_us / 1e3),
-            format!("{:.0}", r.submit_p50_us),
-            format!("{:.0}", r.prep_ns_per_segment),
-        ];
-        if baseline.is_some() {
-            cells.push(base.map(|b| format!("{:.2}", gbit / b)).unwrap_or_else(|| "-".into()));
-        }
-        t.row(cells);
-    }
-    t.render()
+    let tail = ["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
+    bandwidth_table(&["pattern", "batches"], &tail, rows, baseline, |r| {
+        (
+            vec![format!("kv {}x{}", r.blocks, format_size_compact(r.size)), r.iters.to_string()],
+            vec![
+                format!("{:.2}", r.lat_p50_us / 1e3),
+                format!("{:.2}", r.lat_p99_us / 1e3),
+                format!("{:.0}", r.submit_p50_us),
+                format!("{:.0}", r.prep_ns_per_segment),
+            ],
+        )
+    })
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
