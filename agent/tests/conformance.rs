@@ -529,6 +529,37 @@ async fn a_notification_needs_the_callers_own_connection(k: Kind) {
     assert!(b.node.grant(&ask("conn-1", "a")).await.is_ok(), "the caller's own connection");
 }
 
+/// `Peer.Complete` comes only after the initiator saw every marker acknowledged; by then the
+/// markers have arrived at the target (rxe, like hardware, writes the receive completion before
+/// it acknowledges), so the notification is theirs (`via fabric`), never the Complete's that
+/// merely beat the target's receive task. Sixteen rounds, each calling Complete the moment the
+/// marker's completion is seen.
+async fn markers_acknowledged_before_complete_publish_the_notification(k: Kind) {
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", 1 << 20, Access::ReadWrite);
+    let dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let (conn, mut rx) = connect(&a, &b, 2, 16).await;
+    let mut notes = b.grants.hub().subscribe();
+    for round in 0..16u64 {
+        let data = fill(&src, round as u8 ^ 0x5a);
+        let tag = format!("round-{round}");
+        let g = grant_notify(&b, "dst", 1 << 20, "conn-1", tag.as_bytes(), 2).await;
+        for qp in 0..2u64 {
+            conn.post(qp as usize, wr(qp, WrOp::Write, &src, qp << 19, 1 << 19, &g, qp << 19, false)).unwrap();
+            conn.post(qp as usize, marker(100 + qp, &src, &g)).unwrap();
+        }
+        for _ in 0..2 {
+            assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+        }
+        let tid = xfer_agent::ids::TransferId::random();
+        b.node.complete_inbound(&tid, &g.id, "a", 1 << 20, true, None).await.unwrap();
+        let n = notes.try_recv().expect("published by the time Complete returns");
+        assert_eq!((n.tag.as_slice(), n.via), (tag.as_bytes(), xfer_agent::notify::Via::Fabric), "round {round}");
+        assert!(notes.try_recv().is_err(), "published once");
+        assert!(bytes(&dst) == data, "round {round}: every byte landed");
+    }
+}
+
 /// One `#[tokio::test]` per case and fabric: `tcp::<case>` runs everywhere, `verbs::<case>` only
 /// with `--ignored`/`--include-ignored` (in the Soft-RoCE VM).
 macro_rules! per_fabric {
@@ -570,4 +601,5 @@ per_fabric!(
     a_batch_of_work_requests_posts_in_order,
     polling_a_connection_delivers_each_completion_once,
     a_notification_needs_the_callers_own_connection,
+    markers_acknowledged_before_complete_publish_the_notification,
 );

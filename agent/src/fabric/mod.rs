@@ -432,7 +432,13 @@ pub trait PendingConnection: Send {
 }
 
 /// The responder's half of a connection: keeps its QPs (or data session) alive until dropped.
-pub trait Accepted: Send + Sync + 'static {}
+pub trait Accepted: Send + Sync + 'static {
+    /// Hands every notification marker that has already arrived on this connection to the
+    /// marker sink before returning. `Peer.Complete` calls it before it publishes a notification
+    /// itself. The default does nothing: a fabric whose markers are handled in order before
+    /// they are acknowledged (tcp) has none waiting.
+    fn drain_markers(&self) {}
+}
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
 pub trait Connection: Send + Sync {

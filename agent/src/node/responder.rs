@@ -230,6 +230,12 @@ impl Node {
         Ok(grant)
     }
 
+    /// The accepted connection `id`, if `peer` made it.
+    fn accepted_by(&self, id: Option<&ConnectionId>, peer: &str) -> Option<Arc<dyn Accepted>> {
+        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        acc.get(id?).filter(|(owner, _, _)| owner == peer).map(|(_, conn, _)| conn.clone())
+    }
+
     /// The accepted connection a grant names. It must have been made by the grant's peer
     /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
     /// connection (`mw` on verbs); other modes do not use it.
@@ -358,6 +364,13 @@ impl Node {
         // Every WR of the batch completed at the initiator: if its markers have not all been
         // seen yet, the notification is due now (published once either way).
         if ok {
+            // Markers already acknowledged to the initiator count first (their receive task may
+            // simply not have run yet), so `via` says what really carried the notification.
+            if g.notify.is_some() {
+                if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+                    conn.drain_markers();
+                }
+            }
             self.grants.publish_on_complete(&g);
         }
         self.grants.revoke(&g.id);

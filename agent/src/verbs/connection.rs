@@ -440,6 +440,46 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
     tracing::debug!(peer = %inner.peer, "CQ task stopped");
 }
 
+/// Reads every marker receive completed so far on `rcq`, hands each immediate (the grant's
+/// notification slot) to `markers` and reposts the receive it consumed. Returns how many
+/// completions it read. Both the receive task and `Peer.Complete` (through
+/// [`VerbsAccepted::drain_markers`]) call it; `ibv_poll_cq` is serialized per CQ and each
+/// completion is read once, so the two never count a marker twice.
+fn drain_markers(
+    inner: &ConnInner,
+    rcq: &Cq,
+    id: &ConnectionId,
+    markers: Option<&Arc<dyn MarkerSink>>,
+    buf: &mut Vec<RawWc>,
+) -> Result<usize, std::io::Error> {
+    let mut total = 0;
+    loop {
+        buf.clear();
+        let n = rcq.poll(POLL_BATCH, buf)?;
+        for wc in buf.drain(..) {
+            let Some(slot) = inner.slots.iter().find(|s| s.qp.owns_recv(&wc)) else { continue };
+            if !wc.is_success() {
+                // Flushed (the connection is going away) or failed: the QP is in ERR.
+                continue;
+            }
+            match (wc.imm(), markers) {
+                (Some(imm), Some(sink)) => sink.marker(id, imm),
+                (Some(_), None) => crate::metrics::notify_marker("no_sink"),
+                (None, _) => crate::metrics::notify_marker("no_immediate"),
+            }
+            if let Err(e) = slot.qp.post_recv_empty(wc.wr_id()) {
+                if !inner.closing.load(Ordering::Acquire) {
+                    tracing::warn!(peer = %inner.peer, error = %e, "cannot repost a marker receive");
+                }
+            }
+        }
+        total += n;
+        if n < POLL_BATCH {
+            return Ok(total);
+        }
+    }
+}
+
 /// The responder's receive task: waits on the receive CQ's channel, hands each marker's
 /// immediate (the grant's notification slot) to `markers` and reposts the receive it consumed.
 /// A marker's receive completes only after every earlier WR of its QP has executed here (RC
@@ -456,34 +496,7 @@ async fn run_recv(inner: Arc<ConnInner>, id: ConnectionId, markers: Option<Arc<d
         }
     };
     let mut buf = Vec::with_capacity(POLL_BATCH);
-    let drain = |buf: &mut Vec<RawWc>| -> Result<usize, std::io::Error> {
-        let mut total = 0;
-        loop {
-            buf.clear();
-            let n = rcq.poll(POLL_BATCH, buf)?;
-            for wc in buf.drain(..) {
-                let Some(slot) = inner.slots.iter().find(|s| s.qp.owns_recv(&wc)) else { continue };
-                if !wc.is_success() {
-                    // Flushed (the connection is going away) or failed: the QP is in ERR.
-                    continue;
-                }
-                match (wc.imm(), &markers) {
-                    (Some(imm), Some(sink)) => sink.marker(&id, imm),
-                    (Some(_), None) => crate::metrics::notify_marker("no_sink"),
-                    (None, _) => crate::metrics::notify_marker("no_immediate"),
-                }
-                if let Err(e) = slot.qp.post_recv_empty(wc.wr_id()) {
-                    if !inner.closing.load(Ordering::Acquire) {
-                        tracing::warn!(peer = %inner.peer, error = %e, "cannot repost a marker receive");
-                    }
-                }
-            }
-            total += n;
-            if n < POLL_BATCH {
-                return Ok(total);
-            }
-        }
-    };
+    let drain = |buf: &mut Vec<RawWc>| drain_markers(&inner, rcq, &id, markers.as_ref(), buf);
     loop {
         if inner.closing.load(Ordering::Acquire) {
             break;
@@ -687,6 +700,9 @@ impl MwGrant {
 /// In grant mode `mw` it also binds the grants' memory windows on its QPs.
 pub(crate) struct VerbsAccepted {
     inner: Arc<ConnInner>,
+    /// The connection's id and where its markers go (also read by [`Self::drain_markers`]).
+    id: ConnectionId,
+    markers: Option<Arc<dyn MarkerSink>>,
     /// Serializes binds: one bind WR outstanding per QP (the send queues hold one WR), and one
     /// poller of the responder CQ.
     bind_lock: Mutex<()>,
@@ -701,9 +717,23 @@ impl VerbsAccepted {
     pub fn new(inner: ConnInner, id: ConnectionId, markers: Option<Arc<dyn MarkerSink>>) -> Self {
         let inner = Arc::new(inner);
         if inner.recv.is_some() {
-            tokio::spawn(run_recv(Arc::clone(&inner), id, markers));
+            tokio::spawn(run_recv(Arc::clone(&inner), id.clone(), markers.clone()));
         }
-        VerbsAccepted { inner, bind_lock: Mutex::new(()) }
+        VerbsAccepted { inner, id, markers, bind_lock: Mutex::new(()) }
+    }
+
+    /// Hands every marker that has already completed on this connection to the sink now,
+    /// without waiting for the receive task to be scheduled. A marker's receive completion is
+    /// written before the device acknowledges the WRITE WITH IMMEDIATE, and the initiator sends
+    /// `Peer.Complete` only after that acknowledgement; so draining here first means a batch
+    /// whose markers all landed is always published by them (`via fabric`), never by the
+    /// `Peer.Complete` that merely raced the receive task.
+    pub fn drain_markers(&self) {
+        let Some((rcq, _)) = self.inner.recv.as_ref() else { return };
+        let mut buf = Vec::with_capacity(POLL_BATCH);
+        if let Err(e) = drain_markers(&self.inner, rcq, &self.id, self.markers.as_ref(), &mut buf) {
+            tracing::warn!(peer = %self.inner.peer, error = %e, "polling the marker receive CQ failed");
+        }
     }
 
     /// Binds one fresh type-2 window per QP over `[addr, addr+len)` of `mr` with `access`
@@ -811,7 +841,11 @@ pub(crate) struct AcceptedHandle {
     pub(crate) id: crate::ids::ConnectionId,
 }
 
-impl crate::fabric::Accepted for AcceptedHandle {}
+impl crate::fabric::Accepted for AcceptedHandle {
+    fn drain_markers(&self) {
+        self.acc.drain_markers();
+    }
+}
 
 impl Drop for AcceptedHandle {
     fn drop(&mut self) {
