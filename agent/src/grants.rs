@@ -10,7 +10,8 @@ use std::time::SystemTime;
 use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
-use crate::notify::{About, Hub, Pending, Via};
+use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
+use tracing::debug;
 use crate::regions::Region;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +24,8 @@ pub enum GrantError {
     WrongPeer(String),
     #[error("limit reached: {0}")]
     Limit(String),
+    #[error("{0}")]
+    Invalid(String),
 }
 
 pub struct Grant {
@@ -43,6 +46,9 @@ pub struct Grant {
     /// The notification the grantee asked for (`GrantRequest.notify`); its slot is set by
     /// [`GrantTable::insert`].
     pub notify: Option<Pending>,
+    /// A channel's per-batch notifications (`NotifyRequest.channel`) instead; its slot base is
+    /// set by [`GrantTable::insert`].
+    pub channel: Option<ChannelNotes>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -65,6 +71,9 @@ struct Inner {
     /// Grants with a notification, by its slot (what a verbs marker's immediate names).
     by_slot: HashMap<u32, Arc<Grant>>,
     next_slot: u32,
+    /// Channel grants, by their channel slot (bits 16..31 of their markers' immediates).
+    by_channel: HashMap<u32, Arc<Grant>>,
+    next_channel: u32,
     /// Ids of grants the reaper removed, so a late `Complete`/`Revoke` hears "expired" rather
     /// than "not found". Bounded (oldest forgotten first).
     expired: std::collections::VecDeque<crate::ids::GrantId>,
@@ -108,10 +117,11 @@ impl GrantTable {
             return Err(GrantError::Limit(format!("max_grants_per_peer = {}", self.max_per_peer)));
         }
         if let Some(n) = grant.notify.as_mut() {
-            // A free, non-zero slot: the table holds far fewer grants than 2^32.
+            // A free, non-zero slot below the channel bit: the table holds far fewer grants
+            // than 2^31 (`max_grants_per_peer` bounds them).
             let mut slot = g.next_slot;
             loop {
-                slot = slot.wrapping_add(1);
+                slot = slot.wrapping_add(1) & !CHANNEL_BIT;
                 if slot != 0 && !g.by_slot.contains_key(&slot) {
                     break;
                 }
@@ -119,12 +129,30 @@ impl GrantTable {
             g.next_slot = slot;
             n.slot = slot;
         }
+        if let Some(c) = grant.channel.as_mut() {
+            // Channel slots are 15 bits: a free one, or the grant is refused.
+            if g.by_channel.len() >= MAX_CHANNEL_SLOT as usize {
+                return Err(GrantError::Limit(format!("{MAX_CHANNEL_SLOT} channels with notifications on this agent")));
+            }
+            let mut slot = g.next_channel;
+            loop {
+                slot = slot % MAX_CHANNEL_SLOT + 1;
+                if !g.by_channel.contains_key(&slot) {
+                    break;
+                }
+            }
+            g.next_channel = slot;
+            c.base_imm = CHANNEL_BIT | slot << 16;
+        }
         let grant = Arc::new(grant);
         if let RemoteKey::Token(t) = grant.exposure.key {
             g.by_token.insert(t, grant.clone());
         }
         if let Some(n) = &grant.notify {
             g.by_slot.insert(n.slot, grant.clone());
+        }
+        if let Some(c) = &grant.channel {
+            g.by_channel.insert(channel_slot(c.base_imm), grant.clone());
         }
         g.by_id.insert(grant.id.clone(), grant.clone());
         m::grants_active(g.by_id.len());
@@ -212,6 +240,9 @@ impl GrantTable {
                 if let Some(n) = &grant.notify {
                     g.by_slot.remove(&n.slot);
                 }
+                if let Some(c) = &grant.channel {
+                    g.by_channel.remove(&channel_slot(c.base_imm));
+                }
                 out.push(grant);
             }
         }
@@ -236,8 +267,13 @@ impl GrantTable {
         grant.lease.while_live(|| self.hub.publish(n, about(grant), Via::Complete)).unwrap_or(false)
     }
 
-    /// Counts a marker for `grant` that arrived on `connection`; publishes when it was the last.
-    fn count_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId) -> Result<(), WcStatus> {
+    /// Counts a marker with immediate `imm` for `grant` that arrived on `connection`: a channel
+    /// grant's marker names its batch in `imm`; any other grant's counts towards its one
+    /// notification. Publishes when it was the batch's last.
+    fn count_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
+        if grant.channel.is_some() {
+            return self.count_channel_marker(grant, connection, imm);
+        }
         // A marker counts only on the connection the grant was asked on, and only while the
         // grant is live (a revoked grant's batch was cancelled or failed).
         if grant.connection_id.as_ref() != Some(connection) || !grant.lease.is_live() {
@@ -263,14 +299,74 @@ impl GrantTable {
         Ok(())
     }
 
-    /// A tcp NOTIFY frame: the marker names its grant by token.
-    pub fn marker_by_token(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
+    /// A channel grant's marker: counted towards the batch `imm` names, which is published once
+    /// its tag was announced too.
+    fn count_channel_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
+        let Some(ch) = &grant.channel else { return Err(WcStatus::RemInvReqErr) };
+        if grant.connection_id.as_ref() != Some(connection) {
+            m::notify_marker("refused");
+            return Err(WcStatus::RemAccessErr);
+        }
+        // Under the lease, as for a grant's one notification.
+        let r = grant.lease.while_live(|| {
+            let r = ch.marker(imm);
+            if let Ok(Some((tag, first))) = &r {
+                self.hub.send(tag.clone(), *first, about(grant), Via::Fabric);
+            }
+            r
+        });
+        match r {
+            Some(Ok(_)) => {
+                m::notify_marker("counted");
+                Ok(())
+            }
+            Some(Err(e)) => {
+                debug!(grant = %grant.id, error = %e, "channel marker refused");
+                m::notify_marker("refused");
+                Err(WcStatus::RemInvReqErr)
+            }
+            None => {
+                m::notify_marker("refused");
+                Err(WcStatus::RemAccessErr)
+            }
+        }
+    }
+
+    /// `Peer.Announce`: the tag of batch `seq` of `peer`'s channel grant `grant_id`. Publishes
+    /// the batch's notification if its markers all arrived already.
+    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), GrantError> {
+        let grant = self.get(grant_id, peer, SystemTime::now())?;
+        let Some(ch) = &grant.channel else {
+            return Err(GrantError::Invalid(format!("grant {grant_id} was not asked for a channel's notifications")));
+        };
+        let r = grant.lease.while_live(|| {
+            let r = ch.announce(seq, tag);
+            if let Ok(Some((tag, first))) = &r {
+                self.hub.send(tag.clone(), *first, about(grant.as_ref()), Via::Fabric);
+            }
+            r
+        });
+        match r {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e @ ChannelRefusal::OutOfWindow(_))) => Err(GrantError::Limit(e.to_string())),
+            Some(Err(e)) => Err(GrantError::Invalid(e.to_string())),
+            None => Err(GrantError::NotFound(format!("grant {grant_id} was revoked"))),
+        }
+    }
+
+    /// A tcp NOTIFY frame: the marker names its grant by token (and a channel's batch by `imm`).
+    pub fn marker_by_token(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
         let Some(grant) = self.read().by_token.get(token).cloned() else {
             m::notify_marker("refused");
             return Err(WcStatus::RemAccessErr);
         };
-        self.count_marker(&grant, connection)
+        self.count_marker(&grant, connection, imm)
     }
+}
+
+/// The channel slot an immediate (or a slot base) names.
+fn channel_slot(imm: u32) -> u32 {
+    (imm & !CHANNEL_BIT) >> 16
 }
 
 fn about(g: &Grant) -> About<'_> {
@@ -279,11 +375,15 @@ fn about(g: &Grant) -> About<'_> {
 
 impl crate::fabric::MarkerSink for GrantTable {
     /// A verbs marker: the immediate of a zero-length WRITE WITH IMMEDIATE names the slot.
-    fn marker(&self, connection: &crate::ids::ConnectionId, slot: u32) {
-        let grant = self.read().by_slot.get(&slot).cloned();
+    fn marker(&self, connection: &crate::ids::ConnectionId, imm: u32) {
+        let grant = if imm & CHANNEL_BIT != 0 {
+            self.read().by_channel.get(&channel_slot(imm)).cloned()
+        } else {
+            self.read().by_slot.get(&imm).cloned()
+        };
         match grant {
             Some(g) => {
-                let _ = self.count_marker(&g, connection);
+                let _ = self.count_marker(&g, connection, imm);
             }
             None => m::notify_marker("unknown_slot"),
         }
@@ -291,8 +391,8 @@ impl crate::fabric::MarkerSink for GrantTable {
 }
 
 impl AccessCheck for GrantTable {
-    fn marker(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
-        self.marker_by_token(connection, token)
+    fn marker(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+        self.marker_by_token(connection, token, imm)
     }
 
     fn check(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {

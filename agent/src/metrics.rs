@@ -43,6 +43,8 @@ pub const BATCH_SEGMENTS: &str = "xfer_batch_segments_total";
 pub const NOTIFICATIONS: &str = "xfer_notifications_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
+pub const CHANNELS_OPEN: &str = "xfer_channels_open";
+pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
 
 /// Installs the Prometheus recorder, serves it over HTTP on `listener` (GET /metrics, or any
 /// path; `/health` answers `OK`), and describes every metric. The caller binds the listener, so
@@ -157,6 +159,12 @@ pub fn describe() {
     describe_counter!(LISTENER_CONNECTIONS_REFUSED, Unit::Count, "Sockets a control listener closed at once because it was at its cap (limits.max_grpc_connections for grpc; health and metrics at most 64 each).");
     describe_counter!(CATALOG_WRITE_FAILURES, Unit::Count, "Catalog (regions.json) writes that failed after a region was deleted or expired; the catalog is rewritten later (regions.retry_interval).");
     describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
+    describe_gauge!(CHANNELS_OPEN, Unit::Count, "Channels (Agent.OpenChannel) open on this agent as initiator.");
+    describe_counter!(
+        CHANNEL_BATCHES,
+        Unit::Count,
+        "Batches posted on channels, by operation and result (succeeded, failed, refused: bad input answered before any byte moved)."
+    );
     describe_counter!(BATCHES, Unit::Count, "Transfers submitted with a segment list (SubmitTransfer.segments), by operation.");
     describe_counter!(
         BATCH_SEGMENTS,
@@ -186,6 +194,16 @@ pub fn batch_submitted(op: &'static str, asked: usize, posted: usize) {
     counter!(BATCHES, "op" => op).increment(1);
     counter!(BATCH_SEGMENTS, "op" => op, "form" => "asked").increment(asked as u64);
     counter!(BATCH_SEGMENTS, "op" => op, "form" => "posted").increment(posted as u64);
+}
+
+/// Channels open (as initiator): +1 or -1.
+pub fn channels_open(delta: f64) {
+    gauge!(CHANNELS_OPEN).increment(delta);
+}
+
+/// A batch on a channel ended: `result` is succeeded, failed or refused.
+pub fn channel_batch(op: &'static str, result: &'static str) {
+    counter!(CHANNEL_BATCHES, "op" => op, "result" => result).increment(1);
 }
 
 /// A notification was published; `delay` from its first marker, if one arrived.

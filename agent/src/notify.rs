@@ -100,6 +100,139 @@ impl Pending {
     }
 }
 
+/// Marker immediates of channel grants have this bit set; the grant's channel slot is in bits
+/// 16..31 and the batch's sequence number (mod 2^16) in bits 0..16. Plain slots stay below it.
+pub const CHANNEL_BIT: u32 = 1 << 31;
+/// Channel slots are 1..=this (15 bits).
+pub const MAX_CHANNEL_SLOT: u32 = 0x7fff;
+/// Batches of one channel whose notification may be outstanding at once (announced or marked
+/// but not yet published). Below 2^15, so that 16 bits of sequence number name one batch.
+pub const CHANNEL_WINDOW: u64 = 1024;
+
+/// The immediate a marker of batch `seq` carries on a channel whose grant's slot base is `base`
+/// (`CHANNEL_BIT | slot << 16`, what `GrantResponse.notify_slot` says).
+pub fn channel_imm(base: u32, seq: u64) -> u32 {
+    base | (seq & 0xffff) as u32
+}
+
+/// Why a channel marker or announcement was not taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChannelRefusal {
+    #[error("the marker names another channel")]
+    WrongChannel,
+    #[error("batch {0} is outside the window of {CHANNEL_WINDOW} batches not yet notified")]
+    OutOfWindow(u64),
+    #[error("batch {0} was already notified")]
+    AlreadyPublished(u64),
+    #[error("batch {0} was already announced")]
+    AlreadyAnnounced(u64),
+    #[error("more markers than the {0} the channel's batches carry")]
+    TooManyMarkers(u32),
+}
+
+/// A channel grant's per-batch notifications (`NotifyRequest.channel`). Batch `seq` is
+/// published once its tag was announced (`Peer.Announce`) and all `markers` of it arrived, in
+/// whichever order: the markers ride the fabric behind the batch's data, the announcement the
+/// control plane, and neither waits for the other. At most [`CHANNEL_WINDOW`] batches from the
+/// oldest unpublished one on are tracked; anything outside is refused, so a peer cannot grow
+/// this state.
+#[derive(Debug)]
+pub struct ChannelNotes {
+    /// `CHANNEL_BIT | slot << 16`, set by the grant table when the grant is inserted.
+    pub base_imm: u32,
+    /// Markers per batch: one per QP of the grantee's connection.
+    pub markers: u32,
+    window: Mutex<Window>,
+}
+
+#[derive(Debug, Default)]
+struct Window {
+    /// The oldest batch not yet published.
+    base: u64,
+    entries: std::collections::BTreeMap<u64, Entry>,
+    /// Published batches above `base` (batches may complete out of order).
+    published: std::collections::BTreeSet<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Entry {
+    tag: Option<Vec<u8>>,
+    seen: u32,
+    first: Option<Instant>,
+}
+
+/// A batch ready to publish: its tag and when its first marker came.
+pub type Ready = (Vec<u8>, Option<Instant>);
+
+impl ChannelNotes {
+    pub fn new(markers: u32) -> ChannelNotes {
+        ChannelNotes { base_imm: 0, markers: markers.max(1), window: Mutex::new(Window::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.window.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One marker with immediate `imm`. `Ok(Some(..))` when it completed its batch.
+    pub fn marker(&self, imm: u32) -> Result<Option<Ready>, ChannelRefusal> {
+        if imm & 0xffff_0000 != self.base_imm {
+            return Err(ChannelRefusal::WrongChannel);
+        }
+        let mut w = self.lock();
+        // The one batch in the window whose number ends in these 16 bits.
+        let off = (imm as u16).wrapping_sub(w.base as u16) as u64;
+        if off >= CHANNEL_WINDOW {
+            return Err(ChannelRefusal::OutOfWindow(w.base + off));
+        }
+        let seq = w.base + off;
+        if w.published.contains(&seq) {
+            return Err(ChannelRefusal::AlreadyPublished(seq));
+        }
+        let e = w.entries.entry(seq).or_default();
+        if e.seen >= self.markers {
+            return Err(ChannelRefusal::TooManyMarkers(self.markers));
+        }
+        e.seen += 1;
+        e.first.get_or_insert_with(Instant::now);
+        Ok(Self::take_if_ready(&mut w, seq, self.markers))
+    }
+
+    /// The tag of batch `seq`. `Ok(Some(..))` when its markers had all arrived already.
+    pub fn announce(&self, seq: u64, tag: Vec<u8>) -> Result<Option<Ready>, ChannelRefusal> {
+        let mut w = self.lock();
+        if seq < w.base || w.published.contains(&seq) {
+            return Err(ChannelRefusal::AlreadyPublished(seq));
+        }
+        if seq - w.base >= CHANNEL_WINDOW {
+            return Err(ChannelRefusal::OutOfWindow(seq));
+        }
+        let e = w.entries.entry(seq).or_default();
+        if e.tag.is_some() {
+            return Err(ChannelRefusal::AlreadyAnnounced(seq));
+        }
+        e.tag = Some(tag);
+        Ok(Self::take_if_ready(&mut w, seq, self.markers))
+    }
+
+    fn take_if_ready(w: &mut Window, seq: u64, markers: u32) -> Option<Ready> {
+        let ready = w.entries.get(&seq).is_some_and(|e| e.tag.is_some() && e.seen == markers);
+        if !ready {
+            return None;
+        }
+        let e = w.entries.remove(&seq)?;
+        w.published.insert(seq);
+        while w.published.remove(&w.base) {
+            w.base += 1;
+        }
+        Some((e.tag?, e.first))
+    }
+
+    /// Batches announced or marked and not yet published (tests, metrics).
+    pub fn unpublished(&self) -> usize {
+        self.lock().entries.len()
+    }
+}
+
 /// What a notification is about: the grant's facts the subscriber sees.
 pub struct About<'a> {
     pub region: &'a str,
@@ -184,12 +317,19 @@ impl Hub {
         if !p.claim() {
             return false;
         }
-        let delay = p.started().map(|t| t.elapsed());
+        self.send(p.tag.clone(), p.started(), about, via);
+        true
+    }
+
+    /// Sends one notification to its region's subscribers and to those of every region.
+    /// `first`: when its first marker arrived (the delay histogram starts there).
+    pub fn send(&self, tag: Vec<u8>, first: Option<Instant>, about: About<'_>, via: Via) {
+        let delay = first.map(|t| t.elapsed());
         let n = Notification {
             region: about.region.to_string(),
             region_id: about.region_id.to_string(),
             peer: about.peer.to_string(),
-            tag: p.tag.clone(),
+            tag,
             op: about.op,
             offset: about.offset,
             length: about.length,
@@ -209,7 +349,6 @@ impl Hub {
         }
         let _ = self.all.send(n);
         m::notification_published(via.as_str(), delay);
-        true
     }
 }
 
@@ -255,6 +394,64 @@ mod tests {
         assert!(hub.subscribe_bounded(None, 3).is_none(), "at most 3");
         drop(third);
         assert!(hub.subscribe_bounded(None, 3).is_some(), "a dropped subscription gave its place back");
+    }
+
+    fn chan(markers: u32) -> ChannelNotes {
+        ChannelNotes { base_imm: CHANNEL_BIT | 7 << 16, ..ChannelNotes::new(markers) }
+    }
+
+    /// A batch is ready once announced and fully marked, in either order; batches complete out of
+    /// order and each is published once.
+    #[test]
+    fn a_channel_batch_needs_its_tag_and_every_marker_in_any_order() {
+        let c = chan(2);
+        let imm = |seq| channel_imm(c.base_imm, seq);
+        // Batch 0: markers first.
+        assert_eq!(c.marker(imm(0)), Ok(None));
+        assert_eq!(c.marker(imm(0)), Ok(None), "two markers, no tag yet");
+        assert_eq!(c.announce(0, b"b0".to_vec()).unwrap().map(|r| r.0), Some(b"b0".to_vec()));
+        // Batch 2 before batch 1: announcement first.
+        assert_eq!(c.announce(2, b"b2".to_vec()), Ok(None));
+        assert_eq!(c.marker(imm(2)), Ok(None));
+        assert_eq!(c.marker(imm(2)).unwrap().map(|r| r.0), Some(b"b2".to_vec()));
+        assert_eq!(c.announce(1, b"b1".to_vec()), Ok(None));
+        assert_eq!(c.marker(imm(1)), Ok(None));
+        assert_eq!(c.marker(imm(1)).unwrap().map(|r| r.0), Some(b"b1".to_vec()));
+        assert_eq!(c.unpublished(), 0);
+        // Published batches stay published.
+        assert_eq!(c.announce(1, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(1)));
+        assert_eq!(c.announce(2, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(2)));
+        assert_eq!(c.lock().base, 3, "the window moved past every published batch");
+    }
+
+    /// What a peer controls (immediates, sequence numbers, how often it repeats them) cannot grow
+    /// the state past the window or publish anything twice.
+    #[test]
+    fn a_channel_refuses_what_lies_outside_its_window() {
+        let c = chan(1);
+        let imm = |seq| channel_imm(c.base_imm, seq);
+        assert_eq!(c.marker(CHANNEL_BIT | 8 << 16), Err(ChannelRefusal::WrongChannel));
+        assert_eq!(c.marker(5), Err(ChannelRefusal::WrongChannel), "a plain slot");
+        assert_eq!(c.announce(CHANNEL_WINDOW, b"x".to_vec()), Err(ChannelRefusal::OutOfWindow(CHANNEL_WINDOW)));
+        assert_eq!(c.marker(imm(CHANNEL_WINDOW)), Err(ChannelRefusal::OutOfWindow(CHANNEL_WINDOW)));
+        assert_eq!(c.marker(imm(0xffff)), Err(ChannelRefusal::OutOfWindow(0xffff)), "behind the base: outside too");
+        // Fill the whole window with markers only: bounded.
+        for seq in 0..CHANNEL_WINDOW {
+            assert_eq!(c.marker(imm(seq)), Ok(None));
+        }
+        assert_eq!(c.unpublished(), CHANNEL_WINDOW as usize);
+        assert_eq!(c.marker(imm(3)), Err(ChannelRefusal::TooManyMarkers(1)));
+        assert_eq!(c.announce(3, b"t".to_vec()).unwrap().map(|r| r.0), Some(b"t".to_vec()));
+        assert_eq!(c.announce(3, b"t".to_vec()), Err(ChannelRefusal::AlreadyPublished(3)));
+        assert_eq!(c.announce(4, b"a".to_vec()).unwrap().map(|r| r.0), Some(b"a".to_vec()));
+        assert_eq!(c.announce(4, b"a".to_vec()), Err(ChannelRefusal::AlreadyPublished(4)));
+        // Sequence numbers wrap their 16 bits: after 70,000 batches the marker still names one.
+        let c = chan(1);
+        for seq in 0..70_000u64 {
+            assert_eq!(c.announce(seq, vec![]), Ok(None));
+            assert!(c.marker(channel_imm(c.base_imm, seq)).unwrap().is_some(), "batch {seq}");
+        }
+        assert_eq!(c.unpublished(), 0);
     }
 
     #[test]

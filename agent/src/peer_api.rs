@@ -47,6 +47,9 @@ pub struct GrantAsk<'a> {
     pub ttl: Duration,
     /// Ask for a notification: (the tag, markers the initiator will send: one per QP).
     pub notify: Option<(&'a [u8], u32)>,
+    /// With `notify`: a channel's per-batch notifications (the tag is then unused; each batch's
+    /// comes with [`PeerApi::announce`]).
+    pub channel: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -141,6 +144,8 @@ pub trait PeerApi: Send + Sync {
     /// `Peer.Complete`: the data landed (or was read); with a checksum the peer verifies it.
     /// Returns whether the peer's checksum matched (true without one).
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError>;
+    /// `Peer.Announce`: the tag of batch `seq` on a channel grant.
+    async fn announce(&self, grant_id: &crate::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError>;
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
     async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP baseline: the sink's address.

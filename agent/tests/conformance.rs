@@ -17,7 +17,7 @@ use xfer_agent::config::{Config, FabricChoice};
 use xfer_agent::fabric::tcp::TcpFabric;
 use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
-use xfer_agent::node::{GrantParams, Node};
+use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::transfer::TransferError;
 
@@ -326,7 +326,7 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
 /// per QP of `markers`).
 async fn grant_notify(s: &Side, region: &str, len: u64, conn: &str, tag: &[u8], markers: u32) -> Arc<Grant> {
     let p = GrantParams {
-        notify: Some((tag.to_vec(), markers)),
+        notify: Some(NotifyAsk::Once { tag: tag.to_vec(), markers }),
         region: region.into(),
         offset: 0,
         length: len,
@@ -514,7 +514,7 @@ async fn a_notification_needs_the_callers_own_connection(k: Kind) {
     region(&b, "dst", 1 << 20, Access::ReadWrite);
     let (_conn, _rx) = connect(&a, &b, 1, 16).await;
     let ask = |conn: &str, peer: &str| GrantParams {
-        notify: Some((b"t".to_vec(), 1)),
+        notify: Some(NotifyAsk::Once { tag: b"t".to_vec(), markers: 1 }),
         region: "dst".into(),
         offset: 0,
         length: 4096,
@@ -560,6 +560,68 @@ async fn markers_acknowledged_before_complete_publish_the_notification(k: Kind) 
     }
 }
 
+/// A channel grant's markers name their batch in the immediate (verbs: the 32 bits of the WRITE
+/// WITH IMMEDIATE; tcp: the NOTIFY frame's), and each batch is published once its tag was
+/// announced and all its markers arrived, in either order, with every byte of the batch in
+/// place. Four batches on one grant, over 2 QPs: the tag announced before the data for even
+/// batches, after the markers completed for odd ones.
+async fn a_channel_grant_notifies_each_batch_after_its_bytes(k: Kind) {
+    const LEN: u64 = 1 << 20;
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", LEN, Access::ReadWrite);
+    let dst = region(&b, "dst", LEN, Access::ReadWrite);
+    let (conn, mut rx) = connect(&a, &b, 2, 16).await;
+    let p = GrantParams {
+        notify: Some(NotifyAsk::Channel { markers: 2 }),
+        region: "dst".into(),
+        offset: 0,
+        length: LEN,
+        op: RemoteOp::Write,
+        ttl: None,
+        peer: "a".into(),
+        connection_id: Some(cid("conn-1")),
+    };
+    let g = b.node.grant(&p).await.unwrap();
+    let base = g.channel.as_ref().unwrap().base_imm;
+    assert_ne!(base & xfer_agent::notify::CHANNEL_BIT, 0);
+    let mut notes = b.grants.hub().subscribe();
+    for seq in 0..4u64 {
+        let data = fill(&src, seq as u8 + 40);
+        let tag = format!("batch-{seq}");
+        if seq % 2 == 0 {
+            b.node.announce(&g.id, "a", seq, tag.clone().into_bytes()).unwrap();
+        }
+        let reader = {
+            let (dst, want) = (dst.clone(), data.clone());
+            let mut notes = b.grants.hub().subscribe();
+            tokio::spawn(async move {
+                let n = tokio::time::timeout(Duration::from_secs(20), notes.recv()).await.expect("notification").unwrap();
+                (bytes(&dst) == want, n)
+            })
+        };
+        for qp in 0..2u64 {
+            conn.post(qp as usize, wr(qp, WrOp::Write, &src, qp * LEN / 2, (LEN / 2) as u32, &g, qp * LEN / 2, false)).unwrap();
+            let imm = xfer_agent::notify::channel_imm(base, seq);
+            conn.post(qp as usize, WorkRequest { len: 0, op: WrOp::Notify { slot: imm }, ..wr(100 + qp, WrOp::Write, &src, 0, 0, &g, 0, true) }).unwrap();
+        }
+        for _ in 0..2 {
+            assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+        }
+        if seq % 2 == 1 {
+            b.node.announce(&g.id, "a", seq, tag.clone().into_bytes()).unwrap();
+        }
+        let (complete, n) = reader.await.unwrap();
+        assert!(complete, "batch {seq}: the subscriber saw stale bytes");
+        assert_eq!((n.tag.as_slice(), n.via), (tag.as_bytes(), xfer_agent::notify::Via::Fabric), "batch {seq}");
+        assert_eq!(notes.recv().await.unwrap().tag, tag.as_bytes(), "published once, in order");
+    }
+    assert!(notes.try_recv().is_err());
+    // A batch announced twice, or one already published, is refused; nothing is published.
+    assert!(b.node.announce(&g.id, "a", 2, b"again".to_vec()).is_err());
+    assert!(b.node.announce(&g.id, "mallory", 4, b"x".to_vec()).is_err(), "another peer's grant");
+    assert!(notes.try_recv().is_err());
+}
+
 /// One `#[tokio::test]` per case and fabric: `tcp::<case>` runs everywhere, `verbs::<case>` only
 /// with `--ignored`/`--include-ignored` (in the Soft-RoCE VM).
 macro_rules! per_fabric {
@@ -602,4 +664,5 @@ per_fabric!(
     polling_a_connection_delivers_each_completion_once,
     a_notification_needs_the_callers_own_connection,
     markers_acknowledged_before_complete_publish_the_notification,
+    a_channel_grant_notifies_each_batch_after_its_bytes,
 );

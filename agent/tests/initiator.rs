@@ -14,7 +14,7 @@ use xfer_agent::config::Config;
 use xfer_agent::fabric::tcp::TcpFabric;
 use xfer_agent::fabric::{Access, Endpoint, Fabric, FabricKind, RemoteKey};
 use xfer_agent::grants::GrantTable;
-use xfer_agent::node::{GrantParams, Node};
+use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 use xfer_agent::regions::RegionSpec;
 use xfer_agent::transfer::{Op, TransferOptions, TransferRecord, TransferRequest, TransferState};
@@ -78,7 +78,10 @@ impl PeerApi for LocalPeer {
             ttl: Some(ask.ttl),
             peer: A.to_string(),
             connection_id: Some(connection_id.clone()),
-            notify: ask.notify.map(|(t, m)| (t.to_vec(), m)),
+            notify: ask.notify.map(|(t, m)| match ask.channel {
+                true => NotifyAsk::Channel { markers: m },
+                false => NotifyAsk::Once { tag: t.to_vec(), markers: m },
+            }),
         };
         let g = self.target.grant(&p).await.map_err(remote)?;
         if let Some(hold) = &self.hold_grant {
@@ -94,7 +97,7 @@ impl PeerApi for LocalPeer {
             expires_at: Some(g.expires_at),
             node_name: self.target.node_name().to_string(),
             instance_id: self.target.instance_id().to_string(),
-            notify_slot: g.notify.as_ref().map_or(0, |n| n.slot),
+            notify_slot: g.notify.as_ref().map(|n| n.slot).or(g.channel.as_ref().map(|c| c.base_imm)).unwrap_or(0),
         })
     }
 
@@ -111,6 +114,10 @@ impl PeerApi for LocalPeer {
         }
         let v = self.target.complete_inbound(&p.transfer_id, &p.grant_id, A, p.bytes, p.op_write, p.checksum).await.map_err(remote)?;
         Ok(p.checksum.is_none() || v.is_some_and(|v| v.0))
+    }
+
+    async fn announce(&self, grant_id: &xfer_agent::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
+        self.target.announce(grant_id, A, seq, tag.to_vec()).map_err(remote)
     }
 
     async fn disconnect(&self, connection_id: &ConnectionId, _node_name: &str) {

@@ -27,7 +27,7 @@ const MIB: u64 = 1 << 20;
 /// `Peer.Grant` with a notification ask, on connection `conn`.
 fn notify_grant_req(region: &str, offset: u64, len: u64, op: pb::Access, conn: &str, tag: &[u8], markers: u32) -> pb::GrantRequest {
     pb::GrantRequest {
-        notify: Some(pb::NotifyRequest { tag: tag.to_vec(), markers }),
+        notify: Some(pb::NotifyRequest { tag: tag.to_vec(), markers, channel: false }),
         region: region.into(),
         offset,
         length: len,
@@ -439,7 +439,7 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
         node.create_region(RegionSpec::anonymous("doomed", MIB, Access::ReadWrite)).unwrap();
         node.create_region(RegionSpec::anonymous("other", MIB, Access::ReadWrite)).unwrap();
         let ask = |region: &str, tag: &[u8]| GrantParams {
-            notify: Some((tag.to_vec(), 1)),
+            notify: Some(xfer_agent::node::NotifyAsk::Once { tag: tag.to_vec(), markers: 1 }),
             region: region.into(),
             offset: 0,
             length: 4096,

@@ -117,6 +117,13 @@ impl Agent for Fake {
     async fn watch_transfer(&self, _: Request<WatchTransferRequest>) -> Result<Response<Self::WatchTransferStream>, Status> {
         Err(not_here())
     }
+    type OpenChannelStream = BoxStream<xfer_proto::v1::ChannelEvent>;
+    async fn open_channel(
+        &self,
+        _: Request<tonic::Streaming<xfer_proto::v1::ChannelRequest>>,
+    ) -> Result<Response<Self::OpenChannelStream>, Status> {
+        Err(not_here())
+    }
     type WatchInboundStream = BoxStream<xfer_proto::v1::Notification>;
     async fn watch_inbound(&self, _: Request<xfer_proto::v1::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
         Err(not_here())

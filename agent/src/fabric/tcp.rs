@@ -153,9 +153,10 @@ pub trait AccessCheck: Send + Sync + 'static {
     /// remote address `addr`, for a frame that arrived on a data stream of connection
     /// `connection`.
     fn check(&self, connection: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
-    /// A NOTIFY frame (a notification marker) under `token` arrived on a data stream of
-    /// `connection`, after every earlier frame of that stream was served. `Err` NAKs it.
-    fn marker(&self, connection: &ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus>;
+    /// A NOTIFY frame (a notification marker) under `token` with immediate `imm` arrived on a
+    /// data stream of `connection`, after every earlier frame of that stream was served. `Err`
+    /// NAKs it.
+    fn marker(&self, connection: &ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus>;
 }
 
 /// A frame that passed [`AccessCheck::check`]: where its bytes go, and the lease of the grant
@@ -704,8 +705,12 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
             WrOp::Notify { .. } => Kind::Notify,
         };
         let mut h = Header::new(kind, wr.wr_id);
-        h.addr = wr.remote_addr;
-        // A NOTIFY names its grant by token; it carries no length.
+        // A NOTIFY names its grant by token and carries the marker's immediate (a verbs WRITE
+        // WITH IMMEDIATE's 32 bits) where other frames carry the address; it has no length.
+        h.addr = match wr.op {
+            WrOp::Notify { slot } => slot as u64,
+            _ => wr.remote_addr,
+        };
         h.len = if kind == Kind::Notify { 0 } else { wr.len };
         h.token = token;
         if wr.signaled {
@@ -1210,7 +1215,9 @@ where
             Kind::Notify => {
                 // Every earlier frame of this stream has been served and accepted (its bytes are
                 // in region memory): the marker may count.
-                match check.marker(connection, &h.token) {
+                // An immediate wider than 32 bits names nothing.
+                let imm = u32::try_from(h.addr).unwrap_or(0);
+                match check.marker(connection, &h.token, imm) {
                     Ok(()) if h.flags & ACK_REQUESTED != 0 => wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?,
                     Ok(()) => {}
                     Err(status) => wr.write_all(&Header::nak(h.id, status).encode()).await?,

@@ -16,6 +16,8 @@ pub struct BenchParams {
     pub blocks: u32,
     /// KV pattern: pool bytes on each side (0 = 4 x blocks x size).
     pub pool: u64,
+    /// KV pattern over a channel: the list prepared once and posted `iters` times.
+    pub channel: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -31,6 +33,9 @@ pub struct BenchResult {
     pub blocks: u32,
     pub submit_p50_us: f64,
     pub prep_ns_per_segment: f64,
+    pub channel: bool,
+    pub repost_ns_per_segment: f64,
+    pub channel_open_us: f64,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -154,7 +159,7 @@ impl Node {
 
     async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600), notify: None };
+        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600), notify: None, channel: false };
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
         // Mapping and pinning the buffer (up to 256 MiB) on the blocking pool.
         let fabric = Arc::clone(&self.fabric);
@@ -313,6 +318,9 @@ impl Node {
         let (from, to) = (pick(0x9E37_79B9), pick(0x7F4A_7C15));
         let specs: Vec<SegmentSpec> =
             from.iter().zip(&to).map(|(&l, &r)| SegmentSpec { local: l * block, remote: r * block, len: block }).collect();
+        if p.channel {
+            return self.bench_kv_channel(p, local, remote, block, blocks, iters, specs).await;
+        }
         // What checking and coalescing the list costs (the submit does it once more).
         let dest = if p.op == Op::Write { Dest::Remote } else { Dest::Local };
         let t = Instant::now();
@@ -378,6 +386,98 @@ impl Node {
             blocks: blocks as u32,
             submit_p50_us: percentile(&submit_us, 0.5),
             prep_ns_per_segment: prep_ns,
+            ..Default::default()
+        })
+    }
+
+    /// The KV pattern over one channel: open it (timed), prepare the list once (timed), then post
+    /// it `iters` times, each with a notification, one after the other.
+    #[allow(clippy::too_many_arguments)]
+    async fn bench_kv_channel(
+        self: &Arc<Self>,
+        p: &BenchParams,
+        local: &str,
+        remote: &str,
+        block: u64,
+        blocks: u64,
+        iters: u32,
+        specs: Vec<SegmentSpec>,
+    ) -> Result<BenchResult, TransferError> {
+        use super::channel::{ChannelInput, ChannelOutput, ChannelParams};
+        let t = Instant::now();
+        let ch = self
+            .open_channel(ChannelParams {
+                op: p.op,
+                local_region: local.to_string(),
+                remote_agent: p.peer.clone(),
+                remote_region: remote.to_string(),
+                remote_offset: 0,
+                length: 0,
+                options: crate::transfer::TransferOptions {
+                    qps: (p.qps > 0).then_some(p.qps),
+                    depth: (p.depth > 0).then_some(p.depth),
+                    ..Default::default()
+                },
+                ttl: None,
+                notify: true,
+            })
+            .await?;
+        let open_us = t.elapsed().as_secs_f64() * 1e6;
+        let (in_tx, in_rx) = tokio::sync::mpsc::channel(2);
+        let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(2);
+        let cancel = CancellationToken::new();
+        let _stop = cancel.clone().drop_guard();
+        let task = tokio::spawn(ch.run(in_rx, out_tx, cancel));
+        let lost = || TransferError::Internal("the bench channel ended early".into());
+        let t = Instant::now();
+        in_tx.send(ChannelInput::Prepare { list: 1, segments: specs }).await.map_err(|_| lost())?;
+        match out_rx.recv().await {
+            Some(ChannelOutput::Prepared { .. }) => {}
+            Some(ChannelOutput::Done(d)) => return Err(TransferError::Invalid(d.error.map(|e| e.1).unwrap_or_default())),
+            None => return Err(lost()),
+        }
+        let prep_ns = t.elapsed().as_nanos() as f64 / blocks.max(1) as f64;
+        let (mut batch_us, mut first_us, mut repost_ns) = (Vec::new(), Vec::new(), Vec::new());
+        let mut busy = Duration::ZERO;
+        for i in 0..iters {
+            let t0 = Instant::now();
+            let post = ChannelInput::Post { seq: u64::from(i), segments: Vec::new(), list: 1, notify: Some(format!("bench-kv-{i}").into_bytes()) };
+            in_tx.send(post).await.map_err(|_| lost())?;
+            let d = match out_rx.recv().await {
+                Some(ChannelOutput::Done(d)) => d,
+                _ => return Err(lost()),
+            };
+            let took = t0.elapsed();
+            if !d.ok {
+                let (code, msg) = d.error.unwrap_or_default();
+                return Err(TransferError::Internal(format!("bench batch {i} failed ({code}): {msg}")));
+            }
+            busy += took;
+            batch_us.push(took.as_secs_f64() * 1e6);
+            repost_ns.push(d.prep_ns_per_segment);
+            first_us.push(d.prep_ns_per_segment * d.segments as f64 / 1e3);
+        }
+        drop(in_tx);
+        let _ = task.await;
+        let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
+        for v in [&mut batch_us, &mut first_us, &mut repost_ns] {
+            v.sort_by(|a, b| a.total_cmp(b));
+        }
+        Ok(BenchResult {
+            size: block,
+            iters,
+            bytes: block * blocks * iters as u64,
+            seconds: busy.as_secs_f64(),
+            lat_avg_us: avg,
+            lat_p50_us: percentile(&batch_us, 0.5),
+            lat_p99_us: percentile(&batch_us, 0.99),
+            lat_iters: batch_us.len() as u32,
+            blocks: blocks as u32,
+            submit_p50_us: percentile(&first_us, 0.5),
+            prep_ns_per_segment: prep_ns,
+            channel: true,
+            repost_ns_per_segment: percentile(&repost_ns, 0.5),
+            channel_open_us: open_us,
         })
     }
 

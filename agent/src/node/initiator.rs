@@ -119,6 +119,7 @@ impl Node {
             ttl: timeout + Duration::from_secs(60),
             // The markers count is the leased connection's QPs, filled in when the grant is asked.
             notify: req.notify.as_deref().map(|t| (t, 0)),
+            channel: false,
         };
         let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;

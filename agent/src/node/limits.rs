@@ -12,13 +12,20 @@ pub(super) struct SubmitSlot<'a> {
 
 impl Drop for SubmitSlot<'_> {
     fn drop(&mut self) {
-        let mut m = self.node.submitting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.peer);
-            }
-        }
+        self.node.release_slot(&self.peer);
+    }
+}
+
+/// A channel's slot under the same limits, held for the channel's life (a channel counts as a
+/// running transfer to its peer).
+pub(super) struct ChannelSlot {
+    node: Arc<Node>,
+    peer: String,
+}
+
+impl Drop for ChannelSlot {
+    fn drop(&mut self) {
+        self.node.release_slot(&self.peer);
     }
 }
 
@@ -30,6 +37,27 @@ impl Node {
     /// Checks `limits.max_transfers` and `limits.max_transfers_per_peer` and holds a slot until
     /// the transfer's record is inserted, so concurrent submits cannot overshoot.
     pub(super) fn reserve_slot(&self, peer: &str) -> Result<SubmitSlot<'_>, TransferError> {
+        self.take_slot(peer)?;
+        Ok(SubmitSlot { node: self, peer: peer.to_string() })
+    }
+
+    /// [`Node::reserve_slot`] for a channel's whole life.
+    pub(super) fn channel_slot(self: &Arc<Self>, peer: &str) -> Result<ChannelSlot, TransferError> {
+        self.take_slot(peer)?;
+        Ok(ChannelSlot { node: Arc::clone(self), peer: peer.to_string() })
+    }
+
+    fn release_slot(&self, peer: &str) {
+        let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(peer) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(peer);
+            }
+        }
+    }
+
+    fn take_slot(&self, peer: &str) -> Result<(), TransferError> {
         let limits = &self.config.limits;
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         let active = self.transfers.active(None);
@@ -45,7 +73,7 @@ impl Node {
             )));
         }
         *m.entry(peer.to_string()).or_insert(0) += 1;
-        Ok(SubmitSlot { node: self, peer: peer.to_string() })
+        Ok(())
     }
 
     /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.

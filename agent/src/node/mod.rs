@@ -6,6 +6,7 @@
 //! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
 //! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
 //! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
+//! * [`channel`] — channels: one connection and one grant held, many batches posted;
 //! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -38,13 +39,15 @@ use xfer_rdma::memory::RegionMemory;
 
 
 mod bench;
+mod channel;
 mod initiator;
 mod limits;
 mod responder;
 
 pub use bench::{BenchParams, BenchResult};
+pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 use initiator::Held;
-pub use responder::GrantParams;
+pub use responder::{GrantParams, NotifyAsk};
 use responder::AcceptedConn;
 
 pub struct Node {

@@ -17,8 +17,27 @@ pub struct GrantParams {
     /// The grantee's connection to bind the grant to (`GrantRequest.connection_id`). Grant mode
     /// `mw` on verbs needs it: the windows are bound on that connection's QPs.
     pub connection_id: Option<ConnectionId>,
-    /// A notification (`GrantRequest.notify`): the tag and the markers to expect.
-    pub notify: Option<(Vec<u8>, u32)>,
+    /// A notification (`GrantRequest.notify`).
+    pub notify: Option<NotifyAsk>,
+}
+
+/// What `GrantRequest.notify` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotifyAsk {
+    /// One notification for the grant, with this tag, once `markers` markers (one per QP)
+    /// arrived or `Peer.Complete` came.
+    Once { tag: Vec<u8>, markers: u32 },
+    /// A channel: one notification per batch, each batch ending in `markers` markers that name
+    /// it, its tag sent with `Peer.Announce`.
+    Channel { markers: u32 },
+}
+
+impl NotifyAsk {
+    pub fn markers(&self) -> u32 {
+        match self {
+            NotifyAsk::Once { markers, .. } | NotifyAsk::Channel { markers } => *markers,
+        }
+    }
 }
 
 /// (peer identity, keepalive of the responder's QPs or data session; `mw` grants bind windows
@@ -123,19 +142,19 @@ impl Node {
 
     pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
         // A peer's notification ask is checked before anything is looked up or exposed.
-        let notify = match &p.notify {
-            None => None,
-            Some((tag, markers)) => {
+        if let Some(ask) = &p.notify {
+            if let NotifyAsk::Once { tag, .. } = ask {
                 self.check_notify_tag(tag)?;
-                if *markers == 0 || *markers as usize > *crate::shape::QPS.end() {
-                    return Err(TransferError::Invalid(format!(
-                        "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
-                        *crate::shape::QPS.end()
-                    )));
-                }
-                Some((tag.clone(), *markers))
             }
-        };
+            let markers = ask.markers();
+            if markers == 0 || markers as usize > *crate::shape::QPS.end() {
+                return Err(TransferError::Invalid(format!(
+                    "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
+                    *crate::shape::QPS.end()
+                )));
+            }
+        }
+        let notify = p.notify.clone();
         let region = self.regions.get(&p.region)?;
         if !region.access.allows(p.op) {
             return Err(TransferError::PermissionDenied(format!(
@@ -200,7 +219,14 @@ impl Node {
             exposure,
             connection_id: p.connection_id.clone(),
             lease: crate::fabric::tcp::GrantLease::new(expires_at),
-            notify: notify.map(|(tag, markers)| crate::notify::Pending::new(tag, markers)),
+            notify: match &notify {
+                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::Pending::new(tag.clone(), *markers)),
+                _ => None,
+            },
+            channel: match notify {
+                Some(NotifyAsk::Channel { markers }) => Some(crate::notify::ChannelNotes::new(markers)),
+                _ => None,
+            },
         };
         let grant = self.grants.insert(grant)?;
         // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
@@ -292,6 +318,12 @@ impl Node {
         let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
         self.grants.revoke(&g.id);
         Ok(())
+    }
+
+    /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
+    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
+        self.check_notify_tag(&tag)?;
+        Ok(self.grants.announce(grant_id, peer, seq, tag)?)
     }
 
     /// `Peer.Complete`: the initiator says the data landed (or was read). Verifies the checksum

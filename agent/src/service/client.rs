@@ -115,7 +115,7 @@ impl PeerApi for PeerClient {
             ttl: Some(convert::duration_to_pb(ask.ttl)),
             node_name: node_name.to_string(),
             connection_id: connection_id.to_string(),
-            notify: ask.notify.map(|(tag, markers)| pb::NotifyRequest { tag: tag.to_vec(), markers }),
+            notify: ask.notify.map(|(tag, markers)| pb::NotifyRequest { tag: tag.to_vec(), markers, channel: ask.channel }),
         };
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
         let key = if !r.token.is_empty() {
@@ -170,6 +170,12 @@ impl PeerApi for PeerClient {
         };
         let r = self.peer.clone().complete(req).await.map_err(|s| self.err(s))?.into_inner();
         Ok(!has || r.checksum_matched)
+    }
+
+    async fn announce(&self, grant_id: &crate::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
+        let req = pb::AnnounceRequest { grant_id: grant_id.to_string(), seq, tag: tag.to_vec() };
+        self.peer.clone().announce(req).await.map_err(|s| self.err(s))?;
+        Ok(())
     }
 
     async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str) {

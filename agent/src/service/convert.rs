@@ -368,6 +368,85 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     })
 }
 
+fn segments_from_pb(v: &[pb::Segment]) -> Vec<crate::transfer::batch::SegmentSpec> {
+    v.iter().map(|s| crate::transfer::batch::SegmentSpec { local: s.local_offset, remote: s.remote_offset, len: s.length }).collect()
+}
+
+/// `ChannelOpen`: the channel's range and options.
+pub fn channel_params_from_pb(o: pb::ChannelOpen) -> Result<crate::node::ChannelParams, Status> {
+    let remote = o.remote.ok_or_else(|| Status::invalid_argument("remote range is required"))?;
+    require(!o.local_region.is_empty(), "local region is required")?;
+    require(!remote.region.is_empty(), "remote region is required")?;
+    require(!remote.agent.is_empty(), "remote agent address is required")?;
+    let opts = o.options.unwrap_or_default();
+    Ok(crate::node::ChannelParams {
+        op: op_from_pb(o.op)?,
+        local_region: o.local_region,
+        remote_agent: remote.agent,
+        remote_region: remote.region,
+        remote_offset: remote.offset,
+        length: o.length,
+        options: TransferOptions {
+            chunk_size: (opts.chunk_size > 0).then_some(opts.chunk_size),
+            qps: (opts.qps > 0).then_some(opts.qps as usize),
+            depth: (opts.depth > 0).then_some(opts.depth as usize),
+            verify: opts.verify,
+            algo: None,
+            timeout: request_duration(opts.timeout.as_ref(), "timeout")?,
+        },
+        ttl: request_duration(o.ttl.as_ref(), "ttl")?,
+        notify: o.notify,
+    })
+}
+
+/// A message after `ChannelOpen`.
+pub fn channel_input_from_pb(r: pb::ChannelRequest) -> Result<crate::node::ChannelInput, Status> {
+    use crate::node::ChannelInput;
+    match r.msg {
+        Some(pb::channel_request::Msg::Prepare(p)) => Ok(ChannelInput::Prepare { list: p.list, segments: segments_from_pb(&p.segments) }),
+        Some(pb::channel_request::Msg::Post(p)) => {
+            Ok(ChannelInput::Post { seq: p.seq, segments: segments_from_pb(&p.segments), list: p.list, notify: p.notify })
+        }
+        Some(pb::channel_request::Msg::Open(_)) => Err(Status::invalid_argument("the channel is open already: ChannelOpen comes once, first")),
+        None => Err(Status::invalid_argument("empty channel message")),
+    }
+}
+
+pub fn channel_opened_to_pb(i: &crate::node::ChannelInfo) -> pb::ChannelEvent {
+    pb::ChannelEvent {
+        ev: Some(pb::channel_event::Ev::Opened(pb::ChannelOpened {
+            channel_id: i.id.clone(),
+            peer: i.peer.clone(),
+            remote_offset: i.remote_offset,
+            remote_length: i.remote_length,
+            qps: i.qps as u32,
+            expires_at: i.expires_at.map(time_to_pb),
+        })),
+    }
+}
+
+pub fn channel_output_to_pb(o: crate::node::ChannelOutput) -> pb::ChannelEvent {
+    use crate::node::ChannelOutput;
+    let ev = match o {
+        ChannelOutput::Prepared { list, segments, bytes } => pb::channel_event::Ev::Prepared(pb::ChannelPrepared { list, segments, bytes }),
+        ChannelOutput::Done(d) => {
+            let state = if d.ok { pb::TransferState::Succeeded } else { pb::TransferState::Failed };
+            let (error_code, error) = d.error.unwrap_or_default();
+            pb::channel_event::Ev::Done(pb::BatchDone {
+                seq: d.seq,
+                state: state as i32,
+                bytes: d.bytes,
+                segments: d.segments,
+                error,
+                error_code,
+                seconds: d.seconds,
+                prep_ns_per_segment: d.prep_ns_per_segment,
+            })
+        }
+    };
+    pb::ChannelEvent { ev: Some(ev) }
+}
+
 /// A connection id from a peer (INVALID_ARGUMENT unless 1-64 characters of `[A-Za-z0-9_.-]`).
 pub fn connection_id_from_pb(id: &str) -> Result<ConnectionId, Status> {
     ConnectionId::parse(id).map_err(|e| Status::invalid_argument(e.to_string()))
@@ -402,7 +481,10 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
         "" => None,
         id => Some(connection_id_from_pb(id)?),
     };
-    let notify = r.notify.map(|n| (n.tag, n.markers));
+    let notify = r.notify.map(|n| match n.channel {
+        true => crate::node::NotifyAsk::Channel { markers: n.markers },
+        false => crate::node::NotifyAsk::Once { tag: n.tag, markers: n.markers },
+    });
     Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id, notify })
 }
 
@@ -450,6 +532,7 @@ pub fn grant_status(e: GrantError) -> Status {
         GrantError::Expired(_) => Status::failed_precondition(e.to_string()),
         GrantError::WrongPeer(_) => Status::permission_denied(e.to_string()),
         GrantError::Limit(_) => Status::resource_exhausted(e.to_string()),
+        GrantError::Invalid(_) => Status::invalid_argument(e.to_string()),
     }
 }
 
@@ -508,6 +591,7 @@ pub fn transfer_status(e: TransferError) -> Status {
         e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
         TransferError::AlreadyExists(m) => Status::already_exists(m),
         e @ TransferError::ShuttingDown => Status::unavailable(e.to_string()),
+        TransferError::Aborted(m) => Status::aborted(m),
         TransferError::Internal(m) => Status::internal(m),
     }
 }

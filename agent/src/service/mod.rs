@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use futures::Stream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, info_span, warn, Instrument};
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_server::{Agent, AgentServer};
 use xfer_proto::v1::peer_server::{Peer, PeerServer};
@@ -290,6 +291,101 @@ impl Agent for Services {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    type OpenChannelStream = Stream2<pb::ChannelEvent>;
+
+    async fn open_channel(&self, req: Request<Streaming<pb::ChannelRequest>>) -> Result<Response<Self::OpenChannelStream>, Status> {
+        let mut inbound = req.into_inner();
+        let open = match inbound.message().await? {
+            Some(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(o)) }) => o,
+            Some(_) => return Err(invalid("the first channel message must be ChannelOpen")),
+            None => return Err(invalid("the channel stream ended before ChannelOpen")),
+        };
+        let params = channel_params_from_pb(open)?;
+        let channel = self.node.open_channel(params).await.map_err(transfer_status)?;
+        let opened = channel_opened_to_pb(channel.info());
+        // Inputs are read by one task and served in order by another (the channel); answers
+        // and a final status go out through `tx`. A bounded queue each way: a caller that posts
+        // faster than the batches run is held back by HTTP/2 flow control.
+        let (in_tx, in_rx) = tokio::sync::mpsc::channel(64);
+        let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(64);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::ChannelEvent, Status>>(64);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        // The caller went away (the response stream was dropped): stop the channel.
+        let gone = cancel.clone();
+        let watch_tx = tx.clone();
+        let watcher = tokio::spawn(async move {
+            watch_tx.closed().await;
+            gone.cancel();
+        });
+        // A malformed message ends the channel with its status, after the answers to what came
+        // before it.
+        let bad_input: Arc<std::sync::Mutex<Option<Status>>> = Arc::default();
+        let bad = bad_input.clone();
+        let reader_cancel = cancel.clone();
+        tokio::spawn(async move {
+            loop {
+                let m = tokio::select! {
+                    m = inbound.message() => m,
+                    _ = reader_cancel.cancelled() => break,
+                };
+                match m {
+                    Ok(Some(m)) => match channel_input_from_pb(m) {
+                        Ok(i) => {
+                            if in_tx.send(i).await.is_err() {
+                                break;
+                            }
+                        }
+                        Err(s) => {
+                            *bad.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+                            break;
+                        }
+                    },
+                    // Half-closed: the channel finishes what was posted and closes.
+                    Ok(None) => break,
+                    Err(s) => {
+                        debug!(error = %s, "channel request stream failed");
+                        reader_cancel.cancel();
+                        break;
+                    }
+                }
+            }
+        });
+        let span = info_span!("channel", id = %channel.info().id, peer = %channel.info().peer);
+        tokio::spawn(
+            async move {
+                let _ = tx.send(Ok(opened)).await;
+                let forward_tx = tx.clone();
+                let forward = tokio::spawn(async move {
+                    while let Some(o) = out_rx.recv().await {
+                        if forward_tx.send(Ok(channel_output_to_pb(o))).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+                let end = channel.run(in_rx, out_tx, cancel).await;
+                let _ = forward.await;
+                // Its sender must go too, or the response stream would never end.
+                watcher.abort();
+                let bad = bad_input.lock().unwrap_or_else(|e| e.into_inner()).take();
+                match end {
+                    crate::node::ChannelEnd::Closed => match bad {
+                        Some(s) => {
+                            warn!(error = %s.message(), "channel ended on a malformed message");
+                            let _ = tx.send(Err(s)).await;
+                        }
+                        None => info!("channel closed"),
+                    },
+                    crate::node::ChannelEnd::Failed(e) => {
+                        warn!(error = %e, "channel ended");
+                        let _ = tx.send(Err(transfer_status(e))).await;
+                    }
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
     type WatchInboundStream = Stream2<pb::Notification>;
 
     async fn watch_inbound(&self, req: Request<pb::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
@@ -370,6 +466,7 @@ impl Agent for Services {
             depth: r.depth as usize,
             blocks: r.blocks,
             pool: r.pool,
+            channel: r.channel,
         };
         let b = self.node.bench(p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {
@@ -386,6 +483,9 @@ impl Agent for Services {
             blocks: b.blocks,
             submit_p50_us: b.submit_p50_us,
             prep_ns_per_segment: b.prep_ns_per_segment,
+            channel: b.channel,
+            repost_ns_per_segment: b.repost_ns_per_segment,
+            channel_open_us: b.channel_open_us,
         }))
     }
 
@@ -457,8 +557,17 @@ impl Peer for Services {
             instance_id: self.node.instance_id().to_string(),
             node_name: self.node.node_name().to_string(),
             qp_rkeys,
-            notify_slot: g.notify.as_ref().map_or(0, |n| n.slot),
+            notify_slot: g.notify.as_ref().map(|n| n.slot).or(g.channel.as_ref().map(|c| c.base_imm)).unwrap_or(0),
         }))
+    }
+
+    async fn announce(&self, req: Request<pb::AnnounceRequest>) -> Result<Response<pb::AnnounceResponse>, Status> {
+        // Only the identity the grant was issued to may announce on it.
+        let peer = caller_of(&req)?.name;
+        let r = req.into_inner();
+        require(!r.grant_id.is_empty(), "grant_id is required")?;
+        self.node.announce(&r.grant_id, &peer, r.seq, r.tag).map_err(transfer_status)?;
+        Ok(Response::new(pb::AnnounceResponse {}))
     }
 
     async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {

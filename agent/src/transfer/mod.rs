@@ -142,6 +142,9 @@ pub enum TransferError {
     AlreadyExists(String),
     #[error("agent is shutting down")]
     ShuttingDown,
+    /// Work in progress was given up: a channel whose batch failed on the fabric (ABORTED).
+    #[error("{0}")]
+    Aborted(String),
     #[error("{0}")]
     Internal(String),
 }

@@ -428,7 +428,8 @@ impl Session {
     }
 }
 
-fn failure_of(fault: Fault) -> Failure {
+/// The failure a machine fault is reported as.
+pub fn failure_of(fault: Fault) -> Failure {
     match fault {
         Fault::Completion { status, .. } => {
             let code = FailureCode::Completion(status);

@@ -3,7 +3,9 @@
 //! (`Agent.TcpBaseline`). `--pattern kv --block SIZE --blocks N` instead runs KV-cache-shaped
 //! batches through the product path: N blocks scattered over a pool on each side, one
 //! notification per batch, and reports bandwidth, per-batch latency, the submit call and what
-//! checking the segment list costs per segment.
+//! checking the segment list costs per segment. `--channel` runs the same batches over one channel
+//! (`Agent.OpenChannel`): the list prepared once and posted again for every batch, and reports
+//! what opening the channel and re-posting the list cost.
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -74,6 +76,9 @@ pub struct Opt {
     /// KV pattern: pool bytes on each side (default 4 x blocks x block).
     #[arg(long, value_parser = parse_size)]
     pub pool: Option<u64>,
+    /// KV pattern over one channel: the list prepared once, then posted for every batch.
+    #[arg(long)]
+    pub channel: bool,
 }
 
 /// Bytes the TCP baseline streams per run: at least 1 GiB, and 16× the largest message size.
@@ -160,17 +165,23 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
 
 /// The KV-pattern table: one row per run.
 pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
-    let tail = ["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
+    let channel = rows.iter().any(|r| r.channel);
+    let mut tail = vec!["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
+    if channel {
+        tail.extend(["repost ns/seg", "open ms"]);
+    }
     bandwidth_table(&["pattern", "batches"], &tail, rows, baseline, |r| {
-        (
-            vec![format!("kv {}x{}", r.blocks, format_size_compact(r.size)), r.iters.to_string()],
-            vec![
-                format!("{:.2}", r.lat_p50_us / 1e3),
-                format!("{:.2}", r.lat_p99_us / 1e3),
-                format!("{:.0}", r.submit_p50_us),
-                format!("{:.0}", r.prep_ns_per_segment),
-            ],
-        )
+        let mut after = vec![
+            format!("{:.2}", r.lat_p50_us / 1e3),
+            format!("{:.2}", r.lat_p99_us / 1e3),
+            format!("{:.0}", r.submit_p50_us),
+            format!("{:.0}", r.prep_ns_per_segment),
+        ];
+        if channel {
+            after.extend([format!("{:.1}", r.repost_ns_per_segment), format!("{:.2}", r.channel_open_us / 1e3)]);
+        }
+        let name = if r.channel { "kv channel" } else { "kv" };
+        (vec![format!("{name} {}x{}", r.blocks, format_size_compact(r.size)), r.iters.to_string()], after)
     })
 }
 
@@ -182,6 +193,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             return Err(crate::error::usage("--block and --blocks must be greater than zero"));
         }
         opt.sizes = vec![opt.block];
+    } else if opt.channel {
+        return Err(crate::error::usage("--channel runs the KV pattern: add --pattern kv"));
     }
     let opt = opt;
     if opt.sizes.is_empty() || opt.sizes.contains(&0) {
@@ -230,6 +243,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 depth: opt.depth.unwrap_or(0),
                 blocks: if kv { opt.blocks } else { 0 },
                 pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
+                channel: kv && opt.channel,
             })
             .await
             .with_context(|| {
@@ -299,6 +313,9 @@ fn json_doc(
                 "blocks": r.blocks,
                 "submit_p50_us": r.submit_p50_us,
                 "prep_ns_per_segment": r.prep_ns_per_segment,
+                "channel": r.channel,
+                "repost_ns_per_segment": r.repost_ns_per_segment,
+                "channel_open_us": r.channel_open_us,
             })
         }).collect::<Vec<_>>(),
         "baseline": baseline.map(|b| json!({
