@@ -1,0 +1,165 @@
+//! The client against real agents (tcp fabric on loopback, spawned from the workspace's
+//! `xfer-agent` binary, which `make test` builds first): a KV-style producer fills a mapped
+//! shared-memory pool, moves scattered blocks to another agent as one batch and over a channel,
+//! and a consumer awaiting each notification reads the exact bytes from its own mapped pool;
+//! bad input comes back as typed errors.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use xfer_client::{ChannelSpec, Client, Error, Segment, State, TransferSpec};
+
+const BLOCK: u64 = 4096;
+
+/// `target/debug/xfer-agent`: this test runs from `target/debug/deps/`.
+fn agent_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("xfer-agent");
+    assert!(p.exists(), "{} missing: run `cargo build --workspace --bins` first (make test does)", p.display());
+    p
+}
+
+struct Agent {
+    child: Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    fn start(name: &str) -> Agent {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let child = Command::new(agent_bin())
+            .args(["--node-name", name, "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // A hang guard, not a synchronisation: readiness is the file the agent writes.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addr = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                break v["grpc"].as_str().unwrap().to_string();
+            }
+            assert!(Instant::now() < deadline, "agent {name} not ready");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        Agent { child, addr, _dir: dir }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn pattern(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The KV flow of issue 12: producer fills its mapped pool in place, one batch of scattered
+/// blocks with a notification, the consumer reads the exact bytes from its own mapped pool the
+/// moment it is told; then the same over a channel with a prepared list, twice.
+#[tokio::test]
+async fn a_producer_fills_shared_memory_and_a_consumer_reads_what_it_was_told_landed() {
+    let (a, b) = (Agent::start("prefill"), Agent::start("decode"));
+    let (producer, consumer) = (Client::connect(&a.addr).await.unwrap(), Client::connect(&b.addr).await.unwrap());
+    let tag = std::process::id();
+    let (pa, pb) = (format!("kv-a-{tag}"), format!("kv-b-{tag}"));
+    const POOL: u64 = 4 << 20;
+    let src = producer.create_shm_region(&pa, POOL).await.unwrap();
+    let dst = consumer.create_shm_region(&pb, POOL).await.unwrap();
+    assert_eq!((src.len(), dst.len()), (POOL, POOL));
+    // Filled in place: the agent sees the bytes written through the mapping.
+    let data = pattern(1, POOL as usize);
+    src.write_at(0, &data).unwrap();
+    assert_eq!(producer.get(&pa, 12345, 100).await.unwrap(), &data[12345..12445]);
+
+    let segs: Vec<Segment> = (0..200u64).map(|i| Segment { local: i * BLOCK, remote: ((i * 53) % 1024) * BLOCK, len: BLOCK }).collect();
+    let mut inbound = consumer.watch_inbound(Some(&pb), Some(b"req-1")).await.unwrap();
+    let t = producer.transfer(TransferSpec::write(&pa, &b.addr, &pb).segments(segs.clone()).notify(b"req-1")).await.unwrap();
+    assert_eq!((t.state, t.bytes_done, t.segments), (State::Succeeded, 200 * BLOCK, 200));
+    let n = inbound.next().await.unwrap();
+    assert_eq!((n.tag.as_slice(), n.region.as_str(), n.via.as_str()), (&b"req-1"[..], pb.as_str(), "fabric"));
+    for s in &segs {
+        let got = dst.read_vec(s.remote, BLOCK as usize).unwrap();
+        assert_eq!(got, &data[s.local as usize..(s.local + BLOCK) as usize], "block at {}", s.remote);
+    }
+
+    // A channel over the consumer's second MiB; the list prepared once, posted twice with new
+    // bytes each time.
+    let mut inbound = consumer.watch_inbound(Some(&pb), None).await.unwrap();
+    let mut ch = producer.open_channel(ChannelSpec::write(&pa, &b.addr, &pb).range(1 << 20, 1 << 20)).await.unwrap();
+    assert_eq!(ch.range(), (1 << 20, 1 << 20));
+    let list: Vec<Segment> = (0..64u64).map(|i| Segment { local: i * BLOCK, remote: (1 << 20) + ((i * 7) % 256) * BLOCK, len: BLOCK }).collect();
+    let p = ch.prepare(1, &list).await.unwrap();
+    assert_eq!((p.segments, p.bytes), (64, 64 * BLOCK));
+    for round in 0..2u64 {
+        let data = pattern(10 + round, 64 * BLOCK as usize);
+        src.write_at(0, &data).unwrap();
+        let tag = format!("chan-{round}");
+        let d = ch.post_list(1, Some(tag.as_bytes())).await.unwrap();
+        assert_eq!((d.seq, d.bytes), (round, 64 * BLOCK));
+        let n = inbound.next().await.unwrap();
+        assert_eq!(n.tag, tag.as_bytes());
+        for s in &list {
+            assert_eq!(dst.read_vec(s.remote, BLOCK as usize).unwrap(), &data[s.local as usize..(s.local + BLOCK) as usize]);
+        }
+    }
+    ch.close().await.unwrap();
+    // Deleting the regions removes the objects the agents created (nothing left in /dev/shm).
+    let objects = [src.region().path.clone(), dst.region().path.clone()];
+    producer.delete_region(&pa).await.unwrap();
+    consumer.delete_region(&pb).await.unwrap();
+    for o in objects {
+        assert!(!std::path::Path::new("/dev/shm").join(&o).exists(), "{o} left behind");
+    }
+}
+
+/// Bad input is a typed error the caller can match on, and the channel goes on after a refused
+/// batch.
+#[tokio::test]
+async fn errors_are_typed() {
+    let (a, b) = (Agent::start("a"), Agent::start("b"));
+    let c = Client::connect(&a.addr).await.unwrap();
+    c.create_region("src", 1 << 20).await.unwrap();
+    Client::connect(&b.addr).await.unwrap().create_region("dst", 1 << 20).await.unwrap();
+    assert!(matches!(c.region("nope").await, Err(Error::NotFound(_))));
+    assert!(matches!(c.create_region("src", 1 << 20).await, Err(Error::AlreadyExists(_))));
+    assert!(matches!(c.get("src", (1 << 20) - 10, 100).await, Err(Error::InvalidArgument(_) | Error::OutOfRange(_))));
+    let overlap = vec![Segment { local: 0, remote: 0, len: 100 }, Segment { local: 200, remote: 50, len: 100 }];
+    match c.submit(TransferSpec::write("src", &b.addr, "dst").segments(overlap)).await {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("overlap"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(c.map_shm_region("src").await, Err(Error::InvalidArgument(_))), "an anonymous region cannot be mapped");
+    let mut ch = c.open_channel(ChannelSpec::write("src", &b.addr, "dst").range(0, 64 << 10)).await.unwrap();
+    match ch.post(&[Segment { local: 0, remote: 1 << 19, len: BLOCK }], None).await {
+        Err(Error::Batch { seq: 0, code, message }) => assert_eq!(code, "INVALID_ARGUMENT", "{message}"),
+        other => panic!("{other:?}"),
+    }
+    let d = ch.post(&[Segment { local: 0, remote: 0, len: BLOCK }], None).await.unwrap();
+    assert_eq!((d.seq, d.bytes), (1, BLOCK));
+    ch.close().await.unwrap();
+    match Client::connect("127.0.0.1:1").await {
+        Err(Error::Connect { addr, .. }) => assert_eq!(addr, "127.0.0.1:1"),
+        other => panic!("{other:?}"),
+    }
+}
