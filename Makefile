@@ -18,10 +18,12 @@ build: $(SETUP_STAMP)
 release: $(SETUP_STAMP)
 	$(CARGO) build --release --workspace --bins
 
-# The whole suite: unit + integration tests (real agents on loopback), clippy, manifests.
+# The whole suite: unit + integration tests (real agents on loopback), the Python package's
+# pytest against real agents, clippy, manifests.
 test: $(SETUP_STAMP)
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
+	scripts/python-test
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	scripts/validate-manifests
 

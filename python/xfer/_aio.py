@@ -1,0 +1,190 @@
+"""The asyncio client (``xfer.AsyncClient``) over grpc.aio: the same operations as the blocking
+one, as coroutines."""
+import grpc
+
+from xfer import types as t
+from xfer._sync import make_channel
+from xfer.errors import NotFound, TransferFailed, Unavailable, from_rpc
+from xfer.shm import ShmRegion
+from xfer.v1 import xfer_pb2 as pb
+from xfer.v1 import xfer_pb2_grpc as rpc
+
+
+async def _call(coro):
+    try:
+        return await coro
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc(e) from None
+
+
+class AsyncInbound:
+    def __init__(self, call):
+        self._call = call
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.next()
+
+    async def next(self):
+        m = await _call(self._call.read())
+        if m is grpc.aio.EOF:
+            raise Unavailable("the notification stream ended")
+        return t.Notification.from_pb(m)
+
+    def cancel(self):
+        self._call.cancel()
+
+
+class AsyncChannel:
+    """One connection and one grant held by the agent; batches posted one after another."""
+
+    def __init__(self, call, opened):
+        self._call = call
+        self._seq = 0
+        self.id = opened.channel_id
+        self.range = (opened.remote_offset, opened.remote_length)
+        self.qps = opened.qps
+
+    @staticmethod
+    async def open(stub, open_req):
+        call = stub.OpenChannel()
+        await _call(call.write(open_req))
+        ev = await _call(call.read())
+        if ev is grpc.aio.EOF or ev.WhichOneof("ev") != "opened":
+            raise Unavailable(f"expected ChannelOpened, got {ev}")
+        return AsyncChannel(call, ev.opened)
+
+    async def _next(self):
+        ev = await _call(self._call.read())
+        if ev is grpc.aio.EOF:
+            raise Unavailable("the channel ended")
+        return ev
+
+    async def prepare(self, list_id, segments):
+        await _call(self._call.write(t.channel_prepare_pb(list_id, segments)))
+        ev = await self._next()
+        if ev.WhichOneof("ev") == "done":
+            raise t.batch_done(ev)
+        return ev.prepared.segments
+
+    async def send(self, segments=None, list_id=0, notify=None):
+        seq = self._seq
+        self._seq += 1
+        await _call(self._call.write(t.channel_post_pb(seq, segments, list_id, notify)))
+        return seq
+
+    async def done(self):
+        r = t.batch_done(await self._next())
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    async def post(self, segments, notify=None):
+        await self.send(segments, 0, notify)
+        return await self.done()
+
+    async def post_list(self, list_id, notify=None):
+        await self.send(None, list_id, notify)
+        return await self.done()
+
+    async def close(self):
+        await _call(self._call.done_writing())
+        while True:
+            ev = await _call(self._call.read())
+            if ev is grpc.aio.EOF:
+                return
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class AsyncClient:
+    """An asyncio client of one agent (create it inside a running event loop)."""
+
+    def __init__(self, addr, *, ca=None, cert=None, key=None, server_name=None):
+        self.addr = addr
+        self._channel = make_channel(addr, ca, cert, key, server_name, aio=True)
+        self._stub = rpc.AgentStub(self._channel)
+
+    async def close(self):
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def info(self):
+        return await _call(self._stub.GetInfo(pb.GetInfoRequest()))
+
+    async def create_region(self, name, length, kind="anonymous", path="", access="rw"):
+        return t.Region.from_pb(await _call(self._stub.CreateRegion(t.create_pb(name, length, kind, path, access))))
+
+    async def region(self, name):
+        return t.Region.from_pb(await _call(self._stub.GetRegion(pb.GetRegionRequest(name=name))))
+
+    async def regions(self):
+        return [t.Region.from_pb(r) for r in (await _call(self._stub.ListRegions(pb.ListRegionsRequest()))).regions]
+
+    async def delete_region(self, name):
+        await _call(self._stub.DeleteRegion(pb.DeleteRegionRequest(name=name)))
+
+    async def put(self, region, offset, data):
+        return (await _call(self._stub.WriteRegion(t.put_messages(region, offset, data)))).bytes_written
+
+    async def get(self, region, offset, length):
+        call = self._stub.ReadRegion(pb.ReadRegionRequest(region=region, offset=offset, length=length))
+        out = bytearray()
+        while True:
+            m = await _call(call.read())
+            if m is grpc.aio.EOF:
+                return bytes(out)
+            out += m.data
+
+    async def create_shm_region(self, name, length):
+        return ShmRegion(await self.create_region(name, length, kind="shm"))
+
+    async def map_shm_region(self, name):
+        return ShmRegion(await self.region(name))
+
+    async def submit(self, op, local, peer, remote, **kw):
+        return t.Transfer.from_pb(await _call(self._stub.SubmitTransfer(t.submit_pb(op, local, peer, remote, **kw))))
+
+    async def wait(self, transfer_id):
+        call = self._stub.WatchTransfer(pb.WatchTransferRequest(id=transfer_id))
+        last = None
+        while True:
+            m = await _call(call.read())
+            if m is grpc.aio.EOF:
+                break
+            last = t.Transfer.from_pb(m)
+            if last.state in t.TERMINAL:
+                break
+        if last is None:
+            raise NotFound(f"transfer {transfer_id}")
+        if last.state != "succeeded":
+            raise TransferFailed(last)
+        return last
+
+    async def transfer(self, op, local, peer, remote, **kw):
+        return await self.wait((await self.submit(op, local, peer, remote, **kw)).id)
+
+    async def cancel(self, transfer_id):
+        return t.Transfer.from_pb(await _call(self._stub.CancelTransfer(pb.CancelTransferRequest(id=transfer_id))))
+
+    async def watch_inbound(self, region=None, tag=None):
+        call = self._stub.WatchInbound(pb.WatchInboundRequest(region=region or "", tag=tag))
+        # The agent answers with headers once it has subscribed.
+        await _call(call.initial_metadata())
+        return AsyncInbound(call)
+
+    async def open_channel(self, op, local, peer, remote, **kw):
+        return await AsyncChannel.open(self._stub, t.channel_open_pb(op, local, peer, remote, **kw))
+
+
