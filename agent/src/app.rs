@@ -39,6 +39,39 @@ pub enum StartError {
     Grpc(String),
     #[error("cannot install the SIGBUS handler: {0}")]
     Sigbus(std::io::Error),
+    #[error("unix socket {path}: {error}")]
+    Unix { path: String, error: std::io::Error },
+}
+
+/// Binds the local unix socket at `path` with `mode` and `gid`, so that nobody outside them can
+/// ever reach it: the socket is bound inside a fresh 0700 directory next to `path`, given its
+/// mode and group there, and only then renamed into place. A stale socket at `path` (nothing
+/// answers on it) is replaced; anything else there is an error, never removed.
+fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<tokio::net::UnixListener, StartError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "another process serves on it")));
+            }
+            std::fs::remove_file(path).map_err(err)?;
+        }
+        Ok(_) => return Err(err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists and is not a socket"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let private = tempfile::Builder::new().prefix(".xfer-agent-sock").tempdir_in(parent).map_err(err)?;
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).map_err(err)?;
+    let tmp = private.path().join("sock");
+    let listener = tokio::net::UnixListener::bind(&tmp).map_err(err)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    if let Some(g) = gid {
+        nix::unistd::chown(&tmp, None, Some(nix::unistd::Gid::from_raw(g))).map_err(|e| err(std::io::Error::from(e)))?;
+    }
+    std::fs::rename(&tmp, path).map_err(err)?;
+    Ok(listener)
 }
 
 /// Binds a listener for the setting `key`; the error says so.
@@ -116,14 +149,17 @@ fn local_addr(key: &'static str, configured: SocketAddr, l: &TcpListener) -> Res
 }
 
 /// What the agent bound, as written to `ready_file`: JSON
-/// `{"grpc": "IP:PORT", "data": "IP:PORT" | null, "metrics": "IP:PORT", "health": "IP:PORT" | null}`
-/// (`data`: the tcp fabric's data listener; null on verbs. `health`: null unless `health_listen`).
+/// `{"grpc": "IP:PORT", "data": "IP:PORT" | null, "metrics": "IP:PORT", "health": "IP:PORT" | null,
+/// "unix": "PATH" | null}` (`data`: the tcp fabric's data listener; null on verbs. `health`: null
+/// unless `health_listen`; `unix`: null unless `unix_listen`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Bound {
     pub grpc: SocketAddr,
     pub data: Option<SocketAddr>,
     pub metrics: SocketAddr,
     pub health: Option<SocketAddr>,
+    #[serde(default)]
+    pub unix: Option<std::path::PathBuf>,
 }
 
 impl Bound {
@@ -241,6 +277,27 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         info!(health = %probe, "plaintext health listener (grpc.health.v1 only) for probes");
     }
 
+    // The local unix socket (no TLS; callers known by uid, client role).
+    let unix = match &cfg.unix_listen {
+        None => None,
+        Some(path) => {
+            let gid = cfg.unix_gid().map_err(|e| StartError::Grpc(e.to_string()))?;
+            let listener = bind_unix(path, cfg.unix_mode.0, gid)?;
+            let router = Services::new(node.clone())
+                .local_router(cfg.limits.max_message_size.0 as usize, &health)
+                .map_err(StartError::Grpc)?;
+            let stop = stop_grpc.clone();
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            tokio::spawn(async move {
+                if let Err(e) = router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await {
+                    warn!(error = %e, "unix socket listener stopped");
+                }
+            });
+            info!(path = %path.display(), mode = format!("{:04o}", cfg.unix_mode.0), "local unix socket (xfer.v1.Agent, client role by uid)");
+            Some(path.clone())
+        }
+    };
+
     let server = {
         let stop = stop_grpc.clone();
         let cap = crate::sys::grpc_cap(cfg.limits.max_grpc_connections, crate::sys::nofile());
@@ -249,7 +306,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     };
     // Every listener is bound and served: report the addresses (ports chosen by the OS for port 0
     // included), in this log line and, if configured, the ready file.
-    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr };
+    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr, unix: unix.clone() };
     if let Some(path) = &cfg.ready_file {
         bound.write(path).map_err(|error| StartError::ReadyFile { path: path.display().to_string(), error })?;
     }
@@ -270,6 +327,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         Ok(Ok(Err(e))) => warn!(error = %e, "gRPC server ended with an error"),
         Err(_) => warn!("gRPC server did not stop within 5 s"),
         _ => {}
+    }
+    if let Some(p) = &unix {
+        let _ = std::fs::remove_file(p);
     }
     info!("xfer-agent stopped");
     Ok(())

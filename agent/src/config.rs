@@ -252,17 +252,7 @@ impl RegionsConfig {
 
     /// `shm_group` as a gid (a number, or a group name looked up in the group database).
     pub fn shm_gid(&self) -> Result<Option<u32>, ConfigError> {
-        match self.shm_group.as_deref().map(str::trim).filter(|g| !g.is_empty()) {
-            None => Ok(None),
-            Some(g) => match g.parse::<u32>() {
-                Ok(n) => Ok(Some(n)),
-                Err(_) => match nix::unistd::Group::from_name(g) {
-                    Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
-                    Ok(None) => Err(bad("regions.shm_group", format!("no group named {g:?}"))),
-                    Err(e) => Err(bad("regions.shm_group", format!("looking up group {g:?}: {e}"))),
-                },
-            },
-        }
+        group_gid("regions.shm_group", self.shm_group.as_deref())
     }
 
     /// `shm_owner` as a uid (a number or a user name); unset = the agent's effective uid.
@@ -324,6 +314,17 @@ pub struct Config {
     /// no file (the "xfer-agent serving" log line carries the same addresses).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ready_file: Option<PathBuf>,
+    /// A unix socket for applications on this node (`xfer.v1.Agent`, health and reflection; not
+    /// `xfer.v1.Peer`), with no TLS: a caller is known by its uid (SO_PEERCRED) and gets the
+    /// client role; who may connect is the socket's `unix_mode` and `unix_group`. Unset = off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unix_listen: Option<PathBuf>,
+    /// Permission bits of the unix socket (who may connect): owner and group by default.
+    pub unix_mode: FileMode,
+    /// Group of the unix socket (a name or a gid), so applications in it may connect; unset =
+    /// the agent's group.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unix_group: Option<String>,
     pub fabric: FabricChoice,
     pub state_dir: PathBuf,
     /// plaintext gRPC; false = mTLS on both services with the `tls` files
@@ -355,6 +356,9 @@ impl Default for Config {
             data_listen: None,
             health_listen: None,
             ready_file: None,
+            unix_listen: None,
+            unix_mode: FileMode(0o660),
+            unix_group: None,
             fabric: FabricChoice::Auto,
             state_dir: PathBuf::from("/var/lib/xfer"),
             insecure: true,
@@ -602,6 +606,10 @@ impl Config {
             crate::identity::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
         }
         self.regions.validate()?;
+        if self.unix_mode.0 & !0o777 != 0 {
+            return Err(bad("unix_mode", format!("{:o} has bits beyond 0777 (setuid, setgid, sticky)", self.unix_mode.0)));
+        }
+        self.unix_gid()?;
         self.check_plaintext()
     }
 
@@ -639,6 +647,28 @@ impl Config {
     }
 }
 
+/// A group setting as a gid: a number, or a group name looked up in the group database.
+fn group_gid(key: &str, group: Option<&str>) -> Result<Option<u32>, ConfigError> {
+    match group.map(str::trim).filter(|g| !g.is_empty()) {
+        None => Ok(None),
+        Some(g) => match g.parse::<u32>() {
+            Ok(n) => Ok(Some(n)),
+            Err(_) => match nix::unistd::Group::from_name(g) {
+                Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
+                Ok(None) => Err(bad(key, format!("no group named {g:?}"))),
+                Err(e) => Err(bad(key, format!("looking up group {g:?}: {e}"))),
+            },
+        },
+    }
+}
+
+impl Config {
+    /// `unix_group` as a gid.
+    pub fn unix_gid(&self) -> Result<Option<u32>, ConfigError> {
+        group_gid("unix_group", self.unix_group.as_deref())
+    }
+}
+
 /// Every key the configuration has, as dotted paths (`transfer.depth`), sections included.
 fn known_keys() -> std::collections::BTreeSet<String> {
     fn walk(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
@@ -657,6 +687,8 @@ fn known_keys() -> std::collections::BTreeSet<String> {
     every.data_listen = Some(every.listen);
     every.health_listen = Some(every.listen);
     every.ready_file = Some(PathBuf::from("ready"));
+    every.unix_listen = Some(PathBuf::from("agent.sock"));
+    every.unix_group = Some(String::new());
     every.regions.shm_group = Some(String::new());
     every.regions.shm_owner = Some(String::new());
     let mut out = std::collections::BTreeSet::new();

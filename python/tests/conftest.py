@@ -22,11 +22,14 @@ def agent_bin():
 class Agent:
     def __init__(self, name, tmp):
         ready = tmp / f"{name}.ready"
+        # Every test agent also serves its local unix socket.
+        self.unix = f"unix://{tmp / (name + '.sock')}"
+        env = dict(os.environ, XFER_UNIX_LISTEN=str(tmp / f"{name}.sock"))
         self.log = open(tmp / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
             [str(agent_bin()), "--node-name", name, "--fabric", "tcp", "--listen", "127.0.0.1:0",
              "--metrics-listen", "127.0.0.1:0", "--state-dir", str(tmp / name), "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL, stderr=self.log)
+            stdout=subprocess.DEVNULL, stderr=self.log, env=env)
         # A hang guard, not a synchronisation: readiness is the file the agent writes.
         deadline = time.monotonic() + 60
         while not ready.exists():

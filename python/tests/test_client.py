@@ -117,6 +117,28 @@ def test_errors_are_typed(agents):
         assert e.value.code == "INVALID_ARGUMENT"
 
 
+def test_the_local_unix_socket_serves_applications_as_clients(agents):
+    a, b = agents
+    with xfer.Client(a.unix) as local, xfer.Client(b.addr) as remote:
+        assert local.info().node_name == "prefill"
+        src = local.create_shm_region(f"u-{os.getpid()}", 1 << 20)
+        remote.create_region("dst", 1 << 20)
+        src.write(0, b"x" * 4096)
+        local.transfer(xfer.WRITE, src.name, b.addr, "dst", segments=[xfer.Segment(0, 8192, 4096)])
+        assert remote.get("dst", 8192, 4096) == b"x" * 4096
+        with pytest.raises(xfer.PermissionDenied, match="admin"):
+            _bench(local, b.addr)
+        src.close()
+        local.delete_region(src.name)
+
+
+def _bench(client, peer):
+    from xfer._sync import _call
+    from xfer.v1 import xfer_pb2 as pb
+
+    return _call(client._stub.Bench, pb.BenchRequest(peer=peer, size=4096))
+
+
 def test_reflection_v1alpha_lists_the_services(agents):
     """grpcio-reflection's client speaks only v1alpha; the agent answers it."""
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase

@@ -21,9 +21,15 @@ def _call(fn, *args):
 
 
 def make_channel(addr, ca=None, cert=None, key=None, server_name=None, aio=False):
-    """A gRPC channel to ``addr`` (``host:port``): plaintext, or TLS with the CA (and for mTLS this
-    client's certificate and key), all PEM bytes."""
+    """A gRPC channel to ``addr`` (``host:port``, or ``unix:///path`` for the agent's local socket):
+    plaintext, or TLS with the CA (and for mTLS this client's certificate and key), all PEM bytes."""
     mod = grpc.aio if aio else grpc
+    if addr.startswith("unix:"):
+        # The agent's local socket: no TLS (callers are known by uid). gRPC would send the socket
+        # path as :authority, which is not a valid HTTP/2 authority; name the local host instead.
+        if ca is not None:
+            raise ValueError("the unix socket has no TLS: the agent knows its callers by uid")
+        return mod.insecure_channel(addr, options=_CHANNEL_OPTIONS + [("grpc.default_authority", "localhost")])
     if ca is None:
         return mod.insecure_channel(addr, options=_CHANNEL_OPTIONS)
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

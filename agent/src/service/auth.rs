@@ -72,6 +72,9 @@ pub fn required(path: &str) -> Option<Need> {
 pub enum Authenticator {
     Tls(Arc<RolePolicy>),
     Plaintext,
+    /// The local unix socket: the caller is the peer process's uid (SO_PEERCRED), with the
+    /// client role; the socket's mode and group decide who may connect at all.
+    Local,
 }
 
 impl Authenticator {
@@ -81,6 +84,13 @@ impl Authenticator {
             Authenticator::Plaintext => {
                 let addr = ext.get::<TcpConnectInfo>().and_then(|i| i.remote_addr());
                 Ok(Caller { role: Role::Plaintext, name: plaintext_name(addr) })
+            }
+            Authenticator::Local => {
+                let uid = ext.get::<tonic::transport::server::UdsConnectInfo>().and_then(|i| i.peer_cred).map(|c| c.uid());
+                match uid {
+                    Some(uid) => Ok(Caller { role: Role::Client, name: format!("uid-{uid}") }),
+                    None => Err(AuthError::NoCertificate),
+                }
             }
             Authenticator::Tls(policy) => {
                 let certs = ext.get::<TlsConnectInfo<TcpConnectInfo>>().and_then(|i| i.peer_certs()).ok_or(AuthError::NoCertificate)?;

@@ -78,6 +78,26 @@ impl Services {
     }
 }
 
+impl Services {
+    /// The router of the local unix socket (`unix_listen`): `xfer.v1.Agent`, health and
+    /// reflection, no TLS, every caller a client known by its uid ([`auth::Authenticator::Local`]).
+    /// `xfer.v1.Peer` is not served there: peers are other nodes.
+    pub fn local_router(self, max_message: usize, health: &tonic_health::server::HealthReporter) -> Result<Router, String> {
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        Ok(tonic::transport::Server::builder()
+            .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted as OversizeFn))
+            .layer(auth::AuthLayer::new(auth::Authenticator::Local))
+            .add_service(health_service(health))
+            .add_service(reflection().build_v1().map_err(|e| e.to_string())?)
+            .add_service(reflection().build_v1alpha().map_err(|e| e.to_string())?)
+            .add_service(AgentServer::new(self).max_decoding_message_size(max_message).max_encoding_message_size(max_message)))
+    }
+}
+
 /// The plaintext probe listener (`health_listen`): `grpc.health.v1.Health` and nothing else, so a
 /// kubelet gRPC probe works with mTLS on without a client certificate.
 pub fn health_router(health: &tonic_health::server::HealthReporter) -> tonic::transport::server::Router {

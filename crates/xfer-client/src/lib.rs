@@ -37,6 +37,8 @@
 //!
 //! Connections: `host:port` in plaintext ([`Client::connect`]) or TLS with a client certificate
 //! ([`Client::connect_tls`]); agents with mTLS take the caller's role from that certificate.
+//! `unix:///run/xfer/agent.sock` connects to the agent's local unix socket (`unix_listen`),
+//! where the caller is known by its uid and has the client role.
 #![forbid(unsafe_code)]
 
 mod channel;
@@ -388,7 +390,8 @@ impl Inbound {
 }
 
 impl Client {
-    /// Connects in plaintext to the agent at `addr` (`host:port`).
+    /// Connects in plaintext to the agent at `addr` (`host:port`, or `unix:///path` for the
+    /// agent's local socket).
     pub async fn connect(addr: &str) -> Result<Client> {
         Client::connect_with(addr, None).await
     }
@@ -400,6 +403,23 @@ impl Client {
 
     async fn connect_with(addr: &str, tls: Option<Tls>) -> Result<Client> {
         let bad = |detail: String| Error::Connect { addr: addr.to_string(), detail };
+        if let Some(path) = addr.strip_prefix("unix://").or_else(|| addr.strip_prefix("unix:")) {
+            if tls.is_some() {
+                return Err(bad("the unix socket has no TLS: the agent knows its callers by uid".into()));
+            }
+            let path = std::path::PathBuf::from(path);
+            // The URI is a placeholder: the connector below ignores it.
+            let channel = Endpoint::from_static("http://localhost")
+                .connect_timeout(CONNECT_TIMEOUT)
+                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                    let path = path.clone();
+                    async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                }))
+                .await
+                .map_err(|e| bad(root_cause(&e)))?;
+            let agent = AgentClient::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
+            return Ok(Client { agent, addr: addr.to_string() });
+        }
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}")).map_err(|e| bad(format!("invalid address: {e}")))?;
         if let Some(t) = tls {

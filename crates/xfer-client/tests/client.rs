@@ -24,6 +24,8 @@ fn agent_bin() -> PathBuf {
 struct Agent {
     child: Child,
     addr: String,
+    /// `unix://…`: every test agent also serves its local socket.
+    unix: String,
     _dir: tempfile::TempDir,
 }
 
@@ -31,7 +33,9 @@ impl Agent {
     fn start(name: &str) -> Agent {
         let dir = tempfile::tempdir().unwrap();
         let ready = dir.path().join("ready");
+        let sock = dir.path().join("agent.sock");
         let child = Command::new(agent_bin())
+            .env("XFER_UNIX_LISTEN", &sock)
             .args(["--node-name", name, "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
             .arg("--state-dir")
             .arg(dir.path().join("state"))
@@ -51,7 +55,7 @@ impl Agent {
             assert!(Instant::now() < deadline, "agent {name} not ready");
             std::thread::sleep(Duration::from_millis(10));
         };
-        Agent { child, addr, _dir: dir }
+        Agent { child, addr, unix: format!("unix://{}", sock.display()), _dir: dir }
     }
 }
 
@@ -130,6 +134,24 @@ async fn a_producer_fills_shared_memory_and_a_consumer_reads_what_it_was_told_la
     consumer.delete_region(&pb).await.unwrap();
     for o in objects {
         assert!(!std::path::Path::new("/dev/shm").join(&o).exists(), "{o} left behind");
+    }
+}
+
+/// The agent's local unix socket: the same API, the caller a client known by its uid.
+#[tokio::test]
+async fn the_local_unix_socket_serves_the_same_api() {
+    let (a, b) = (Agent::start("a"), Agent::start("b"));
+    let local = Client::connect(&a.unix).await.unwrap();
+    assert_eq!(local.info().await.unwrap().node_name, "a");
+    local.create_region("src", 1 << 20).await.unwrap();
+    local.put("src", 0, &[9u8; 8192]).await.unwrap();
+    Client::connect(&b.addr).await.unwrap().create_region("dst", 1 << 20).await.unwrap();
+    let t = local.transfer(TransferSpec::write("src", &b.addr, "dst").range(0, 4096, 8192)).await.unwrap();
+    assert_eq!(t.bytes_done, 8192);
+    assert_eq!(Client::connect(&b.addr).await.unwrap().get("dst", 4096, 8192).await.unwrap(), vec![9u8; 8192]);
+    match Client::connect("unix:///nonexistent/agent.sock").await {
+        Err(Error::Connect { .. }) => {}
+        other => panic!("{other:?}"),
     }
 }
 
