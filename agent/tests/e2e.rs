@@ -475,8 +475,9 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
     for (key, port) in [("grpc", p.grpc), ("data", p.data), ("metrics", p.metrics), ("health", p.health)] {
         assert!(line.contains(&format!("{key}=127.0.0.1:{port}")), "{key} in {line}");
     }
-    // The ready file is JSON with exactly these four keys.
+    // The ready file is JSON with exactly these keys (unix: null without `unix_listen`).
     let ready: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.state_dir.with_extension("node-a.ready")).unwrap()).unwrap();
-    assert_eq!(ready.as_object().unwrap().len(), 4, "{ready}");
+    assert_eq!(ready.as_object().unwrap().len(), 5, "{ready}");
+    assert!(ready["unix"].is_null(), "{ready}");
     assert_eq!(ready["grpc"], format!("127.0.0.1:{}", p.grpc));
 }

@@ -17,6 +17,14 @@ pub const DEFAULT_AGENT: &str = "127.0.0.1:7470";
 /// which [`split_tls_scheme`] takes off again where the TLS options are known.
 pub fn normalize_agent(input: &str) -> Result<String, String> {
     let s = input.trim();
+    // The agent's local unix socket: `unix:///abs/path` (or `unix:/abs/path`).
+    if let Some(rest) = s.strip_prefix("unix:") {
+        let path = rest.strip_prefix("//").unwrap_or(rest);
+        if !path.starts_with('/') || path.len() < 2 {
+            return Err(format!("invalid agent address {input:?}: a unix socket is unix:///absolute/path"));
+        }
+        return Ok(format!("unix://{path}"));
+    }
     if let Some(rest) = s.strip_prefix("https://") {
         return normalize_plain(input, rest).map(|a| format!("https://{a}"));
     }
@@ -33,7 +41,7 @@ pub fn split_tls_scheme(agent: &str) -> (&str, bool) {
 
 fn normalize_plain(input: &str, s: &str) -> Result<String, String> {
     if s.contains("://") {
-        return Err(format!("invalid agent address {input:?}: only http:// and https:// are understood"));
+        return Err(format!("invalid agent address {input:?}: only http://, https:// and unix:// are understood"));
     }
     let s = s.strip_suffix('/').unwrap_or(s);
     if s.is_empty() {
@@ -183,8 +191,11 @@ mod tests {
         assert_eq!(normalize_agent("https://node-b:7470/").as_deref(), Ok("https://node-b:7470"));
         assert_eq!(normalize_agent("https://[::1]").as_deref(), Ok("https://[::1]:7470"));
         assert_eq!(split_tls_scheme("https://node-b:7470"), ("node-b:7470", true));
+        assert_eq!(normalize_agent("unix:///run/xfer/agent.sock").unwrap(), "unix:///run/xfer/agent.sock");
+        assert_eq!(normalize_agent("unix:/run/xfer/agent.sock").unwrap(), "unix:///run/xfer/agent.sock");
+        assert!(normalize_agent("unix://relative.sock").is_err());
         assert_eq!(split_tls_scheme("node-b:7470"), ("node-b:7470", false));
-        assert!(normalize_agent("grpc://h:1").unwrap_err().contains("only http:// and https://"));
+        assert!(normalize_agent("grpc://h:1").unwrap_err().contains("only http://, https:// and unix://"));
         assert!(normalize_agent("h:port").unwrap_err().contains("bad port"));
         assert!(normalize_agent("h:0").is_err());
         assert!(normalize_agent("h:70000").is_err());

@@ -445,6 +445,12 @@ impl Client {
         &self.addr
     }
 
+    /// The generated `xfer.v1.Agent` client on the same connection, for what this crate does not
+    /// wrap (its errors are then `tonic::Status`; `Error::from` maps them).
+    pub fn raw(&self) -> AgentClient<tonic::transport::Channel> {
+        self.agent.clone()
+    }
+
     /// The agent's node name, fabric and limits (`GetInfo`).
     pub async fn info(&self) -> Result<pb::AgentInfo> {
         Ok(self.agent.clone().get_info(pb::GetInfoRequest {}).await?.into_inner())
