@@ -348,7 +348,7 @@ impl GrantTable {
         });
         match r {
             Some(Ok(_)) => Ok(()),
-            Some(Err(e @ ChannelRefusal::OutOfWindow(_))) => Err(GrantError::Limit(e.to_string())),
+            Some(Err(e @ (ChannelRefusal::OutOfWindow(_) | ChannelRefusal::TagBudget(_)))) => Err(GrantError::Limit(e.to_string())),
             Some(Err(e)) => Err(GrantError::Invalid(e.to_string())),
             None => Err(GrantError::NotFound(format!("grant {grant_id} was revoked"))),
         }

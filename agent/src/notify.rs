@@ -108,6 +108,13 @@ pub const MAX_CHANNEL_SLOT: u32 = 0x7fff;
 /// Batches of one channel whose notification may be outstanding at once (announced or marked
 /// but not yet published). Below 2^15, so that 16 bits of sequence number name one batch.
 pub const CHANNEL_WINDOW: u64 = 1024;
+/// Tag bytes one channel grant keeps for batches announced but not yet published (an announce
+/// is always taken when none is kept, so a tag of any allowed size fits). The window alone
+/// bounded the *count*: 1024 tags of `transfer.max_notify_bytes` per channel grant, times
+/// `limits.max_grants_per_peer`, let one peer identity park 1 GiB in this agent at the defaults
+/// (64 GiB at the tag ceiling) by announcing batches it never marks. An honest initiator has one
+/// or two batches announced and unpublished at a time.
+pub const CHANNEL_TAG_BYTES: usize = 64 << 10;
 
 /// The immediate a marker of batch `seq` carries on a channel whose grant's slot base is `base`
 /// (`CHANNEL_BIT | slot << 16`, what `GrantResponse.notify_slot` says).
@@ -128,6 +135,8 @@ pub enum ChannelRefusal {
     AlreadyAnnounced(u64),
     #[error("more markers than the {0} the channel's batches carry")]
     TooManyMarkers(u32),
+    #[error("batch {0}: the channel already keeps {CHANNEL_TAG_BYTES} bytes of tags of batches announced and not yet notified")]
+    TagBudget(u64),
 }
 
 /// A channel grant's per-batch notifications (`NotifyRequest.channel`). Batch `seq` is
@@ -152,6 +161,8 @@ struct Window {
     entries: std::collections::BTreeMap<u64, Entry>,
     /// Published batches above `base` (batches may complete out of order).
     published: std::collections::BTreeSet<u64>,
+    /// Bytes of the tags in `entries` (at most [`CHANNEL_TAG_BYTES`] once more than one).
+    tag_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -206,10 +217,14 @@ impl ChannelNotes {
         if seq - w.base >= CHANNEL_WINDOW {
             return Err(ChannelRefusal::OutOfWindow(seq));
         }
-        let e = w.entries.entry(seq).or_default();
-        if e.tag.is_some() {
+        if w.entries.get(&seq).is_some_and(|e| e.tag.is_some()) {
             return Err(ChannelRefusal::AlreadyAnnounced(seq));
         }
+        if w.tag_bytes > 0 && w.tag_bytes.saturating_add(tag.len()) > CHANNEL_TAG_BYTES {
+            return Err(ChannelRefusal::TagBudget(seq));
+        }
+        w.tag_bytes += tag.len();
+        let e = w.entries.entry(seq).or_default();
         e.tag = Some(tag);
         Ok(Self::take_if_ready(&mut w, seq, self.markers))
     }
@@ -220,6 +235,7 @@ impl ChannelNotes {
             return None;
         }
         let e = w.entries.remove(&seq)?;
+        w.tag_bytes -= e.tag.as_ref().map_or(0, Vec::len);
         w.published.insert(seq);
         while w.published.remove(&w.base) {
             w.base += 1;
@@ -452,6 +468,27 @@ mod tests {
             assert!(c.marker(channel_imm(c.base_imm, seq)).unwrap().is_some(), "batch {seq}");
         }
         assert_eq!(c.unpublished(), 0);
+    }
+
+    /// Tags of announced, unpublished batches are bounded by bytes; publishing gives room back,
+    /// and a refused announce leaves no trace in the window.
+    #[test]
+    fn a_channel_keeps_a_bounded_number_of_tag_bytes() {
+        let c = chan(1);
+        let big = |seq: u64| vec![seq as u8; 1024];
+        for seq in 0..64 {
+            assert_eq!(c.announce(seq, big(seq)), Ok(None));
+        }
+        assert_eq!(c.announce(64, big(64)), Err(ChannelRefusal::TagBudget(64)));
+        assert_eq!(c.unpublished(), 64, "the refused announce left no entry");
+        assert_eq!(c.announce(64, vec![]), Ok(None), "an empty tag still fits");
+        assert_eq!(c.marker(channel_imm(c.base_imm, 5)).unwrap().map(|r| r.0), Some(big(5)));
+        assert_eq!(c.announce(65, big(65)), Ok(None), "room again");
+        assert_eq!(c.announce(66, big(66)), Err(ChannelRefusal::TagBudget(66)));
+        // One tag is always taken, whatever its size.
+        let c = chan(1);
+        assert_eq!(c.announce(0, vec![0; CHANNEL_TAG_BYTES + 1]), Ok(None));
+        assert_eq!(c.announce(1, vec![1]), Err(ChannelRefusal::TagBudget(1)));
     }
 
     #[test]

@@ -64,6 +64,10 @@ pub struct ChannelInfo {
 pub enum ChannelInput {
     Prepare { list: u32, segments: Vec<SegmentSpec> },
     Post { seq: u64, segments: Vec<SegmentSpec>, list: u32, notify: Option<Vec<u8>> },
+    /// A prepare (`list: Some`) or a post (`seq`) whose list had `n` segments, more than
+    /// `transfer.max_segments`: refused in its turn, its list dropped as it arrived (see
+    /// [`Channel::max_segments`]).
+    TooMany { seq: u64, list: Option<u32>, n: usize },
 }
 
 /// One answer.
@@ -229,6 +233,14 @@ impl Channel {
         &self.info
     }
 
+    /// Segments one list may have (`transfer.max_segments`). Whoever queues inputs for
+    /// [`Channel::run`] sends a longer list as [`ChannelInput::TooMany`] instead of keeping it:
+    /// a caller that posts faster than batches run holds requests in the queue, and a list
+    /// decoded from one gRPC message can be millions of segments.
+    pub fn max_segments(&self) -> usize {
+        self.node.config.transfer.max_segments
+    }
+
     /// Serves the channel: every input gets one output on `out`, in order, until the inputs end
     /// (the caller half-closed: clean) or `cancel` fires (the caller went away), or a batch
     /// ends the channel. Gives the connection back (to the pool when clean) and revokes the
@@ -252,6 +264,7 @@ impl Channel {
                     let (done, fatal) = self.post(seq, &segments, list, notify, &cancel).await;
                     (ChannelOutput::Done(done), fatal)
                 }
+                ChannelInput::TooMany { seq, list, n } => (self.too_many(seq, list, n), None),
             };
             if out.send(output).await.is_err() {
                 break ChannelEnd::Closed;
@@ -297,6 +310,19 @@ impl Channel {
         let out = ChannelOutput::Prepared { list, segments: b.len() as u64, bytes: b.bytes() };
         self.lists.insert(list, b);
         out
+    }
+
+    /// The answer to a list over `transfer.max_segments` (what `prepare` or `post` would say).
+    fn too_many(&self, seq: u64, list: Option<u32>, n: usize) -> ChannelOutput {
+        let e = BatchError::TooMany { n, max: self.max_segments() };
+        let code = batch_code(&e);
+        match list {
+            Some(list) => ChannelOutput::Done(BatchOutcome::refused(0, code, format!("list {list}: {e}"))),
+            None => {
+                m::channel_batch(self.op.as_str(), "refused");
+                ChannelOutput::Done(BatchOutcome::refused(seq, code, e.to_string()))
+            }
+        }
     }
 
     /// Runs one batch. Returns its outcome, and the error that ends the channel, if any.

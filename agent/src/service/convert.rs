@@ -399,10 +399,17 @@ pub fn channel_params_from_pb(o: pb::ChannelOpen) -> Result<crate::node::Channel
     })
 }
 
-/// A message after `ChannelOpen`.
-pub fn channel_input_from_pb(r: pb::ChannelRequest) -> Result<crate::node::ChannelInput, Status> {
+/// A message after `ChannelOpen`. A list over `max_segments` is not converted (nor kept): it
+/// becomes [`crate::node::ChannelInput::TooMany`], answered in its turn.
+pub fn channel_input_from_pb(r: pb::ChannelRequest, max_segments: usize) -> Result<crate::node::ChannelInput, Status> {
     use crate::node::ChannelInput;
     match r.msg {
+        Some(pb::channel_request::Msg::Prepare(p)) if p.segments.len() > max_segments => {
+            Ok(ChannelInput::TooMany { seq: 0, list: Some(p.list), n: p.segments.len() })
+        }
+        Some(pb::channel_request::Msg::Post(p)) if p.segments.len() > max_segments => {
+            Ok(ChannelInput::TooMany { seq: p.seq, list: None, n: p.segments.len() })
+        }
         Some(pb::channel_request::Msg::Prepare(p)) => Ok(ChannelInput::Prepare { list: p.list, segments: segments_from_pb(&p.segments) }),
         Some(pb::channel_request::Msg::Post(p)) => {
             Ok(ChannelInput::Post { seq: p.seq, segments: segments_from_pb(&p.segments), list: p.list, notify: p.notify })

@@ -26,6 +26,11 @@ use convert::*;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
+/// Channel requests read ahead of the batch running (each with a list of at most
+/// `transfer.max_segments`): enough to keep the channel busy, few enough that a caller that
+/// never reads its answers pins little memory.
+const CHANNEL_INPUT_QUEUE: usize = 4;
+
 /// Both services over one `Node`.
 #[derive(Clone)]
 pub struct Services {
@@ -326,7 +331,12 @@ impl Agent for Services {
         // Inputs are read by one task and served in order by another (the channel); answers
         // and a final status go out through `tx`. A bounded queue each way: a caller that posts
         // faster than the batches run is held back by HTTP/2 flow control.
-        let (in_tx, in_rx) = tokio::sync::mpsc::channel(64);
+        // The request queue is short and its lists at most `transfer.max_segments` long (longer
+        // ones are refused as they arrive, not kept): what a caller that never reads its answers
+        // makes the agent hold is a few lists, not 64 decoded messages of any size (~24 bytes
+        // per segment: 6 GB for 64 messages of 16 MiB).
+        let max_segments = channel.max_segments();
+        let (in_tx, in_rx) = tokio::sync::mpsc::channel(CHANNEL_INPUT_QUEUE);
         let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(64);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::ChannelEvent, Status>>(64);
         let cancel = tokio_util::sync::CancellationToken::new();
@@ -349,7 +359,7 @@ impl Agent for Services {
                     _ = reader_cancel.cancelled() => break,
                 };
                 match m {
-                    Ok(Some(m)) => match channel_input_from_pb(m) {
+                    Ok(Some(m)) => match channel_input_from_pb(m, max_segments) {
                         Ok(i) => {
                             if in_tx.send(i).await.is_err() {
                                 break;
