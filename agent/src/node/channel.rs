@@ -251,11 +251,23 @@ impl Channel {
         out: tokio::sync::mpsc::Sender<ChannelOutput>,
         cancel: CancellationToken,
     ) -> ChannelEnd {
+        // An idle channel ends when its grant does, rather than hold its slot until a post.
+        let expiry = self.info.expires_at.map(|e| e.duration_since(SystemTime::now()).unwrap_or_default());
+        let expired = async move {
+            match expiry {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
         let end = loop {
             let input = tokio::select! {
                 i = inputs.recv() => i,
                 _ = cancel.cancelled() => break ChannelEnd::Closed,
                 _ = self.node.draining.cancelled() => break ChannelEnd::Failed(TransferError::ShuttingDown),
+                _ = &mut expired => break ChannelEnd::Failed(TransferError::FailedPrecondition(
+                    "the channel's grant expired; open a new channel".into(),
+                )),
             };
             let Some(input) = input else { break ChannelEnd::Closed };
             let (output, fatal) = match input {

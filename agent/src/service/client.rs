@@ -130,6 +130,11 @@ impl PeerApi for PeerClient {
             RemoteKey::Rkey(r.rkey)
         };
         let grant_id = crate::ids::GrantId::parse(&r.grant_id).map_err(|e| self.bad(e.to_string()))?;
+        // Work requests address `addr + offset` for offsets inside the granted length: a peer's
+        // range that wraps the address space is refused here, so those sums cannot overflow.
+        if r.addr.checked_add(r.length).is_none() {
+            return Err(self.bad(format!("grant range {:#x}+{} overflows the address space", r.addr, r.length)));
+        }
         Ok(GrantInfo {
             grant_id,
             addr: r.addr,
