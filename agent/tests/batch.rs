@@ -276,6 +276,22 @@ async fn the_kv_benchmark_runs_batches_and_cleans_up() {
     }
 }
 
+/// The connection-setup benchmark negotiates fresh connections, holds them all (the target
+/// counts them), reports per-connection times and memory per QP, then gives them all back.
+#[tokio::test]
+async fn the_connect_benchmark_holds_fresh_connections_and_gives_them_back() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "6", "--qps", "2"]);
+    assert!(o.status.success(), "{o:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((doc["connections"].as_u64(), doc["qps_held"].as_u64()), (Some(6), Some(12)), "{doc}");
+    assert!(doc["connect_p50_us"].as_f64().unwrap() > 0.0, "{doc}");
+    assert!(doc["rss_bytes_per_qp"].as_f64().is_some(), "{doc}");
+    wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
+    let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "300"]);
+    assert_eq!(o.status.code(), Some(4), "over the per-peer bound: INVALID_ARGUMENT ({o:?})");
+}
+
 /// WatchInbound subscribers are bounded (each publication wakes every one): past the limit a
 /// new one gets RESOURCE_EXHAUSTED, and one leaving makes room.
 #[tokio::test]

@@ -18,6 +18,8 @@ pub struct BenchParams {
     pub pool: u64,
     /// KV pattern over a channel: the list prepared once and posted `iters` times.
     pub channel: bool,
+    /// Connection setup: fresh connections to negotiate and hold (0 = another pattern).
+    pub connections: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -36,6 +38,19 @@ pub struct BenchResult {
     pub channel: bool,
     pub repost_ns_per_segment: f64,
     pub channel_open_us: f64,
+    pub connections: u32,
+    pub qps_held: u32,
+    pub rss_bytes_per_qp: f64,
+}
+
+/// Most connections the connection benchmark holds: what a peer keeps per identity.
+const BENCH_MAX_CONNECTIONS: u32 = 256;
+
+/// This process's resident memory (VmRSS), in bytes.
+fn rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -141,6 +156,9 @@ impl Node {
     /// counts against `max_registered_bytes` here and the target's scratch region against the
     /// target's region limits.
     pub async fn bench(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
+        if p.connections > 0 {
+            return self.bench_connect(p).await;
+        }
         if p.blocks > 0 {
             return self.bench_kv(p).await;
         }
@@ -390,6 +408,58 @@ impl Node {
         })
     }
 
+    /// Connection setup: negotiates `p.connections` fresh connections of `p.qps` QPs to the peer
+    /// one after another (each `Peer.Connect` to RTS timed), holds them all, measures this
+    /// process's resident memory growth per QP, then discards them (the peer forgets them).
+    async fn bench_connect(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
+        if p.connections > BENCH_MAX_CONNECTIONS {
+            return Err(TransferError::Invalid(format!("at most {BENCH_MAX_CONNECTIONS} connections (what a peer keeps per identity)")));
+        }
+        let _admin = self.admin_slot("Bench")?;
+        let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
+        let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
+        let peer = self.peers.peer(&p.peer)?;
+        let before = rss_bytes();
+        let mut held = Vec::with_capacity(p.connections as usize);
+        let mut us = Vec::with_capacity(p.connections as usize);
+        let t = Instant::now();
+        for _ in 0..p.connections {
+            let t0 = Instant::now();
+            // Every lease is held, so each one is a fresh negotiation (the idle list is empty or
+            // holds other shapes).
+            let lease = self.peers.lease(&peer, qps, depth).await?;
+            if !lease.reused() {
+                us.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+            held.push(lease);
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        let after = rss_bytes();
+        let qps_held: usize = held.iter().map(|l| l.qps()).sum();
+        for l in held {
+            // Discarded, not pooled: the peer is told to forget each.
+            l.release(false);
+        }
+        let per_qp = match (before, after) {
+            (Some(b), Some(a)) if qps_held > 0 => a.saturating_sub(b) as f64 / qps_held as f64,
+            _ => 0.0,
+        };
+        let avg = us.iter().sum::<f64>() / us.len().max(1) as f64;
+        us.sort_by(|a, b| a.total_cmp(b));
+        Ok(BenchResult {
+            iters: p.connections,
+            seconds,
+            lat_avg_us: avg,
+            lat_p50_us: percentile(&us, 0.5),
+            lat_p99_us: percentile(&us, 0.99),
+            lat_iters: us.len() as u32,
+            connections: p.connections,
+            qps_held: qps_held as u32,
+            rss_bytes_per_qp: per_qp,
+            ..Default::default()
+        })
+    }
+
     /// The KV pattern over one channel: open it (timed), prepare the list once (timed), then post
     /// it `iters` times, each with a notification, one after the other.
     #[allow(clippy::too_many_arguments)]
@@ -478,6 +548,7 @@ impl Node {
             channel: true,
             repost_ns_per_segment: percentile(&repost_ns, 0.5),
             channel_open_us: open_us,
+            ..Default::default()
         })
     }
 

@@ -497,6 +497,7 @@ impl Agent for Services {
             blocks: r.blocks,
             pool: r.pool,
             channel: r.channel,
+            connections: r.connections,
         };
         let b = self.node.bench(p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {
@@ -516,6 +517,9 @@ impl Agent for Services {
             channel: b.channel,
             repost_ns_per_segment: b.repost_ns_per_segment,
             channel_open_us: b.channel_open_us,
+            connections: b.connections,
+            qps_held: b.qps_held,
+            rss_bytes_per_qp: b.rss_bytes_per_qp,
         }))
     }
 

@@ -29,6 +29,9 @@ pub enum Pattern {
     Messages,
     /// Batches of scattered blocks with a notification each (SubmitTransfer with segments).
     Kv,
+    /// Connection setup: `--connections` fresh connections of `--qps` QPs, each timed and all
+    /// held at once (memory per QP).
+    Connect,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -79,6 +82,9 @@ pub struct Opt {
     /// KV pattern over one channel: the list prepared once, then posted for every batch.
     #[arg(long)]
     pub channel: bool,
+    /// Connect pattern: connections to negotiate and hold (at most 256).
+    #[arg(long, default_value_t = 100)]
+    pub connections: u32,
 }
 
 /// Bytes the TCP baseline streams per run: at least 1 GiB, and 16× the largest message size.
@@ -163,6 +169,54 @@ pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) ->
     out
 }
 
+/// `--pattern connect`: one run, a table or JSON.
+async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    if opt.connections == 0 {
+        return Err(crate::error::usage("--connections must be greater than zero"));
+    }
+    let mut client = ctx.client().await?;
+    let r = client
+        .bench(BenchRequest {
+            peer: opt.peer.clone(),
+            qps: opt.qps.unwrap_or(0),
+            depth: opt.depth.unwrap_or(0),
+            connections: opt.connections,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("bench connect to {}", opt.peer))?
+        .into_inner();
+    if ctx.json {
+        return ctx.print_json(&json!({
+            "agent": ctx.agent,
+            "peer": opt.peer,
+            "pattern": "connect",
+            "connections": r.connections,
+            "qps_held": r.qps_held,
+            "seconds": r.seconds,
+            "connect_avg_us": r.lat_avg_us,
+            "connect_p50_us": r.lat_p50_us,
+            "connect_p99_us": r.lat_p99_us,
+            "rss_bytes_per_qp": r.rss_bytes_per_qp,
+            "fabric": view::fabric_name(r.fabric),
+        }));
+    }
+    ctx.print(&format!(
+        "# connect {} -> {} over {}
+{} connections, {} QPs held at once: connect p50 {:.2} ms, p99 {:.2} ms, avg {:.2} ms; \
+         {:.1} KiB resident per QP on this agent\n",
+        ctx.agent,
+        opt.peer,
+        view::fabric_name(r.fabric),
+        r.connections,
+        r.qps_held,
+        r.lat_p50_us / 1e3,
+        r.lat_p99_us / 1e3,
+        r.lat_avg_us / 1e3,
+        r.rss_bytes_per_qp / 1024.0
+    ))
+}
+
 /// The KV-pattern table: one row per run.
 pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
     let channel = rows.iter().any(|r| r.channel);
@@ -187,6 +241,9 @@ pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>)
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let kv = opt.pattern == Pattern::Kv;
+    if opt.pattern == Pattern::Connect {
+        return run_connect(&opt, ctx).await;
+    }
     let mut opt = opt;
     if kv {
         if opt.block == 0 || opt.blocks == 0 {
@@ -244,6 +301,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 blocks: if kv { opt.blocks } else { 0 },
                 pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
                 channel: kv && opt.channel,
+                connections: 0,
             })
             .await
             .with_context(|| {
