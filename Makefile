@@ -25,6 +25,8 @@ test: $(SETUP_STAMP)
 	$(CARGO) test --workspace
 	scripts/python-test
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	# The fuzz targets are their own workspace: a trait change must not break them unseen.
+	$(CARGO) check --manifest-path fuzz/Cargo.toml --bins
 	scripts/validate-manifests
 
 demo: release

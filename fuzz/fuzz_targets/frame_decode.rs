@@ -68,7 +68,7 @@ impl AccessCheck for FuzzGrants {
         Ok(Checked { memory: self.memory.clone(), offset, lease: self.lease.clone() })
     }
 
-    fn marker(&self, connection: &ConnectionId, token: &[u8; 16]) -> Result<(), WcStatus> {
+    fn marker(&self, connection: &ConnectionId, token: &[u8; 16], _imm: u32) -> Result<(), WcStatus> {
         if connection.as_str() != CONNECTION || !self.windows.iter().any(|w| &w.token == token) {
             return Err(WcStatus::RemAccessErr);
         }
