@@ -480,6 +480,19 @@ class Checker:
         if health:
             self.notes.append(f"{ident(ds)}: probes -> health_listen :{health[1]}; listeners match container ports")
 
+        # The local unix socket must live in a directory the node shares (a hostPath mount), or
+        # no application pod could ever reach it.
+        sock = conf.get("unix_listen")
+        if sock:
+            sdir = posixpath.dirname(posixpath.normpath(sock))
+            mounts = {posixpath.normpath(m["mountPath"]): m["name"] for m in c.get("volumeMounts") or []}
+            vname = mounts.get(sdir)
+            if vname is None or "hostPath" not in (volumes.get(vname) or {}):
+                self.err(source, f"{where}: unix_listen {sock} is not in a hostPath mount (applications on the node cannot reach it)")
+            else:
+                self.notes.append(f"{ident(ds)}: unix_listen {sock} on hostPath {volumes[vname]['hostPath'].get('path')}, "
+                                  f"mode {conf.get('unix_mode', '0660')}")
+
         plaintext_optin = source in self.plaintext
         insecure = conf.get("insecure", True)  # the agent's default is plaintext
         allow = conf.get("allow_plaintext_network", False)

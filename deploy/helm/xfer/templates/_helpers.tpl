@@ -153,6 +153,14 @@ data_listen = "0.0.0.0:{{ $c.ports.data | int }}"
 health_listen = "0.0.0.0:{{ $c.ports.health | int }}"
 fabric = {{ $c.fabric | quote }}
 state_dir = "/var/lib/xfer"
+{{- if .Values.localSocket.enabled }}
+# Applications on the node: xfer.v1.Agent, no TLS, callers by uid (client role).
+unix_listen = "/run/xfer-socket/agent.sock"
+unix_mode = {{ .Values.localSocket.mode | quote }}
+{{- with .Values.localSocket.group }}
+unix_group = {{ . | toString | quote }}
+{{- end }}
+{{- end }}
 {{- if $t.enabled }}
 # mTLS on gRPC and the data port.
 insecure = false
