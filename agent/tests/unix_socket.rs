@@ -27,6 +27,17 @@ async fn unix_channel(path: &Path) -> tonic::transport::Channel {
         .unwrap()
 }
 
+/// Runs an agent with its unix socket at `sock` that is expected to refuse to start.
+fn run_agent(dir: &Path, sock: &Path) -> std::process::Output {
+    Command::new(agent_bin())
+        .args(["--node-name", "node-a", "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .arg("--state-dir")
+        .arg(dir.join("a"))
+        .env("XFER_UNIX_LISTEN", sock)
+        .output()
+        .unwrap()
+}
+
 fn sock_in(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().join("agent.sock")
 }
@@ -96,13 +107,7 @@ async fn anything_but_a_socket_at_the_path_is_left_alone() {
     let dir = tempfile::tempdir().unwrap();
     let sock = sock_in(&dir);
     std::fs::write(&sock, b"precious").unwrap();
-    let out = Command::new(agent_bin())
-        .args(["--node-name", "node-a", "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-        .arg("--state-dir")
-        .arg(dir.path().join("a"))
-        .env("XFER_UNIX_LISTEN", &sock)
-        .output()
-        .unwrap();
+    let out = run_agent(dir.path(), &sock);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"), "{out:?}");
     assert_eq!(std::fs::read(&sock).unwrap(), b"precious");
@@ -111,13 +116,7 @@ async fn anything_but_a_socket_at_the_path_is_left_alone() {
     let target = dir.path().join("elsewhere");
     std::fs::write(&target, b"other").unwrap();
     std::os::unix::fs::symlink(&target, &sock).unwrap();
-    let out = Command::new(agent_bin())
-        .args(["--node-name", "node-a", "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-        .arg("--state-dir")
-        .arg(dir.path().join("a"))
-        .env("XFER_UNIX_LISTEN", &sock)
-        .output()
-        .unwrap();
+    let out = run_agent(dir.path(), &sock);
     assert!(!out.status.success());
     assert_eq!(std::fs::read(&target).unwrap(), b"other");
     assert!(std::fs::symlink_metadata(&sock).unwrap().file_type().is_symlink());

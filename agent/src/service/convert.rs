@@ -341,8 +341,7 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     require(!local.region.is_empty(), "local region is required")?;
     require(!remote.region.is_empty(), "remote region is required")?;
     require(!remote.agent.is_empty(), "remote agent address is required")?;
-    let o = r.options.unwrap_or_default();
-    let timeout = request_duration(o.timeout.as_ref(), "timeout")?;
+    let options = options_from_pb(r.options.unwrap_or_default())?;
     Ok(TransferRequest {
         op: op_from_pb(r.op)?,
         local_region: local.region,
@@ -351,20 +350,21 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
         remote_region: remote.region,
         remote_offset: remote.offset,
         length: r.length,
-        segments: r
-            .segments
-            .iter()
-            .map(|s| crate::transfer::batch::SegmentSpec { local: s.local_offset, remote: s.remote_offset, len: s.length })
-            .collect(),
+        segments: segments_from_pb(&r.segments),
         notify: r.notify,
-        options: TransferOptions {
-            chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
-            qps: (o.qps > 0).then_some(o.qps as usize),
-            depth: (o.depth > 0).then_some(o.depth as usize),
-            verify: o.verify,
-            algo: Some(algo_from_pb(o.verify_algo)?),
-            timeout,
-        },
+        options,
+    })
+}
+
+/// `TransferOptions`: 0 = the agent's default for each shape field.
+fn options_from_pb(o: pb::TransferOptions) -> Result<TransferOptions, Status> {
+    Ok(TransferOptions {
+        chunk_size: (o.chunk_size > 0).then_some(o.chunk_size),
+        qps: (o.qps > 0).then_some(o.qps as usize),
+        depth: (o.depth > 0).then_some(o.depth as usize),
+        verify: o.verify,
+        algo: Some(algo_from_pb(o.verify_algo)?),
+        timeout: request_duration(o.timeout.as_ref(), "timeout")?,
     })
 }
 
@@ -378,7 +378,6 @@ pub fn channel_params_from_pb(o: pb::ChannelOpen) -> Result<crate::node::Channel
     require(!o.local_region.is_empty(), "local region is required")?;
     require(!remote.region.is_empty(), "remote region is required")?;
     require(!remote.agent.is_empty(), "remote agent address is required")?;
-    let opts = o.options.unwrap_or_default();
     Ok(crate::node::ChannelParams {
         op: op_from_pb(o.op)?,
         local_region: o.local_region,
@@ -386,14 +385,7 @@ pub fn channel_params_from_pb(o: pb::ChannelOpen) -> Result<crate::node::Channel
         remote_region: remote.region,
         remote_offset: remote.offset,
         length: o.length,
-        options: TransferOptions {
-            chunk_size: (opts.chunk_size > 0).then_some(opts.chunk_size),
-            qps: (opts.qps > 0).then_some(opts.qps as usize),
-            depth: (opts.depth > 0).then_some(opts.depth as usize),
-            verify: opts.verify,
-            algo: None,
-            timeout: request_duration(opts.timeout.as_ref(), "timeout")?,
-        },
+        options: options_from_pb(o.options.unwrap_or_default())?,
         ttl: request_duration(o.ttl.as_ref(), "ttl")?,
         notify: o.notify,
     })
