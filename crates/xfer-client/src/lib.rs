@@ -10,30 +10,51 @@
 //! through gRPC; the mapping hands out bounds-checked copies ([`ShmRegion::write_at`],
 //! [`ShmRegion::read_at`]), never a `&mut [u8]` over memory the NIC and the agent also touch.
 //!
-//! ```no_run
-//! use xfer_client::{Client, Segment, TransferSpec};
+//! ```
+//! use xfer_client::{ChannelSpec, Client, Segment, TransferSpec};
 //!
-//! # async fn demo() -> xfer_client::Result<()> {
-//! // On the producer's node: a shared-memory pool filled in place.
-//! let prefill = Client::connect("127.0.0.1:7470").await?;
-//! let pool = prefill.create_shm_region("kv", 64 << 20).await?;
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # // Two real agents on loopback stand in for two nodes (see `testing`).
+//! # let (node_a, node_b) = (xfer_client::testing::LocalAgent::start("prefill").await?, xfer_client::testing::LocalAgent::start("decode").await?);
+//! # let (a_addr, b_addr) = (node_a.unix.clone(), node_b.addr.clone());
+//! # let pool_name = format!("kv-doc-{}", std::process::id());
+//! // On the producer's node (here over the agent's local socket): a shared-memory pool,
+//! // filled in place, with no copy through gRPC.
+//! let prefill = Client::connect(&a_addr).await?;
+//! let pool = prefill.create_shm_region(&pool_name, 1 << 20).await?;
 //! pool.write_at(0, &[7u8; 4096])?;
 //!
-//! // On the consumer's node: wait for request 42's blocks.
-//! let decode = Client::connect("10.0.0.2:7470").await?;
-//! decode.create_region("kv", 64 << 20).await?;
+//! // On the consumer's node: a pool, and a subscription to request 42's notification.
+//! let decode = Client::connect(&b_addr).await?;
+//! decode.create_region("kv", 1 << 20).await?;
 //! let mut inbound = decode.watch_inbound(Some("kv"), Some(b"req-42")).await?;
 //!
-//! // One batch, one notification: block 0 to block 9 of the peer's pool.
-//! let spec = TransferSpec::write("kv", "10.0.0.2:7470", "kv")
+//! // One batch, one notification: block 0 of the pool to block 9 of the peer's.
+//! let spec = TransferSpec::write(&pool_name, &b_addr, "kv")
 //!     .segments(vec![Segment { local: 0, remote: 9 * 4096, len: 4096 }])
 //!     .notify(b"req-42");
-//! let t = prefill.submit(spec).await?;
-//! prefill.wait(&t.id).await?;
+//! let t = prefill.transfer(spec).await?;
+//! assert_eq!(t.bytes_done, 4096);
 //! let note = inbound.next().await?; // every byte of the batch is in place now
 //! assert_eq!(note.tag, b"req-42");
+//! assert_eq!(decode.get("kv", 9 * 4096, 4096).await?, vec![7u8; 4096]);
+//!
+//! // Many batches: a channel holds one connection and one grant; a list prepared once is
+//! // posted again at no per-segment cost.
+//! let mut ch = prefill.open_channel(ChannelSpec::write(&pool_name, &b_addr, "kv")).await?;
+//! ch.prepare(1, &[Segment { local: 0, remote: 0, len: 4096 }]).await?;
+//! for i in 0..3u8 {
+//!     pool.write_at(0, &[i; 4096])?;
+//!     ch.post_list(1, Some(format!("req-{i}").as_bytes())).await?;
+//!     assert_eq!(decode.get("kv", 0, 4096).await?, vec![i; 4096]);
+//! }
+//! ch.close().await?;
+//! # prefill.delete_region(&pool_name).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! The example runs in `cargo test --doc` against two real agents ([`testing::LocalAgent`]).
 //!
 //! Connections: `host:port` in plaintext ([`Client::connect`]) or TLS with a client certificate
 //! ([`Client::connect_tls`]); agents with mTLS take the caller's role from that certificate.
@@ -44,6 +65,7 @@
 mod channel;
 mod error;
 mod shm;
+pub mod testing;
 
 use std::time::Duration;
 

@@ -1,68 +1,21 @@
-//! The client against real agents (tcp fabric on loopback, spawned from the workspace's
-//! `xfer-agent` binary, which `make test` builds first): a KV-style producer fills a mapped
+//! The client against real agents (tcp fabric on loopback, `xfer_client::testing::LocalAgent`:
+//! the workspace's `xfer-agent` binary, which `make test` builds first): a KV-style producer fills a mapped
 //! shared-memory pool, moves scattered blocks to another agent as one batch and over a channel,
 //! and a consumer awaiting each notification reads the exact bytes from its own mapped pool;
 //! bad input comes back as typed errors.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
+use xfer_client::testing::LocalAgent;
 use xfer_client::{ChannelSpec, Client, Error, Segment, State, TransferSpec};
 
 const BLOCK: u64 = 4096;
 
-/// `target/debug/xfer-agent`: this test runs from `target/debug/deps/`.
-fn agent_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("xfer-agent");
-    assert!(p.exists(), "{} missing: run `cargo build --workspace --bins` first (make test does)", p.display());
-    p
-}
-
-struct Agent {
-    child: Child,
-    addr: String,
-    /// `unix://…`: every test agent also serves its local socket.
-    unix: String,
-    _dir: tempfile::TempDir,
-}
+/// A real agent on loopback (`xfer_client::testing`).
+struct Agent;
 
 impl Agent {
-    fn start(name: &str) -> Agent {
-        let dir = tempfile::tempdir().unwrap();
-        let ready = dir.path().join("ready");
-        let sock = dir.path().join("agent.sock");
-        let child = Command::new(agent_bin())
-            .env("XFER_UNIX_LISTEN", &sock)
-            .args(["--node-name", name, "--fabric", "tcp", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--ready-file")
-            .arg(&ready)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        // A hang guard, not a synchronisation: readiness is the file the agent writes.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let addr = loop {
-            if let Ok(text) = std::fs::read_to_string(&ready) {
-                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-                break v["grpc"].as_str().unwrap().to_string();
-            }
-            assert!(Instant::now() < deadline, "agent {name} not ready");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        Agent { child, addr, unix: format!("unix://{}", sock.display()), _dir: dir }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    async fn start(name: &str) -> LocalAgent {
+        LocalAgent::start(name).await.unwrap()
     }
 }
 
@@ -83,7 +36,7 @@ fn pattern(seed: u64, n: usize) -> Vec<u8> {
 /// moment it is told; then the same over a channel with a prepared list, twice.
 #[tokio::test]
 async fn a_producer_fills_shared_memory_and_a_consumer_reads_what_it_was_told_landed() {
-    let (a, b) = (Agent::start("prefill"), Agent::start("decode"));
+    let (a, b) = (Agent::start("prefill").await, Agent::start("decode").await);
     let (producer, consumer) = (Client::connect(&a.addr).await.unwrap(), Client::connect(&b.addr).await.unwrap());
     let tag = std::process::id();
     let (pa, pb) = (format!("kv-a-{tag}"), format!("kv-b-{tag}"));
@@ -140,7 +93,7 @@ async fn a_producer_fills_shared_memory_and_a_consumer_reads_what_it_was_told_la
 /// The agent's local unix socket: the same API, the caller a client known by its uid.
 #[tokio::test]
 async fn the_local_unix_socket_serves_the_same_api() {
-    let (a, b) = (Agent::start("a"), Agent::start("b"));
+    let (a, b) = (Agent::start("a").await, Agent::start("b").await);
     let local = Client::connect(&a.unix).await.unwrap();
     assert_eq!(local.info().await.unwrap().node_name, "a");
     local.create_region("src", 1 << 20).await.unwrap();
@@ -159,7 +112,7 @@ async fn the_local_unix_socket_serves_the_same_api() {
 /// batch.
 #[tokio::test]
 async fn errors_are_typed() {
-    let (a, b) = (Agent::start("a"), Agent::start("b"));
+    let (a, b) = (Agent::start("a").await, Agent::start("b").await);
     let c = Client::connect(&a.addr).await.unwrap();
     c.create_region("src", 1 << 20).await.unwrap();
     Client::connect(&b.addr).await.unwrap().create_region("dst", 1 << 20).await.unwrap();
