@@ -43,6 +43,29 @@ pub struct BenchResult {
     pub rss_bytes_per_qp: f64,
 }
 
+/// A KV run's result: `iters` batches of `blocks` blocks of `block` bytes that took `busy` in
+/// all; `batch_us` per batch, `submit_us` per submit (or post to first work request), and the
+/// list's cost per segment.
+fn kv_result(block: u64, blocks: u64, iters: u32, busy: Duration, mut batch_us: Vec<f64>, mut submit_us: Vec<f64>, prep_ns: f64) -> BenchResult {
+    let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
+    batch_us.sort_by(|a, b| a.total_cmp(b));
+    submit_us.sort_by(|a, b| a.total_cmp(b));
+    BenchResult {
+        size: block,
+        iters,
+        bytes: block * blocks * iters as u64,
+        seconds: busy.as_secs_f64(),
+        lat_avg_us: avg,
+        lat_p50_us: percentile(&batch_us, 0.5),
+        lat_p99_us: percentile(&batch_us, 0.99),
+        lat_iters: batch_us.len() as u32,
+        blocks: blocks as u32,
+        submit_p50_us: percentile(&submit_us, 0.5),
+        prep_ns_per_segment: prep_ns,
+        ..Default::default()
+    }
+}
+
 /// Most connections the connection benchmark holds: what a peer keeps per identity.
 const BENCH_MAX_CONNECTIONS: u32 = 256;
 
@@ -389,23 +412,7 @@ impl Node {
             busy += took;
             batch_us.push(took.as_secs_f64() * 1e6);
         }
-        let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
-        batch_us.sort_by(|a, b| a.total_cmp(b));
-        submit_us.sort_by(|a, b| a.total_cmp(b));
-        Ok(BenchResult {
-            size: block,
-            iters,
-            bytes: block * blocks * iters as u64,
-            seconds: busy.as_secs_f64(),
-            lat_avg_us: avg,
-            lat_p50_us: percentile(&batch_us, 0.5),
-            lat_p99_us: percentile(&batch_us, 0.99),
-            lat_iters: batch_us.len() as u32,
-            blocks: blocks as u32,
-            submit_p50_us: percentile(&submit_us, 0.5),
-            prep_ns_per_segment: prep_ns,
-            ..Default::default()
-        })
+        Ok(kv_result(block, blocks, iters, busy, batch_us, submit_us, prep_ns))
     }
 
     /// Connection setup: negotiates `p.connections` fresh connections of `p.qps` QPs to the peer
@@ -529,26 +536,12 @@ impl Node {
         }
         drop(in_tx);
         let _ = task.await;
-        let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
-        for v in [&mut batch_us, &mut first_us, &mut repost_ns] {
-            v.sort_by(|a, b| a.total_cmp(b));
-        }
+        repost_ns.sort_by(|a, b| a.total_cmp(b));
         Ok(BenchResult {
-            size: block,
-            iters,
-            bytes: block * blocks * iters as u64,
-            seconds: busy.as_secs_f64(),
-            lat_avg_us: avg,
-            lat_p50_us: percentile(&batch_us, 0.5),
-            lat_p99_us: percentile(&batch_us, 0.99),
-            lat_iters: batch_us.len() as u32,
-            blocks: blocks as u32,
-            submit_p50_us: percentile(&first_us, 0.5),
-            prep_ns_per_segment: prep_ns,
             channel: true,
             repost_ns_per_segment: percentile(&repost_ns, 0.5),
             channel_open_us: open_us,
-            ..Default::default()
+            ..kv_result(block, blocks, iters, busy, batch_us, first_us, prep_ns)
         })
     }
 
