@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::chan::*;
 use common::*;
 use tokio::sync::mpsc;
 use tonic::Code;
@@ -14,76 +15,8 @@ use xfer_proto::v1 as pb;
 
 const BLOCK: u64 = 4096;
 
-fn seg(local: u64, remote: u64, len: u64) -> pb::Segment {
-    pb::Segment { local_offset: local, remote_offset: remote, length: len }
-}
-
-/// An open channel: the request sender and the event stream.
-struct Chan {
-    tx: Option<mpsc::Sender<pb::ChannelRequest>>,
-    events: tonic::Streaming<pb::ChannelEvent>,
-    opened: pb::ChannelOpened,
-}
-
 fn open_msg(op: pb::Op, local: &str, peer: &Agent, remote: &str, offset: u64, length: u64, notify: bool) -> pb::ChannelOpen {
-    pb::ChannelOpen {
-        op: op as i32,
-        local_region: local.into(),
-        remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset }),
-        length,
-        options: Some(pb::TransferOptions { chunk_size: 16 << 10, qps: 3, depth: 8, ..Default::default() }),
-        ttl: None,
-        notify,
-    }
-}
-
-/// Opens a channel; the first message is `open`.
-async fn try_open(a: &Agent, open: pb::ChannelOpen) -> Result<Chan, tonic::Status> {
-    let (tx, rx) = mpsc::channel(16);
-    tx.send(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(open)) }).await.unwrap();
-    let mut events = a.client().await.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
-    match next_event(&mut events).await? {
-        Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(o)) }) => Ok(Chan { tx: Some(tx), events, opened: o }),
-        other => panic!("expected ChannelOpened, got {other:?}"),
-    }
-}
-
-async fn next_event(s: &mut tonic::Streaming<pb::ChannelEvent>) -> Result<Option<pb::ChannelEvent>, tonic::Status> {
-    // A hang guard, not a synchronisation.
-    tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a channel event within 30 s")
-}
-
-impl Chan {
-    async fn send(&self, msg: pb::channel_request::Msg) {
-        self.tx.as_ref().unwrap().send(pb::ChannelRequest { msg: Some(msg) }).await.unwrap();
-    }
-
-    async fn post(&mut self, seq: u64, segments: Vec<pb::Segment>, list: u32, notify: Option<&[u8]>) -> pb::BatchDone {
-        self.send(pb::channel_request::Msg::Post(pb::ChannelPost { seq, segments, list, notify: notify.map(<[u8]>::to_vec) })).await;
-        self.done().await
-    }
-
-    async fn done(&mut self) -> pb::BatchDone {
-        match next_event(&mut self.events).await {
-            Ok(Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Done(d)) })) => d,
-            other => panic!("expected BatchDone, got {other:?}"),
-        }
-    }
-
-    async fn prepare(&mut self, list: u32, segments: Vec<pb::Segment>) -> pb::ChannelEvent {
-        self.send(pb::channel_request::Msg::Prepare(pb::ChannelPrepare { list, segments })).await;
-        next_event(&mut self.events).await.unwrap().unwrap()
-    }
-
-    /// Half-closes; the stream must then end cleanly.
-    async fn close(mut self) {
-        self.tx.take();
-        assert!(next_event(&mut self.events).await.unwrap().is_none(), "the stream ends OK after a clean close");
-    }
-}
-
-fn ok(d: &pb::BatchDone) {
-    assert_eq!(d.state, pb::TransferState::Succeeded as i32, "{d:?}");
+    open_msg_qps(op, local, peer, remote, offset, length, notify, 3)
 }
 
 /// One grant, many batches: a prepared list posted twice (new source bytes in between) and an
@@ -108,8 +41,8 @@ async fn one_grant_serves_many_batches_each_notified_after_its_bytes() {
     // 300 blocks: block i of A's first MiB to a scattered place in the channel's range.
     let place = |i: u64| lo + ((i * 7919) % (span / BLOCK)) * BLOCK;
     let list: Vec<pb::Segment> = (0..300).map(|i| seg(i * BLOCK, place(i), BLOCK)).collect();
-    match ch.prepare(1, list.clone()).await.ev {
-        Some(pb::channel_event::Ev::Prepared(p)) => assert_eq!((p.list, p.segments, p.bytes), (1, 300, 300 * BLOCK)),
+    match ch.prepare(1, list.clone()).await {
+        pb::channel_event::Ev::Prepared(p) => assert_eq!((p.list, p.segments, p.bytes), (1, 300, 300 * BLOCK)),
         other => panic!("{other:?}"),
     }
     let mut want = before.clone();
@@ -252,8 +185,8 @@ async fn bad_batches_are_answered_and_the_channel_goes_on() {
     }
     // Lists: 0 is not a number, and a bad list is refused whole.
     for (list, segs, code) in [(0u32, vec![seg(0, lo, BLOCK)], "INVALID_ARGUMENT"), (2, vec![seg(0, 0, BLOCK)], "INVALID_ARGUMENT")] {
-        match ch.prepare(list, segs).await.ev {
-            Some(pb::channel_event::Ev::Done(d)) => assert_eq!(d.error_code, code, "{d:?}"),
+        match ch.prepare(list, segs).await {
+            pb::channel_event::Ev::Done(d) => assert_eq!(d.error_code, code, "{d:?}"),
             other => panic!("{other:?}"),
         }
     }

@@ -55,8 +55,8 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use common::pki::Pki;
+use common::chan::*;
 use common::*;
-use tokio::sync::mpsc;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
@@ -68,10 +68,6 @@ const KIND_NOTIFY: u8 = 6;
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 4096;
 const CHANNEL_BIT: u32 = 1 << 31;
-
-fn seg(local: u64, remote: u64, len: u64) -> pb::Segment {
-    pb::Segment { local_offset: local, remote_offset: remote, length: len }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Peer-side helpers: grants, announces, raw NOTIFY frames.
@@ -102,10 +98,6 @@ async fn grant(a: &Agent, req: pb::GrantRequest) -> pb::GrantResponse {
     a.peer_client().await.grant(req).await.unwrap().into_inner()
 }
 
-fn token(g: &pb::GrantResponse) -> [u8; 16] {
-    g.token.as_slice().try_into().unwrap()
-}
-
 /// The immediate of batch `seq`'s markers on channel grant `g`.
 fn imm(g: &pb::GrantResponse, seq: u64) -> u32 {
     assert_ne!(g.notify_slot & CHANNEL_BIT, 0, "a channel grant's slot carries the channel bit");
@@ -125,17 +117,11 @@ async fn announce(a: &Agent, g: &str, seq: u64, tag: &[u8]) -> Result<(), tonic:
 fn notify_addr<S: Read + Write>(s: &mut S, tok: [u8; 16], addr: u64, id: u64) -> (u16, u8, u64) {
     s.write_all(&frame_header(KIND_NOTIFY, 1, id, tok, addr, 0)).unwrap();
     s.flush().unwrap();
-    read_answer(s)
+    read_frame_answer(s)
 }
 
 fn notify<S: Read + Write>(s: &mut S, tok: [u8; 16], imm: u32, id: u64) -> (u16, u8, u64) {
     notify_addr(s, tok, imm as u64, id)
-}
-
-fn read_answer<S: Read>(s: &mut S) -> (u16, u8, u64) {
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    (u16::from_le_bytes([r[6], r[7]]), r[4], u64::from_le_bytes(r[8..16].try_into().unwrap()))
 }
 
 fn ok_ack(a: (u16, u8, u64), id: u64, what: &str) {
@@ -146,20 +132,6 @@ fn nak(a: (u16, u8, u64), status: u16, id: u64, what: &str) {
     assert_eq!(a, (status, KIND_NAK, id), "{what}");
 }
 
-/// One `Peer.Connect` session (plaintext); `open` opens another data stream of it.
-struct Session(String, Vec<u8>, &'static str);
-
-impl Session {
-    async fn of(a: &Agent, id: &'static str) -> Session {
-        let (addr, secret) = a.data_session(id).await;
-        Session(addr, secret, id)
-    }
-
-    fn open(&self) -> std::net::TcpStream {
-        open_data_stream(&self.0, self.2, &self.1)
-    }
-}
-
 /// A fresh notification with `tag` on `region` via `Peer.Complete` (plaintext, connection
 /// `conn`): the ordering probe that follows every refusal.
 async fn probe(a: &Agent, region: &str, conn: &str, tag: &[u8]) {
@@ -167,10 +139,6 @@ async fn probe(a: &Agent, region: &str, conn: &str, tag: &[u8]) {
     let g = grant(a, once_grant_req(region, conn, tag, 1)).await;
     let id = format!("probe-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     a.peer_client().await.complete(complete_req(&g.grant_id, &id, 4096, "x")).await.unwrap();
-}
-
-fn markers(a: &Agent, result: &str) -> f64 {
-    labelled(&scrape(a), "xfer_notify_markers_total", &[("result", result)])
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -214,90 +182,8 @@ async fn connect_tls(peer: &mut xfer_proto::v1::peer_client::PeerClient<tonic::t
 // ---------------------------------------------------------------------------------------------
 // Client-side helpers: an open channel.
 
-struct Chan {
-    tx: Option<mpsc::Sender<pb::ChannelRequest>>,
-    events: tonic::Streaming<pb::ChannelEvent>,
-    opened: pb::ChannelOpened,
-}
-
 fn open_msg(op: pb::Op, local: &str, peer: &Agent, remote: &str, offset: u64, length: u64, notify: bool) -> pb::ChannelOpen {
-    pb::ChannelOpen {
-        op: op as i32,
-        local_region: local.into(),
-        remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset }),
-        length,
-        options: Some(pb::TransferOptions { chunk_size: 16 << 10, qps: 2, depth: 8, ..Default::default() }),
-        ttl: None,
-        notify,
-    }
-}
-
-fn msg(m: pb::channel_request::Msg) -> pb::ChannelRequest {
-    pb::ChannelRequest { msg: Some(m) }
-}
-
-fn post_msg(seq: u64, segments: Vec<pb::Segment>, list: u32, notify: Option<&[u8]>) -> pb::ChannelRequest {
-    msg(pb::channel_request::Msg::Post(pb::ChannelPost { seq, segments, list, notify: notify.map(<[u8]>::to_vec) }))
-}
-
-async fn try_open(a: &Agent, open: pb::ChannelOpen) -> Result<Chan, tonic::Status> {
-    try_open_depth(a, open, 16).await
-}
-
-/// Opens a channel whose request queue (in this test) holds `depth` messages.
-async fn try_open_depth(a: &Agent, open: pb::ChannelOpen, depth: usize) -> Result<Chan, tonic::Status> {
-    let (tx, rx) = mpsc::channel(depth);
-    tx.send(msg(pb::channel_request::Msg::Open(open))).await.unwrap();
-    let mut events = a.client().await.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
-    match next_event(&mut events).await? {
-        Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(o)) }) => Ok(Chan { tx: Some(tx), events, opened: o }),
-        other => panic!("expected ChannelOpened, got {other:?}"),
-    }
-}
-
-async fn next_event(s: &mut tonic::Streaming<pb::ChannelEvent>) -> Result<Option<pb::ChannelEvent>, tonic::Status> {
-    // A hang guard, not a synchronisation.
-    tokio::time::timeout(Duration::from_secs(60), s.message()).await.expect("a channel event within 60 s")
-}
-
-impl Chan {
-    async fn send(&self, m: pb::ChannelRequest) {
-        self.tx.as_ref().unwrap().send(m).await.unwrap();
-    }
-
-    async fn post(&mut self, seq: u64, segments: Vec<pb::Segment>, list: u32, notify: Option<&[u8]>) -> pb::BatchDone {
-        self.send(post_msg(seq, segments, list, notify)).await;
-        self.done().await
-    }
-
-    async fn done(&mut self) -> pb::BatchDone {
-        match next_event(&mut self.events).await {
-            Ok(Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Done(d)) })) => d,
-            other => panic!("expected BatchDone, got {other:?}"),
-        }
-    }
-
-    async fn prepare(&mut self, list: u32, segments: Vec<pb::Segment>) -> pb::channel_event::Ev {
-        self.send(msg(pb::channel_request::Msg::Prepare(pb::ChannelPrepare { list, segments }))).await;
-        next_event(&mut self.events).await.unwrap().unwrap().ev.unwrap()
-    }
-
-    /// The status the stream ends with.
-    async fn end(&mut self) -> tonic::Status {
-        match next_event(&mut self.events).await {
-            Err(s) => s,
-            other => panic!("expected the stream to end with a status, got {other:?}"),
-        }
-    }
-
-    async fn close(mut self) {
-        self.tx.take();
-        assert!(next_event(&mut self.events).await.unwrap().is_none(), "the stream ends OK after a clean close");
-    }
-}
-
-fn ok(d: &pb::BatchDone) {
-    assert_eq!(d.state, pb::TransferState::Succeeded as i32, "{d:?}");
+    open_msg_qps(op, local, peer, remote, offset, length, notify, 2)
 }
 
 fn refused(d: &pb::BatchDone, code: &str, says: &str) {
@@ -352,13 +238,13 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     let e = pc.announce(announce_req(&g.grant_id, 0, b"forged-0")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     let mut cs = tls_data_stream(&pki, "node-c", &addr, "cc1", &c_secret);
-    nak(notify(&mut cs, token(&g), imm(&g, 0), 1), REM_ACCESS_ERR, 1, "node-a's token on node-c's stream");
+    nak(notify(&mut cs, token_of(&g), imm(&g, 0), 1), REM_ACCESS_ERR, 1, "node-a's token on node-c's stream");
     // node-c's certificate cannot say hello as node-a's connection (it has node-a's token now).
     let mut hijack = tls_data_stream(&pki, "node-c", &addr, "ca1", &a_secret);
-    let _ = hijack.write_all(&frame_header(KIND_NOTIFY, 1, 2, token(&g), imm(&g, 0) as u64, 0));
+    let _ = hijack.write_all(&frame_header(KIND_NOTIFY, 1, 2, token_of(&g), imm(&g, 0) as u64, 0));
     let _ = hijack.flush();
     // The hello is refused (a NAK of frame 0) and the stream closed: the marker is never served.
-    nak(read_answer(&mut hijack), REM_ACCESS_ERR, 0, "node-c's hello naming node-a's connection");
+    nak(read_frame_answer(&mut hijack), REM_ACCESS_ERR, 0, "node-c's hello naming node-a's connection");
     let mut rest = Vec::new();
     assert_eq!(hijack.read_to_end(&mut rest).unwrap_or(0), 0, "the stream is closed: {rest:?}");
 
@@ -371,7 +257,7 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
 
     // node-a's marker of batch 0 (its only one): not published without the announce.
     let mut s = tls_data_stream(&pki, "node-a", &addr, "ca1", &a_secret);
-    ok_ack(notify(&mut s, token(&g), imm(&g, 0), 10), 10, "node-a's marker");
+    ok_ack(notify(&mut s, token_of(&g), imm(&g, 0), 10), 10, "node-a's marker");
     // node-c tries again now that only the tag is missing.
     let e = pc.announce(announce_req(&g.grant_id, 0, b"forged-0b")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
@@ -382,7 +268,7 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     // Batch 1: node-c announces first, then node-a marks and announces.
     let e = pc.announce(announce_req(&g.grant_id, 1, b"forged-1")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
-    ok_ack(notify(&mut s, token(&g), imm(&g, 1), 11), 11, "node-a's marker of batch 1");
+    ok_ack(notify(&mut s, token_of(&g), imm(&g, 1), 11), 11, "node-a's marker of batch 1");
     pa.announce(announce_req(&g.grant_id, 1, b"real-1")).await.expect("not 'already announced': the forgery did not count");
     assert_eq!(next_note(&mut notes).await.tag, b"real-1");
 
@@ -408,7 +294,7 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     while let Some(m) = rd.message().await.unwrap() {
         assert!(m.data.iter().all(|&x| x == 0), "no byte of dst changed");
     }
-    assert_eq!(markers(&b, "counted"), 2.0);
+    assert_eq!(notify_markers(&b, "counted"), 2.0);
 }
 
 /// Every malformed or misplaced announce is refused with its code and changes nothing: the
@@ -421,7 +307,7 @@ async fn bad_announces_are_refused_and_change_nothing() {
     let before = random_bytes(MIB as usize, 1);
     b.put("dst", 0, &before).await;
     let mut notes = subscribe(&b, "", None).await;
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     let mut s = c1.open();
     let g = grant(&b, channel_grant_req("dst", 4096, "c1", 1)).await;
     let once = grant(&b, once_grant_req("dst", "c1", b"once", 1)).await;
@@ -449,7 +335,7 @@ async fn bad_announces_are_refused_and_change_nothing() {
         assert!(e.message().contains(says), "{what}: {:?} does not say {says:?}", e.message());
     }
     // The revoked grant's marker is refused too.
-    nak(notify(&mut s, token(&revoked), imm(&revoked, 0), 1), REM_ACCESS_ERR, 1, "a revoked channel grant's marker");
+    nak(notify(&mut s, token_of(&revoked), imm(&revoked, 0), 1), REM_ACCESS_ERR, 1, "a revoked channel grant's marker");
 
     // Batch 0: announced, then a duplicate announce (refused), then its marker publishes the
     // first tag, once.
@@ -457,13 +343,13 @@ async fn bad_announces_are_refused_and_change_nothing() {
     let e = announce(&b, &g.grant_id, 0, b"dup").await.expect_err("duplicate");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("already announced"), "{e:?}");
-    ok_ack(notify(&mut s, token(&g), imm(&g, 0), 2), 2, "batch 0's marker");
+    ok_ack(notify(&mut s, token_of(&g), imm(&g, 0), 2), 2, "batch 0's marker");
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.via.as_str()), (&b"t0"[..], "fabric"), "the duplicate did not replace the tag: {n:?}");
     let e = announce(&b, &g.grant_id, 0, b"again").await.expect_err("already published");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("already notified"), "{e:?}");
-    nak(notify(&mut s, token(&g), imm(&g, 0), 3), REM_INV_REQ_ERR, 3, "a marker of a published batch");
+    nak(notify(&mut s, token_of(&g), imm(&g, 0), 3), REM_INV_REQ_ERR, 3, "a marker of a published batch");
     // The window moved: 1024 is inside now, 1025 is not.
     let e = announce(&b, &g.grant_id, 1025, b"x").await.expect_err("past the moved window");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -473,13 +359,13 @@ async fn bad_announces_are_refused_and_change_nothing() {
     let g2 = grant(&b, channel_grant_req("dst", 4096, "c1", 1)).await;
     announce(&b, &g2.grant_id, 0, b"complete").await.unwrap();
     b.peer_client().await.complete(complete_req(&g2.grant_id, "t-g2", 4096, "x")).await.unwrap();
-    nak(notify(&mut s, token(&g2), imm(&g2, 0), 4), REM_ACCESS_ERR, 4, "after Complete the channel grant is gone");
+    nak(notify(&mut s, token_of(&g2), imm(&g2, 0), 4), REM_ACCESS_ERR, 4, "after Complete the channel grant is gone");
 
     probe(&b, "dst", "c1", b"probe").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe", "nothing published between t0 and the probe");
     assert!(b.read("dst", 0, MIB).await == before, "no byte changed");
     assert_eq!(gauge(&b, "xfer_grants_active"), 3.0, "g, once and plain");
-    assert_eq!(markers(&b, "counted"), 1.0);
+    assert_eq!(notify_markers(&b, "counted"), 1.0);
 }
 
 /// A peer that announces batches and never marks them: the tags a channel grant keeps are
@@ -491,7 +377,7 @@ async fn announced_tags_are_bounded_per_channel() {
     let b = Agent::start("node-b");
     b.create("dst", MIB, pb::Access::ReadWrite).await;
     let mut notes = subscribe(&b, "", None).await;
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     let mut s = c1.open();
     let g = grant(&b, channel_grant_req("dst", 4096, "c1", 1)).await;
     let tag = |seq: u64| {
@@ -511,7 +397,7 @@ async fn announced_tags_are_bounded_per_channel() {
     assert_eq!(refusal.code(), Code::ResourceExhausted, "{refusal:?}");
     assert_eq!(taken, 64, "64 KiB of tags per channel grant");
     // Batch 0's marker publishes it: room for one more.
-    ok_ack(notify(&mut s, token(&g), imm(&g, 0), 1), 1, "batch 0's marker");
+    ok_ack(notify(&mut s, token_of(&g), imm(&g, 0), 1), 1, "batch 0's marker");
     assert_eq!(next_note(&mut notes).await.tag, tag(0));
     p.announce(announce_req(&g.grant_id, taken, &tag(taken))).await.expect("room again after a publication");
     let e = p.announce(announce_req(&g.grant_id, taken + 1, &tag(taken + 1))).await.expect_err("full again");
@@ -523,7 +409,7 @@ async fn announced_tags_are_bounded_per_channel() {
     }
     // Every kept batch still publishes, in any order, each once.
     for seq in (1..=taken).rev() {
-        ok_ack(notify(&mut s, token(&g), imm(&g, seq), 10 + seq), 10 + seq, "a kept batch's marker");
+        ok_ack(notify(&mut s, token_of(&g), imm(&g, seq), 10 + seq), 10 + seq, "a kept batch's marker");
         assert_eq!(next_note(&mut notes).await.tag, tag(seq));
     }
 }
@@ -543,7 +429,7 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     let before = random_bytes(MIB as usize, 2);
     b.put("dst", 0, &before).await;
     let mut notes = subscribe(&b, "", None).await;
-    let (c1, c2) = (Session::of(&b, "c1").await, Session::of(&b, "c2").await);
+    let (c1, c2) = (DataSession::of(&b, "c1").await, DataSession::of(&b, "c2").await);
     let (mut s1, mut s2) = (c1.open(), c2.open());
     // The channel under attack: 2 markers per batch (two QPs).
     let g = grant(&b, channel_grant_req("dst", 4096, "c1", 2)).await;
@@ -552,7 +438,7 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     let once = grant(&b, once_grant_req("dst", "c1", b"once", 2)).await;
     assert!(once.notify_slot != 0 && once.notify_slot & CHANNEL_BIT == 0);
     assert!(g.notify_slot != sibling.notify_slot && g.notify_slot != far.notify_slot);
-    let tg = token(&g);
+    let tg = token_of(&g);
     let mut id = 0u64;
     let mut next = || {
         id += 1;
@@ -578,12 +464,12 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     let i = next();
     nak(notify(&mut s2, tg, imm(&g, 0), i), REM_ACCESS_ERR, i, "the channel's token on another connection's stream");
     let i = next();
-    nak(notify(&mut s1, token(&far), imm(&far, 0), i), REM_ACCESS_ERR, i, "another connection's channel token");
+    nak(notify(&mut s1, token_of(&far), imm(&far, 0), i), REM_ACCESS_ERR, i, "another connection's channel token");
     // A channel immediate under the single-notification grant's token: on tcp the token names
     // the grant, so it counts for that grant (1 of its 2 markers: unpublished) and never for g.
     let i = next();
-    ok_ack(notify(&mut s1, token(&once), imm(&g, 0), i), i, "a channel immediate under a plain grant's token");
-    assert_eq!(markers(&b, "counted"), 1.0);
+    ok_ack(notify(&mut s1, token_of(&once), imm(&g, 0), i), i, "a channel immediate under a plain grant's token");
+    assert_eq!(notify_markers(&b, "counted"), 1.0);
 
     // Batch 0 of g: one marker of two, then its announce: not published yet.
     let i = next();
@@ -603,7 +489,7 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     let i = next();
     nak(notify(&mut s1, tg, imm(&g, 2), i), REM_INV_REQ_ERR, i, "a third marker of a 2-marker batch");
     let i = next();
-    ok_ack(notify(&mut s1, token(&sibling), imm(&sibling, 0), i), i, "the sibling's own marker");
+    ok_ack(notify(&mut s1, token_of(&sibling), imm(&sibling, 0), i), i, "the sibling's own marker");
     probe(&b, "dst", "c1", b"probe-1").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe-1", "no batch published before all its markers and its announce");
 

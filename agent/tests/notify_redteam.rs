@@ -42,36 +42,11 @@ async fn grant(a: &Agent, req: pb::GrantRequest) -> Result<pb::GrantResponse, to
     a.peer_client().await.grant(req).await.map(|r| r.into_inner())
 }
 
-fn token(g: &pb::GrantResponse) -> [u8; 16] {
-    g.token.as_slice().try_into().unwrap()
-}
-
 /// Sends a NOTIFY frame (`ack`: with ACK_REQUESTED); reads one answer: (status, kind, id).
 fn notify_and_read(s: &mut std::net::TcpStream, tok: [u8; 16], id: u64, ack: bool) -> (u16, u8, u64) {
     s.write_all(&frame_header(KIND_NOTIFY, u8::from(ack), id, tok, 0, 0)).unwrap();
-    read_answer(s)
+    read_frame_answer(s)
 }
-
-fn read_answer(s: &mut std::net::TcpStream) -> (u16, u8, u64) {
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    (u16::from_le_bytes([r[6], r[7]]), r[4], u64::from_le_bytes(r[8..16].try_into().unwrap()))
-}
-
-/// One `Peer.Connect` session; `open` opens another data stream of it.
-struct Session(String, Vec<u8>, &'static str);
-
-impl Session {
-    async fn of(a: &Agent, id: &'static str) -> Session {
-        let (addr, secret) = a.data_session(id).await;
-        Session(addr, secret, id)
-    }
-
-    fn open(&self) -> std::net::TcpStream {
-        open_data_stream(&self.0, self.2, &self.1)
-    }
-}
-
 
 /// A fresh notification with `tag` on `region` via `Peer.Complete` (connection `conn`): the
 /// ordering probe that follows every refusal.
@@ -80,10 +55,6 @@ async fn probe(a: &Agent, region: &str, conn: &str, tag: &[u8]) {
     let g = grant(a, notify_grant_req(region, 0, 4096, pb::Access::Write, conn, tag, 1)).await.unwrap();
     let id = format!("probe-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     a.peer_client().await.complete(complete_req(&g.grant_id, &id, 4096, "x")).await.unwrap();
-}
-
-fn markers(a: &Agent, result: &str) -> f64 {
-    labelled(&scrape(a), "xfer_notify_markers_total", &[("result", result)])
 }
 
 /// Markers on another connection of the same identity, on a token that never was, under a
@@ -107,31 +78,31 @@ async fn markers_count_only_on_their_connection_under_a_live_grant_and_publish_o
     assert_eq!(gauge(&b, "xfer_grants_active"), 2.0);
 
     // The good grant's token on the other connection's stream (same identity).
-    assert_eq!(notify_and_read(&mut s2, token(&good), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1), "another connection's stream");
+    assert_eq!(notify_and_read(&mut s2, token_of(&good), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1), "another connection's stream");
     // Refused markers are NAKed even without ACK_REQUESTED.
-    assert_eq!(notify_and_read(&mut s2, token(&good), 2, false), (REM_ACCESS_ERR, KIND_NAK, 2), "unacked, other connection");
+    assert_eq!(notify_and_read(&mut s2, token_of(&good), 2, false), (REM_ACCESS_ERR, KIND_NAK, 2), "unacked, other connection");
     assert_eq!(notify_and_read(&mut s1, [0x5a; 16], 3, true), (REM_ACCESS_ERR, KIND_NAK, 3), "a token that never was");
-    assert_eq!(notify_and_read(&mut s1, token(&plain), 4, true), (REM_INV_REQ_ERR, KIND_NAK, 4), "a grant without a notification");
-    assert_eq!(notify_and_read(&mut s1, token(&revoked), 5, true), (REM_ACCESS_ERR, KIND_NAK, 5), "a revoked grant");
-    assert_eq!(markers(&b, "counted"), 0.0);
+    assert_eq!(notify_and_read(&mut s1, token_of(&plain), 4, true), (REM_INV_REQ_ERR, KIND_NAK, 4), "a grant without a notification");
+    assert_eq!(notify_and_read(&mut s1, token_of(&revoked), 5, true), (REM_ACCESS_ERR, KIND_NAK, 5), "a revoked grant");
+    assert_eq!(notify_markers(&b, "counted"), 0.0);
 
     // The real one, then a duplicate.
-    assert_eq!(notify_and_read(&mut s1, token(&good), 6, true), (0, KIND_ACK, 6));
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 6, true), (0, KIND_ACK, 6));
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.via.as_str(), n.region.as_str()), (&b"good"[..], "fabric", "dst"), "the first notification is the valid one: {n:?}");
-    assert_eq!(notify_and_read(&mut s1, token(&good), 7, true), (0, KIND_ACK, 7), "a duplicate marker is counted");
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 7, true), (0, KIND_ACK, 7), "a duplicate marker is counted");
     b.peer_client().await.complete(complete_req(&good.grant_id, "t-good", 4096, "x")).await.unwrap();
     // Once completed, the grant is gone: a late marker is refused.
-    assert_eq!(notify_and_read(&mut s1, token(&good), 8, true), (REM_ACCESS_ERR, KIND_NAK, 8));
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 8, true), (REM_ACCESS_ERR, KIND_NAK, 8));
     probe(&b, "dst", "c1", b"next").await;
     let n = next_note(&mut notes).await;
     assert_eq!(n.tag, b"next", "published twice: {n:?}");
 
     assert!(b.read("dst", 0, MIB).await == before, "no byte changed");
     assert_eq!(gauge(&b, "xfer_grants_active"), 1.0, "only the plain grant is left");
-    assert_eq!(markers(&b, "counted"), 2.0);
-    assert!(markers(&b, "refused") >= 5.0, "{}", scrape(&b));
-    assert_eq!(markers(&b, "no_notification"), 1.0);
+    assert_eq!(notify_markers(&b, "counted"), 2.0);
+    assert!(notify_markers(&b, "refused") >= 5.0, "{}", scrape(&b));
+    assert_eq!(notify_markers(&b, "no_notification"), 1.0);
 }
 
 /// `GrantRequest.notify` is checked before anything is exposed: 0 or 65 markers, a tag over
@@ -185,18 +156,18 @@ async fn notification_asks_are_bounded_and_leave_nothing() {
 #[tokio::test]
 async fn malformed_and_flooded_notify_frames() {
     let b = Agent::start("node-b");
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     b.create("dst", MIB, pb::Access::ReadWrite).await;
     let mut notes = subscribe(&b, "dst", None).await;
     let mut s = c1.open();
     let g = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c1", b"flood", 2)).await.unwrap();
     // A length on a NOTIFY: NAK REM_INV_REQ_ERR (frame id 0: the header did not decode), EOF.
-    s.write_all(&frame_header(KIND_NOTIFY, 1, 9, token(&g), 0, 5)).unwrap();
+    s.write_all(&frame_header(KIND_NOTIFY, 1, 9, token_of(&g), 0, 5)).unwrap();
     s.write_all(&[0; 5]).unwrap();
-    assert_eq!(read_answer(&mut s), (REM_INV_REQ_ERR, KIND_NAK, 0));
+    assert_eq!(read_frame_answer(&mut s), (REM_INV_REQ_ERR, KIND_NAK, 0));
     let mut rest = Vec::new();
     assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "the stream is closed");
-    assert_eq!(markers(&b, "counted"), 0.0);
+    assert_eq!(notify_markers(&b, "counted"), 0.0);
 
     // 2,000 refused markers (a token that never was, no ACK asked): one NAK each.
     let mut s = c1.open();
@@ -206,22 +177,22 @@ async fn malformed_and_flooded_notify_frames() {
     }
     s.write_all(&flood).unwrap();
     for i in 0..2000u64 {
-        assert_eq!(read_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, i));
+        assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, i));
     }
     // 10,000 unacknowledged markers on the live grant (2 expected), then one with ACK.
     let mut flood = Vec::new();
     for i in 0..10_000u64 {
-        flood.extend_from_slice(&frame_header(KIND_NOTIFY, 0, i, token(&g), 0, 0));
+        flood.extend_from_slice(&frame_header(KIND_NOTIFY, 0, i, token_of(&g), 0, 0));
     }
-    flood.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 77_777, token(&g), 0, 0));
+    flood.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 77_777, token_of(&g), 0, 0));
     s.write_all(&flood).unwrap();
-    assert_eq!(read_answer(&mut s), (0, KIND_ACK, 77_777), "no answer to unacked markers, in order");
+    assert_eq!(read_frame_answer(&mut s), (0, KIND_ACK, 77_777), "no answer to unacked markers, in order");
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.via.as_str()), (&b"flood"[..], "fabric"));
     b.peer_client().await.complete(complete_req(&g.grant_id, "t-flood", 4096, "x")).await.unwrap();
     probe(&b, "dst", "c1", b"after").await;
     assert_eq!(next_note(&mut notes).await.tag, b"after", "the flood published once");
-    assert_eq!(markers(&b, "counted"), 10_001.0);
+    assert_eq!(notify_markers(&b, "counted"), 10_001.0);
     assert_eq!(gauge(&b, "xfer_grants_active"), 0.0);
 }
 
@@ -230,7 +201,7 @@ async fn malformed_and_flooded_notify_frames() {
 #[tokio::test]
 async fn a_marker_under_a_read_grant_says_read_and_changes_nothing() {
     let b = Agent::start("node-b");
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     b.create("pool", MIB, pb::Access::Read).await;
     let bytes = random_bytes(MIB as usize, 3);
     b.put("pool", 0, &bytes).await;
@@ -239,12 +210,12 @@ async fn a_marker_under_a_read_grant_says_read_and_changes_nothing() {
     let g = grant(&b, notify_grant_req("pool", 4096, 8192, pb::Access::Read, "c1", b"rd", 1)).await.unwrap();
     // A WRITE under the READ grant's token is refused; the marker still counts (it is the
     // grantee's to send).
-    assert_eq!(raw_write(&mut s, token(&g), g.addr, &[0xee; 64]), (REM_ACCESS_ERR, KIND_NAK));
+    assert_eq!(raw_write(&mut s, token_of(&g), g.addr, &[0xee; 64]), (REM_ACCESS_ERR, KIND_NAK));
     let mut s = c1.open();
-    let (status, _, data) = raw_read(&mut s, token(&g), g.addr, 8192);
+    let (status, _, data) = raw_read(&mut s, token_of(&g), g.addr, 8192);
     assert_eq!(status, 0);
     assert!(data == bytes[4096..4096 + 8192]);
-    assert_eq!(notify_and_read(&mut s, token(&g), 1, true), (0, KIND_ACK, 1));
+    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (0, KIND_ACK, 1));
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.op, n.offset, n.length), (&b"rd"[..], pb::Op::Read as i32, 4096, 8192));
     assert!(b.read("pool", 0, MIB).await == bytes);
@@ -259,7 +230,7 @@ async fn a_marker_under_a_read_grant_says_read_and_changes_nothing() {
 #[tokio::test]
 async fn a_marker_behind_a_refused_write_on_its_stream_does_not_count() {
     let b = Agent::start("node-b");
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     std::fs::write(root_of(&b).join("wr.bin"), random_bytes(MIB as usize, 4)).unwrap();
     b.client().await.create_region(file_region_req("wr", MIB, "wr.bin", pb::Access::ReadWrite)).await.unwrap();
     b.create("dst", MIB, pb::Access::ReadWrite).await;
@@ -270,35 +241,35 @@ async fn a_marker_behind_a_refused_write_on_its_stream_does_not_count() {
     // The file shrinks after the grant: the next WRITE into it is refused.
     std::fs::OpenOptions::new().write(true).open(root_of(&b).join("wr.bin")).unwrap().set_len(0).unwrap();
     // The initiator's pipeline: WRITE (ACK asked), then the marker, without waiting.
-    let mut w = frame_header(1, 1, 1, token(&failed), failed.addr, 4096).to_vec();
+    let mut w = frame_header(1, 1, 1, token_of(&failed), failed.addr, 4096).to_vec();
     w.extend_from_slice(&[0xab; 4096]);
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 2, token(&failed), 0, 0));
+    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 2, token_of(&failed), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 1), "the WRITE into the shrunk file");
-    let (status, kind, id) = read_answer(&mut s);
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 1), "the WRITE into the shrunk file");
+    let (status, kind, id) = read_frame_answer(&mut s);
     assert_eq!((kind, id), (KIND_NAK, 2), "the marker behind a refused WRITE was acknowledged (status {status})");
     // Same on another region: a WRITE past its grant, then a marker.
     let mut s = c1.open();
-    let mut w = frame_header(1, 1, 3, token(&outside), outside.addr + 4096, 16).to_vec();
+    let mut w = frame_header(1, 1, 3, token_of(&outside), outside.addr + 4096, 16).to_vec();
     w.extend_from_slice(&[0xcd; 16]);
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 4, token(&outside), 0, 0));
+    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 4, token_of(&outside), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 3));
-    assert_eq!(read_answer(&mut s).1, KIND_NAK, "the marker behind a WRITE past the grant");
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 3));
+    assert_eq!(read_frame_answer(&mut s).1, KIND_NAK, "the marker behind a WRITE past the grant");
     // A READ the target refuses stops the stream's markers just the same.
     let mut s = c1.open();
     let mut w = frame_header(2, 0, 5, [9; 16], 0, 16).to_vec();
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 6, token(&outside), 0, 0));
+    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 6, token_of(&outside), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_answer(&mut s), (REM_ACCESS_ERR, 3, 5), "READ_RESP with an error status");
-    assert_eq!(read_answer(&mut s).1, KIND_NAK, "the marker behind a refused READ");
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, 3, 5), "READ_RESP with an error status");
+    assert_eq!(read_frame_answer(&mut s).1, KIND_NAK, "the marker behind a refused READ");
 
     // Neither was published: the next notification is the probe's.
     probe(&b, "dst", "c1", b"probe").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe");
     // A fresh stream of the same connection, with nothing refused on it, still counts markers.
     let mut s = c1.open();
-    assert_eq!(notify_and_read(&mut s, token(&outside), 7, true), (0, KIND_ACK, 7));
+    assert_eq!(notify_and_read(&mut s, token_of(&outside), 7, true), (0, KIND_ACK, 7));
     assert_eq!(next_note(&mut notes).await.tag, b"outside");
     assert!(b.read("dst", 0, MIB).await.iter().all(|&x| x == 0), "no byte of dst changed");
 }
@@ -316,7 +287,7 @@ async fn an_expired_grant_publishes_nothing() {
     let g = grant(&b, req).await.unwrap();
     // The reaper removes it (waiting for the gauge, not for a time).
     wait_gauge(&b, "xfer_grants_active", 0.0).await;
-    assert_eq!(notify_and_read(&mut s, token(&g), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1));
+    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1));
     let e = b.peer_client().await.complete(complete_req(&g.grant_id, "t-exp", 4096, "x")).await.expect_err("expired");
     assert_ne!(e.code(), Code::Ok);
     probe(&b, "dst", "c1", b"probe").await;
@@ -489,16 +460,16 @@ async fn disconnect_and_delete_take_their_notifications_with_them() {
     b.create("dst", MIB, pb::Access::ReadWrite).await;
     b.create("other", MIB, pb::Access::ReadWrite).await;
     let mut notes = subscribe(&b, "", None).await;
-    let c1 = Session::of(&b, "c1").await;
+    let c1 = DataSession::of(&b, "c1").await;
     let mut s = c1.open();
-    Session::of(&b, "c2").await;
+    DataSession::of(&b, "c2").await;
     let by_conn = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c1", b"disconnected", 1)).await.unwrap();
     let by_region = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c2", b"deleted", 1)).await.unwrap();
     assert_eq!(gauge(&b, "xfer_grants_active"), 2.0);
     b.peer_client().await.disconnect(pb::DisconnectRequest { connection_id: "c1".into(), node_name: "x".into() }).await.unwrap();
     // The session's streams are being closed and the grant is gone: a marker gets EOF (or a
     // reset), or at most a NAK if the stream served it before closing — never an ACK.
-    let _ = s.write_all(&frame_header(KIND_NOTIFY, 1, 1, token(&by_conn), 0, 0));
+    let _ = s.write_all(&frame_header(KIND_NOTIFY, 1, 1, token_of(&by_conn), 0, 0));
     let mut r = [0u8; 44];
     if s.read_exact(&mut r).is_ok() {
         assert_eq!((u16::from_le_bytes([r[6], r[7]]), r[4]), (REM_ACCESS_ERR, KIND_NAK), "a disconnected connection's marker");
@@ -511,8 +482,8 @@ async fn disconnect_and_delete_take_their_notifications_with_them() {
         assert_eq!(e.code(), Code::NotFound, "{id}: {e:?}");
     }
     // The old token on the surviving connection's stream: refused.
-    let mut s2 = Session::of(&b, "c3").await.open();
-    assert_eq!(notify_and_read(&mut s2, token(&by_region), 2, true), (REM_ACCESS_ERR, KIND_NAK, 2));
+    let mut s2 = DataSession::of(&b, "c3").await.open();
+    assert_eq!(notify_and_read(&mut s2, token_of(&by_region), 2, true), (REM_ACCESS_ERR, KIND_NAK, 2));
     probe(&b, "other", "c2", b"probe").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe");
 }

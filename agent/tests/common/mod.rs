@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
+pub mod chan;
 pub mod pki;
 
 use std::path::{Path, PathBuf};
@@ -41,6 +42,38 @@ pub fn frame_header(kind: u8, flags: u8, id: u64, token: [u8; 16], addr: u64, le
     h[24..28].copy_from_slice(&len.to_le_bytes());
     h[28..44].copy_from_slice(&token);
     h
+}
+
+/// Reads one 44-byte answer frame (ACK or NAK): (status, kind, id).
+pub fn read_frame_answer<S: std::io::Read>(s: &mut S) -> (u16, u8, u64) {
+    let mut r = [0u8; 44];
+    s.read_exact(&mut r).unwrap();
+    (u16::from_le_bytes([r[6], r[7]]), r[4], u64::from_le_bytes(r[8..16].try_into().unwrap()))
+}
+
+/// A tcp grant's 16-byte token.
+pub fn token_of(g: &pb::GrantResponse) -> [u8; 16] {
+    g.token.as_slice().try_into().unwrap()
+}
+
+/// `xfer_notify_markers_total{result}` of `a`.
+pub fn notify_markers(a: &Agent, result: &str) -> f64 {
+    labelled(&scrape(a), "xfer_notify_markers_total", &[("result", result)])
+}
+
+/// One `Peer.Connect` session (plaintext) of connection `id`; `open` opens another data stream
+/// of it.
+pub struct DataSession(String, Vec<u8>, &'static str);
+
+impl DataSession {
+    pub async fn of(a: &Agent, id: &'static str) -> DataSession {
+        let (addr, secret) = a.data_session(id).await;
+        DataSession(addr, secret, id)
+    }
+
+    pub fn open(&self) -> std::net::TcpStream {
+        open_data_stream(&self.0, self.2, &self.1)
+    }
 }
 
 /// Sends one WRITE frame (ACK requested) on `s`; returns (NAK/ACK status, frame kind).
