@@ -219,6 +219,39 @@ fn only_the_service_module_knows_protobuf() {
     fail_if_any("xfer_proto used outside agent/src/service/", bad);
 }
 
+/// xferctl is a thin shell over `xfer-client` (issue 12): its code never names the generated
+/// protobuf types or tonic, so everything it can do an application can do through the crate,
+/// and a change to the wire format is made once, in the crate's `convert.rs`. In the crate,
+/// only `convert.rs`, `lib.rs` (the calls), `channel.rs` (the channel stream's messages) and
+/// `error.rs` (statuses into the error enum) speak protobuf or tonic.
+#[test]
+fn xferctl_and_the_client_crate_keep_one_proto_boundary() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        let p = path.to_string_lossy();
+        let allowed: &[&str] = if p.starts_with("ctl/") {
+            &[]
+        } else if p.starts_with("crates/xfer-client/src/") {
+            &["convert.rs", "lib.rs", "channel.rs", "error.rs"]
+        } else {
+            continue;
+        };
+        if allowed.iter().any(|f| p.ends_with(&format!("/{f}"))) {
+            continue;
+        }
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("xfer_proto") || code.contains("tonic::") || code.contains("pb::") {
+                bad.push(format!("{p}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    fail_if_any("protobuf or tonic outside the client crate's boundary", bad);
+    let ctl = std::fs::read_to_string(workspace_root().join("ctl/Cargo.toml")).expect("ctl/Cargo.toml");
+    let deps = ctl.split("[dev-dependencies]").next().unwrap_or("");
+    assert!(!deps.contains("xfer-proto") && !deps.contains("tonic"), "xferctl depends on xfer-proto or tonic directly");
+}
+
 /// gRPC statuses are made in one place: `tonic::Status` is constructed only in
 /// `agent/src/service/convert.rs` (every domain error maps there, so codes stay consistent).
 #[test]

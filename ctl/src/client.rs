@@ -1,19 +1,13 @@
 //! Connecting to an agent's gRPC endpoint.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::Context;
-use tonic::transport::Channel;
-use xfer_proto::v1::agent_client::AgentClient;
 
 use crate::error::Failure;
 
-/// How long to wait for the TCP (and HTTP/2) connection to an agent.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The generated client for the `xfer.v1.Agent` service.
-pub type Client = AgentClient<Channel>;
+/// Every command talks to agents through the client crate applications use.
+pub use xfer_client::Client;
 
 /// TLS settings from `--cert/--key/--ca` (`--ca` turns TLS on; `--cert` and `--key` add a client
 /// certificate, which agents with mTLS require).
@@ -53,14 +47,14 @@ pub async fn connect_with(addr: &str, tls: Option<&TlsFiles>) -> anyhow::Result<
         }
     };
     match client {
-        Ok(c) => Ok(c.raw()),
+        Ok(c) => Ok(c),
         Err(xfer_client::Error::Connect { addr, detail }) => Err(Failure::Connect { addr, reason: plain_reason(detail) }.into()),
         Err(e) => Err(e.into()),
     }
 }
 
 /// tonic's bare "transport error" says nothing: name what failed instead.
-fn plain_reason(detail: String) -> String {
+pub fn plain_reason(detail: String) -> String {
     if detail.is_empty() || detail == "transport error" {
         "connection failed".to_string()
     } else {

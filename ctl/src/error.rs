@@ -1,14 +1,12 @@
 //! The one place where failures become an exit code and a one-line message.
 //!
-//! Commands return `anyhow::Error`s that carry either a [`tonic::Status`] (from an RPC), a
-//! [`Failure`] (a condition xferctl itself detected, such as a FAILED transfer) or anything else
-//! (generic, exit 1). [`report`] walks the error chain, picks the exit code from the first typed
-//! error it finds and renders the chain as one line, using the status *message* rather than
-//! tonic's multi-field `Display`.
+//! Commands return `anyhow::Error`s that carry either an [`xfer_client::Error`] (from a call to
+//! an agent), a [`Failure`] (a condition xferctl itself detected, such as a FAILED transfer) or
+//! anything else (generic, exit 1). [`report`] walks the error chain, picks the exit code from
+//! the first typed error it finds and renders the chain as one line: the agent's message, then
+//! its status code's name.
 
 use std::fmt;
-
-use tonic::Code;
 
 /// Exit codes that scripts can rely on. Keep in sync with the table in `lib.rs` and `--help`.
 pub mod exit {
@@ -137,64 +135,57 @@ fn is_checksum_code(code: &str) -> bool {
     c.contains("CHECKSUM") || c.contains("MISMATCH")
 }
 
-/// The canonical upper-case gRPC name of a status code, as in the gRPC spec.
-pub fn code_name(code: Code) -> &'static str {
+/// Exit code for an agent's gRPC status, by its canonical name.
+pub fn status_exit_code(code: &str) -> u8 {
     match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
+        "OK" => exit::OK,
+        "NOT_FOUND" => exit::NOT_FOUND,
+        "INVALID_ARGUMENT" | "OUT_OF_RANGE" => exit::INVALID_ARGUMENT,
+        "PERMISSION_DENIED" | "UNAUTHENTICATED" => exit::PERMISSION_DENIED,
+        "FAILED_PRECONDITION" | "ABORTED" => exit::FAILED_PRECONDITION,
+        "RESOURCE_EXHAUSTED" => exit::RESOURCE_EXHAUSTED,
+        "UNAVAILABLE" => exit::UNAVAILABLE,
+        "DEADLINE_EXCEEDED" => exit::DEADLINE_EXCEEDED,
+        "ALREADY_EXISTS" => exit::ALREADY_EXISTS,
+        "CANCELLED" => exit::TRANSFER_CANCELLED,
+        _ => exit::GENERIC,
     }
 }
 
-/// Exit code for a gRPC status code.
-pub fn status_exit_code(code: Code) -> u8 {
-    match code {
-        Code::Ok => exit::OK,
-        Code::NotFound => exit::NOT_FOUND,
-        Code::InvalidArgument | Code::OutOfRange => exit::INVALID_ARGUMENT,
-        Code::PermissionDenied | Code::Unauthenticated => exit::PERMISSION_DENIED,
-        Code::FailedPrecondition | Code::Aborted => exit::FAILED_PRECONDITION,
-        Code::ResourceExhausted => exit::RESOURCE_EXHAUSTED,
-        Code::Unavailable => exit::UNAVAILABLE,
-        Code::DeadlineExceeded => exit::DEADLINE_EXCEEDED,
-        Code::AlreadyExists => exit::ALREADY_EXISTS,
-        Code::Cancelled => exit::TRANSFER_CANCELLED,
-        Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => exit::GENERIC,
+/// A client error as (exit code, the code name to append, the text).
+fn client_error(e: &xfer_client::Error) -> (u8, Option<String>, String) {
+    use xfer_client::Error as E;
+    match e {
+        E::Connect { addr, detail } => {
+            let f = Failure::Connect { addr: addr.clone(), reason: crate::client::plain_reason(detail.clone()) };
+            (exit::UNAVAILABLE, None, f.to_string())
+        }
+        // The call never got an answer: the connection failed under it (e.g. a refused TLS
+        // handshake, or plaintext sent to an mTLS agent). That is UNAVAILABLE.
+        E::Transport(root) => (
+            exit::UNAVAILABLE,
+            Some("UNAVAILABLE".into()),
+            format!("connection to the agent failed: {root} (an agent with mTLS needs --cert, --key and --ca from its CA)"),
+        ),
+        E::Transfer { id, state, code, message } => {
+            let f = if *state == xfer_client::State::Cancelled {
+                Failure::TransferCancelled { id: id.clone(), error: message.clone() }
+            } else {
+                Failure::TransferFailed { id: id.clone(), error: message.clone(), error_code: code.clone() }
+            };
+            (f.exit_code(), None, f.to_string())
+        }
+        E::Batch { .. } => (exit::TRANSFER_FAILED, None, e.to_string()),
+        E::Protocol(_) | E::Io { .. } => (exit::GENERIC, None, e.to_string()),
+        // An agent's status: its message, its code's exit code and name.
+        status => {
+            let code = status.code().to_string();
+            let msg = status.message();
+            let msg = msg.trim();
+            let text = if msg.is_empty() { code.to_ascii_lowercase().replace('_', " ") } else { msg.to_string() };
+            (status_exit_code(&code), Some(code), text)
+        }
     }
-}
-
-/// For a status that tonic made from a transport failure (it carries the transport error as its
-/// source, which a status from the agent never does): the one-line reason.
-fn transport_failure(status: &tonic::Status) -> Option<String> {
-    use std::error::Error;
-    // INTERNAL: an HTTP/2 protocol error, e.g. the agent reset the stream after refusing the
-    // client certificate.
-    if !matches!(status.code(), Code::Unknown | Code::Cancelled | Code::Unavailable | Code::Internal) {
-        return None;
-    }
-    let mut cur: &(dyn Error + 'static) = status.source()?;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    let root = cur.to_string();
-    let root = if root.is_empty() || root == "transport error" { status.message().to_string() } else { root };
-    Some(format!(
-        "connection to the agent failed: {root} (an agent with mTLS needs --cert, --key and --ca from its CA)"
-    ))
 }
 
 /// Renders an error as `(exit code, one-line message without the "error: " prefix)`.
@@ -203,44 +194,30 @@ pub fn report(err: &anyhow::Error) -> (u8, String) {
     let mut parts: Vec<String> = Vec::new();
     let mut suffix = None;
     for cause in err.chain() {
-        let text = if let Some(status) = cause.downcast_ref::<tonic::Status>() {
-            if let Some(reason) = transport_failure(status) {
-                // The call never got an answer: the connection failed under it (e.g. a refused
-                // TLS handshake, or plaintext sent to an mTLS agent). That is UNAVAILABLE.
-                code.get_or_insert(exit::UNAVAILABLE);
-                suffix.get_or_insert("UNAVAILABLE");
-                reason
-            } else {
-                if code.is_none() {
-                    code = Some(status_exit_code(status.code()));
-                    suffix = Some(code_name(status.code()));
-                }
-                let msg = status.message().trim();
-                if msg.is_empty() {
-                    code_name(status.code())
-                        .to_ascii_lowercase()
-                        .replace('_', " ")
-                } else {
-                    msg.to_string()
-                }
+        let typed = if let Some(e) = cause.downcast_ref::<xfer_client::Error>() {
+            let (exit, name, text) = client_error(e);
+            code.get_or_insert(exit);
+            if let Some(name) = name {
+                suffix.get_or_insert(name);
             }
+            Some(text)
         } else if let Some(failure) = cause.downcast_ref::<Failure>() {
             code.get_or_insert(failure.exit_code());
-            failure.to_string()
+            Some(failure.to_string())
         } else {
-            cause.to_string()
+            None
         };
-        // Lower layers often repeat the text of the layer above (and tonic's transport errors
-        // nest "transport error" wrappers); keep the line short and readable.
+        let is_typed = typed.is_some();
+        let text = typed.unwrap_or_else(|| cause.to_string());
+        // Lower layers often repeat the text of the layer above; keep the line short and
+        // readable.
         let text = text.replace('\n', " ");
         let text = text.trim();
         if text.is_empty() || parts.iter().any(|p| p.contains(text)) {
             continue;
         }
         parts.push(text.to_string());
-        if cause.downcast_ref::<Failure>().is_some()
-            || cause.downcast_ref::<tonic::Status>().is_some()
-        {
+        if is_typed {
             // The typed error is the root cause as far as the user is concerned.
             break;
         }
@@ -257,34 +234,40 @@ mod tests {
     use super::*;
     use anyhow::Context;
 
+    use xfer_client::Error as E;
+
     #[test]
     fn status_codes_map_to_documented_exit_codes() {
         let table = [
-            (Code::NotFound, 3),
-            (Code::InvalidArgument, 4),
-            (Code::OutOfRange, 4),
-            (Code::PermissionDenied, 5),
-            (Code::Unauthenticated, 5),
-            (Code::FailedPrecondition, 6),
-            (Code::Aborted, 6),
-            (Code::ResourceExhausted, 7),
-            (Code::Unavailable, 8),
-            (Code::DeadlineExceeded, 9),
-            (Code::Cancelled, 11),
-            (Code::AlreadyExists, 13),
-            (Code::Internal, 1),
-            (Code::Unknown, 1),
-            (Code::Unimplemented, 1),
-            (Code::DataLoss, 1),
+            (E::NotFound(String::new()), 3),
+            (E::InvalidArgument(String::new()), 4),
+            (E::OutOfRange(String::new()), 4),
+            (E::PermissionDenied(String::new()), 5),
+            (E::Unauthenticated(String::new()), 5),
+            (E::FailedPrecondition(String::new()), 6),
+            (E::Aborted(String::new()), 6),
+            (E::ResourceExhausted(String::new()), 7),
+            (E::Unavailable(String::new()), 8),
+            (E::DeadlineExceeded(String::new()), 9),
+            (E::Cancelled(String::new()), 11),
+            (E::AlreadyExists(String::new()), 13),
+            (E::Other { code: "INTERNAL".into(), message: String::new() }, 1),
+            (E::Other { code: "UNKNOWN".into(), message: String::new() }, 1),
+            (E::Other { code: "UNIMPLEMENTED".into(), message: String::new() }, 1),
+            (E::DataLoss(String::new()), 1),
+            (E::Protocol(String::new()), 1),
+            (E::Transport(String::new()), 8),
+            (E::Connect { addr: "h:1".into(), detail: String::new() }, 8),
         ];
-        for (code, exit) in table {
-            assert_eq!(status_exit_code(code), exit, "{code:?}");
+        for (e, exit) in table {
+            let name = e.code().to_string();
+            assert_eq!(report(&anyhow::Error::new(e)).0, exit, "{name}");
         }
     }
 
     #[test]
     fn status_renders_message_and_code_name() {
-        let err = anyhow::Error::new(tonic::Status::not_found("region \"foo\" not found"));
+        let err = anyhow::Error::new(E::NotFound("region \"foo\" not found".into()));
         assert_eq!(
             report(&err),
             (3, "region \"foo\" not found (NOT_FOUND)".to_string())
@@ -293,11 +276,9 @@ mod tests {
 
     #[test]
     fn context_is_prefixed_on_one_line() {
-        let err = Err::<(), _>(tonic::Status::invalid_argument(
-            "offset 10 beyond end\nof region",
-        ))
-        .context("writing region r")
-        .unwrap_err();
+        let err = Err::<(), _>(E::InvalidArgument("offset 10 beyond end\nof region".into()))
+            .context("writing region r")
+            .unwrap_err();
         let (code, line) = report(&err);
         assert_eq!(code, 4);
         assert_eq!(
@@ -309,11 +290,19 @@ mod tests {
 
     #[test]
     fn empty_status_message_uses_code() {
-        let err = anyhow::Error::new(tonic::Status::new(Code::ResourceExhausted, ""));
+        let err = anyhow::Error::new(E::ResourceExhausted(String::new()));
         assert_eq!(
             report(&err),
             (7, "resource exhausted (RESOURCE_EXHAUSTED)".into())
         );
+    }
+
+    #[test]
+    fn a_transfer_error_from_the_client_exits_like_the_transfer_ended() {
+        let failed = E::Transfer { id: "t".into(), state: xfer_client::State::Failed, code: "CHECKSUM_MISMATCH".into(), message: "differ".into() };
+        assert_eq!(report(&anyhow::Error::new(failed)).0, 12);
+        let cancelled = E::Transfer { id: "t".into(), state: xfer_client::State::Cancelled, code: String::new(), message: String::new() };
+        assert_eq!(report(&anyhow::Error::new(cancelled)), (11, "transfer t was cancelled (CANCELLED)".into()));
     }
 
     #[test]
@@ -383,17 +372,16 @@ mod tests {
     }
 
     #[test]
-    fn transport_failures_under_a_status_are_unavailable() {
-        // What tonic returns when the connection dies under a call (a status with a source).
+    fn transport_failures_under_a_call_are_unavailable() {
+        // What the client makes of a status tonic built from a dying connection.
         let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe");
-        let err = anyhow::Error::new(tonic::Status::from_error(Box::new(io)))
-            .context("GetInfo");
+        let err = anyhow::Error::new(E::from(tonic::Status::from_error(Box::new(io)))).context("GetInfo");
         let (code, line) = report(&err);
         assert_eq!(code, 8, "{line}");
         assert!(line.ends_with("(UNAVAILABLE)"), "{line}");
         assert!(line.contains("broken pipe"), "{line}");
         // A status the agent sent (no source) keeps its own code.
-        let err = anyhow::Error::new(tonic::Status::cancelled("transfer cancelled"));
+        let err = anyhow::Error::new(E::from(tonic::Status::cancelled("transfer cancelled")));
         assert_eq!(report(&err).0, 11);
     }
 

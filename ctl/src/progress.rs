@@ -6,12 +6,11 @@ use std::time::Instant;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use xfer_proto::v1::{GetTransferRequest, Transfer, TransferState, WatchTransferRequest};
+use xfer_client::{State, Transfer};
 
 use crate::client::Client;
 use crate::error::Failure;
 use crate::units;
-use crate::view;
 
 /// A byte progress bar on stderr, or nothing when stderr is not a terminal.
 pub fn byte_bar(len: u64, enabled: bool) -> Option<ProgressBar> {
@@ -29,20 +28,16 @@ pub fn byte_bar(len: u64, enabled: bool) -> Option<ProgressBar> {
 
 /// Streams `WatchTransfer` until the transfer reaches a terminal state and returns that record.
 /// If the stream ends early, falls back to one `GetTransfer`.
-pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Result<Transfer> {
-    let mut stream = client
-        .watch_transfer(WatchTransferRequest { id: id.to_string() })
-        .await
-        .with_context(|| format!("watching transfer {id}"))?
-        .into_inner();
+pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<Transfer> {
+    let mut stream = client.watch(id).await.with_context(|| format!("watching transfer {id}"))?;
     let mut bar: Option<ProgressBar> = None;
     let mut last: Option<Transfer> = None;
     while let Some(t) = stream
-        .message()
+        .next()
         .await
         .with_context(|| format!("watching transfer {id}"))?
     {
-        if bar.is_none() && !view::is_terminal(t.state) {
+        if bar.is_none() && !t.state.is_terminal() {
             bar = byte_bar(t.length, show_bar);
             if let Some(b) = &bar {
                 // Rate and ETA count from here: bytes done before the watch began are not part
@@ -57,9 +52,9 @@ pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Res
                 b.set_length(t.length);
             }
             b.set_position(t.bytes_done);
-            b.set_message(view::state_name(t.state));
+            b.set_message(t.state.as_str());
         }
-        let done = view::is_terminal(t.state);
+        let done = t.state.is_terminal();
         last = Some(t);
         if done {
             break;
@@ -69,17 +64,13 @@ pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Res
         b.finish_and_clear();
     }
     match last {
-        Some(t) if view::is_terminal(t.state) => Ok(t),
+        Some(t) if t.state.is_terminal() => Ok(t),
         other => {
-            let t = client
-                .get_transfer(GetTransferRequest { id: id.to_string() })
-                .await
-                .with_context(|| format!("getting transfer {id}"))?
-                .into_inner();
-            if view::is_terminal(t.state) {
+            let t = client.get_transfer(id).await.with_context(|| format!("getting transfer {id}"))?;
+            if t.state.is_terminal() {
                 Ok(t)
             } else {
-                let state = other.map(|t| view::state_name(t.state)).unwrap_or_default();
+                let state = other.map(|t| t.state.to_string()).unwrap_or_default();
                 anyhow::bail!(
                     "the agent ended the watch of transfer {id} before it finished (last state {state})"
                 )
@@ -90,9 +81,9 @@ pub async fn watch(client: &mut Client, id: &str, show_bar: bool) -> anyhow::Res
 
 /// Cancels transfer `id` and follows it until it stops; its final record (CANCELLED, or the state
 /// it reached first when it was already finishing).
-pub async fn cancel_and_wait(client: &mut Client, id: &str) -> anyhow::Result<Transfer> {
+pub async fn cancel_and_wait(client: &Client, id: &str) -> anyhow::Result<Transfer> {
     client
-        .cancel_transfer(xfer_proto::v1::CancelTransferRequest { id: id.to_string() })
+        .cancel(id)
         .await
         .with_context(|| format!("cancelling transfer {id}"))?;
     watch(client, id, false).await
@@ -100,8 +91,8 @@ pub async fn cancel_and_wait(client: &mut Client, id: &str) -> anyhow::Result<Tr
 
 /// `Ok` for SUCCEEDED (and verified when `want_verify`), the matching [`Failure`] otherwise.
 pub fn outcome(t: &Transfer, want_verify: bool) -> Result<(), Failure> {
-    match TransferState::try_from(t.state) {
-        Ok(TransferState::Succeeded) => {
+    match t.state {
+        State::Succeeded => {
             if want_verify && !t.verified {
                 Err(Failure::VerifyMismatch(format!(
                     "transfer {} succeeded but the agent did not report it verified",
@@ -111,7 +102,7 @@ pub fn outcome(t: &Transfer, want_verify: bool) -> Result<(), Failure> {
                 Ok(())
             }
         }
-        Ok(TransferState::Cancelled) => Err(Failure::TransferCancelled {
+        State::Cancelled => Err(Failure::TransferCancelled {
             id: t.id.clone(),
             error: t.error.clone(),
         }),
@@ -142,10 +133,10 @@ pub fn copied_line(t: &Transfer, fallback: Instant) -> String {
 mod tests {
     use super::*;
 
-    fn t(state: TransferState) -> Transfer {
+    fn t(state: State) -> Transfer {
         Transfer {
             id: "t".into(),
-            state: state as i32,
+            state,
             error: "boom".into(),
             error_code: "RETRY_EXC_ERR".into(),
             ..Default::default()
@@ -154,27 +145,27 @@ mod tests {
 
     #[test]
     fn outcomes() {
-        assert!(outcome(&t(TransferState::Succeeded), false).is_ok());
+        assert!(outcome(&t(State::Succeeded), false).is_ok());
         assert!(matches!(
-            outcome(&t(TransferState::Succeeded), true),
+            outcome(&t(State::Succeeded), true),
             Err(Failure::VerifyMismatch(_))
         ));
-        let mut verified = t(TransferState::Succeeded);
+        let mut verified = t(State::Succeeded);
         verified.verified = true;
         assert!(outcome(&verified, true).is_ok());
         assert!(matches!(
-            outcome(&t(TransferState::Failed), false),
+            outcome(&t(State::Failed), false),
             Err(Failure::TransferFailed { ref error_code, .. }) if error_code == "RETRY_EXC_ERR"
         ));
         assert!(matches!(
-            outcome(&t(TransferState::Cancelled), false),
+            outcome(&t(State::Cancelled), false),
             Err(Failure::TransferCancelled { .. })
         ));
     }
 
     #[test]
     fn copied_line_uses_agent_time() {
-        let mut x = t(TransferState::Succeeded);
+        let mut x = t(State::Succeeded);
         x.bytes_done = 1 << 30;
         x.elapsed_seconds = 0.5;
         assert_eq!(

@@ -1,88 +1,17 @@
-//! Presentation of protobuf messages: short enum names, times, JSON views and plain-text tables.
+//! Presentation of the client crate's types: times, JSON views and plain-text tables.
 //!
-//! The prost types do not derive serde, so every JSON document xferctl prints is built here with
-//! `serde_json::json!`, in one place, with stable field names (snake_case, enums as short
-//! lower-case strings, times as RFC 3339, durations in seconds).
+//! Every JSON document xferctl prints is built here with `serde_json::json!`, in one place, with
+//! stable field names (snake_case, enums as short lower-case strings, times as RFC 3339,
+//! durations in seconds, 64-bit ids and checksums as strings).
 
 use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Value};
-use xfer_proto::v1::{
-    Access, AgentInfo, ChecksumAlgo, DeviceInfo, FabricKind, Gid, Op, PeerInfo, Region, RegionKind,
-    Transfer, TransferState,
-};
-
-/// Strips a prost enum's `PREFIX_` from its proto name and lower-cases it: `REGION_KIND_FILE` →
-/// `file`. Unknown values print as their number.
-fn short(name: Option<&str>, prefix: &str, value: i32) -> String {
-    match name {
-        Some(n) => n.strip_prefix(prefix).unwrap_or(n).to_ascii_lowercase(),
-        None => value.to_string(),
-    }
-}
-
-pub fn fabric_name(v: i32) -> String {
-    short(
-        FabricKind::try_from(v).ok().map(|e| e.as_str_name()),
-        "FABRIC_KIND_",
-        v,
-    )
-}
-
-pub fn region_kind_name(v: i32) -> String {
-    match RegionKind::try_from(v) {
-        Ok(RegionKind::Unspecified) => "anonymous".into(),
-        other => short(other.ok().map(|e| e.as_str_name()), "REGION_KIND_", v),
-    }
-}
-
-pub fn access_name(v: i32) -> String {
-    match Access::try_from(v) {
-        Ok(Access::Read) => "r".into(),
-        Ok(Access::Write) => "w".into(),
-        Ok(Access::ReadWrite) | Ok(Access::Unspecified) => "rw".into(),
-        Err(_) => v.to_string(),
-    }
-}
-
-pub fn op_name(v: i32) -> String {
-    short(Op::try_from(v).ok().map(|e| e.as_str_name()), "OP_", v)
-}
-
-pub fn state_name(v: i32) -> String {
-    short(
-        TransferState::try_from(v).ok().map(|e| e.as_str_name()),
-        "TRANSFER_STATE_",
-        v,
-    )
-}
-
-pub fn algo_name(v: i32) -> String {
-    match ChecksumAlgo::try_from(v) {
-        Ok(ChecksumAlgo::Unspecified) => "xxh3".into(),
-        other => short(other.ok().map(|e| e.as_str_name()), "CHECKSUM_ALGO_", v),
-    }
-}
-
-/// True for SUCCEEDED, FAILED and CANCELLED.
-pub fn is_terminal(state: i32) -> bool {
-    matches!(
-        TransferState::try_from(state),
-        Ok(TransferState::Succeeded | TransferState::Failed | TransferState::Cancelled)
-    )
-}
-
-pub fn timestamp(ts: &Option<prost_types::Timestamp>) -> Option<SystemTime> {
-    ts.as_ref().and_then(|t| SystemTime::try_from(*t).ok())
-}
+use xfer_client::{AgentInfo, Device, Gid, Notification, Peer, Region, Transfer};
 
 /// RFC 3339 (seconds precision) or `None` when unset.
-pub fn rfc3339(ts: &Option<prost_types::Timestamp>) -> Option<String> {
-    timestamp(ts).map(|t| humantime::format_rfc3339_seconds(t).to_string())
-}
-
-pub fn duration(d: &Option<prost_types::Duration>) -> Option<Duration> {
-    d.as_ref().and_then(|d| Duration::try_from(*d).ok())
+pub fn rfc3339(t: &Option<SystemTime>) -> Option<String> {
+    t.map(|t| humantime::format_rfc3339_seconds(t).to_string())
 }
 
 /// A duration rounded to whole seconds for humans (`1h 2m 3s`); sub-second values keep millis.
@@ -117,10 +46,8 @@ pub fn gid_text(raw: &[u8]) -> String {
     }
 }
 
-fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {
-    let mut pairs: Vec<_> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    pairs.sort();
-    pairs.join(",")
+fn labels_text(labels: &std::collections::BTreeMap<String, String>) -> String {
+    labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
 // ------------------------------------------------------------------------------------ JSON
@@ -130,16 +57,16 @@ pub fn region_json(r: &Region) -> Value {
         "id": r.id,
         "name": r.name,
         "length": r.length,
-        "kind": region_kind_name(r.kind),
+        "kind": r.kind.as_str(),
         "path": r.path,
-        "access": access_name(r.access),
+        "access": r.access.as_str(),
         "labels": r.labels,
         "created_at": rfc3339(&r.created_at),
         "expires_at": rfc3339(&r.expires_at),
         // 0 unless the agent runs verbs grant mode `region` (kept for a stable schema).
         "lkey": r.lkey,
         "rkey": r.rkey,
-        "unavailable_reason": r.unavailable_reason,
+        "unavailable_reason": r.unavailable.as_deref().unwrap_or_default(),
         // 64-bit values as strings, as protobuf's JSON mapping writes uint64: a JSON number
         // above 2^53 is rounded by jq and JavaScript.
         "addr": r.addr.to_string(),
@@ -149,10 +76,10 @@ pub fn region_json(r: &Region) -> Value {
 pub fn transfer_json(t: &Transfer) -> Value {
     json!({
         "id": t.id,
-        "op": op_name(t.op),
-        "state": state_name(t.state),
-        "local": t.local.as_ref().map(|l| json!({"region": l.region, "offset": l.offset})),
-        "remote": t.remote.as_ref().map(|r| json!({"agent": r.agent, "region": r.region, "offset": r.offset})),
+        "op": t.op.as_str(),
+        "state": t.state.as_str(),
+        "local": json!({"region": t.local_region, "offset": t.local_offset}),
+        "remote": json!({"agent": t.remote_agent, "region": t.remote_region, "offset": t.remote_offset}),
         "length": t.length,
         "bytes_done": t.bytes_done,
         "error": t.error,
@@ -188,12 +115,12 @@ pub fn tag_text(tag: &[u8]) -> String {
     }
 }
 
-pub fn notification_json(n: &xfer_proto::v1::Notification) -> Value {
+pub fn notification_json(n: &Notification) -> Value {
     json!({
         "region": n.region,
         "peer": n.peer,
         "tag": tag_json(&n.tag),
-        "op": op_name(n.op),
+        "op": n.op.as_str(),
         "offset": n.offset.to_string(),
         "length": n.length.to_string(),
         "at": rfc3339(&n.at),
@@ -202,13 +129,13 @@ pub fn notification_json(n: &xfer_proto::v1::Notification) -> Value {
 }
 
 /// One line per notification: time, region, peer, op, tag, the granted range and how it was known.
-pub fn notification_line(n: &xfer_proto::v1::Notification) -> String {
+pub fn notification_line(n: &Notification) -> String {
     format!(
         "{} {} from {} {} tag {} range {}+{} via {}\n",
         rfc3339(&n.at).unwrap_or_else(|| "-".into()),
         n.region,
         if n.peer.is_empty() { "?" } else { &n.peer },
-        op_name(n.op),
+        n.op,
         tag_text(&n.tag),
         n.offset,
         n.length,
@@ -217,10 +144,10 @@ pub fn notification_line(n: &xfer_proto::v1::Notification) -> String {
 }
 
 fn gid_json(g: &Gid) -> Value {
-    json!({"index": g.index, "gid": gid_text(&g.raw), "type": g.r#type, "netdev": g.netdev})
+    json!({"index": g.index, "gid": gid_text(&g.raw), "type": g.kind, "netdev": g.netdev})
 }
 
-fn device_json(d: &DeviceInfo) -> Value {
+fn device_json(d: &Device) -> Value {
     json!({
         "name": d.name,
         "port": d.port,
@@ -229,7 +156,8 @@ fn device_json(d: &DeviceInfo) -> Value {
         "active_mtu": d.active_mtu,
         "lid": d.lid,
         "gids": d.gids.iter().map(gid_json).collect::<Vec<_>>(),
-        "selected_gid_index": d.selected_gid_index,
+        // -1 when none (the schema's value before it was an Option).
+        "selected_gid_index": d.selected_gid_index.map_or(-1, i64::from),
     })
 }
 
@@ -237,7 +165,7 @@ pub fn info_json(i: &AgentInfo) -> Value {
     json!({
         "node_name": i.node_name,
         "version": i.version,
-        "fabric": fabric_name(i.fabric),
+        "fabric": i.fabric.as_str(),
         "fabric_reason": i.fabric_reason,
         "devices": i.devices.iter().map(device_json).collect::<Vec<_>>(),
         "limits": i.limits.as_ref().map(|l| json!({
@@ -248,21 +176,21 @@ pub fn info_json(i: &AgentInfo) -> Value {
             "max_registered_bytes": l.max_registered_bytes,
             "max_transfers": l.max_transfers,
         })),
-        "uptime_seconds": duration(&i.uptime).map(|d| d.as_secs_f64()),
+        "uptime_seconds": i.uptime.map(|d| d.as_secs_f64()),
         "data_address": i.data_address,
         "regions": i.regions,
         "registered_bytes": i.registered_bytes,
     })
 }
 
-pub fn peer_json(p: &PeerInfo) -> Value {
+pub fn peer_json(p: &Peer) -> Value {
     json!({
         "address": p.address,
         "node_name": p.node_name,
-        "fabric": fabric_name(p.fabric),
+        "fabric": p.fabric.as_str(),
         "qps": p.qps,
         "state": p.state,
-        "connect_seconds": duration(&p.connect_duration).map(|d| d.as_secs_f64()),
+        "connect_seconds": p.connect_duration.map(|d| d.as_secs_f64()),
     })
 }
 
@@ -325,9 +253,9 @@ pub fn region_table(regions: &[Region]) -> String {
     for r in regions {
         t.row(vec![
             r.name.clone(),
-            region_kind_name(r.kind),
+            r.kind.to_string(),
             crate::units::format_bytes(r.length),
-            access_name(r.access),
+            r.access.to_string(),
             rfc3339(&r.expires_at).unwrap_or_else(|| "-".into()),
             labels_text(&r.labels),
             r.path.clone(),
@@ -339,10 +267,9 @@ pub fn region_table(regions: &[Region]) -> String {
 
 /// `available`, or `unavailable: REASON` for a catalog region the agent could not restore.
 pub fn region_status_text(r: &Region) -> String {
-    if r.unavailable_reason.is_empty() {
-        "available".into()
-    } else {
-        format!("unavailable: {}", r.unavailable_reason)
+    match &r.unavailable {
+        None => "available".into(),
+        Some(reason) => format!("unavailable: {reason}"),
     }
 }
 
@@ -355,11 +282,11 @@ pub fn region_detail(r: &Region) -> String {
         "length:",
         format!("{} ({})", r.length, crate::units::format_bytes(r.length)),
     );
-    kv("kind:", region_kind_name(r.kind));
+    kv("kind:", r.kind.to_string());
     if !r.path.is_empty() {
         kv("path:", r.path.clone());
     }
-    kv("access:", access_name(r.access));
+    kv("access:", r.access.to_string());
     kv("status:", region_status_text(r));
     kv("labels:", labels_text(&r.labels));
     kv(
@@ -388,17 +315,19 @@ fn range_text(region: &str, offset: u64) -> String {
 }
 
 pub fn transfer_local(t: &Transfer) -> String {
-    t.local
-        .as_ref()
-        .map(|l| range_text(&l.region, l.offset))
-        .unwrap_or_else(|| "-".into())
+    if t.local_region.is_empty() {
+        "-".into()
+    } else {
+        range_text(&t.local_region, t.local_offset)
+    }
 }
 
 pub fn transfer_remote(t: &Transfer) -> String {
-    t.remote
-        .as_ref()
-        .map(|r| format!("{}:{}", r.agent, range_text(&r.region, r.offset)))
-        .unwrap_or_else(|| "-".into())
+    if t.remote_region.is_empty() {
+        "-".into()
+    } else {
+        format!("{}:{}", t.remote_agent, range_text(&t.remote_region, t.remote_offset))
+    }
 }
 
 pub fn transfer_table(transfers: &[Transfer]) -> String {
@@ -414,8 +343,8 @@ pub fn transfer_table(transfers: &[Transfer]) -> String {
         };
         t.row(vec![
             x.id.clone(),
-            op_name(x.op) + if x.inbound { " (in)" } else { "" },
-            state_name(x.state),
+            x.op.to_string() + if x.inbound { " (in)" } else { "" },
+            x.state.to_string(),
             crate::units::format_bytes(x.bytes_done),
             crate::units::format_bytes(x.length),
             transfer_local(x),
@@ -433,9 +362,9 @@ pub fn transfer_detail(t: &Transfer) -> String {
     kv("id:", t.id.clone());
     kv(
         "op:",
-        op_name(t.op) + if t.inbound { " (inbound)" } else { "" },
+        t.op.to_string() + if t.inbound { " (inbound)" } else { "" },
     );
-    kv("state:", state_name(t.state));
+    kv("state:", t.state.to_string());
     kv("local:", transfer_local(t));
     kv("remote:", transfer_remote(t));
     if !t.peer.is_empty() {
@@ -474,16 +403,16 @@ pub fn transfer_detail(t: &Transfer) -> String {
     out
 }
 
-pub fn peer_table(peers: &[PeerInfo]) -> String {
+pub fn peer_table(peers: &[Peer]) -> String {
     let mut t = Table::new(&["ADDRESS", "NODE", "FABRIC", "QPS", "STATE", "CONNECT"]);
     for p in peers {
         t.row(vec![
             p.address.clone(),
             p.node_name.clone(),
-            fabric_name(p.fabric),
+            p.fabric.to_string(),
             p.qps.to_string(),
             p.state.clone(),
-            duration(&p.connect_duration)
+            p.connect_duration
                 .map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3))
                 .unwrap_or_else(|| "-".into()),
         ]);
@@ -494,20 +423,6 @@ pub fn peer_table(peers: &[PeerInfo]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn enum_names() {
-        assert_eq!(fabric_name(FabricKind::Verbs as i32), "verbs");
-        assert_eq!(region_kind_name(RegionKind::Shm as i32), "shm");
-        assert_eq!(region_kind_name(0), "anonymous");
-        assert_eq!(access_name(Access::Read as i32), "r");
-        assert_eq!(access_name(0), "rw");
-        assert_eq!(state_name(TransferState::Succeeded as i32), "succeeded");
-        assert_eq!(op_name(Op::Read as i32), "read");
-        assert_eq!(state_name(99), "99");
-        assert!(is_terminal(TransferState::Cancelled as i32));
-        assert!(!is_terminal(TransferState::Running as i32));
-    }
 
     #[test]
     fn gids() {
@@ -545,8 +460,8 @@ mod tests {
     fn transfer_json_fields() {
         let t = Transfer {
             id: "t1".into(),
-            op: Op::Write as i32,
-            state: TransferState::Failed as i32,
+            op: xfer_client::Op::Write,
+            state: xfer_client::State::Failed,
             error_code: "REM_ACCESS_ERR".into(),
             ..Default::default()
         };

@@ -9,6 +9,10 @@ pub enum Error {
     /// The agent could not be reached (or the TLS handshake failed).
     #[error("cannot connect to agent {addr}: {detail}")]
     Connect { addr: String, detail: String },
+    /// The connection failed under a call: the agent went away, or refused the TLS handshake
+    /// (an agent with mTLS needs a client certificate from its CA).
+    #[error("connection to the agent failed: {0}")]
+    Transport(String),
     /// An argument the agent (or the client) refused: a range, a size, a segment, a name.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -66,6 +70,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl From<tonic::Status> for Error {
     fn from(s: tonic::Status) -> Error {
         use tonic::Code;
+        // A status tonic made from a transport failure carries that error as its source (one
+        // from the agent never does).
+        if matches!(s.code(), Code::Unknown | Code::Cancelled | Code::Unavailable | Code::Internal) {
+            if let Some(source) = std::error::Error::source(&s) {
+                let mut cur = source;
+                while let Some(next) = cur.source() {
+                    cur = next;
+                }
+                let root = cur.to_string();
+                let root = if root.is_empty() || root == "transport error" { s.message().to_string() } else { root };
+                return Error::Transport(root);
+            }
+        }
         let m = s.message().to_string();
         match s.code() {
             Code::InvalidArgument => Error::InvalidArgument(m),
@@ -81,12 +98,62 @@ impl From<tonic::Status> for Error {
             Code::DataLoss => Error::DataLoss(m),
             Code::Cancelled => Error::Cancelled(m),
             Code::OutOfRange => Error::OutOfRange(m),
-            code => Error::Other { code: format!("{code:?}"), message: m },
+            Code::Unimplemented => Error::Other { code: "UNIMPLEMENTED".into(), message: m },
+            Code::Internal => Error::Other { code: "INTERNAL".into(), message: m },
+            code => Error::Other { code: "UNKNOWN".into(), message: if m.is_empty() { format!("{code:?}") } else { m } },
         }
     }
 }
 
 impl Error {
+    /// The gRPC status name for errors that are an agent's status (`NOT_FOUND`, …); the kind of
+    /// failure otherwise (`CONNECT`, `TRANSPORT`, `TRANSFER`, `BATCH`, `PROTOCOL`, `IO`).
+    pub fn code(&self) -> &str {
+        match self {
+            Error::Connect { .. } => "CONNECT",
+            Error::Transport(_) => "TRANSPORT",
+            Error::InvalidArgument(_) => "INVALID_ARGUMENT",
+            Error::NotFound(_) => "NOT_FOUND",
+            Error::AlreadyExists(_) => "ALREADY_EXISTS",
+            Error::PermissionDenied(_) => "PERMISSION_DENIED",
+            Error::Unauthenticated(_) => "UNAUTHENTICATED",
+            Error::ResourceExhausted(_) => "RESOURCE_EXHAUSTED",
+            Error::FailedPrecondition(_) => "FAILED_PRECONDITION",
+            Error::Unavailable(_) => "UNAVAILABLE",
+            Error::Aborted(_) => "ABORTED",
+            Error::DeadlineExceeded(_) => "DEADLINE_EXCEEDED",
+            Error::DataLoss(_) => "DATA_LOSS",
+            Error::Cancelled(_) => "CANCELLED",
+            Error::OutOfRange(_) => "OUT_OF_RANGE",
+            Error::Other { code, .. } => code,
+            Error::Transfer { .. } => "TRANSFER",
+            Error::Batch { .. } => "BATCH",
+            Error::Protocol(_) => "PROTOCOL",
+            Error::Io { .. } => "IO",
+        }
+    }
+
+    /// The agent's own words for a status error (without the code); the whole text otherwise.
+    pub fn message(&self) -> String {
+        match self {
+            Error::InvalidArgument(m)
+            | Error::NotFound(m)
+            | Error::AlreadyExists(m)
+            | Error::PermissionDenied(m)
+            | Error::Unauthenticated(m)
+            | Error::ResourceExhausted(m)
+            | Error::FailedPrecondition(m)
+            | Error::Unavailable(m)
+            | Error::Aborted(m)
+            | Error::DeadlineExceeded(m)
+            | Error::DataLoss(m)
+            | Error::Cancelled(m)
+            | Error::OutOfRange(m) => m.clone(),
+            Error::Other { message, .. } => message.clone(),
+            other => other.to_string(),
+        }
+    }
+
     pub(crate) fn io(what: impl fmt::Display, source: std::io::Error) -> Error {
         Error::Io { what: what.to_string(), source }
     }

@@ -63,7 +63,9 @@
 #![forbid(unsafe_code)]
 
 mod channel;
+mod convert;
 mod error;
+mod model;
 mod shm;
 pub mod testing;
 
@@ -75,7 +77,9 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 
 pub use channel::{BatchDone, Channel, ChannelSpec, Prepared};
+pub(crate) use convert::duration_to_pb;
 pub use error::{Error, Result};
+pub use model::*;
 pub use shm::ShmRegion;
 /// The generated protobuf types, for what this crate does not wrap.
 pub use xfer_proto::v1 as proto;
@@ -117,278 +121,6 @@ pub struct Client {
     addr: String,
 }
 
-/// What a region is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RegionKind {
-    Anonymous,
-    File,
-    Shm,
-}
-
-/// A region as the agent describes it.
-#[derive(Clone, Debug)]
-pub struct Region {
-    pub id: String,
-    pub name: String,
-    pub length: u64,
-    pub kind: RegionKind,
-    /// File path (file regions) or shared-memory object name (shm regions).
-    pub path: String,
-    /// Set when the agent could not restore the region (it retries).
-    pub unavailable: Option<String>,
-}
-
-impl Region {
-    fn from_pb(r: pb::Region) -> Region {
-        let kind = match pb::RegionKind::try_from(r.kind) {
-            Ok(pb::RegionKind::File) => RegionKind::File,
-            Ok(pb::RegionKind::Shm) => RegionKind::Shm,
-            _ => RegionKind::Anonymous,
-        };
-        Region {
-            id: r.id,
-            name: r.name,
-            length: r.length,
-            kind,
-            path: r.path,
-            unavailable: (!r.unavailable_reason.is_empty()).then_some(r.unavailable_reason),
-        }
-    }
-}
-
-/// One piece of a batch: `len` bytes between `local` of the local region and `remote` of the
-/// remote region (absolute offsets).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Segment {
-    pub local: u64,
-    pub remote: u64,
-    pub len: u64,
-}
-
-impl Segment {
-    fn to_pb(self) -> pb::Segment {
-        pb::Segment { local_offset: self.local, remote_offset: self.remote, length: self.len }
-    }
-}
-
-/// WRITE (local bytes into the peer's region) or READ (the peer's bytes into the local region).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    Write,
-    Read,
-}
-
-impl Op {
-    fn to_pb(self) -> i32 {
-        match self {
-            Op::Write => pb::Op::Write as i32,
-            Op::Read => pb::Op::Read as i32,
-        }
-    }
-}
-
-/// Shape of the data path; `None` = the agent's default.
-#[derive(Clone, Debug, Default)]
-pub struct Options {
-    pub chunk_size: Option<u64>,
-    pub qps: Option<u32>,
-    pub depth: Option<u32>,
-    pub timeout: Option<Duration>,
-    /// Compare checksums of source and destination (single ranges only).
-    pub verify: bool,
-}
-
-impl Options {
-    fn to_pb(&self) -> pb::TransferOptions {
-        pb::TransferOptions {
-            chunk_size: self.chunk_size.unwrap_or(0),
-            qps: self.qps.unwrap_or(0),
-            depth: self.depth.unwrap_or(0),
-            verify: self.verify,
-            timeout: self.timeout.map(duration_to_pb),
-            verify_algo: 0,
-        }
-    }
-}
-
-/// A transfer to submit: built with [`TransferSpec::write`] or [`TransferSpec::read`] and the
-/// chained setters.
-#[derive(Clone, Debug)]
-pub struct TransferSpec {
-    pub op: Op,
-    pub local_region: String,
-    pub local_offset: u64,
-    /// The peer agent's gRPC address (`host:port`).
-    pub peer: String,
-    pub remote_region: String,
-    pub remote_offset: u64,
-    /// 0 = the rest of the source range (single ranges).
-    pub length: u64,
-    /// A batch; empty = one range.
-    pub segments: Vec<Segment>,
-    pub notify: Option<Vec<u8>>,
-    pub options: Options,
-}
-
-impl TransferSpec {
-    /// Local region `local` into region `remote` of the agent at `peer`.
-    pub fn write(local: &str, peer: &str, remote: &str) -> TransferSpec {
-        TransferSpec::new(Op::Write, local, peer, remote)
-    }
-
-    /// Region `remote` of the agent at `peer` into local region `local`.
-    pub fn read(local: &str, peer: &str, remote: &str) -> TransferSpec {
-        TransferSpec::new(Op::Read, local, peer, remote)
-    }
-
-    fn new(op: Op, local: &str, peer: &str, remote: &str) -> TransferSpec {
-        TransferSpec {
-            op,
-            local_region: local.into(),
-            local_offset: 0,
-            peer: peer.into(),
-            remote_region: remote.into(),
-            remote_offset: 0,
-            length: 0,
-            segments: Vec::new(),
-            notify: None,
-            options: Options::default(),
-        }
-    }
-
-    /// One range: `length` bytes from `local_offset` to `remote_offset`.
-    pub fn range(mut self, local_offset: u64, remote_offset: u64, length: u64) -> TransferSpec {
-        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, length);
-        self
-    }
-
-    /// A batch of segments, moved as one transfer.
-    pub fn segments(mut self, segments: Vec<Segment>) -> TransferSpec {
-        self.segments = segments;
-        self
-    }
-
-    /// Have the target tell its `watch_inbound` subscribers, with `tag`, once every byte landed.
-    pub fn notify(mut self, tag: &[u8]) -> TransferSpec {
-        self.notify = Some(tag.to_vec());
-        self
-    }
-
-    pub fn options(mut self, options: Options) -> TransferSpec {
-        self.options = options;
-        self
-    }
-
-    fn to_pb(&self) -> pb::SubmitTransferRequest {
-        pb::SubmitTransferRequest {
-            op: self.op.to_pb(),
-            local: Some(pb::LocalRange { region: self.local_region.clone(), offset: self.local_offset }),
-            remote: Some(pb::RemoteRange { agent: self.peer.clone(), region: self.remote_region.clone(), offset: self.remote_offset }),
-            length: self.length,
-            options: Some(self.options.to_pb()),
-            segments: self.segments.iter().map(|s| s.to_pb()).collect(),
-            notify: self.notify.clone(),
-        }
-    }
-}
-
-/// A transfer's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum State {
-    Queued,
-    Connecting,
-    Running,
-    Succeeded,
-    Failed,
-    Cancelled,
-}
-
-impl State {
-    fn from_pb(v: i32) -> State {
-        match pb::TransferState::try_from(v) {
-            Ok(pb::TransferState::Connecting) => State::Connecting,
-            Ok(pb::TransferState::Running) => State::Running,
-            Ok(pb::TransferState::Succeeded) => State::Succeeded,
-            Ok(pb::TransferState::Failed) => State::Failed,
-            Ok(pb::TransferState::Cancelled) => State::Cancelled,
-            _ => State::Queued,
-        }
-    }
-
-    pub fn is_terminal(self) -> bool {
-        matches!(self, State::Succeeded | State::Failed | State::Cancelled)
-    }
-}
-
-impl std::fmt::Display for State {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            State::Queued => "queued",
-            State::Connecting => "connecting",
-            State::Running => "running",
-            State::Succeeded => "succeeded",
-            State::Failed => "failed",
-            State::Cancelled => "cancelled",
-        })
-    }
-}
-
-/// A transfer record.
-#[derive(Clone, Debug)]
-pub struct Transfer {
-    pub id: String,
-    pub state: State,
-    pub length: u64,
-    pub bytes_done: u64,
-    /// Segments after coalescing (1 for a single range).
-    pub segments: u64,
-    /// `Transfer.error_code` and the reason, when FAILED or CANCELLED.
-    pub error: Option<(String, String)>,
-    pub elapsed: Duration,
-    pub peer: String,
-}
-
-impl Transfer {
-    fn from_pb(t: pb::Transfer) -> Transfer {
-        Transfer {
-            state: State::from_pb(t.state),
-            error: (!t.error.is_empty() || !t.error_code.is_empty()).then(|| (t.error_code.clone(), t.error.clone())),
-            elapsed: Duration::try_from_secs_f64(t.elapsed_seconds).unwrap_or_default(),
-            id: t.id,
-            length: t.length,
-            bytes_done: t.bytes_done,
-            segments: t.segments,
-            peer: t.peer,
-        }
-    }
-
-    /// `Ok` when it succeeded; the failure as an [`Error::Transfer`] otherwise.
-    fn into_result(self) -> Result<Transfer> {
-        match self.state {
-            State::Failed | State::Cancelled => {
-                let (code, message) = self.error.clone().unwrap_or_default();
-                Err(Error::Transfer { id: self.id, state: self.state, code, message })
-            }
-            _ => Ok(self),
-        }
-    }
-}
-
-/// A notification a peer's batch raised on this agent.
-#[derive(Clone, Debug)]
-pub struct Notification {
-    pub region: String,
-    /// The moving agent's authenticated identity.
-    pub peer: String,
-    pub tag: Vec<u8>,
-    pub op: Op,
-    /// The granted range the batch lay in.
-    pub offset: u64,
-    pub length: u64,
-    /// `fabric` (markers behind the data) or `complete` (the initiator's `Peer.Complete`).
-    pub via: String,
-}
-
 /// A live subscription to this agent's notifications ([`Client::watch_inbound`]).
 pub struct Inbound {
     stream: tonic::Streaming<pb::Notification>,
@@ -398,16 +130,66 @@ impl Inbound {
     /// The next notification. [`Error::DataLoss`] if this subscriber fell too far behind (then
     /// subscribe again); [`Error::Unavailable`] if the stream ended.
     pub async fn next(&mut self) -> Result<Notification> {
-        let n = self.stream.message().await?.ok_or_else(|| Error::Unavailable("the notification stream ended".into()))?;
-        Ok(Notification {
-            region: n.region,
-            peer: n.peer,
-            tag: n.tag,
-            op: if n.op == pb::Op::Read as i32 { Op::Read } else { Op::Write },
-            offset: n.offset,
-            length: n.length,
-            via: n.via,
-        })
+        self.try_next().await?.ok_or_else(|| Error::Unavailable("the notification stream ended".into()))
+    }
+
+    /// The next notification, or `None` when the agent ended the stream (it shuts down).
+    pub async fn try_next(&mut self) -> Result<Option<Notification>> {
+        Ok(self.stream.message().await?.map(Notification::from_pb))
+    }
+}
+
+/// A transfer's states as they change ([`Client::watch`]): the current record first, then one
+/// per change, ending with the terminal one.
+pub struct TransferWatch {
+    stream: tonic::Streaming<pb::Transfer>,
+}
+
+impl TransferWatch {
+    /// The next record, or `None` once the agent ended the stream (after a terminal state, or
+    /// early when it shuts down).
+    pub async fn next(&mut self) -> Result<Option<Transfer>> {
+        Ok(self.stream.message().await?.map(Transfer::from_pb))
+    }
+}
+
+/// A region's bytes as the agent streams them ([`Client::read`]), checked to be contiguous and
+/// complete.
+pub struct RegionReader {
+    stream: tonic::Streaming<pb::ReadRegionResponse>,
+    offset: u64,
+    len: u64,
+    done: u64,
+}
+
+impl RegionReader {
+    /// The next piece, or `None` after the last. [`Error::Protocol`] if the agent sends a
+    /// piece out of place, more than asked for, or ends short.
+    pub async fn next(&mut self) -> Result<Option<Vec<u8>>> {
+        match self.stream.message().await? {
+            Some(msg) => {
+                // The offset is absolute in the region; tolerate agents that send it relative to
+                // the start of the read.
+                let expected = self.offset + self.done;
+                if msg.offset != expected && msg.offset != self.done {
+                    return Err(Error::Protocol(format!("the agent sent data for offset {} where {expected} was expected", msg.offset)));
+                }
+                self.done += msg.data.len() as u64;
+                if self.done > self.len {
+                    return Err(Error::Protocol(format!("the agent sent {} bytes, more than the {} asked for", self.done, self.len)));
+                }
+                Ok(Some(msg.data))
+            }
+            None if self.done != self.len => {
+                Err(Error::Protocol(format!("short read: the agent sent {} of {} bytes", self.done, self.len)))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Bytes received so far.
+    pub fn done(&self) -> u64 {
+        self.done
     }
 }
 
@@ -473,29 +255,37 @@ impl Client {
         self.agent.clone()
     }
 
-    /// The agent's node name, fabric and limits (`GetInfo`).
-    pub async fn info(&self) -> Result<pb::AgentInfo> {
-        Ok(self.agent.clone().get_info(pb::GetInfoRequest {}).await?.into_inner())
+    /// The agent's node name, fabric, devices and limits (`GetInfo`).
+    pub async fn info(&self) -> Result<AgentInfo> {
+        Ok(AgentInfo::from_pb(self.agent.clone().get_info(pb::GetInfoRequest {}).await?.into_inner()))
     }
 
     // ------------------------------------------------------------------ regions
 
     /// An anonymous (agent-private) region of `length` bytes, readable and writable by peers.
     pub async fn create_region(&self, name: &str, length: u64) -> Result<Region> {
-        self.create(pb::CreateRegionRequest { name: name.into(), length, access: pb::Access::ReadWrite as i32, ..Default::default() }).await
+        self.create(RegionSpec::anonymous(name, length)).await
     }
 
-    /// Creates a region from a full request (file or shm kind, access, lease, labels).
-    pub async fn create(&self, req: pb::CreateRegionRequest) -> Result<Region> {
-        Ok(Region::from_pb(self.agent.clone().create_region(req).await?.into_inner()))
+    /// Creates a region of any kind ([`RegionSpec`]: file or shm, access, lease, labels).
+    pub async fn create(&self, spec: RegionSpec) -> Result<Region> {
+        Ok(Region::from_pb(self.agent.clone().create_region(spec.to_pb()).await?.into_inner()))
     }
 
+    /// One region, by name or id.
     pub async fn region(&self, name: &str) -> Result<Region> {
         Ok(Region::from_pb(self.agent.clone().get_region(pb::GetRegionRequest { name: name.into() }).await?.into_inner()))
     }
 
+    /// Every region of this agent.
     pub async fn regions(&self) -> Result<Vec<Region>> {
-        let r = self.agent.clone().list_regions(pb::ListRegionsRequest::default()).await?.into_inner();
+        self.regions_matching(&std::collections::BTreeMap::new()).await
+    }
+
+    /// The regions carrying every one of these labels.
+    pub async fn regions_matching(&self, labels: &std::collections::BTreeMap<String, String>) -> Result<Vec<Region>> {
+        let req = pb::ListRegionsRequest { label_selector: labels.clone().into_iter().collect() };
+        let r = self.agent.clone().list_regions(req).await?.into_inner();
         Ok(r.regions.into_iter().map(Region::from_pb).collect())
     }
 
@@ -507,35 +297,108 @@ impl Client {
     /// Writes `data` at `offset` of `region` through the agent (streamed in 1 MiB messages).
     /// For big or frequent fills, a shared-memory region avoids the copy.
     pub async fn put(&self, region: &str, offset: u64, data: &[u8]) -> Result<u64> {
-        let mut msgs = Vec::with_capacity(data.len().div_ceil(PUT_PIECE).max(1));
-        let mut pieces = data.chunks(PUT_PIECE).peekable();
-        if pieces.peek().is_none() {
+        if data.is_empty() {
             return Err(Error::InvalidArgument("nothing to write".into()));
         }
-        for (i, piece) in pieces.enumerate() {
-            let first = i == 0;
-            msgs.push(pb::WriteRegionRequest {
-                region: if first { region.to_string() } else { String::new() },
-                offset: if first { offset } else { 0 },
-                data: piece.to_vec(),
-            });
+        let pieces: Vec<Vec<u8>> = data.chunks(PUT_PIECE).map(<[u8]>::to_vec).collect();
+        self.put_stream(region, offset, futures::stream::iter(pieces)).await
+    }
+
+    /// Writes everything `reader` yields at `offset` of `region`, streaming it in 1 MiB
+    /// messages (a file, stdin, a socket). A read error ends the write with [`Error::Io`]
+    /// naming how many bytes had been sent; the agent keeps what it wrote.
+    pub async fn put_reader<R>(&self, region: &str, offset: u64, reader: R) -> Result<u64>
+    where
+        R: tokio::io::AsyncRead + Unpin + Send + 'static,
+    {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::{Arc, Mutex};
+        use tokio::io::AsyncReadExt;
+        let failed: Arc<Mutex<Option<std::io::Error>>> = Arc::default();
+        let sent = Arc::new(AtomicU64::new(0));
+        let (slot, count) = (failed.clone(), sent.clone());
+        let pieces = futures::stream::unfold(Some(reader), move |reader| {
+            let (slot, count) = (slot.clone(), count.clone());
+            async move {
+                let mut reader = reader?;
+                let mut data = vec![0u8; PUT_PIECE];
+                let mut filled = 0;
+                let mut at_end = false;
+                while filled < PUT_PIECE {
+                    match reader.read(&mut data[filled..]).await {
+                        Ok(0) => {
+                            at_end = true;
+                            break;
+                        }
+                        Ok(n) => filled += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            if let Ok(mut s) = slot.lock() {
+                                *s = Some(e);
+                            }
+                            return None;
+                        }
+                    }
+                }
+                if filled == 0 {
+                    return None;
+                }
+                data.truncate(filled);
+                count.fetch_add(filled as u64, Ordering::Relaxed);
+                Some((data, (!at_end).then_some(reader)))
+            }
+        });
+        let result = self.put_stream(region, offset, pieces).await;
+        let sent = sent.load(Ordering::Relaxed);
+        if let Some(e) = failed.lock().ok().and_then(|mut s| s.take()) {
+            return Err(Error::io(format!("reading the data failed after {sent} bytes were sent"), e));
         }
-        let r = self.agent.clone().write_region(futures::stream::iter(msgs)).await?.into_inner();
-        Ok(r.bytes_written)
+        let written = result?;
+        if written != sent {
+            return Err(Error::Protocol(format!("the agent wrote {written} bytes but {sent} were sent")));
+        }
+        Ok(written)
+    }
+
+    /// Writes the pieces `data` yields, one after the other, at `offset` of `region`.
+    /// Nothing to write (no piece, or only empty ones) is an [`Error::InvalidArgument`].
+    pub async fn put_stream<S>(&self, region: &str, offset: u64, data: S) -> Result<u64>
+    where
+        S: futures::Stream<Item = Vec<u8>> + Send + 'static,
+    {
+        let mut first = Some((region.to_string(), offset));
+        let msgs = data.map(move |piece| {
+            let (region, offset) = first.take().unwrap_or_default();
+            pb::WriteRegionRequest { region, offset, data: piece }
+        });
+        Ok(self.agent.clone().write_region(msgs).await?.into_inner().bytes_written)
     }
 
     /// Reads `len` bytes at `offset` of `region` through the agent.
     pub async fn get(&self, region: &str, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let req = pb::ReadRegionRequest { region: region.into(), offset, length: len };
-        let mut s = self.agent.clone().read_region(req).await?.into_inner();
-        let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-        while let Some(piece) = s.message().await? {
-            out.extend_from_slice(&piece.data);
-        }
-        if out.len() as u64 != len {
-            return Err(Error::Protocol(format!("asked {len} bytes, got {}", out.len())));
+        let mut reader = self.read(region, offset, len).await?;
+        let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(0).min(MAX_MESSAGE));
+        while let Some(piece) = reader.next().await? {
+            out.extend_from_slice(&piece);
         }
         Ok(out)
+    }
+
+    /// Streams `len` bytes at `offset` of `region` (for ranges too big to hold in memory).
+    pub async fn read(&self, region: &str, offset: u64, len: u64) -> Result<RegionReader> {
+        let req = pb::ReadRegionRequest { region: region.into(), offset, length: len };
+        let stream = self.agent.clone().read_region(req).await?.into_inner();
+        Ok(RegionReader { stream, offset, len, done: 0 })
+    }
+
+    /// The checksum of a range, computed by the agent.
+    pub async fn checksum(&self, region: &str, offset: u64, len: u64, algo: ChecksumAlgo) -> Result<u64> {
+        let algo = match algo {
+            ChecksumAlgo::Xxh3 => pb::ChecksumAlgo::Xxh3,
+            ChecksumAlgo::Crc32c => pb::ChecksumAlgo::Crc32c,
+        } as i32;
+        let req = pb::ChecksumRequest { region: region.into(), offset, length: len, algo };
+        Ok(self.agent.clone().checksum(req).await?.into_inner().value)
     }
 
     // ------------------------------------------------------------------ transfers
@@ -545,12 +408,17 @@ impl Client {
         Ok(Transfer::from_pb(self.agent.clone().submit_transfer(spec.to_pb()).await?.into_inner()))
     }
 
+    /// Follows transfer `id`: its record now, then each change.
+    pub async fn watch(&self, id: &str) -> Result<TransferWatch> {
+        let stream = self.agent.clone().watch_transfer(pb::WatchTransferRequest { id: id.into() }).await?.into_inner();
+        Ok(TransferWatch { stream })
+    }
+
     /// Waits until transfer `id` ends: `Ok` when it succeeded, [`Error::Transfer`] otherwise.
     pub async fn wait(&self, id: &str) -> Result<Transfer> {
-        let mut s = self.agent.clone().watch_transfer(pb::WatchTransferRequest { id: id.into() }).await?.into_inner();
+        let mut s = self.watch(id).await?;
         let mut last = None;
-        while let Some(t) = s.next().await {
-            let t = Transfer::from_pb(t?);
+        while let Some(t) = s.next().await? {
             if t.state.is_terminal() {
                 return t.into_result();
             }
@@ -570,6 +438,12 @@ impl Client {
 
     pub async fn get_transfer(&self, id: &str) -> Result<Transfer> {
         Ok(Transfer::from_pb(self.agent.clone().get_transfer(pb::GetTransferRequest { id: id.into() }).await?.into_inner()))
+    }
+
+    /// The transfers this agent remembers (running and recently finished, inbound ones too).
+    pub async fn transfers(&self) -> Result<Vec<Transfer>> {
+        let r = self.agent.clone().list_transfers(pb::ListTransfersRequest {}).await?.into_inner();
+        Ok(r.transfers.into_iter().map(Transfer::from_pb).collect())
     }
 
     /// Cancels a running transfer (a no-op for a finished one); its record as it is now.
@@ -595,32 +469,44 @@ impl Client {
         Channel::open(self.agent.clone(), spec).await
     }
 
+    // ------------------------------------------------------------------ peers and benchmarks
+
+    /// Has this agent connect to the peer at `addr` ahead of any transfer (`qps` QPs; 0 = its
+    /// default).
+    pub async fn connect_peer(&self, addr: &str, qps: u32) -> Result<Peer> {
+        Ok(Peer::from_pb(self.agent.clone().connect(pb::ConnectRequest { peer: addr.into(), qps }).await?.into_inner()))
+    }
+
+    /// The peers this agent holds connections to.
+    pub async fn peers(&self) -> Result<Vec<Peer>> {
+        let r = self.agent.clone().list_peers(pb::ListPeersRequest {}).await?.into_inner();
+        Ok(r.peers.into_iter().map(Peer::from_pb).collect())
+    }
+
+    /// Runs a benchmark from this agent to a peer (admin-only: on an agent with mTLS the
+    /// caller's certificate must carry the admin role).
+    pub async fn bench(&self, spec: &BenchSpec) -> Result<BenchResult> {
+        Ok(BenchResult::from_pb(self.agent.clone().bench(spec.to_pb()).await?.into_inner()))
+    }
+
+    /// Streams raw TCP from this agent's host to the peer's: the baseline for [`Client::bench`].
+    pub async fn tcp_baseline(&self, spec: &TcpBaselineSpec) -> Result<TcpBaseline> {
+        Ok(TcpBaseline::from_pb(self.agent.clone().tcp_baseline(spec.to_pb()).await?.into_inner()))
+    }
+
     // ------------------------------------------------------------------ shared memory
 
     /// Has the agent create a shared-memory region of `length` bytes and maps it into this
     /// process (the caller must be allowed to open the agent's object: same uid, or the
     /// agent's `regions.shm_gid` group with `regions.shm_mode` 0660).
     pub async fn create_shm_region(&self, name: &str, length: u64) -> Result<ShmRegion> {
-        let r = self
-            .create(pb::CreateRegionRequest {
-                name: name.into(),
-                length,
-                kind: pb::RegionKind::Shm as i32,
-                access: pb::Access::ReadWrite as i32,
-                ..Default::default()
-            })
-            .await?;
-        ShmRegion::map(r)
+        ShmRegion::map(self.create(RegionSpec::shm(name, length)).await?)
     }
 
     /// Maps an existing shared-memory region of this agent into this process.
     pub async fn map_shm_region(&self, name: &str) -> Result<ShmRegion> {
         ShmRegion::map(self.region(name).await?)
     }
-}
-
-pub(crate) fn duration_to_pb(d: Duration) -> prost_types::Duration {
-    prost_types::Duration { seconds: d.as_secs().min(i64::MAX as u64) as i64, nanos: d.subsec_nanos() as i32 }
 }
 
 /// The host of `host:port` or `[v6]:port`, without brackets.

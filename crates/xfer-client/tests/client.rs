@@ -138,3 +138,86 @@ async fn errors_are_typed() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A reader that yields `ok` bytes of 7s, then fails.
+struct FailingReader {
+    ok: usize,
+}
+
+impl tokio::io::AsyncRead for FailingReader {
+    fn poll_read(mut self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+        if self.ok == 0 {
+            return std::task::Poll::Ready(Err(std::io::Error::other("disk on fire")));
+        }
+        let n = self.ok.min(buf.remaining()).min(64 << 10);
+        buf.put_slice(&vec![7u8; n]);
+        self.ok -= n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// Everything `xferctl` does goes through these calls: regions with labels, access and a lease
+/// come back with every field; label selectors filter; a streamed put whose source fails says
+/// how far it got and the agent holds exactly what was sent; a streamed read is checked and
+/// complete; checksums, transfer records and peers are typed.
+#[tokio::test]
+async fn the_typed_api_covers_what_the_cli_needs() {
+    use xfer_client::{Access, ChecksumAlgo, Fabric, RegionKind, RegionSpec};
+    let (a, b) = (Agent::start("a").await, Agent::start("b").await);
+    let c = Client::connect(&a.addr).await.unwrap();
+    let info = c.info().await.unwrap();
+    assert_eq!((info.node_name.as_str(), info.fabric), ("a", Fabric::Tcp));
+    assert!(info.uptime.is_some() && info.limits.is_some(), "{info:?}");
+
+    let spec = RegionSpec::anonymous("src", 4 << 20).access(Access::Read).label("team", "kv").ttl(std::time::Duration::from_secs(3600));
+    let r = c.create(spec).await.unwrap();
+    assert_eq!((r.kind, r.access, r.length), (RegionKind::Anonymous, Access::Read, 4 << 20));
+    assert_eq!(r.labels.get("team").map(String::as_str), Some("kv"));
+    let (created, expires) = (r.created_at.unwrap(), r.expires_at.unwrap());
+    let lease = expires.duration_since(created).unwrap().as_secs();
+    assert!((3599..=3601).contains(&lease), "lease {lease} s");
+    c.create_region("other", 1 << 20).await.unwrap();
+    let selected = c.regions_matching(&[("team".to_string(), "kv".to_string())].into()).await.unwrap();
+    assert_eq!(selected.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["src"]);
+    assert_eq!(c.regions().await.unwrap().len(), 2);
+
+    // 1.5 MiB then a read error: the first full 1 MiB message was sent and written, the rest not.
+    match c.put_reader("src", 0, FailingReader { ok: 3 << 19 }).await {
+        Err(Error::Io { what, source }) => {
+            assert!(what.contains("after 1048576 bytes were sent"), "{what}");
+            assert_eq!(source.to_string(), "disk on fire");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.get("src", 0, 1 << 20).await.unwrap(), vec![7u8; 1 << 20]);
+    assert_eq!(c.get("src", 1 << 20, 16).await.unwrap(), vec![0u8; 16], "nothing past what was sent");
+    // A whole streamed put, then a streamed read of all 4 MiB.
+    let n = c.put_reader("src", 0, std::io::Cursor::new(pattern(9, 4 << 20))).await.unwrap();
+    assert_eq!(n, 4 << 20);
+    let mut reader = c.read("src", 0, 4 << 20).await.unwrap();
+    let mut back = Vec::new();
+    while let Some(piece) = reader.next().await.unwrap() {
+        back.extend_from_slice(&piece);
+    }
+    assert_eq!((reader.done(), back == pattern(9, 4 << 20)), (4 << 20, true));
+    assert!(matches!(c.put_stream("src", 0, futures::stream::iter(Vec::<Vec<u8>>::new())).await, Err(Error::InvalidArgument(_))));
+
+    // The same bytes on both agents have the same checksum; the transfer and the peer are typed.
+    let d = Client::connect(&b.addr).await.unwrap();
+    d.create_region("dst", 4 << 20).await.unwrap();
+    let t = c.transfer(TransferSpec::read("other", &b.addr, "dst").range(0, 0, 1 << 20)).await.unwrap();
+    assert_eq!((t.op, t.local_region.as_str(), t.remote_agent.as_str(), t.remote_region.as_str()), (xfer_client::Op::Read, "other", b.addr.as_str(), "dst"));
+    assert!(t.created_at.is_some() && t.finished_at.is_some() && t.elapsed_seconds > 0.0, "{t:?}");
+    let t = c.transfer(TransferSpec::write("src", &b.addr, "dst")).await.unwrap();
+    assert_eq!(t.bytes_done, 4 << 20);
+    for algo in [ChecksumAlgo::Xxh3, ChecksumAlgo::Crc32c] {
+        assert_eq!(c.checksum("src", 0, 4 << 20, algo).await.unwrap(), d.checksum("dst", 0, 4 << 20, algo).await.unwrap());
+    }
+    assert_ne!(c.checksum("src", 0, 4 << 20, ChecksumAlgo::Xxh3).await.unwrap(), c.checksum("other", 0, 4 << 20 >> 2, ChecksumAlgo::Xxh3).await.unwrap());
+    let records = c.transfers().await.unwrap();
+    assert!(records.iter().any(|r| r.id == t.id && r.state == State::Succeeded), "{records:?}");
+    let inbound = d.transfers().await.unwrap();
+    assert!(inbound.iter().any(|r| r.inbound), "{inbound:?}");
+    let peers = c.peers().await.unwrap();
+    assert!(peers.iter().any(|p| p.address == b.addr && p.node_name == "b" && p.fabric == Fabric::Tcp), "{peers:?}");
+}

@@ -10,11 +10,11 @@
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use serde_json::{json, Value};
-use xfer_proto::v1::{BenchRequest, BenchResponse, Op, TcpBaselineRequest, TcpBaselineResponse};
+use xfer_client::{BenchResult, BenchSpec, Op, TcpBaseline, TcpBaselineSpec};
 
 use crate::target::normalize_agent;
 use crate::units::{format_size_compact, gbit_per_s, parse_size};
-use crate::view::{self, Table};
+use crate::view::Table;
 use crate::Ctx;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -98,13 +98,13 @@ pub fn baseline_bytes(sizes: &[u64]) -> u64 {
 /// after), and the median run is reported, so a noisy moment skews neither side alone.
 const BASELINE_RUNS: usize = 3;
 
-fn median_run(mut runs: Vec<TcpBaselineResponse>) -> Option<TcpBaselineResponse> {
+fn median_run(mut runs: Vec<TcpBaseline>) -> Option<TcpBaseline> {
     runs.sort_by(|a, b| gbit(a).total_cmp(&gbit(b)));
     let mid = runs.len() / 2;
     runs.into_iter().nth(mid)
 }
 
-fn gbit(b: &TcpBaselineResponse) -> f64 {
+fn gbit(b: &TcpBaseline) -> f64 {
     if b.gbit_per_s > 0.0 {
         b.gbit_per_s
     } else {
@@ -113,7 +113,7 @@ fn gbit(b: &TcpBaselineResponse) -> f64 {
 }
 
 /// Bandwidth in Gb/s, from the agent's figure or recomputed from bytes and seconds.
-fn row_gbit(r: &BenchResponse) -> f64 {
+fn row_gbit(r: &BenchResult) -> f64 {
     if r.gbit_per_s > 0.0 {
         r.gbit_per_s
     } else {
@@ -126,9 +126,9 @@ fn row_gbit(r: &BenchResponse) -> f64 {
 fn bandwidth_table(
     lead: &[&str],
     tail: &[&str],
-    rows: &[BenchResponse],
-    baseline: Option<&TcpBaselineResponse>,
-    cells: impl Fn(&BenchResponse) -> (Vec<String>, Vec<String>),
+    rows: &[BenchResult],
+    baseline: Option<&TcpBaseline>,
+    cells: impl Fn(&BenchResult) -> (Vec<String>, Vec<String>),
 ) -> String {
     let mut header: Vec<&str> = lead.to_vec();
     header.extend(["BW Gb/s", "BW GiB/s"]);
@@ -153,7 +153,7 @@ fn bandwidth_table(
 }
 
 /// The perftest-style table.
-pub fn render(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
+pub fn render(rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> String {
     let mut out = bandwidth_table(&["#bytes", "iters"], &["lat avg us", "lat p50 us", "lat p99 us"], rows, baseline, |r| {
         (
             vec![r.size.to_string(), r.iters.to_string()],
@@ -174,9 +174,9 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if opt.connections == 0 {
         return Err(crate::error::usage("--connections must be greater than zero"));
     }
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     let r = client
-        .bench(BenchRequest {
+        .bench(&BenchSpec {
             peer: opt.peer.clone(),
             qps: opt.qps.unwrap_or(0),
             depth: opt.depth.unwrap_or(0),
@@ -184,8 +184,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
             ..Default::default()
         })
         .await
-        .with_context(|| format!("bench connect to {}", opt.peer))?
-        .into_inner();
+        .with_context(|| format!("bench connect to {}", opt.peer))?;
     if ctx.json {
         return ctx.print_json(&json!({
             "agent": ctx.agent,
@@ -198,7 +197,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
             "connect_p50_us": r.lat_p50_us,
             "connect_p99_us": r.lat_p99_us,
             "rss_bytes_per_qp": r.rss_bytes_per_qp,
-            "fabric": view::fabric_name(r.fabric),
+            "fabric": r.fabric.to_string(),
         }));
     }
     ctx.print(&format!(
@@ -207,7 +206,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
          {:.1} KiB resident per QP on this agent\n",
         ctx.agent,
         opt.peer,
-        view::fabric_name(r.fabric),
+        r.fabric,
         r.connections,
         r.qps_held,
         r.lat_p50_us / 1e3,
@@ -218,7 +217,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
 }
 
 /// The KV-pattern table: one row per run.
-pub fn render_kv(rows: &[BenchResponse], baseline: Option<&TcpBaselineResponse>) -> String {
+pub fn render_kv(rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> String {
     let channel = rows.iter().any(|r| r.channel);
     let mut tail = vec!["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
     if channel {
@@ -257,12 +256,12 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if opt.sizes.is_empty() || opt.sizes.contains(&0) {
         anyhow::bail!("--sizes must list sizes greater than zero");
     }
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     let op = match opt.op {
         OpArg::Write => Op::Write,
         OpArg::Read => Op::Read,
     };
-    let baseline_req = TcpBaselineRequest {
+    let baseline_req = TcpBaselineSpec {
         peer: opt.peer.clone(),
         bytes: baseline_bytes(&opt.sizes),
         connections: opt.qps.unwrap_or(1).max(1),
@@ -280,20 +279,16 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
         for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
             base_runs.push(
-                client
-                    .tcp_baseline(baseline_req.clone())
-                    .await
-                    .with_context(|| format!("TCP baseline to {}", opt.peer))?
-                    .into_inner(),
+                client.tcp_baseline(&baseline_req).await.with_context(|| format!("TCP baseline to {}", opt.peer))?,
             );
         }
         if i == opt.sizes.len() {
             break;
         }
         let r = client
-            .bench(BenchRequest {
+            .bench(&BenchSpec {
                 peer: opt.peer.clone(),
-                op: op as i32,
+                op,
                 size,
                 iters: opt.iters.unwrap_or(0),
                 qps: opt.qps.unwrap_or(0),
@@ -307,12 +302,11 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             .with_context(|| {
                 format!(
                     "bench {} of {} with {}",
-                    view::op_name(op as i32),
+                    op,
                     format_size_compact(size),
                     opt.peer
                 )
-            })?
-            .into_inner();
+            })?;
         rows.push(r);
     }
     let baseline = median_run(base_runs);
@@ -327,11 +321,11 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     } else {
         let fabric = rows
             .first()
-            .map(|r| view::fabric_name(r.fabric))
+            .map(|r| r.fabric.to_string())
             .unwrap_or_default();
         let header = format!(
             "# {} {} -> {} over {fabric}\n",
-            view::op_name(op as i32),
+            op,
             ctx.agent,
             opt.peer
         );
@@ -344,14 +338,14 @@ fn json_doc(
     agent: &str,
     peer: &str,
     op: Op,
-    rows: &[BenchResponse],
-    baseline: Option<&TcpBaselineResponse>,
+    rows: &[BenchResult],
+    baseline: Option<&TcpBaseline>,
 ) -> Value {
     let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
     json!({
         "agent": agent,
         "peer": peer,
-        "op": view::op_name(op as i32),
+        "op": op.to_string(),
         "rows": rows.iter().map(|r| {
             let gbit = row_gbit(r);
             json!({
@@ -365,7 +359,7 @@ fn json_doc(
                 "lat_p50_us": r.lat_p50_us,
                 "lat_p99_us": r.lat_p99_us,
                 "lat_iters": r.lat_iters,
-                "fabric": view::fabric_name(r.fabric),
+                "fabric": r.fabric.to_string(),
                 "ratio_to_baseline": base.map(|b| gbit / b),
                 "pattern": if r.blocks > 0 { "kv" } else { "messages" },
                 "blocks": r.blocks,
@@ -399,7 +393,7 @@ mod tests {
 
     #[test]
     fn table_with_ratio() {
-        let rows = [BenchResponse {
+        let rows = [BenchResult {
             size: 1 << 20,
             iters: 100,
             bytes: 100 << 20,
@@ -410,7 +404,7 @@ mod tests {
             lat_p99_us: 20.0,
             ..Default::default()
         }];
-        let base = TcpBaselineResponse {
+        let base = TcpBaseline {
             bytes: 1,
             seconds: 1.0,
             gbit_per_s: 0.8388608,

@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::ConnectRequest;
 
 use crate::target::normalize_agent;
 use crate::view;
@@ -19,15 +18,11 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     let peer = client
-        .connect(ConnectRequest {
-            peer: opt.peer.clone(),
-            qps: opt.qps,
-        })
+        .connect_peer(&opt.peer, opt.qps)
         .await
-        .with_context(|| format!("connecting {} to {}", ctx.agent, opt.peer))?
-        .into_inner();
+        .with_context(|| format!("connecting {} to {}", ctx.agent, opt.peer))?;
     if ctx.json {
         ctx.print_json(&view::peer_json(&peer))
     } else {

@@ -14,9 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::{
-    ChecksumAlgo, LocalRange, Op, RemoteRange, Segment, SubmitTransferRequest, Transfer, TransferOptions,
-};
+use xfer_client::{Op, Options, Segment, Transfer, TransferSpec};
 
 use crate::client::Client;
 use crate::progress;
@@ -94,10 +92,10 @@ pub struct Tuning {
 pub struct Plan {
     /// The agent that receives `SubmitTransfer`.
     pub initiator: String,
-    pub request: SubmitTransferRequest,
+    pub spec: TransferSpec,
 }
 
-/// Builds the `SubmitTransfer` for copying `src` to `dst` (`default_agent` fills missing agents).
+/// Builds the transfer for copying `src` to `dst` (`default_agent` fills missing agents).
 pub fn plan(
     src: &Location,
     dst: &Location,
@@ -109,18 +107,7 @@ pub fn plan(
 ) -> anyhow::Result<Plan> {
     let src_agent = src.agent_or(default_agent).to_string();
     let dst_agent = dst.agent_or(default_agent).to_string();
-    let options = TransferOptions {
-        chunk_size: tuning.chunk.unwrap_or(0),
-        qps: tuning.qps.unwrap_or(0),
-        depth: tuning.depth.unwrap_or(0),
-        verify: tuning.verify,
-        timeout: tuning
-            .timeout
-            .map(prost_types::Duration::try_from)
-            .transpose()
-            .context("--timeout is too long")?,
-        verify_algo: ChecksumAlgo::Unspecified as i32,
-    };
+    let options = Options { chunk_size: tuning.chunk, qps: tuning.qps, depth: tuning.depth, verify: tuning.verify, timeout: tuning.timeout };
     let (initiator, op, local, remote, remote_agent) = if pull {
         (dst_agent, Op::Read, dst, src, src_agent)
     } else {
@@ -133,29 +120,16 @@ pub fn plan(
         .iter()
         .map(|s| {
             let (l, r) = if pull { (s.dst, s.src) } else { (s.src, s.dst) };
-            Ok(Segment { local_offset: shift(local.offset, l)?, remote_offset: shift(remote.offset, r)?, length: s.len })
+            Ok(Segment { local: shift(local.offset, l)?, remote: shift(remote.offset, r)?, len: s.len })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (local_off, remote_off) = if segments.is_empty() { (local.offset, remote.offset) } else { (0, 0) };
-    Ok(Plan {
-        initiator,
-        request: SubmitTransferRequest {
-            op: op as i32,
-            local: Some(LocalRange {
-                region: local.region.clone(),
-                offset: local_off,
-            }),
-            remote: Some(RemoteRange {
-                agent: remote_agent,
-                region: remote.region.clone(),
-                offset: remote_off,
-            }),
-            length: len,
-            options: Some(options),
-            segments,
-            notify: batch.notify.clone(),
-        },
-    })
+    let mut spec = TransferSpec::new(op, &local.region, &remote_agent, &remote.region)
+        .range(local_off, remote_off, len)
+        .segments(segments)
+        .options(options);
+    spec.notify = batch.notify.clone();
+    Ok(Plan { initiator, spec })
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
@@ -179,12 +153,12 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     };
     let batch = Batch { segments, notify: opt.notify.map(String::into_bytes) };
     let plan = plan(&opt.src, &opt.dst, &ctx.agent, opt.len, opt.pull, &tuning, &batch)?;
-    let mut client = ctx.connect(&plan.initiator).await?;
+    let client = ctx.connect(&plan.initiator).await?;
     // Registered before the submit, so a Ctrl-C at any moment after it is ours (a handler first
     // installed when the wait starts would leave a window where Ctrl-C kills xferctl outright).
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("handling Ctrl-C")?;
     let started = Instant::now();
-    let t = submit(&mut client, &plan).await?;
+    let t = submit(&client, &plan).await?;
     if opt.no_wait {
         return if ctx.json {
             ctx.print_json(&view::transfer_json(&t))
@@ -194,7 +168,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
     let id = t.id.clone();
     let t = tokio::select! {
-        t = progress::watch(&mut client, &id, true) => t?,
+        t = progress::watch(&client, &id, true) => t?,
         _ = interrupt.recv() => {
             if opt.detach {
                 eprintln!("detached: transfer {id} keeps running (follow it with `xferctl transfer watch {id}`)");
@@ -203,7 +177,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             // Like scp or rclone: an interrupted copy is stopped, and the user is told.
             eprintln!("interrupted: cancelling transfer {id}");
             // The watch future is dropped before this handler runs, so its client is free again.
-            progress::cancel_and_wait(&mut client, &id).await?
+            progress::cancel_and_wait(&client, &id).await?
         }
     };
     if ctx.json {
@@ -217,13 +191,11 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
 }
 
 /// Submits the planned transfer on the initiating agent.
-pub async fn submit(client: &mut Client, plan: &Plan) -> anyhow::Result<Transfer> {
-    let op = view::op_name(plan.request.op);
-    Ok(client
-        .submit_transfer(plan.request.clone())
+pub async fn submit(client: &Client, plan: &Plan) -> anyhow::Result<Transfer> {
+    client
+        .submit(plan.spec.clone())
         .await
-        .with_context(|| format!("submitting {op} transfer to {}", plan.initiator))?
-        .into_inner())
+        .with_context(|| format!("submitting {} transfer to {}", plan.spec.op, plan.initiator))
 }
 
 #[cfg(test)]
@@ -247,13 +219,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.initiator, "a:1");
-        assert_eq!(p.request.op, Op::Write as i32);
-        let local = p.request.local.unwrap();
-        assert_eq!((local.region.as_str(), local.offset), ("src", 4096));
-        let remote = p.request.remote.unwrap();
-        assert_eq!(remote.agent, "b:7470");
-        assert_eq!(remote.region, "dst");
-        assert_eq!(p.request.length, 100);
+        assert_eq!(p.spec.op, Op::Write);
+        assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("src", 4096));
+        assert_eq!(p.spec.peer, "b:7470");
+        assert_eq!(p.spec.remote_region, "dst");
+        assert_eq!(p.spec.length, 100);
     }
 
     #[test]
@@ -269,12 +239,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.initiator, "b:7470");
-        assert_eq!(p.request.op, Op::Read as i32);
-        let local = p.request.local.unwrap();
-        assert_eq!((local.region.as_str(), local.offset), ("dst", 2));
-        let remote = p.request.remote.unwrap();
+        assert_eq!(p.spec.op, Op::Read);
+        assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("dst", 2));
         assert_eq!(
-            (remote.agent.as_str(), remote.region.as_str(), remote.offset),
+            (p.spec.peer.as_str(), p.spec.remote_region.as_str(), p.spec.remote_offset),
             ("d:9", "src", 1)
         );
     }
@@ -290,12 +258,12 @@ mod tests {
         };
         let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning, &Batch::default()).unwrap();
         assert_eq!(p.initiator, "d:9");
-        assert_eq!(p.request.remote.as_ref().unwrap().agent, "d:9");
-        let o = p.request.options.unwrap();
+        assert_eq!(p.spec.peer, "d:9");
+        let o = &p.spec.options;
         assert_eq!(
             (o.chunk_size, o.depth, o.qps, o.verify),
-            (1 << 20, 8, 2, true)
+            (Some(1 << 20), Some(8), Some(2), true)
         );
-        assert_eq!(o.timeout.unwrap().seconds, 30);
+        assert_eq!(o.timeout, Some(Duration::from_secs(30)));
     }
 }

@@ -19,19 +19,14 @@ use clap::Args;
 use rand::RngCore;
 use serde_json::{json, Value};
 use tokio::process::{Child, Command};
-use xfer_proto::v1::{
-    ChecksumAlgo, ChecksumRequest, CreateRegionRequest, GetInfoRequest, RegionKind,
-};
+use xfer_client::ChecksumAlgo;
 
 use super::cp::{self, Tuning};
-use super::get::read_to_vec;
-use super::put::write_region;
 use crate::client::{self, Client};
 use crate::error::Failure;
 use crate::progress;
 use crate::target::Location;
 use crate::units::{self, parse_duration, parse_size};
-use crate::view;
 use crate::Ctx;
 
 const AGENT_BIN: &str = "xfer-agent";
@@ -162,17 +157,18 @@ async fn steps(
     }
     let (a_addr, b_addr) = (agents[0].addr.clone(), agents[1].addr.clone());
     // Clones share the underlying HTTP/2 connection.
-    let (mut a, mut b) = match <[Client; 2]>::try_from(clients) {
+    let (a, b) = match <[Client; 2]>::try_from(clients) {
         Ok([a, b]) => (a, b),
         Err(_) => anyhow::bail!("internal error: expected two agents"),
     };
 
-    for (mut client, agent, region) in [
+    for (client, agent, region) in [
         (a.clone(), &a_addr, "demo-src"),
         (b.clone(), &b_addr, "demo-dst"),
         (a.clone(), &a_addr, "demo-back"),
     ] {
-        create(&mut client, region, size)
+        client
+            .create_region(region, size)
             .await
             .with_context(|| format!("creating region {region} on {agent}"))?;
         report.line(&format!(
@@ -187,7 +183,8 @@ async fn steps(
     let data: Arc<[u8]> = buf.into();
 
     let started = Instant::now();
-    let written = write_region(&mut a, "demo-src", 0, Cursor::new(data.clone()), None)
+    let written = a
+        .put_reader("demo-src", 0, Cursor::new(data.clone()))
         .await
         .context("filling demo-src on demo-a")?;
     report.rate(
@@ -223,8 +220,8 @@ async fn steps(
         // Both copies are initiated by demo-a: the WRITE because it holds the source, the READ
         // because it holds the destination.
         let started = Instant::now();
-        let t = cp::submit(&mut a, &plan).await?;
-        let t = progress::watch(&mut a, &t.id, true).await?;
+        let t = cp::submit(&a, &plan).await?;
+        let t = progress::watch(&a, &t.id, true).await?;
         progress::outcome(&t, false).with_context(|| format!("{step} copy"))?;
         let secs = if t.elapsed_seconds > 0.0 {
             t.elapsed_seconds
@@ -242,26 +239,17 @@ async fn steps(
     }
 
     let mut sums = Vec::new();
-    for (mut client, name, region) in [
+    for (client, name, region) in [
         (a.clone(), "demo-a", "demo-src"),
         (b.clone(), "demo-b", "demo-dst"),
         (a.clone(), "demo-a", "demo-back"),
     ] {
+        let algo = ChecksumAlgo::Xxh3;
         let sum = client
-            .checksum(ChecksumRequest {
-                region: region.to_string(),
-                offset: 0,
-                length: size,
-                algo: ChecksumAlgo::Xxh3 as i32,
-            })
+            .checksum(region, 0, size, algo)
             .await
-            .with_context(|| format!("checksum of {name}:{region}"))?
-            .into_inner();
-        sums.push((
-            format!("{name}:{region}"),
-            sum.value,
-            view::algo_name(sum.algo),
-        ));
+            .with_context(|| format!("checksum of {name}:{region}"))?;
+        sums.push((format!("{name}:{region}"), sum, algo.as_str()));
     }
     let first = sums[0].1;
     let listing: Vec<String> = sums
@@ -279,11 +267,12 @@ async fn steps(
         .push(json!({"step": "checksum", "value": format!("{first:016x}")}));
 
     for (client, name, region) in [
-        (&mut b, "demo-b", "demo-dst"),
-        (&mut a, "demo-a", "demo-back"),
+        (&b, "demo-b", "demo-dst"),
+        (&a, "demo-a", "demo-back"),
     ] {
         let started = Instant::now();
-        let back = read_to_vec(client, region, 0, size)
+        let back = client
+            .get(region, 0, size)
             .await
             .with_context(|| format!("reading back {name}:{region}"))?;
         let secs = started.elapsed().as_secs_f64();
@@ -301,18 +290,6 @@ async fn steps(
         );
     }
     report.line("demo OK");
-    Ok(())
-}
-
-async fn create(client: &mut Client, name: &str, size: u64) -> anyhow::Result<()> {
-    client
-        .create_region(CreateRegionRequest {
-            name: name.to_string(),
-            length: size,
-            kind: RegionKind::Anonymous as i32,
-            ..Default::default()
-        })
-        .await?;
     Ok(())
 }
 
@@ -441,12 +418,9 @@ impl DemoAgent {
                 );
             }
             let last_error = match client::connect(&self.addr).await {
-                Ok(mut client) => match client.get_info(GetInfoRequest {}).await {
-                    Ok(info) => {
-                        let fabric = view::fabric_name(info.into_inner().fabric);
-                        return Ok((client, fabric));
-                    }
-                    Err(status) => crate::error::report(&status.into()).1,
+                Ok(client) => match client.info().await {
+                    Ok(info) => return Ok((client, info.fabric.to_string())),
+                    Err(e) => crate::error::report(&e.into()).1,
                 },
                 Err(e) => crate::error::report(&e).1,
             };

@@ -10,9 +10,9 @@ use std::path::Path;
 
 use clap::Args;
 use serde_json::json;
-use xfer_proto::v1::{AgentInfo, FabricKind, GetInfoRequest};
+use xfer_client::{AgentInfo, Fabric};
 
-use crate::view::{fabric_name, limit_bytes};
+use crate::view::limit_bytes;
 use crate::Ctx;
 
 /// Below this a verbs agent cannot register useful regions (containerd's default is 8 MiB).
@@ -68,10 +68,10 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let mut checks = Vec::new();
     let mut connect_error = None;
     let info = match ctx.client().await {
-        Ok(mut client) => match client.get_info(GetInfoRequest {}).await {
-            Ok(resp) => Some(resp.into_inner()),
-            Err(status) => {
-                connect_error = Some(anyhow::Error::new(status).context("GetInfo"));
+        Ok(client) => match client.info().await {
+            Ok(info) => Some(info),
+            Err(e) => {
+                connect_error = Some(anyhow::Error::new(e).context("GetInfo"));
                 None
             }
         },
@@ -199,14 +199,14 @@ pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
         ),
         None,
     )];
-    let verbs = info.fabric == FabricKind::Verbs as i32;
+    let verbs = info.fabric == Fabric::Verbs;
     out.push(if verbs {
         check("fabric", Verdict::Ok, format!("verbs ({})", info.fabric_reason), None)
     } else {
         check(
             "fabric",
             Verdict::Warn,
-            format!("{} ({})", fabric_name(info.fabric), info.fabric_reason),
+            format!("{} ({})", info.fabric, info.fabric_reason),
             Some("no usable RDMA device/port/GID: see the device checks; run the agent with --fabric verbs to get a hard error"),
         )
     });
@@ -232,17 +232,13 @@ pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
     for d in &info.devices {
         let name = format!("agent {}/{}", d.name, d.port);
         let active = d.state.eq_ignore_ascii_case("ACTIVE") || d.state.ends_with("ACTIVE");
-        let gid_ok = d.selected_gid_index >= 0 || d.link_layer.eq_ignore_ascii_case("InfiniBand");
+        let gid_ok = d.selected_gid_index.is_some() || d.link_layer.eq_ignore_ascii_case("InfiniBand");
         let detail = format!(
             "{} {} MTU {} selected GID {}",
             d.state,
             d.link_layer,
             d.active_mtu,
-            if d.selected_gid_index < 0 {
-                "none".into()
-            } else {
-                d.selected_gid_index.to_string()
-            }
+            d.selected_gid_index.map_or_else(|| "none".to_string(), |i| i.to_string())
         );
         out.push(match (active, gid_ok) {
             (false, _) => check(
@@ -475,7 +471,7 @@ pub fn cap_ipc_lock(status: &str) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use xfer_proto::v1::{DeviceInfo, Limits};
+    use xfer_client::{Device, Limits};
 
     #[test]
     fn cap_eff_bit_14() {
@@ -558,20 +554,20 @@ mod tests {
     fn agent_view() {
         let info = AgentInfo {
             node_name: "n1".into(),
-            fabric: FabricKind::Verbs as i32,
+            fabric: Fabric::Verbs,
             limits: Some(Limits {
                 memlock_soft: 8 << 20,
                 memlock_hard: 8 << 20,
                 cap_ipc_lock: false,
                 ..Default::default()
             }),
-            devices: vec![DeviceInfo {
+            devices: vec![Device {
                 name: "rxe0".into(),
                 port: 1,
                 state: "ACTIVE".into(),
                 link_layer: "Ethernet".into(),
                 active_mtu: 1024,
-                selected_gid_index: -1,
+                selected_gid_index: None,
                 ..Default::default()
             }],
             ..Default::default()
@@ -585,7 +581,7 @@ mod tests {
 
         let mut fine = info.clone();
         fine.limits.as_mut().unwrap().cap_ipc_lock = true;
-        fine.devices[0].selected_gid_index = 1;
+        fine.devices[0].selected_gid_index = Some(1);
         let checks = agent_checks(&fine, "h:1");
         assert!(
             checks.iter().all(|c| c.verdict == Verdict::Ok),

@@ -2,22 +2,18 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::{AgentInfo, GetInfoRequest};
+use xfer_client::AgentInfo;
 
 use crate::units::format_bytes;
-use crate::view::{self, duration, fabric_name, gid_text, human_duration, limit_bytes};
+use crate::view::{self, gid_text, human_duration, limit_bytes};
 use crate::Ctx;
 
 #[derive(Debug, Args)]
 pub struct Opt {}
 
 pub async fn run(_opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let info = client
-        .get_info(GetInfoRequest {})
-        .await
-        .context("GetInfo")?
-        .into_inner();
+    let client = ctx.client().await?;
+    let info = client.info().await.context("GetInfo")?;
     if ctx.json {
         ctx.print_json(&view::info_json(&info))
     } else {
@@ -37,13 +33,13 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
     } else {
         format!(" ({})", info.fabric_reason)
     };
-    kv("fabric:", format!("{}{reason}", fabric_name(info.fabric)));
+    kv("fabric:", format!("{}{reason}", info.fabric));
     if !info.data_address.is_empty() {
         kv("data address:", info.data_address.clone());
     }
     kv(
         "uptime:",
-        duration(&info.uptime)
+        info.uptime
             .map(human_duration)
             .unwrap_or_else(|| "-".into()),
     );
@@ -103,14 +99,10 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
             d.link_layer,
             d.active_mtu,
             d.lid,
-            if d.selected_gid_index < 0 {
-                "none".to_string()
-            } else {
-                d.selected_gid_index.to_string()
-            }
+            d.selected_gid_index.map_or_else(|| "none".to_string(), |i| i.to_string())
         ));
         for g in &d.gids {
-            let mark = if i64::from(g.index) == i64::from(d.selected_gid_index) {
+            let mark = if d.selected_gid_index == Some(g.index) {
                 '*'
             } else {
                 ' '
@@ -118,7 +110,7 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
             out.push_str(&format!(
                 "   {mark}gid[{}] {:<7} {:<10} {}\n",
                 g.index,
-                g.r#type,
+                g.kind,
                 g.netdev,
                 gid_text(&g.raw)
             ));
@@ -130,7 +122,7 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use xfer_proto::v1::{DeviceInfo, FabricKind, Gid, Limits};
+    use xfer_client::{Device, Fabric, Gid, Limits};
 
     #[test]
     fn renders_fabric_reason_limits_and_selected_gid() {
@@ -141,7 +133,7 @@ mod tests {
         let info = AgentInfo {
             node_name: "n1".into(),
             version: "0.1.0".into(),
-            fabric: FabricKind::Tcp as i32,
+            fabric: Fabric::Tcp,
             fabric_reason: "no RDMA devices".into(),
             limits: Some(Limits {
                 memlock_soft: u64::MAX,
@@ -149,28 +141,25 @@ mod tests {
                 cap_ipc_lock: true,
                 ..Default::default()
             }),
-            uptime: Some(prost_types::Duration {
-                seconds: 3723,
-                nanos: 0,
-            }),
-            devices: vec![DeviceInfo {
+            uptime: Some(std::time::Duration::from_secs(3723)),
+            devices: vec![Device {
                 name: "rxe0".into(),
                 port: 1,
                 state: "ACTIVE".into(),
                 link_layer: "Ethernet".into(),
                 active_mtu: 1024,
-                selected_gid_index: 1,
+                selected_gid_index: Some(1),
                 gids: vec![
                     Gid {
                         index: 0,
                         raw: vec![0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
-                        r#type: "RoCEv1".into(),
+                        kind: "RoCEv1".into(),
                         netdev: "eth0".into(),
                     },
                     Gid {
                         index: 1,
                         raw,
-                        r#type: "RoCEv2".into(),
+                        kind: "RoCEv2".into(),
                         netdev: "eth0".into(),
                     },
                 ],

@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::ListPeersRequest;
 
 use crate::view;
 use crate::Ctx;
@@ -11,13 +10,8 @@ use crate::Ctx;
 pub struct Opt {}
 
 pub async fn run(_opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let peers = client
-        .list_peers(ListPeersRequest {})
-        .await
-        .context("ListPeers")?
-        .into_inner()
-        .peers;
+    let client = ctx.client().await?;
+    let peers = client.peers().await.context("ListPeers")?;
     if ctx.json {
         ctx.print_json(&serde_json::Value::Array(
             peers.iter().map(view::peer_json).collect(),

@@ -1,14 +1,12 @@
 //! `xferctl put FILE [AGENT:]NAME[@OFFSET]`: stream a file into a region with `WriteRegion`.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use indicatif::ProgressBar;
-use tokio::io::{AsyncRead, AsyncReadExt};
-use xfer_proto::v1::WriteRegionRequest;
+use tokio::io::AsyncRead;
 
 use crate::client::Client;
 use crate::progress::byte_bar;
@@ -30,12 +28,12 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let agent = opt.dest.agent_or(&ctx.agent).to_string();
-    let mut client = ctx.connect(&agent).await?;
+    let client = ctx.connect(&agent).await?;
     let started = Instant::now();
     let display = opt.file.display().to_string();
     let written = if opt.file.as_os_str() == "-" {
         write_region(
-            &mut client,
+            &client,
             &opt.dest.region,
             opt.dest.offset,
             tokio::io::stdin(),
@@ -52,7 +50,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             .with_context(|| format!("reading metadata of {display}"))?
             .len();
         write_region(
-            &mut client,
+            &client,
             &opt.dest.region,
             opt.dest.offset,
             file,
@@ -77,8 +75,10 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
 
 /// Streams everything `reader` yields into `region` at `offset`, in [`CHUNK`]-byte messages.
 /// Returns the bytes the agent reports written.
+/// Streams everything `reader` yields into `region` at `offset` (through
+/// [`Client::put_reader`]), advancing `bar` as the bytes are read. Returns the bytes written.
 pub async fn write_region<R>(
-    client: &mut Client,
+    client: &Client,
     region: &str,
     offset: u64,
     reader: R,
@@ -87,82 +87,12 @@ pub async fn write_region<R>(
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
-    // A read error cannot travel through the request stream (its items are messages), so the
-    // stream stops early and leaves the error here for us to report after the call.
-    let read_error: Arc<Mutex<Option<std::io::Error>>> = Arc::default();
-    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    struct State<R> {
-        reader: R,
-        first: Option<(String, u64)>,
-        finished: bool,
-        error: Arc<Mutex<Option<std::io::Error>>>,
-        sent: Arc<std::sync::atomic::AtomicU64>,
-        bar: Option<ProgressBar>,
-    }
-    let state = State {
-        reader,
-        first: Some((region.to_string(), offset)),
-        finished: false,
-        error: read_error.clone(),
-        sent: sent.clone(),
-        bar: bar.clone(),
+    let written = match &bar {
+        Some(b) => client.put_reader(region, offset, b.wrap_async_read(reader)).await,
+        None => client.put_reader(region, offset, reader).await,
     };
-    let stream = futures::stream::unfold(state, |mut st| async move {
-        if st.finished {
-            return None;
-        }
-        let mut data = vec![0u8; CHUNK];
-        let mut filled = 0;
-        while filled < CHUNK {
-            match st.reader.read(&mut data[filled..]).await {
-                Ok(0) => {
-                    st.finished = true;
-                    break;
-                }
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    if let Ok(mut slot) = st.error.lock() {
-                        *slot = Some(e);
-                    }
-                    return None;
-                }
-            }
-        }
-        data.truncate(filled);
-        if filled == 0 && st.first.is_none() {
-            return None;
-        }
-        let (region, offset) = st.first.take().unwrap_or_default();
-        st.sent
-            .fetch_add(filled as u64, std::sync::atomic::Ordering::Relaxed);
-        if let Some(b) = &st.bar {
-            b.inc(filled as u64);
-        }
-        Some((
-            WriteRegionRequest {
-                region,
-                offset,
-                data,
-            },
-            st,
-        ))
-    });
-    let result = client.write_region(stream).await;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let taken = read_error.lock().ok().and_then(|mut slot| slot.take());
-    if let Some(e) = taken {
-        return Err(anyhow::Error::new(e).context(format!(
-            "read failed after {} bytes were sent",
-            sent.load(std::sync::atomic::Ordering::Relaxed)
-        )));
-    }
-    let written = result.context("WriteRegion")?.into_inner().bytes_written;
-    let sent = sent.load(std::sync::atomic::Ordering::Relaxed);
-    if written != sent {
-        anyhow::bail!("the agent wrote {written} bytes but {sent} were sent");
-    }
-    Ok(written)
+    written.context("WriteRegion")
 }

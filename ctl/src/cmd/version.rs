@@ -4,7 +4,6 @@
 use anyhow::Context;
 use clap::Args;
 use serde_json::json;
-use xfer_proto::v1::GetInfoRequest;
 
 use crate::Ctx;
 
@@ -24,8 +23,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     } else {
         // An unreachable agent is an error (exit 8, UNAVAILABLE) after the client's version is printed.
         let got = async {
-            let mut client = ctx.client().await?;
-            let info = client.get_info(GetInfoRequest {}).await.context("GetInfo")?.into_inner();
+            let client = ctx.client().await?;
+            let info = client.info().await.context("GetInfo")?;
             anyhow::Ok(info)
         }
         .await;

@@ -6,7 +6,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::WatchInboundRequest;
 
 use crate::view;
 use crate::Ctx;
@@ -24,15 +23,17 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let req = WatchInboundRequest { region: opt.region.clone().unwrap_or_default(), tag: opt.tag.clone().map(String::into_bytes) };
-    let mut stream = client.watch_inbound(req).await.context("watching inbound notifications")?.into_inner();
+    let client = ctx.client().await?;
+    let mut stream = client
+        .watch_inbound(opt.region.as_deref(), opt.tag.as_deref().map(str::as_bytes))
+        .await
+        .context("watching inbound notifications")?;
     // The subscription is in place once the call answered: say so on stderr, so a script (or a
     // test) can start the batch only then.
     eprintln!("watching {} for notifications", opt.region.as_deref().unwrap_or("every region"));
     let mut seen = 0u64;
     while opt.count.is_none_or(|c| seen < c) {
-        let Some(n) = stream.message().await.context("receiving notifications")? else {
+        let Some(n) = stream.try_next().await.context("receiving notifications")? else {
             break;
         };
         seen += 1;

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use xfer_proto::v1::{Access, CreateRegionRequest, RegionKind};
+use xfer_client::{Access, RegionKind, RegionSpec};
 
 use super::parse_label;
 use crate::units::{parse_duration, parse_size};
@@ -70,35 +70,27 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         // Usage-level mistake, but only detectable after parsing: say so plainly.
         anyhow::bail!("--kind file needs --path PATH (a file on the agent's node)");
     }
-    let request = CreateRegionRequest {
+    let spec = RegionSpec {
         name: opt.name.clone(),
         length: opt.size,
         kind: match opt.kind {
             Kind::Anonymous => RegionKind::Anonymous,
             Kind::File => RegionKind::File,
             Kind::Shm => RegionKind::Shm,
-        } as i32,
+        },
         path: opt.path.unwrap_or_default(),
         access: match opt.access {
             AccessArg::Rw => Access::ReadWrite,
             AccessArg::R => Access::Read,
             AccessArg::W => Access::Write,
-        } as i32,
+        },
         hugepages: opt.hugepages,
-        ttl: opt
-            .ttl
-            .map(prost_types::Duration::try_from)
-            .transpose()
-            .context("--ttl is too long")?,
+        ttl: opt.ttl,
         labels: opt.labels.into_iter().collect(),
         adopt_existing: opt.adopt,
     };
-    let mut client = ctx.client().await?;
-    let region = client
-        .create_region(request)
-        .await
-        .with_context(|| format!("creating region {:?}", opt.name))?
-        .into_inner();
+    let client = ctx.client().await?;
+    let region = client.create(spec).await.with_context(|| format!("creating region {:?}", opt.name))?;
     if ctx.json {
         ctx.print_json(&view::region_json(&region))
     } else {

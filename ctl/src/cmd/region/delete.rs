@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::DeleteRegionRequest;
 
 use crate::Ctx;
 
@@ -13,11 +12,9 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     client
-        .delete_region(DeleteRegionRequest {
-            name: opt.name.clone(),
-        })
+        .delete_region(&opt.name)
         .await
         .with_context(|| format!("deleting region {:?}", opt.name))?;
     if ctx.json {

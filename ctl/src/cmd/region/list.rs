@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::ListRegionsRequest;
 
 use super::parse_label;
 use crate::view;
@@ -16,15 +15,11 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     let mut regions = client
-        .list_regions(ListRegionsRequest {
-            label_selector: opt.selector.into_iter().collect(),
-        })
+        .regions_matching(&opt.selector.into_iter().collect())
         .await
-        .context("listing regions")?
-        .into_inner()
-        .regions;
+        .context("listing regions")?;
     regions.sort_by(|a, b| a.name.cmp(&b.name));
     if ctx.json {
         ctx.print_json(&serde_json::Value::Array(

@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::GetRegionRequest;
 
 use crate::view;
 use crate::Ctx;
@@ -14,14 +13,8 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let region = client
-        .get_region(GetRegionRequest {
-            name: opt.name.clone(),
-        })
-        .await
-        .with_context(|| format!("getting region {:?}", opt.name))?
-        .into_inner();
+    let client = ctx.client().await?;
+    let region = client.region(&opt.name).await.with_context(|| format!("getting region {:?}", opt.name))?;
     if ctx.json {
         ctx.print_json(&view::region_json(&region))
     } else {

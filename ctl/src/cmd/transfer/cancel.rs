@@ -1,7 +1,7 @@
 //! `xferctl transfer cancel ID`.
 
 use clap::Args;
-use xfer_proto::v1::TransferState;
+use xfer_client::State;
 
 use crate::progress;
 use crate::view;
@@ -14,15 +14,14 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     // The cancel's answer is the record at that instant (still RUNNING): follow it until it has
     // stopped, and report that.
-    let t = progress::cancel_and_wait(&mut client, &opt.id).await?;
+    let t = progress::cancel_and_wait(&client, &opt.id).await?;
     if ctx.json {
         ctx.print_json(&view::transfer_json(&t))
     } else {
-        let state = view::state_name(t.state);
-        let what = if t.state == TransferState::Cancelled as i32 { "cancelled".to_string() } else { format!("had already {state}") };
+        let what = if t.state == State::Cancelled { "cancelled".to_string() } else { format!("had already {}", t.state) };
         ctx.print(&format!("transfer {}: {what} ({} of {} bytes done)\n", t.id, t.bytes_done, t.length))
     }
 }

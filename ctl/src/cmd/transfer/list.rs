@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::ListTransfersRequest;
 
 use crate::view;
 use crate::Ctx;
@@ -11,13 +10,8 @@ use crate::Ctx;
 pub struct Opt {}
 
 pub async fn run(_opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let transfers = client
-        .list_transfers(ListTransfersRequest {})
-        .await
-        .context("listing transfers")?
-        .into_inner()
-        .transfers;
+    let client = ctx.client().await?;
+    let transfers = client.transfers().await.context("listing transfers")?;
     if ctx.json {
         ctx.print_json(&serde_json::Value::Array(
             transfers.iter().map(view::transfer_json).collect(),

@@ -2,7 +2,6 @@
 
 use anyhow::Context;
 use clap::Args;
-use xfer_proto::v1::GetTransferRequest;
 
 use crate::view;
 use crate::Ctx;
@@ -14,12 +13,8 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
-    let t = client
-        .get_transfer(GetTransferRequest { id: opt.id.clone() })
-        .await
-        .with_context(|| format!("getting transfer {}", opt.id))?
-        .into_inner();
+    let client = ctx.client().await?;
+    let t = client.get_transfer(&opt.id).await.with_context(|| format!("getting transfer {}", opt.id))?;
     if ctx.json {
         ctx.print_json(&view::transfer_json(&t))
     } else {

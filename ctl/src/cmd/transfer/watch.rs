@@ -16,9 +16,9 @@ pub struct Opt {
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let mut client = ctx.client().await?;
+    let client = ctx.client().await?;
     let started = Instant::now();
-    let t = progress::watch(&mut client, &opt.id, true).await?;
+    let t = progress::watch(&client, &opt.id, true).await?;
     if ctx.json {
         ctx.print_json(&view::transfer_json(&t))?;
     }
