@@ -101,6 +101,9 @@ pub struct VerbsConfig {
     /// (0 = never: completions always come through the CQ task). Spinning trades a core for
     /// latency: a completion within the budget costs no wake-up.
     pub poll_spin: HumanDuration,
+    /// Largest READ work request: longer READ chunks (a `--chunk` above it, a benchmark's large
+    /// messages) are posted as several READs of at most this many bytes.
+    pub max_read_wr: ByteSize,
 }
 
 pub use crate::identity::{DnsRole, RoleName};
@@ -404,7 +407,7 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::ZERO) }
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::ZERO), max_read_wr: ByteSize(1 << 20) }
     }
 }
 
@@ -560,6 +563,9 @@ impl Config {
             crate::fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
             other => bad("verbs", other.to_string()),
         })?;
+        if !(4096..=crate::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {
+            return Err(bad("verbs.max_read_wr", format!("must be between 4KiB and {}", ByteSize(crate::shape::MAX_CHUNK))));
+        }
         if self.verbs.gid_index < -1 {
             return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
         }
@@ -900,6 +906,13 @@ mod tests {
         let env = vec![("XFER_VERBS__RETRY_CNT".to_string(), "7".to_string())];
         let e = Config::load(None, env, &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "verbs.retry_cnt");
+        for v in ["1KiB", "1GiB"] {
+            let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), v.to_string())];
+            let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.max_read_wr", "{v}");
+        }
+        let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), "256KiB".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs.max_read_wr, ByteSize(256 << 10));
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub const TRANSFER_FAILURES: &str = "xfer_transfer_failures_total";
 pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
 pub const TRANSFER_DURATION: &str = "xfer_transfer_duration_seconds";
 pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
+pub const WORK_REQUESTS: &str = "xfer_work_requests_total";
 pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
 pub const REGIONS: &str = "xfer_regions";
@@ -127,6 +128,7 @@ pub fn describe() {
     describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved by transfers, by operation and peer node.");
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
+    describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
     describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
@@ -301,6 +303,15 @@ pub fn peer_label(name: &str) -> String {
 
 pub fn transfer_bytes(op: &'static str, peer: &str, bytes: u64) {
     counter!(TRANSFER_BYTES, "op" => op, "peer" => peer_label(peer)).increment(bytes);
+}
+
+/// `writes`, `reads` and `notifies` WRs were posted (one doorbell run).
+pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
+    for (op, n) in [("write", writes), ("read", reads), ("notify", notifies)] {
+        if n > 0 {
+            counter!(WORK_REQUESTS, "op" => op).increment(n);
+        }
+    }
 }
 
 pub fn work_completion(status: &'static str) {

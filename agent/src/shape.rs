@@ -47,6 +47,13 @@ pub fn depth(n: usize) -> Result<usize, ShapeError> {
     if DEPTH.contains(&n) { Ok(n) } else { Err(ShapeError::Depth) }
 }
 
+/// The length of a transfer's work requests: its chunk, except that READ chunks longer than
+/// `max_read_wr` are posted as WRs of at most that (on rxe a 16 MiB READ WR runs at half the rate
+/// of 1 MiB ones; many NICs prefer READs of a few MTUs to a few MiB). WRITEs keep their chunk.
+pub fn wr_chunk(read: bool, chunk: u64, max_read_wr: u64) -> u64 {
+    if read { chunk.min(max_read_wr.max(1)) } else { chunk }
+}
+
 /// One message of the benchmark (its scratch region on the target is this long).
 pub fn bench_size(n: u64) -> Result<u64, ShapeError> {
     if (1..=MAX_CHUNK).contains(&n) { Ok(n) } else { Err(ShapeError::Size) }
@@ -72,5 +79,13 @@ mod tests {
         assert_eq!(depth(0).unwrap_err().to_string(), "depth must be 1-4096");
         assert_eq!(or_default(0usize, 2, qps), Ok(2));
         assert_eq!(or_default(65usize, 2, qps), Err(ShapeError::Qps));
+    }
+
+    #[test]
+    fn only_reads_are_split() {
+        assert_eq!(wr_chunk(true, 16 << 20, 1 << 20), 1 << 20);
+        assert_eq!(wr_chunk(true, 4096, 1 << 20), 4096);
+        assert_eq!(wr_chunk(false, 16 << 20, 1 << 20), 16 << 20);
+        assert_eq!(wr_chunk(true, 16 << 20, 0), 1, "never a zero-length chunk");
     }
 }

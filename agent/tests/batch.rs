@@ -103,6 +103,12 @@ async fn a_kv_batch_lands_and_its_notification_follows_the_bytes() {
     assert_eq!(labelled(&text, "xfer_batches_total", &[("op", "write")]), 1.0);
     assert_eq!(labelled(&text, "xfer_batch_segments_total", &[("op", "write"), ("form", "asked")]), segments.len() as f64);
     assert_eq!(labelled(&text, "xfer_batch_segments_total", &[("op", "write"), ("form", "posted")]), expect_posted as f64);
+    // One WR per scattered block (each under the 16 KiB chunk), the coalesced 96 KiB run cut
+    // into six 16 KiB chunks, and one marker per QP.
+    let writes = if run_ok { 1000 + 6 } else { 1000 };
+    assert_eq!(labelled(&text, "xfer_work_requests_total", &[("op", "write")]), writes as f64, "{text}");
+    assert_eq!(labelled(&text, "xfer_work_requests_total", &[("op", "notify")]), 3.0);
+    assert_eq!(labelled(&text, "xfer_work_requests_total", &[("op", "read")]), 0.0);
 }
 
 /// A READ batch pulls scattered blocks of the target's pool; the target is told (op READ) once
@@ -123,6 +129,10 @@ async fn a_read_batch_notifies_the_target_that_its_blocks_were_read() {
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.op), (&b"read-7"[..], pb::Op::Read as i32));
+    // One READ WR per posted segment (blocks adjacent on both sides coalesce; each is under
+    // the 16 KiB chunk).
+    assert!(t.segments > 0 && t.segments <= 64, "{t:?}");
+    assert_eq!(labelled(&scrape(&a), "xfer_work_requests_total", &[("op", "read")]), t.segments as f64);
     let got = a.read("dst", 0, 64 * BLOCK).await;
     for (i, s) in segments.iter().enumerate() {
         let r = s.remote_offset as usize;

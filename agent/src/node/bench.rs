@@ -215,22 +215,30 @@ impl Node {
         let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
         let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
 
-        // Bandwidth: iters WRs of `size`, `depth` outstanding per QP. Each phase has its own
+        // Bandwidth: iters messages of `size`, `depth` WRs outstanding per QP: one WR per message,
+        // except that READs longer than `verbs.max_read_wr` are split as a transfer's are (each
+        // message its own segment, cut into WRs of that length). Each phase has its own
         // connection, and so its own grant (mw grants are bound to a connection); both are RAII
         // guards in `held`, given back when it drops.
+        let piece = self.wr_chunk(op == WrOp::Read, p.size);
+        let segs: Arc<[Seg]> = if piece < p.size {
+            (0..iters).map(|_| Seg { local: 0, remote: 0, len: p.size }).collect()
+        } else {
+            Arc::from([Seg { local: 0, remote: 0, len: p.size * iters as u64 }])
+        };
         let mut held = self.bench_acquire(peer, &ask, qps, depth).await?;
         let (lease, grant) = held_parts(&mut held)?;
         let mut machine = Machine::new(MachineConfig {
-            segs: Arc::from([Seg { local: 0, remote: 0, len: p.size * iters as u64 }]),
+            segs,
             markers: Markers::None,
-            chunk: p.size,
+            chunk: piece,
             qps: lease.qps(),
             depth,
             signal_every: self.config.transfer.signal_every,
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let t0 = Instant::now();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, q.signaled), |_| {}, None, self.poll_spin()).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q, op, &local, p.size, &grant, q.signaled), |_| {}, None, self.poll_spin()).await;
         let seconds = t0.elapsed().as_secs_f64();
         let bw_state = machine.state().clone();
         if let Some(l) = held.lease.take() {
@@ -255,7 +263,7 @@ impl Node {
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
         let mut probe = LatencyProbe::default();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q.seq, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe), self.poll_spin()).await;
+        pump(&mut machine, lease, &cancel, |q| bench_wr(q, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe), self.poll_spin()).await;
         let lat_ok = machine.state() == &State::Succeeded;
         if let Some(l) = held.lease.take() {
             l.release(lat_ok);
@@ -610,14 +618,16 @@ impl Node {
     }
 }
 
-fn bench_wr(seq: u64, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {
+/// The WR for `q` of a benchmark whose messages are `size` bytes: every message reuses the
+/// same buffer on both sides, so offsets are taken within a message.
+fn bench_wr(q: &crate::transfer::machine::Post, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {
     WorkRequest {
-        wr_id: seq,
+        wr_id: q.seq,
         op,
         local: local.clone(),
-        local_offset: 0,
-        len: size as u32,
-        remote_addr: grant.addr,
+        local_offset: q.local % size,
+        len: q.len,
+        remote_addr: grant.addr + q.remote % size,
         remote_key: grant.key.clone(),
         signaled,
     }

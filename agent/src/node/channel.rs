@@ -144,7 +144,7 @@ impl Node {
             )));
         }
         let t = &self.config.transfer;
-        let chunk = shape::chunk(p.options.chunk_size.unwrap_or(t.chunk_size.0))?;
+        let chunk = self.wr_chunk(p.op == Op::Read, shape::chunk(p.options.chunk_size.unwrap_or(t.chunk_size.0))?);
         let qps = shape::qps(p.options.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(p.options.depth.unwrap_or(t.depth))?;
         let timeout = p.options.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);

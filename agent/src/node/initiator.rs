@@ -73,7 +73,7 @@ impl Node {
         }
         let opts = &req.options;
         let t = &self.config.transfer;
-        let chunk = shape::chunk(opts.chunk_size.unwrap_or(t.chunk_size.0))?;
+        let chunk = self.wr_chunk(req.op == Op::Read, shape::chunk(opts.chunk_size.unwrap_or(t.chunk_size.0))?);
         let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
         let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);

@@ -86,6 +86,15 @@ impl Node {
         }
     }
 
+    /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp
+    /// fabric's frames need no split).
+    pub(super) fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
+        match self.fabric.kind() {
+            FabricKind::Verbs => crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0),
+            FabricKind::Tcp => chunk,
+        }
+    }
+
     pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
         self.admin_slot.clone().try_acquire_owned().map_err(|_| {
             TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)"))

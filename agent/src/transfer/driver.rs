@@ -90,12 +90,21 @@ pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>)
             run.push(wr);
         }
         let ids: Vec<u64> = run.iter().map(|w| w.wr_id).collect();
+        let mut ops = [0u64; 3];
+        for w in &run {
+            ops[match w.op {
+                crate::fabric::WrOp::Write => 0,
+                crate::fabric::WrOp::Read => 1,
+                crate::fabric::WrOp::Notify { .. } => 2,
+            }] += 1;
+        }
         if let Err((id, e)) = conn.post_batch(qp, run) {
             let from = ids.iter().position(|&x| x == id).unwrap_or(0);
             let mut failed: Vec<u64> = ids[from..].to_vec();
             failed.extend(items.map(|(_, w)| w.wr_id));
             return Err((failed, e.to_string()));
         }
+        crate::metrics::work_requests(ops[0], ops[1], ops[2]);
     }
     Ok(())
 }
