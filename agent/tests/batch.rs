@@ -286,6 +286,28 @@ async fn the_kv_benchmark_runs_batches_and_cleans_up() {
     }
 }
 
+/// `xferctl bench --pattern notify` maps a shared-memory pool on the peer, watches each round's
+/// blocks land and receives each round's notification: every round is notified via the fabric
+/// and never before its bytes were visible (else the command fails), and nothing is left behind
+/// (regions on both agents, the pool's object in /dev/shm).
+#[tokio::test]
+async fn the_notify_benchmark_sees_bytes_before_notifications_and_cleans_up() {
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr(), "--pattern", "notify", "--blocks", "32", "--iters", "8"]);
+    assert!(o.status.success(), "{o:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((doc["pattern"].as_str(), doc["rounds"].as_u64(), doc["blocks"].as_u64(), doc["via_fabric"].as_u64()), (Some("notify"), Some(8), Some(32), Some(8)), "{doc}");
+    let (p50, p99) = (doc["notify_delay_p50_us"].as_f64().unwrap(), doc["notify_delay_p99_us"].as_f64().unwrap());
+    assert!(p50 >= 0.0 && p99 >= p50 && doc["batch_p50_us"].as_f64().unwrap() > 0.0, "{doc}");
+    assert_eq!(labelled(&scrape(&b), "xfer_notifications_total", &[("via", "fabric")]), 8.0);
+    for agent in [&a, &b] {
+        let regions = agent.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
+        assert!(regions.is_empty(), "regions left: {regions:?}");
+    }
+    let left: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains("xfer-notify-pool")).map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "shm objects left: {left:?}");
+}
+
 /// The connection-setup benchmark negotiates fresh connections, holds them all (the target
 /// counts them), reports per-connection times and memory per QP, then gives them all back.
 #[tokio::test]

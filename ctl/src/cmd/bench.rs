@@ -32,6 +32,10 @@ pub enum Pattern {
     /// Connection setup: `--connections` fresh connections of `--qps` QPs, each timed and all
     /// held at once (memory per QP).
     Connect,
+    /// Notification delay as the target's application sees it: `--iters` batches of `--blocks`
+    /// blocks of `--block` bytes into a shared-memory pool on `--peer` that xferctl maps (run
+    /// it on the peer's node); from the last byte visible to the notification received.
+    Notify,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -70,12 +74,12 @@ pub struct Opt {
     /// `kv`: batches of `--blocks` blocks of `--block` bytes scattered over `--pool`.
     #[arg(long, value_enum, default_value = "messages")]
     pub pattern: Pattern,
-    /// KV pattern: bytes per block.
-    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
-    pub block: u64,
-    /// KV pattern: blocks per batch.
-    #[arg(long, default_value_t = 2048)]
-    pub blocks: u32,
+    /// KV and notify patterns: bytes per block (default 64KiB; notify: 4KiB).
+    #[arg(long, value_parser = parse_size)]
+    pub block: Option<u64>,
+    /// KV and notify patterns: blocks per batch (default 2048; notify: 16).
+    #[arg(long)]
+    pub blocks: Option<u32>,
     /// KV pattern: pool bytes on each side (default 4 x blocks x block).
     #[arg(long, value_parser = parse_size)]
     pub pool: Option<u64>,
@@ -240,15 +244,21 @@ pub fn render_kv(rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> String
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let kv = opt.pattern == Pattern::Kv;
+    if opt.pattern == Pattern::Notify {
+        let (block, blocks) = (opt.block.unwrap_or(4096), opt.blocks.unwrap_or(16));
+        let run = super::bench_notify::run_notify(ctx, &opt.peer, block, blocks, opt.iters.unwrap_or(50)).await?;
+        return super::bench_notify::report(ctx, &opt.peer, block, blocks, &run);
+    }
     if opt.pattern == Pattern::Connect {
         return run_connect(&opt, ctx).await;
     }
     let mut opt = opt;
+    let (block, blocks) = (opt.block.unwrap_or(64 << 10), opt.blocks.unwrap_or(2048));
     if kv {
-        if opt.block == 0 || opt.blocks == 0 {
+        if block == 0 || blocks == 0 {
             return Err(crate::error::usage("--block and --blocks must be greater than zero"));
         }
-        opt.sizes = vec![opt.block];
+        opt.sizes = vec![block];
     } else if opt.channel {
         return Err(crate::error::usage("--channel runs the KV pattern: add --pattern kv"));
     }
@@ -293,7 +303,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 iters: opt.iters.unwrap_or(0),
                 qps: opt.qps.unwrap_or(0),
                 depth: opt.depth.unwrap_or(0),
-                blocks: if kv { opt.blocks } else { 0 },
+                blocks: if kv { blocks } else { 0 },
                 pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
                 channel: kv && opt.channel,
                 connections: 0,

@@ -2,6 +2,7 @@
 //! `async fn run(opt, ctx) -> anyhow::Result<()>`.
 
 pub mod bench;
+pub mod bench_notify;
 pub mod completions;
 pub mod connect;
 pub mod cp;

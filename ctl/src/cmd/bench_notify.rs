@@ -1,0 +1,224 @@
+//! `xferctl bench --pattern notify`: how long after a batch's last byte is visible in the
+//! target's memory the target's application receives the batch's notification (issue 11's
+//! "last byte visible → the application's stream" target), measured end to end from the
+//! application's side.
+//!
+//! xferctl runs on the target's node. It creates a shared-memory pool on the peer (`--peer`) and
+//! maps it, so it sees the bytes as they land, and a source region on `--agent` filled once
+//! with one set of blocks per round, every block ending in its round's number. Each round: a
+//! thread scans the last 8 bytes of every block of the mapped pool until all carry the round's
+//! number (the moment the last byte is visible, to within one scan), while the main task
+//! submits the round's batch with a notification and receives it from the peer's
+//! `WatchInbound` stream. The delay is the notification's arrival minus the moment the last
+//! block was seen. A notification that arrives before every block is visible is a failure (the
+//! stale-data case the conformance suite also checks), not a sample.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::json;
+use xfer_client::{Client, Segment, ShmRegion, TransferSpec};
+
+use crate::Ctx;
+
+/// What one run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotifyRun {
+    pub rounds: usize,
+    /// Notification arrival minus last byte seen, per round.
+    pub delays: Vec<Duration>,
+    /// Submit to notification, per round.
+    pub batches: Vec<Duration>,
+    /// The scan's resolution: per round, the longest full scan of the pool.
+    pub scans: Vec<Duration>,
+    /// How the peer learnt of each batch (`fabric` or `complete`), as counts.
+    pub via_fabric: usize,
+}
+
+/// The last 8 bytes of every block hold the round number (1-based), little-endian.
+fn stamp_of(round: usize) -> [u8; 8] {
+    (round as u64 + 1).to_le_bytes()
+}
+
+/// Scans `blocks` blocks of `block` bytes until each ends with `stamp`, or `stop`. Returns when
+/// the last one was first seen, and the longest full scan.
+fn watch_blocks(pool: &ShmRegion, block: u64, blocks: usize, stamp: [u8; 8], stop: &AtomicBool) -> (Option<Instant>, Duration) {
+    let mut seen = vec![false; blocks];
+    let mut left = blocks;
+    let mut longest = Duration::ZERO;
+    let mut tail = [0u8; 8];
+    while left > 0 && !stop.load(Ordering::Acquire) {
+        let t = Instant::now();
+        for (i, s) in seen.iter_mut().enumerate().filter(|(_, s)| !**s) {
+            if pool.read_at(i as u64 * block + block - 8, &mut tail).is_ok() && tail == stamp {
+                *s = true;
+                left -= 1;
+            }
+        }
+        longest = longest.max(t.elapsed());
+        if left == 0 {
+            return (Some(Instant::now()), longest);
+        }
+        std::hint::spin_loop();
+    }
+    (if left == 0 { Some(Instant::now()) } else { None }, longest)
+}
+
+/// Runs `rounds` batches of `blocks` × `block` from `--agent` into a pool on `peer`.
+pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rounds: u32) -> anyhow::Result<NotifyRun> {
+    if block < 8 || blocks == 0 || rounds == 0 {
+        return Err(crate::error::usage("--pattern notify needs --block of at least 8 bytes, --blocks and --iters above zero"));
+    }
+    let (blocks, rounds) = (blocks as usize, rounds as usize);
+    let initiator = ctx.client().await?;
+    let peer = ctx.connect(peer_addr).await?;
+    let tag = format!("{:x}", rand::random::<u64>());
+    let (src_name, pool_name) = (format!("xfer-notify-src-{tag}"), format!("xfer-notify-pool-{tag}"));
+    let pool_len = block * blocks as u64;
+    let src_len = pool_len.checked_mul(rounds as u64).context("--blocks x --block x --iters overflows")?;
+    let pool = peer
+        .create_shm_region(&pool_name, pool_len)
+        .await
+        .with_context(|| format!("creating and mapping a shared-memory pool on {peer_addr} (xferctl must run on the peer's node, as the agent's user)"))?;
+    let pool = Arc::new(pool);
+    let result = async {
+        initiator.create_region(&src_name, src_len).await.context("creating the source region")?;
+        // Round r's blocks are src blocks r*blocks.., each ending in r+1.
+        let mut src = vec![0u8; usize::try_from(src_len).context("the source does not fit in memory")?];
+        for (i, b) in src.chunks_mut(block as usize).enumerate() {
+            let at = b.len() - 8;
+            b[at..].copy_from_slice(&stamp_of(i / blocks));
+        }
+        initiator.put(&src_name, 0, &src).await.context("filling the source region")?;
+        drop(src);
+        rounds_over(&initiator, &peer, peer_addr, &src_name, &pool, block, blocks, rounds).await
+    }
+    .await;
+    let _ = initiator.delete_region(&src_name).await;
+    drop(pool);
+    let _ = peer.delete_region(&pool_name).await;
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn rounds_over(
+    initiator: &Client,
+    peer: &Client,
+    peer_addr: &str,
+    src: &str,
+    pool: &Arc<ShmRegion>,
+    block: u64,
+    blocks: usize,
+    rounds: usize,
+) -> anyhow::Result<NotifyRun> {
+    let mut inbound = peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?;
+    let mut run = NotifyRun { rounds, delays: Vec::new(), batches: Vec::new(), scans: Vec::new(), via_fabric: 0 };
+    for r in 0..rounds {
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
+            std::thread::spawn(move || watch_blocks(&pool, block, blocks, stamp_of(r), &stop))
+        };
+        let segs: Vec<Segment> = (0..blocks as u64).map(|j| Segment { local: (r as u64 * blocks as u64 + j) * block, remote: j * block, len: block }).collect();
+        let note_tag = format!("notify-{r}");
+        let t0 = Instant::now();
+        let submitted = initiator.submit(TransferSpec::write(src, peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
+        let t = match submitted {
+            Ok(t) => t,
+            Err(e) => {
+                stop.store(true, Ordering::Release);
+                let _ = watcher.join();
+                return Err(anyhow::Error::new(e).context(format!("submitting round {r}")));
+            }
+        };
+        let note = loop {
+            let n = inbound.next().await.context("waiting for the notification")?;
+            if n.tag == note_tag.as_bytes() {
+                break n;
+            }
+        };
+        let arrived = Instant::now();
+        // Told: every block must be visible now (read at once, as an application would).
+        let stale = (0..blocks as u64)
+            .filter(|j| {
+                let mut tail = [0u8; 8];
+                pool.read_at(j * block + block - 8, &mut tail).is_err() || tail != stamp_of(r)
+            })
+            .count();
+        stop.store(true, Ordering::Release);
+        let (seen, scan) = watcher.join().map_err(|_| anyhow::anyhow!("the block watcher panicked"))?;
+        initiator.wait(&t.id).await.with_context(|| format!("round {r}'s transfer"))?;
+        if stale > 0 {
+            anyhow::bail!("round {r}: notified while {stale} of {blocks} blocks were not yet visible in the pool (stale data)");
+        }
+        // The watcher may finish its last scan after the arrival: then the delay is below one
+        // scan (the resolution), counted as 0.
+        let seen = seen.unwrap_or(arrived);
+        run.delays.push(arrived.saturating_duration_since(seen));
+        run.batches.push(arrived - t0);
+        run.scans.push(scan);
+        run.via_fabric += usize::from(note.via == "fabric");
+    }
+    Ok(run)
+}
+
+fn pct(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Prints a run as a line (or JSON).
+pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -> anyhow::Result<()> {
+    let (mut d, mut b, mut sc) = (run.delays.clone(), run.batches.clone(), run.scans.clone());
+    d.sort();
+    b.sort();
+    sc.sort();
+    let us = |x: Duration| x.as_secs_f64() * 1e6;
+    if ctx.json {
+        return ctx.print_json(&json!({
+            "agent": ctx.agent,
+            "peer": peer,
+            "pattern": "notify",
+            "block": block,
+            "blocks": blocks,
+            "rounds": run.rounds,
+            "notify_delay_p50_us": us(pct(&d, 0.5)),
+            "notify_delay_p99_us": us(pct(&d, 0.99)),
+            "notify_delay_max_us": us(d.last().copied().unwrap_or_default()),
+            "batch_p50_us": us(pct(&b, 0.5)),
+            "scan_p50_us": us(pct(&sc, 0.5)),
+            "via_fabric": run.via_fabric,
+        }));
+    }
+    ctx.print(&format!(
+        "# notify {} -> {peer}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
+         last byte visible -> notification received: p50 {:.1} us, p99 {:.1} us, max {:.1} us \
+         (a scan of the pool, the resolution: p50 {:.1} us); submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
+        ctx.agent,
+        run.rounds,
+        us(pct(&d, 0.5)),
+        us(pct(&d, 0.99)),
+        us(d.last().copied().unwrap_or_default()),
+        us(pct(&sc, 0.5)),
+        us(pct(&b, 0.5)),
+        run.via_fabric,
+        run.rounds
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_of_sorted_samples() {
+        let s: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(pct(&s, 0.5), Duration::from_micros(51));
+        assert_eq!(pct(&s, 0.99), Duration::from_micros(99));
+        assert_eq!(pct(&[], 0.5), Duration::ZERO);
+        assert_eq!(stamp_of(0), 1u64.to_le_bytes());
+    }
+}
