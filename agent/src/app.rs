@@ -43,22 +43,57 @@ pub enum StartError {
     Unix { path: String, error: std::io::Error },
 }
 
+/// The socket file the agent bound at `unix_listen`, known by its inode: on shutdown the agent
+/// removes the file at the path only if it is still this one, never what someone (another agent,
+/// an operator) put there since.
+#[derive(Debug, Clone)]
+struct UnixSocketFile {
+    path: std::path::PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl UnixSocketFile {
+    fn remove_if_ours(&self) {
+        use std::os::unix::fs::MetadataExt;
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if m.dev() == self.dev && m.ino() == self.ino => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    warn!(path = %self.path.display(), error = %e, "could not remove the unix socket");
+                }
+            }
+            Ok(_) => warn!(path = %self.path.display(), "the unix socket path holds something else now; left alone"),
+            Err(_) => {}
+        }
+    }
+}
+
 /// Binds the local unix socket at `path` with `mode` and `gid`, so that nobody outside them can
 /// ever reach it: the socket is bound inside a fresh 0700 directory next to `path`, given its
-/// mode and group there, and only then renamed into place. A stale socket at `path` (nothing
-/// answers on it) is replaced; anything else there is an error, never removed.
-fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<tokio::net::UnixListener, StartError> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
+/// mode and group there, and only then linked into place, which fails if anything appeared at
+/// `path` meanwhile (nothing is ever replaced). A stale socket at `path` (connecting is refused:
+/// nothing listens) is removed first; anything else there — a socket that may be live (a
+/// datagram socket, one the agent may not connect to), a file, a directory, a symlink — is an
+/// error, never removed.
+fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<(tokio::net::UnixListener, UnixSocketFile), StartError> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+    let err = |error: Error| StartError::Unix { path: path.display().to_string(), error };
     match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "another process serves on it")));
+        Ok(m) if m.file_type().is_socket() => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(err(Error::new(ErrorKind::AddrInUse, "another process serves on it"))),
+            // Only ECONNREFUSED says nobody listens. EACCES (a socket of another uid) or
+            // EPROTOTYPE (a datagram socket, like /dev/log) say nothing about whether it is live.
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => std::fs::remove_file(path).map_err(err)?,
+            Err(e) => {
+                return Err(err(Error::new(
+                    ErrorKind::AddrInUse,
+                    format!("a socket that may be in use ({e}); remove it yourself if it is stale"),
+                )))
             }
-            std::fs::remove_file(path).map_err(err)?;
-        }
-        Ok(_) => return Err(err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists and is not a socket"))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        },
+        Ok(_) => return Err(err(Error::new(ErrorKind::AlreadyExists, "exists and is not a socket"))),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(err(e)),
     }
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
@@ -68,10 +103,16 @@ fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<toki
     let listener = tokio::net::UnixListener::bind(&tmp).map_err(err)?;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(err)?;
     if let Some(g) = gid {
-        nix::unistd::chown(&tmp, None, Some(nix::unistd::Gid::from_raw(g))).map_err(|e| err(std::io::Error::from(e)))?;
+        nix::unistd::chown(&tmp, None, Some(nix::unistd::Gid::from_raw(g))).map_err(|e| err(Error::from(e)))?;
     }
-    std::fs::rename(&tmp, path).map_err(err)?;
-    Ok(listener)
+    let meta = std::fs::symlink_metadata(&tmp).map_err(err)?;
+    // link(2), unlike rename(2), never replaces what is at `path` (EEXIST): something put there
+    // since the check above stays. The private directory and its name go when `private` drops.
+    std::fs::hard_link(&tmp, path).map_err(|e| match e.kind() {
+        ErrorKind::AlreadyExists => err(Error::new(ErrorKind::AlreadyExists, "something appeared at the path while binding; left alone")),
+        _ => err(e),
+    })?;
+    Ok((listener, UnixSocketFile { path: path.to_path_buf(), dev: meta.dev(), ino: meta.ino() }))
 }
 
 /// Binds a listener for the setting `key`; the error says so.
@@ -282,19 +323,22 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         None => None,
         Some(path) => {
             let gid = cfg.unix_gid().map_err(|e| StartError::Grpc(e.to_string()))?;
-            let listener = bind_unix(path, cfg.unix_mode.0, gid)?;
+            let (listener, file) = bind_unix(path, cfg.unix_mode.0, gid)?;
             let router = Services::new(node.clone())
                 .local_router(cfg.limits.max_message_size.0 as usize, &health)
                 .map_err(StartError::Grpc)?;
             let stop = stop_grpc.clone();
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            // Counted and capped like the gRPC port, with the same back-off on EMFILE: local
+            // applications cannot take the descriptors region files and the data plane need.
+            let cap = crate::sys::unix_cap(cfg.limits.max_grpc_connections, crate::sys::nofile());
+            let incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "unix", crate::sys::ConnLimit::new("unix", cap)));
             tokio::spawn(async move {
                 if let Err(e) = router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await {
                     warn!(error = %e, "unix socket listener stopped");
                 }
             });
             info!(path = %path.display(), mode = format!("{:04o}", cfg.unix_mode.0), "local unix socket (xfer.v1.Agent, client role by uid)");
-            Some(path.clone())
+            Some(file)
         }
     };
 
@@ -306,7 +350,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     };
     // Every listener is bound and served: report the addresses (ports chosen by the OS for port 0
     // included), in this log line and, if configured, the ready file.
-    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr, unix: unix.clone() };
+    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr, unix: unix.as_ref().map(|f| f.path.clone()) };
     if let Some(path) = &cfg.ready_file {
         bound.write(path).map_err(|error| StartError::ReadyFile { path: path.display().to_string(), error })?;
     }
@@ -328,8 +372,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         Err(_) => warn!("gRPC server did not stop within 5 s"),
         _ => {}
     }
-    if let Some(p) = &unix {
-        let _ = std::fs::remove_file(p);
+    if let Some(f) = &unix {
+        f.remove_if_ours();
     }
     info!("xfer-agent stopped");
     Ok(())

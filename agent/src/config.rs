@@ -658,6 +658,9 @@ fn group_gid(key: &str, group: Option<&str>) -> Result<Option<u32>, ConfigError>
     match group.map(str::trim).filter(|g| !g.is_empty()) {
         None => Ok(None),
         Some(g) => match g.parse::<u32>() {
+            // (gid_t)-1 is chown's "leave the group as it is": the group asked for would silently
+            // not be given.
+            Ok(u32::MAX) => Err(bad(key, format!("{g} is not a group id (chown reads it as \"no change\")"))),
             Ok(n) => Ok(Some(n)),
             Err(_) => match nix::unistd::Group::from_name(g) {
                 Ok(Some(grp)) => Ok(Some(grp.gid.as_raw())),
@@ -937,6 +940,9 @@ mod tests {
         let e = Config::load(None, env(&[("XFER_REGIONS__SHM_MODE", "4755")]), &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "regions.shm_mode");
         let e = Config::load(None, env(&[("XFER_REGIONS__SHM_GROUP", "no-such-group-xfer")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_group");
+        // (gid_t)-1 would be chown's "no change": refused, not silently ignored.
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_GROUP", "4294967295")]), &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "regions.shm_group");
     }
 

@@ -237,6 +237,7 @@ pub fn limit_for_listener(listener: &'static str, max: u64) {
         "grpc" => "max_grpc_connections",
         "health" => "max_health_connections",
         "metrics" => "max_metrics_connections",
+        "unix" => "max_unix_connections",
         _ => "max_other_connections",
     };
     limit(name, max);

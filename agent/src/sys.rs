@@ -166,22 +166,47 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<S> {
     }
 }
 
-/// The caller's address (plaintext identity) and certificates come from the socket underneath.
-impl tonic::transport::server::Connected for Counted<tokio::net::TcpStream> {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+/// The caller's address (plaintext identity), certificates or peer credentials (the unix
+/// socket's uid) come from the socket underneath.
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Counted<S> {
+    type ConnectInfo = S::ConnectInfo;
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()
+    }
+}
+
+/// A listening socket [`incoming_with_backoff`] accepts from: TCP (gRPC, health) or unix (the
+/// local socket).
+pub trait Listener: Send + 'static {
+    type Stream: Send + 'static;
+    type Addr: std::fmt::Debug + Send;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Self::Addr)>> + Send;
+}
+
+impl Listener for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    type Addr = std::net::SocketAddr;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Self::Addr)>> + Send {
+        tokio::net::TcpListener::accept(self)
+    }
+}
+
+impl Listener for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    type Addr = tokio::net::unix::SocketAddr;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Self::Addr)>> + Send {
+        tokio::net::UnixListener::accept(self)
     }
 }
 
 /// A listener as a stream of accepted sockets, each holding a slot of `limit`, with
 /// [`AcceptBackoff`] on errors: errors are logged, counted and waited out instead of handed to
 /// the server, which would retry at once.
-pub fn incoming_with_backoff(
-    listener: tokio::net::TcpListener,
+pub fn incoming_with_backoff<L: Listener>(
+    listener: L,
     name: &'static str,
     limit: std::sync::Arc<ConnLimit>,
-) -> impl futures::Stream<Item = std::io::Result<Counted<tokio::net::TcpStream>>> {
+) -> impl futures::Stream<Item = std::io::Result<Counted<L::Stream>>> {
     futures::stream::unfold((listener, AcceptBackoff::default()), move |(listener, mut backoff)| {
         let limit = limit.clone();
         async move {
@@ -191,7 +216,7 @@ pub fn incoming_with_backoff(
                         backoff.succeeded();
                         match limit.admit(s) {
                             Some(s) => return Some((Ok(s), (listener, backoff))),
-                            None => tracing::debug!(listener = name, %from, "connection refused: the listener is at its cap"),
+                            None => tracing::debug!(listener = name, ?from, "connection refused: the listener is at its cap"),
                         }
                     }
                     Err(e) => {
@@ -206,9 +231,9 @@ pub fn incoming_with_backoff(
 }
 
 /// Shares of the descriptor limit `nofile`: the data port gets at most half
-/// ([`clamp_connections`]), gRPC at most a quarter ([`grpc_cap`]), health and metrics at most a
-/// sixteenth each ([`probe_cap`]); so at least an eighth stays for region files, the catalog and
-/// connections to peers.
+/// ([`clamp_connections`]), gRPC at most a quarter ([`grpc_cap`]), health, metrics and the local
+/// unix socket at most a sixteenth each ([`probe_cap`], [`unix_cap`]); so at least a sixteenth
+/// stays for region files, the catalog and connections to peers.
 fn share(nofile: u64, divisor: u64) -> usize {
     usize::try_from(nofile / divisor).unwrap_or(usize::MAX).max(1)
 }
@@ -217,6 +242,13 @@ fn share(nofile: u64, divisor: u64) -> usize {
 /// `nofile`.
 pub fn grpc_cap(configured: usize, nofile: u64) -> usize {
     configured.min(share(nofile, 4))
+}
+
+/// The local unix socket's cap: `configured` (`limits.max_grpc_connections`), at most a
+/// sixteenth of `nofile`. Its own budget, so local applications cannot lock peers out of the
+/// gRPC port, nor the reverse.
+pub fn unix_cap(configured: usize, nofile: u64) -> usize {
+    configured.min(share(nofile, 16))
 }
 
 /// The health and metrics listeners' cap: 64, at most a sixteenth of `nofile`.
@@ -251,6 +283,9 @@ mod tests {
         assert_eq!(grpc_cap(100, 1 << 20), 100);
         assert_eq!(grpc_cap(1024, 2), 1);
         assert_eq!(probe_cap(1024), 64);
+        assert_eq!(unix_cap(1024, 1024), 64);
+        assert_eq!(unix_cap(100, 1 << 20), 100);
+        assert_eq!(unix_cap(1024, 2), 1);
         assert_eq!(probe_cap(256), 16);
         assert_eq!(probe_cap(2), 1);
     }

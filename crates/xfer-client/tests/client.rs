@@ -221,3 +221,43 @@ async fn the_typed_api_covers_what_the_cli_needs() {
     let peers = c.peers().await.unwrap();
     assert!(peers.iter().any(|p| p.address == b.addr && p.node_name == "b" && p.fabric == Fabric::Tcp), "{peers:?}");
 }
+
+/// A local attacker who can write /dev/shm plants something under a live region's object name
+/// (after the agent's object was moved away): a symlink (to the agent's object, to another
+/// file), a FIFO, a short file. Mapping the region over the unix socket refuses each one, maps
+/// nothing, and changes nothing; with the agent's object back in place it maps again.
+#[tokio::test]
+async fn what_is_planted_under_an_shm_regions_name_is_not_mapped() {
+    let a = Agent::start("shm-plant").await;
+    let c = Client::connect(&a.unix).await.unwrap();
+    let name = format!("plant-{}", std::process::id());
+    let shm = std::path::Path::new("/dev/shm");
+    let object = shm.join(format!("xfer-{name}"));
+    let moved = shm.join(format!("xfer-{name}.moved"));
+    let other = shm.join(format!("xfer-{name}.other"));
+    let r = c.create_shm_region(&name, 1 << 20).await.unwrap();
+    r.write_at(0, b"agent's bytes").unwrap();
+    drop(r);
+    std::fs::rename(&object, &moved).unwrap();
+    std::fs::write(&other, vec![9u8; 1 << 20]).unwrap();
+    for what in ["symlink to the agent's object", "symlink to another file", "fifo", "short file"] {
+        match what {
+            "symlink to the agent's object" => std::os::unix::fs::symlink(&moved, &object).unwrap(),
+            "symlink to another file" => std::os::unix::fs::symlink(&other, &object).unwrap(),
+            "fifo" => nix::unistd::mkfifo(&object, nix::sys::stat::Mode::from_bits_truncate(0o666)).unwrap(),
+            _ => std::fs::write(&object, b"short").unwrap(),
+        }
+        let e = c.map_shm_region(&name).await.unwrap_err();
+        assert!(matches!(e, Error::Io { .. } | Error::FailedPrecondition(_)), "{what}: {e:?}");
+        assert_eq!(std::fs::read(&other).unwrap(), vec![9u8; 1 << 20], "{what}");
+        assert_eq!(&std::fs::read(&moved).unwrap()[..13], b"agent's bytes", "{what}");
+        std::fs::remove_file(&object).unwrap();
+    }
+    std::fs::remove_file(&other).unwrap();
+    std::fs::rename(&moved, &object).unwrap();
+    let r = c.map_shm_region(&name).await.unwrap();
+    assert_eq!(r.read_vec(0, 13).unwrap(), b"agent's bytes");
+    drop(r);
+    c.delete_region(&name).await.unwrap();
+    assert!(!object.exists());
+}
