@@ -307,6 +307,25 @@ async fn real_prometheus_sees_transfer_counters() {
 
         // Both targets stayed up the whole time.
         q(r#"count(min_over_time(up{job="xfer"}[1h]) == 1)"#, 2.0);
+
+        // Every query of the shipped Grafana dashboard is valid PromQL for a real server, with
+        // the variables filled as Grafana does; the per-op join of bytes and work requests
+        // ("Bytes per work request") finds both operations this workload ran.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/xfer-dashboard.json");
+        let dash: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut queries = 0;
+        for panel in dash["panels"].as_array().unwrap() {
+            for t in panel["targets"].as_array().into_iter().flatten() {
+                let expr = t["expr"].as_str().unwrap().replace("$node", ".*").replace("$peer", ".*").replace("$__rate_interval", "1m");
+                let result = prom.query(&expr);
+                queries += 1;
+                if panel["title"] == "Bytes per work request" {
+                    let ops: std::collections::BTreeSet<&str> = result.iter().filter_map(|(l, _)| l["op"].as_str()).collect();
+                    assert_eq!(ops, ["read", "write"].into(), "{expr}: {result:?}");
+                }
+            }
+        }
+        assert!(queries > 20, "only {queries} dashboard queries");
     });
 
     // Help texts and types reached Prometheus' metadata store.
