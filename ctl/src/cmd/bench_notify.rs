@@ -14,7 +14,7 @@
 //! stale-data case the conformance suite also checks), not a sample.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use serde_json::json;
@@ -30,6 +30,11 @@ pub struct NotifyRun {
     pub delays: Vec<Duration>,
     /// Submit to notification, per round.
     pub batches: Vec<Duration>,
+    /// The split of each delay at the notification's `at` (when the peer published it; same
+    /// host, same clock): last byte seen -> published, and published -> received. Signed
+    /// microseconds (the first can dip below 0 by up to one scan).
+    pub published_us: Vec<f64>,
+    pub delivered_us: Vec<f64>,
     /// The scan's resolution: per round, the mean time between two scans of the pool.
     pub scans: Vec<Duration>,
     /// How the peer learnt of each batch (`fabric` or `complete`), as counts.
@@ -116,7 +121,10 @@ async fn rounds_over(
     rounds: usize,
 ) -> anyhow::Result<NotifyRun> {
     let mut inbound = peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?;
-    let mut run = NotifyRun { rounds, delays: Vec::new(), batches: Vec::new(), scans: Vec::new(), via_fabric: 0 };
+    let mut run = NotifyRun { rounds, delays: Vec::new(), batches: Vec::new(), published_us: Vec::new(), delivered_us: Vec::new(), scans: Vec::new(), via_fabric: 0 };
+    // Instants to wall-clock time, to compare with the peer's publication time (`at`).
+    let (anchor, anchor_wall) = (Instant::now(), SystemTime::now());
+    let wall_us = |i: Instant| micros(anchor_wall) + i.saturating_duration_since(anchor).as_secs_f64() * 1e6;
     for r in 0..rounds {
         let stop = Arc::new(AtomicBool::new(false));
         let watcher = {
@@ -159,11 +167,26 @@ async fn rounds_over(
         // scan (the resolution), counted as 0.
         let seen = seen.unwrap_or(arrived);
         run.delays.push(arrived.saturating_duration_since(seen));
+        if let Some(at) = note.at {
+            run.published_us.push(micros(at) - wall_us(seen));
+            run.delivered_us.push(wall_us(arrived) - micros(at));
+        }
         run.batches.push(arrived - t0);
         run.scans.push(scan);
         run.via_fabric += usize::from(note.via == "fabric");
     }
     Ok(run)
+}
+
+fn micros(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1e6
+}
+
+/// The `q` quantile of `v` (sorted here), 0 when empty.
+fn pct_f(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or(0.0)
 }
 
 fn pct(sorted: &[Duration], q: f64) -> Duration {
@@ -193,19 +216,24 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
             "notify_delay_max_us": us(d.last().copied().unwrap_or_default()),
             "batch_p50_us": us(pct(&b, 0.5)),
             "scan_p50_us": us(pct(&sc, 0.5)),
+            "published_p50_us": pct_f(&run.published_us, 0.5),
+            "delivered_p50_us": pct_f(&run.delivered_us, 0.5),
             "via_fabric": run.via_fabric,
         }));
     }
     ctx.print(&format!(
         "# notify {} -> {peer}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
          last byte visible -> notification received: p50 {:.1} us, p99 {:.1} us, max {:.1} us \
-         (a scan of the pool, the resolution: p50 {:.1} us); submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
+         (a scan of the pool, the resolution: p50 {:.1} us); split at the peer's publication: last byte -> published p50 {:.1} us, \
+         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
         ctx.agent,
         run.rounds,
         us(pct(&d, 0.5)),
         us(pct(&d, 0.99)),
         us(d.last().copied().unwrap_or_default()),
         us(pct(&sc, 0.5)),
+        pct_f(&run.published_us, 0.5),
+        pct_f(&run.delivered_us, 0.5),
         us(pct(&b, 0.5)),
         run.via_fabric,
         run.rounds
@@ -223,5 +251,7 @@ mod tests {
         assert_eq!(pct(&s, 0.99), Duration::from_micros(99));
         assert_eq!(pct(&[], 0.5), Duration::ZERO);
         assert_eq!(stamp_of(0), 1u64.to_le_bytes());
+        assert_eq!(pct_f(&[3.0, -1.0, 2.0], 0.5), 2.0);
+        assert_eq!(pct_f(&[], 0.5), 0.0);
     }
 }
