@@ -68,13 +68,54 @@ impl UnixSocketFile {
     }
 }
 
+/// How long binding the unix socket waits for another process's lock on its directory.
+const UNIX_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Serializes [`bind_unix`]'s check-then-bind between processes: an exclusive `flock(2)` on the
+/// socket's directory, held only while binding. Without it, two agents starting at once on one
+/// stale socket could both judge it stale, and the second would delete the socket the first had
+/// just put in place. No file is created for it (the directory itself is locked). A lock held
+/// by someone else for longer than [`UNIX_LOCK_WAIT`] is an error, not an endless wait.
+async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let mut dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_CLOEXEC)
+        .open(parent)
+        .map_err(err)?;
+    let deadline = tokio::time::Instant::now() + UNIX_LOCK_WAIT;
+    let mut told = false;
+    loop {
+        match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => return Ok(lock),
+            Err((back, nix::errno::Errno::EWOULDBLOCK)) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(err(std::io::Error::new(
+                        std::io::ErrorKind::WouldBlock,
+                        format!("{} stayed locked for {UNIX_LOCK_WAIT:?} by another process (another agent binding there?)", parent.display()),
+                    )));
+                }
+                if !told {
+                    warn!(dir = %parent.display(), "waiting for the lock on the unix socket's directory (another process is binding there)");
+                    told = true;
+                }
+                dir = back;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err((_, e)) => return Err(err(e.into())),
+        }
+    }
+}
+
 /// Binds the local unix socket at `path` with `mode` and `gid`, so that nobody outside them can
 /// ever reach it: the socket is bound inside a fresh 0700 directory next to `path`, given its
 /// mode and group there, and only then linked into place, which fails if anything appeared at
 /// `path` meanwhile (nothing is ever replaced). A stale socket at `path` (connecting is refused:
 /// nothing listens) is removed first; anything else there — a socket that may be live (a
 /// datagram socket, one the agent may not connect to), a file, a directory, a symlink — is an
-/// error, never removed.
+/// error, never removed. The caller holds [`lock_socket_dir`]'s lock.
 fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<(tokio::net::UnixListener, UnixSocketFile), StartError> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -323,7 +364,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         None => None,
         Some(path) => {
             let gid = cfg.unix_gid().map_err(|e| StartError::Grpc(e.to_string()))?;
+            let lock = lock_socket_dir(path).await?;
             let (listener, file) = bind_unix(path, cfg.unix_mode.0, gid)?;
+            drop(lock);
             let router = Services::new(node.clone())
                 .local_router(cfg.limits.max_message_size.0 as usize, &health)
                 .map_err(StartError::Grpc)?;

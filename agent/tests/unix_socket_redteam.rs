@@ -426,3 +426,62 @@ async fn a_unix_socket_flood_leaves_descriptors_for_regions_and_the_catalog() {
     let mut u = AgentClient::new(unix_channel(&sock).await);
     u.get_info(pb::GetInfoRequest {}).await.unwrap();
 }
+
+// ------------------------------------------------------------------ two agents binding at once
+
+/// Two agents binding in one directory are serialized by a lock on the directory, held only
+/// while binding: without it, both could judge one stale socket stale, and the second would
+/// delete the socket the first had just put in place. While another process holds the lock the
+/// agent waits (it says so), and touches nothing: the stale socket keeps its inode and the
+/// directory is unchanged. Once the lock is free it replaces the stale socket and serves. A
+/// lock held past the bound is a refusal, with nothing touched either.
+#[tokio::test]
+async fn binding_waits_for_the_directory_lock_and_touches_nothing_meanwhile() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("agent.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap()); // stale: nobody listens
+    let stale_ino = std::fs::symlink_metadata(&sock).unwrap().ino();
+    let before = snapshot(dir.path());
+    let state = tempfile::tempdir().unwrap();
+
+    // Held past the bound: refused, nothing touched.
+    let held = nix::fcntl::Flock::lock(std::fs::File::open(dir.path()).unwrap(), nix::fcntl::FlockArg::LockExclusive).unwrap();
+    let log = refused(&state.path().join("a"), &sock, &[]);
+    assert!(log.contains("stayed locked"), "{log}");
+    assert_eq!(snapshot(dir.path()), before);
+
+    // Freed while the agent waits: it binds then.
+    let mut child = agent_cmd(&state.path().join("b"), &sock, &[])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut log = String::new();
+    let mut held = Some(held);
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("waiting for the lock") {
+            // The agent is parked on the lock: nothing at the path was touched.
+            assert_eq!(std::fs::symlink_metadata(&sock).unwrap().ino(), stale_ino, "{log}");
+            assert_eq!(snapshot(dir.path()), before, "{log}");
+            drop(held.take());
+        }
+        if line.contains("xfer-agent serving") {
+            break;
+        }
+    }
+    assert!(held.is_none(), "the agent never waited for the lock: {log}");
+    // Keep draining its log so it never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    let now = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(now.file_type().is_socket() && now.ino() != stale_ino, "{log}");
+    let info = AgentClient::new(unix_channel(&sock).await).get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.node_name, "node-x");
+    let _ = child.kill();
+    let _ = child.wait();
+}
