@@ -311,6 +311,11 @@ async fn real_prometheus_sees_transfer_counters() {
         // Every query of the shipped Grafana dashboard is valid PromQL for a real server, with
         // the variables filled as Grafana does; the per-op join of bytes and work requests
         // ("Bytes per work request") finds both operations this workload ran.
+        // A rate needs two samples in its window: wait until every series the join reads has
+        // them (the counters above may have been checked after their first scrape).
+        for m in ["xfer_work_requests_total", "xfer_transfer_bytes_total"] {
+            q(&format!(r#"min(count_over_time({m}{{node="node-a",op=~"read|write"}}[1m])) >= bool 2"#), 1.0);
+        }
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/xfer-dashboard.json");
         let dash: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let mut queries = 0;
