@@ -304,24 +304,7 @@ async fn a_grpc_socket_flood_leaves_descriptors_for_regions_and_the_catalog() {
     let pid = a.pid().unwrap();
     std::fs::write(root_of(&a).join("f.bin"), vec![1u8; 4096]).unwrap();
     let mut c = a.client().await;
-    // HTTP/2 client preface and an empty SETTINGS frame: the server answers with its SETTINGS
-    // once it has accepted the socket (or closes it if it refuses).
-    let mut preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    preface.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
-    let mut held = Vec::new();
-    let mut refused = false;
-    while open_fds(pid) + 1 < NOFILE as usize {
-        let mut s = TcpStream::connect(a.addr()).unwrap();
-        let mut h = [0u8; 9];
-        // Refused: the agent closes the socket at once (the preface may already meet EPIPE or a
-        // reset).
-        if s.write_all(&preface).is_err() || s.read_exact(&mut h).is_err() {
-            refused = true;
-            break;
-        }
-        assert_eq!(h[3], 4, "SETTINGS");
-        held.push(s);
-    }
+    let (held, refused) = flood_h2(pid, NOFILE, || TcpStream::connect(a.addr()).unwrap());
     let created = c.create_region(file_region_req("f", 4096, "f.bin", pb::Access::ReadWrite)).await;
     assert!(
         refused || created.is_ok(),

@@ -394,21 +394,7 @@ async fn a_unix_socket_flood_leaves_descriptors_for_regions_and_the_catalog() {
     let pid = a.pid().unwrap();
     std::fs::write(root_of(&a).join("f.bin"), vec![1u8; 4096]).unwrap();
     let mut c = a.client().await;
-    let mut preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    preface.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
-    let mut held = Vec::new();
-    let mut refused = false;
-    while open_fds(pid) + 1 < NOFILE as usize {
-        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-        let mut h = [0u8; 9];
-        // Refused: the agent closes the socket at once (the preface may already meet EPIPE).
-        if s.write_all(&preface).is_err() || s.read_exact(&mut h).is_err() {
-            refused = true;
-            break;
-        }
-        assert_eq!(h[3], 4, "SETTINGS");
-        held.push(s);
-    }
+    let (held, refused) = flood_h2(pid, NOFILE, || std::os::unix::net::UnixStream::connect(&sock).unwrap());
     assert!(refused, "{} idle unix sockets were all accepted", held.len());
     c.create_region(file_region_req("f", 4096, "f.bin", pb::Access::ReadWrite)).await.unwrap();
     assert!(labelled(&scrape(&a), "xfer_listener_connections_refused_total", &[("listener", "unix")]) >= 1.0);

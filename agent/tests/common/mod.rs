@@ -193,6 +193,27 @@ pub fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
 }
 
+/// Floods a control listener of the agent `pid` with idle HTTP/2 connections made by `connect`
+/// (each sends the client preface and an empty SETTINGS frame, and is held once the server
+/// answers with its SETTINGS) until the agent refuses one (closes it at once: the preface may
+/// already meet EPIPE or a reset) or its descriptors reach `nofile`. Returns the sockets held
+/// and whether one was refused.
+pub fn flood_h2<S: std::io::Read + std::io::Write>(pid: u32, nofile: u64, mut connect: impl FnMut() -> S) -> (Vec<S>, bool) {
+    let mut preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    preface.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    let mut held = Vec::new();
+    while open_fds(pid) + 1 < nofile as usize {
+        let mut s = connect();
+        let mut h = [0u8; 9];
+        if s.write_all(&preface).is_err() || s.read_exact(&mut h).is_err() {
+            return (held, true);
+        }
+        assert_eq!(h[3], 4, "SETTINGS");
+        held.push(s);
+    }
+    (held, false)
+}
+
 /// The value of the unlabelled gauge `name` in a scrape of `a` (0 if absent).
 pub fn gauge(a: &Agent, name: &str) -> f64 {
     let prefix = format!("{name} ");
