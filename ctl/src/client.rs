@@ -4,8 +4,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::error::Failure;
-
 /// Every command talks to agents through the client crate applications use.
 pub use xfer_client::Client;
 
@@ -31,8 +29,8 @@ pub async fn connect(addr: &str) -> anyhow::Result<Client> {
 
 /// Connects to the agent at `addr` (`host:port`, or `unix:///path` for its local socket), over
 /// TLS when `tls` is given, through `xfer-client` (the same connection code applications use).
-/// Connection problems (including a refused TLS handshake) become [`Failure::Connect`], which
-/// exits with the UNAVAILABLE code.
+/// Connection problems (including a refused TLS handshake) are the client's `Error::Connect`,
+/// which [`crate::error::report`] renders and exits with the UNAVAILABLE code.
 pub async fn connect_with(addr: &str, tls: Option<&TlsFiles>) -> anyhow::Result<Client> {
     let client = match tls {
         None => xfer_client::Client::connect(addr).await,
@@ -46,18 +44,5 @@ pub async fn connect_with(addr: &str, tls: Option<&TlsFiles>) -> anyhow::Result<
             xfer_client::Client::connect_tls(addr, tls).await
         }
     };
-    match client {
-        Ok(c) => Ok(c),
-        Err(xfer_client::Error::Connect { addr, detail }) => Err(Failure::Connect { addr, reason: plain_reason(detail) }.into()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-/// tonic's bare "transport error" says nothing: name what failed instead.
-pub fn plain_reason(detail: String) -> String {
-    if detail.is_empty() || detail == "transport error" {
-        "connection failed".to_string()
-    } else {
-        detail
-    }
+    Ok(client?)
 }

@@ -157,7 +157,9 @@ fn client_error(e: &xfer_client::Error) -> (u8, Option<String>, String) {
     use xfer_client::Error as E;
     match e {
         E::Connect { addr, detail } => {
-            let f = Failure::Connect { addr: addr.clone(), reason: crate::client::plain_reason(detail.clone()) };
+            // tonic's bare "transport error" says nothing: name what failed instead.
+            let reason = if detail.is_empty() || detail == "transport error" { "connection failed".to_string() } else { detail.clone() };
+            let f = Failure::Connect { addr: addr.clone(), reason };
             (exit::UNAVAILABLE, None, f.to_string())
         }
         // The call never got an answer: the connection failed under it (e.g. a refused TLS
