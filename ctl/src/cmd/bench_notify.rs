@@ -26,17 +26,17 @@ use crate::Ctx;
 #[derive(Debug, Clone, PartialEq)]
 pub struct NotifyRun {
     pub rounds: usize,
-    /// Notification arrival minus last byte seen, per round.
-    pub delays: Vec<Duration>,
-    /// Submit to notification, per round.
-    pub batches: Vec<Duration>,
+    /// Per round, all in microseconds: notification arrival minus last byte seen.
+    pub delays_us: Vec<f64>,
+    /// Submit to notification.
+    pub batches_us: Vec<f64>,
     /// The split of each delay at the notification's `at` (when the peer published it; same
     /// host, same clock): last byte seen -> published, and published -> received. Signed
     /// microseconds (the first can dip below 0 by up to one scan).
     pub published_us: Vec<f64>,
     pub delivered_us: Vec<f64>,
-    /// The scan's resolution: per round, the mean time between two scans of the pool.
-    pub scans: Vec<Duration>,
+    /// The scan's resolution: the mean time between two scans of the pool.
+    pub scans_us: Vec<f64>,
     /// How the peer learnt of each batch (`fabric` or `complete`), as counts.
     pub via_fabric: usize,
 }
@@ -46,17 +46,22 @@ fn stamp_of(round: usize) -> [u8; 8] {
     (round as u64 + 1).to_le_bytes()
 }
 
+/// True when block `j` (of `block` bytes) of `pool` ends with `stamp`.
+fn stamped(pool: &ShmRegion, block: u64, j: u64, stamp: [u8; 8]) -> bool {
+    let mut tail = [0u8; 8];
+    pool.read_at(j * block + block - 8, &mut tail).is_ok() && tail == stamp
+}
+
 /// Scans `blocks` blocks of `block` bytes until each ends with `stamp`, or `stop`. Returns when
 /// the last one was first seen, and the mean time between scans (the resolution).
 fn watch_blocks(pool: &ShmRegion, block: u64, blocks: usize, stamp: [u8; 8], stop: &AtomicBool) -> (Option<Instant>, Duration) {
     let mut seen = vec![false; blocks];
     let mut left = blocks;
     let (start, mut scans) = (Instant::now(), 0u32);
-    let mut tail = [0u8; 8];
     while left > 0 && !stop.load(Ordering::Acquire) {
         scans += 1;
         for (i, s) in seen.iter_mut().enumerate().filter(|(_, s)| !**s) {
-            if pool.read_at(i as u64 * block + block - 8, &mut tail).is_ok() && tail == stamp {
+            if stamped(pool, block, i as u64, stamp) {
                 *s = true;
                 left -= 1;
             }
@@ -121,7 +126,7 @@ async fn rounds_over(
     rounds: usize,
 ) -> anyhow::Result<NotifyRun> {
     let mut inbound = peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?;
-    let mut run = NotifyRun { rounds, delays: Vec::new(), batches: Vec::new(), published_us: Vec::new(), delivered_us: Vec::new(), scans: Vec::new(), via_fabric: 0 };
+    let mut run = NotifyRun { rounds, delays_us: Vec::new(), batches_us: Vec::new(), published_us: Vec::new(), delivered_us: Vec::new(), scans_us: Vec::new(), via_fabric: 0 };
     // Instants to wall-clock time, to compare with the peer's publication time (`at`).
     let (anchor, anchor_wall) = (Instant::now(), SystemTime::now());
     let wall_us = |i: Instant| micros(anchor_wall) + i.saturating_duration_since(anchor).as_secs_f64() * 1e6;
@@ -151,12 +156,7 @@ async fn rounds_over(
         };
         let arrived = Instant::now();
         // Told: every block must be visible now (read at once, as an application would).
-        let stale = (0..blocks as u64)
-            .filter(|j| {
-                let mut tail = [0u8; 8];
-                pool.read_at(j * block + block - 8, &mut tail).is_err() || tail != stamp_of(r)
-            })
-            .count();
+        let stale = (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp_of(r))).count();
         stop.store(true, Ordering::Release);
         let (seen, scan) = watcher.join().map_err(|_| anyhow::anyhow!("the block watcher panicked"))?;
         initiator.wait(&t.id).await.with_context(|| format!("round {r}'s transfer"))?;
@@ -166,13 +166,13 @@ async fn rounds_over(
         // The watcher may finish its last scan after the arrival: then the delay is below one
         // scan (the resolution), counted as 0.
         let seen = seen.unwrap_or(arrived);
-        run.delays.push(arrived.saturating_duration_since(seen));
+        run.delays_us.push(arrived.saturating_duration_since(seen).as_secs_f64() * 1e6);
         if let Some(at) = note.at {
             run.published_us.push(micros(at) - wall_us(seen));
             run.delivered_us.push(wall_us(arrived) - micros(at));
         }
-        run.batches.push(arrived - t0);
-        run.scans.push(scan);
+        run.batches_us.push((arrived - t0).as_secs_f64() * 1e6);
+        run.scans_us.push(scan.as_secs_f64() * 1e6);
         run.via_fabric += usize::from(note.via == "fabric");
     }
     Ok(run)
@@ -183,26 +183,17 @@ fn micros(t: SystemTime) -> f64 {
 }
 
 /// The `q` quantile of `v` (sorted here), 0 when empty.
-fn pct_f(v: &[f64], q: f64) -> f64 {
+fn pct(v: &[f64], q: f64) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v.get(((v.len().max(1) - 1) as f64 * q).round() as usize).copied().unwrap_or(0.0)
 }
 
-fn pct(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
-}
-
 /// Prints a run as a line (or JSON).
 pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -> anyhow::Result<()> {
-    let (mut d, mut b, mut sc) = (run.delays.clone(), run.batches.clone(), run.scans.clone());
-    d.sort();
-    b.sort();
-    sc.sort();
-    let us = |x: Duration| x.as_secs_f64() * 1e6;
+    let (d50, d99, dmax) = (pct(&run.delays_us, 0.5), pct(&run.delays_us, 0.99), pct(&run.delays_us, 1.0));
+    let (batch50, scan50) = (pct(&run.batches_us, 0.5), pct(&run.scans_us, 0.5));
+    let (published50, delivered50) = (pct(&run.published_us, 0.5), pct(&run.delivered_us, 0.5));
     if ctx.json {
         return ctx.print_json(&json!({
             "agent": ctx.agent,
@@ -211,13 +202,13 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
             "block": block,
             "blocks": blocks,
             "rounds": run.rounds,
-            "notify_delay_p50_us": us(pct(&d, 0.5)),
-            "notify_delay_p99_us": us(pct(&d, 0.99)),
-            "notify_delay_max_us": us(d.last().copied().unwrap_or_default()),
-            "batch_p50_us": us(pct(&b, 0.5)),
-            "scan_p50_us": us(pct(&sc, 0.5)),
-            "published_p50_us": pct_f(&run.published_us, 0.5),
-            "delivered_p50_us": pct_f(&run.delivered_us, 0.5),
+            "notify_delay_p50_us": d50,
+            "notify_delay_p99_us": d99,
+            "notify_delay_max_us": dmax,
+            "batch_p50_us": batch50,
+            "scan_p50_us": scan50,
+            "published_p50_us": published50,
+            "delivered_p50_us": delivered50,
             "via_fabric": run.via_fabric,
         }));
     }
@@ -228,13 +219,13 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
          published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
         ctx.agent,
         run.rounds,
-        us(pct(&d, 0.5)),
-        us(pct(&d, 0.99)),
-        us(d.last().copied().unwrap_or_default()),
-        us(pct(&sc, 0.5)),
-        pct_f(&run.published_us, 0.5),
-        pct_f(&run.delivered_us, 0.5),
-        us(pct(&b, 0.5)),
+        d50,
+        d99,
+        dmax,
+        scan50,
+        published50,
+        delivered50,
+        batch50,
         run.via_fabric,
         run.rounds
     ))
@@ -245,13 +236,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn percentiles_of_sorted_samples() {
-        let s: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
-        assert_eq!(pct(&s, 0.5), Duration::from_micros(51));
-        assert_eq!(pct(&s, 0.99), Duration::from_micros(99));
-        assert_eq!(pct(&[], 0.5), Duration::ZERO);
+    fn percentiles_of_samples() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(pct(&s, 0.5), 51.0);
+        assert_eq!(pct(&s, 0.99), 99.0);
+        assert_eq!(pct(&s, 1.0), 100.0);
+        assert_eq!(pct(&[], 0.5), 0.0);
         assert_eq!(stamp_of(0), 1u64.to_le_bytes());
-        assert_eq!(pct_f(&[3.0, -1.0, 2.0], 0.5), 2.0);
-        assert_eq!(pct_f(&[], 0.5), 0.0);
+        assert_eq!(pct(&[3.0, -1.0, 2.0], 0.5), 2.0);
     }
 }
