@@ -68,6 +68,11 @@ impl UnixSocketFile {
     }
 }
 
+/// The directory the unix socket `path` lives in (`.` for a bare name).
+fn socket_dir(path: &std::path::Path) -> &std::path::Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
+}
+
 /// How long binding the unix socket waits for another process's lock on its directory.
 const UNIX_LOCK_WAIT: Duration = Duration::from_secs(5);
 
@@ -79,7 +84,7 @@ const UNIX_LOCK_WAIT: Duration = Duration::from_secs(5);
 async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
     use std::os::unix::fs::OpenOptionsExt;
     let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let parent = socket_dir(path);
     let mut dir = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_CLOEXEC)
@@ -137,7 +142,7 @@ fn bind_unix(path: &std::path::Path, mode: u32, gid: Option<u32>) -> Result<(tok
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(err(e)),
     }
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let parent = socket_dir(path);
     let private = tempfile::Builder::new().prefix(".xfer-agent-sock").tempdir_in(parent).map_err(err)?;
     std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).map_err(err)?;
     let tmp = private.path().join("sock");
