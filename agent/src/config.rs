@@ -97,10 +97,15 @@ pub struct VerbsConfig {
     /// Poll the CQ in a loop while work requests are outstanding (lower latency, one core busy
     /// during transfers); otherwise completions arrive through the completion channel.
     pub busy_poll: bool,
-    /// How long a transfer polls its connection's CQ itself before it sleeps until woken
-    /// (0 = never: completions always come through the CQ task). Spinning trades a core for
-    /// latency: a completion within the budget costs no wake-up.
+    /// How long the data path busy-polls after its last completion before it sleeps until
+    /// woken (0 = never spin): the device's worker thread for channel batches and benchmarks,
+    /// a transfer's own task otherwise. Spinning trades a core for latency: a completion within
+    /// the budget costs no wake-up.
     pub poll_spin: HumanDuration,
+    /// Drive channel batches and benchmarks from one data-path thread per device that posts
+    /// their work requests and polls their completion queues itself (no tokio wake-up per
+    /// completion). `false`: each batch's own tokio task drives it.
+    pub worker: bool,
     /// Largest READ work request: longer READ chunks (a `--chunk` above it, a benchmark's large
     /// messages) are posted as several READs of at most this many bytes.
     pub max_read_wr: ByteSize,
@@ -407,7 +412,7 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::ZERO), max_read_wr: ByteSize(1 << 20) }
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20) }
     }
 }
 

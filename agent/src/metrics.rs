@@ -19,6 +19,7 @@ pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
 pub const TRANSFER_DURATION: &str = "xfer_transfer_duration_seconds";
 pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
 pub const WORK_REQUESTS: &str = "xfer_work_requests_total";
+pub const DATA_PATH_JOBS: &str = "xfer_data_path_jobs_total";
 pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
 pub const REGIONS: &str = "xfer_regions";
@@ -129,6 +130,7 @@ pub fn describe() {
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
+    describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
     describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
@@ -313,6 +315,11 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
             counter!(WORK_REQUESTS, "op" => op).increment(n);
         }
     }
+}
+
+/// A job ran to its end, driven by `driver` (`worker` or `task`).
+pub fn data_path_job(driver: &'static str) {
+    counter!(DATA_PATH_JOBS, "driver" => driver).increment(1);
 }
 
 pub fn work_completion(status: &'static str) {

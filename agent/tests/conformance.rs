@@ -622,6 +622,84 @@ async fn a_channel_grant_notifies_each_batch_after_its_bytes(k: Kind) {
     assert!(notes.try_recv().is_err());
 }
 
+/// What the data-path worker needs of a lease: the connection and its completions.
+struct Held {
+    conn: Arc<dyn Connection>,
+    rx: mpsc::UnboundedReceiver<Completion>,
+}
+
+impl xfer_agent::transfer::worker::Leased for Held {
+    fn conn(&self) -> &Arc<dyn Connection> {
+        &self.conn
+    }
+    fn completions(&mut self) -> &mut mpsc::UnboundedReceiver<Completion> {
+        &mut self.rx
+    }
+}
+
+/// A connection handed to the device's data-path worker thread (`transfer::worker`) is driven
+/// by it alone: the worker posts, polls, and parks until the connection's completion event
+/// unparks it (spin 0: it parks after every empty poll, so every completion needs a wake-up).
+/// 1,024 4 KiB WRITEs over 2 QPs land every byte, a READ of it all comes back intact, and once
+/// handed back the connection delivers completions to its sink again. A fabric without the
+/// mode (tcp) refuses the hand-off, touching nothing, and the job runs on the caller's task.
+async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
+    use xfer_agent::transfer::batch::Seg;
+    use xfer_agent::transfer::machine::{Machine, MachineConfig, Markers, State};
+    use xfer_agent::transfer::worker::{Job, MakeWr, Refused, Worker};
+    const LEN: u64 = 4 << 20;
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", LEN, Access::ReadWrite);
+    let back = region(&a, "back", LEN, Access::ReadWrite);
+    let dst = region(&b, "dst", LEN, Access::ReadWrite);
+    let data = fill(&src, 3);
+    let (conn, rx) = connect(&a, &b, 2, 16).await;
+    let worker: Worker<Held> = Worker::start("conformance-dp", Duration::ZERO, tokio::runtime::Handle::current()).unwrap();
+    let mut held = Held { conn: conn.clone(), rx };
+    for (op, local, remote_op) in [(WrOp::Write, &src, RemoteOp::Write), (WrOp::Read, &back, RemoteOp::Read)] {
+        let g = grant(&b, "dst", 0, LEN, remote_op, None).await;
+        let machine = Machine::new(MachineConfig {
+            segs: Arc::from([Seg { local: 0, remote: 0, len: LEN }]),
+            chunk: 4096,
+            qps: 2,
+            depth: 16,
+            signal_every: 4,
+            deadline: None,
+            markers: Markers::None,
+        });
+        let (reg, addr, key) = (local.registration.clone(), g.exposure.addr, g.exposure.key.clone());
+        let make_wr: MakeWr = Box::new(move |p| WorkRequest {
+            wr_id: p.seq,
+            op,
+            local: reg.clone(),
+            local_offset: p.local,
+            len: p.len,
+            remote_addr: addr + p.remote,
+            remote_key: key.clone(),
+            signaled: p.signaled,
+        });
+        let job = Job { machine, lease: held, make_wr, probe: None, cancel: tokio_util::sync::CancellationToken::new() };
+        let done = match (k, worker.run(job).await) {
+            (_, Ok(done)) => {
+                assert!(!matches!(k, Kind::Tcp), "tcp connections cannot be handed off");
+                done
+            }
+            (Kind::Tcp, Err(Refused::Busy(job))) => xfer_agent::transfer::driver::drive(*job, None, Duration::ZERO).await.unwrap(),
+            (_, Err(_)) => panic!("the worker refused a verbs connection"),
+        };
+        assert_eq!(done.machine.state(), &State::Succeeded, "{op:?}");
+        assert_eq!(done.machine.bytes_done(), LEN);
+        held = done.lease;
+    }
+    assert!(bytes(&dst) == data, "the WRITEs landed every byte");
+    assert!(bytes(&back) == data, "the READs brought every byte back");
+    // Handed back: the fabric's own completion task delivers again.
+    let g = grant(&b, "dst", 0, LEN, RemoteOp::Write, None).await;
+    conn.post(1, wr(7, WrOp::Write, &src, 0, 4096, &g, 0, true)).unwrap();
+    let c = next(&mut held.rx).await;
+    assert_eq!((c.wr_id, c.qp, c.status), (7, 1, WcStatus::Success));
+}
+
 /// One `#[tokio::test]` per case and fabric: `tcp::<case>` runs everywhere, `verbs::<case>` only
 /// with `--ignored`/`--include-ignored` (in the Soft-RoCE VM).
 macro_rules! per_fabric {
@@ -665,4 +743,5 @@ per_fabric!(
     a_notification_needs_the_callers_own_connection,
     markers_acknowledged_before_complete_publish_the_notification,
     a_channel_grant_notifies_each_batch_after_its_bytes,
+    a_connection_handed_to_the_data_path_worker_is_driven_by_it,
 );

@@ -464,6 +464,22 @@ pub trait Connection: Send + Sync {
     fn progress(&self) -> usize {
         0
     }
+    /// Hands this connection's completion polling to a data-path worker thread
+    /// (`transfer::worker`), or (`None`) gives it back to the fabric's completion task. While
+    /// handed off, only the worker polls ([`Connection::progress`]); the fabric's task stands
+    /// down and, once [`Connection::arm_wake`] armed it, unparks `to` when a completion is due.
+    /// Returns false, changing nothing, when the fabric has no such mode (tcp: completions come
+    /// from its stream reader tasks), so the caller drives the connection from its own task.
+    fn hand_off(&self, to: Option<std::thread::Thread>) -> bool {
+        let _ = to;
+        false
+    }
+    /// While handed off: arms the completion notification, so the next completion unparks the
+    /// worker. The worker polls once more after arming (a completion that arrived before the
+    /// arm raised nothing) and then parks. False if arming failed (the worker keeps polling).
+    fn arm_wake(&self) -> bool {
+        false
+    }
     /// True once any QP hit an error: the pool replaces the connection.
     fn is_broken(&self) -> bool;
     /// Tears the connection down; outstanding WRs complete with flush errors.

@@ -228,7 +228,7 @@ impl Node {
         };
         let mut held = self.bench_acquire(peer, &ask, qps, depth).await?;
         let (lease, grant) = held_parts(&mut held)?;
-        let mut machine = Machine::new(MachineConfig {
+        let machine = Machine::new(MachineConfig {
             segs,
             markers: Markers::None,
             chunk: piece,
@@ -237,13 +237,13 @@ impl Node {
             signal_every: self.config.transfer.signal_every,
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
+        let (buf, size) = (local.clone(), p.size);
+        let make_wr: MakeWr = Box::new(move |q| bench_wr(q, op, &buf, size, &grant, q.signaled));
         let t0 = Instant::now();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q, op, &local, p.size, &grant, q.signaled), |_| {}, None, self.poll_spin()).await;
+        let done = self.run_job(Job { machine, lease, make_wr, probe: None, cancel: cancel.clone() }).await?;
         let seconds = t0.elapsed().as_secs_f64();
-        let bw_state = machine.state().clone();
-        if let Some(l) = held.lease.take() {
-            l.release(bw_state == State::Succeeded);
-        }
+        let bw_state = done.machine.state().clone();
+        done.lease.release(bw_state == State::Succeeded);
         drop(held);
         if let State::Failed(f) = bw_state {
             return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
@@ -253,7 +253,7 @@ impl Node {
         let lat_iters = iters.clamp(1, 10_000);
         let mut held = self.bench_acquire(peer, &ask, 1, 1).await?;
         let (lease, grant) = held_parts(&mut held)?;
-        let mut machine = Machine::new(MachineConfig {
+        let machine = Machine::new(MachineConfig {
             segs: Arc::from([Seg { local: 0, remote: 0, len: p.size * lat_iters as u64 }]),
             markers: Markers::None,
             chunk: p.size,
@@ -262,17 +262,18 @@ impl Node {
             signal_every: 1,
             deadline: Some(Instant::now() + Duration::from_secs(600)),
         });
-        let mut probe = LatencyProbe::default();
-        pump(&mut machine, lease, &cancel, |q| bench_wr(q, op, &local, p.size, &grant, true), |_| {}, Some(&mut probe), self.poll_spin()).await;
-        let lat_ok = machine.state() == &State::Succeeded;
-        if let Some(l) = held.lease.take() {
-            l.release(lat_ok);
-        }
+        let size = p.size;
+        let make_wr: MakeWr = Box::new(move |q| bench_wr(q, op, &local, size, &grant, true));
+        let probe = Some(LatencyProbe::default());
+        let done = self.run_job(Job { machine, lease, make_wr, probe, cancel }).await?;
+        let lat_ok = done.machine.state() == &State::Succeeded;
+        done.lease.release(lat_ok);
         drop(held);
         if !lat_ok {
-            return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", machine.state())));
+            return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", done.machine.state())));
         }
-        let mut us: Vec<f64> = probe.samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        let samples = done.probe.map(|p| p.samples).unwrap_or_default();
+        let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
         us.sort_by(|a, b| a.total_cmp(b));
         let pct = |q: f64| percentile(&us, q);
         Ok(BenchResult {
@@ -633,10 +634,11 @@ fn bench_wr(q: &crate::transfer::machine::Post, op: WrOp, local: &Arc<dyn Regist
     }
 }
 
-/// The lease and (a copy of) the grant an accepted acquire holds.
-fn held_parts(held: &mut Held) -> Result<(&mut Lease, GrantInfo), TransferError> {
+/// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
+/// holds.
+fn held_parts(held: &mut Held) -> Result<(Lease, GrantInfo), TransferError> {
     let grant = held.grant.as_ref().map(|g| g.info.clone());
-    match (held.lease.as_mut(), grant) {
+    match (held.lease.take(), grant) {
         (Some(l), Some(g)) => Ok((l, g)),
         _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
     }

@@ -21,7 +21,7 @@
 use super::*;
 use super::limits::ChannelSlot;
 use crate::transfer::batch::BatchError;
-use crate::transfer::driver::pump;
+use crate::transfer::worker::Job;
 use crate::shape;
 use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::session::failure_of;
@@ -384,7 +384,7 @@ impl Channel {
         }
         let (segs, shift, bytes, count) = (batch.segs().clone(), batch.remote_base() - self.info.remote_offset, batch.bytes(), batch.len() as u64);
         m::batch_submitted(op, batch.asked(), batch.len());
-        let Some(lease) = self.held.lease.as_mut() else {
+        let Some(lease) = self.held.lease.take() else {
             let e = TransferError::Internal("channel without its connection".into());
             return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e));
         };
@@ -402,7 +402,7 @@ impl Channel {
             let imm = crate::notify::channel_imm(self.grant.notify_slot, note);
             (imm, tokio::spawn(async move { peer.call(|| peer.client.announce(&id, note, &tag)).await }))
         });
-        let mut machine = Machine::new(MachineConfig {
+        let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,
             qps: lease.qps(),
@@ -412,24 +412,25 @@ impl Channel {
             markers,
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
-        let (registration, grant) = (self.local.0.registration.clone(), &self.grant);
+        let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
         let imm = announce.as_ref().map_or(0, |(imm, _)| *imm);
-        let mut first_post: Option<Instant> = None;
-        let make = |p: &crate::transfer::machine::Post| {
-            first_post.get_or_insert_with(Instant::now);
-            WorkRequest {
-                wr_id: p.seq,
-                op: if p.marker { WrOp::Notify { slot: imm } } else { wr_op },
-                local: registration.clone(),
-                local_offset: p.local,
-                len: p.len,
-                remote_addr: grant.addr + shift + p.remote,
-                remote_key: grant.key.clone(),
-                signaled: p.signaled,
-            }
+        let make_wr: crate::transfer::worker::MakeWr = Box::new(move |p| WorkRequest {
+            wr_id: p.seq,
+            op: if p.marker { WrOp::Notify { slot: imm } } else { wr_op },
+            local: registration.clone(),
+            local_offset: p.local,
+            len: p.len,
+            remote_addr: addr + p.remote,
+            remote_key: key.clone(),
+            signaled: p.signaled,
+        });
+        let done = match self.node.run_job(Job { machine, lease, make_wr, probe: None, cancel: cancel.clone() }).await {
+            Ok(d) => d,
+            Err(e) => return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e)),
         };
-        pump(&mut machine, lease, cancel, make, |_| {}, None, self.node.poll_spin()).await;
-        let prep = first_post.map_or(0.0, |t| (t - t0).as_nanos() as f64 / count.max(1) as f64);
+        self.held.lease = Some(done.lease);
+        let machine = done.machine;
+        let prep = done.first_post.map_or(0.0, |t| (t - t0).as_nanos() as f64 / count.max(1) as f64);
         let mut out = BatchOutcome { seq, bytes: machine.bytes_done(), segments: count, prep_ns_per_segment: prep, ..Default::default() };
         let failure = match machine.state() {
             State::Succeeded => None,

@@ -1,5 +1,6 @@
 //! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
-//! the check until the transfer's record counts), and the one-at-a-time admin slot.
+//! the check until the transfer's record counts), and the one-at-a-time admin slot; and the
+//! data path's knobs: the poll spin, the device's worker thread, the WR length.
 #[allow(unused_imports)]
 use super::*;
 
@@ -84,6 +85,28 @@ impl Node {
             FabricKind::Verbs => self.config.verbs.poll_spin.0,
             FabricKind::Tcp => Duration::ZERO,
         }
+    }
+
+    /// The device's data-path worker (`transfer::worker`), started on first use: verbs with
+    /// `verbs.worker` only (a tcp connection cannot be handed off). `None` if it could not start
+    /// (logged once); then every job runs on its caller's task.
+    pub(super) fn worker(&self) -> Option<&Worker> {
+        if self.fabric.kind() != FabricKind::Verbs || !self.config.verbs.worker {
+            return None;
+        }
+        self.worker
+            .get_or_init(|| {
+                let rt = tokio::runtime::Handle::try_current().ok()?;
+                Worker::start("xfer-data-path", self.config.verbs.poll_spin.0, rt)
+                    .map_err(|e| warn!(error = %e, "cannot start the data-path worker thread; batches run on their own tasks"))
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Runs `job` to its end on the data-path worker, or on this task without one.
+    pub(super) async fn run_job(&self, job: Job) -> Result<Done, TransferError> {
+        crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(TransferError::Internal)
     }
 
     /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp

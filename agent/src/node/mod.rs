@@ -30,7 +30,8 @@ use crate::ids::new_id;
 use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
-use crate::transfer::driver::{pump, LatencyProbe};
+use crate::transfer::driver::LatencyProbe;
+use crate::transfer::worker::{Done, Job, MakeWr, Worker};
 use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};
@@ -81,6 +82,8 @@ pub struct Node {
     sink_slot: Arc<tokio::sync::Semaphore>,
     /// The scratch region of the benchmark running against this agent, and its owner.
     bench_region: Mutex<Option<(String, String)>>,
+    /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
+    worker: std::sync::OnceLock<Option<Worker>>,
 }
 
 /// Finished transfers remembered per direction. Every field of a record is bounded (ids 64
@@ -130,6 +133,7 @@ impl Node {
             admin_slot: Arc::new(tokio::sync::Semaphore::new(1)),
             sink_slot: Arc::new(tokio::sync::Semaphore::new(1)),
             bench_region: Mutex::new(None),
+            worker: std::sync::OnceLock::new(),
             fabric,
             fabric_reason,
             config,

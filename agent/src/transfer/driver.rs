@@ -7,14 +7,21 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::machine::{Machine, Post};
+use super::worker::{Done, Job, Leased, Refused, Worker};
 use crate::fabric::{Completion, Connection, WorkRequest};
-use crate::peers::Lease;
 
 /// Per-WR round-trip times, for the latency benchmark.
 #[derive(Default)]
 pub struct LatencyProbe {
     posted: HashMap<u64, Instant>,
     pub samples: Vec<Duration>,
+}
+
+impl LatencyProbe {
+    /// WR `seq` is being posted now.
+    pub fn posted(&mut self, seq: u64) {
+        self.posted.insert(seq, Instant::now());
+    }
 }
 
 /// What woke a transfer that was waiting.
@@ -33,8 +40,8 @@ pub enum Wake {
 /// `deadline`. With a `spin` budget it first polls the connection itself
 /// ([`Connection::progress`]) for up to that long, so a completion that arrives within it is
 /// handled without a wake-up through the fabric's completion task (`verbs.poll_spin`).
-pub async fn wait(
-    lease: &mut Lease,
+pub async fn wait<L: Leased>(
+    lease: &mut L,
     cancel: &CancellationToken,
     deadline: Option<Instant>,
     spin: Duration,
@@ -109,10 +116,35 @@ pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>)
     Ok(())
 }
 
+/// Runs `job` to a terminal state: on the device's data-path `worker` when there is one and it
+/// takes the job, else on the calling task ([`pump`], polling for up to `spin` before each
+/// sleep). Err only if the worker thread died holding the job.
+pub async fn drive<L: Leased>(mut job: Job<L>, worker: Option<&Worker<L>>, spin: Duration) -> Result<Done<L>, String> {
+    if let Some(w) = worker {
+        job = match w.run(job).await {
+            Ok(done) => {
+                crate::metrics::data_path_job("worker");
+                return Ok(done);
+            }
+            Err(Refused::Busy(job)) => *job,
+            Err(Refused::Lost) => return Err("the data-path worker thread stopped".into()),
+        };
+    }
+    let Job { mut machine, mut lease, mut make_wr, mut probe, cancel } = job;
+    let mut first_post = None;
+    let make = |p: &Post| {
+        first_post.get_or_insert_with(Instant::now);
+        make_wr(p)
+    };
+    pump(&mut machine, &mut lease, &cancel, make, |_| {}, probe.as_mut(), spin).await;
+    crate::metrics::data_path_job("task");
+    Ok(Done { machine, lease, probe, first_post })
+}
+
 /// Runs `machine` to a terminal state over `lease`.
-pub async fn pump(
+pub async fn pump<L: Leased>(
     machine: &mut Machine,
-    lease: &mut Lease,
+    lease: &mut L,
     cancel: &CancellationToken,
     mut make_wr: impl FnMut(&Post) -> WorkRequest,
     mut on_progress: impl FnMut(u64),
@@ -124,7 +156,7 @@ pub async fn pump(
     loop {
         while let Some(p) = machine.poll_transmit() {
             if let Some(pr) = probe.as_deref_mut() {
-                pr.posted.insert(p.seq, Instant::now());
+                pr.posted(p.seq);
             }
             pending.push((p.qp, make_wr(&p)));
         }
@@ -153,7 +185,7 @@ pub async fn pump(
     }
 }
 
-fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp: usize, seq: u64, status: crate::fabric::WcStatus) {
+pub(super) fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp: usize, seq: u64, status: crate::fabric::WcStatus) {
     if let Some(pr) = probe.as_deref_mut() {
         if let Some(t) = pr.posted.remove(&seq) {
             pr.samples.push(t.elapsed());

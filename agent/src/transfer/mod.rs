@@ -17,6 +17,7 @@ pub mod driver;
 pub mod failure;
 pub mod machine;
 pub mod session;
+pub mod worker;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -70,8 +70,18 @@ pub(crate) struct ConnInner {
     broken: AtomicBool,
     /// Set by `close`: posts are refused and the CQ task exits once everything is flushed.
     closing: AtomicBool,
-    /// Wakes the CQ task on `close` (a stored permit is not lost if the task is busy).
+    /// Wakes the CQ task on `close` and on a hand-back (a stored permit is not lost if the
+    /// task is busy).
     wake: tokio::sync::Notify,
+    /// Held across a whole [`ConnInner::drain`] (poll *and* retire-and-deliver): two pollers
+    /// (the CQ task and a transfer's `progress`) would otherwise deliver completions out of
+    /// order, and a later completion's retirement would swallow an earlier signaled WR's.
+    drain_lock: Mutex<()>,
+    /// The data-path worker thread the polling is handed to (`Connection::hand_off`); `None`
+    /// while the CQ task polls.
+    worker: Mutex<Option<std::thread::Thread>>,
+    /// True while `worker` is set (read by the CQ task on every turn without the lock).
+    handed_off: AtomicBool,
 }
 
 /// `ibv_modify_qp`'s error in `step` as a negotiation error.
@@ -175,6 +185,9 @@ impl ConnInner {
             broken: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
+            drain_lock: Mutex::new(()),
+            worker: Mutex::new(None),
+            handed_off: AtomicBool::new(false),
         })
     }
 
@@ -258,6 +271,13 @@ impl ConnInner {
         Ok(())
     }
 
+    /// Unparks the worker thread polling is handed to, if any.
+    fn unpark_worker(&self) {
+        if let Some(t) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            t.unpark();
+        }
+    }
+
     fn all_idle(&self) -> bool {
         self.slots.iter().all(|s| s.qp.is_idle())
     }
@@ -336,6 +356,7 @@ impl ConnInner {
 
     /// Polls the CQ empty; returns how many completions were handled.
     fn drain(&self, sink: &CompletionSink, buf: &mut Vec<RawWc>) -> Result<usize, FabricError> {
+        let _one_poller = self.drain_lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut total = 0;
         loop {
             buf.clear();
@@ -367,7 +388,36 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
     };
     let mut buf = Vec::with_capacity(POLL_BATCH);
     let mut deadline: Option<tokio::time::Instant> = None;
+    let mut was_handed = false;
     loop {
+        // Handed off to a worker thread (and not closing): the worker polls; this task only
+        // turns the completion channel's events into unparks of that thread.
+        let handed = inner.handed_off.load(Ordering::Acquire) && !inner.closing.load(Ordering::Acquire);
+        if handed {
+            if !was_handed {
+                // The event this task may have just consumed (the CQ was armed before the
+                // hand-off) could be the one the worker parked for.
+                was_handed = true;
+                inner.unpark_worker();
+            }
+            match &afd {
+                Some(afd) => tokio::select! {
+                    r = afd.readable() => {
+                        if let Ok(mut guard) = r {
+                            if let Err(e) = inner.cq.drain_events() {
+                                tracing::warn!(peer = %inner.peer, error = %e, "reading CQ events failed");
+                            }
+                            guard.clear_ready();
+                        }
+                        inner.unpark_worker();
+                    }
+                    _ = inner.wake.notified() => {}
+                },
+                None => inner.wake.notified().await,
+            }
+            continue;
+        }
+        was_handed = false;
         if let Err(e) = inner.drain(&sink, &mut buf) {
             tracing::error!(peer = %inner.peer, error = %e, "polling the CQ failed; closing the connection");
             inner.broken.store(true, Ordering::Release);
@@ -647,6 +697,26 @@ impl Connection for VerbsConnection {
         self.inner.drain(&self.sink, &mut buf).unwrap_or(0)
     }
 
+    fn hand_off(&self, to: Option<std::thread::Thread>) -> bool {
+        let inner = &self.inner;
+        if inner.channel.is_none() {
+            return false;
+        }
+        let on = to.is_some();
+        *inner.worker.lock().unwrap_or_else(|e| e.into_inner()) = to;
+        inner.handed_off.store(on, Ordering::Release);
+        if !on {
+            // The CQ task may be waiting in hand-off mode, on a CQ nobody armed: it must take
+            // polling back now (drain, arm) or the next completion would wait for nothing.
+            inner.wake.notify_one();
+        }
+        true
+    }
+
+    fn arm_wake(&self) -> bool {
+        self.inner.handed_off.load(Ordering::Acquire) && self.inner.cq.req_notify().is_ok()
+    }
+
     fn is_broken(&self) -> bool {
         self.inner.broken.load(Ordering::Acquire)
     }
@@ -657,6 +727,8 @@ impl Connection for VerbsConnection {
         }
         self.inner.set_err_all();
         self.inner.wake.notify_one();
+        // A worker parked on this connection must see the flushes.
+        self.inner.unpark_worker();
     }
 }
 
