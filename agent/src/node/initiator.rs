@@ -284,7 +284,7 @@ impl Node {
 
     /// Runs the session from `start` to `Finish`: posts, completions, cancel, time, the local
     /// check, the checksum and `Peer.Complete`.
-    async fn drive(&self, handle: &TransferHandle, plan: &mut Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Failure> {
+    async fn drive(&self, handle: &Arc<TransferHandle>, plan: &mut Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Failure> {
         let Plan { session: s, held, local, algo, .. } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
@@ -297,6 +297,9 @@ impl Node {
         // WRs the session asked for in one go, posted together (one doorbell per QP run) before
         // anything else happens.
         let mut pending: Vec<(usize, WorkRequest)> = Vec::new();
+        // The data phase goes to the device's data-path worker once (verbs with
+        // `verbs.worker`); if it cannot take it, this task drives it.
+        let mut worker = self.worker();
         loop {
             loop {
                 let Some(cmd) = held.settle(s) else {
@@ -342,6 +345,42 @@ impl Node {
                 }
             }
             report(handle, s.bytes_done(), &mut reported, started);
+            if let Some(w) = worker.take() {
+                if let Some(machine) = s.lend_machine() {
+                    let Some(lease) = held.lease.take() else {
+                        s.return_machine(machine);
+                        return Err(Failure::new(FailureCode::Internal, "transfer session runs without a connection"));
+                    };
+                    let reg = registration.clone();
+                    let (key, h) = (key.clone(), handle.clone());
+                    let make_wr: MakeWr = Box::new(move |p| WorkRequest {
+                        wr_id: p.seq,
+                        op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
+                        local: reg.clone(),
+                        local_offset: p.local,
+                        len: p.len,
+                        remote_addr: remote_addr + p.remote,
+                        remote_key: key.clone(),
+                        signaled: p.signaled,
+                    });
+                    let mut shown = reported;
+                    let on_progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
+                    let job = Job { machine, lease, make_wr, probe: None, cancel: handle.cancel.clone() };
+                    match w.run_with_progress(job, Some(on_progress)).await {
+                        Ok(done) => {
+                            m::data_path_job("worker");
+                            held.lease = Some(done.lease);
+                            s.return_machine(done.machine);
+                        }
+                        Err(Refused::Busy(job)) => {
+                            held.lease = Some(job.lease);
+                            s.return_machine(job.machine);
+                        }
+                        Err(Refused::Lost) => return Err(Failure::new(FailureCode::Internal, "the data-path worker thread stopped")),
+                    }
+                    continue;
+                }
+            }
             let Some(lease) = held.lease.as_mut() else {
                 return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
             };

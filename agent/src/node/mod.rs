@@ -31,7 +31,7 @@ use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError,
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::transfer::driver::LatencyProbe;
-use crate::transfer::worker::{Done, Job, MakeWr, Worker};
+use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
 use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};

@@ -117,6 +117,8 @@ enum Phase {
     Granting { retried: bool },
     Accepted,
     Running(Machine),
+    /// The machine is on loan to a driver that runs it to its end ([`Session::lend_machine`]).
+    Lent,
     /// `CheckLocal` sent; then the machine's result applies.
     Checking(Result<(), Failure>),
     Verifying,
@@ -193,6 +195,31 @@ impl Session {
         });
         self.phase = Phase::Running(m);
         self.after_machine();
+    }
+
+    /// Lends the running machine to a driver that runs it to a terminal state on its own (the
+    /// device's data-path worker), when there is one and no command is waiting. Until
+    /// [`Session::return_machine`] the session is inert: no commands, no deadline, and events
+    /// are the driver's to feed to the machine.
+    pub fn lend_machine(&mut self) -> Option<Machine> {
+        if !self.out.is_empty() || !matches!(self.phase, Phase::Running(_)) {
+            return None;
+        }
+        match std::mem::replace(&mut self.phase, Phase::Lent) {
+            Phase::Running(m) => Some(m),
+            other => {
+                self.phase = other;
+                None
+            }
+        }
+    }
+
+    /// Takes the lent machine back and moves on from its state (as after any event).
+    pub fn return_machine(&mut self, m: Machine) {
+        if matches!(self.phase, Phase::Lent) {
+            self.phase = Phase::Running(m);
+            self.after_machine();
+        }
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {

@@ -65,6 +65,9 @@ const PARK_UNARMED: Duration = Duration::from_micros(200);
 
 /// Builds the WR for one [`Post`] of a job's machine.
 pub type MakeWr = Box<dyn FnMut(&Post) -> WorkRequest + Send>;
+/// Told the machine's bytes done whenever they changed (on the worker thread: it must not
+/// block).
+pub type Progress = Box<dyn FnMut(u64) + Send>;
 
 /// What a job hands back: its machine in a terminal state, the lease, the latency probe, and
 /// when the first WR was posted.
@@ -87,6 +90,8 @@ pub struct Job<L = Lease> {
 struct Running<L> {
     job: Job<L>,
     reply: oneshot::Sender<Done<L>>,
+    on_progress: Option<Progress>,
+    reported: u64,
     pending: Vec<(usize, WorkRequest)>,
     first_post: Option<Instant>,
     cancelled: bool,
@@ -126,13 +131,18 @@ impl<L: Leased> Worker<L> {
     /// when the worker cannot take it (queue full, thread gone, or a connection that cannot be
     /// handed off), for the caller to drive itself.
     pub async fn run(&self, job: Job<L>) -> Result<Done<L>, Refused<L>> {
+        self.run_with_progress(job, None).await
+    }
+
+    /// [`Worker::run`], telling `on_progress` the bytes done as they change.
+    pub async fn run_with_progress(&self, job: Job<L>, on_progress: Option<Progress>) -> Result<Done<L>, Refused<L>> {
         let Some(tx) = &self.tx else { return Err(Refused::Busy(Box::new(job))) };
         if !job.lease.conn().hand_off(Some(self.thread.clone())) {
             return Err(Refused::Busy(Box::new(job)));
         }
         let cancel = job.cancel.clone();
         let (reply, mut done) = oneshot::channel();
-        let running = Running { job, reply, pending: Vec::new(), first_post: None, cancelled: false };
+        let running = Running { job, reply, on_progress, reported: 0, pending: Vec::new(), first_post: None, cancelled: false };
         if let Err(TrySendError::Full(r) | TrySendError::Disconnected(r)) = tx.try_send(running) {
             r.job.lease.conn().hand_off(None);
             return Err(Refused::Busy(Box::new(r.job)));
@@ -279,11 +289,22 @@ impl<L: Leased> Running<L> {
             machine.handle_timeout(now);
             moved = true;
         }
+        if let Some(report) = self.on_progress.as_mut() {
+            if machine.bytes_done() != self.reported {
+                self.reported = machine.bytes_done();
+                report(self.reported);
+            }
+        }
         (moved, machine.is_done())
     }
 
     /// Gives the connection back to its fabric and the job back to its caller.
-    fn finish(self) {
+    fn finish(mut self) {
+        if let Some(report) = self.on_progress.as_mut() {
+            if self.job.machine.bytes_done() != self.reported {
+                report(self.job.machine.bytes_done());
+            }
+        }
         self.job.lease.conn().hand_off(None);
         let done = Done { machine: self.job.machine, lease: self.job.lease, probe: self.job.probe, first_post: self.first_post };
         // A caller that went away drops `done` here, and with it the lease (discarded).

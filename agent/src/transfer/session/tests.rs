@@ -475,3 +475,50 @@ fn a_batch_posts_its_segments_and_ends_every_qp_with_a_marker() {
     }
     assert_eq!(s.bytes_done(), 40);
 }
+
+/// The running machine can be lent to a driver (the data-path worker) only when no command is
+/// waiting; while lent the session is inert (no commands, no deadline, events ignored); given
+/// back finished, the session moves on exactly as if it had run the machine itself: the local
+/// check, then Complete; given back failed, it releases the connection unclean and revokes.
+#[test]
+fn a_lent_machine_comes_back_and_the_session_moves_on() {
+    for fail in [false, true] {
+        let mut s = Session::new(cfg(40, false));
+        assert!(s.lend_machine().is_none(), "nothing runs before the start");
+        assert!(matches!(s.poll(), Some(Command::Lease)));
+        s.handle(Event::Leased { qps: 1, reused: false });
+        assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+        let t0 = Instant::now();
+        s.start(t0);
+        assert!(s.poll_timeout().is_some());
+        let mut m = s.lend_machine().expect("running, nothing waiting");
+        assert!(s.lend_machine().is_none(), "lent once");
+        assert!(s.poll().is_none() && s.poll_timeout().is_none() && !s.is_done());
+        s.handle(Event::Cancel);
+        // The driver runs the machine: 4 chunks of 10 on one QP (depth 3, signal every 2).
+        let mut posted = Vec::new();
+        while !m.is_done() {
+            while let Some(p) = m.poll_transmit() {
+                posted.push(p);
+            }
+            let p = posted.iter().rev().find(|p| p.signaled).copied().unwrap();
+            let status = if fail { WcStatus::RemAccessErr } else { WcStatus::Success };
+            m.handle_completion(p.qp, p.seq, status);
+        }
+        s.return_machine(m);
+        if fail {
+            assert!(matches!(s.poll(), Some(Command::CheckLocal)));
+            s.handle(Event::LocalChecked(Ok(())));
+            assert!(matches!(s.poll(), Some(Command::Release { clean: false })));
+            assert!(matches!(s.poll(), Some(Command::Revoke)));
+            assert!(matches!(s.poll(), Some(Command::Finish(Err(f))) if f.code == FailureCode::Completion(WcStatus::RemAccessErr)), "the lent machine's fault is the transfer's");
+        } else {
+            assert_eq!(s.bytes_done(), 40, "the cancel fed while lent was ignored");
+            assert!(matches!(s.poll(), Some(Command::CheckLocal)));
+            s.handle(Event::LocalChecked(Ok(())));
+            assert!(matches!(s.poll(), Some(Command::Complete { checksum: None })));
+        }
+    }
+}
