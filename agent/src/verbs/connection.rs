@@ -40,8 +40,10 @@ const CLOSE_GRACE: Duration = Duration::from_secs(10);
 /// Receives each responder QP keeps posted for notification markers (each marker consumes one
 /// and the receive task reposts it). A connection carries one transfer at a time, which sends
 /// one marker per QP, so the queue runs dry only if the receive task falls this many markers
-/// behind (then the sender's RNR retries cover the repost).
-const RECV_DEPTH: u32 = 1024;
+/// behind (then the sender's RNR retries cover the repost). 64, not more: the receive queues are
+/// built and filled in `Peer.Connect` (with 1,024 the responder's half took 15-24 ms of a 21-30 ms
+/// connect on rxe, 6 ms with 64) and cost the target memory per QP for nothing.
+const RECV_DEPTH: u32 = 64;
 
 /// What a QP's in-flight list keeps for us per WR, handed back when the WR is retired.
 pub(crate) struct InFlight {
