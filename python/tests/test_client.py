@@ -48,12 +48,18 @@ def test_blocking_kv_batch_is_read_exactly_when_notified(agents):
             assert ch.range == (1 << 20, 1 << 20)
             lst = [xfer.Segment(i * BLOCK, (1 << 20) + ((i * 7) % 256) * BLOCK, BLOCK) for i in range(64)]
             assert ch.prepare(1, lst) == 64
+            # Pipelined: a batch sent, then a list prepared before its answer is read; each
+            # answer reaches its own call (the agent answers in request order).
+            early = ch.send([xfer.Segment(0, 1 << 20, BLOCK)])
+            assert ch.prepare(2, lst[:8]) == 8
+            d = ch.done()
+            assert (d.seq, d.bytes) == (early, BLOCK)
             inbound = consumer.watch_inbound(pb)
             for r in range(2):
                 data = pattern(10 + r, 64 * BLOCK)
                 src.write(0, data)
                 d = ch.post_list(1, notify=f"chan-{r}".encode())
-                assert (d.seq, d.bytes) == (r, 64 * BLOCK)
+                assert (d.seq, d.bytes) == (early + 1 + r, 64 * BLOCK)
                 assert next(inbound).tag == f"chan-{r}".encode()
                 for s in lst:
                     assert dst.read(s.remote, BLOCK) == data[s.local:s.local + BLOCK]
@@ -90,6 +96,20 @@ def test_asyncio_kv_batch_is_read_exactly_when_notified(agents):
                 assert e.value.code == "INVALID_ARGUMENT"
                 d = await ch.post([xfer.Segment(0, 0, BLOCK)])
                 assert d.seq == 1
+                # Pipelined: two batches sent (one refused), then a list prepared (and one
+                # refused) before their answers are read; each answer reaches its own call.
+                s2 = await ch.send([xfer.Segment(0, BLOCK, BLOCK)])
+                s3 = await ch.send([xfer.Segment(0, POOL - 10, BLOCK)])
+                assert await ch.prepare(1, [xfer.Segment(0, 0, 2 * BLOCK)]) == 1
+                with pytest.raises(xfer.BatchFailed) as e:
+                    await ch.prepare(0, [xfer.Segment(0, 0, BLOCK)])
+                assert e.value.code == "INVALID_ARGUMENT"
+                d = await ch.done()
+                assert (d.seq, d.bytes) == (s2, BLOCK)
+                with pytest.raises(xfer.BatchFailed) as e:
+                    await ch.done()
+                assert (e.value.seq, e.value.code) == (s3, "INVALID_ARGUMENT")
+                assert (await ch.post_list(1)).bytes == 2 * BLOCK
             inbound.cancel()
             src.close()
             dst.close()

@@ -43,6 +43,10 @@ class AsyncChannel:
     def __init__(self, call, opened):
         self._call = call
         self._seq = 0
+        # Batches sent whose answers were not read off the stream yet, and answers read ahead of
+        # done() by prepare() (the agent answers in request order), oldest first.
+        self._unanswered = 0
+        self._early = []
         self.id = opened.channel_id
         self.range = (opened.remote_offset, opened.remote_length)
         self.qps = opened.qps
@@ -64,6 +68,12 @@ class AsyncChannel:
 
     async def prepare(self, list_id, segments):
         await _call(self._call.write(t.channel_prepare_pb(list_id, segments)))
+        while self._unanswered > 0:
+            ev = await self._next()
+            if ev.WhichOneof("ev") != "done":
+                raise Unavailable(f"expected the BatchDone of a batch sent earlier, got {ev}")
+            self._unanswered -= 1
+            self._early.append(ev)
         ev = await self._next()
         if ev.WhichOneof("ev") == "done":
             raise t.batch_done(ev)
@@ -73,10 +83,16 @@ class AsyncChannel:
         seq = self._seq
         self._seq += 1
         await _call(self._call.write(t.channel_post_pb(seq, segments, list_id, notify)))
+        self._unanswered += 1
         return seq
 
     async def done(self):
-        r = t.batch_done(await self._next())
+        if self._early:
+            ev = self._early.pop(0)
+        else:
+            ev = await self._next()
+            self._unanswered = max(0, self._unanswered - 1)
+        r = t.batch_done(ev)
         if isinstance(r, Exception):
             raise r
         return r

@@ -66,6 +66,10 @@ class Channel:
         self._q.put(open_req)
         self._events = stub.OpenChannel(iter(self._q.get, None))
         self._seq = 0
+        # Batches sent whose answers were not read off the stream yet, and answers read ahead of
+        # done() by prepare() (the agent answers in request order), oldest first.
+        self._unanswered = 0
+        self._early = []
         ev = self._next()
         if ev.WhichOneof("ev") != "opened":
             raise Unavailable(f"expected ChannelOpened, got {ev}")
@@ -82,8 +86,15 @@ class Channel:
             raise Unavailable("the channel ended") from None
 
     def prepare(self, list_id, segments):
-        """Checks and keeps ``segments`` under ``list_id`` (1..64) for ``post_list``."""
+        """Checks and keeps ``segments`` under ``list_id`` (1..64) for ``post_list``. Answers to
+        batches sent before it are kept for ``done()``."""
         self._q.put(t.channel_prepare_pb(list_id, segments))
+        while self._unanswered > 0:
+            ev = self._next()
+            if ev.WhichOneof("ev") != "done":
+                raise Unavailable(f"expected the BatchDone of a batch sent earlier, got {ev}")
+            self._unanswered -= 1
+            self._early.append(ev)
         ev = self._next()
         if ev.WhichOneof("ev") == "done":
             raise t.batch_done(ev)
@@ -94,10 +105,16 @@ class Channel:
         seq = self._seq
         self._seq += 1
         self._q.put(t.channel_post_pb(seq, segments, list_id, notify))
+        self._unanswered += 1
         return seq
 
     def done(self):
-        r = t.batch_done(self._next())
+        if self._early:
+            ev = self._early.pop(0)
+        else:
+            ev = self._next()
+            self._unanswered = max(0, self._unanswered - 1)
+        r = t.batch_done(ev)
         if isinstance(r, Exception):
             raise r
         return r

@@ -4,6 +4,7 @@
 //! runs them in order). A refused batch is an [`Error::Batch`] and the channel goes on; a
 //! batch that failed on the fabric is an [`Error::Batch`] too, and the next call returns the
 //! status that ended the channel.
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -96,6 +97,10 @@ pub struct Channel {
     events: tonic::Streaming<pb::ChannelEvent>,
     opened: pb::ChannelOpened,
     next_seq: u64,
+    /// Batches sent whose answers have not been read off the stream yet.
+    unanswered: usize,
+    /// Answers read off the stream ahead of [`Channel::done`] (by `prepare`), oldest first.
+    early: VecDeque<pb::BatchDone>,
 }
 
 impl Channel {
@@ -114,7 +119,7 @@ impl Channel {
         let _ = tx.send(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(open)) }).await;
         let mut events = agent.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
         match events.message().await? {
-            Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(opened)) }) => Ok(Channel { tx: Some(tx), events, opened, next_seq: 0 }),
+            Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(opened)) }) => Ok(Channel { tx: Some(tx), events, opened, next_seq: 0, unanswered: 0, early: VecDeque::new() }),
             other => Err(Error::Protocol(format!("expected ChannelOpened, got {other:?}"))),
         }
     }
@@ -149,9 +154,21 @@ impl Channel {
 
     /// Checks and coalesces `segments` once and keeps them under `list` (1..=64) for
     /// [`Channel::post_list`].
+    ///
+    /// Batches already sent and not yet read with [`Channel::done`] keep their answers: the agent
+    /// answers in request order, so theirs come first and are kept for `done`.
     pub async fn prepare(&mut self, list: u32, segments: &[Segment]) -> Result<Prepared> {
         let segments = segments.iter().map(|s| s.to_pb()).collect();
         self.send_msg(pb::channel_request::Msg::Prepare(pb::ChannelPrepare { list, segments })).await?;
+        while self.unanswered > 0 {
+            match self.event().await? {
+                pb::channel_event::Ev::Done(d) => {
+                    self.unanswered -= 1;
+                    self.early.push_back(d);
+                }
+                other => return Err(Error::Protocol(format!("expected the BatchDone of a batch sent earlier, got {other:?}"))),
+            }
+        }
         match self.event().await? {
             pb::channel_event::Ev::Prepared(p) => Ok(Prepared { list: p.list, segments: p.segments, bytes: p.bytes }),
             pb::channel_event::Ev::Done(d) => Err(batch_error(d)),
@@ -166,12 +183,21 @@ impl Channel {
         self.next_seq += 1;
         let post = pb::ChannelPost { seq, segments: segments.iter().map(|s| s.to_pb()).collect(), list, notify: notify.map(<[u8]>::to_vec) };
         self.send_msg(pb::channel_request::Msg::Post(post)).await?;
+        self.unanswered += 1;
         Ok(seq)
     }
 
     /// The answer to the oldest batch sent and not yet answered.
     pub async fn done(&mut self) -> Result<BatchDone> {
-        match self.event().await? {
+        let ev = match self.early.pop_front() {
+            Some(d) => pb::channel_event::Ev::Done(d),
+            None => {
+                let ev = self.event().await?;
+                self.unanswered = self.unanswered.saturating_sub(1);
+                ev
+            }
+        };
+        match ev {
             pb::channel_event::Ev::Done(d) if d.state == pb::TransferState::Succeeded as i32 => Ok(BatchDone {
                 seq: d.seq,
                 bytes: d.bytes,

@@ -132,6 +132,24 @@ async fn errors_are_typed() {
     }
     let d = ch.post(&[Segment { local: 0, remote: 0, len: BLOCK }], None).await.unwrap();
     assert_eq!((d.seq, d.bytes), (1, BLOCK));
+    // Pipelined: two batches sent, then a list prepared (and one refused) before reading their
+    // answers. Each answer goes to its own call, in order: the batches' to `done`, the lists'
+    // to `prepare`, including a refused batch's and a refused list's.
+    let s2 = ch.send(&[Segment { local: 0, remote: BLOCK, len: BLOCK }], 0, None).await.unwrap();
+    let s3 = ch.send(&[Segment { local: 0, remote: 1 << 19, len: BLOCK }], 0, None).await.unwrap();
+    let p = ch.prepare(1, &[Segment { local: 0, remote: 0, len: 2 * BLOCK }]).await.unwrap();
+    assert_eq!((p.list, p.segments, p.bytes), (1, 1, 2 * BLOCK));
+    match ch.prepare(0, &[Segment { local: 0, remote: 0, len: BLOCK }]).await {
+        Err(Error::Batch { code, message, .. }) => assert!(code == "INVALID_ARGUMENT" && message.contains("list 0"), "{code}: {message}"),
+        other => panic!("list 0 must be refused: {other:?}"),
+    }
+    let d = ch.done().await.unwrap();
+    assert_eq!((d.seq, d.bytes), (s2, BLOCK));
+    match ch.done().await {
+        Err(Error::Batch { seq, code, .. }) => assert_eq!((seq, code.as_str()), (s3, "INVALID_ARGUMENT")),
+        other => panic!("batch {s3} is outside the channel's range: {other:?}"),
+    }
+    assert_eq!(ch.post_list(1, None).await.unwrap().bytes, 2 * BLOCK, "the list prepared between them works");
     ch.close().await.unwrap();
     match Client::connect("127.0.0.1:1").await {
         Err(Error::Connect { addr, .. }) => assert_eq!(addr, "127.0.0.1:1"),
