@@ -22,6 +22,8 @@ pub const WORK_REQUESTS: &str = "xfer_work_requests_total";
 pub const DATA_PATH_JOBS: &str = "xfer_data_path_jobs_total";
 pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
+pub const CONNECT_PHASE: &str = "xfer_connect_phase_seconds";
+pub const ACCEPT_DURATION: &str = "xfer_accept_duration_seconds";
 pub const REGIONS: &str = "xfer_regions";
 pub const REGION_BYTES: &str = "xfer_region_bytes_registered";
 pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
@@ -133,6 +135,8 @@ pub fn describe() {
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
     describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
+    describe_histogram!(CONNECT_PHASE, Unit::Seconds, "The initiator's connection negotiation by phase: prepare (local QPs created, INIT), handshake (the Peer.Connect call, which includes the peer's accept), complete (local QPs to RTR and RTS).");
+    describe_histogram!(ACCEPT_DURATION, Unit::Seconds, "The responder's half of Peer.Connect: QPs created, receives posted, RTR and RTS.");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
     describe_gauge!(REGION_BYTES, Unit::Bytes, "Bytes of region memory registered with the fabric.");
     describe_histogram!(REGISTRATION_DURATION, Unit::Seconds, "Time to register memory with the fabric.");
@@ -332,6 +336,16 @@ pub fn qp_connections(peer: &str, state: &'static str, n: usize) {
 
 pub fn connect_duration(d: Duration) {
     histogram!(CONNECT_DURATION).record(d.as_secs_f64());
+}
+
+/// One phase of the initiator's negotiation (`prepare`, `handshake`, `complete`).
+pub fn connect_phase(phase: &'static str, d: Duration) {
+    histogram!(CONNECT_PHASE, "phase" => phase).record(d.as_secs_f64());
+}
+
+/// The responder's fabric accept took `d`.
+pub fn accept_duration(d: Duration) {
+    histogram!(ACCEPT_DURATION).record(d.as_secs_f64());
 }
 
 pub fn regions(n: usize, bytes: u64) {

@@ -465,11 +465,15 @@ impl PeerPool {
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
         let connection_id = ConnectionId::random();
         let pending = self.fabric.prepare(&peer.addr, &connection_id, qps, depth, tx).await.map_err(fabric_err)?;
+        let prepared = Instant::now();
+        m::connect_phase("prepare", prepared - started);
         let endpoints = pending.local_endpoints();
         let node_name = &self.home.node_name;
         let reply = peer
             .call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id))
             .await?;
+        let shaken = Instant::now();
+        m::connect_phase("handshake", shaken - prepared);
         if reply.fabric != self.fabric.kind() {
             return Err(fabric_err(FabricError::Negotiation {
                 step: "connect",
@@ -487,6 +491,7 @@ impl PeerPool {
                 return Err(fabric_err(e));
             }
         };
+        m::connect_phase("complete", shaken.elapsed());
         peer.observe(&reply.node_name, &reply.instance_id);
         let took = started.elapsed();
         m::connect_duration(took);

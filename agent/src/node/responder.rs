@@ -78,7 +78,9 @@ impl Node {
         if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
             return Err(taken());
         }
+        let t0 = Instant::now();
         let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
+        m::accept_duration(t0.elapsed());
         let seq = self.accept_seq.fetch_add(1, Ordering::Relaxed);
         let (evicted, total) = {
             let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
