@@ -142,7 +142,11 @@ impl<L: Leased> Worker<L> {
         }
         let cancel = job.cancel.clone();
         let (reply, mut done) = oneshot::channel();
-        let running = Running { job, reply, on_progress, reported: 0, pending: Vec::new(), first_post: None, cancelled: false };
+        let mut running = Running { job, reply, on_progress, reported: 0, pending: Vec::new(), first_post: None, cancelled: false };
+        // The first WRs go out from here, so the batch's start does not wait for the worker
+        // thread to be scheduled (milliseconds on a busy 2-vCPU VM); the worker takes over from
+        // their completions on (handed off already, so they wait in the CQ for its first poll).
+        running.post();
         if let Err(TrySendError::Full(r) | TrySendError::Disconnected(r)) = tx.try_send(running) {
             r.job.lease.conn().hand_off(None);
             return Err(Refused::Busy(Box::new(r.job)));
@@ -244,14 +248,9 @@ fn step_all<L: Leased>(jobs: &mut Vec<Running<L>>) -> bool {
 
 impl<L: Leased> Running<L> {
     /// Posts what the machine asks for, feeds it what arrived; `(anything happened, done)`.
-    fn step(&mut self, now: Instant) -> (bool, bool) {
-        let mut moved = false;
+    /// Posts every WR the machine's windows allow (one doorbell per run); true if it posted.
+    fn post(&mut self) -> bool {
         let machine = &mut self.job.machine;
-        if !self.cancelled && (self.job.cancel.is_cancelled() || self.reply.is_closed()) {
-            self.cancelled = true;
-            machine.handle_cancel();
-            moved = true;
-        }
         while let Some(p) = machine.poll_transmit() {
             if let Some(pr) = self.job.probe.as_mut() {
                 pr.posted(p.seq);
@@ -259,14 +258,26 @@ impl<L: Leased> Running<L> {
             self.first_post.get_or_insert_with(Instant::now);
             self.pending.push((p.qp, (self.job.make_wr)(&p)));
         }
-        if !self.pending.is_empty() {
-            moved = true;
-            if let Err((seqs, reason)) = driver::post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
-                for seq in seqs {
-                    machine.handle_post_error(seq, reason.clone());
-                }
+        if self.pending.is_empty() {
+            return false;
+        }
+        if let Err((seqs, reason)) = driver::post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
+            for seq in seqs {
+                machine.handle_post_error(seq, reason.clone());
             }
         }
+        true
+    }
+
+    fn step(&mut self, now: Instant) -> (bool, bool) {
+        let mut moved = false;
+        if !self.cancelled && (self.job.cancel.is_cancelled() || self.reply.is_closed()) {
+            self.cancelled = true;
+            self.job.machine.handle_cancel();
+            moved = true;
+        }
+        moved |= self.post();
+        let machine = &mut self.job.machine;
         if machine.is_done() {
             return (moved, true);
         }
