@@ -186,8 +186,17 @@ pub trait Listener: Send + 'static {
 impl Listener for tokio::net::TcpListener {
     type Stream = tokio::net::TcpStream;
     type Addr = std::net::SocketAddr;
+    /// Accepted TCP sockets get TCP_NODELAY: tonic's `Server::tcp_nodelay` applies only to
+    /// listeners tonic binds itself, not to `serve_with_incoming`, so without this every gRPC
+    /// answer written in more than one segment could wait for the peer's delayed ACK.
     fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Self::Addr)>> + Send {
-        tokio::net::TcpListener::accept(self)
+        async move {
+            let (s, from) = tokio::net::TcpListener::accept(self).await?;
+            if let Err(e) = s.set_nodelay(true) {
+                tracing::debug!(?from, error = %e, "cannot set TCP_NODELAY on an accepted connection");
+            }
+            Ok((s, from))
+        }
     }
 }
 
@@ -269,6 +278,20 @@ pub fn cap_ipc_lock() -> bool {
 
 #[cfg(test)]
 mod tests {
+    /// Every gRPC, health and metrics connection comes through `incoming_with_backoff`; the
+    /// TCP ones must have Nagle off (tonic's own setting does not reach them).
+    #[tokio::test]
+    async fn accepted_tcp_connections_have_nodelay() {
+        use futures::StreamExt;
+        use super::*;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut incoming = Box::pin(incoming_with_backoff(l, "test", ConnLimit::new("test", 4)));
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let served = incoming.next().await.unwrap().unwrap();
+        assert!(served.inner.nodelay().unwrap(), "TCP_NODELAY on the accepted socket");
+    }
+
     #[test]
     fn descriptor_shares() {
         use super::*;
