@@ -189,14 +189,12 @@ impl Listener for tokio::net::TcpListener {
     /// Accepted TCP sockets get TCP_NODELAY: tonic's `Server::tcp_nodelay` applies only to
     /// listeners tonic binds itself, not to `serve_with_incoming`, so without this every gRPC
     /// answer written in more than one segment could wait for the peer's delayed ACK.
-    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Self::Addr)>> + Send {
-        async move {
-            let (s, from) = tokio::net::TcpListener::accept(self).await?;
-            if let Err(e) = s.set_nodelay(true) {
-                tracing::debug!(?from, error = %e, "cannot set TCP_NODELAY on an accepted connection");
-            }
-            Ok((s, from))
+    async fn accept(&self) -> std::io::Result<(Self::Stream, Self::Addr)> {
+        let (s, from) = tokio::net::TcpListener::accept(self).await?;
+        if let Err(e) = s.set_nodelay(true) {
+            tracing::debug!(?from, error = %e, "cannot set TCP_NODELAY on an accepted connection");
         }
+        Ok((s, from))
     }
 }
 
