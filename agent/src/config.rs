@@ -109,6 +109,11 @@ pub struct VerbsConfig {
     /// Largest READ work request: longer READ chunks (a `--chunk` above it, a benchmark's large
     /// messages) are posted as several READs of at most this many bytes.
     pub max_read_wr: ByteSize,
+    /// Connections of each recently used shape (QP count, depth, initiator or responder) kept
+    /// built and in INIT, so a negotiation only draws PSNs and moves QPs to RTR and RTS; one is
+    /// rebuilt on the blocking pool after each is taken. At most 4 shapes and 64 QPs in all are
+    /// held (about 80-100 KiB each on rxe). 0 = build each connection while negotiating it.
+    pub prebuilt: usize,
 }
 
 pub use crate::identity::{DnsRole, RoleName};
@@ -412,7 +417,7 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20) }
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2 }
     }
 }
 
@@ -548,6 +553,7 @@ impl Config {
             rnr_retry: self.verbs.rnr_retry,
             busy_poll: self.verbs.busy_poll,
             grant_mode: self.verbs.grant_mode,
+            prebuilt: self.verbs.prebuilt,
             ..crate::verbs::VerbsOptions::default()
         }
     }
@@ -921,6 +927,13 @@ mod tests {
         }
         let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), "256KiB".to_string())];
         assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs.max_read_wr, ByteSize(256 << 10));
+        let env = vec![("XFER_VERBS__PREBUILT".to_string(), "17".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "verbs.prebuilt");
+        for (v, want) in [("0", 0), ("16", 16)] {
+            let env = vec![("XFER_VERBS__PREBUILT".to_string(), v.to_string())];
+            assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().prebuilt, want);
+        }
     }
 
     #[test]

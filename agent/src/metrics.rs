@@ -24,6 +24,8 @@ pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
 pub const CONNECT_PHASE: &str = "xfer_connect_phase_seconds";
 pub const ACCEPT_DURATION: &str = "xfer_accept_duration_seconds";
+pub const CONNECTION_BUILDS: &str = "xfer_connection_builds_total";
+pub const PREBUILT_QPS: &str = "xfer_prebuilt_qps";
 pub const REGIONS: &str = "xfer_regions";
 pub const REGION_BYTES: &str = "xfer_region_bytes_registered";
 pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
@@ -137,6 +139,8 @@ pub fn describe() {
     describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
     describe_histogram!(CONNECT_PHASE, Unit::Seconds, "The initiator's connection negotiation by phase: prepare (local QPs created, INIT), handshake (the Peer.Connect call, which includes the peer's accept), complete (local QPs to RTR and RTS).");
     describe_histogram!(ACCEPT_DURATION, Unit::Seconds, "The responder's half of Peer.Connect: QPs created, receives posted, RTR and RTS.");
+    describe_counter!(CONNECTION_BUILDS, Unit::Count, "Verbs connections (CQs and QPs in INIT) a negotiation started from, by source: prebuilt (built ahead of need, verbs.prebuilt) or on_demand (built during the negotiation), by role (initiator or responder).");
+    describe_gauge!(PREBUILT_QPS, Unit::Count, "QPs held built and in INIT ahead of need (verbs.prebuilt).");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
     describe_gauge!(REGION_BYTES, Unit::Bytes, "Bytes of region memory registered with the fabric.");
     describe_histogram!(REGISTRATION_DURATION, Unit::Seconds, "Time to register memory with the fabric.");
@@ -322,6 +326,15 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
 }
 
 /// A job ran to its end, driven by `driver` (`worker` or `task`).
+/// A verbs connection's CQs and QPs came from `source` (`prebuilt` or `on_demand`) for `role`.
+pub fn connection_build(role: &'static str, source: &'static str) {
+    counter!(CONNECTION_BUILDS, "role" => role, "source" => source).increment(1);
+}
+
+pub fn prebuilt_qps(n: usize) {
+    gauge!(PREBUILT_QPS).set(n as f64);
+}
+
 pub fn data_path_job(driver: &'static str) {
     counter!(DATA_PATH_JOBS, "driver" => driver).increment(1);
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use xfer_agent::fabric::{
-    Access, Completion, Connection, ExposeRequest, Exposure, Fabric, FabricError, Registration, RemoteKey,
+    Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Registration, RemoteKey,
     RemoteOp, WcStatus, WorkRequest, WrOp,
 };
 use xfer_rdma::memory::RegionMemory;
@@ -100,12 +100,24 @@ async fn connect(
     qps: usize,
     depth: usize,
 ) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>) {
+    let (conn, accepted, rx, _) = connect_qpns(a, b, qps, depth).await;
+    (conn, accepted, rx)
+}
+
+/// [`connect`], also returning the QP numbers of both sides.
+async fn connect_qpns(
+    a: &VerbsFabric,
+    b: &VerbsFabric,
+    qps: usize,
+    depth: usize,
+) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>, Vec<u32>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let pending = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
     let (b_eps, accepted) = b.accept("a", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
+    let qpns = eps.iter().chain(&b_eps).filter_map(|e| match e { Endpoint::Verbs(v) => Some(v.qpn), _ => None }).collect();
     let conn = pending.complete(&b_eps).await.unwrap();
-    (conn, accepted, rx)
+    (conn, accepted, rx, qpns)
 }
 
 async fn wait(rx: &mut mpsc::UnboundedReceiver<Completion>, n: usize) -> Vec<Completion> {
@@ -292,4 +304,59 @@ async fn verbs_smoke() {
     drop(acc);
     tokio::time::sleep(Duration::from_millis(200)).await;
     println!("verbs smoke: all checks passed");
+}
+
+/// `verbs.prebuilt`: the first negotiation of a shape builds its connection on demand (on both
+/// sides) and teaches the pools the shape; once they are filled, the next negotiation of that
+/// shape starts from prebuilt connections on both sides — distinct QPs, and data moves on them.
+/// A shape the device cannot hold is refused with its reason and leaves the pools as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn prebuilt_connections_negotiate_and_move_data() {
+    let env = env();
+    let open = |dev: &str, ip| {
+        VerbsFabric::open(VerbsOptions { device: Some(dev.to_string()), bind_ip: ip, prebuilt: 1, ..Default::default() })
+            .unwrap()
+    };
+    let (a, b) = (open(&env.a_dev, env.a_ip), open(&env.b_dev, env.b_ip));
+    let ma = Arc::new(RegionMemory::anonymous(1 << 20, false).unwrap());
+    let mb = Arc::new(RegionMemory::anonymous(1 << 20, false).unwrap());
+    fill(&ma, 0x3c);
+    let ra = a.register(Arc::clone(&ma), Access::ReadWrite).unwrap();
+    let rb = b.register(Arc::clone(&mb), Access::ReadWrite).unwrap();
+    let grant = expose(&b, &rb, 0, 1 << 20, RemoteOp::Write).await;
+
+    let (_first, _acc1, _rx1, first_qpns) = connect_qpns(&a, &b, 2, 8).await;
+    assert_eq!(first_qpns.len(), 4);
+    assert_eq!((a.prebuilt_hits(), b.prebuilt_hits()), (0, 0), "nothing was built before the shape was first asked for");
+    // Fill the pools now (the refills the first negotiation started may be running too: the
+    // pools keep one connection per shape whoever builds it).
+    a.fill_prebuilt().unwrap();
+    b.fill_prebuilt().unwrap();
+    assert_eq!(a.prebuilt(), (1, 2), "the initiator keeps one 2-QP connection ready");
+    assert_eq!(b.prebuilt(), (1, 2), "the responder keeps one 2-QP connection ready");
+
+    // A shape the device cannot hold: refused with the attribute, the pools untouched.
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let huge = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-huge").unwrap(), 2, 1 << 30, tx).await;
+    match huge {
+        Err(FabricError::Negotiation { attr, .. }) => assert_eq!(attr, "max_send_wr"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a depth of 2^30 was accepted"),
+    }
+    assert_eq!(a.prebuilt(), (1, 2), "a refused shape takes nothing from the pool");
+
+    let (second, _acc2, mut rx2, second_qpns) = connect_qpns(&a, &b, 2, 8).await;
+    assert_eq!((a.prebuilt_hits(), b.prebuilt_hits()), (1, 1), "both halves started from prebuilt connections");
+    // Per side (QP numbers are per device): the initiator's, then the responder's.
+    for (first, second) in [(&first_qpns[..2], &second_qpns[..2]), (&first_qpns[2..], &second_qpns[2..])] {
+        assert!(second.iter().all(|q| !first.contains(q)), "distinct QPs: {first_qpns:?} then {second_qpns:?}");
+    }
+    for qp in 0..2u64 {
+        let off = qp * 4096;
+        second.post(qp as usize, wr(qp, WrOp::Write, &ra, off, 4096, grant.addr + off, rkey(&grant), true)).unwrap();
+    }
+    let done = wait(&mut rx2, 2).await;
+    assert!(done.iter().all(|c| c.status == WcStatus::Success), "{done:?}");
+    assert!(bytes(&mb, 0, 8192) == bytes(&ma, 0, 8192), "the bytes arrived over the prebuilt QPs");
 }

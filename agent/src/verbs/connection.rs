@@ -100,21 +100,9 @@ fn draw_psn() -> Result<u32, FabricError> {
 }
 
 impl ConnInner {
-    /// Creates the CQ (with a completion channel if `with_channel`) and `qps` QPs in INIT. With
-    /// `bind_mw` the QPs can post memory-window binds (responder QPs in grant mode `mw`). With
-    /// `markers` (responder QPs) they also get a receive CQ of their own, with a completion
-    /// channel, and [`RECV_DEPTH`] empty receives each for notification markers.
-    #[allow(clippy::too_many_arguments)]
-    pub fn build(
-        dev: &Arc<Device>,
-        opts: &VerbsOptions,
-        peer: &str,
-        qps: usize,
-        depth: usize,
-        with_channel: bool,
-        bind_mw: bool,
-        markers: bool,
-    ) -> Result<ConnInner, FabricError> {
+    /// Refuses a connection shape the device cannot hold (with the attribute at fault) before
+    /// anything is allocated; returns the depth and the CQ size to build with.
+    pub fn check_shape(dev: &Device, opts: &VerbsOptions, qps: usize, depth: usize) -> Result<(usize, u32), FabricError> {
         if qps == 0 || qps > negotiate::MAX_QPS_PER_CONNECTION {
             return Err(FabricError::Negotiation {
                 step: "INIT",
@@ -140,6 +128,25 @@ impl ConnInner {
             });
         }
         let cqe = need.max(opts.cq_size).min(dev.max_cqe as usize) as u32;
+        Ok((depth, cqe))
+    }
+
+    /// Creates the CQ (with a completion channel if `with_channel`) and `qps` QPs in INIT. With
+    /// `bind_mw` the QPs can post memory-window binds (responder QPs in grant mode `mw`). With
+    /// `markers` (responder QPs) they also get a receive CQ of their own, with a completion
+    /// channel, and [`RECV_DEPTH`] empty receives each for notification markers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        dev: &Arc<Device>,
+        opts: &VerbsOptions,
+        peer: &str,
+        qps: usize,
+        depth: usize,
+        with_channel: bool,
+        bind_mw: bool,
+        markers: bool,
+    ) -> Result<ConnInner, FabricError> {
+        let (depth, cqe) = Self::check_shape(dev, opts, qps, depth)?;
         let channel = if with_channel {
             let ch = dev
                 .ctx
@@ -191,6 +198,16 @@ impl ConnInner {
             worker: Mutex::new(None),
             handed_off: AtomicBool::new(false),
         })
+    }
+
+    /// A connection built ahead of need ([`super::prebuilt`]), made this negotiation's: the
+    /// peer's name for logs, and fresh PSNs (never reuse a draw whose QPs waited in a pool).
+    pub fn for_peer(mut self, peer: &str) -> Result<ConnInner, FabricError> {
+        self.peer = peer.to_string();
+        for s in &mut self.slots {
+            s.psn = draw_psn()?;
+        }
+        Ok(self)
     }
 
     pub fn endpoints(&self, dev: &Device) -> Vec<Endpoint> {

@@ -10,6 +10,7 @@ use xfer_rdma::mr::Mr;
 use xfer_rdma::qp::WindowAccess;
 
 use super::connection::{AcceptedHandle, AcceptedIndex, ConnInner, VerbsAccepted, VerbsPending};
+use super::prebuilt::Prebuilt;
 use super::device::Device;
 use super::mr::VerbsRegistration;
 use super::{negotiate, VerbsOptions};
@@ -26,6 +27,35 @@ pub struct VerbsFabric {
     accepted: Arc<AcceptedIndex>,
     /// Where responder connections report notification markers.
     markers: Option<Arc<dyn crate::fabric::MarkerSink>>,
+    /// Connections built ahead of need (`verbs.prebuilt`).
+    prebuilt: Arc<Prebuilt<Shape, ConnInner>>,
+    /// Negotiations that started from a prebuilt connection.
+    prebuilt_hits: std::sync::atomic::AtomicU64,
+}
+
+/// What a connection is built as: everything [`ConnInner::build`] takes but the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    qps: usize,
+    depth: usize,
+    with_channel: bool,
+    bind_mw: bool,
+    markers: bool,
+}
+
+/// Shapes the pool keeps, and QPs it holds in all (DoS bound: a peer choosing 256-QP
+/// connections cannot make this agent hold more than this many idle QPs).
+const PREBUILT_SHAPES: usize = 4;
+const PREBUILT_MAX_QPS: usize = 64;
+
+impl Shape {
+    fn build(&self, dev: &Arc<Device>, opts: &VerbsOptions, peer: &str) -> Result<ConnInner, FabricError> {
+        ConnInner::build(dev, opts, peer, self.qps, self.depth, self.with_channel, self.bind_mw, self.markers)
+    }
+
+    fn role(&self) -> &'static str {
+        if self.markers { "responder" } else { "initiator" }
+    }
 }
 
 impl std::fmt::Debug for VerbsFabric {
@@ -39,7 +69,67 @@ impl VerbsFabric {
     pub fn open(opts: VerbsOptions) -> Result<VerbsFabric, FabricError> {
         opts.validate()?;
         let dev = Device::open(&opts)?;
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None })
+        let prebuilt = Arc::new(Prebuilt::new(opts.prebuilt, PREBUILT_SHAPES, PREBUILT_MAX_QPS, |s: &Shape| s.qps));
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default() })
+    }
+
+    /// A connection of `shape` for `peer`: a prebuilt one (fresh PSNs) if one is ready, else
+    /// built now. Either way the pool is topped up on the blocking pool, off this negotiation.
+    fn connection(&self, mut shape: Shape, peer: &str) -> Result<ConnInner, FabricError> {
+        // A shape the device cannot hold is refused here, with its reason, and never learnt.
+        shape.depth = ConnInner::check_shape(&self.dev, &self.opts, shape.qps, shape.depth)?.0;
+        let taken = self.prebuilt.take(&shape);
+        drop(taken.evicted);
+        if taken.refill {
+            self.refill();
+        }
+        let conn = match taken.item {
+            Some(c) => {
+                self.prebuilt_hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                crate::metrics::connection_build(shape.role(), "prebuilt");
+                c.for_peer(peer)
+            }
+            None => {
+                crate::metrics::connection_build(shape.role(), "on_demand");
+                shape.build(&self.dev, &self.opts, peer)
+            }
+        };
+        crate::metrics::prebuilt_qps(self.prebuilt.held().1);
+        conn
+    }
+
+    /// Builds what the pool is short of now, on this thread, and returns how many connections
+    /// it built (what a refill after a negotiation does on the blocking pool).
+    pub fn fill_prebuilt(&self) -> Result<usize, FabricError> {
+        let built = self.prebuilt.refill(|s: &Shape| s.build(&self.dev, &self.opts, ""));
+        crate::metrics::prebuilt_qps(self.prebuilt.held().1);
+        built
+    }
+
+    /// Negotiations (either role) that started from a prebuilt connection.
+    pub fn prebuilt_hits(&self) -> u64 {
+        self.prebuilt_hits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Builds what the pool is short of, on the blocking pool.
+    fn refill(&self) {
+        let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
+        let run = move || {
+            if let Err(e) = pool.refill(|s: &Shape| s.build(&dev, &opts, "")) {
+                tracing::debug!(error = %e, "building connections ahead of need failed (the next negotiation retries)");
+            }
+            crate::metrics::prebuilt_qps(pool.held().1);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(run)),
+            // Outside a runtime (not the agent's case: negotiations are async) build inline.
+            Err(_) => run(),
+        }
+    }
+
+    /// Connections ready in the pool and the QPs they hold.
+    pub fn prebuilt(&self) -> (usize, usize) {
+        self.prebuilt.held()
     }
 
     /// Reports the notification markers that arrive on accepted connections to `sink` (the
@@ -105,7 +195,8 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, qps, depth, true, false, false)?;
+        let shape = Shape { qps, depth, with_channel: true, bind_mw: false, markers: false };
+        let inner = self.connection(shape, peer)?;
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
@@ -115,7 +206,8 @@ impl Fabric for VerbsFabric {
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
         // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
         // receives (notification markers) complete on a CQ of their own.
-        let inner = ConnInner::build(&self.dev, &self.opts, peer, remote.len(), 1, false, self.opts.mw_grants(), true)?;
+        let shape = Shape { qps: remote.len(), depth: 1, with_channel: false, bind_mw: self.opts.mw_grants(), markers: true };
+        let inner = self.connection(shape, peer)?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone()));

@@ -11,6 +11,7 @@
 //!   (`xfer_rdma::cq::watch_channel`). The QPs' in-flight lists (in `xfer-rdma`) keep posted
 //!   memory alive. Also the responder half (`VerbsAccepted`) and grant mode `mw`: window binds
 //!   on its QPs and what an `mw` grant keeps alive (`MwGrant`).
+//! * [`prebuilt`]: the bookkeeping of connections built ahead of need (generic, no verbs).
 //! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
 //!
 //! sideway's safe API is used here for the device list, device context and PD.
@@ -28,6 +29,7 @@ mod mr;
 mod connection;
 #[cfg(feature = "verbs")]
 mod fabric;
+pub mod prebuilt;
 
 #[cfg(feature = "verbs")]
 pub use device::probe;
@@ -70,6 +72,9 @@ impl TryFrom<String> for GrantMode {
     }
 }
 
+/// Most connections per shape `verbs.prebuilt` may ask for.
+pub const MAX_PREBUILT: usize = 16;
+
 /// Settings of the verbs fabric.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsOptions {
@@ -100,6 +105,9 @@ pub struct VerbsOptions {
     /// access: local only in `mr` and `mw` (plus window binding in `mw`, whose responder QPs can
     /// also post binds), remote access from the ceiling only in `region`.
     pub grant_mode: GrantMode,
+    /// Connections of each recently used shape kept built and in INIT ahead of need
+    /// (`verbs.prebuilt`, [`prebuilt`]); 0 builds every connection during its negotiation.
+    pub prebuilt: usize,
 }
 
 impl Default for VerbsOptions {
@@ -116,6 +124,7 @@ impl Default for VerbsOptions {
             cq_size: 1024,
             busy_poll: false,
             grant_mode: GrantMode::Mr,
+            prebuilt: 2,
         }
     }
 }
@@ -139,6 +148,9 @@ impl VerbsOptions {
         }
         if self.rnr_retry > 6 {
             return Err(bad("rnr_retry", format!("{} > 6 (7 retries forever)", self.rnr_retry)));
+        }
+        if self.prebuilt > MAX_PREBUILT {
+            return Err(bad("prebuilt", format!("{} connections per shape asked, at most {MAX_PREBUILT}", self.prebuilt)));
         }
         if self.max_rd_atomic == 0 {
             return Err(bad("max_rd_atomic", "must be at least 1 or READs cannot be issued".into()));
