@@ -554,6 +554,7 @@ impl Config {
             busy_poll: self.verbs.busy_poll,
             grant_mode: self.verbs.grant_mode,
             prebuilt: self.verbs.prebuilt,
+            expected_shape: Some((self.transfer.qps, self.transfer.depth)),
             ..crate::verbs::VerbsOptions::default()
         }
     }

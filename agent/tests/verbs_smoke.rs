@@ -359,4 +359,13 @@ async fn prebuilt_connections_negotiate_and_move_data() {
     let done = wait(&mut rx2, 2).await;
     assert!(done.iter().all(|c| c.status == WcStatus::Success), "{done:?}");
     assert!(bytes(&mb, 0, 8192) == bytes(&ma, 0, 8192), "the bytes arrived over the prebuilt QPs");
+
+    // An agent that expects its transfers' shape (transfer.qps, transfer.depth) builds both
+    // halves from the start: its first negotiation already finds one ready.
+    let c = open(&env.a_dev, env.a_ip);
+    c.expect(2, 8);
+    c.fill_prebuilt().unwrap();
+    assert_eq!(c.prebuilt(), (2, 4), "one initiator and one responder connection of 2 QPs");
+    let (_third, _acc3, _rx3) = connect(&c, &b, 2, 8).await;
+    assert_eq!(c.prebuilt_hits(), 1, "the first negotiation of an expected shape started from a prebuilt connection");
 }

@@ -98,6 +98,21 @@ impl VerbsFabric {
         conn
     }
 
+    /// Teaches the pool the shapes of a connection of `qps` QPs and `depth` (the initiator's and
+    /// the responder's half) before any negotiation asks, and starts building them.
+    pub fn expect(&self, qps: usize, depth: usize) {
+        let Ok((depth, _)) = ConnInner::check_shape(&self.dev, &self.opts, qps, depth) else { return };
+        let halves = [
+            Shape { qps, depth, with_channel: true, bind_mw: false, markers: false },
+            Shape { qps, depth: 1, with_channel: false, bind_mw: self.opts.mw_grants(), markers: true },
+        ];
+        // Nothing is built yet, so nothing is taken: these takes only record the demand.
+        let refill = halves.iter().fold(false, |r, s| self.prebuilt.take(s).refill || r);
+        if refill {
+            self.refill();
+        }
+    }
+
     /// Builds what the pool is short of now, on this thread, and returns how many connections
     /// it built (what a refill after a negotiation does on the blocking pool).
     pub fn fill_prebuilt(&self) -> Result<usize, FabricError> {

@@ -108,6 +108,10 @@ pub struct VerbsOptions {
     /// Connections of each recently used shape kept built and in INIT ahead of need
     /// (`verbs.prebuilt`, [`prebuilt`]); 0 builds every connection during its negotiation.
     pub prebuilt: usize,
+    /// The connection shape (QPs, depth) transfers use unless they ask otherwise
+    /// (`transfer.qps`, `transfer.depth`): the pool builds it, both halves, from the start, so
+    /// even the first negotiation finds one ready.
+    pub expected_shape: Option<(usize, usize)>,
 }
 
 impl Default for VerbsOptions {
@@ -125,6 +129,7 @@ impl Default for VerbsOptions {
             busy_poll: false,
             grant_mode: GrantMode::Mr,
             prebuilt: 2,
+            expected_shape: None,
         }
     }
 }
@@ -186,7 +191,12 @@ pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
 
 #[cfg(feature = "verbs")]
 pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::fabric::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
-    Ok(Arc::new(VerbsFabric::open(opts)?.with_markers(markers)))
+    let expected = opts.expected_shape;
+    let f = VerbsFabric::open(opts)?.with_markers(markers);
+    if let Some((qps, depth)) = expected {
+        f.expect(qps, depth);
+    }
+    Ok(Arc::new(f))
 }
 
 #[cfg(not(feature = "verbs"))]
