@@ -106,9 +106,10 @@ impl VerbsFabric {
             Shape { qps, depth, with_channel: true, bind_mw: false, markers: false },
             Shape { qps, depth: 1, with_channel: false, bind_mw: self.opts.mw_grants(), markers: true },
         ];
-        // Nothing is built yet, so nothing is taken: these takes only record the demand.
-        let refill = halves.iter().fold(false, |r, s| self.prebuilt.take(s).refill || r);
-        if refill {
+        // Nothing is built yet, so nothing is taken: these takes only record the demand (both
+        // must run; at most one of them asks for the refill, which then builds both).
+        let asks: Vec<bool> = halves.iter().map(|s| self.prebuilt.take(s).refill).collect();
+        if asks.contains(&true) {
             self.refill();
         }
     }
