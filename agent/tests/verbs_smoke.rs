@@ -363,9 +363,23 @@ async fn prebuilt_connections_negotiate_and_move_data() {
     // An agent that expects its transfers' shape (transfer.qps, transfer.depth) builds both
     // halves from the start: its first negotiation already finds one ready.
     let c = open(&env.a_dev, env.a_ip);
-    c.expect(2, 8);
+    c.prebuild(2, 8);
     c.fill_prebuilt().unwrap();
     assert_eq!(c.prebuilt(), (2, 4), "one initiator and one responder connection of 2 QPs");
     let (_third, _acc3, _rx3) = connect(&c, &b, 2, 8).await;
     assert_eq!(c.prebuilt_hits(), 1, "the first negotiation of an expected shape started from a prebuilt connection");
+
+    // A peer choosing many shapes (its QP count decides the responder's) cannot make this
+    // agent hold more than 4 shapes or 64 idle QPs, however large the connections it asks for.
+    let mut held = Vec::new();
+    for qps in [1, 3, 5, 7, 40, 64, 200] {
+        held.push(connect(&a, &b, qps, 8).await);
+        b.fill_prebuilt().unwrap();
+        let (conns, qps_held) = b.prebuilt();
+        assert!(conns <= 4 && qps_held <= 64, "after a {qps}-QP connection the responder holds {conns} connections, {qps_held} QPs");
+    }
+    // The 200-QP shape never fits: the responder's next negotiation of it builds on demand.
+    let before = b.prebuilt_hits();
+    held.push(connect(&a, &b, 200, 8).await);
+    assert_eq!(b.prebuilt_hits(), before, "a shape over the QP cap is never prebuilt");
 }

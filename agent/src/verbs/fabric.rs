@@ -100,7 +100,7 @@ impl VerbsFabric {
 
     /// Teaches the pool the shapes of a connection of `qps` QPs and `depth` (the initiator's and
     /// the responder's half) before any negotiation asks, and starts building them.
-    pub fn expect(&self, qps: usize, depth: usize) {
+    pub fn prebuild(&self, qps: usize, depth: usize) {
         let Ok((depth, _)) = ConnInner::check_shape(&self.dev, &self.opts, qps, depth) else { return };
         let halves = [
             Shape { qps, depth, with_channel: true, bind_mw: false, markers: false },

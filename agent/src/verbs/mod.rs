@@ -194,7 +194,7 @@ pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::fabric::MarkerSin
     let expected = opts.expected_shape;
     let f = VerbsFabric::open(opts)?.with_markers(markers);
     if let Some((qps, depth)) = expected {
-        f.expect(qps, depth);
+        f.prebuild(qps, depth);
     }
     Ok(Arc::new(f))
 }
