@@ -114,6 +114,10 @@ pub struct VerbsConfig {
     /// rebuilt on the blocking pool after each is taken. At most 4 shapes and 64 QPs in all are
     /// held (about 80-100 KiB each on rxe). 0 = build each connection while negotiating it.
     pub prebuilt: usize,
+    /// RDMA READs outstanding per QP (the initiator depth and the responder resources both
+    /// sides offer; a connection uses the smaller of the two agents'). 0 = the device's
+    /// maximum, as perftest does (rxe 128, ConnectX 16).
+    pub max_rd_atomic: u8,
 }
 
 pub use crate::identity::{DnsRole, RoleName};
@@ -417,7 +421,7 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2 }
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2, max_rd_atomic: 0 }
     }
 }
 
@@ -555,6 +559,7 @@ impl Config {
             grant_mode: self.verbs.grant_mode,
             prebuilt: self.verbs.prebuilt,
             expected_shape: Some((self.transfer.qps, self.transfer.depth)),
+            max_rd_atomic: self.verbs.max_rd_atomic,
             ..crate::verbs::VerbsOptions::default()
         }
     }
@@ -928,6 +933,9 @@ mod tests {
         }
         let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), "256KiB".to_string())];
         assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs.max_read_wr, ByteSize(256 << 10));
+        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().verbs_options().max_rd_atomic, 0, "default: the device's maximum");
+        let env = vec![("XFER_VERBS__MAX_RD_ATOMIC".to_string(), "8".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().max_rd_atomic, 8);
         let env = vec![("XFER_VERBS__PREBUILT".to_string(), "17".to_string())];
         let e = Config::load(None, env, &Overrides::default()).unwrap_err();
         assert_eq!(e.key, "verbs.prebuilt");

@@ -225,7 +225,8 @@ impl Device {
             gid,
             gid_type,
             gid_choice: choice,
-            max_rd_atomic: opts.max_rd_atomic.min(dev_rd).max(1),
+            // 0 = the device's maximum; never 0 (READs could not be issued).
+            max_rd_atomic: if opts.max_rd_atomic == 0 { dev_rd } else { opts.max_rd_atomic.min(dev_rd) }.max(1),
             max_qp_wr: a.max_qp_wr.max(1) as u32,
             max_cqe: a.max_cqe.max(1) as u32,
             max_mw: a.max_mw.max(0) as u32,

@@ -95,7 +95,8 @@ pub struct VerbsOptions {
     pub retry_cnt: u8,
     /// RNR retries, below 7 (7 = forever).
     pub rnr_retry: u8,
-    /// Outstanding RDMA READs per QP (initiator depth / responder resources); capped by the device.
+    /// Outstanding RDMA READs per QP (initiator depth / responder resources); capped by the
+    /// device; 0 = the device's maximum (`verbs.max_rd_atomic`).
     pub max_rd_atomic: u8,
     /// Minimum CQ size; the fabric grows it to hold `qps × depth` completions.
     pub cq_size: usize,
@@ -124,7 +125,7 @@ impl Default for VerbsOptions {
             timeout: 16,
             retry_cnt: 6,
             rnr_retry: 6,
-            max_rd_atomic: 16,
+            max_rd_atomic: 0,
             cq_size: 1024,
             busy_poll: false,
             grant_mode: GrantMode::Mr,
@@ -156,9 +157,6 @@ impl VerbsOptions {
         }
         if self.prebuilt > MAX_PREBUILT {
             return Err(bad("prebuilt", format!("{} connections per shape asked, at most {MAX_PREBUILT}", self.prebuilt)));
-        }
-        if self.max_rd_atomic == 0 {
-            return Err(bad("max_rd_atomic", "must be at least 1 or READs cannot be issued".into()));
         }
         Ok(())
     }
