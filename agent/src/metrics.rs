@@ -325,7 +325,6 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
     }
 }
 
-/// A job ran to its end, driven by `driver` (`worker` or `task`).
 /// A verbs connection's CQs and QPs came from `source` (`prebuilt` or `on_demand`) for `role`.
 pub fn connection_build(role: &'static str, source: &'static str) {
     counter!(CONNECTION_BUILDS, "role" => role, "source" => source).increment(1);
@@ -335,6 +334,7 @@ pub fn prebuilt_qps(n: usize) {
     gauge!(PREBUILT_QPS).set(n as f64);
 }
 
+/// A job ran to its end, driven by `driver` (`worker` or `task`).
 pub fn data_path_job(driver: &'static str) {
     counter!(DATA_PATH_JOBS, "driver" => driver).increment(1);
 }

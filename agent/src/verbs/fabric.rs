@@ -49,6 +49,17 @@ const PREBUILT_SHAPES: usize = 4;
 const PREBUILT_MAX_QPS: usize = 64;
 
 impl Shape {
+    /// The initiator's half: `depth` WRs per QP, completions through a channel.
+    fn initiator(qps: usize, depth: usize) -> Shape {
+        Shape { qps, depth, with_channel: true, bind_mw: false, markers: false }
+    }
+
+    /// The responder's half: window binds only (a one-WR send queue, polled), with `bind_mw` in
+    /// grant mode `mw`, and the marker receives.
+    fn responder(qps: usize, bind_mw: bool) -> Shape {
+        Shape { qps, depth: 1, with_channel: false, bind_mw, markers: true }
+    }
+
     fn build(&self, dev: &Arc<Device>, opts: &VerbsOptions, peer: &str) -> Result<ConnInner, FabricError> {
         ConnInner::build(dev, opts, peer, self.qps, self.depth, self.with_channel, self.bind_mw, self.markers)
     }
@@ -102,10 +113,7 @@ impl VerbsFabric {
     /// the responder's half) before any negotiation asks, and starts building them.
     pub fn prebuild(&self, qps: usize, depth: usize) {
         let Ok((depth, _)) = ConnInner::check_shape(&self.dev, &self.opts, qps, depth) else { return };
-        let halves = [
-            Shape { qps, depth, with_channel: true, bind_mw: false, markers: false },
-            Shape { qps, depth: 1, with_channel: false, bind_mw: self.opts.mw_grants(), markers: true },
-        ];
+        let halves = [Shape::initiator(qps, depth), Shape::responder(qps, self.opts.mw_grants())];
         // Nothing is built yet, so nothing is taken: these takes only record the demand (both
         // must run; at most one of them asks for the refill, which then builds both).
         let asks: Vec<bool> = halves.iter().map(|s| self.prebuilt.take(s).refill).collect();
@@ -117,9 +125,7 @@ impl VerbsFabric {
     /// Builds what the pool is short of now, on this thread, and returns how many connections
     /// it built (what a refill after a negotiation does on the blocking pool).
     pub fn fill_prebuilt(&self) -> Result<usize, FabricError> {
-        let built = self.prebuilt.refill(|s: &Shape| s.build(&self.dev, &self.opts, ""));
-        crate::metrics::prebuilt_qps(self.prebuilt.held().1);
-        built
+        fill(&self.prebuilt, &self.dev, &self.opts)
     }
 
     /// Negotiations (either role) that started from a prebuilt connection.
@@ -131,10 +137,9 @@ impl VerbsFabric {
     fn refill(&self) {
         let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
         let run = move || {
-            if let Err(e) = pool.refill(|s: &Shape| s.build(&dev, &opts, "")) {
+            if let Err(e) = fill(&pool, &dev, &opts) {
                 tracing::debug!(error = %e, "building connections ahead of need failed (the next negotiation retries)");
             }
-            crate::metrics::prebuilt_qps(pool.held().1);
         };
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn_blocking(run)),
@@ -211,8 +216,7 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let shape = Shape { qps, depth, with_channel: true, bind_mw: false, markers: false };
-        let inner = self.connection(shape, peer)?;
+        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
@@ -222,8 +226,7 @@ impl Fabric for VerbsFabric {
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
         // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
         // receives (notification markers) complete on a CQ of their own.
-        let shape = Shape { qps: remote.len(), depth: 1, with_channel: false, bind_mw: self.opts.mw_grants(), markers: true };
-        let inner = self.connection(shape, peer)?;
+        let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone()));
@@ -232,6 +235,13 @@ impl Fabric for VerbsFabric {
         self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));
         Ok((eps, Box::new(AcceptedHandle { acc, index: Arc::clone(&self.accepted), id: connection_id.clone() })))
     }
+}
+
+/// Builds what `pool` is short of on this thread and publishes what it then holds.
+fn fill(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOptions) -> Result<usize, FabricError> {
+    let built = pool.refill(|s: &Shape| s.build(dev, opts, ""));
+    crate::metrics::prebuilt_qps(pool.held().1);
+    built
 }
 
 /// [`Fabric::expose`] for verbs, synchronously (on the blocking pool for modes `mr` and `mw`).

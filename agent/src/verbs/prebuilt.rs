@@ -98,10 +98,15 @@ impl<K: Clone + PartialEq, T> Prebuilt<K, T> {
         Taken { item, refill, evicted }
     }
 
+    /// The total weight of the items ready in `st`.
+    fn weight_held(&self, st: &State<K, T>) -> usize {
+        st.shapes.iter().map(|s| s.ready.len() * (self.weight)(&s.key)).sum()
+    }
+
     /// The most recently used shape that is short of `per_shape` and whose next item fits in
     /// `max_weight`.
     fn wanted(&self, st: &State<K, T>) -> Option<K> {
-        let held: usize = st.shapes.iter().map(|s| s.ready.len() * (self.weight)(&s.key)).sum();
+        let held = self.weight_held(st);
         st.shapes
             .iter()
             .filter(|s| s.ready.len() < self.per_shape && held + (self.weight)(&s.key) <= self.max_weight)
@@ -135,8 +140,7 @@ impl<K: Clone + PartialEq, T> Prebuilt<K, T> {
             // The shape may have been evicted, or filled by nobody else (refills are exclusive),
             // while it was built: then the item is dropped.
             let mut st = self.lock();
-            let held: usize = st.shapes.iter().map(|s| s.ready.len() * (self.weight)(&s.key)).sum();
-            let fits = held + (self.weight)(&key) <= self.max_weight;
+            let fits = self.weight_held(&st) + (self.weight)(&key) <= self.max_weight;
             match st.shapes.iter_mut().find(|s| s.key == key) {
                 Some(s) if fits && s.ready.len() < self.per_shape => {
                     s.ready.push(item);
@@ -153,7 +157,7 @@ impl<K: Clone + PartialEq, T> Prebuilt<K, T> {
     /// Items ready now, summed over shapes, and their total weight.
     pub fn held(&self) -> (usize, usize) {
         let st = self.lock();
-        st.shapes.iter().fold((0, 0), |(n, w), s| (n + s.ready.len(), w + s.ready.len() * (self.weight)(&s.key)))
+        (st.shapes.iter().map(|s| s.ready.len()).sum(), self.weight_held(&st))
     }
 }
 
