@@ -118,6 +118,11 @@ pub struct VerbsConfig {
     /// sides offer; a connection uses the smaller of the two agents'). 0 = the device's
     /// maximum, as perftest does (rxe 128, ConnectX 16).
     pub max_rd_atomic: u8,
+    /// How long, at most, the responder busy-polls a connection's notification markers after a
+    /// grant with a notification (or a channel batch's announcement) on it, until the
+    /// notification is published: the last marker is seen within one poll instead of after a
+    /// completion-channel wake-up. One core spins while any connection waits. 0 = never.
+    pub marker_spin: HumanDuration,
 }
 
 pub use crate::identity::{DnsRole, RoleName};
@@ -421,7 +426,7 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2, max_rd_atomic: 0 }
+        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2, max_rd_atomic: 0, marker_spin: HumanDuration(Duration::from_millis(50)) }
     }
 }
 
@@ -560,6 +565,7 @@ impl Config {
             prebuilt: self.verbs.prebuilt,
             expected_shape: Some((self.transfer.qps, self.transfer.depth)),
             max_rd_atomic: self.verbs.max_rd_atomic,
+            marker_spin: self.verbs.marker_spin.0,
             ..crate::verbs::VerbsOptions::default()
         }
     }

@@ -48,6 +48,7 @@ pub const BATCHES: &str = "xfer_batches_total";
 pub const BATCH_SEGMENTS: &str = "xfer_batch_segments_total";
 pub const NOTIFICATIONS: &str = "xfer_notifications_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
+pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 pub const CHANNELS_OPEN: &str = "xfer_channels_open";
 pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
@@ -193,6 +194,11 @@ pub fn describe() {
         Unit::Count,
         "Notification markers that arrived on this agent, by result (counted; refused: wrong connection or revoked grant; unknown_slot; no_notification: the grant asked for none; no_immediate; no_sink)."
     );
+    describe_counter!(
+        MARKER_SPINS,
+        Unit::Count,
+        "Responder connections the marker poller busy-polled for an expected notification (verbs.marker_spin), by event: asked (a grant with a notification or a channel announcement), published (the notification came within the budget), budget (it did not: the completion channel sees it)."
+    );
     describe_histogram!(
         NOTIFICATION_DELAY,
         Unit::Seconds,
@@ -229,6 +235,11 @@ pub fn notification_published(via: &'static str, delay: Option<Duration>) {
 /// A notification marker arrived (`result` is a closed set).
 pub fn notify_marker(result: &'static str) {
     counter!(NOTIFY_MARKERS, "result" => result).increment(1);
+}
+
+/// The marker poller took a connection or let it go (`event` is a closed set).
+pub fn marker_spin(event: &'static str) {
+    counter!(MARKER_SPINS, "event" => event).increment(1);
 }
 
 /// Open connections of a control listener (grpc, health, metrics).

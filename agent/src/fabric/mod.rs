@@ -438,6 +438,13 @@ pub trait Accepted: Send + Sync + 'static {
     /// itself. The default does nothing: a fabric whose markers are handled in order before
     /// they are acknowledged (tcp) has none waiting.
     fn drain_markers(&self) {}
+    /// Markers are due on this connection soon (a grant with a notification was just made on
+    /// it, or a channel batch announced): watch for them closely until `waiting` turns false
+    /// or `until`. A hint for latency only; markers are seen without it too. The default does
+    /// nothing: tcp handles a marker as its frame is read.
+    fn expect_markers(&self, until: std::time::Instant, waiting: Box<dyn Fn() -> bool + Send>) {
+        let _ = (until, waiting);
+    }
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.

@@ -255,7 +255,29 @@ impl Node {
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
+        if grant.notify.is_some() {
+            self.expect_markers(&grant);
+        }
         Ok(grant)
+    }
+
+    /// Markers of `grant`'s notification are due on its connection: the fabric watches for them
+    /// closely (verbs: the marker poller, `verbs.marker_spin`) until it is published, the grant
+    /// ends or the budget runs out. Latency only; the markers are seen without it too.
+    fn expect_markers(&self, grant: &Arc<Grant>) {
+        let Some(conn) = self.accepted_by(grant.connection_id.as_ref(), &grant.peer) else { return };
+        let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
+        let weak = Arc::downgrade(grant);
+        conn.expect_markers(
+            std::time::Instant::now() + ttl,
+            Box::new(move || {
+                weak.upgrade().is_some_and(|g| {
+                    g.lease.is_live()
+                        && (g.notify.as_ref().is_some_and(|p| !p.is_published())
+                            || g.channel.as_ref().is_some_and(|c| c.unpublished() > 0))
+                })
+            }),
+        );
     }
 
     /// The accepted connection `id`, if `peer` made it.
@@ -325,7 +347,14 @@ impl Node {
     /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
     pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
         self.check_notify_tag(&tag)?;
-        Ok(self.grants.announce(grant_id, peer, seq, tag)?)
+        self.grants.announce(grant_id, peer, seq, tag)?;
+        // Its markers may still be on their way (an announcement usually comes first).
+        if let Ok(g) = self.grants.get(grant_id, peer, SystemTime::now()) {
+            if g.channel.as_ref().is_some_and(|c| c.unpublished() > 0) {
+                self.expect_markers(&g);
+            }
+        }
+        Ok(())
     }
 
     /// `Peer.Complete`: the initiator says the data landed (or was read). Verifies the checksum

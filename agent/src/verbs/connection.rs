@@ -79,6 +79,10 @@ pub(crate) struct ConnInner {
     /// (the CQ task and a transfer's `progress`) would otherwise deliver completions out of
     /// order, and a later completion's retirement would swallow an earlier signaled WR's.
     drain_lock: Mutex<()>,
+    /// Held across a whole [`drain_markers`] (poll, delivery, repost): the receive task, the
+    /// marker poller and `Peer.Complete` all drain the receive CQ, and one connection's markers
+    /// must reach the sink in the order they completed.
+    marker_lock: Mutex<()>,
     /// The data-path worker thread the polling is handed to (`Connection::hand_off`); `None`
     /// while the CQ task polls.
     worker: Mutex<Option<std::thread::Thread>>,
@@ -195,6 +199,7 @@ impl ConnInner {
             closing: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
             drain_lock: Mutex::new(()),
+            marker_lock: Mutex::new(()),
             worker: Mutex::new(None),
             handed_off: AtomicBool::new(false),
         })
@@ -389,6 +394,25 @@ impl ConnInner {
             }
         }
     }
+
+    /// True while this responder connection has marker receives worth polling (it has a
+    /// receive side and is not closing).
+    pub(crate) fn polls_markers(&self) -> bool {
+        self.recv.is_some() && !self.closing.load(Ordering::Acquire)
+    }
+
+    /// [`drain_markers`] on this connection's receive CQ, if it has one (the marker poller).
+    pub(crate) fn drain_recv(
+        &self,
+        id: &ConnectionId,
+        markers: Option<&Arc<dyn MarkerSink>>,
+        buf: &mut Vec<RawWc>,
+    ) -> Result<usize, std::io::Error> {
+        match self.recv.as_ref() {
+            Some((rcq, _)) => drain_markers(self, rcq, id, markers, buf),
+            None => Ok(0),
+        }
+    }
 }
 
 /// The CQ task: event-driven through the completion channel (or busy-polling), until the
@@ -511,9 +535,10 @@ async fn run_cq(inner: Arc<ConnInner>, sink: CompletionSink, busy_poll: bool) {
 
 /// Reads every marker receive completed so far on `rcq`, hands each immediate (the grant's
 /// notification slot) to `markers` and reposts the receive it consumed. Returns how many
-/// completions it read. Both the receive task and `Peer.Complete` (through
-/// [`VerbsAccepted::drain_markers`]) call it; `ibv_poll_cq` is serialized per CQ and each
-/// completion is read once, so the two never count a marker twice.
+/// completions it read. The receive task, the marker poller ([`ConnInner::drain_recv`]) and
+/// `Peer.Complete` (through [`VerbsAccepted::drain_markers`]) call it; each completion is read
+/// once, so they never count a marker twice, and the marker lock keeps one connection's
+/// markers in completion order.
 fn drain_markers(
     inner: &ConnInner,
     rcq: &Cq,
@@ -521,6 +546,7 @@ fn drain_markers(
     markers: Option<&Arc<dyn MarkerSink>>,
     buf: &mut Vec<RawWc>,
 ) -> Result<usize, std::io::Error> {
+    let _in_order = inner.marker_lock.lock().unwrap_or_else(|e| e.into_inner());
     let mut total = 0;
     loop {
         buf.clear();
@@ -797,6 +823,8 @@ pub(crate) struct VerbsAccepted {
     /// Serializes binds: one bind WR outstanding per QP (the send queues hold one WR), and one
     /// poller of the responder CQ.
     bind_lock: Mutex<()>,
+    /// The fabric's marker poller, for connections that expect a notification soon.
+    poller: Arc<super::marker_poll::MarkerPoller>,
 }
 
 /// How long a bind may take to complete before the connection is given up.
@@ -805,12 +833,32 @@ const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 impl VerbsAccepted {
     /// Keeps the responder QPs; with a receive side, starts the task that hands the markers
     /// arriving on connection `id` to `markers`.
-    pub fn new(inner: ConnInner, id: ConnectionId, markers: Option<Arc<dyn MarkerSink>>) -> Self {
+    pub fn new(
+        inner: ConnInner,
+        id: ConnectionId,
+        markers: Option<Arc<dyn MarkerSink>>,
+        poller: Arc<super::marker_poll::MarkerPoller>,
+    ) -> Self {
         let inner = Arc::new(inner);
         if inner.recv.is_some() {
             tokio::spawn(run_recv(Arc::clone(&inner), id.clone(), markers.clone()));
         }
-        VerbsAccepted { inner, id, markers, bind_lock: Mutex::new(()) }
+        VerbsAccepted { inner, id, markers, bind_lock: Mutex::new(()), poller }
+    }
+
+    /// Has the fabric's marker poller busy-poll this connection's receive CQ until `waiting`
+    /// turns false or `until` (capped by `verbs.marker_spin`).
+    pub fn expect_markers(&self, until: std::time::Instant, waiting: super::marker_poll::Waiting) {
+        if !self.inner.polls_markers() {
+            return;
+        }
+        self.poller.expect(super::marker_poll::Hot {
+            inner: Arc::downgrade(&self.inner),
+            id: self.id.clone(),
+            markers: self.markers.clone(),
+            until,
+            waiting,
+        });
     }
 
     /// Hands every marker that has already completed on this connection to the sink now,
@@ -935,6 +983,10 @@ pub(crate) struct AcceptedHandle {
 impl crate::fabric::Accepted for AcceptedHandle {
     fn drain_markers(&self) {
         self.acc.drain_markers();
+    }
+
+    fn expect_markers(&self, until: std::time::Instant, waiting: Box<dyn Fn() -> bool + Send>) {
+        self.acc.expect_markers(until, waiting);
     }
 }
 

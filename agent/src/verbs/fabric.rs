@@ -31,6 +31,8 @@ pub struct VerbsFabric {
     prebuilt: Arc<Prebuilt<Shape, ConnInner>>,
     /// Negotiations that started from a prebuilt connection.
     prebuilt_hits: std::sync::atomic::AtomicU64,
+    /// Busy-polls the receive CQs of responder connections that expect markers soon.
+    poller: Arc<super::marker_poll::MarkerPoller>,
 }
 
 /// What a connection is built as: everything [`ConnInner::build`] takes but the peer.
@@ -81,7 +83,8 @@ impl VerbsFabric {
         opts.validate()?;
         let dev = Device::open(&opts)?;
         let prebuilt = Arc::new(Prebuilt::new(opts.prebuilt, PREBUILT_SHAPES, PREBUILT_MAX_QPS, |s: &Shape| s.qps));
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default() })
+        let poller = Arc::new(super::marker_poll::MarkerPoller::new(opts.marker_spin));
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default(), poller })
     }
 
     /// A connection of `shape` for `peer`: a prebuilt one (fresh PSNs) if one is ready, else
@@ -229,7 +232,7 @@ impl Fabric for VerbsFabric {
         let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
         inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
-        let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone()));
+        let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
         // The agent refuses an id that is in use, so an entry here under the same id is one
         // whose handle is being dropped: the new connection takes the id.
         self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));

@@ -29,6 +29,8 @@ mod mr;
 mod connection;
 #[cfg(feature = "verbs")]
 mod fabric;
+#[cfg(feature = "verbs")]
+mod marker_poll;
 pub mod prebuilt;
 
 #[cfg(feature = "verbs")]
@@ -113,6 +115,10 @@ pub struct VerbsOptions {
     /// (`transfer.qps`, `transfer.depth`): the pool builds it, both halves, from the start, so
     /// even the first negotiation finds one ready.
     pub expected_shape: Option<(usize, usize)>,
+    /// How long a responder busy-polls a connection's marker receives after a grant with a
+    /// notification (or a channel batch's announcement) on it, at most (`verbs.marker_spin`);
+    /// zero leaves markers to the completion channel alone.
+    pub marker_spin: std::time::Duration,
 }
 
 impl Default for VerbsOptions {
@@ -131,6 +137,7 @@ impl Default for VerbsOptions {
             grant_mode: GrantMode::Mr,
             prebuilt: 2,
             expected_shape: None,
+            marker_spin: std::time::Duration::from_millis(50),
         }
     }
 }

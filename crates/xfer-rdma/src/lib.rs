@@ -12,6 +12,8 @@
 //! # Layout
 //! * [`memory`]: [`memory::RegionMemory`], region memory shared with the NIC, peers and other
 //!   processes; raw-pointer copies and zero-copy socket I/O, never a Rust reference out.
+//! * [`ring`]: the notification ring's layout, writer and reader (safe code over the atomic
+//!   word accessors of [`memory::RegionMemory`], which also sleep and wake on a futex).
 //! * [`sigbus`]: the SIGBUS handler and registry that let a truncated file region fail instead of
 //!   killing the process.
 //! * With the `verbs` feature (sideway + rdma-mummy-sys):
@@ -33,6 +35,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod memory;
+pub mod ring;
 pub mod sigbus;
 
 #[cfg(feature = "verbs")]

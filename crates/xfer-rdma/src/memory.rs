@@ -28,6 +28,7 @@ use std::io;
 use std::pin::Pin;
 use std::ptr::NonNull;
 use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -52,7 +53,7 @@ pub struct ReadOnly;
 #[error("the file shrank under its mapping")]
 pub struct Poisoned;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum MemError {
     #[error(transparent)]
     OutOfRange(#[from] OutOfRange),
@@ -340,6 +341,100 @@ impl RegionMemory {
             Backing::Writable(m) => m.flush(),
             Backing::ReadOnly { .. } => Ok(()),
         }
+    }
+
+    /// The naturally aligned `T`-sized word at `offset`, as a pointer (bounds and alignment
+    /// checked; writes also need a writable mapping).
+    fn word<T>(&self, offset: u64, write: bool) -> Result<*mut T, MemError> {
+        let size = std::mem::size_of::<T>() as u64;
+        let start = self.check(offset, size)?;
+        if write && !self.writable {
+            return Err(ReadOnly.into());
+        }
+        // SAFETY: `start + size` lies within the mapping (checked above).
+        let p = unsafe { self.ptr.as_ptr().add(start) };
+        if (p as usize) % std::mem::align_of::<T>() != 0 {
+            return Err(OutOfRange { offset, len: size, size: self.len as u64 }.into());
+        }
+        Ok(p.cast())
+    }
+
+    /// Atomically loads the aligned 64-bit word at `offset` with `order` (shared-memory
+    /// protocols between processes: the notification ring).
+    pub fn load_u64(&self, offset: u64, order: Ordering) -> Result<u64, MemError> {
+        let p = self.word::<u64>(offset, false)?;
+        // SAFETY: `p` is aligned and inside the mapping, which lives as long as `&self`. Every
+        // party to a word used this way (this crate's ring, the agent, the Python reader's
+        // aligned 8-byte loads) accesses it only whole and atomically; memory the mapping's
+        // other users treat as plain bytes merely reads as some value. The file shrinking under
+        // it is the SIGBUS guard's case (zero pages), checked below.
+        let v = unsafe { AtomicU64::from_ptr(p) }.load(order);
+        self.intact()?;
+        Ok(v)
+    }
+
+    /// Atomically stores `v` into the aligned 64-bit word at `offset` with `order`.
+    pub fn store_u64(&self, offset: u64, v: u64, order: Ordering) -> Result<(), MemError> {
+        let p = self.word::<u64>(offset, true)?;
+        // SAFETY: as in `load_u64`, on a writable mapping.
+        unsafe { AtomicU64::from_ptr(p) }.store(v, order);
+        Ok(self.intact()?)
+    }
+
+    /// Atomically loads the aligned 32-bit word at `offset` with `order`.
+    pub fn load_u32(&self, offset: u64, order: Ordering) -> Result<u32, MemError> {
+        let p = self.word::<u32>(offset, false)?;
+        // SAFETY: as in `load_u64`.
+        let v = unsafe { AtomicU32::from_ptr(p) }.load(order);
+        self.intact()?;
+        Ok(v)
+    }
+
+    /// Atomically adds `v` to the aligned 32-bit word at `offset` (wrapping); returns the
+    /// previous value.
+    pub fn fetch_add_u32(&self, offset: u64, v: u32, order: Ordering) -> Result<u32, MemError> {
+        let p = self.word::<u32>(offset, true)?;
+        // SAFETY: as in `load_u64`, on a writable mapping.
+        let old = unsafe { AtomicU32::from_ptr(p) }.fetch_add(v, order);
+        self.intact()?;
+        Ok(old)
+    }
+
+    /// Atomically subtracts `v` from the aligned 32-bit word at `offset` (wrapping).
+    pub fn fetch_sub_u32(&self, offset: u64, v: u32, order: Ordering) -> Result<u32, MemError> {
+        let p = self.word::<u32>(offset, true)?;
+        // SAFETY: as in `load_u64`, on a writable mapping.
+        let old = unsafe { AtomicU32::from_ptr(p) }.fetch_sub(v, order);
+        self.intact()?;
+        Ok(old)
+    }
+
+    /// Sleeps while the aligned 32-bit word at `offset` holds `expected` (`FUTEX_WAIT`, shared:
+    /// the word may live in a mapping of another process), for at most `timeout`. Returns when
+    /// woken, when the word differs, on a signal or at the timeout; the caller re-reads the
+    /// state it waits for in every case.
+    pub fn futex_wait(&self, offset: u64, expected: u32, timeout: std::time::Duration) -> Result<(), MemError> {
+        let p = self.word::<u32>(offset, false)?;
+        let ts = nix::libc::timespec {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as nix::libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as nix::libc::c_long,
+        };
+        // SAFETY: FUTEX_WAIT only reads the aligned word at `p` (inside the live mapping) and
+        // `ts` (a live local); it writes no memory. Its errors (EAGAIN: the word changed; EINTR;
+        // ETIMEDOUT) all mean "look again", which the caller does.
+        let _ = unsafe {
+            nix::libc::syscall(nix::libc::SYS_futex, p, nix::libc::FUTEX_WAIT, expected, &ts as *const nix::libc::timespec, 0usize, 0u32)
+        };
+        Ok(self.intact()?)
+    }
+
+    /// Wakes every process sleeping in [`RegionMemory::futex_wait`] on the word at `offset`.
+    pub fn futex_wake(&self, offset: u64) -> Result<(), MemError> {
+        let p = self.word::<u32>(offset, false)?;
+        // SAFETY: FUTEX_WAKE touches no user memory; `p` only names the futex (aligned, inside
+        // the live mapping).
+        let _ = unsafe { nix::libc::syscall(nix::libc::SYS_futex, p, nix::libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32) };
+        Ok(())
     }
 }
 

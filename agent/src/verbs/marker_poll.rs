@@ -1,0 +1,160 @@
+//! The responder's marker poller: one OS thread per verbs fabric that busy-polls the marker
+//! receive CQs of connections that expect a notification soon, so the last marker of a batch
+//! is seen within one poll instead of after a completion-channel wake-up (issue 11's
+//! "last byte visible → application" target).
+//!
+//! A one-sided WRITE raises nothing at the target, so the responder cannot see a batch coming
+//! from its data; what it does see is the grant: a grant with a notification (`Peer.Grant`) or
+//! a channel batch's announcement (`Peer.Announce`) says that markers will follow on one
+//! connection. The responder then hands that connection to this thread ([`Hot`]) until the
+//! notification is published, the connection closes, or `verbs.marker_spin` has passed since
+//! the ask, whichever comes first. Past that, the connection's receive task (woken by the
+//! completion channel) sees its markers as before: the budget bounds the cost (one core while
+//! any connection is hot), never correctness.
+//!
+//! Both this thread and the receive task call [`super::connection::drain_markers`], which holds
+//! the connection's marker lock across poll and delivery: each completion is read once and the
+//! markers of one connection are delivered in the order they completed.
+//!
+//! Between rounds the thread yields its core (`sched_yield`): on a busy host, the agents,
+//! the kernel's RoCE processing and the application waiting for the notification need it
+//! more than another poll does.
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::connection::ConnInner;
+use crate::fabric::MarkerSink;
+use crate::ids::ConnectionId;
+
+/// Whether the notification a connection was made hot for is still unpublished.
+pub type Waiting = Box<dyn Fn() -> bool + Send>;
+
+/// One connection to poll until `until` or until `waiting` says no.
+pub(crate) struct Hot {
+    pub inner: Weak<ConnInner>,
+    pub id: ConnectionId,
+    pub markers: Option<Arc<dyn MarkerSink>>,
+    pub until: Instant,
+    pub waiting: Waiting,
+}
+
+/// The poller of one fabric: started on first use, stopped when dropped.
+pub(crate) struct MarkerPoller {
+    budget: Duration,
+    tx: Mutex<Option<Sender<Hot>>>,
+}
+
+impl MarkerPoller {
+    /// `budget`: how long after an ask a connection is polled at most (`verbs.marker_spin`);
+    /// zero turns the poller off.
+    pub fn new(budget: Duration) -> MarkerPoller {
+        MarkerPoller { budget, tx: Mutex::new(None) }
+    }
+
+    /// Polls connection `hot` (its `until` is capped by the budget). Does nothing when the
+    /// budget is zero or the thread cannot be started (the receive task still sees the
+    /// markers).
+    pub fn expect(&self, mut hot: Hot) {
+        if self.budget.is_zero() {
+            return;
+        }
+        hot.until = hot.until.min(Instant::now() + self.budget);
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (s, r) = mpsc::channel();
+            let spawned = std::thread::Builder::new().name("xfer-markers".into()).spawn(move || run(r));
+            match spawned {
+                Ok(_) => *tx = Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot start the marker poller; markers are seen through the completion channel");
+                    return;
+                }
+            }
+        }
+        crate::metrics::marker_spin("asked");
+        if let Some(s) = tx.as_ref() {
+            if s.send(hot).is_err() {
+                // The thread is gone (it only ends when this sender is dropped): start another
+                // on the next ask.
+                *tx = None;
+            }
+        }
+    }
+}
+
+/// A connection being polled and why: every ask on it that is still live (several grants, or
+/// a channel's successive batches, may wait on one connection; it is polled once per round).
+struct Polled {
+    hot: Hot,
+    more: Vec<(Instant, Waiting)>,
+}
+
+impl Polled {
+    /// Drops the asks that are over (published or past their time); true while one is left.
+    fn any_waiting(&mut self, now: Instant) -> bool {
+        let live = |until: Instant, w: &Waiting| now < until && w();
+        self.more.retain(|(until, w)| live(*until, w));
+        if !live(self.hot.until, &self.hot.waiting) {
+            match self.more.pop() {
+                Some((until, waiting)) => {
+                    self.hot.until = until;
+                    self.hot.waiting = waiting;
+                }
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Adds `h` to `polled`, as one more reason to poll its connection if that is polled already.
+fn add(polled: &mut Vec<Polled>, h: Hot) {
+    match polled.iter_mut().find(|p| Weak::ptr_eq(&p.hot.inner, &h.inner)) {
+        Some(p) => p.more.push((h.until, h.waiting)),
+        None => polled.push(Polled { hot: h, more: Vec::new() }),
+    }
+}
+
+/// The thread: polls every hot connection, drops those done, blocks when none is left.
+fn run(rx: Receiver<Hot>) {
+    let mut polled: Vec<Polled> = Vec::new();
+    let mut buf = Vec::new();
+    loop {
+        if polled.is_empty() {
+            match rx.recv() {
+                Ok(h) => add(&mut polled, h),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(h) => add(&mut polled, h),
+                Err(TryRecvError::Empty) => break,
+                // The fabric is gone: finish what is hot, then stop at the blocking `recv`.
+                Err(TryRecvError::Disconnected) => break,
+            }
+        }
+        let now = Instant::now();
+        polled.retain_mut(|p| {
+            let Some(inner) = p.hot.inner.upgrade() else { return false };
+            if !inner.polls_markers() {
+                return false;
+            }
+            if let Err(e) = inner.drain_recv(&p.hot.id, p.hot.markers.as_ref(), &mut buf) {
+                tracing::warn!(error = %e, "polling a marker receive CQ failed; leaving it to its receive task");
+                return false;
+            }
+            // Checked after the drain: the marker that completed a batch was just delivered.
+            let published = !(p.hot.waiting)();
+            let keep = p.any_waiting(now);
+            if !keep {
+                crate::metrics::marker_spin(if published { "published" } else { "budget" });
+            }
+            keep
+        });
+        if !polled.is_empty() {
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,512 @@
+//! The notification ring: target-side notifications published by the agent into a
+//! shared-memory object that a local application maps and polls — no gRPC message, no socket,
+//! no wake-up of the agent per notification (`Agent.WatchInboundRing`).
+//!
+//! Safe code over [`RegionMemory`]'s atomic word accessors: the agent writes with
+//! [`RingWriter`], the client crate reads with [`RingReader`], and Python reads the same layout
+//! (`python/xfer/ring.py`). One writer per ring (the agent serializes its publications), any
+//! number of readers, none of which can disturb the writer or each other: a reader only loads.
+//!
+//! # Layout (version 1, little-endian, offsets in bytes)
+//! Header, [`HEADER`] bytes:
+//! * 0: magic `XFERRING`; 8: version (u32, 1); 12: slot size (u32, a multiple of 64);
+//!   16: slots (u32, a power of two); 20: flags (u32; bit 0: closed — the agent ended the
+//!   subscription and writes nothing more).
+//! * 64: head (u64): notifications published so far. Notification `n` (0-based) lives in slot
+//!   `n % slots`.
+//! * 128: wake (u32): bumped after every publication and on close; readers sleep on it
+//!   (`FUTEX_WAIT`). 132: waiters (u32): readers sleeping; the writer calls `FUTEX_WAKE` only
+//!   when there is one.
+//!
+//! Slot `i` at `HEADER + i * slot_size`:
+//! * 0: seq (u64): `n + 1` once notification `n` is complete in the slot; 0 while it is being
+//!   written (a seqlock: a reader copies the slot between two loads of seq and keeps the copy
+//!   only if both are `n + 1`).
+//! * 8: `at` (u64, ns since the Unix epoch: when the agent published it); 16: offset (u64);
+//!   24: length (u64); 32: op (u8: 1 WRITE, 2 READ); 33: via (u8: 1 fabric, 2 complete);
+//!   34: tag length (u16); 36: region name length (u16); 38: peer name length (u16).
+//! * 64: the tag, then the region's name, then the peer's name.
+//!
+//! A reader that falls more than `slots` behind has lost the oldest notifications: it is told
+//! how many ([`RingError::Lagged`]) and goes on from the oldest one still in the ring.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{fence, Ordering};
+use std::time::Duration;
+
+use crate::memory::{MemError, RegionMemory};
+
+pub const MAGIC: [u8; 8] = *b"XFERRING";
+pub const VERSION: u32 = 1;
+/// Header bytes before slot 0.
+pub const HEADER: u64 = 256;
+/// Bytes of a slot before its variable part.
+pub const SLOT_FIXED: u64 = 64;
+const OFF_VERSION: u64 = 8;
+const OFF_SLOT_SIZE: u64 = 12;
+const OFF_SLOTS: u64 = 16;
+const OFF_FLAGS: u64 = 20;
+const OFF_HEAD: u64 = 64;
+const OFF_WAKE: u64 = 128;
+const OFF_WAITERS: u64 = 132;
+const FLAG_CLOSED: u32 = 1;
+/// Fewest and most slots a ring may have.
+pub const MIN_SLOTS: u32 = 16;
+pub const MAX_SLOTS: u32 = 1 << 16;
+
+/// Why a ring cannot be used, or what a reader missed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    #[error("not a notification ring: {0}")]
+    Format(String),
+    #[error("the reader fell behind and lost {0} notifications")]
+    Lagged(u64),
+    #[error("the agent closed the ring")]
+    Closed,
+    #[error("ring memory: {0}")]
+    Memory(#[from] MemError),
+}
+
+/// Which operation a notification is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingOp {
+    Write = 1,
+    Read = 2,
+}
+
+/// How the agent knew the batch was complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingVia {
+    Fabric = 1,
+    Complete = 2,
+}
+
+/// One notification as the ring carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingNote {
+    /// Its number in the ring (0-based).
+    pub seq: u64,
+    pub at_unix_ns: u64,
+    pub offset: u64,
+    pub length: u64,
+    pub op: RingOp,
+    pub via: RingVia,
+    pub tag: Vec<u8>,
+    pub region: String,
+    pub peer: String,
+}
+
+/// The slot size that holds a tag of `max_tag` bytes, a region name of `max_region` and a peer
+/// name of `max_peer` (rounded up to 64 bytes).
+pub fn slot_size(max_tag: usize, max_region: usize, max_peer: usize) -> u32 {
+    let need = SLOT_FIXED as usize + max_tag + max_region + max_peer;
+    need.div_ceil(64).saturating_mul(64).min(u32::MAX as usize) as u32
+}
+
+/// Bytes a ring of `slots` slots of `slot_size` takes.
+pub fn ring_len(slots: u32, slot_size: u32) -> u64 {
+    HEADER + u64::from(slots) * u64::from(slot_size)
+}
+
+/// Checks a slot count: a power of two in `MIN_SLOTS..=MAX_SLOTS`.
+pub fn check_slots(slots: u32) -> Result<(), String> {
+    if !(MIN_SLOTS..=MAX_SLOTS).contains(&slots) || !slots.is_power_of_two() {
+        return Err(format!("a ring has a power of two of slots between {MIN_SLOTS} and {MAX_SLOTS}, not {slots}"));
+    }
+    Ok(())
+}
+
+/// The agent's end: publishes into a ring it created. Not `Sync` by design of its `&mut`
+/// publish: the owner serializes writers.
+pub struct RingWriter {
+    mem: RegionMemory,
+    slots: u32,
+    slot_size: u32,
+    head: u64,
+}
+
+impl RingWriter {
+    /// Lays out a fresh ring over `mem` (zeroed memory of at least [`ring_len`] bytes, which no
+    /// reader has mapped yet).
+    pub fn create(mem: RegionMemory, slots: u32, slot_size: u32) -> Result<RingWriter, RingError> {
+        check_slots(slots).map_err(RingError::Format)?;
+        if slot_size < SLOT_FIXED as u32 || slot_size % 64 != 0 {
+            return Err(RingError::Format(format!("slot size {slot_size}")));
+        }
+        if mem.len() < ring_len(slots, slot_size) {
+            return Err(RingError::Format(format!("{} bytes hold no ring of {slots} x {slot_size}", mem.len())));
+        }
+        mem.write_at(OFF_VERSION, &VERSION.to_le_bytes())?;
+        mem.write_at(OFF_SLOT_SIZE, &slot_size.to_le_bytes())?;
+        mem.write_at(OFF_SLOTS, &slots.to_le_bytes())?;
+        // The magic last: a reader that sees it sees a complete header.
+        fence(Ordering::Release);
+        mem.write_at(0, &MAGIC)?;
+        Ok(RingWriter { mem, slots, slot_size, head: 0 })
+    }
+
+    /// Largest tag + region + peer a slot holds.
+    pub fn capacity(&self) -> usize {
+        (self.slot_size as u64 - SLOT_FIXED) as usize
+    }
+
+    /// Notifications published so far.
+    pub fn published(&self) -> u64 {
+        self.head
+    }
+
+    /// Publishes `note` (its `seq` is ignored: the ring numbers it). Names and tag longer than
+    /// the slot holds are refused (the agent sizes slots for its largest tag and names).
+    pub fn publish(&mut self, note: &RingNote) -> Result<(), RingError> {
+        let var = note.tag.len() + note.region.len() + note.peer.len();
+        if var > self.capacity() || note.tag.len() > u16::MAX as usize || note.region.len() > u16::MAX as usize || note.peer.len() > u16::MAX as usize {
+            return Err(RingError::Format(format!("a notification of {var} bytes of tag and names; slots hold {}", self.capacity())));
+        }
+        let n = self.head;
+        let slot = HEADER + (n % u64::from(self.slots)) * u64::from(self.slot_size);
+        // Seqlock write: seq 0, then the body, then seq n+1 (release), then the head.
+        self.mem.store_u64(slot, 0, Ordering::Relaxed)?;
+        fence(Ordering::Release);
+        let mut body = Vec::with_capacity(SLOT_FIXED as usize - 8 + var);
+        body.extend_from_slice(&note.at_unix_ns.to_le_bytes());
+        body.extend_from_slice(&note.offset.to_le_bytes());
+        body.extend_from_slice(&note.length.to_le_bytes());
+        body.push(note.op as u8);
+        body.push(note.via as u8);
+        body.extend_from_slice(&(note.tag.len() as u16).to_le_bytes());
+        body.extend_from_slice(&(note.region.len() as u16).to_le_bytes());
+        body.extend_from_slice(&(note.peer.len() as u16).to_le_bytes());
+        body.resize(SLOT_FIXED as usize - 8, 0);
+        body.extend_from_slice(&note.tag);
+        body.extend_from_slice(note.region.as_bytes());
+        body.extend_from_slice(note.peer.as_bytes());
+        self.mem.write_at(slot + 8, &body)?;
+        self.mem.store_u64(slot, n + 1, Ordering::Release)?;
+        self.mem.store_u64(OFF_HEAD, n + 1, Ordering::SeqCst)?;
+        self.head = n + 1;
+        self.wake()
+    }
+
+    /// Marks the ring closed (nothing more will be published) and wakes its readers.
+    pub fn close(&mut self) -> Result<(), RingError> {
+        if self.mem.load_u32(OFF_FLAGS, Ordering::Relaxed)? & FLAG_CLOSED == 0 {
+            self.mem.fetch_add_u32(OFF_FLAGS, FLAG_CLOSED, Ordering::SeqCst)?;
+        }
+        self.wake()
+    }
+
+    fn wake(&self) -> Result<(), RingError> {
+        self.mem.fetch_add_u32(OFF_WAKE, 1, Ordering::SeqCst)?;
+        if self.mem.load_u32(OFF_WAITERS, Ordering::SeqCst)? != 0 {
+            self.mem.futex_wake(OFF_WAKE)?;
+        }
+        Ok(())
+    }
+}
+
+/// An application's end: reads a ring it mapped (writable only for the waiters count).
+pub struct RingReader {
+    mem: RegionMemory,
+    slots: u32,
+    slot_size: u32,
+    next: u64,
+}
+
+impl RingReader {
+    /// Checks the header of the ring mapped at `mem` and starts at its oldest notification
+    /// still held (a fresh ring: the first one).
+    pub fn open(mem: RegionMemory) -> Result<RingReader, RingError> {
+        if mem.len() < HEADER {
+            return Err(RingError::Format(format!("{} bytes", mem.len())));
+        }
+        let mut magic = [0u8; 8];
+        mem.read_at(0, &mut magic)?;
+        fence(Ordering::Acquire);
+        if magic != MAGIC {
+            return Err(RingError::Format("bad magic".into()));
+        }
+        let word = |off: u64| -> Result<u32, RingError> {
+            let mut b = [0u8; 4];
+            mem.read_at(off, &mut b)?;
+            Ok(u32::from_le_bytes(b))
+        };
+        let (version, slot_size, slots) = (word(OFF_VERSION)?, word(OFF_SLOT_SIZE)?, word(OFF_SLOTS)?);
+        if version != VERSION {
+            return Err(RingError::Format(format!("version {version}, this reader knows {VERSION}")));
+        }
+        check_slots(slots).map_err(RingError::Format)?;
+        if slot_size < SLOT_FIXED as u32 || slot_size % 64 != 0 || mem.len() < ring_len(slots, slot_size) {
+            return Err(RingError::Format(format!("{slots} slots of {slot_size} bytes in {} bytes", mem.len())));
+        }
+        let head = mem.load_u64(OFF_HEAD, Ordering::Acquire)?;
+        Ok(RingReader { mem, slots, slot_size, next: head.saturating_sub(u64::from(slots)) })
+    }
+
+    /// The number of the next notification this reader returns.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
+    /// True once the agent closed the ring.
+    pub fn closed(&self) -> Result<bool, RingError> {
+        Ok(self.mem.load_u32(OFF_FLAGS, Ordering::Acquire)? & FLAG_CLOSED != 0)
+    }
+
+    /// The next notification if one was published, without waiting. `Err(Lagged(k))` once
+    /// after `k` were overwritten before this reader got to them (the next call goes on from
+    /// the oldest one held); `Err(Closed)` once every notification was read and the agent
+    /// closed the ring.
+    pub fn try_next(&mut self) -> Result<Option<RingNote>, RingError> {
+        // Closed is read first: the writer closes after its last publication, so a head read
+        // after seeing the flag is final.
+        let closed = self.closed()?;
+        let head = self.mem.load_u64(OFF_HEAD, Ordering::Acquire)?;
+        if head == self.next {
+            return if closed { Err(RingError::Closed) } else { Ok(None) };
+        }
+        if head < self.next {
+            return Err(RingError::Format(format!("head {head} went back below {}", self.next)));
+        }
+        let slots = u64::from(self.slots);
+        if head - self.next > slots {
+            return Err(self.skip_to(head - slots));
+        }
+        let n = self.next;
+        let slot = HEADER + (n % slots) * u64::from(self.slot_size);
+        let s1 = self.mem.load_u64(slot, Ordering::Acquire)?;
+        if s1 != n + 1 {
+            // Overwritten (or being overwritten) by a later notification.
+            return Err(self.lag_from_head());
+        }
+        let mut body = vec![0u8; self.slot_size as usize - 8];
+        self.mem.read_at(slot + 8, &mut body)?;
+        fence(Ordering::Acquire);
+        if self.mem.load_u64(slot, Ordering::Relaxed)? != s1 {
+            return Err(self.lag_from_head());
+        }
+        let note = parse(n, &body)?;
+        self.next = n + 1;
+        Ok(Some(note))
+    }
+
+    /// Waits up to `timeout` for the next notification (the first `spin` of it polling, then
+    /// sleeping on the ring's futex). `Ok(None)` at the timeout.
+    pub fn next_timeout(&mut self, spin: Duration, timeout: Duration) -> Result<Option<RingNote>, RingError> {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(n) = self.try_next()? {
+                return Ok(Some(n));
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Ok(None);
+            }
+            if waited < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(timeout - waited)?;
+        }
+    }
+
+    /// Sleeps until the writer publishes or closes (or `at_most`), unless it already did.
+    fn sleep(&self, at_most: Duration) -> Result<(), RingError> {
+        let seen = self.mem.load_u32(OFF_WAKE, Ordering::SeqCst)?;
+        self.mem.fetch_add_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
+        let head = self.mem.load_u64(OFF_HEAD, Ordering::SeqCst);
+        let r = match head {
+            Ok(h) if h != self.next => Ok(()),
+            Ok(_) => self.mem.futex_wait(OFF_WAKE, seen, at_most).map_err(RingError::from),
+            Err(e) => Err(e.into()),
+        };
+        self.mem.fetch_sub_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
+        r
+    }
+
+    fn lag_from_head(&mut self) -> RingError {
+        let head = self.mem.load_u64(OFF_HEAD, Ordering::Acquire).unwrap_or(self.next + 1);
+        let oldest = head.saturating_sub(u64::from(self.slots)).max(self.next + 1);
+        self.skip_to(oldest)
+    }
+
+    fn skip_to(&mut self, oldest: u64) -> RingError {
+        let lost = oldest.saturating_sub(self.next);
+        self.next = oldest.max(self.next);
+        RingError::Lagged(lost)
+    }
+}
+
+/// A slot's body (after seq) as notification `n`.
+fn parse(n: u64, b: &[u8]) -> Result<RingNote, RingError> {
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    // Offsets below are of the slot minus its 8-byte seq.
+    let (tag_len, region_len, peer_len) = (u16_at(26), u16_at(28), u16_at(30));
+    let var = &b[SLOT_FIXED as usize - 8..];
+    if tag_len + region_len + peer_len > var.len() {
+        return Err(RingError::Format(format!("notification {n}: lengths past its slot")));
+    }
+    let op = match b[24] {
+        1 => RingOp::Write,
+        2 => RingOp::Read,
+        x => return Err(RingError::Format(format!("notification {n}: op {x}"))),
+    };
+    let via = match b[25] {
+        1 => RingVia::Fabric,
+        2 => RingVia::Complete,
+        x => return Err(RingError::Format(format!("notification {n}: via {x}"))),
+    };
+    let text = |s: &[u8]| String::from_utf8(s.to_vec()).map_err(|_| RingError::Format(format!("notification {n}: a name is not UTF-8")));
+    Ok(RingNote {
+        seq: n,
+        at_unix_ns: u64_at(0),
+        offset: u64_at(8),
+        length: u64_at(16),
+        op,
+        via,
+        tag: var[..tag_len].to_vec(),
+        region: text(&var[tag_len..tag_len + region_len])?,
+        peer: text(&var[tag_len + region_len..tag_len + region_len + peer_len])?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A writer and a reader over two mappings of one file, as the agent and an application.
+    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let len = ring_len(slots, slot_size);
+        f.write_all(&vec![0u8; len as usize]).unwrap();
+        let w = RingWriter::create(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap(), slots, slot_size).unwrap();
+        let r = RingReader::open(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap()).unwrap();
+        (w, r, f)
+    }
+
+    fn note(i: u64) -> RingNote {
+        RingNote {
+            seq: 0,
+            at_unix_ns: 1_700_000_000_000_000_000 + i,
+            offset: i * 4096,
+            length: 4096,
+            op: if i % 2 == 0 { RingOp::Write } else { RingOp::Read },
+            via: RingVia::Fabric,
+            tag: format!("req-{i}").into_bytes(),
+            region: "kv".into(),
+            peer: "node-a".into(),
+        }
+    }
+
+    #[test]
+    fn notifications_arrive_in_order_with_every_field() {
+        let (mut w, mut r, _f) = pair(16, slot_size(64, 128, 253));
+        assert_eq!(r.try_next(), Ok(None));
+        for i in 0..40 {
+            w.publish(&note(i)).unwrap();
+            let got = r.try_next().unwrap().unwrap();
+            assert_eq!(got, RingNote { seq: i, ..note(i) });
+        }
+        assert_eq!(r.try_next(), Ok(None));
+        assert_eq!(w.published(), 40);
+    }
+
+    /// A reader more than `slots` behind is told how many it lost, once, and goes on from the
+    /// oldest notification still held.
+    #[test]
+    fn a_reader_that_falls_behind_is_told_what_it_lost() {
+        let (mut w, mut r, _f) = pair(16, slot_size(64, 128, 253));
+        for i in 0..50 {
+            w.publish(&note(i)).unwrap();
+        }
+        assert_eq!(r.try_next(), Err(RingError::Lagged(34)));
+        for i in 34..50 {
+            assert_eq!(r.try_next().unwrap().unwrap().tag, note(i).tag);
+        }
+        assert_eq!(r.try_next(), Ok(None));
+        // A reader opened late starts at the oldest one held.
+        let (mut w, _r, f) = pair(16, slot_size(64, 128, 253));
+        for i in 0..20 {
+            w.publish(&note(i)).unwrap();
+        }
+        let len = ring_len(16, slot_size(64, 128, 253)) as usize;
+        let mut late = RingReader::open(RegionMemory::map_file(f.as_file(), len, true).unwrap()).unwrap();
+        assert_eq!(late.position(), 4);
+        assert_eq!(late.try_next().unwrap().unwrap().seq, 4);
+    }
+
+    #[test]
+    fn closing_ends_the_reader_after_what_was_published() {
+        let (mut w, mut r, _f) = pair(16, slot_size(8, 8, 8));
+        w.publish(&RingNote { tag: b"t".to_vec(), region: "r".into(), peer: "p".into(), ..note(0) }).unwrap();
+        w.close().unwrap();
+        assert_eq!(r.try_next().unwrap().unwrap().tag, b"t");
+        assert_eq!(r.try_next(), Err(RingError::Closed));
+        assert!(r.closed().unwrap());
+    }
+
+    /// What a slot cannot hold is refused and publishes nothing; a header that is not a ring
+    /// (wrong magic, version, geometry, a short file) is refused by the reader.
+    #[test]
+    fn bad_notifications_and_bad_rings_are_refused() {
+        let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
+        let big = RingNote { tag: vec![0; 200], ..note(0) };
+        assert!(matches!(w.publish(&big), Err(RingError::Format(_))));
+        assert_eq!(r.try_next(), Ok(None), "nothing was published");
+        let len = ring_len(16, slot_size(8, 8, 8)) as usize;
+        let mem = || RegionMemory::map_file(f.as_file(), len, true).unwrap();
+        let m = mem();
+        m.write_at(OFF_VERSION, &2u32.to_le_bytes()).unwrap();
+        assert!(matches!(RingReader::open(mem()), Err(RingError::Format(e)) if e.contains("version 2")));
+        m.write_at(OFF_VERSION, &1u32.to_le_bytes()).unwrap();
+        m.write_at(OFF_SLOTS, &1000u32.to_le_bytes()).unwrap();
+        assert!(RingReader::open(mem()).is_err(), "not a power of two");
+        m.write_at(OFF_SLOTS, &(1u32 << 20).to_le_bytes()).unwrap();
+        assert!(RingReader::open(mem()).is_err(), "past the file");
+        m.write_at(0, b"NOTARING").unwrap();
+        assert!(RingReader::open(mem()).is_err());
+        // A slot whose lengths point past it (a corrupt or hostile writer) is an error, not a
+        // panic.
+        let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
+        w.publish(&note(0)).unwrap();
+        RegionMemory::map_file(f.as_file(), len, true).unwrap().write_at(HEADER + 8 + 26, &u16::MAX.to_le_bytes()).unwrap();
+        assert!(matches!(r.try_next(), Err(RingError::Format(_))));
+    }
+
+    /// A reader sleeping on the futex is woken by a publication from another thread.
+    #[test]
+    fn a_sleeping_reader_is_woken_by_a_publication() {
+        let (mut w, mut r, _f) = pair(16, slot_size(64, 128, 253));
+        let reader = std::thread::spawn(move || r.next_timeout(Duration::ZERO, Duration::from_secs(60)));
+        // Published whether or not the reader sleeps yet: either it sees the head, or the wake.
+        w.publish(&note(7)).unwrap();
+        let got = reader.join().unwrap().unwrap().unwrap();
+        assert_eq!(got.tag, note(7).tag);
+    }
+
+    #[test]
+    fn concurrent_writer_and_reader_see_no_torn_notification() {
+        let (mut w, mut r, _f) = pair(64, slot_size(64, 128, 253));
+        let writer = std::thread::spawn(move || {
+            for i in 0..20_000 {
+                w.publish(&note(i)).unwrap();
+            }
+            w.close().unwrap();
+        });
+        let (mut seen, mut lost) = (0u64, 0u64);
+        loop {
+            match r.next_timeout(Duration::from_micros(50), Duration::from_secs(60)) {
+                Ok(Some(n)) => {
+                    assert_eq!(n, RingNote { seq: n.seq, ..note(n.seq) }, "a torn slot");
+                    seen += 1;
+                }
+                Err(RingError::Lagged(k)) => lost += k,
+                Err(RingError::Closed) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        writer.join().unwrap();
+        assert_eq!(seen + lost, 20_000);
+    }
+}
