@@ -49,6 +49,7 @@ pub const BATCH_SEGMENTS: &str = "xfer_batch_segments_total";
 pub const NOTIFICATIONS: &str = "xfer_notifications_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
+pub const INBOUND_RINGS: &str = "xfer_inbound_rings";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 pub const CHANNELS_OPEN: &str = "xfer_channels_open";
 pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
@@ -194,6 +195,7 @@ pub fn describe() {
         Unit::Count,
         "Notification markers that arrived on this agent, by result (counted; refused: wrong connection or revoked grant; unknown_slot; no_notification: the grant asked for none; no_immediate; no_sink)."
     );
+    describe_gauge!(INBOUND_RINGS, Unit::Count, "WatchInboundRing subscriptions alive (shared-memory notification rings this agent writes).");
     describe_counter!(
         MARKER_SPINS,
         Unit::Count,
@@ -235,6 +237,11 @@ pub fn notification_published(via: &'static str, delay: Option<Duration>) {
 /// A notification marker arrived (`result` is a closed set).
 pub fn notify_marker(result: &'static str) {
     counter!(NOTIFY_MARKERS, "result" => result).increment(1);
+}
+
+/// A notification ring was opened (+1) or closed (-1).
+pub fn inbound_rings(delta: i64) {
+    gauge!(INBOUND_RINGS).increment(delta as f64);
 }
 
 /// The marker poller took a connection or let it go (`event` is a closed set).

@@ -269,8 +269,79 @@ pub struct Hub {
     /// By region id; a channel is dropped once nobody listens to it.
     regions: Mutex<HashMap<String, broadcast::Sender<Arc<Notification>>>>,
     capacity: usize,
-    /// `WatchInbound` subscriptions alive ([`Subscription`]s).
+    /// `WatchInbound` subscriptions alive ([`Subscription`]s and rings).
     subscribers: Arc<AtomicUsize>,
+    /// `WatchInboundRing` subscribers: written in [`Hub::send`] itself, on the publishing
+    /// thread (no task hop between the last marker and the application's memory).
+    rings: Mutex<Vec<Arc<RingSub>>>,
+}
+
+/// One `WatchInboundRing` subscription: its filter and its ring (one writer at a time).
+pub struct RingSub {
+    region_id: Option<String>,
+    tag: Option<Vec<u8>>,
+    writer: Mutex<xfer_rdma::ring::RingWriter>,
+}
+
+impl RingSub {
+    pub fn new(region_id: Option<String>, tag: Option<Vec<u8>>, writer: xfer_rdma::ring::RingWriter) -> RingSub {
+        RingSub { region_id, tag, writer: Mutex::new(writer) }
+    }
+
+    fn wants(&self, n: &Notification) -> bool {
+        self.region_id.as_ref().is_none_or(|r| *r == n.region_id) && self.tag.as_ref().is_none_or(|t| *t == n.tag)
+    }
+
+    fn write(&self, n: &Notification) {
+        use xfer_rdma::ring::{RingNote, RingOp, RingVia};
+        let note = RingNote {
+            seq: 0,
+            at_unix_ns: n.at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos().min(u64::MAX as u128) as u64),
+            offset: n.offset,
+            length: n.length,
+            op: match n.op {
+                RemoteOp::Write => RingOp::Write,
+                RemoteOp::Read => RingOp::Read,
+            },
+            via: match n.via {
+                Via::Fabric => RingVia::Fabric,
+                Via::Complete => RingVia::Complete,
+            },
+            tag: n.tag.clone(),
+            region: n.region.clone(),
+            peer: n.peer.clone(),
+        };
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = w.publish(&note) {
+            // Slots are sized for the largest tag and names this agent accepts: not reached.
+            tracing::warn!(error = %e, "a notification was not written to a WatchInboundRing subscriber's ring");
+        }
+    }
+
+    /// Tells the reader nothing more comes.
+    pub fn close(&self) {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = w.close() {
+            tracing::warn!(error = %e, "closing a notification ring");
+        }
+    }
+}
+
+/// A ring subscription's place in the [`Hub`]: dropping it stops the writes and gives the
+/// subscriber slot back.
+pub struct RingSlot {
+    hub: std::sync::Weak<Hub>,
+    sub: Arc<RingSub>,
+    _slot: SubscriberSlot,
+}
+
+impl Drop for RingSlot {
+    fn drop(&mut self) {
+        if let Some(hub) = self.hub.upgrade() {
+            hub.rings.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| !Arc::ptr_eq(r, &self.sub));
+        }
+        self.sub.close();
+    }
 }
 
 /// A counted subscription: its place is given back when it is dropped.
@@ -302,7 +373,18 @@ impl Hub {
     pub fn new(capacity: usize) -> Hub {
         let capacity = capacity.max(1);
         let (all, _) = broadcast::channel(capacity);
-        Hub { all, regions: Mutex::new(HashMap::new()), capacity, subscribers: Arc::new(AtomicUsize::new(0)) }
+        Hub { all, regions: Mutex::new(HashMap::new()), capacity, subscribers: Arc::new(AtomicUsize::new(0)), rings: Mutex::new(Vec::new()) }
+    }
+
+    /// Adds a ring subscriber unless `max` subscriptions (streams and rings) are alive already.
+    pub fn add_ring(self: &Arc<Self>, sub: Arc<RingSub>, max: usize) -> Option<RingSlot> {
+        let taken = self.subscribers.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1));
+        if taken.is_err() {
+            return None;
+        }
+        let slot = SubscriberSlot(Arc::clone(&self.subscribers));
+        self.rings.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&sub));
+        Some(RingSlot { hub: Arc::downgrade(self), sub, _slot: slot })
     }
 
     /// A counted subscription to one region's notifications (`Some(region id)`) or to all, unless
@@ -354,6 +436,10 @@ impl Hub {
         };
         // No subscriber is not an error: nobody was waiting.
         let n = Arc::new(n);
+        // Rings first: their readers are the ones that poll.
+        for r in self.rings.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|r| r.wants(&n)) {
+            r.write(&n);
+        }
         {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(tx) = regions.get(&n.region_id) {

@@ -405,9 +405,20 @@ impl Drop for Reservation {
     }
 }
 
+/// Longest region name.
+pub const MAX_NAME_LEN: usize = 128;
+
+/// An shm object name: one path component under the shm directory, never `.`-leading.
+fn validate_object_name(object: &str) -> Result<(), RegionError> {
+    if object.is_empty() || object.contains('/') || object.starts_with('.') || object.len() > 255 || object.contains('\0') {
+        return Err(RegionError::Invalid(format!("invalid shm object name {object:?}")));
+    }
+    Ok(())
+}
+
 pub fn validate_name(name: &str) -> Result<(), RegionError> {
     let ok = !name.is_empty()
-        && name.len() <= 128
+        && name.len() <= MAX_NAME_LEN
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         && !name.starts_with('.');
     if ok {
@@ -610,9 +621,7 @@ impl RegionRegistry {
             }
             RegionKind::Shm => {
                 let object = spec.path.clone().filter(|p| !p.is_empty()).unwrap_or_else(|| format!("xfer-{}", spec.name));
-                if object.contains('/') || object.starts_with('.') || object.len() > 255 || object.contains('\0') {
-                    return Err(RegionError::Invalid(format!("invalid shm object name {object:?}")));
-                }
+                validate_object_name(&object)?;
                 let may_create = match restored {
                     // Re-created only if the agent created it in the first place.
                     Some(e) => e.created_object,
@@ -795,6 +804,24 @@ impl RegionRegistry {
             return Err(RegionError::FileTooShort { path: object.to_string(), actual: meta.len(), needed: length });
         }
         Ok(file)
+    }
+
+    /// A fresh shm object of `length` bytes for the agent's own use (a notification ring):
+    /// created like a region's (`O_EXCL | O_NOFOLLOW`, `regions.shm_mode`, `regions.shm_group`),
+    /// never an existing one. The caller removes it with [`RegionRegistry::remove_private_shm`].
+    pub fn create_private_shm(&self, object: &str, length: u64) -> Result<File, RegionError> {
+        validate_object_name(object)?;
+        self.open_shm(object, length, false, true).map(|(f, _)| f)
+    }
+
+    /// Removes an object [`RegionRegistry::create_private_shm`] made.
+    pub fn remove_private_shm(&self, object: &str) {
+        self.unlink_shm(object);
+    }
+
+    /// Where the shm object `object` lives.
+    pub fn shm_path(&self, object: &str) -> PathBuf {
+        self.policy.shm_dir.join(object)
     }
 
     fn unlink_shm(&self, object: &str) {

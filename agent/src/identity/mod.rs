@@ -190,9 +190,12 @@ impl RolePolicy {
     }
 }
 
+/// Longest NAME (a DNS name's limit).
+pub const MAX_NAME_LEN: usize = 253;
+
 /// NAME: what goes into grants, logs and metric labels. DNS-name characters, 1-253 bytes.
 fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 253 && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+    !name.is_empty() && name.len() <= MAX_NAME_LEN && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
 }
 
 /// A trust domain: lower-case letters, digits, `-`, `.` and `_` (the SPIFFE ID rules).

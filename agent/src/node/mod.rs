@@ -48,7 +48,7 @@ mod responder;
 pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 use initiator::Held;
-pub use responder::{GrantParams, NotifyAsk};
+pub use responder::{GrantParams, InboundRing, NotifyAsk};
 use responder::AcceptedConn;
 
 pub struct Node {

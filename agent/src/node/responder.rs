@@ -49,6 +49,32 @@ pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 /// Most `WatchInbound` subscribers at once (each publication wakes every one).
 const MAX_SUBSCRIBERS: usize = 256;
 
+/// Slots of a notification ring unless the caller asks otherwise.
+const DEFAULT_RING_SLOTS: u32 = 1024;
+
+/// A live `WatchInboundRing` subscription. Dropping it stops the writes, marks the ring closed
+/// (a sleeping reader wakes), removes the object and gives its bytes back.
+pub struct InboundRing {
+    pub object: String,
+    pub length: u64,
+    pub slots: u32,
+    pub slot_size: u32,
+    slot: Option<crate::notify::RingSlot>,
+    /// The object's path, removed on drop.
+    path: std::path::PathBuf,
+    _reservation: crate::regions::Reservation,
+}
+
+impl Drop for InboundRing {
+    fn drop(&mut self) {
+        drop(self.slot.take());
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            tracing::warn!(object = %self.object, error = %e, "could not remove a notification ring's shm object");
+        }
+        crate::metrics::inbound_rings(-1);
+    }
+}
+
 /// Responder halves one peer identity may hold; connecting more evicts one of them.
 const MAX_CONNECTIONS_PER_PEER: usize = 256;
 
@@ -324,6 +350,64 @@ impl Node {
         self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
             TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
         })
+    }
+
+    /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the
+    /// notifications `WatchInbound(region, tag)` would stream, written by whichever thread
+    /// publishes them. The object is private like an shm region's (`regions.shm_mode`,
+    /// `regions.shm_group`), named at random, counted against `max_registered_bytes`, and removed
+    /// when the returned handle is dropped (the caller's stream closed).
+    pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
+        let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
+        xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
+        let max = self.config.transfer.max_notify_bytes;
+        if tag.is_some_and(|t| t.len() > max) {
+            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
+        }
+        let id = match region {
+            "" => None,
+            r => Some(self.regions.get(r)?.id.clone()),
+        };
+        // Slots hold the largest tag, region name and peer identity this agent produces.
+        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
+        let length = xfer_rdma::ring::ring_len(slots, slot_size);
+        let reservation = self.regions.reserve(length, "a notification ring")?;
+        let len = usize::try_from(length).map_err(|_| TransferError::Invalid("ring too large for this machine".into()))?;
+        let (object, file) = self.create_ring_object(length)?;
+        let remove = |e: String| {
+            self.regions.remove_private_shm(&object);
+            TransferError::Internal(e)
+        };
+        let mem = match xfer_rdma::memory::RegionMemory::map_file(&file, len, true) {
+            Ok(m) => m,
+            Err(e) => return Err(remove(format!("mapping notification ring {object}: {e}"))),
+        };
+        let writer = match xfer_rdma::ring::RingWriter::create(mem, slots, slot_size) {
+            Ok(w) => w,
+            Err(e) => return Err(remove(format!("laying out notification ring {object}: {e}"))),
+        };
+        let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
+        let Some(slot) = self.grants.hub().add_ring(sub, MAX_SUBSCRIBERS) else {
+            self.regions.remove_private_shm(&object);
+            return Err(TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already")));
+        };
+        crate::metrics::inbound_rings(1);
+        let path = self.regions.shm_path(&object);
+        Ok(InboundRing { object, length, slots, slot_size, slot: Some(slot), path, _reservation: reservation })
+    }
+
+    /// A new, randomly named shm object for a ring (a name taken by someone else is skipped).
+    fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), TransferError> {
+        let mut last = None;
+        for _ in 0..4 {
+            let object = format!("xfer-ring-{:016x}", rand::random::<u64>());
+            match self.regions.create_private_shm(&object, length) {
+                Ok(f) => return Ok((object, f)),
+                Err(e @ crate::regions::RegionError::ShmExists { .. }) => last = Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last.map_or_else(|| TransferError::Internal("no ring object".into()), TransferError::from))
     }
 
     /// A notification tag this agent sends or accepts: at most `transfer.max_notify_bytes`.

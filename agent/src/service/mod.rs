@@ -445,6 +445,29 @@ impl Agent for Services {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    type WatchInboundRingStream = Stream2<pb::InboundRing>;
+
+    async fn watch_inbound_ring(&self, req: Request<pb::WatchInboundRingRequest>) -> Result<Response<Self::WatchInboundRingStream>, Status> {
+        let r = req.into_inner();
+        let ring = self.node.watch_inbound_ring(&r.region, r.tag.as_deref(), r.slots).map_err(transfer_status)?;
+        let first = inbound_ring_to_pb(&ring);
+        info!(object = %ring.object, slots = ring.slots, "notification ring opened");
+        // One message, then the stream stays open holding the ring: when the caller closes it
+        // (or goes away), tonic drops the stream and with it the ring and its object.
+        let stream = futures::stream::unfold(Some((ring, Some(first))), |st| async move {
+            let (ring, first) = st?;
+            match first {
+                Some(m) => Some((Ok(m), Some((ring, None)))),
+                None => {
+                    let _held = ring;
+                    futures::future::pending::<()>().await;
+                    None
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
     async fn get_transfer(&self, req: Request<pb::GetTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
         let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&h.snapshot())))

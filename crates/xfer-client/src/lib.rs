@@ -66,6 +66,7 @@ mod channel;
 mod convert;
 mod error;
 mod model;
+mod ring;
 mod shm;
 pub mod testing;
 
@@ -80,6 +81,7 @@ pub use channel::{BatchDone, Channel, ChannelSpec, Prepared};
 pub(crate) use convert::duration_to_pb;
 pub use error::{Error, Result};
 pub use model::*;
+pub use ring::InboundRing;
 pub use shm::ShmRegion;
 /// The generated protobuf types, for what this crate does not wrap.
 pub use xfer_proto::v1 as proto;
@@ -459,6 +461,15 @@ impl Client {
     pub async fn watch_inbound(&self, region: Option<&str>, tag: Option<&[u8]>) -> Result<Inbound> {
         let req = pb::WatchInboundRequest { region: region.unwrap_or_default().into(), tag: tag.map(<[u8]>::to_vec) };
         Ok(Inbound { stream: self.agent.clone().watch_inbound(req).await?.into_inner() })
+    }
+
+    /// The same notifications as [`Client::watch_inbound`], through a shared-memory ring the
+    /// agent writes and this process maps (the caller must run on the agent's host and be
+    /// allowed to open its shm objects: same uid, or `regions.shm_group`). `slots`: a power of
+    /// two from 16 to 65,536; 0 = 1,024. Subscribed when this returns.
+    pub async fn watch_inbound_ring(&self, region: Option<&str>, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing> {
+        let req = pb::WatchInboundRingRequest { region: region.unwrap_or_default().into(), tag: tag.map(<[u8]>::to_vec), slots };
+        InboundRing::open(self.agent.clone().watch_inbound_ring(req).await?.into_inner()).await
     }
 
     // ------------------------------------------------------------------ channels

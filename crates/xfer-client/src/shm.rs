@@ -31,29 +31,7 @@ impl ShmRegion {
         if region.kind != RegionKind::Shm {
             return Err(Error::InvalidArgument(format!("region {:?} is not a shared-memory region", region.name)));
         }
-        // An object name, never a path: the agent's own rule, checked again here.
-        if region.path.is_empty() || region.path.contains('/') || region.path.starts_with('.') {
-            return Err(Error::Protocol(format!("shared-memory object name {:?}", region.path)));
-        }
-        let path = PathBuf::from(SHM_DIR).join(&region.path);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        let len = usize::try_from(region.length).map_err(|_| Error::InvalidArgument("region too large for this process".into()))?;
-        let meta = file.metadata().map_err(|e| Error::io(path.display(), e))?;
-        // A FIFO or socket planted under the object's name is not the agent's memory, whatever
-        // length the region claims (0 included).
-        if !meta.file_type().is_file() {
-            return Err(Error::FailedPrecondition(format!("{} is not a regular file", path.display())));
-        }
-        let on_disk = meta.len();
-        if on_disk < region.length {
-            return Err(Error::FailedPrecondition(format!("{} is {on_disk} bytes, the region {}", path.display(), region.length)));
-        }
-        let mem = RegionMemory::map_file(&file, len, true).map_err(|e| Error::io(format!("mapping {}", path.display()), e))?;
+        let mem = map_object(&region.path, region.length)?;
         Ok(ShmRegion { region, mem })
     }
 
@@ -90,6 +68,34 @@ impl ShmRegion {
         self.read_at(offset, &mut v)?;
         Ok(v)
     }
+}
+
+/// Maps the agent's shm object `object` (a name under /dev/shm, never a path), which must be a
+/// regular file of at least `length` bytes, read-write.
+pub(crate) fn map_object(object: &str, length: u64) -> Result<RegionMemory> {
+    // An object name, never a path: the agent's own rule, checked again here.
+    if object.is_empty() || object.contains('/') || object.starts_with('.') {
+        return Err(Error::Protocol(format!("shared-memory object name {object:?}")));
+    }
+    let path = PathBuf::from(SHM_DIR).join(object);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let len = usize::try_from(length).map_err(|_| Error::InvalidArgument("region too large for this process".into()))?;
+    let meta = file.metadata().map_err(|e| Error::io(path.display(), e))?;
+    // A FIFO or socket planted under the object's name is not the agent's memory, whatever
+    // length the region claims (0 included).
+    if !meta.file_type().is_file() {
+        return Err(Error::FailedPrecondition(format!("{} is not a regular file", path.display())));
+    }
+    let on_disk = meta.len();
+    if on_disk < length {
+        return Err(Error::FailedPrecondition(format!("{} is {on_disk} bytes, the region {length}", path.display())));
+    }
+    RegionMemory::map_file(&file, len, true).map_err(|e| Error::io(format!("mapping {}", path.display()), e))
 }
 
 fn mem_error(r: &Region, e: xfer_rdma::memory::MemError) -> Error {

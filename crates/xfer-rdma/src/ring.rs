@@ -206,7 +206,7 @@ impl RingWriter {
 
 /// An application's end: reads a ring it mapped (writable only for the waiters count).
 pub struct RingReader {
-    mem: RegionMemory,
+    mem: std::sync::Arc<RegionMemory>,
     slots: u32,
     slot_size: u32,
     next: u64,
@@ -239,7 +239,7 @@ impl RingReader {
             return Err(RingError::Format(format!("{slots} slots of {slot_size} bytes in {} bytes", mem.len())));
         }
         let head = mem.load_u64(OFF_HEAD, Ordering::Acquire)?;
-        Ok(RingReader { mem, slots, slot_size, next: head.saturating_sub(u64::from(slots)) })
+        Ok(RingReader { mem: std::sync::Arc::new(mem), slots, slot_size, next: head.saturating_sub(u64::from(slots)) })
     }
 
     /// The number of the next notification this reader returns.
@@ -305,22 +305,14 @@ impl RingReader {
                 std::hint::spin_loop();
                 continue;
             }
-            self.sleep(timeout - waited)?;
+            self.waiter().wait(timeout - waited)?;
         }
     }
 
-    /// Sleeps until the writer publishes or closes (or `at_most`), unless it already did.
-    fn sleep(&self, at_most: Duration) -> Result<(), RingError> {
-        let seen = self.mem.load_u32(OFF_WAKE, Ordering::SeqCst)?;
-        self.mem.fetch_add_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
-        let head = self.mem.load_u64(OFF_HEAD, Ordering::SeqCst);
-        let r = match head {
-            Ok(h) if h != self.next => Ok(()),
-            Ok(_) => self.mem.futex_wait(OFF_WAKE, seen, at_most).map_err(RingError::from),
-            Err(e) => Err(e.into()),
-        };
-        self.mem.fetch_sub_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
-        r
+    /// A handle that sleeps until this reader has something to read (for waiting on another
+    /// thread while the reader stays where it is).
+    pub fn waiter(&self) -> RingWaiter {
+        RingWaiter { mem: std::sync::Arc::clone(&self.mem), next: self.next }
     }
 
     fn lag_from_head(&mut self) -> RingError {
@@ -333,6 +325,34 @@ impl RingReader {
         let lost = oldest.saturating_sub(self.next);
         self.next = oldest.max(self.next);
         RingError::Lagged(lost)
+    }
+}
+
+/// Sleeps on a ring until notification `next` is published or the ring closes.
+pub struct RingWaiter {
+    mem: std::sync::Arc<RegionMemory>,
+    next: u64,
+}
+
+impl RingWaiter {
+    /// Returns once the writer published past `next` or closed the ring, after `at_most`, or
+    /// spuriously (a signal); the caller reads the ring again in every case.
+    pub fn wait(&self, at_most: Duration) -> Result<(), RingError> {
+        let seen = self.mem.load_u32(OFF_WAKE, Ordering::SeqCst)?;
+        self.mem.fetch_add_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
+        // Read after announcing the waiter: a publication either is seen here or sees the
+        // waiter and wakes the futex (whose word then differs from `seen`).
+        let ready = self
+            .mem
+            .load_u64(OFF_HEAD, Ordering::SeqCst)
+            .and_then(|h| Ok(h != self.next || self.mem.load_u32(OFF_FLAGS, Ordering::SeqCst)? & FLAG_CLOSED != 0));
+        let r = match ready {
+            Ok(true) => Ok(()),
+            Ok(false) => self.mem.futex_wait(OFF_WAKE, seen, at_most).map_err(RingError::from),
+            Err(e) => Err(e.into()),
+        };
+        self.mem.fetch_sub_u32(OFF_WAITERS, 1, Ordering::SeqCst)?;
+        r
     }
 }
 

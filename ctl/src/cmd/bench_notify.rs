@@ -6,19 +6,21 @@
 //! xferctl runs on the target's node. It creates a shared-memory pool on the peer (`--peer`) and
 //! maps it, so it sees the bytes as they land, and a source region on `--agent` filled once
 //! with one set of blocks per round, every block ending in its round's number. Each round: a
-//! thread scans the last 8 bytes of every block of the mapped pool until all carry the round's
-//! number (the moment the last byte is visible, to within one scan), while the main task
+//! thread (the application) scans the last 8 bytes of every block of the mapped pool until all
+//! carry the round's number (the moment the last byte is visible, to within one scan) and, in
+//! the same loop, polls a notification ring (`WatchInboundRing`); meanwhile the main task
 //! submits the round's batch with a notification and receives it from the peer's
-//! `WatchInbound` stream. The delay is the notification's arrival minus the moment the last
-//! block was seen. A notification that arrives before every block is visible is a failure (the
-//! stale-data case the conformance suite also checks), not a sample.
+//! `WatchInbound` stream. Both ways of receiving it are measured in the same round: the delay
+//! is the notification's arrival minus the moment the last block was seen. A notification that
+//! arrives before every block is visible is a failure (the stale-data case the conformance
+//! suite also checks), not a sample.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use serde_json::json;
-use xfer_client::{Client, Segment, ShmRegion, TransferSpec};
+use xfer_client::{Client, InboundRing, Segment, ShmRegion, TransferSpec};
 
 use crate::Ctx;
 
@@ -39,6 +41,8 @@ pub struct NotifyRun {
     pub scans_us: Vec<f64>,
     /// How the peer learnt of each batch (`fabric` or `complete`), as counts.
     pub via_fabric: usize,
+    /// Per round: the ring's notification arrival minus last byte seen (microseconds).
+    pub ring_delays_us: Vec<f64>,
 }
 
 /// The last 8 bytes of every block hold the round number (1-based), little-endian.
@@ -52,30 +56,55 @@ fn stamped(pool: &ShmRegion, block: u64, j: u64, stamp: [u8; 8]) -> bool {
     pool.read_at(j * block + block - 8, &mut tail).is_ok() && tail == stamp
 }
 
-/// Scans `blocks` blocks of `block` bytes until each ends with `stamp`, or `stop`. Returns when
-/// the last one was first seen, and the mean time between scans (the resolution).
-fn watch_blocks(pool: &ShmRegion, block: u64, blocks: usize, stamp: [u8; 8], stop: &AtomicBool) -> (Option<Instant>, Duration) {
+/// What the application thread saw in one round.
+struct Seen {
+    /// When the last block was first seen stamped.
+    last_block: Option<Instant>,
+    /// When the round's notification came out of the ring, and how many blocks were not yet
+    /// visible then.
+    ring: Option<(Instant, usize)>,
+    /// The mean time between two passes of the loop (the resolution).
+    scan: Duration,
+}
+
+/// The application: scans `blocks` blocks of `block` bytes until each ends with `stamp` and
+/// polls `ring` for the notification tagged `tag`, in one loop, until both happened or `stop`.
+fn watch_round(pool: &ShmRegion, ring: &mut InboundRing, block: u64, blocks: usize, stamp: [u8; 8], tag: &[u8], stop: &AtomicBool) -> anyhow::Result<Seen> {
     let mut seen = vec![false; blocks];
     let mut left = blocks;
     let (start, mut scans) = (Instant::now(), 0u32);
-    while left > 0 && !stop.load(Ordering::Acquire) {
+    let (mut last_block, mut from_ring) = (None, None);
+    while (left > 0 || from_ring.is_none()) && !stop.load(Ordering::Acquire) {
         scans += 1;
-        for (i, s) in seen.iter_mut().enumerate().filter(|(_, s)| !**s) {
-            if stamped(pool, block, i as u64, stamp) {
-                *s = true;
-                left -= 1;
+        while from_ring.is_none() {
+            match ring.try_next().context("reading the notification ring")? {
+                Some(n) if n.tag == tag => {
+                    let at = Instant::now();
+                    // Told: every block must be visible now.
+                    let stale = (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp)).count();
+                    from_ring = Some((at, stale));
+                }
+                Some(_) => continue,
+                None => break,
             }
         }
-        if left == 0 {
-            let now = Instant::now();
-            return (Some(now), (now - start) / scans);
+        if left > 0 {
+            for (i, s) in seen.iter_mut().enumerate().filter(|(_, s)| !**s) {
+                if stamped(pool, block, i as u64, stamp) {
+                    *s = true;
+                    left -= 1;
+                }
+            }
+            if left == 0 {
+                last_block = Some(Instant::now());
+            }
         }
-        // Give the core away between scans: on a small machine the agents and this process's
-        // own runtime (which receives the notification) need it, and a pure spin would delay
-        // what it measures.
+        // Give the core away between passes: on a small machine the agents and this process's
+        // own runtime (which receives the stream's notification) need it, and a pure spin would
+        // delay what it measures.
         std::thread::yield_now();
     }
-    (if left == 0 { Some(Instant::now()) } else { None }, start.elapsed() / scans.max(1))
+    Ok(Seen { last_block, ring: from_ring, scan: start.elapsed() / scans.max(1) })
 }
 
 /// Runs `rounds` batches of `blocks` × `block` from `--agent` into a pool on `peer`.
@@ -126,18 +155,36 @@ async fn rounds_over(
     rounds: usize,
 ) -> anyhow::Result<NotifyRun> {
     let mut inbound = peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?;
-    let mut run = NotifyRun { rounds, delays_us: Vec::new(), batches_us: Vec::new(), published_us: Vec::new(), delivered_us: Vec::new(), scans_us: Vec::new(), via_fabric: 0 };
+    let mut ring = Some(
+        peer.watch_inbound_ring(Some(pool.name()), None, 0)
+            .await
+            .context("subscribing to the peer's notifications through a ring (xferctl must run on the peer's node, as the agent's user)")?,
+    );
+    let mut run = NotifyRun {
+        rounds,
+        delays_us: Vec::new(),
+        batches_us: Vec::new(),
+        published_us: Vec::new(),
+        delivered_us: Vec::new(),
+        scans_us: Vec::new(),
+        via_fabric: 0,
+        ring_delays_us: Vec::new(),
+    };
     // Instants to wall-clock time, to compare with the peer's publication time (`at`).
     let (anchor, anchor_wall) = (Instant::now(), SystemTime::now());
     let wall_us = |i: Instant| micros(anchor_wall) + i.saturating_duration_since(anchor).as_secs_f64() * 1e6;
     for r in 0..rounds {
         let stop = Arc::new(AtomicBool::new(false));
+        let note_tag = format!("notify-{r}");
         let watcher = {
-            let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
-            std::thread::spawn(move || watch_blocks(&pool, block, blocks, stamp_of(r), &stop))
+            let (pool, stop, tag) = (Arc::clone(pool), Arc::clone(&stop), note_tag.clone().into_bytes());
+            let mut ring = ring.take().context("the ring came back from no round")?;
+            std::thread::spawn(move || {
+                let seen = watch_round(&pool, &mut ring, block, blocks, stamp_of(r), &tag, &stop);
+                (ring, seen)
+            })
         };
         let segs: Vec<Segment> = (0..blocks as u64).map(|j| Segment { local: (r as u64 * blocks as u64 + j) * block, remote: j * block, len: block }).collect();
-        let note_tag = format!("notify-{r}");
         let t0 = Instant::now();
         let submitted = initiator.submit(TransferSpec::write(src, peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
         let t = match submitted {
@@ -157,15 +204,33 @@ async fn rounds_over(
         let arrived = Instant::now();
         // Told: every block must be visible now (read at once, as an application would).
         let stale = (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp_of(r))).count();
-        stop.store(true, Ordering::Release);
-        let (seen, scan) = watcher.join().map_err(|_| anyhow::anyhow!("the block watcher panicked"))?;
+        // The application thread ends once it saw the last block and the ring's notification
+        // (written before the stream's message was sent); a ring that never delivers is
+        // given up after 10 s (and reported below).
+        let give_up = {
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                stop.store(true, Ordering::Release);
+            })
+        };
+        let joined = tokio::task::spawn_blocking(move || watcher.join()).await;
+        give_up.abort();
+        let (back, seen) = joined.context("joining the application thread")?.map_err(|_| anyhow::anyhow!("the application thread panicked"))?;
+        ring = Some(back);
+        let seen = seen.with_context(|| format!("round {r}"))?;
         initiator.wait(&t.id).await.with_context(|| format!("round {r}'s transfer"))?;
         if stale > 0 {
             anyhow::bail!("round {r}: notified while {stale} of {blocks} blocks were not yet visible in the pool (stale data)");
         }
-        // The watcher may finish its last scan after the arrival: then the delay is below one
-        // scan (the resolution), counted as 0.
-        let seen = seen.unwrap_or(arrived);
+        let Some((ring_at, ring_stale)) = seen.ring else { anyhow::bail!("round {r}: the ring's notification did not come") };
+        if ring_stale > 0 {
+            anyhow::bail!("round {r}: the ring notified while {ring_stale} of {blocks} blocks were not yet visible in the pool (stale data)");
+        }
+        // The application may see the last block a pass after the notification: then the delay
+        // is below one pass (the resolution), counted as 0.
+        let (seen, scan) = (seen.last_block.unwrap_or(arrived), seen.scan);
+        run.ring_delays_us.push(ring_at.saturating_duration_since(seen).as_secs_f64() * 1e6);
         run.delays_us.push(arrived.saturating_duration_since(seen).as_secs_f64() * 1e6);
         if let Some(at) = note.at {
             run.published_us.push(micros(at) - wall_us(seen));
@@ -194,6 +259,7 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
     let (d50, d99, dmax) = (pct(&run.delays_us, 0.5), pct(&run.delays_us, 0.99), pct(&run.delays_us, 1.0));
     let (batch50, scan50) = (pct(&run.batches_us, 0.5), pct(&run.scans_us, 0.5));
     let (published50, delivered50) = (pct(&run.published_us, 0.5), pct(&run.delivered_us, 0.5));
+    let (ring50, ring99) = (pct(&run.ring_delays_us, 0.5), pct(&run.ring_delays_us, 0.99));
     if ctx.json {
         return ctx.print_json(&json!({
             "agent": ctx.agent,
@@ -205,6 +271,8 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
             "notify_delay_p50_us": d50,
             "notify_delay_p99_us": d99,
             "notify_delay_max_us": dmax,
+            "ring_delay_p50_us": ring50,
+            "ring_delay_p99_us": ring99,
             "batch_p50_us": batch50,
             "scan_p50_us": scan50,
             "published_p50_us": published50,
@@ -216,7 +284,8 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
         "# notify {} -> {peer}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
          last byte visible -> notification received: p50 {:.1} us, p99 {:.1} us, max {:.1} us \
          (a scan of the pool, the resolution: p50 {:.1} us); split at the peer's publication: last byte -> published p50 {:.1} us, \
-         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
+         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n\
+         last byte visible -> notification read from the ring (WatchInboundRing): p50 {:.1} us, p99 {:.1} us\n",
         ctx.agent,
         run.rounds,
         d50,
@@ -227,7 +296,9 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
         delivered50,
         batch50,
         run.via_fabric,
-        run.rounds
+        run.rounds,
+        ring50,
+        ring99
     ))
 }
 
