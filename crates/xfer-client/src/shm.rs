@@ -62,6 +62,13 @@ impl ShmRegion {
         self.mem.read_at(offset, buf).map_err(|e| mem_error(&self.region, e))
     }
 
+    /// [`ShmRegion::read_at`] for polling loops (a flag or a stamp read again and again): no
+    /// `fstat` per call, so bytes of an object cut inside its last page read as zeros instead
+    /// of failing; a cut that raised SIGBUS still fails.
+    pub fn read_at_poll(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.mem.read_at_poll(offset, buf).map_err(|e| mem_error(&self.region, e))
+    }
+
     /// `len` bytes of the region at `offset`, copied out.
     pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
         let mut v = vec![0u8; len];

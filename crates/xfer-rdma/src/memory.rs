@@ -234,6 +234,21 @@ impl RegionMemory {
         Ok(self.intact()?)
     }
 
+    /// [`RegionMemory::read_at`] for polling loops: checks the SIGBUS guard's flag (one atomic
+    /// load) but not the file's size (an `fstat`), so bytes of a file cut inside its last page
+    /// read as zeros here instead of failing. For memory read again and again where a stale or
+    /// zero read is caught by the reader's own protocol (a seqlock, a stamp compared to what is
+    /// expected); [`RegionMemory::read_at`] otherwise.
+    pub fn read_at_poll(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        let start = self.check(offset, buf.len() as u64)?;
+        // SAFETY: as in `read_at`.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(start), buf.as_mut_ptr(), buf.len()) };
+        if self.poisoned() {
+            return Err(MemError::Poisoned);
+        }
+        Ok(())
+    }
+
     /// Copies bytes into the mapping (a raw copy); `Poisoned` if the file shrank (the bytes may be
     /// lost).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
@@ -353,10 +368,20 @@ impl RegionMemory {
         }
         // SAFETY: `start + size` lies within the mapping (checked above).
         let p = unsafe { self.ptr.as_ptr().add(start) };
-        if (p as usize) % std::mem::align_of::<T>() != 0 {
+        if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
             return Err(OutOfRange { offset, len: size, size: self.len as u64 }.into());
         }
         Ok(p.cast())
+    }
+
+    /// The SIGBUS guard's verdict alone (no `fstat`): the word accessors run in polling loops,
+    /// and a word of a file cut inside its last page merely reads as zero, which the protocols
+    /// using them (the notification ring's seqlock) reject.
+    fn guarded(&self) -> Result<(), MemError> {
+        if self.poisoned() {
+            return Err(MemError::Poisoned);
+        }
+        Ok(())
     }
 
     /// Atomically loads the aligned 64-bit word at `offset` with `order` (shared-memory
@@ -369,7 +394,7 @@ impl RegionMemory {
         // other users treat as plain bytes merely reads as some value. The file shrinking under
         // it is the SIGBUS guard's case (zero pages), checked below.
         let v = unsafe { AtomicU64::from_ptr(p) }.load(order);
-        self.intact()?;
+        self.guarded()?;
         Ok(v)
     }
 
@@ -378,7 +403,7 @@ impl RegionMemory {
         let p = self.word::<u64>(offset, true)?;
         // SAFETY: as in `load_u64`, on a writable mapping.
         unsafe { AtomicU64::from_ptr(p) }.store(v, order);
-        Ok(self.intact()?)
+        self.guarded()
     }
 
     /// Atomically loads the aligned 32-bit word at `offset` with `order`.
@@ -386,7 +411,7 @@ impl RegionMemory {
         let p = self.word::<u32>(offset, false)?;
         // SAFETY: as in `load_u64`.
         let v = unsafe { AtomicU32::from_ptr(p) }.load(order);
-        self.intact()?;
+        self.guarded()?;
         Ok(v)
     }
 
@@ -396,7 +421,7 @@ impl RegionMemory {
         let p = self.word::<u32>(offset, true)?;
         // SAFETY: as in `load_u64`, on a writable mapping.
         let old = unsafe { AtomicU32::from_ptr(p) }.fetch_add(v, order);
-        self.intact()?;
+        self.guarded()?;
         Ok(old)
     }
 
@@ -405,7 +430,7 @@ impl RegionMemory {
         let p = self.word::<u32>(offset, true)?;
         // SAFETY: as in `load_u64`, on a writable mapping.
         let old = unsafe { AtomicU32::from_ptr(p) }.fetch_sub(v, order);
-        self.intact()?;
+        self.guarded()?;
         Ok(old)
     }
 
@@ -425,7 +450,7 @@ impl RegionMemory {
         let _ = unsafe {
             nix::libc::syscall(nix::libc::SYS_futex, p, nix::libc::FUTEX_WAIT, expected, &ts as *const nix::libc::timespec, 0usize, 0u32)
         };
-        Ok(self.intact()?)
+        self.guarded()
     }
 
     /// Wakes every process sleeping in [`RegionMemory::futex_wait`] on the word at `offset`.

@@ -130,7 +130,7 @@ impl RingWriter {
     /// reader has mapped yet).
     pub fn create(mem: RegionMemory, slots: u32, slot_size: u32) -> Result<RingWriter, RingError> {
         check_slots(slots).map_err(RingError::Format)?;
-        if slot_size < SLOT_FIXED as u32 || slot_size % 64 != 0 {
+        if slot_size < SLOT_FIXED as u32 || !slot_size.is_multiple_of(64) {
             return Err(RingError::Format(format!("slot size {slot_size}")));
         }
         if mem.len() < ring_len(slots, slot_size) {
@@ -235,7 +235,7 @@ impl RingReader {
             return Err(RingError::Format(format!("version {version}, this reader knows {VERSION}")));
         }
         check_slots(slots).map_err(RingError::Format)?;
-        if slot_size < SLOT_FIXED as u32 || slot_size % 64 != 0 || mem.len() < ring_len(slots, slot_size) {
+        if slot_size < SLOT_FIXED as u32 || !slot_size.is_multiple_of(64) || mem.len() < ring_len(slots, slot_size) {
             return Err(RingError::Format(format!("{slots} slots of {slot_size} bytes in {} bytes", mem.len())));
         }
         let head = mem.load_u64(OFF_HEAD, Ordering::Acquire)?;
@@ -279,7 +279,7 @@ impl RingReader {
             return Err(self.lag_from_head());
         }
         let mut body = vec![0u8; self.slot_size as usize - 8];
-        self.mem.read_at(slot + 8, &mut body)?;
+        self.mem.read_at_poll(slot + 8, &mut body)?;
         fence(Ordering::Acquire);
         if self.mem.load_u64(slot, Ordering::Relaxed)? != s1 {
             return Err(self.lag_from_head());
@@ -411,7 +411,7 @@ mod tests {
             at_unix_ns: 1_700_000_000_000_000_000 + i,
             offset: i * 4096,
             length: 4096,
-            op: if i % 2 == 0 { RingOp::Write } else { RingOp::Read },
+            op: if i.is_multiple_of(2) { RingOp::Write } else { RingOp::Read },
             via: RingVia::Fabric,
             tag: format!("req-{i}").into_bytes(),
             region: "kv".into(),

@@ -86,6 +86,10 @@ pub struct Opt {
     /// KV pattern over one channel: the list prepared once, then posted for every batch.
     #[arg(long)]
     pub channel: bool,
+    /// Notify pattern: how the application receives its notifications (`ring`: a shared-memory
+    /// ring it polls; `stream`: the WatchInbound stream).
+    #[arg(long, value_enum, default_value = "ring")]
+    pub notify_via: super::bench_notify::NotifyVia,
     /// Connect pattern: connections to negotiate and hold (at most 256).
     #[arg(long, default_value_t = 100)]
     pub connections: u32,
@@ -246,7 +250,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let kv = opt.pattern == Pattern::Kv;
     if opt.pattern == Pattern::Notify {
         let (block, blocks) = (opt.block.unwrap_or(4096), opt.blocks.unwrap_or(16));
-        let run = super::bench_notify::run_notify(ctx, &opt.peer, block, blocks, opt.iters.unwrap_or(50)).await?;
+        let run = super::bench_notify::run_notify(ctx, &opt.peer, block, blocks, opt.iters.unwrap_or(50), opt.notify_via).await?;
         return super::bench_notify::report(ctx, &opt.peer, block, blocks, &run);
     }
     if opt.pattern == Pattern::Connect {

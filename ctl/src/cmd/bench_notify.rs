@@ -1,32 +1,54 @@
 //! `xferctl bench --pattern notify`: how long after a batch's last byte is visible in the
 //! target's memory the target's application receives the batch's notification (issue 11's
-//! "last byte visible → the application's stream" target), measured end to end from the
-//! application's side.
+//! "last byte visible → the application" target), measured end to end from the application's
+//! side.
 //!
 //! xferctl runs on the target's node. It creates a shared-memory pool on the peer (`--peer`) and
 //! maps it, so it sees the bytes as they land, and a source region on `--agent` filled once
-//! with one set of blocks per round, every block ending in its round's number. Each round: a
+//! with one set of blocks per round, every block ending in its round's number. Each round a
 //! thread (the application) scans the last 8 bytes of every block of the mapped pool until all
-//! carry the round's number (the moment the last byte is visible, to within one scan) and, in
-//! the same loop, polls a notification ring (`WatchInboundRing`); meanwhile the main task
-//! submits the round's batch with a notification and receives it from the peer's
-//! `WatchInbound` stream. Both ways of receiving it are measured in the same round: the delay
-//! is the notification's arrival minus the moment the last block was seen. A notification that
-//! arrives before every block is visible is a failure (the stale-data case the conformance
-//! suite also checks), not a sample.
+//! carry the round's number (the moment the last byte is visible, to within one pass), while
+//! the round's batch is submitted with a notification. The notification is received one of two
+//! ways (`--notify-via`), one per run so that one does not load the machine while the other is
+//! measured:
+//! - `ring` (`WatchInboundRing`): the same thread polls the ring between two scans;
+//! - `stream` (`WatchInbound`): the main task receives the stream's message.
+//!
+//! The delay is the notification's arrival minus the moment the last block was seen. A
+//! notification that arrives before every block is visible is a failure (the stale-data case
+//! the conformance suite also checks), not a sample.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use serde_json::json;
-use xfer_client::{Client, InboundRing, Segment, ShmRegion, TransferSpec};
+use xfer_client::{Client, Inbound, InboundRing, Notification, Segment, ShmRegion, TransferSpec};
 
 use crate::Ctx;
+
+/// How the application receives its notifications (`--notify-via`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NotifyVia {
+    /// A shared-memory ring polled by the application's thread (`WatchInboundRing`).
+    Ring,
+    /// The `WatchInbound` gRPC stream.
+    Stream,
+}
+
+impl NotifyVia {
+    fn as_str(self) -> &'static str {
+        match self {
+            NotifyVia::Ring => "ring",
+            NotifyVia::Stream => "stream",
+        }
+    }
+}
 
 /// What one run measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NotifyRun {
+    pub via: NotifyVia,
     pub rounds: usize,
     /// Per round, all in microseconds: notification arrival minus last byte seen.
     pub delays_us: Vec<f64>,
@@ -34,15 +56,14 @@ pub struct NotifyRun {
     pub batches_us: Vec<f64>,
     /// The split of each delay at the notification's `at` (when the peer published it; same
     /// host, same clock): last byte seen -> published, and published -> received. Signed
-    /// microseconds (the first can dip below 0 by up to one scan).
+    /// microseconds (the first can dip below 0 by up to one pass, or by however long the
+    /// application's thread was off its core).
     pub published_us: Vec<f64>,
     pub delivered_us: Vec<f64>,
-    /// The scan's resolution: the mean time between two scans of the pool.
+    /// The resolution: the mean time between two passes of the application's loop.
     pub scans_us: Vec<f64>,
     /// How the peer learnt of each batch (`fabric` or `complete`), as counts.
     pub via_fabric: usize,
-    /// Per round: the ring's notification arrival minus last byte seen (microseconds).
-    pub ring_delays_us: Vec<f64>,
 }
 
 /// The last 8 bytes of every block hold the round number (1-based), little-endian.
@@ -53,39 +74,54 @@ fn stamp_of(round: usize) -> [u8; 8] {
 /// True when block `j` (of `block` bytes) of `pool` ends with `stamp`.
 fn stamped(pool: &ShmRegion, block: u64, j: u64, stamp: [u8; 8]) -> bool {
     let mut tail = [0u8; 8];
-    pool.read_at(j * block + block - 8, &mut tail).is_ok() && tail == stamp
+    pool.read_at_poll(j * block + block - 8, &mut tail).is_ok() && tail == stamp
+}
+
+/// Blocks of `pool` not yet ending with `stamp`.
+fn stale(pool: &ShmRegion, block: u64, blocks: usize, stamp: [u8; 8]) -> usize {
+    (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp)).count()
 }
 
 /// What the application thread saw in one round.
 struct Seen {
     /// When the last block was first seen stamped.
     last_block: Option<Instant>,
-    /// When the round's notification came out of the ring, and how many blocks were not yet
-    /// visible then.
-    ring: Option<(Instant, usize)>,
-    /// The mean time between two passes of the loop (the resolution).
-    scan: Duration,
+    /// With a ring: the round's notification, when it was read and how many blocks were not
+    /// yet visible then.
+    from_ring: Option<(Notification, Instant, usize)>,
+    /// The mean time between two passes of the loop.
+    pass: Duration,
 }
 
-/// The application: scans `blocks` blocks of `block` bytes until each ends with `stamp` and
-/// polls `ring` for the notification tagged `tag`, in one loop, until both happened or `stop`.
-fn watch_round(pool: &ShmRegion, ring: &mut InboundRing, block: u64, blocks: usize, stamp: [u8; 8], tag: &[u8], stop: &AtomicBool) -> anyhow::Result<Seen> {
+/// The application: scans `blocks` blocks of `block` bytes until each ends with `stamp` and,
+/// with a ring, polls it for the notification tagged `tag` between two scans, until both
+/// happened or `stop`.
+fn watch_round(
+    pool: &ShmRegion,
+    mut ring: Option<&mut InboundRing>,
+    block: u64,
+    blocks: usize,
+    stamp: [u8; 8],
+    tag: &[u8],
+    stop: &AtomicBool,
+) -> anyhow::Result<Seen> {
     let mut seen = vec![false; blocks];
     let mut left = blocks;
-    let (start, mut scans) = (Instant::now(), 0u32);
+    let (start, mut passes) = (Instant::now(), 0u32);
     let (mut last_block, mut from_ring) = (None, None);
-    while (left > 0 || from_ring.is_none()) && !stop.load(Ordering::Acquire) {
-        scans += 1;
-        while from_ring.is_none() {
-            match ring.try_next().context("reading the notification ring")? {
-                Some(n) if n.tag == tag => {
-                    let at = Instant::now();
-                    // Told: every block must be visible now.
-                    let stale = (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp)).count();
-                    from_ring = Some((at, stale));
+    while (left > 0 || (ring.is_some() && from_ring.is_none())) && !stop.load(Ordering::Acquire) {
+        passes += 1;
+        if let Some(ring) = ring.as_deref_mut() {
+            while from_ring.is_none() {
+                match ring.try_next().context("reading the notification ring")? {
+                    Some(n) if n.tag == tag => {
+                        let at = Instant::now();
+                        // Told: every block must be visible now.
+                        from_ring = Some((n, at, stale(pool, block, blocks, stamp)));
+                    }
+                    Some(_) => {}
+                    None => break,
                 }
-                Some(_) => continue,
-                None => break,
             }
         }
         if left > 0 {
@@ -99,16 +135,15 @@ fn watch_round(pool: &ShmRegion, ring: &mut InboundRing, block: u64, blocks: usi
                 last_block = Some(Instant::now());
             }
         }
-        // Give the core away between passes: on a small machine the agents and this process's
-        // own runtime (which receives the stream's notification) need it, and a pure spin would
-        // delay what it measures.
+        // Give the core away between passes: on a small machine the agents, the kernel's RoCE
+        // work and this process's runtime need it, and a pure spin would delay what it measures.
         std::thread::yield_now();
     }
-    Ok(Seen { last_block, ring: from_ring, scan: start.elapsed() / scans.max(1) })
+    Ok(Seen { last_block, from_ring, pass: start.elapsed() / passes.max(1) })
 }
 
 /// Runs `rounds` batches of `blocks` × `block` from `--agent` into a pool on `peer`.
-pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rounds: u32) -> anyhow::Result<NotifyRun> {
+pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rounds: u32, via: NotifyVia) -> anyhow::Result<NotifyRun> {
     if block < 8 || blocks == 0 || rounds == 0 {
         return Err(crate::error::usage("--pattern notify needs --block of at least 8 bytes, --blocks and --iters above zero"));
     }
@@ -134,7 +169,8 @@ pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rou
         }
         initiator.put(&src_name, 0, &src).await.context("filling the source region")?;
         drop(src);
-        rounds_over(&initiator, &peer, peer_addr, &src_name, &pool, block, blocks, rounds).await
+        let shape = Shape { src: &src_name, peer_addr, block, blocks, rounds };
+        rounds_over(&initiator, &peer, &pool, &shape, via).await
     }
     .await;
     let _ = initiator.delete_region(&src_name).await;
@@ -143,70 +179,85 @@ pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rou
     result
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn rounds_over(
-    initiator: &Client,
-    peer: &Client,
-    peer_addr: &str,
-    src: &str,
-    pool: &Arc<ShmRegion>,
+/// What every round moves.
+struct Shape<'a> {
+    src: &'a str,
+    peer_addr: &'a str,
     block: u64,
     blocks: usize,
     rounds: usize,
-) -> anyhow::Result<NotifyRun> {
-    let mut inbound = peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?;
-    let mut ring = Some(
-        peer.watch_inbound_ring(Some(pool.name()), None, 0)
-            .await
-            .context("subscribing to the peer's notifications through a ring (xferctl must run on the peer's node, as the agent's user)")?,
-    );
+}
+
+/// The subscription a run receives its notifications from.
+enum Receiver {
+    Ring(Option<InboundRing>),
+    Stream(Inbound),
+}
+
+async fn rounds_over(initiator: &Client, peer: &Client, pool: &Arc<ShmRegion>, sh: &Shape<'_>, via: NotifyVia) -> anyhow::Result<NotifyRun> {
+    let mut rx = match via {
+        NotifyVia::Stream => Receiver::Stream(peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?),
+        NotifyVia::Ring => Receiver::Ring(Some(
+            peer.watch_inbound_ring(Some(pool.name()), None, 0)
+                .await
+                .context("subscribing to the peer's notifications through a ring (xferctl must run on the peer's node, as the agent's user)")?,
+        )),
+    };
     let mut run = NotifyRun {
-        rounds,
+        via,
+        rounds: sh.rounds,
         delays_us: Vec::new(),
         batches_us: Vec::new(),
         published_us: Vec::new(),
         delivered_us: Vec::new(),
         scans_us: Vec::new(),
         via_fabric: 0,
-        ring_delays_us: Vec::new(),
     };
     // Instants to wall-clock time, to compare with the peer's publication time (`at`).
-    let (anchor, anchor_wall) = (Instant::now(), SystemTime::now());
+    let (anchor, anchor_wall) = clock_anchor();
     let wall_us = |i: Instant| micros(anchor_wall) + i.saturating_duration_since(anchor).as_secs_f64() * 1e6;
-    for r in 0..rounds {
+    let (block, blocks) = (sh.block, sh.blocks);
+    for r in 0..sh.rounds {
         let stop = Arc::new(AtomicBool::new(false));
         let note_tag = format!("notify-{r}");
-        let watcher = {
+        let app = {
             let (pool, stop, tag) = (Arc::clone(pool), Arc::clone(&stop), note_tag.clone().into_bytes());
-            let mut ring = ring.take().context("the ring came back from no round")?;
+            let mut ring = match &mut rx {
+                Receiver::Ring(r) => Some(r.take().context("the ring came back from no round")?),
+                Receiver::Stream(_) => None,
+            };
             std::thread::spawn(move || {
-                let seen = watch_round(&pool, &mut ring, block, blocks, stamp_of(r), &tag, &stop);
+                let seen = watch_round(&pool, ring.as_mut(), block, blocks, stamp_of(r), &tag, &stop);
                 (ring, seen)
             })
         };
         let segs: Vec<Segment> = (0..blocks as u64).map(|j| Segment { local: (r as u64 * blocks as u64 + j) * block, remote: j * block, len: block }).collect();
         let t0 = Instant::now();
-        let submitted = initiator.submit(TransferSpec::write(src, peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
+        let submitted = initiator.submit(TransferSpec::write(sh.src, sh.peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
         let t = match submitted {
             Ok(t) => t,
             Err(e) => {
                 stop.store(true, Ordering::Release);
-                let _ = watcher.join();
+                let _ = tokio::task::spawn_blocking(move || app.join()).await;
                 return Err(anyhow::Error::new(e).context(format!("submitting round {r}")));
             }
         };
-        let note = loop {
-            let n = inbound.next().await.context("waiting for the notification")?;
-            if n.tag == note_tag.as_bytes() {
-                break n;
+        let from_stream = match &mut rx {
+            Receiver::Stream(inbound) => {
+                let note = loop {
+                    let n = inbound.next().await.context("waiting for the notification")?;
+                    if n.tag == note_tag.as_bytes() {
+                        break n;
+                    }
+                };
+                let arrived = Instant::now();
+                // Told: every block must be visible now (read at once, as an application would).
+                Some((note, arrived, stale(pool, block, blocks, stamp_of(r))))
             }
+            Receiver::Ring(_) => None,
         };
-        let arrived = Instant::now();
-        // Told: every block must be visible now (read at once, as an application would).
-        let stale = (0..blocks as u64).filter(|&j| !stamped(pool, block, j, stamp_of(r))).count();
-        // The application thread ends once it saw the last block and the ring's notification
-        // (written before the stream's message was sent); a ring that never delivers is
-        // given up after 10 s (and reported below).
+        // The application thread ends once it saw the last block (and, with a ring, the
+        // notification); one that never does is stopped after 10 s and the round fails.
         let give_up = {
             let stop = Arc::clone(&stop);
             tokio::spawn(async move {
@@ -214,33 +265,50 @@ async fn rounds_over(
                 stop.store(true, Ordering::Release);
             })
         };
-        let joined = tokio::task::spawn_blocking(move || watcher.join()).await;
+        let joined = tokio::task::spawn_blocking(move || app.join()).await;
         give_up.abort();
-        let (back, seen) = joined.context("joining the application thread")?.map_err(|_| anyhow::anyhow!("the application thread panicked"))?;
-        ring = Some(back);
+        let (ring, seen) = joined.context("joining the application thread")?.map_err(|_| anyhow::anyhow!("the application thread panicked"))?;
+        if let Receiver::Ring(slot) = &mut rx {
+            *slot = ring;
+        }
         let seen = seen.with_context(|| format!("round {r}"))?;
         initiator.wait(&t.id).await.with_context(|| format!("round {r}'s transfer"))?;
+        let Some((note, arrived, stale)) = from_stream.or(seen.from_ring) else {
+            anyhow::bail!("round {r}: the notification did not come within 10 s of the batch");
+        };
         if stale > 0 {
             anyhow::bail!("round {r}: notified while {stale} of {blocks} blocks were not yet visible in the pool (stale data)");
         }
-        let Some((ring_at, ring_stale)) = seen.ring else { anyhow::bail!("round {r}: the ring's notification did not come") };
-        if ring_stale > 0 {
-            anyhow::bail!("round {r}: the ring notified while {ring_stale} of {blocks} blocks were not yet visible in the pool (stale data)");
-        }
         // The application may see the last block a pass after the notification: then the delay
         // is below one pass (the resolution), counted as 0.
-        let (seen, scan) = (seen.last_block.unwrap_or(arrived), seen.scan);
-        run.ring_delays_us.push(ring_at.saturating_duration_since(seen).as_secs_f64() * 1e6);
-        run.delays_us.push(arrived.saturating_duration_since(seen).as_secs_f64() * 1e6);
+        let last = seen.last_block.unwrap_or(arrived);
+        run.delays_us.push(arrived.saturating_duration_since(last).as_secs_f64() * 1e6);
         if let Some(at) = note.at {
-            run.published_us.push(micros(at) - wall_us(seen));
+            run.published_us.push(micros(at) - wall_us(last));
             run.delivered_us.push(wall_us(arrived) - micros(at));
         }
         run.batches_us.push((arrived - t0).as_secs_f64() * 1e6);
-        run.scans_us.push(scan.as_secs_f64() * 1e6);
+        run.scans_us.push(seen.pass.as_secs_f64() * 1e6);
         run.via_fabric += usize::from(note.via == "fabric");
     }
     Ok(run)
+}
+
+/// A monotonic instant and the wall-clock time at that instant, to within the narrowest of 100
+/// tries: a thread preempted between the two reads (often, on a small VM) would otherwise skew
+/// every published -> received split of the run by the preemption.
+fn clock_anchor() -> (Instant, SystemTime) {
+    let mut best: Option<(Duration, Instant, SystemTime)> = None;
+    for _ in 0..100 {
+        let before = Instant::now();
+        let wall = SystemTime::now();
+        let after = Instant::now();
+        let gap = after - before;
+        if best.is_none_or(|(g, _, _)| gap < g) {
+            best = Some((gap, before + gap / 2, wall));
+        }
+    }
+    best.map_or_else(|| (Instant::now(), SystemTime::now()), |(_, i, w)| (i, w))
 }
 
 fn micros(t: SystemTime) -> f64 {
@@ -259,20 +327,18 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
     let (d50, d99, dmax) = (pct(&run.delays_us, 0.5), pct(&run.delays_us, 0.99), pct(&run.delays_us, 1.0));
     let (batch50, scan50) = (pct(&run.batches_us, 0.5), pct(&run.scans_us, 0.5));
     let (published50, delivered50) = (pct(&run.published_us, 0.5), pct(&run.delivered_us, 0.5));
-    let (ring50, ring99) = (pct(&run.ring_delays_us, 0.5), pct(&run.ring_delays_us, 0.99));
     if ctx.json {
         return ctx.print_json(&json!({
             "agent": ctx.agent,
             "peer": peer,
             "pattern": "notify",
+            "via": run.via.as_str(),
             "block": block,
             "blocks": blocks,
             "rounds": run.rounds,
             "notify_delay_p50_us": d50,
             "notify_delay_p99_us": d99,
             "notify_delay_max_us": dmax,
-            "ring_delay_p50_us": ring50,
-            "ring_delay_p99_us": ring99,
             "batch_p50_us": batch50,
             "scan_p50_us": scan50,
             "published_p50_us": published50,
@@ -281,12 +347,12 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
         }));
     }
     ctx.print(&format!(
-        "# notify {} -> {peer}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
+        "# notify {} -> {peer} via {}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
          last byte visible -> notification received: p50 {:.1} us, p99 {:.1} us, max {:.1} us \
-         (a scan of the pool, the resolution: p50 {:.1} us); split at the peer's publication: last byte -> published p50 {:.1} us, \
-         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n\
-         last byte visible -> notification read from the ring (WatchInboundRing): p50 {:.1} us, p99 {:.1} us\n",
+         (a pass of the application's loop, the resolution: p50 {:.1} us); split at the peer's publication: last byte -> published p50 {:.1} us, \
+         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
         ctx.agent,
+        run.via.as_str(),
         run.rounds,
         d50,
         d99,
@@ -297,8 +363,6 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
         batch50,
         run.via_fabric,
         run.rounds,
-        ring50,
-        ring99
     ))
 }
 
