@@ -391,6 +391,63 @@ async fn a_notification_comes_only_after_every_byte_is_visible(k: Kind) {
     }
 }
 
+/// The same guarantee through a notification ring (`WatchInboundRing`), read the way an
+/// application polls one: a thread spinning on the mapped ring compares the region the moment a
+/// notification comes out of it. On verbs every grant also hands the connection to the marker
+/// poller (`verbs.marker_spin`), so this is the poller's path as well as the receive task's.
+/// Closing the subscription closes the ring (a reader is told) and removes its object.
+async fn a_ring_notification_comes_only_after_every_byte_is_visible(k: Kind) {
+    use xfer_rdma::ring::{RingError, RingReader, RingVia};
+    const LEN: u64 = 2 << 20;
+    const CHUNK: u64 = 64 << 10;
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", LEN, Access::ReadWrite);
+    let dst = region(&b, "dst", LEN, Access::ReadWrite);
+    let (conn, mut rx) = connect(&a, &b, 4, 32).await;
+    let ring = b.node.watch_inbound_ring("dst", None, 16).unwrap();
+    let path = std::path::Path::new("/dev/shm").join(&ring.object);
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+    let mem = xfer_rdma::memory::RegionMemory::map_file(&file, ring.length as usize, true).unwrap();
+    let mut reader = Some(RingReader::open(mem).unwrap());
+    for round in 0..8u8 {
+        let data = fill(&src, round.wrapping_mul(53).wrapping_add(3));
+        let tag = format!("ring-{round}");
+        let g = grant_notify(&b, "dst", LEN, "conn-1", tag.as_bytes(), 4).await;
+        let (dst2, want, mut r) = (dst.clone(), data.clone(), reader.take().unwrap());
+        // Spins for the whole wait (as a polling application does), compares at once.
+        let app = std::thread::spawn(move || {
+            let n = r.next_timeout(Duration::from_secs(20), Duration::from_secs(20)).unwrap().expect("a notification within 20 s");
+            let fresh = bytes(&dst2) == want;
+            (r, n, fresh)
+        });
+        let chunks = LEN / CHUNK;
+        for i in 0..chunks {
+            conn.post((i % 4) as usize, wr(i, WrOp::Write, &src, i * CHUNK, CHUNK as u32, &g, i * CHUNK, false)).unwrap();
+        }
+        for qp in 0..4 {
+            conn.post(qp, marker(1000 + qp as u64, &src, &g)).unwrap();
+        }
+        let (r, n, fresh) = tokio::task::spawn_blocking(move || app.join().unwrap()).await.unwrap();
+        assert!(fresh, "round {round}: the ring's reader saw stale bytes when it was notified");
+        assert_eq!((n.seq, n.tag.as_slice(), n.region.as_str(), n.via), (round as u64, tag.as_bytes(), "dst", RingVia::Fabric));
+        assert_eq!((n.offset, n.length, n.peer.as_str()), (0, LEN, "a"));
+        reader = Some(r);
+        let mut markers_done = 0;
+        while markers_done < 4 {
+            let c = next(&mut rx).await;
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            if c.wr_id >= 1000 {
+                markers_done += 1;
+            }
+        }
+        b.grants.revoke(&g.id);
+    }
+    let mut reader = reader.unwrap();
+    drop(ring);
+    assert_eq!(reader.try_next(), Err(RingError::Closed), "the reader is told the subscription ended");
+    assert!(!path.exists(), "the ring's object is removed with its subscription");
+}
+
 /// A marker counts only on the connection its grant was asked on, and only while the grant is
 /// live: a marker from another connection of the same peer, or for a revoked grant, publishes
 /// nothing. (Ordering on one connection is what proves the refused marker was processed: the
@@ -737,6 +794,7 @@ per_fabric!(
     a_grant_may_name_only_the_callers_own_connection,
     disconnect_revokes_the_grants_of_that_connection,
     a_notification_comes_only_after_every_byte_is_visible,
+    a_ring_notification_comes_only_after_every_byte_is_visible,
     markers_count_only_on_their_connection_and_while_the_grant_lives,
     a_batch_of_work_requests_posts_in_order,
     polling_a_connection_delivers_each_completion_once,

@@ -279,3 +279,88 @@ async fn what_is_planted_under_an_shm_regions_name_is_not_mapped() {
     c.delete_region(&name).await.unwrap();
     assert!(!object.exists());
 }
+
+/// Notifications through a shared-memory ring (`WatchInboundRing`): every field as the stream
+/// gives it, the bytes already in the pool when the ring is read, the region and tag filters,
+/// a reader that falls behind told once how many it lost and going on from the oldest held,
+/// bad slot counts refused with nothing left in /dev/shm, and the object removed when the
+/// subscription is dropped (a second ring of the same agent keeps working meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_delivers_notifications_in_shared_memory() {
+    let (a, b) = (Agent::start("prefill").await, Agent::start("decode").await);
+    let (producer, consumer) = (Client::connect(&a.addr).await.unwrap(), Client::connect(&b.addr).await.unwrap());
+    let tag = std::process::id();
+    let (pa, pb, other) = (format!("ring-a-{tag}"), format!("ring-b-{tag}"), format!("ring-o-{tag}"));
+    const POOL: u64 = 1 << 20;
+    let src = producer.create_shm_region(&pa, POOL).await.unwrap();
+    let dst = consumer.create_shm_region(&pb, POOL).await.unwrap();
+    consumer.create_region(&other, POOL).await.unwrap();
+    let shm_objects = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("xfer-ring-")).collect()
+    };
+    let before = shm_objects();
+
+    // Bad slot counts: refused, no object made.
+    for slots in [8, 1000, 1 << 17, u32::MAX] {
+        let e = consumer.watch_inbound_ring(Some(&pb), None, slots).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{slots}: {e:?}");
+    }
+    let e = consumer.watch_inbound_ring(Some("no-such-region"), None, 0).await.unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "{e:?}");
+    assert_eq!(shm_objects(), before, "a refused ring left an object");
+
+    let mut all = consumer.watch_inbound_ring(Some(&pb), None, 16).await.unwrap();
+    let mut tagged = consumer.watch_inbound_ring(None, Some(b"wanted"), 0).await.unwrap();
+    let mut elsewhere = consumer.watch_inbound_ring(Some(&other), None, 0).await.unwrap();
+    assert_eq!(shm_objects().len(), before.len() + 3);
+    assert!(all.try_next().unwrap().is_none(), "nothing published yet");
+
+    // One batch: every field, and the bytes are there when the ring says so.
+    let data = pattern(7, 64 * BLOCK as usize);
+    src.write_at(0, &data).unwrap();
+    let segs: Vec<Segment> = (0..64u64).map(|i| Segment { local: i * BLOCK, remote: ((i * 5) % 256) * BLOCK, len: BLOCK }).collect();
+    producer.transfer(TransferSpec::write(&pa, &b.addr, &pb).segments(segs.clone()).notify(b"wanted")).await.unwrap();
+    let n = all.next().await.unwrap();
+    for s in &segs {
+        assert_eq!(dst.read_vec(s.remote, BLOCK as usize).unwrap(), &data[s.local as usize..(s.local + BLOCK) as usize]);
+    }
+    assert_eq!((n.tag.as_slice(), n.region.as_str(), n.via.as_str(), n.op), (&b"wanted"[..], pb.as_str(), "fabric", xfer_client::Op::Write));
+    assert_eq!((n.offset, n.length), (0, 256 * BLOCK), "the granted span of the batch");
+    assert!(!n.peer.is_empty() && n.at.is_some(), "{n:?}");
+    assert_eq!(tagged.next().await.unwrap().tag, b"wanted", "the tag filter takes it");
+
+    // Another tag: the region's ring gets it, the tag-filtered one does not.
+    producer.transfer(TransferSpec::write(&pa, &b.addr, &pb).range(0, 0, BLOCK).notify(b"other-tag")).await.unwrap();
+    assert_eq!(all.next().await.unwrap().tag, b"other-tag");
+    assert!(tagged.try_next().unwrap().is_none(), "filtered out by tag");
+    assert!(elsewhere.try_next().unwrap().is_none(), "filtered out by region");
+
+    // 20 more into a ring of 16 slots before reading: 4 lost, told once, then the 16 in order.
+    for i in 0..20u32 {
+        producer.transfer(TransferSpec::write(&pa, &b.addr, &pb).range(0, 0, BLOCK).notify(format!("n{i}").as_bytes())).await.unwrap();
+    }
+    let e = all.try_next().unwrap_err();
+    assert!(matches!(&e, Error::DataLoss(m) if m.contains("lost 4")), "{e:?}");
+    for i in 4..20u32 {
+        assert_eq!(all.next().await.unwrap().tag, format!("n{i}").as_bytes());
+    }
+    assert!(all.try_next().unwrap().is_none());
+
+    // Dropping a subscription removes its object; the others keep working.
+    let gone = all.object().to_string();
+    drop(all);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::path::Path::new("/dev/shm").join(&gone).exists() {
+        assert!(std::time::Instant::now() < deadline, "{gone} still there 30 s after its subscription closed");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    producer.transfer(TransferSpec::write(&pa, &b.addr, &pb).range(0, 0, BLOCK).notify(b"wanted")).await.unwrap();
+    assert_eq!(tagged.next().await.unwrap().tag, b"wanted");
+    let ours = [tagged.object().to_string(), elsewhere.object().to_string()];
+    drop((tagged, elsewhere));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while ours.iter().any(|o| std::path::Path::new("/dev/shm").join(o).exists()) {
+        assert!(std::time::Instant::now() < deadline, "ring objects left: {ours:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
