@@ -247,6 +247,13 @@ impl ChannelNotes {
     pub fn unpublished(&self) -> usize {
         self.lock().entries.len()
     }
+
+    /// True while a batch is expected to complete: one was announced or marked and is not yet
+    /// published, or none has been published yet (a fresh channel's first batch is coming).
+    pub fn expecting(&self) -> bool {
+        let w = self.lock();
+        !w.entries.is_empty() || (w.base == 0 && w.published.is_empty())
+    }
 }
 
 /// What a notification is about: the grant's facts the subscriber sees.
@@ -524,6 +531,22 @@ mod tests {
         assert_eq!(c.announce(1, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(1)));
         assert_eq!(c.announce(2, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(2)));
         assert_eq!(c.lock().base, 3, "the window moved past every published batch");
+    }
+
+    /// A channel expects a batch until its first is published, and afterwards only while one is
+    /// announced or marked and not yet published (what the marker poller is told).
+    #[test]
+    fn a_channel_expects_markers_for_its_first_batch_and_for_unpublished_ones() {
+        let c = chan(1);
+        assert!(c.expecting(), "a fresh channel's first batch is coming");
+        assert_eq!(c.announce(0, b"b0".to_vec()), Ok(None));
+        assert!(c.expecting());
+        assert!(c.marker(channel_imm(c.base_imm, 0)).unwrap().is_some());
+        assert!(!c.expecting(), "batch 0 published, nothing else announced");
+        assert_eq!(c.marker(channel_imm(c.base_imm, 1)), Ok(None), "marker before its announce");
+        assert!(c.expecting());
+        assert!(c.announce(1, vec![]).unwrap().is_some());
+        assert!(!c.expecting());
     }
 
     /// What a peer controls (immediates, sequence numbers, how often it repeats them) cannot grow

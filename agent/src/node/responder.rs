@@ -281,13 +281,14 @@ impl Node {
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
-        if grant.notify.is_some() {
+        if grant.notify.is_some() || grant.channel.is_some() {
             self.expect_markers(&grant);
         }
         Ok(grant)
     }
 
-    /// Markers of `grant`'s notification are due on its connection: the fabric watches for them
+    /// Markers of `grant`'s notification (a channel grant: of its next batch) are due on its
+    /// connection: the fabric watches for them
     /// closely (verbs: the marker poller, `verbs.marker_spin`) until it is published, the grant
     /// ends or the budget runs out. Latency only; the markers are seen without it too.
     fn expect_markers(&self, grant: &Arc<Grant>) {
@@ -300,7 +301,7 @@ impl Node {
                 weak.upgrade().is_some_and(|g| {
                     g.lease.is_live()
                         && (g.notify.as_ref().is_some_and(|p| !p.is_published())
-                            || g.channel.as_ref().is_some_and(|c| c.unpublished() > 0))
+                            || g.channel.as_ref().is_some_and(|c| c.expecting()))
                 })
             }),
         );
