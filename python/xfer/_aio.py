@@ -5,6 +5,7 @@ import grpc
 from xfer import types as t
 from xfer._sync import make_channel
 from xfer.errors import NotFound, TransferFailed, Unavailable, from_rpc
+from xfer.ring import AsyncRing
 from xfer.shm import ShmRegion
 from xfer.v1 import xfer_pb2 as pb
 from xfer.v1 import xfer_pb2_grpc as rpc
@@ -199,6 +200,19 @@ class AsyncClient:
         # The agent answers with headers once it has subscribed.
         await _call(call.initial_metadata())
         return AsyncInbound(call)
+
+    async def watch_inbound_ring(self, region=None, tag=None, slots=0):
+        """``Client.watch_inbound_ring``: an AsyncRing, whose ``next`` is a coroutine."""
+        call = self._stub.WatchInboundRing(t.watch_inbound_ring_pb(region, tag, slots))
+        try:
+            m = await _call(call.read())
+            if m is grpc.aio.EOF:
+                raise Unavailable("WatchInboundRing ended without naming a ring")
+            info = t.RingInfo.from_pb(m)
+            return AsyncRing(info.object, info.length, call=call, expect=info)
+        except BaseException:
+            call.cancel()
+            raise
 
     async def open_channel(self, op, local, peer, remote, **kw):
         return await AsyncChannel.open(self._stub, t.channel_open_pb(op, local, peer, remote, **kw))

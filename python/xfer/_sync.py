@@ -5,6 +5,7 @@ import grpc
 
 from xfer import types as t
 from xfer.errors import NotFound, TransferFailed, Unavailable, from_rpc
+from xfer.ring import Ring
 from xfer.shm import ShmRegion
 from xfer.v1 import xfer_pb2 as pb
 from xfer.v1 import xfer_pb2_grpc as rpc
@@ -228,6 +229,24 @@ class Client:
         # The agent answers with headers once it has subscribed.
         _call(stream.initial_metadata)
         return Inbound(stream)
+
+    def watch_inbound_ring(self, region=None, tag=None, slots=0):
+        """Subscribes like ``watch_inbound``, through a shared-memory ring the agent writes and this
+        process maps (x86-64 only; see ``xfer.ring``): ``ring.next(timeout)`` / ``try_next()``.
+        ``slots``: a power of two, 16..65536 (0: the agent's 1024). Subscribed once this returns;
+        closing the ring ends the subscription and the agent removes the object."""
+        call = self._stub.WatchInboundRing(t.watch_inbound_ring_pb(region, tag, slots))
+        try:
+            info = t.RingInfo.from_pb(next(call))
+        except grpc.RpcError as e:
+            raise from_rpc(e) from None
+        except StopIteration:
+            raise Unavailable("WatchInboundRing ended without naming a ring") from None
+        try:
+            return Ring(info.object, info.length, call=call, expect=info)
+        except BaseException:
+            call.cancel()
+            raise
 
     def open_channel(self, op, local, peer, remote, **kw):
         try:

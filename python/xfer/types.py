@@ -82,6 +82,24 @@ class Notification:
 
 
 @dataclass
+class RingInfo:
+    """Where a ``WatchInboundRing`` subscription's ring is: the stream's one message."""
+
+    object: str
+    length: int
+    slots: int
+    slot_size: int
+
+    @staticmethod
+    def from_pb(r):
+        return RingInfo(r.object, r.length, r.slots, r.slot_size)
+
+
+def watch_inbound_ring_pb(region=None, tag=None, slots=0):
+    return pb.WatchInboundRingRequest(region=region or "", tag=tag, slots=slots or 0)
+
+
+@dataclass
 class BatchDone:
     seq: int
     bytes: int
