@@ -530,3 +530,167 @@ mod tests {
         assert_eq!(seen + lost, 20_000);
     }
 }
+
+/// Red team of the ring format: a hostile co-writer of the object (or a hostile agent) against
+/// the reader, and against the writer. Nothing here may panic, hang or touch memory outside
+/// the mapping; what the format cannot carry must be refused.
+#[cfg(test)]
+mod redteam_tests {
+    use super::*;
+    use std::io::Write;
+
+    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let len = ring_len(slots, slot_size);
+        f.write_all(&vec![0u8; len as usize]).unwrap();
+        let w = RingWriter::create(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap(), slots, slot_size).unwrap();
+        let r = RingReader::open(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap()).unwrap();
+        (w, r, f)
+    }
+
+    fn scribbler(f: &tempfile::NamedTempFile) -> RegionMemory {
+        let len = f.as_file().metadata().unwrap().len() as usize;
+        RegionMemory::map_file(f.as_file(), len, true).unwrap()
+    }
+
+    fn note(i: u64) -> RingNote {
+        RingNote {
+            seq: 0,
+            at_unix_ns: i,
+            offset: i,
+            length: 1,
+            op: RingOp::Write,
+            via: RingVia::Complete,
+            tag: format!("t{i}").into_bytes(),
+            region: "r".into(),
+            peer: "p".into(),
+        }
+    }
+
+    /// Heads a co-writer stores: far ahead (u64::MAX), behind what was read, and flipping. The
+    /// reader returns errors or notes, never panics, never reads outside its mapping, and makes
+    /// progress (no endless `Ok(None)` while the head is ahead of it).
+    #[test]
+    fn hostile_heads_never_panic_or_stall_the_reader() {
+        let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
+        let s = scribbler(&f);
+        for i in 0..5 {
+            w.publish(&note(i)).unwrap();
+        }
+        for _ in 0..5 {
+            r.try_next().unwrap().unwrap();
+        }
+        // Backwards.
+        s.store_u64(OFF_HEAD, 2, Ordering::SeqCst).unwrap();
+        assert!(matches!(r.try_next(), Err(RingError::Format(e)) if e.contains("went back")));
+        // Far ahead: lagged, then every call moves on.
+        s.store_u64(OFF_HEAD, u64::MAX, Ordering::SeqCst).unwrap();
+        assert_eq!(r.try_next(), Err(RingError::Lagged(u64::MAX - 16 - 5)));
+        let mut last = r.position();
+        for _ in 0..64 {
+            match r.try_next() {
+                Ok(Some(_)) | Err(RingError::Lagged(_)) => {}
+                Ok(None) => break,
+                other => panic!("{other:?}"),
+            }
+            assert!(r.position() > last || r.position() == u64::MAX);
+            last = r.position();
+        }
+        assert_eq!(r.position(), u64::MAX, "caught up with the head");
+        // The waiter does not sleep on a head that is not where it expects (the 30 s is a hang
+        // guard: it returns at once).
+        s.store_u64(OFF_HEAD, 7, Ordering::SeqCst).unwrap();
+        r.waiter().wait(Duration::from_secs(30)).unwrap();
+        assert!(matches!(r.try_next(), Err(RingError::Format(_))));
+        // Every slot's seq and lengths garbage, head one ahead of the reader.
+        let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
+        w.publish(&note(0)).unwrap();
+        let s = scribbler(&f);
+        let len = s.len();
+        s.write_at(HEADER, &vec![0xff; (len - HEADER) as usize]).unwrap();
+        s.store_u64(HEADER, 1, Ordering::SeqCst).unwrap();
+        assert!(matches!(r.try_next(), Err(RingError::Format(_))), "lengths past the slot, op 0xff");
+        for (off, bytes) in [(24usize, vec![1u8, 1]), (26, vec![1, 0, 1, 0, 1, 0])] {
+            s.write_at(HEADER + 8 + off as u64, &bytes).unwrap();
+        }
+        s.write_at(HEADER + SLOT_FIXED, &[0xff, 0xfe, 0xfd]).unwrap();
+        assert!(matches!(r.try_next(), Err(RingError::Format(e)) if e.contains("UTF-8")));
+        s.write_at(HEADER + SLOT_FIXED, b"tRP").unwrap();
+        assert_eq!(r.try_next().unwrap().unwrap().region, "R", "a forged slot reads as a note: the co-writer is trusted by the format");
+    }
+
+    /// The writer keeps its own geometry whatever the header says (slots 0, slot size u32::MAX,
+    /// head u64::MAX, waiters u32::MAX, flags): it writes only inside the ring and never blocks.
+    #[test]
+    fn the_writer_ignores_a_scribbled_header() {
+        let (mut w, _r, f) = pair(16, slot_size(8, 8, 8));
+        let s = scribbler(&f);
+        s.write_at(OFF_SLOT_SIZE, &u32::MAX.to_le_bytes()).unwrap();
+        s.write_at(OFF_SLOTS, &0u32.to_le_bytes()).unwrap();
+        s.write_at(OFF_FLAGS, &u32::MAX.to_le_bytes()).unwrap();
+        s.store_u64(OFF_HEAD, u64::MAX, Ordering::SeqCst).unwrap();
+        s.write_at(OFF_WAITERS, &u32::MAX.to_le_bytes()).unwrap();
+        s.write_at(OFF_WAKE, &u32::MAX.to_le_bytes()).unwrap();
+        let len = f.as_file().metadata().unwrap().len();
+        for i in 0..100 {
+            w.publish(&note(i)).unwrap();
+        }
+        w.close().unwrap();
+        assert_eq!(f.as_file().metadata().unwrap().len(), len);
+        assert_eq!(s.load_u64(OFF_HEAD, Ordering::SeqCst).unwrap(), 100);
+        assert_eq!(s.load_u32(OFF_WAKE, Ordering::SeqCst).unwrap(), 100, "wrapped from u32::MAX: 101 bumps");
+    }
+
+    /// The object truncated under a reader (to nothing, and inside its last page): errors, not
+    /// a SIGBUS death, and a waiter does not hang.
+    #[test]
+    fn truncation_under_the_reader_is_an_error() {
+        let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
+        w.publish(&note(0)).unwrap();
+        f.as_file().set_len(0).unwrap();
+        assert_eq!(r.try_next(), Err(RingError::Memory(MemError::Poisoned)));
+        assert!(r.waiter().wait(Duration::from_secs(30)).is_err());
+        // Inside the last page: no fault; the slot in it reads as zeros, which the seqlock
+        // rejects (no note made of zeros).
+        let (mut w, mut r, f) = pair(16, 4096 - 64);
+        let len = f.as_file().metadata().unwrap().len();
+        for i in 0..16 {
+            w.publish(&note(i)).unwrap();
+        }
+        for _ in 0..15 {
+            r.try_next().unwrap().unwrap();
+        }
+        f.as_file().set_len(len - 100).unwrap();
+        if let Ok(Some(n)) = r.try_next() {
+            assert_eq!(n.tag, b"t15", "the last slot, read whole or not at all");
+        }
+        assert!(w.publish(&note(16)).is_err(), "the writer sees the cut");
+    }
+
+    /// A slot can carry at most 64 + 3 x 65,535 bytes (three u16 lengths); a header announcing
+    /// wider slots (a hostile agent's, or a co-writer's before the reader opens) makes the
+    /// reader allocate and copy `slot_size` bytes on every `try_next` (up to 4 GiB). The reader
+    /// should refuse a slot size the format cannot fill.
+    #[test]
+    fn a_reader_refuses_slots_wider_than_the_format_can_fill() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let wide = 1u32 << 20;
+        f.as_file().set_len(ring_len(16, wide)).unwrap(); // sparse
+        let mem = RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap();
+        RingWriter::create(mem, 16, wide).unwrap();
+        let most = slot_size(u16::MAX as usize, u16::MAX as usize, u16::MAX as usize);
+        let opened = RingReader::open(RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap());
+        assert!(opened.is_err(), "a slot of {wide} bytes was accepted; no notification can use more than {most}");
+    }
+
+    /// The widest tag an agent may be configured to accept (`transfer.max_notify_bytes` up to
+    /// 65,536) must fit the format, or the agent silently drops it from every ring.
+    #[test]
+    fn the_agents_widest_tag_fits_a_slot() {
+        let ceiling = 64 << 10;
+        let (mut w, mut r, _f) = pair(16, slot_size(ceiling, 128, 253));
+        let n = RingNote { tag: vec![b'w'; ceiling], ..note(0) };
+        assert_eq!(w.publish(&n), Ok(()), "a {ceiling}-byte tag");
+        assert_eq!(r.try_next().unwrap().unwrap().tag.len(), ceiling);
+    }
+}
