@@ -288,11 +288,18 @@ pub struct RingSub {
     region_id: Option<String>,
     tag: Option<Vec<u8>>,
     writer: Mutex<xfer_rdma::ring::RingWriter>,
+    /// Set once a write failed (the object shrank, /dev/shm filled up): the ring is closed and
+    /// written no more, and the subscription ends with this reason.
+    failed: tokio::sync::watch::Sender<Option<String>>,
 }
 
 impl RingSub {
     pub fn new(region_id: Option<String>, tag: Option<Vec<u8>>, writer: xfer_rdma::ring::RingWriter) -> RingSub {
-        RingSub { region_id, tag, writer: Mutex::new(writer) }
+        RingSub { region_id, tag, writer: Mutex::new(writer), failed: tokio::sync::watch::channel(None).0 }
+    }
+
+    fn has_failed(&self) -> bool {
+        self.failed.borrow().is_some()
     }
 
     fn wants(&self, n: &Notification) -> bool {
@@ -319,9 +326,17 @@ impl RingSub {
             peer: n.peer.clone(),
         };
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if self.has_failed() {
+            return;
+        }
         if let Err(e) = w.publish(&note) {
-            // Slots are sized for the largest tag and names this agent accepts: not reached.
-            tracing::warn!(error = %e, "a notification was not written to a WatchInboundRing subscriber's ring");
+            // Slots hold the largest tag and names this agent accepts, so this is the object
+            // failing under the agent (cut short, or /dev/shm full): the ring is lost. Close it
+            // (a reader that can still see the flag stops) and end the subscription, which
+            // tells the reader through its stream even if it cannot.
+            tracing::warn!(error = %e, "a notification ring can no longer be written; ending its subscription");
+            let _ = w.close();
+            self.failed.send_replace(Some(format!("the agent can no longer write this notification ring ({e}); subscribe again")));
         }
     }
 
@@ -340,6 +355,22 @@ pub struct RingSlot {
     hub: std::sync::Weak<Hub>,
     sub: Arc<RingSub>,
     _slot: SubscriberSlot,
+}
+
+impl RingSlot {
+    /// Resolves with the reason once the ring cannot be written any more (never, normally).
+    pub async fn failed(&self) -> String {
+        let mut rx = self.sub.failed.subscribe();
+        let why = match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.clone(),
+            // The sender lives in `sub`, which this slot holds: not reached.
+            Err(_) => None,
+        };
+        match why {
+            Some(w) => w,
+            None => std::future::pending().await,
+        }
+    }
 }
 
 impl Drop for RingSlot {
@@ -443,9 +474,13 @@ impl Hub {
         };
         // No subscriber is not an error: nobody was waiting.
         let n = Arc::new(n);
-        // Rings first: their readers are the ones that poll.
-        for r in self.rings.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|r| r.wants(&n)) {
-            r.write(&n);
+        // Rings first: their readers are the ones that poll. A ring that failed is let go.
+        {
+            let mut rings = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+            for r in rings.iter().filter(|r| r.wants(&n)) {
+                r.write(&n);
+            }
+            rings.retain(|r| !r.has_failed());
         }
         {
             let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());

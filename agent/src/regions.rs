@@ -408,6 +408,11 @@ impl Drop for Reservation {
 /// Longest region name.
 pub const MAX_NAME_LEN: usize = 128;
 
+/// Names of the agent's own shm objects (notification rings) start with this; no region may
+/// create or adopt one (a region over a ring would let its holder forge notifications). A
+/// region's default object is `xfer-<name>`, which never does.
+pub const PRIVATE_SHM_PREFIX: &str = "xfer.ring.";
+
 /// An shm object name: one path component under the shm directory, never `.`-leading.
 fn validate_object_name(object: &str) -> Result<(), RegionError> {
     if object.is_empty() || object.contains('/') || object.starts_with('.') || object.len() > 255 || object.contains('\0') {
@@ -622,6 +627,11 @@ impl RegionRegistry {
             RegionKind::Shm => {
                 let object = spec.path.clone().filter(|p| !p.is_empty()).unwrap_or_else(|| format!("xfer-{}", spec.name));
                 validate_object_name(&object)?;
+                if object.starts_with(PRIVATE_SHM_PREFIX) {
+                    return Err(RegionError::Denied(format!(
+                        "shm object {object:?}: names starting with {PRIVATE_SHM_PREFIX:?} are the agent's own (notification rings)"
+                    )));
+                }
                 let may_create = match restored {
                     // Re-created only if the agent created it in the first place.
                     Some(e) => e.created_object,
@@ -811,12 +821,40 @@ impl RegionRegistry {
     /// never an existing one. The caller removes it with [`RegionRegistry::remove_private_shm`].
     pub fn create_private_shm(&self, object: &str, length: u64) -> Result<File, RegionError> {
         validate_object_name(object)?;
+        if !object.starts_with(PRIVATE_SHM_PREFIX) {
+            return Err(RegionError::Invalid(format!("a private shm object's name starts with {PRIVATE_SHM_PREFIX:?}: {object:?}")));
+        }
         self.open_shm(object, length, false, true).map(|(f, _)| f)
     }
 
     /// Removes an object [`RegionRegistry::create_private_shm`] made.
     pub fn remove_private_shm(&self, object: &str) {
         self.unlink_shm(object);
+    }
+
+    /// Removes the objects whose names start with `prefix` (one of [`PRIVATE_SHM_PREFIX`]) that
+    /// are regular files of the agent's uid: what an earlier run of this agent (same state dir)
+    /// left when it was killed. Returns how many.
+    pub fn sweep_private_shm(&self, prefix: &str) -> usize {
+        if !prefix.starts_with(PRIVATE_SHM_PREFIX) {
+            return 0;
+        }
+        let Ok(dir) = std::fs::read_dir(&self.policy.shm_dir) else { return 0 };
+        let me = nix::unistd::geteuid().as_raw();
+        let mut removed = 0;
+        for e in dir.flatten() {
+            let name = e.file_name();
+            let Some(name) = name.to_str() else { continue };
+            // symlink_metadata: a link planted under such a name is not followed, and not ours.
+            let ours = name.starts_with(prefix) && e.path().symlink_metadata().is_ok_and(|m| m.file_type().is_file() && m.uid() == me);
+            if ours && std::fs::remove_file(e.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            warn!(removed, prefix, "removed notification rings an earlier run of this agent left behind");
+        }
+        removed
     }
 
     /// Where the shm object `object` lives.

@@ -48,8 +48,8 @@ def until(cond, what, timeout=30):
 
 
 def ring_objects():
-    """The agent's ring objects (xfer-ring- and 16 hex digits) in /dev/shm."""
-    return {n for n in os.listdir(SHM) if re.fullmatch(r"xfer-ring-[0-9a-f]{16}", n)}
+    """The agent's ring objects (xfer.ring., an 8-hex-digit state-dir tag, '.', 16 hex digits) in /dev/shm."""
+    return {n for n in os.listdir(SHM) if re.fullmatch(r"xfer\.ring\.[0-9a-f]{8}\.[0-9a-f]{16}", n)}
 
 
 def mapped_by_others(name, pid):
@@ -291,11 +291,12 @@ def test_a_corrupt_or_hostile_ring_is_refused(agents, tmp_path):
                 ("short", lambda raw: raw.__delitem__(slice(HEADER_PLUS(ring), None)), "do not fit"),
                 ("tiny", lambda raw: raw.__delitem__(slice(100, None)), "less than its header"),
             ]
+            cases.append(("wide-slot", put32(12, 1 << 20), "slots of 1048576 bytes"))
             for what, patch, msg in cases:
                 with pytest.raises(xfer.FailedPrecondition, match=msg):
                     xring.Ring(copy(what, patch))
             # A slot whose lengths point past it is an error, not a crash or a garbage read.
-            bad = xring.Ring(copy("slot", lambda raw: raw.__setitem__(slice(256 + 34, 256 + 36), b"\xff\xff")))
+            bad = xring.Ring(copy("slot", lambda raw: raw.__setitem__(slice(256 + 40, 256 + 44), b"\xff\xff\xff\xff")))
             with pytest.raises(xfer.FailedPrecondition, match="lengths past its slot"):
                 bad.try_next()
             bad.close()
@@ -360,7 +361,7 @@ def test_a_reader_that_falls_behind_gets_data_loss_once_then_the_oldest_held_in_
 def test_other_processors_are_told_to_use_the_stream(monkeypatch):
     monkeypatch.setattr(xring.platform, "machine", lambda: "aarch64")
     with pytest.raises(xfer.FailedPrecondition, match="watch_inbound"):
-        xring.Ring("xfer-ring-0000000000000000")
+        xring.Ring("xfer.ring.00000000.0000000000000000")
 
 
 def test_a_reader_racing_the_agent_sees_no_torn_notification(agents):

@@ -33,6 +33,9 @@ MAGIC = b"XFERRING"
 VERSION = 1
 HEADER = 256
 SLOT_FIXED = 64
+MAX_TAG = 64 << 10
+# The largest slot: the largest tag and two names of at most 65,535 bytes (ring.rs MAX_SLOT_SIZE).
+MAX_SLOT_SIZE = -(-(SLOT_FIXED + MAX_TAG + 2 * 0xFFFF) // 64) * 64
 MIN_SLOTS = 16
 MAX_SLOTS = 1 << 16
 FLAG_CLOSED = 1
@@ -61,7 +64,7 @@ def check_platform():
 
 class Ring:
     """A reader of one notification ring. Made by ``Client.watch_inbound_ring``; may also be opened
-    directly over an object of /dev/shm (``Ring("xfer-ring-...")``), without a subscription.
+    directly over an object of /dev/shm (``Ring("xfer.ring....")``), without a subscription.
 
     ``object``, ``length``, ``slots`` and ``slot_size`` describe the ring; ``position`` is the
     number of the next notification this reader returns."""
@@ -116,9 +119,9 @@ class Ring:
         if not MIN_SLOTS <= slots <= MAX_SLOTS or slots & (slots - 1):
             raise FailedPrecondition(f"not a notification ring: {path} has {slots} slots, not a power of two "
                                      f"between {MIN_SLOTS} and {MAX_SLOTS}")
-        if slot_size < SLOT_FIXED or slot_size % 64:
+        if slot_size < SLOT_FIXED or slot_size > MAX_SLOT_SIZE or slot_size % 64:
             raise FailedPrecondition(f"not a notification ring: {path} has slots of {slot_size} bytes, "
-                                     f"not a multiple of 64 of at least {SLOT_FIXED}")
+                                     f"not a multiple of 64 from {SLOT_FIXED} to {MAX_SLOT_SIZE}")
         if length < HEADER + slots * slot_size:
             raise FailedPrecondition(f"not a notification ring: {slots} slots of {slot_size} bytes do not fit "
                                      f"in {path}'s {length} bytes")
@@ -216,9 +219,9 @@ class Ring:
 
     def _parse(self, n, b):
         """A slot's body (after seq) as a Notification (offsets below are of the slot minus 8)."""
-        tag_len = int.from_bytes(b[26:28], "little")
         region_len = int.from_bytes(b[28:30], "little")
         peer_len = int.from_bytes(b[30:32], "little")
+        tag_len = int.from_bytes(b[32:36], "little")
         var = SLOT_FIXED - 8
         if tag_len + region_len + peer_len > len(b) - var:
             raise FailedPrecondition(f"notification ring {self.object}: notification {n} has lengths past its slot")

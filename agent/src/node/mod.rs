@@ -52,6 +52,10 @@ pub use responder::{GrantParams, InboundRing, NotifyAsk};
 use responder::AcceptedConn;
 
 pub struct Node {
+    /// Names of this agent's notification rings start with this: the private prefix and a tag of
+    /// the state dir, so a restart on the same state dir finds (and removes) what a killed run
+    /// left, and never another agent's.
+    ring_prefix: String,
     config: Config,
     fabric: Arc<dyn Fabric>,
     fabric_reason: String,
@@ -117,7 +121,14 @@ impl Node {
             policy,
         );
         let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), connector, config.limits.max_peers);
+        let ring_prefix = format!(
+            "{}{:08x}.",
+            crate::regions::PRIVATE_SHM_PREFIX,
+            xxhash_rust::xxh3::xxh3_64(std::fs::canonicalize(&config.state_dir).unwrap_or_else(|_| config.state_dir.clone()).as_os_str().as_encoded_bytes()) as u32
+        );
+        regions.sweep_private_shm(&ring_prefix);
         Arc::new(Node {
+            ring_prefix,
             regions,
             grants,
             transfers: TransferRegistry::new(TRANSFER_HISTORY),

@@ -65,6 +65,17 @@ pub struct InboundRing {
     _reservation: crate::regions::Reservation,
 }
 
+impl InboundRing {
+    /// Resolves with the reason once the agent cannot write the ring any more (the object was
+    /// cut short, or the shm filesystem filled up); the subscription should then end.
+    pub async fn failed(&self) -> String {
+        match &self.slot {
+            Some(s) => s.failed().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
 impl Drop for InboundRing {
     fn drop(&mut self) {
         drop(self.slot.take());
@@ -401,7 +412,7 @@ impl Node {
     fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), TransferError> {
         let mut last = None;
         for _ in 0..4 {
-            let object = format!("xfer-ring-{:016x}", rand::random::<u64>());
+            let object = format!("{}{:016x}", self.ring_prefix, rand::random::<u64>());
             match self.regions.create_private_shm(&object, length) {
                 Ok(f) => return Ok((object, f)),
                 Err(e @ crate::regions::RegionError::ShmExists { .. }) => last = Some(e),

@@ -212,6 +212,11 @@ pub fn lagged_status(missed: u64) -> Status {
     Status::data_loss(format!("this subscriber fell {missed} notifications behind and missed them; subscribe again"))
 }
 
+/// A `WatchInboundRing` subscription whose ring the agent can no longer write ends with this.
+pub fn ring_failed_status(why: &str) -> Status {
+    Status::data_loss(why.to_string())
+}
+
 /// A `WatchInboundRing` subscription's one message: where its ring is.
 pub fn inbound_ring_to_pb(r: &crate::node::InboundRing) -> pb::InboundRing {
     pb::InboundRing { object: r.object.clone(), length: r.length, slots: r.slots, slot_size: r.slot_size }

@@ -453,15 +453,16 @@ impl Agent for Services {
         let first = inbound_ring_to_pb(&ring);
         info!(object = %ring.object, slots = ring.slots, "notification ring opened");
         // One message, then the stream stays open holding the ring: when the caller closes it
-        // (or goes away), tonic drops the stream and with it the ring and its object.
+        // (or goes away), tonic drops the stream and with it the ring and its object. A ring the
+        // agent can no longer write ends the stream with DATA_LOSS.
         let stream = futures::stream::unfold(Some((ring, Some(first))), |st| async move {
             let (ring, first) = st?;
             match first {
                 Some(m) => Some((Ok(m), Some((ring, None)))),
                 None => {
-                    let _held = ring;
-                    futures::future::pending::<()>().await;
-                    None
+                    let why = ring.failed().await;
+                    warn!(object = %ring.object, "notification ring failed: {why}");
+                    Some((Err(ring_failed_status(&why)), None))
                 }
             }
         });

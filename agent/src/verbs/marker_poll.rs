@@ -108,10 +108,20 @@ impl Polled {
     }
 }
 
+/// Asks kept per connection besides the current one: a peer asking faster than its asks
+/// expire (grants and announcements every few µs) cannot grow this thread's state.
+const MAX_ASKS: usize = 64;
+
 /// Adds `h` to `polled`, as one more reason to poll its connection if that is polled already.
 fn add(polled: &mut Vec<Polled>, h: Hot) {
     match polled.iter_mut().find(|p| Weak::ptr_eq(&p.hot.inner, &h.inner)) {
-        Some(p) => p.more.push((h.until, h.waiting)),
+        Some(p) => {
+            if p.more.len() >= MAX_ASKS {
+                // The oldest ask goes: the newest is the one whose markers are still coming.
+                drop(p.more.remove(0));
+            }
+            p.more.push((h.until, h.waiting));
+        }
         None => polled.push(Polled { hot: h, more: Vec::new() }),
     }
 }

@@ -296,7 +296,7 @@ async fn a_ring_delivers_notifications_in_shared_memory() {
     let dst = consumer.create_shm_region(&pb, POOL).await.unwrap();
     consumer.create_region(&other, POOL).await.unwrap();
     let shm_objects = || -> Vec<String> {
-        std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("xfer-ring-")).collect()
+        std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("xfer.ring.")).collect()
     };
     let before = shm_objects();
 

@@ -406,6 +406,18 @@ impl RegionMemory {
         self.guarded()
     }
 
+    /// Atomically stores `v` into the aligned 32-bit word at `offset` even if the mapping is
+    /// poisoned: a last word to readers (a ring's closed flag) when nothing else can be written.
+    /// The store lands in the file if its page is still there, in a private zero page (the
+    /// SIGBUS guard's) otherwise; either way it stays inside the mapping.
+    pub fn store_u32_unguarded(&self, offset: u64, v: u32, order: Ordering) -> Result<(), MemError> {
+        let p = self.word::<u32>(offset, true)?;
+        // SAFETY: as in `load_u64`, on a writable mapping; a page past the file's end raises a
+        // SIGBUS that the guard turns into a private zero page, so the store cannot fault.
+        unsafe { AtomicU32::from_ptr(p) }.store(v, order);
+        Ok(())
+    }
+
     /// Atomically loads the aligned 32-bit word at `offset` with `order`.
     pub fn load_u32(&self, offset: u64, order: Ordering) -> Result<u32, MemError> {
         let p = self.word::<u32>(offset, false)?;

@@ -24,8 +24,11 @@
 //!   only if both are `n + 1`).
 //! * 8: `at` (u64, ns since the Unix epoch: when the agent published it); 16: offset (u64);
 //!   24: length (u64); 32: op (u8: 1 WRITE, 2 READ); 33: via (u8: 1 fabric, 2 complete);
-//!   34: tag length (u16); 36: region name length (u16); 38: peer name length (u16).
+//!   34: reserved (u16, 0); 36: region name length (u16); 38: peer name length (u16);
+//!   40: tag length (u32: tags reach 64 KiB, `transfer.max_notify_bytes`'s ceiling).
 //! * 64: the tag, then the region's name, then the peer's name.
+//!
+//! Slots are at most [`MAX_SLOT_SIZE`] bytes: what the largest tag and names need.
 //!
 //! A reader that falls more than `slots` behind has lost the oldest notifications: it is told
 //! how many ([`RingError::Lagged`]) and goes on from the oldest one still in the ring.
@@ -50,6 +53,10 @@ const OFF_HEAD: u64 = 64;
 const OFF_WAKE: u64 = 128;
 const OFF_WAITERS: u64 = 132;
 const FLAG_CLOSED: u32 = 1;
+/// Largest tag a ring carries (the agent's `transfer.max_notify_bytes` ceiling).
+pub const MAX_TAG: usize = 64 << 10;
+/// Largest slot: the largest tag and two names of at most `u16::MAX` bytes.
+pub const MAX_SLOT_SIZE: u32 = ((SLOT_FIXED as usize + MAX_TAG + 2 * u16::MAX as usize).div_ceil(64) * 64) as u32;
 /// Fewest and most slots a ring may have.
 pub const MIN_SLOTS: u32 = 16;
 pub const MAX_SLOTS: u32 = 1 << 16;
@@ -108,6 +115,14 @@ pub fn ring_len(slots: u32, slot_size: u32) -> u64 {
     HEADER + u64::from(slots) * u64::from(slot_size)
 }
 
+/// Checks a slot size: a multiple of 64 from [`SLOT_FIXED`] to [`MAX_SLOT_SIZE`].
+fn check_slot_size(slot_size: u32) -> Result<(), RingError> {
+    if slot_size < SLOT_FIXED as u32 || slot_size > MAX_SLOT_SIZE || !slot_size.is_multiple_of(64) {
+        return Err(RingError::Format(format!("slot size {slot_size}: a multiple of 64 from {SLOT_FIXED} to {MAX_SLOT_SIZE}")));
+    }
+    Ok(())
+}
+
 /// Checks a slot count: a power of two in `MIN_SLOTS..=MAX_SLOTS`.
 pub fn check_slots(slots: u32) -> Result<(), String> {
     if !(MIN_SLOTS..=MAX_SLOTS).contains(&slots) || !slots.is_power_of_two() {
@@ -130,9 +145,7 @@ impl RingWriter {
     /// reader has mapped yet).
     pub fn create(mem: RegionMemory, slots: u32, slot_size: u32) -> Result<RingWriter, RingError> {
         check_slots(slots).map_err(RingError::Format)?;
-        if slot_size < SLOT_FIXED as u32 || !slot_size.is_multiple_of(64) {
-            return Err(RingError::Format(format!("slot size {slot_size}")));
-        }
+        check_slot_size(slot_size)?;
         if mem.len() < ring_len(slots, slot_size) {
             return Err(RingError::Format(format!("{} bytes hold no ring of {slots} x {slot_size}", mem.len())));
         }
@@ -159,7 +172,7 @@ impl RingWriter {
     /// the slot holds are refused (the agent sizes slots for its largest tag and names).
     pub fn publish(&mut self, note: &RingNote) -> Result<(), RingError> {
         let var = note.tag.len() + note.region.len() + note.peer.len();
-        if var > self.capacity() || note.tag.len() > u16::MAX as usize || note.region.len() > u16::MAX as usize || note.peer.len() > u16::MAX as usize {
+        if var > self.capacity() || note.tag.len() > MAX_TAG || note.region.len() > u16::MAX as usize || note.peer.len() > u16::MAX as usize {
             return Err(RingError::Format(format!("a notification of {var} bytes of tag and names; slots hold {}", self.capacity())));
         }
         let n = self.head;
@@ -173,9 +186,10 @@ impl RingWriter {
         body.extend_from_slice(&note.length.to_le_bytes());
         body.push(note.op as u8);
         body.push(note.via as u8);
-        body.extend_from_slice(&(note.tag.len() as u16).to_le_bytes());
+        body.extend_from_slice(&0u16.to_le_bytes());
         body.extend_from_slice(&(note.region.len() as u16).to_le_bytes());
         body.extend_from_slice(&(note.peer.len() as u16).to_le_bytes());
+        body.extend_from_slice(&(note.tag.len() as u32).to_le_bytes());
         body.resize(SLOT_FIXED as usize - 8, 0);
         body.extend_from_slice(&note.tag);
         body.extend_from_slice(note.region.as_bytes());
@@ -187,10 +201,20 @@ impl RingWriter {
         self.wake()
     }
 
-    /// Marks the ring closed (nothing more will be published) and wakes its readers.
+    /// Marks the ring closed (nothing more will be published) and wakes its readers. Also when
+    /// the ring can no longer be written (its object was cut short): the flag is stored anyway,
+    /// so a reader that still sees the header page learns the ring is over.
     pub fn close(&mut self) -> Result<(), RingError> {
-        if self.mem.load_u32(OFF_FLAGS, Ordering::Relaxed)? & FLAG_CLOSED == 0 {
-            self.mem.fetch_add_u32(OFF_FLAGS, FLAG_CLOSED, Ordering::SeqCst)?;
+        let closed = match self.mem.load_u32(OFF_FLAGS, Ordering::Relaxed) {
+            Ok(f) if f & FLAG_CLOSED != 0 => Ok(()),
+            Ok(_) => self.mem.fetch_add_u32(OFF_FLAGS, FLAG_CLOSED, Ordering::SeqCst).map(drop),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = closed {
+            self.mem.store_u32_unguarded(OFF_FLAGS, FLAG_CLOSED, Ordering::SeqCst)?;
+            let _ = self.mem.fetch_add_u32(OFF_WAKE, 1, Ordering::SeqCst);
+            let _ = self.mem.futex_wake(OFF_WAKE);
+            return Err(e.into());
         }
         self.wake()
     }
@@ -235,7 +259,8 @@ impl RingReader {
             return Err(RingError::Format(format!("version {version}, this reader knows {VERSION}")));
         }
         check_slots(slots).map_err(RingError::Format)?;
-        if slot_size < SLOT_FIXED as u32 || !slot_size.is_multiple_of(64) || mem.len() < ring_len(slots, slot_size) {
+        check_slot_size(slot_size)?;
+        if mem.len() < ring_len(slots, slot_size) {
             return Err(RingError::Format(format!("{slots} slots of {slot_size} bytes in {} bytes", mem.len())));
         }
         let head = mem.load_u64(OFF_HEAD, Ordering::Acquire)?;
@@ -278,13 +303,22 @@ impl RingReader {
             // Overwritten (or being overwritten) by a later notification.
             return Err(self.lag_from_head());
         }
-        let mut body = vec![0u8; self.slot_size as usize - 8];
-        self.mem.read_at_poll(slot + 8, &mut body)?;
+        // The fixed part, then only the bytes its lengths name (checked against the slot).
+        let mut fixed = [0u8; SLOT_FIXED as usize - 8];
+        self.mem.read_at_poll(slot + 8, &mut fixed)?;
+        let (region_len, peer_len, tag_len) = lengths(&fixed);
+        let var_len = tag_len + region_len + peer_len;
+        let fits = var_len <= self.slot_size as usize - SLOT_FIXED as usize;
+        let mut var = vec![0u8; if fits { var_len } else { 0 }];
+        self.mem.read_at_poll(slot + SLOT_FIXED, &mut var)?;
         fence(Ordering::Acquire);
         if self.mem.load_u64(slot, Ordering::Relaxed)? != s1 {
             return Err(self.lag_from_head());
         }
-        let note = parse(n, &body)?;
+        if !fits {
+            return Err(RingError::Format(format!("notification {n}: lengths past its slot")));
+        }
+        let note = parse(n, &fixed, &var)?;
         self.next = n + 1;
         Ok(Some(note))
     }
@@ -356,22 +390,27 @@ impl RingWaiter {
     }
 }
 
-/// A slot's body (after seq) as notification `n`.
-fn parse(n: u64, b: &[u8]) -> Result<RingNote, RingError> {
-    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
-    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
-    // Offsets below are of the slot minus its 8-byte seq.
-    let (tag_len, region_len, peer_len) = (u16_at(26), u16_at(28), u16_at(30));
-    let var = &b[SLOT_FIXED as usize - 8..];
-    if tag_len + region_len + peer_len > var.len() {
+/// Region name, peer name and tag lengths of a slot's fixed part (after seq).
+fn lengths(f: &[u8; SLOT_FIXED as usize - 8]) -> (usize, usize, usize) {
+    let u16_at = |o: usize| u16::from_le_bytes([f[o], f[o + 1]]) as usize;
+    let tag = u32::from_le_bytes([f[32], f[33], f[34], f[35]]) as usize;
+    (u16_at(28), u16_at(30), tag)
+}
+
+/// A slot as notification `n`: its fixed part (after seq) and its variable part (exactly the
+/// tag and names its lengths say).
+fn parse(n: u64, f: &[u8; SLOT_FIXED as usize - 8], var: &[u8]) -> Result<RingNote, RingError> {
+    let u64_at = |o: usize| u64::from_le_bytes([f[o], f[o + 1], f[o + 2], f[o + 3], f[o + 4], f[o + 5], f[o + 6], f[o + 7]]);
+    let (region_len, peer_len, tag_len) = lengths(f);
+    if tag_len + region_len + peer_len != var.len() {
         return Err(RingError::Format(format!("notification {n}: lengths past its slot")));
     }
-    let op = match b[24] {
+    let op = match f[24] {
         1 => RingOp::Write,
         2 => RingOp::Read,
         x => return Err(RingError::Format(format!("notification {n}: op {x}"))),
     };
-    let via = match b[25] {
+    let via = match f[25] {
         1 => RingVia::Fabric,
         2 => RingVia::Complete,
         x => return Err(RingError::Format(format!("notification {n}: via {x}"))),
@@ -386,7 +425,7 @@ fn parse(n: u64, b: &[u8]) -> Result<RingNote, RingError> {
         via,
         tag: var[..tag_len].to_vec(),
         region: text(&var[tag_len..tag_len + region_len])?,
-        peer: text(&var[tag_len + region_len..tag_len + region_len + peer_len])?,
+        peer: text(&var[tag_len + region_len..])?,
     })
 }
 
@@ -490,7 +529,7 @@ mod tests {
         // panic.
         let (mut w, mut r, f) = pair(16, slot_size(8, 8, 8));
         w.publish(&note(0)).unwrap();
-        RegionMemory::map_file(f.as_file(), len, true).unwrap().write_at(HEADER + 8 + 26, &u16::MAX.to_le_bytes()).unwrap();
+        RegionMemory::map_file(f.as_file(), len, true).unwrap().write_at(HEADER + 40, &u32::MAX.to_le_bytes()).unwrap();
         assert!(matches!(r.try_next(), Err(RingError::Format(_))));
     }
 
@@ -610,7 +649,7 @@ mod redteam_tests {
         s.write_at(HEADER, &vec![0xff; (len - HEADER) as usize]).unwrap();
         s.store_u64(HEADER, 1, Ordering::SeqCst).unwrap();
         assert!(matches!(r.try_next(), Err(RingError::Format(_))), "lengths past the slot, op 0xff");
-        for (off, bytes) in [(24usize, vec![1u8, 1]), (26, vec![1, 0, 1, 0, 1, 0])] {
+        for (off, bytes) in [(24usize, vec![1u8, 1]), (28, vec![1, 0, 1, 0, 1, 0, 0, 0])] {
             s.write_at(HEADER + 8 + off as u64, &bytes).unwrap();
         }
         s.write_at(HEADER + SLOT_FIXED, &[0xff, 0xfe, 0xfd]).unwrap();
@@ -677,7 +716,10 @@ mod redteam_tests {
         let wide = 1u32 << 20;
         f.as_file().set_len(ring_len(16, wide)).unwrap(); // sparse
         let mem = RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap();
-        RingWriter::create(mem, 16, wide).unwrap();
+        // The writer refuses such a slot itself: lay out a valid ring, then widen its header.
+        assert!(RingWriter::create(RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap(), 16, wide).is_err());
+        RingWriter::create(mem, 16, 64).unwrap();
+        RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap().write_at(OFF_SLOT_SIZE, &wide.to_le_bytes()).unwrap();
         let most = slot_size(u16::MAX as usize, u16::MAX as usize, u16::MAX as usize);
         let opened = RingReader::open(RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap());
         assert!(opened.is_err(), "a slot of {wide} bytes was accepted; no notification can use more than {most}");
