@@ -299,9 +299,9 @@ impl Node {
     }
 
     /// Markers of `grant`'s notification (a channel grant: of its next batch) are due on its
-    /// connection: the fabric watches for them
-    /// closely (verbs: the marker poller, `verbs.marker_spin`) until it is published, the grant
-    /// ends or the budget runs out. Latency only; the markers are seen without it too.
+    /// connection: the fabric watches for them closely (verbs: the marker poller,
+    /// `verbs.marker_spin`) until it is published, the grant ends or the budget runs out.
+    /// Latency only; the markers are seen without it too.
     fn expect_markers(&self, grant: &Arc<Grant>) {
         let Some(conn) = self.accepted_by(grant.connection_id.as_ref(), &grant.peer) else { return };
         let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
@@ -350,14 +350,7 @@ impl Node {
         region: &str,
         tag: Option<&[u8]>,
     ) -> Result<crate::notify::Subscription, TransferError> {
-        let max = self.config.transfer.max_notify_bytes;
-        if tag.is_some_and(|t| t.len() > max) {
-            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
-        }
-        let id = match region {
-            "" => None,
-            r => Some(self.regions.get(r)?.id.clone()),
-        };
+        let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
         self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
             TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
@@ -372,14 +365,8 @@ impl Node {
     pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
         let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
         xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
+        let id = self.inbound_filter(region, tag)?;
         let max = self.config.transfer.max_notify_bytes;
-        if tag.is_some_and(|t| t.len() > max) {
-            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
-        }
-        let id = match region {
-            "" => None,
-            r => Some(self.regions.get(r)?.id.clone()),
-        };
         // Slots hold the largest tag, region name and peer identity this agent produces.
         let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
         let length = xfer_rdma::ring::ring_len(slots, slot_size);
@@ -406,6 +393,19 @@ impl Node {
         crate::metrics::inbound_rings(1);
         let path = self.regions.shm_path(&object);
         Ok(InboundRing { object, length, slots, slot_size, slot: Some(slot), path, _reservation: reservation })
+    }
+
+    /// A subscription's filter checked: the region (a name or id, resolved now to its id; empty =
+    /// every region) and a tag no longer than any this agent accepts.
+    fn inbound_filter(&self, region: &str, tag: Option<&[u8]>) -> Result<Option<String>, TransferError> {
+        let max = self.config.transfer.max_notify_bytes;
+        if tag.is_some_and(|t| t.len() > max) {
+            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
+        }
+        Ok(match region {
+            "" => None,
+            r => Some(self.regions.get(r)?.id.clone()),
+        })
     }
 
     /// A new, randomly named shm object for a ring (a name taken by someone else is skipped).
