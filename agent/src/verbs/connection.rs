@@ -852,7 +852,7 @@ impl VerbsAccepted {
         if !self.inner.polls_markers() {
             return;
         }
-        self.poller.expect(super::marker_poll::Hot {
+        self.poller.watch(super::marker_poll::Hot {
             inner: Arc::downgrade(&self.inner),
             id: self.id.clone(),
             markers: self.markers.clone(),

@@ -55,7 +55,7 @@ impl MarkerPoller {
     /// Polls connection `hot` (its `until` is capped by the budget). Does nothing when the
     /// budget is zero or the thread cannot be started (the receive task still sees the
     /// markers).
-    pub fn expect(&self, mut hot: Hot) {
+    pub fn watch(&self, mut hot: Hot) {
         if self.budget.is_zero() {
             return;
         }

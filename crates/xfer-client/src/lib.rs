@@ -469,7 +469,11 @@ impl Client {
     /// two from 16 to 65,536; 0 = 1,024. Subscribed when this returns.
     pub async fn watch_inbound_ring(&self, region: Option<&str>, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing> {
         let req = pb::WatchInboundRingRequest { region: region.unwrap_or_default().into(), tag: tag.map(<[u8]>::to_vec), slots };
-        InboundRing::open(self.agent.clone().watch_inbound_ring(req).await?.into_inner()).await
+        let mut stream = self.agent.clone().watch_inbound_ring(req).await?.into_inner();
+        let first = stream.message().await?.ok_or_else(|| Error::Protocol("WatchInboundRing sent no ring".into()))?;
+        // After the ring, the stream only ever ends: with a status when the agent ended it.
+        let rest = stream.map(|m| m.map(drop).map_err(Error::from)).boxed();
+        InboundRing::open(&first.object, first.length, rest)
     }
 
     // ------------------------------------------------------------------ channels

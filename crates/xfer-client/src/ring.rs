@@ -12,7 +12,10 @@ use std::time::{Duration, SystemTime};
 
 use xfer_rdma::ring::{RingError, RingNote, RingOp, RingReader, RingVia};
 
-use crate::{proto as pb, Error, Notification, Op, Result};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+
+use crate::{Error, Notification, Op, Result};
 
 /// How long [`InboundRing::next`] polls before it sleeps on the ring's futex.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
@@ -22,8 +25,9 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// A live ring subscription.
 pub struct InboundRing {
     reader: RingReader,
-    /// Held open: the subscription ends when it closes.
-    stream: tonic::Streaming<pb::InboundRing>,
+    /// The subscription's stream after its one message, held open: the subscription ends when
+    /// it closes. It yields only its end (an error: the agent ended it).
+    stream: BoxStream<'static, Result<()>>,
     object: String,
     spin: Duration,
 }
@@ -35,12 +39,11 @@ impl std::fmt::Debug for InboundRing {
 }
 
 impl InboundRing {
-    /// Maps the ring the stream's first message names.
-    pub(crate) async fn open(mut stream: tonic::Streaming<pb::InboundRing>) -> Result<InboundRing> {
-        let first = stream.message().await?.ok_or_else(|| Error::Protocol("WatchInboundRing sent no ring".into()))?;
-        let mem = crate::shm::map_object(&first.object, first.length)?;
-        let reader = RingReader::open(mem).map_err(|e| ring_error(&first.object, e))?;
-        Ok(InboundRing { reader, stream, object: first.object, spin: DEFAULT_SPIN })
+    /// Maps the ring `object` (`length` bytes) that the subscription `stream` holds.
+    pub(crate) fn open(object: &str, length: u64, stream: BoxStream<'static, Result<()>>) -> Result<InboundRing> {
+        let mem = crate::shm::map_object(object, length)?;
+        let reader = RingReader::open(mem).map_err(|e| ring_error(object, e))?;
+        Ok(InboundRing { reader, stream, object: object.to_string(), spin: DEFAULT_SPIN })
     }
 
     /// The shm object's name (under /dev/shm).
@@ -87,10 +90,10 @@ impl InboundRing {
                     r.map_err(|e| Error::Protocol(format!("ring wait: {e}")))?.map_err(|e| ring_error(&self.object, e))?;
                 }
                 // The only thing the stream sends after the ring is its end.
-                m = self.stream.message() => {
+                m = self.stream.next() => {
                     return Err(match m {
-                        Err(s) => Error::from(s),
-                        Ok(_) => Error::Unavailable(format!("the agent ended notification ring {}", self.object)),
+                        Some(Err(e)) => e,
+                        _ => Error::Unavailable(format!("the agent ended notification ring {}", self.object)),
                     });
                 }
             }
