@@ -345,7 +345,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let local = local_addr("listen", cfg.listen, &listener)?;
     let health = tonic_health::server::HealthReporter::new();
     let router = Services::new(node.clone())
-        .router(cfg.limits.max_message_size.0 as usize, tls.as_deref(), health.clone())
+        .router(cfg.limits.max_message_size.0 as usize, cfg.limits.grpc_keepalive(), tls.as_deref(), health.clone())
         .await
         .map_err(StartError::Grpc)?;
     // gRPC stops accepting when draining starts; in-flight transfers keep their connections.
@@ -373,7 +373,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
             let (listener, file) = bind_unix(path, cfg.unix_mode.0, gid)?;
             drop(lock);
             let router = Services::new(node.clone())
-                .local_router(cfg.limits.max_message_size.0 as usize, &health)
+                .local_router(cfg.limits.max_message_size.0 as usize, cfg.limits.grpc_keepalive(), &health)
                 .map_err(StartError::Grpc)?;
             let stop = stop_grpc.clone();
             // Counted and capped like the gRPC port, with the same back-off on EMFILE: local

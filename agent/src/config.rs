@@ -177,6 +177,17 @@ pub struct LimitsConfig {
     /// Entries in the peer pool (peer agents by address); the least recently used idle one is
     /// evicted.
     pub max_peers: usize,
+    /// The gRPC servers (network port and unix socket) ping every connection this often and
+    /// close one that does not answer within as long again, with every stream on it (0 = never
+    /// ping): what a vanished client held — a notification ring, a channel — is given back.
+    pub grpc_keepalive: HumanDuration,
+}
+
+impl LimitsConfig {
+    /// `grpc_keepalive`, `None` when off.
+    pub fn grpc_keepalive(&self) -> Option<Duration> {
+        Some(self.grpc_keepalive.0).filter(|d| !d.is_zero())
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -448,6 +459,7 @@ impl Default for LimitsConfig {
             data_idle_timeout: HumanDuration(Duration::from_secs(300)),
             data_payload_timeout: HumanDuration(Duration::from_secs(30)),
             max_peers: 1024,
+            grpc_keepalive: HumanDuration(Duration::from_secs(30)),
         }
     }
 }
@@ -900,6 +912,7 @@ mod tests {
         assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
         assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
         assert_eq!(c.limits.data_payload_timeout.0, Duration::from_secs(30));
+        assert_eq!(c.limits.grpc_keepalive(), Some(Duration::from_secs(30)));
         assert_eq!(c.limits.max_peers, 1024);
         let c = Config::load(
             None,

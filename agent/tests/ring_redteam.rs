@@ -688,3 +688,52 @@ async fn rings_of_a_killed_agent_do_not_outlive_its_restart() {
     let _ = b.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap();
     assert!(!path.exists(), "{} is still in /dev/shm after the agent that made it restarted", ring.object);
 }
+
+/// A client whose host vanishes (here: a proxy between it and the agent that stops passing
+/// bytes either way, as a dead host or a cut link does, with no FIN and no RST) must not keep
+/// its ring for ever: the agent's HTTP/2 keepalive (`limits.grpc_keepalive`, 1 s here) finds the
+/// connection dead, ends its streams, closes the ring and removes the object. A live client on
+/// another connection keeps its ring. (Found by the red team: no keepalive on the server.)
+#[tokio::test]
+async fn a_vanished_clients_ring_is_given_back() {
+    use tokio::io::AsyncWriteExt;
+    let a = Agent::start_env("node-a", &[("XFER_LIMITS__GRPC_KEEPALIVE", "1s")]);
+    // The proxy: forwards both ways until `cut`, then holds both sockets open and silent.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = listener.local_addr().unwrap();
+    let cut = std::sync::Arc::new(tokio::sync::Notify::new());
+    let agent_addr = a.addr();
+    let cut2 = cut.clone();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let server = tokio::net::TcpStream::connect(agent_addr).await.unwrap();
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        let pump = async {
+            tokio::select! {
+                _ = tokio::io::copy(&mut cr, &mut sw) => {}
+                _ = tokio::io::copy(&mut sr, &mut cw) => {}
+            }
+        };
+        tokio::select! {
+            _ = pump => {}
+            _ = cut2.notified() => {}
+        }
+        // Silent from here on: keep the halves alive, send nothing, read nothing.
+        let _held = (cr, cw, sr);
+        let _ = sw.flush().await;
+        std::future::pending::<()>().await;
+    });
+    let ch = Channel::from_shared(format!("http://{proxy}")).unwrap().connect().await.unwrap();
+    let mut vanishing = AgentClient::new(ch);
+    let (_s, gone) = open_ring(&mut vanishing, ring_req("", None, 16)).await.unwrap();
+    let _sweep = Sweep(vec![gone.object.clone()]);
+    let (_live_s, live) = open_ring(&mut a.client().await, ring_req("", None, 16)).await.unwrap();
+    let _sweep2 = Sweep(vec![live.object.clone()]);
+    wait_gauge(&a, GAUGE, 2.0).await;
+    cut.notify_one();
+    let path = PathBuf::from(SHM).join(&gone.object);
+    eventually("the vanished client's ring is removed", || !path.exists()).await;
+    wait_gauge(&a, GAUGE, 1.0).await;
+    assert!(PathBuf::from(SHM).join(&live.object).exists(), "the live client's ring stays");
+}

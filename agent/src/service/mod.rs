@@ -37,6 +37,14 @@ pub struct Services {
     node: Arc<Node>,
 }
 
+/// A server builder that pings every connection each `keepalive` and closes one whose peer
+/// does not answer within another `keepalive` (`limits.grpc_keepalive`): a client whose host
+/// vanished would otherwise hold its streams — a `WatchInboundRing` subscription's ring, its
+/// bytes and its subscriber place, a channel's grant — until TCP gave up, if ever.
+fn keepalive_server(keepalive: Option<std::time::Duration>) -> tonic::transport::Server {
+    tonic::transport::Server::builder().http2_keepalive_interval(keepalive).http2_keepalive_timeout(keepalive)
+}
+
 impl Services {
     pub fn new(node: Arc<Node>) -> Self {
         Services { node }
@@ -49,6 +57,7 @@ impl Services {
     pub async fn router(
         self,
         max_message: usize,
+        keepalive: Option<std::time::Duration>,
         tls: Option<&tls::TlsMaterial>,
         health: tonic_health::server::HealthReporter,
     ) -> Result<Router, String> {
@@ -63,7 +72,7 @@ impl Services {
         };
         let reflection_v1 = reflection().build_v1().map_err(|e| e.to_string())?;
         let reflection_v1alpha = reflection().build_v1alpha().map_err(|e| e.to_string())?;
-        let mut server = tonic::transport::Server::builder();
+        let mut server = keepalive_server(keepalive);
         let auth = match tls {
             Some(t) => {
                 server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
@@ -87,13 +96,13 @@ impl Services {
     /// The router of the local unix socket (`unix_listen`): `xfer.v1.Agent`, health and
     /// reflection, no TLS, every caller a client known by its uid ([`auth::Authenticator::Local`]).
     /// `xfer.v1.Peer` is not served there: peers are other nodes.
-    pub fn local_router(self, max_message: usize, health: &tonic_health::server::HealthReporter) -> Result<Router, String> {
+    pub fn local_router(self, max_message: usize, keepalive: Option<std::time::Duration>, health: &tonic_health::server::HealthReporter) -> Result<Router, String> {
         let reflection = || {
             tonic_reflection::server::Builder::configure()
                 .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
                 .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         };
-        Ok(tonic::transport::Server::builder()
+        Ok(keepalive_server(keepalive)
             .layer(tower::util::MapResponseLayer::new(oversized_is_resource_exhausted as OversizeFn))
             .layer(auth::AuthLayer::new(auth::Authenticator::Local))
             .add_service(health_service(health))
