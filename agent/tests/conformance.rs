@@ -343,6 +343,19 @@ fn marker(id: u64, local: &Region, g: &Grant) -> WorkRequest {
     WorkRequest { len: 0, op: WrOp::Notify { slot }, ..wr(id, WrOp::Write, local, 0, 0, g, 0, true) }
 }
 
+/// Reads a round's completions until its `n` markers' (wr_id 1000 and up, signaled) came, every
+/// one a success.
+async fn markers_completed(rx: &mut mpsc::UnboundedReceiver<Completion>, n: usize) {
+    let mut done = 0;
+    while done < n {
+        let c = next(rx).await;
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        if c.wr_id >= 1000 {
+            done += 1;
+        }
+    }
+}
+
 /// The notification guarantee: a subscriber that reads the region the moment its notification
 /// arrives sees every byte of the batch. Eight rounds, each writing new bytes over 4 QPs with
 /// the marker right behind the last data WR of every QP (no waiting for completions, as the
@@ -378,15 +391,7 @@ async fn a_notification_comes_only_after_every_byte_is_visible(k: Kind) {
         let (complete, via, region) = reader.await.unwrap();
         assert!(complete, "round {round}: the subscriber saw stale bytes when it was notified");
         assert_eq!((via, region.as_str()), (xfer_agent::notify::Via::Fabric, "dst"));
-        // Drain the rest of this round's completions (the markers are signaled).
-        let mut markers_done = 0;
-        while markers_done < 4 {
-            let c = next(&mut rx).await;
-            assert_eq!(c.status, WcStatus::Success, "{c:?}");
-            if c.wr_id >= 1000 {
-                markers_done += 1;
-            }
-        }
+        markers_completed(&mut rx, 4).await;
         b.grants.revoke(&g.id);
     }
 }
@@ -432,14 +437,7 @@ async fn a_ring_notification_comes_only_after_every_byte_is_visible(k: Kind) {
         assert_eq!((n.seq, n.tag.as_slice(), n.region.as_str(), n.via), (round as u64, tag.as_bytes(), "dst", RingVia::Fabric));
         assert_eq!((n.offset, n.length, n.peer.as_str()), (0, LEN, "a"));
         reader = Some(r);
-        let mut markers_done = 0;
-        while markers_done < 4 {
-            let c = next(&mut rx).await;
-            assert_eq!(c.status, WcStatus::Success, "{c:?}");
-            if c.wr_id >= 1000 {
-                markers_done += 1;
-            }
-        }
+        markers_completed(&mut rx, 4).await;
         b.grants.revoke(&g.id);
     }
     let mut reader = reader.unwrap();

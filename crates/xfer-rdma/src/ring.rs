@@ -435,7 +435,7 @@ mod tests {
     use std::io::Write;
 
     /// A writer and a reader over two mappings of one file, as the agent and an application.
-    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
+    pub(super) fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         let len = ring_len(slots, slot_size);
         f.write_all(&vec![0u8; len as usize]).unwrap();
@@ -575,17 +575,8 @@ mod tests {
 /// the mapping; what the format cannot carry must be refused.
 #[cfg(test)]
 mod redteam_tests {
+    use super::tests::pair;
     use super::*;
-    use std::io::Write;
-
-    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        let len = ring_len(slots, slot_size);
-        f.write_all(&vec![0u8; len as usize]).unwrap();
-        let w = RingWriter::create(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap(), slots, slot_size).unwrap();
-        let r = RingReader::open(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap()).unwrap();
-        (w, r, f)
-    }
 
     fn scribbler(f: &tempfile::NamedTempFile) -> RegionMemory {
         let len = f.as_file().metadata().unwrap().len() as usize;
