@@ -678,14 +678,18 @@ async fn lists_and_prepared_segments_are_bounded() {
             other => panic!("list {list}: {other:?}"),
         }
     }
-    let expect_refused = |ev: pb::channel_event::Ev, says: &str| match ev {
-        pb::channel_event::Ev::Done(d) => refused(&d, "RESOURCE_EXHAUSTED", says),
+    // A refused prepare's answer names its list (and no batch).
+    let expect_refused = |ev: pb::channel_event::Ev, list: u32, says: &str| match ev {
+        pb::channel_event::Ev::Done(d) => {
+            assert_eq!((d.list, d.seq), (list, 0), "{d:?}");
+            refused(&d, "RESOURCE_EXHAUSTED", says)
+        }
         other => panic!("{other:?}"),
     };
-    expect_refused(ch.prepare(65, vec![seg(0, 0, BLOCK)]).await, "at most 64 lists");
-    expect_refused(ch.prepare(u32::MAX, vec![seg(0, 0, BLOCK)]).await, "at most 64 lists");
+    expect_refused(ch.prepare(65, vec![seg(0, 0, BLOCK)]).await, 65, "at most 64 lists");
+    expect_refused(ch.prepare(u32::MAX, vec![seg(0, 0, BLOCK)]).await, u32::MAX, "at most 64 lists");
     // Replacing list 1 with two (non-contiguous) segments: 65 prepared segments.
-    expect_refused(ch.prepare(1, vec![seg(0, 0, 16), seg(100, 100, 16)]).await, "at most 64 prepared segments");
+    expect_refused(ch.prepare(1, vec![seg(0, 0, 16), seg(100, 100, 16)]).await, 1, "at most 64 prepared segments");
     // A bad replacement is refused whole; list 1 is still its old self.
     match ch.prepare(1, vec![seg(0, 0, 0)]).await {
         pb::channel_event::Ev::Done(d) => refused(&d, "INVALID_ARGUMENT", "zero length"),
@@ -717,8 +721,8 @@ async fn lists_and_prepared_segments_are_bounded() {
             other => panic!("{other:?}"),
         }
     }
-    expect_refused(ch.prepare(5, vec![seg(0, 0, BLOCK)]).await, "at most 16 prepared segments");
-    expect_refused(ch.prepare(6, (0..5).map(|i| seg(i * 16, i * 16, 8)).collect()).await, "at most 4");
+    expect_refused(ch.prepare(5, vec![seg(0, 0, BLOCK)]).await, 5, "at most 16 prepared segments");
+    expect_refused(ch.prepare(6, (0..5).map(|i| seg(i * 16, i * 16, 8)).collect()).await, 6, "at most 4");
     match ch.prepare(4, vec![seg(0, 0, BLOCK)]).await {
         pb::channel_event::Ev::Prepared(p) => assert_eq!(p.segments, 1),
         other => panic!("{other:?}"),

@@ -89,11 +89,18 @@ pub struct BatchOutcome {
     pub error: Option<(String, String)>,
     pub seconds: f64,
     pub prep_ns_per_segment: f64,
+    /// Set when this refuses a prepare: the list it named (`seq` then means nothing).
+    pub list: Option<u32>,
 }
 
 impl BatchOutcome {
     fn refused(seq: u64, code: &str, msg: impl Into<String>) -> BatchOutcome {
         BatchOutcome { seq, error: Some((code.to_string(), msg.into())), ..Default::default() }
+    }
+
+    /// A refused prepare of `list`.
+    fn refused_list(list: u32, code: &str, msg: impl Into<String>) -> BatchOutcome {
+        BatchOutcome { list: Some(list), ..BatchOutcome::refused(0, code, msg) }
     }
 }
 
@@ -301,7 +308,7 @@ impl Channel {
     }
 
     fn prepare(&mut self, list: u32, segments: &[SegmentSpec]) -> ChannelOutput {
-        let refuse = |code: &str, msg: String| ChannelOutput::Done(BatchOutcome::refused(0, code, format!("list {list}: {msg}")));
+        let refuse = |code: &str, msg: String| ChannelOutput::Done(BatchOutcome::refused_list(list, code, format!("list {list}: {msg}")));
         if list == 0 {
             return refuse("INVALID_ARGUMENT", "lists are numbered from 1".into());
         }
@@ -329,7 +336,7 @@ impl Channel {
         let e = BatchError::TooMany { n, max: self.max_segments() };
         let code = batch_code(&e);
         match list {
-            Some(list) => ChannelOutput::Done(BatchOutcome::refused(0, code, format!("list {list}: {e}"))),
+            Some(list) => ChannelOutput::Done(BatchOutcome::refused_list(list, code, format!("list {list}: {e}"))),
             None => {
                 m::channel_batch(self.op.as_str(), "refused");
                 ChannelOutput::Done(BatchOutcome::refused(seq, code, e.to_string()))

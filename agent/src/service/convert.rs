@@ -450,6 +450,7 @@ pub fn channel_output_to_pb(o: crate::node::ChannelOutput) -> pb::ChannelEvent {
                 error_code,
                 seconds: d.seconds,
                 prep_ns_per_segment: d.prep_ns_per_segment,
+                list: d.list.unwrap_or(0),
             })
         }
     };

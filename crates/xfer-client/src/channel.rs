@@ -170,8 +170,8 @@ impl Channel {
             }
         }
         match self.event().await? {
-            pb::channel_event::Ev::Prepared(p) => Ok(Prepared { list: p.list, segments: p.segments, bytes: p.bytes }),
-            pb::channel_event::Ev::Done(d) => Err(batch_error(d)),
+            pb::channel_event::Ev::Prepared(p) if p.list == list => Ok(Prepared { list: p.list, segments: p.segments, bytes: p.bytes }),
+            pb::channel_event::Ev::Done(d) if d.list == list => Err(batch_error(d)),
             other => Err(Error::Protocol(format!("expected ChannelPrepared, got {other:?}"))),
         }
     }
