@@ -322,6 +322,23 @@ async fn the_connect_benchmark_holds_fresh_connections_and_gives_them_back() {
     wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
     let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "300"]);
     assert_eq!(o.status.code(), Some(4), "over the per-peer bound: INVALID_ARGUMENT ({o:?})");
+    let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "2", "--hold", "61s"]);
+    assert_eq!(o.status.code(), Some(4), "a hold over 60 s: INVALID_ARGUMENT ({o:?})");
+    wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
+    // --hold keeps them all up once negotiated (what lets several initiators overlap): the
+    // target counts all 4 while the command still runs, then none once it returned.
+    let (addr, peer) = (a.addr(), b.addr());
+    let run = std::thread::spawn(move || {
+        std::process::Command::new(xferctl_bin())
+            .args(["--agent", addr.as_str(), "bench", "--peer", peer.as_str(), "--pattern", "connect", "--connections", "4", "--qps", "1", "--hold", "10s"])
+            .output()
+            .unwrap()
+    });
+    wait_gauge(&b, "xfer_accepted_connections", 4.0).await;
+    assert!(!run.is_finished(), "the connections were counted while the command held them");
+    let o = tokio::task::spawn_blocking(move || run.join().unwrap()).await.unwrap();
+    assert!(o.status.success(), "{o:?}");
+    wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
 }
 
 /// WatchInbound subscribers are bounded (each publication wakes every one): past the limit a

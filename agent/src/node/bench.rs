@@ -20,6 +20,9 @@ pub struct BenchParams {
     pub channel: bool,
     /// Connection setup: fresh connections to negotiate and hold (0 = another pattern).
     pub connections: u32,
+    /// Connection setup: how long to keep them all once the last is up (at most
+    /// [`BENCH_MAX_HOLD`]).
+    pub hold: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -65,6 +68,9 @@ fn kv_result(block: u64, blocks: u64, iters: u32, busy: Duration, mut batch_us: 
         ..Default::default()
     }
 }
+
+/// Longest the connection benchmark keeps its connections once they are all up.
+pub const BENCH_MAX_HOLD: Duration = Duration::from_secs(60);
 
 /// Most connections the connection benchmark holds: what a peer keeps per identity.
 const BENCH_MAX_CONNECTIONS: u32 = 256;
@@ -431,6 +437,9 @@ impl Node {
         if p.connections > BENCH_MAX_CONNECTIONS {
             return Err(TransferError::Invalid(format!("at most {BENCH_MAX_CONNECTIONS} connections (what a peer keeps per identity)")));
         }
+        if p.hold > BENCH_MAX_HOLD {
+            return Err(TransferError::Invalid(format!("connections are held at most {BENCH_MAX_HOLD:?}")));
+        }
         let _admin = self.admin_slot("Bench")?;
         let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
         let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
@@ -452,6 +461,9 @@ impl Node {
         let seconds = t.elapsed().as_secs_f64();
         let after = rss_bytes();
         let qps_held: usize = held.iter().map(|l| l.qps()).sum();
+        if !p.hold.is_zero() {
+            tokio::time::sleep(p.hold).await;
+        }
         for l in held {
             // Discarded, not pooled: the peer is told to forget each.
             l.release(false);

@@ -531,6 +531,7 @@ impl Agent for Services {
             pool: r.pool,
             channel: r.channel,
             connections: r.connections,
+            hold: std::time::Duration::from_millis(u64::from(r.hold_ms)),
         };
         let b = self.node.bench(p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {

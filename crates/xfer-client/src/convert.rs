@@ -275,6 +275,7 @@ impl BenchSpec {
             pool: self.pool,
             channel: self.channel,
             connections: self.connections,
+            hold_ms: self.hold_ms,
         }
     }
 }

@@ -451,6 +451,8 @@ pub struct BenchSpec {
     pub channel: bool,
     /// Connect pattern: this many connections held at once (0 = not the connect pattern).
     pub connections: u32,
+    /// Connect pattern: keep them this long once all are up, in milliseconds (at most 60,000).
+    pub hold_ms: u32,
 }
 
 /// What a benchmark run measured.

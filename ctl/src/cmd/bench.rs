@@ -90,6 +90,10 @@ pub struct Opt {
     /// ring it polls; `stream`: the WatchInbound stream).
     #[arg(long, value_enum, default_value = "ring")]
     pub notify_via: super::bench_notify::NotifyVia,
+    /// Connect pattern: keep the connections this long once all are up (at most 60s), so several
+    /// initiators' runs hold theirs at the same time.
+    #[arg(long, value_parser = crate::units::parse_duration)]
+    pub hold: Option<std::time::Duration>,
     /// Connect pattern: connections to negotiate and hold (at most 256).
     #[arg(long, default_value_t = 100)]
     pub connections: u32,
@@ -189,6 +193,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
             qps: opt.qps.unwrap_or(0),
             depth: opt.depth.unwrap_or(0),
             connections: opt.connections,
+            hold_ms: opt.hold.map_or(0, |h| u32::try_from(h.as_millis()).unwrap_or(u32::MAX)),
             ..Default::default()
         })
         .await
@@ -311,6 +316,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
                 channel: kv && opt.channel,
                 connections: 0,
+                hold_ms: 0,
             })
             .await
             .with_context(|| {
