@@ -14,7 +14,8 @@
 //!
 //! The [`Hub`] fans notifications out to `WatchInbound` subscribers through a bounded broadcast
 //! channel: a subscriber that falls behind by more than its capacity is told how many it
-//! missed, never blocks the data path.
+//! missed, never blocks the data path. `WatchInboundRing` subscribers ([`RingSub`]) get them
+//! written into their shared-memory ring (`xfer_rdma::ring`) on the publishing thread itself.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -340,9 +341,12 @@ impl RingSub {
         }
     }
 
-    /// Tells the reader nothing more comes.
+    /// Tells the reader nothing more comes (a ring that failed was closed when it did).
     pub fn close(&self) {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if self.has_failed() {
+            return;
+        }
         if let Err(e) = w.close() {
             tracing::warn!(error = %e, "closing a notification ring");
         }
