@@ -333,8 +333,8 @@ impl GrantTable {
     }
 
     /// `Peer.Announce`: the tag of batch `seq` of `peer`'s channel grant `grant_id`. Publishes
-    /// the batch's notification if its markers all arrived already.
-    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), GrantError> {
+    /// the batch's notification if its markers all arrived already. Returns the grant.
+    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<Arc<Grant>, GrantError> {
         let grant = self.get(grant_id, peer, SystemTime::now())?;
         let Some(ch) = &grant.channel else {
             return Err(GrantError::Invalid(format!("grant {grant_id} was not asked for a channel's notifications")));
@@ -347,7 +347,7 @@ impl GrantTable {
             r
         });
         match r {
-            Some(Ok(_)) => Ok(()),
+            Some(Ok(_)) => Ok(grant),
             Some(Err(e @ (ChannelRefusal::OutOfWindow(_) | ChannelRefusal::TagBudget(_)))) => Err(GrantError::Limit(e.to_string())),
             Some(Err(e)) => Err(GrantError::Invalid(e.to_string())),
             None => Err(GrantError::NotFound(format!("grant {grant_id} was revoked"))),

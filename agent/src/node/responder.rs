@@ -86,6 +86,25 @@ impl Drop for InboundRing {
     }
 }
 
+/// Markers of `grant`'s notification (a channel grant: of its next batch) are due on `conn`,
+/// the connection it was granted on: the fabric watches for them closely (verbs: the marker
+/// poller, `verbs.marker_spin`) until it is published, the grant ends or the budget runs out.
+/// Latency only; the markers are seen without it too.
+fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
+    let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
+    let weak = Arc::downgrade(grant);
+    conn.expect_markers(
+        std::time::Instant::now() + ttl,
+        Box::new(move || {
+            weak.upgrade().is_some_and(|g| {
+                g.lease.is_live()
+                    && (g.notify.as_ref().is_some_and(|p| !p.is_published())
+                        || g.channel.as_ref().is_some_and(|c| c.expecting()))
+            })
+        }),
+    );
+}
+
 /// Responder halves one peer identity may hold; connecting more evicts one of them.
 const MAX_CONNECTIONS_PER_PEER: usize = 256;
 
@@ -280,42 +299,22 @@ impl Node {
         // revoked the connection's grants before this one existed: re-check that the very same
         // connection is still there, or the grant would outlive it and work on the streams of
         // whichever connection next takes that id (ids are chosen by callers).
-        if let (Some(id), Some(conn)) = (grant.connection_id.as_ref(), bound_to) {
+        if let (Some(id), Some(conn)) = (grant.connection_id.as_ref(), bound_to.as_ref()) {
             let live = self
                 .accepted
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(id)
-                .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, &conn));
+                .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, conn));
             if !live {
                 self.grants.revoke(&grant.id);
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
-        if grant.notify.is_some() || grant.channel.is_some() {
-            self.expect_markers(&grant);
+        if let Some(conn) = bound_to.filter(|_| grant.notify.is_some() || grant.channel.is_some()) {
+            expect_markers(&grant, conn.as_ref());
         }
         Ok(grant)
-    }
-
-    /// Markers of `grant`'s notification (a channel grant: of its next batch) are due on its
-    /// connection: the fabric watches for them closely (verbs: the marker poller,
-    /// `verbs.marker_spin`) until it is published, the grant ends or the budget runs out.
-    /// Latency only; the markers are seen without it too.
-    fn expect_markers(&self, grant: &Arc<Grant>) {
-        let Some(conn) = self.accepted_by(grant.connection_id.as_ref(), &grant.peer) else { return };
-        let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
-        let weak = Arc::downgrade(grant);
-        conn.expect_markers(
-            std::time::Instant::now() + ttl,
-            Box::new(move || {
-                weak.upgrade().is_some_and(|g| {
-                    g.lease.is_live()
-                        && (g.notify.as_ref().is_some_and(|p| !p.is_published())
-                            || g.channel.as_ref().is_some_and(|c| c.expecting()))
-                })
-            }),
-        );
     }
 
     /// The accepted connection `id`, if `peer` made it.
@@ -443,11 +442,11 @@ impl Node {
     /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
     pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
         self.check_notify_tag(&tag)?;
-        self.grants.announce(grant_id, peer, seq, tag)?;
+        let g = self.grants.announce(grant_id, peer, seq, tag)?;
         // Its markers may still be on their way (an announcement usually comes first).
-        if let Ok(g) = self.grants.get(grant_id, peer, SystemTime::now()) {
-            if g.channel.as_ref().is_some_and(|c| c.unpublished() > 0) {
-                self.expect_markers(&g);
+        if g.channel.as_ref().is_some_and(|c| c.unpublished() > 0) {
+            if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+                expect_markers(&g, conn.as_ref());
             }
         }
         Ok(())

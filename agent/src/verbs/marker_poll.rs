@@ -19,6 +19,7 @@
 //! Between rounds the thread yields its core (`sched_yield`): on a busy host, the agents,
 //! the kernel's RoCE processing and the application waiting for the notification need it
 //! more than another poll does.
+use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -86,44 +87,48 @@ impl MarkerPoller {
 /// A connection being polled and why: every ask on it that is still live (several grants, or
 /// a channel's successive batches, may wait on one connection; it is polled once per round).
 struct Polled {
-    hot: Hot,
-    more: Vec<(Instant, Waiting)>,
+    inner: Weak<ConnInner>,
+    id: ConnectionId,
+    markers: Option<Arc<dyn MarkerSink>>,
+    /// (until, still waiting), oldest first.
+    asks: VecDeque<(Instant, Waiting)>,
 }
 
 impl Polled {
-    /// Drops the asks that are over (published or past their time); true while one is left.
-    fn any_waiting(&mut self, now: Instant) -> bool {
-        let live = |until: Instant, w: &Waiting| now < until && w();
-        self.more.retain(|(until, w)| live(*until, w));
-        if !live(self.hot.until, &self.hot.waiting) {
-            match self.more.pop() {
-                Some((until, waiting)) => {
-                    self.hot.until = until;
-                    self.hot.waiting = waiting;
-                }
-                None => return false,
+    /// Drops the asks that are over: published, or past their time. `Some(why)` once none is
+    /// left: `budget` if one ran out of time still waiting, else `published`.
+    fn settle(&mut self, now: Instant) -> Option<&'static str> {
+        let mut timed_out = false;
+        self.asks.retain(|(until, waiting)| {
+            if !waiting() {
+                return false;
             }
-        }
-        true
+            timed_out |= now >= *until;
+            now < *until
+        });
+        self.asks.is_empty().then_some(if timed_out { "budget" } else { "published" })
     }
 }
 
-/// Asks kept per connection besides the current one: a peer asking faster than its asks
-/// expire (grants and announcements every few µs) cannot grow this thread's state.
+/// Asks kept per connection: a peer asking faster than its asks expire (grants and
+/// announcements every few µs) cannot grow this thread's state.
 const MAX_ASKS: usize = 64;
 
 /// Adds `h` to `polled`, as one more reason to poll its connection if that is polled already.
 fn add(polled: &mut Vec<Polled>, h: Hot) {
-    match polled.iter_mut().find(|p| Weak::ptr_eq(&p.hot.inner, &h.inner)) {
-        Some(p) => {
-            if p.more.len() >= MAX_ASKS {
-                // The oldest ask goes: the newest is the one whose markers are still coming.
-                drop(p.more.remove(0));
-            }
-            p.more.push((h.until, h.waiting));
+    let p = match polled.iter().position(|p| Weak::ptr_eq(&p.inner, &h.inner)) {
+        Some(i) => &mut polled[i],
+        None => {
+            polled.push(Polled { inner: h.inner, id: h.id, markers: h.markers, asks: VecDeque::new() });
+            let last = polled.len() - 1;
+            &mut polled[last]
         }
-        None => polled.push(Polled { hot: h, more: Vec::new() }),
+    };
+    if p.asks.len() >= MAX_ASKS {
+        // The oldest ask goes: the newest is the one whose markers are still coming.
+        drop(p.asks.pop_front());
     }
+    p.asks.push_back((h.until, h.waiting));
 }
 
 /// The thread: polls every hot connection, drops those done, blocks when none is left.
@@ -147,21 +152,22 @@ fn run(rx: Receiver<Hot>) {
         }
         let now = Instant::now();
         polled.retain_mut(|p| {
-            let Some(inner) = p.hot.inner.upgrade() else { return false };
+            let Some(inner) = p.inner.upgrade() else { return false };
             if !inner.polls_markers() {
                 return false;
             }
-            if let Err(e) = inner.drain_recv(&p.hot.id, p.hot.markers.as_ref(), &mut buf) {
+            if let Err(e) = inner.drain_recv(&p.id, p.markers.as_ref(), &mut buf) {
                 tracing::warn!(error = %e, "polling a marker receive CQ failed; leaving it to its receive task");
                 return false;
             }
-            // Checked after the drain: the marker that completed a batch was just delivered.
-            let published = !(p.hot.waiting)();
-            let keep = p.any_waiting(now);
-            if !keep {
-                crate::metrics::marker_spin(if published { "published" } else { "budget" });
+            // Settled after the drain: the marker that completed a batch was just delivered.
+            match p.settle(now) {
+                Some(why) => {
+                    crate::metrics::marker_spin(why);
+                    false
+                }
+                None => true,
             }
-            keep
         });
         if !polled.is_empty() {
             std::thread::yield_now();

@@ -225,12 +225,7 @@ impl RegionMemory {
         if self.poisoned() {
             return Err(MemError::Poisoned);
         }
-        let start = self.check(offset, buf.len() as u64)?;
-        // SAFETY: `start + buf.len()` lies within the live mapping (checked above; the mapping
-        // outlives `&self`). `ptr::copy` has memmove semantics, so it is sound even if `buf` were
-        // to overlap the mapping. Racing writers (NIC, peers, other processes) may tear the bytes,
-        // which the module contract allows; no Rust reference to the mapping is created.
-        unsafe { std::ptr::copy(self.ptr.as_ptr().add(start), buf.as_mut_ptr(), buf.len()) };
+        self.read_at_poll(offset, buf)?;
         Ok(self.intact()?)
     }
 
@@ -241,12 +236,12 @@ impl RegionMemory {
     /// expected); [`RegionMemory::read_at`] otherwise.
     pub fn read_at_poll(&self, offset: u64, buf: &mut [u8]) -> Result<(), MemError> {
         let start = self.check(offset, buf.len() as u64)?;
-        // SAFETY: as in `read_at`.
+        // SAFETY: `start + buf.len()` lies within the live mapping (checked above; the mapping
+        // outlives `&self`). `ptr::copy` has memmove semantics, so it is sound even if `buf` were
+        // to overlap the mapping. Racing writers (NIC, peers, other processes) may tear the bytes,
+        // which the module contract allows; no Rust reference to the mapping is created.
         unsafe { std::ptr::copy(self.ptr.as_ptr().add(start), buf.as_mut_ptr(), buf.len()) };
-        if self.poisoned() {
-            return Err(MemError::Poisoned);
-        }
-        Ok(())
+        self.guarded()
     }
 
     /// Copies bytes into the mapping (a raw copy); `Poisoned` if the file shrank (the bytes may be
