@@ -24,6 +24,8 @@ pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
 pub const CONNECT_PHASE: &str = "xfer_connect_phase_seconds";
 pub const ACCEPT_DURATION: &str = "xfer_accept_duration_seconds";
+pub const ACCEPT_READY: &str = "xfer_accept_ready_seconds";
+pub const GRANT_READY_WAITS: &str = "xfer_grant_ready_waits_total";
 pub const CONNECTION_BUILDS: &str = "xfer_connection_builds_total";
 pub const PREBUILT_QPS: &str = "xfer_prebuilt_qps";
 pub const REGIONS: &str = "xfer_regions";
@@ -140,7 +142,9 @@ pub fn describe() {
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
     describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
     describe_histogram!(CONNECT_PHASE, Unit::Seconds, "The initiator's connection negotiation by phase: prepare (local QPs created, INIT), handshake (the Peer.Connect call, which includes the peer's accept), complete (local QPs to RTR and RTS).");
-    describe_histogram!(ACCEPT_DURATION, Unit::Seconds, "The responder's half of Peer.Connect: QPs created, receives posted, RTR and RTS.");
+    describe_histogram!(ACCEPT_DURATION, Unit::Seconds, "The responder's half of Peer.Connect until it answers: a connection taken from the pool (or QPs created, receives posted) and, on tcp, its data session set up.");
+    describe_histogram!(ACCEPT_READY, Unit::Seconds, "Verbs: from the responder's accept to its QPs in RTS; they are moved there after Peer.Connect was answered, while the answer travels.");
+    describe_counter!(GRANT_READY_WAITS, Unit::Count, "Grants that waited for their connection's responder QPs to reach RTS (Peer.Connect answers before they do).");
     describe_counter!(CONNECTION_BUILDS, Unit::Count, "Verbs connections (CQs and QPs in INIT) a negotiation started from, by source: prebuilt (built ahead of need, verbs.prebuilt) or on_demand (built during the negotiation), by role (initiator or responder).");
     describe_gauge!(PREBUILT_QPS, Unit::Count, "QPs held built and in INIT ahead of need (verbs.prebuilt).");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
@@ -375,6 +379,16 @@ pub fn connect_phase(phase: &'static str, d: Duration) {
 }
 
 /// The responder's fabric accept took `d`.
+/// The responder's QPs reached RTS (or failed to), `d` after its accept started.
+pub fn accept_ready(d: Duration) {
+    histogram!(ACCEPT_READY).record(d.as_secs_f64());
+}
+
+/// A grant waited for its connection's responder QPs to reach RTS.
+pub fn grant_ready_wait() {
+    counter!(GRANT_READY_WAITS).increment(1);
+}
+
 pub fn accept_duration(d: Duration) {
     histogram!(ACCEPT_DURATION).record(d.as_secs_f64());
 }

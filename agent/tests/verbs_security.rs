@@ -61,7 +61,9 @@ fn cid(s: &str) -> ConnectionId {
     ConnectionId::parse(s).unwrap()
 }
 
-/// A connects to B with one QP; B knows the connection as `id`, made by peer "a".
+/// A connects to B with one QP; B knows the connection as `id`, made by peer "a". B answers
+/// before its QP reaches RTS (the agent makes a grant wait for it); an attack posts without a
+/// grant, so its first packet may find B's QP not yet in RTR and be retransmitted (RC does).
 async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::UnboundedReceiver<Completion>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let pending = a.fabric.prepare("b", &cid(id), 1, 16, tx).await.unwrap();
@@ -274,4 +276,53 @@ async fn mw_mode_region_keys_open_nothing() {
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn region_mode_region_keys_are_the_access() {
     region_keys_attack(GrantMode::Region).await;
+}
+
+/// The responder answers `Peer.Connect` before its QPs reach RTR, so an endpoint its device
+/// cannot route to (a well-formed RoCE v2 GID of TEST-NET-3, RFC 5737: the VM has no route
+/// there) is refused at the first grant on the connection, not at the answer: the grant fails
+/// as an unknown connection with the device's reason, no grant is made, no byte changes, and
+/// the agent goes on serving other connections.
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn an_endpoint_the_responder_cannot_route_to_fails_the_grant_with_the_reason() {
+    use xfer_agent::fabric::Endpoint;
+    use xfer_agent::transfer::TransferError;
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mr));
+    let target = region(&b, "target");
+    region(&a, "src");
+    region(&a, "sink");
+    let before = fill(&target, 0x42);
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let pending = a.fabric.prepare("b", &cid("unroutable"), 1, 16, tx).await.unwrap();
+    let mut eps = pending.local_endpoints();
+    match &mut eps[0] {
+        Endpoint::Verbs(v) => v.gid = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 203, 0, 113, 7],
+        other => panic!("not a verbs endpoint: {other:?}"),
+    }
+    let answered = b.node.accept_connection("a", &cid("unroutable"), a.fabric.kind(), &eps).await;
+    assert!(answered.is_ok(), "B answers before its QP reaches RTR: {answered:?}");
+    let grants_before = b.grants.len();
+    let params = GrantParams {
+        notify: None,
+        region: "target".into(),
+        offset: 0,
+        length: 4096,
+        op: RemoteOp::Write,
+        ttl: None,
+        peer: "a".into(),
+        connection_id: Some(cid("unroutable")),
+    };
+    match b.node.grant(&params).await {
+        Err(TransferError::UnknownConnection(m)) => {
+            assert!(m.contains("could not be made ready") && m.contains("RTR"), "the reason names the step: {m}");
+            println!("  grant on a connection B could not route: refused: {m}");
+        }
+        other => panic!("expected an unknown-connection refusal with the reason, got {other:?}"),
+    }
+    assert_eq!(b.grants.len(), grants_before, "no grant was made");
+    assert!(bytes(&target) == before, "no target byte changed");
+    b.node.disconnect(&cid("unroutable"), "a");
+    legitimate_grant_still_works(&a, &b, &target).await;
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use xfer_agent::fabric::{
-    Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Registration, RemoteKey,
+    Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey,
     RemoteOp, WcStatus, WorkRequest, WrOp,
 };
 use xfer_rdma::memory::RegionMemory;
@@ -117,6 +117,11 @@ async fn connect_qpns(
     let (b_eps, accepted) = b.accept("a", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
     let qpns = eps.iter().chain(&b_eps).filter_map(|e| match e { Endpoint::Verbs(v) => Some(v.qpn), _ => None }).collect();
     let conn = pending.complete(&b_eps).await.unwrap();
+    // The responder answers before its QPs reach RTS; the agent makes a grant wait for that,
+    // and these tests, which post without one, wait here.
+    let mut ready = accepted.readiness().expect("a verbs responder half reports its readiness");
+    let state = ready.wait_for(|r| *r != Readiness::Pending).await.unwrap().clone();
+    assert_eq!(state, Readiness::Ready);
     (conn, accepted, rx, qpns)
 }
 

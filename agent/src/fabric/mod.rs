@@ -445,6 +445,25 @@ pub trait Accepted: Send + Sync + 'static {
     fn expect_markers(&self, until: std::time::Instant, waiting: Box<dyn Fn() -> bool + Send>) {
         let _ = (until, waiting);
     }
+    /// Where this half stands, when it becomes usable only after `Peer.Connect` was answered
+    /// (verbs: the responder answers with its QP numbers at once and moves its QPs to RTR and
+    /// RTS while the answer travels). `None`: usable from the answer on (tcp). The agent waits
+    /// for [`Readiness::Ready`] before it answers a grant on the connection, and the initiator
+    /// moves no byte without a grant, so no packet reaches a QP that is not yet in RTR.
+    fn readiness(&self) -> Option<tokio::sync::watch::Receiver<Readiness>> {
+        None
+    }
+}
+
+/// See [`Accepted::readiness`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// The answer went out; the QPs are being moved to RTS.
+    Pending,
+    /// Usable.
+    Ready,
+    /// The QPs could not be moved to RTS (the device's reason): the connection is dead.
+    Failed(String),
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.

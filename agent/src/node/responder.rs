@@ -2,6 +2,7 @@
 //! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
 #[allow(unused_imports)]
 use super::*;
+use crate::fabric::Readiness;
 use crate::ids::ConnectionId;
 
 /// What `Peer.Grant` asks for, in domain terms.
@@ -103,6 +104,40 @@ fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
             })
         }),
     );
+}
+
+/// How long a grant waits for its connection's responder QPs to reach RTS (a few modify calls:
+/// milliseconds, even under emulation).
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits until the responder half `conn` (connection `id`) is usable: on verbs its QPs are
+/// moved to RTS after `Peer.Connect` was answered ([`Accepted::readiness`]). A half that failed
+/// to get there is refused as an unknown connection (the initiator negotiates a fresh one if it
+/// took this one from its pool), with the device's reason.
+async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), TransferError> {
+    let Some(mut rx) = conn.readiness() else { return Ok(()) };
+    if *rx.borrow_and_update() == Readiness::Pending {
+        m::grant_ready_wait();
+    }
+    let settled = tokio::time::timeout(READY_TIMEOUT, rx.wait_for(|r| *r != Readiness::Pending)).await;
+    let state = match settled {
+        Ok(Ok(state)) => state.clone(),
+        // The task that moves the QPs ended without a word (it always sends one).
+        Ok(Err(_)) => Readiness::Failed("its set-up ended without a result".into()),
+        Err(_) => {
+            return Err(TransferError::FailedPrecondition(format!(
+                "connection {id} is not ready on this agent after {READY_TIMEOUT:?} (its QPs are still being moved to RTS)"
+            )))
+        }
+    };
+    match state {
+        Readiness::Ready => Ok(()),
+        Readiness::Failed(why) => Err(TransferError::UnknownConnection(format!(
+            "connection {id} could not be made ready on this agent: {why}"
+        ))),
+        // `wait_for` returned a state that is not pending.
+        Readiness::Pending => Err(TransferError::Internal(format!("connection {id}: readiness settled as pending"))),
+    }
 }
 
 /// Responder halves one peer identity may hold; connecting more evicts one of them.
@@ -234,6 +269,9 @@ impl Node {
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
         let expires_at = SystemTime::now() + ttl;
         let connection = self.grant_connection(p)?;
+        if let (Some(conn), Some(id)) = (&connection, &p.connection_id) {
+            wait_ready(conn.as_ref(), id).await?;
+        }
         if notify.is_some() && connection.is_none() {
             // Markers count on the connection the grant names: it must be one this caller made
             // (verbs in grant mode mr/region would otherwise take an id nobody holds yet, and
@@ -533,5 +571,76 @@ impl Node {
         }
         self.grants.revoke(&g.id);
         Ok(verdict)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::watch;
+
+    /// A responder half whose readiness the test drives.
+    struct Half(Option<watch::Receiver<Readiness>>);
+
+    impl Accepted for Half {
+        fn readiness(&self) -> Option<watch::Receiver<Readiness>> {
+            self.0.clone()
+        }
+    }
+
+    fn id() -> ConnectionId {
+        ConnectionId::parse("conn-ready").unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_half_without_readiness_is_usable_at_once() {
+        wait_ready(&Half(None), &id()).await.unwrap();
+    }
+
+    /// The grant waits while the QPs are moved, and goes on once they are in RTS.
+    #[tokio::test]
+    async fn a_grant_waits_for_rts() {
+        let (tx, rx) = watch::channel(Readiness::Pending);
+        let (half, id) = (Half(Some(rx)), id());
+        let waiting = wait_ready(&half, &id);
+        tokio::pin!(waiting);
+        // Polled once: still pending, so it has not finished.
+        assert!(futures::poll!(&mut waiting).is_pending());
+        tx.send_replace(Readiness::Ready);
+        waiting.await.unwrap();
+    }
+
+    /// A half whose QPs could not reach RTS refuses the grant as an unknown connection (the
+    /// initiator then negotiates afresh) and says why, with the device's reason.
+    #[tokio::test]
+    async fn a_half_that_failed_refuses_with_the_reason() {
+        let (tx, rx) = watch::channel(Readiness::Pending);
+        tx.send_replace(Readiness::Failed("moving QP 0 to RTR: dgid unreachable".into()));
+        let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
+        match e {
+            TransferError::UnknownConnection(m) => {
+                assert!(m.contains("conn-ready") && m.contains("dgid unreachable"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The task that moves the QPs vanished without a word: refused, not waited on forever.
+    #[tokio::test]
+    async fn a_lost_setup_task_refuses() {
+        let (tx, rx) = watch::channel(Readiness::Pending);
+        drop(tx);
+        let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
+        assert!(matches!(&e, TransferError::UnknownConnection(m) if m.contains("without a result")), "{e:?}");
+    }
+
+    /// QPs that never reach RTS: the grant gives up after READY_TIMEOUT (virtual time here).
+    #[tokio::test(start_paused = true)]
+    async fn a_half_stuck_pending_times_out() {
+        let (_tx, rx) = watch::channel(Readiness::Pending);
+        let t0 = tokio::time::Instant::now();
+        let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
+        assert!(matches!(&e, TransferError::FailedPrecondition(m) if m.contains("not ready")), "{e:?}");
+        assert_eq!(t0.elapsed(), READY_TIMEOUT);
     }
 }

@@ -28,8 +28,8 @@ use super::mr::VerbsRegistration;
 use super::negotiate::{self, LINK_ETHERNET};
 use super::VerbsOptions;
 use crate::fabric::{
-    Completion, CompletionSink, Connection, Endpoint, FabricError, MarkerSink, PendingConnection, Registration, RemoteKey,
-    VerbsEndpoint, WcStatus, WorkRequest, WrOp,
+    Completion, CompletionSink, Connection, Endpoint, FabricError, MarkerSink, PendingConnection, Readiness, Registration,
+    RemoteKey, VerbsEndpoint, WcStatus, WorkRequest, WrOp,
 };
 use crate::ids::ConnectionId;
 
@@ -825,6 +825,8 @@ pub(crate) struct VerbsAccepted {
     bind_lock: Mutex<()>,
     /// The fabric's marker poller, for connections that expect a notification soon.
     poller: Arc<super::marker_poll::MarkerPoller>,
+    /// Whether the QPs reached RTS ([`VerbsAccepted::finish`] runs after the answer went out).
+    ready: tokio::sync::watch::Sender<Readiness>,
 }
 
 /// How long a bind may take to complete before the connection is given up.
@@ -843,7 +845,33 @@ impl VerbsAccepted {
         if inner.recv.is_some() {
             tokio::spawn(run_recv(Arc::clone(&inner), id.clone(), markers.clone()));
         }
-        VerbsAccepted { inner, id, markers, bind_lock: Mutex::new(()), poller }
+        let ready = tokio::sync::watch::Sender::new(Readiness::Pending);
+        VerbsAccepted { inner, id, markers, bind_lock: Mutex::new(()), poller, ready }
+    }
+
+    /// Moves the QPs to RTR and RTS with the initiator's `remote` endpoints (blocking: the
+    /// device's modify calls) and publishes the outcome to the waiters of [`Self::readiness`].
+    /// A failure leaves the connection broken: its QPs in ERR, its grants refused.
+    pub fn finish(&self, dev: &Device, opts: &VerbsOptions, remote: &[Endpoint]) {
+        let outcome = match self.inner.connect(dev, opts, remote) {
+            Ok(()) => Readiness::Ready,
+            Err(e) => {
+                if self.inner.closing.load(Ordering::Acquire) {
+                    // The peer disconnected first (its QPs are in ERR already): nothing is lost.
+                    tracing::debug!(peer = %self.inner.peer, connection = %self.id, error = %e, "connection closed before its QPs reached RTS");
+                } else {
+                    tracing::warn!(peer = %self.inner.peer, connection = %self.id, error = %e, "the responder's QPs could not be moved to RTS");
+                }
+                self.inner.broken.store(true, Ordering::Release);
+                self.inner.set_err_all();
+                Readiness::Failed(e.to_string())
+            }
+        };
+        self.ready.send_replace(outcome);
+    }
+
+    pub fn readiness(&self) -> tokio::sync::watch::Receiver<Readiness> {
+        self.ready.subscribe()
     }
 
     /// Has the fabric's marker poller busy-poll this connection's receive CQ until `waiting`
@@ -896,6 +924,11 @@ impl VerbsAccepted {
         let _g = self.bind_lock.lock().unwrap_or_else(|e| e.into_inner());
         if inner.broken.load(Ordering::Acquire) {
             return Err(FabricError::QpBroken);
+        }
+        // The agent waits for RTS before it exposes a grant on the connection; a bind posted
+        // before would fail and break the connection.
+        if *self.ready.borrow() != Readiness::Ready {
+            return Err(FabricError::Other("the connection's QPs are not in RTS yet".into()));
         }
         let mut windows = Vec::with_capacity(inner.slots.len());
         for _ in &inner.slots {
@@ -988,15 +1021,20 @@ impl crate::fabric::Accepted for AcceptedHandle {
     fn expect_markers(&self, until: std::time::Instant, waiting: Box<dyn Fn() -> bool + Send>) {
         self.acc.expect_markers(until, waiting);
     }
+
+    fn readiness(&self) -> Option<tokio::sync::watch::Receiver<Readiness>> {
+        Some(self.acc.readiness())
+    }
 }
 
 impl Drop for AcceptedHandle {
     fn drop(&mut self) {
+        // Stops the marker receive task (and tells a `finish` still running that an error it
+        // meets from here on is this close).
+        self.acc.inner.closing.store(true, Ordering::Release);
         // The peer is gone: no access through these QPs from here on, even while grants still
         // hold windows bound on them (and so the QPs themselves).
         self.acc.inner.set_err_all();
-        // Stops the marker receive task.
-        self.acc.inner.closing.store(true, Ordering::Release);
         self.acc.inner.wake.notify_one();
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
         if index.get(&self.id).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.acc))) {

@@ -33,6 +33,8 @@ pub struct VerbsFabric {
     prebuilt_hits: std::sync::atomic::AtomicU64,
     /// Busy-polls the receive CQs of responder connections that expect markers soon.
     poller: Arc<super::marker_poll::MarkerPoller>,
+    /// Wakes the builder thread ([`VerbsFabric::refill`]); started on first use.
+    builder: std::sync::Mutex<Option<std::sync::mpsc::SyncSender<()>>>,
 }
 
 /// What a connection is built as: everything [`ConnInner::build`] takes but the peer.
@@ -84,11 +86,11 @@ impl VerbsFabric {
         let dev = Device::open(&opts)?;
         let prebuilt = Arc::new(Prebuilt::new(opts.prebuilt, PREBUILT_SHAPES, PREBUILT_MAX_QPS, |s: &Shape| s.qps));
         let poller = Arc::new(super::marker_poll::MarkerPoller::new(opts.marker_spin));
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default(), poller })
+        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default(), poller, builder: Default::default() })
     }
 
     /// A connection of `shape` for `peer`: a prebuilt one (fresh PSNs) if one is ready, else
-    /// built now. Either way the pool is topped up on the blocking pool, off this negotiation.
+    /// built now. Either way the pool is topped up by the builder thread, off this negotiation.
     fn connection(&self, mut shape: Shape, peer: &str) -> Result<ConnInner, FabricError> {
         // A shape the device cannot hold is refused here, with its reason, and never learnt.
         shape.depth = ConnInner::check_shape(&self.dev, &self.opts, shape.qps, shape.depth)?.0;
@@ -126,7 +128,7 @@ impl VerbsFabric {
     }
 
     /// Builds what the pool is short of now, on this thread, and returns how many connections
-    /// it built (what a refill after a negotiation does on the blocking pool).
+    /// it built (what a refill after a negotiation does on the builder thread).
     pub fn fill_prebuilt(&self) -> Result<usize, FabricError> {
         fill(&self.prebuilt, &self.dev, &self.opts)
     }
@@ -136,14 +138,43 @@ impl VerbsFabric {
         self.prebuilt_hits.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Builds what the pool is short of, on the blocking pool.
+    /// Builds what the pool is short of on the fabric's builder thread, a thread of its own in
+    /// the `SCHED_IDLE` class: it gets a core only when no other thread wants it, so the builds
+    /// a negotiation starts never compete with that negotiation (its gRPC round trip, the peer's
+    /// accept, the QP transitions) or with the data path. Measured in the VM (2 vCPUs), where
+    /// both agents' refills otherwise ran during every handshake: see the commit message.
+    /// If the thread cannot be started, the build runs on the blocking pool, as it did before.
     fn refill(&self) {
         let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
-        let run = move || {
-            if let Err(e) = fill(&pool, &dev, &opts) {
-                tracing::debug!(error = %e, "building connections ahead of need failed (the next negotiation retries)");
+        let run = move || fill_or_log(&pool, &dev, &opts);
+        let mut builder = self.builder.lock().unwrap_or_else(|e| e.into_inner());
+        if builder.is_none() {
+            // One pending wake is enough: the build fills every shape that is short.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+            let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
+            let spawned = std::thread::Builder::new().name("xfer-prebuild".into()).spawn(move || {
+                if let Err(e) = xfer_rdma::thread::run_when_idle() {
+                    tracing::debug!(error = %e, "the connection builder runs at normal priority (SCHED_IDLE refused)");
+                }
+                // Ends when the fabric (the sender) is dropped.
+                while rx.recv().is_ok() {
+                    fill_or_log(&pool, &dev, &opts);
+                }
+            });
+            match spawned {
+                Ok(_) => *builder = Some(tx),
+                Err(e) => tracing::warn!(error = %e, "cannot start the connection builder thread; building on the blocking pool"),
             }
-        };
+        }
+        if let Some(tx) = builder.as_ref() {
+            match tx.try_send(()) {
+                // A wake already pending covers this one.
+                Ok(()) | Err(std::sync::mpsc::TrySendError::Full(())) => return,
+                // The thread is gone (it ends only with the fabric): build below, start anew next time.
+                Err(std::sync::mpsc::TrySendError::Disconnected(())) => *builder = None,
+            }
+        }
+        drop(builder);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn_blocking(run)),
             // Outside a runtime (not the agent's case: negotiations are async) build inline.
@@ -229,13 +260,21 @@ impl Fabric for VerbsFabric {
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
         // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
         // receives (notification markers) complete on a CQ of their own.
+        let started = std::time::Instant::now();
         let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
-        inner.connect(&self.dev, &self.opts, remote)?;
         let eps = inner.endpoints(&self.dev);
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
         // The agent refuses an id that is in use, so an entry here under the same id is one
         // whose handle is being dropped: the new connection takes the id.
         self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));
+        // The initiator needs only our QP numbers and PSNs to move its own QPs to RTS: answer
+        // with them now and move ours to RTR and RTS while the answer travels (a third of the
+        // handshake in the VM; see `Accepted::readiness` for why no byte can arrive early).
+        let (dev, opts, remote, finishing) = (Arc::clone(&self.dev), Arc::clone(&self.opts), remote.to_vec(), Arc::clone(&acc));
+        tokio::task::spawn_blocking(move || {
+            finishing.finish(&dev, &opts, &remote);
+            crate::metrics::accept_ready(started.elapsed());
+        });
         Ok((eps, Box::new(AcceptedHandle { acc, index: Arc::clone(&self.accepted), id: connection_id.clone() })))
     }
 }
@@ -245,6 +284,13 @@ fn fill(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOption
     let built = pool.refill(|s: &Shape| s.build(dev, opts, ""));
     crate::metrics::prebuilt_qps(pool.held().1);
     built
+}
+
+/// [`fill`] off any negotiation: a failure is logged, and the next negotiation's take retries.
+fn fill_or_log(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOptions) {
+    if let Err(e) = fill(pool, dev, opts) {
+        tracing::debug!(error = %e, "building connections ahead of need failed (the next negotiation retries)");
+    }
 }
 
 /// [`Fabric::expose`] for verbs, synchronously (on the blocking pool for modes `mr` and `mw`).

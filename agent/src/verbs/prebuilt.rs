@@ -3,8 +3,9 @@
 //! on rxe under TCG 2.3 ms of the initiator's 3.2 ms prepare phase and 2.7 ms of the responder's
 //! 5.1 ms accept. None of it depends on the peer, so the verbs fabric keeps a few connections of
 //! each recently used *shape* (QP count, depth, which CQs) built and in INIT, takes one when a
-//! negotiation starts, and rebuilds the one it took on the blocking pool while the handshake
-//! runs. Whatever depends on the peer (its PSN draw, RTR and RTS) still happens per connection.
+//! negotiation starts, and rebuilds the one it took on a thread of its own in `SCHED_IDLE`
+//! (`VerbsFabric::refill`), so the rebuild takes no core the handshake wants. Whatever depends
+//! on the peer (its PSN draw, RTR and RTS) still happens per connection.
 //!
 //! This module is the bookkeeping only, generic over the key and the item, so its rules are
 //! tested without a device:

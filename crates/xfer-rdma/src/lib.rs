@@ -14,6 +14,7 @@
 //!   processes; raw-pointer copies and zero-copy socket I/O, never a Rust reference out.
 //! * [`ring`]: the notification ring's layout, writer and reader (safe code over the atomic
 //!   word accessors of [`memory::RegionMemory`], which also sleep and wake on a futex).
+//! * [`thread`]: [`thread::run_when_idle`], the lowest scheduling class for the calling thread.
 //! * [`sigbus`]: the SIGBUS handler and registry that let a truncated file region fail instead of
 //!   killing the process.
 //! * With the `verbs` feature (sideway + rdma-mummy-sys):
@@ -37,6 +38,7 @@
 pub mod memory;
 pub mod ring;
 pub mod sigbus;
+pub mod thread;
 
 #[cfg(feature = "verbs")]
 pub mod cq;
