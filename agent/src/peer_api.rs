@@ -154,6 +154,8 @@ pub trait PeerApi: Send + Sync {
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError>;
     /// `Peer.CloseBenchRegion`.
     async fn close_bench_region(&self, region: &str) -> Result<(), PeerError>;
+    /// `Peer.Ping`: one round trip that does nothing (the connect benchmark's baseline).
+    async fn ping(&self) -> Result<(), PeerError>;
 }
 
 /// Makes the [`PeerApi`] client for a peer address (`host:port`): the gRPC client in the agent

@@ -319,6 +319,10 @@ async fn the_connect_benchmark_holds_fresh_connections_and_gives_them_back() {
     assert_eq!((doc["connections"].as_u64(), doc["qps_held"].as_u64()), (Some(6), Some(12)), "{doc}");
     assert!(doc["connect_p50_us"].as_f64().unwrap() > 0.0, "{doc}");
     assert!(doc["rss_bytes_per_qp"].as_f64().is_some(), "{doc}");
+    // The same-run baseline: Peer.Ping round trips to the same peer (each answered, or the
+    // benchmark fails), faster than a whole negotiation.
+    let rpc = doc["rpc_p50_us"].as_f64().unwrap();
+    assert!(rpc > 0.0 && rpc < doc["connect_p50_us"].as_f64().unwrap(), "{doc}");
     wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
     let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "300"]);
     assert_eq!(o.status.code(), Some(4), "over the per-peer bound: INVALID_ARGUMENT ({o:?})");

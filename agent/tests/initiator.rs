@@ -136,6 +136,10 @@ impl PeerApi for LocalPeer {
     async fn close_bench_region(&self, _region: &str) -> Result<(), PeerError> {
         Err(remote("not in this test"))
     }
+
+    async fn ping(&self) -> Result<(), PeerError> {
+        Err(remote("not in this test"))
+    }
 }
 
 struct Node2 {

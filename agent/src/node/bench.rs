@@ -44,6 +44,8 @@ pub struct BenchResult {
     pub connections: u32,
     pub qps_held: u32,
     pub rss_bytes_per_qp: f64,
+    /// Connection setup: p50 of a `Peer.Ping` round trip to the same peer, same run.
+    pub rpc_p50_us: f64,
 }
 
 /// A KV run's result: `iters` batches of `blocks` blocks of `block` bytes that took `busy` in
@@ -74,6 +76,9 @@ pub const BENCH_MAX_HOLD: Duration = Duration::from_secs(60);
 
 /// Most connections the connection benchmark holds: what a peer keeps per identity.
 const BENCH_MAX_CONNECTIONS: u32 = 256;
+
+/// `Peer.Ping` round trips the connect benchmark times as its baseline.
+const BENCH_PINGS: usize = 50;
 
 /// This process's resident memory (VmRSS), in bytes.
 fn rss_bytes() -> Option<u64> {
@@ -432,7 +437,8 @@ impl Node {
 
     /// Connection setup: negotiates `p.connections` fresh connections of `p.qps` QPs to the peer
     /// one after another (each `Peer.Connect` to RTS timed), holds them all, measures this
-    /// process's resident memory growth per QP, then discards them (the peer forgets them).
+    /// process's resident memory growth per QP and times [`BENCH_PINGS`] `Peer.Ping` round trips
+    /// to the same peer (the baseline), then discards them (the peer forgets them).
     async fn bench_connect(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
         if p.connections > BENCH_MAX_CONNECTIONS {
             return Err(TransferError::Invalid(format!("at most {BENCH_MAX_CONNECTIONS} connections (what a peer keeps per identity)")));
@@ -461,6 +467,15 @@ impl Node {
         let seconds = t.elapsed().as_secs_f64();
         let after = rss_bytes();
         let qps_held: usize = held.iter().map(|l| l.qps()).sum();
+        // The baseline, same peer, same run: a gRPC round trip that does nothing. Peer.Connect's
+        // handshake is one such call plus the responder's work.
+        let mut rpc_us = Vec::with_capacity(BENCH_PINGS);
+        for _ in 0..BENCH_PINGS {
+            let t0 = Instant::now();
+            peer.call(|| peer.client.ping()).await?;
+            rpc_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        rpc_us.sort_by(|a, b| a.total_cmp(b));
         if !p.hold.is_zero() {
             tokio::time::sleep(p.hold).await;
         }
@@ -484,6 +499,7 @@ impl Node {
             connections: p.connections,
             qps_held: qps_held as u32,
             rss_bytes_per_qp: per_qp,
+            rpc_p50_us: percentile(&rpc_us, 0.5),
             ..Default::default()
         })
     }

@@ -269,6 +269,8 @@ mod tests {
     #[test]
     fn the_table_denies_by_default() {
         assert_eq!(required("/xfer.v1.Peer/Grant"), Some(Need::Node));
+        // Even the no-op baseline call is for agents only.
+        assert_eq!(required("/xfer.v1.Peer/Ping"), Some(Need::Node));
         assert_eq!(required("/xfer.v1.Agent/CreateRegion"), Some(Need::Client));
         assert_eq!(required("/xfer.v1.Agent/Bench"), Some(Need::Admin));
         assert_eq!(required("/xfer.v1.Agent/TcpBaseline"), Some(Need::Admin));

@@ -213,6 +213,11 @@ impl PeerApi for PeerClient {
         Ok(r.region)
     }
 
+    async fn ping(&self) -> Result<(), PeerError> {
+        self.peer.clone().ping(pb::PingRequest {}).await.map_err(|s| self.err(s))?;
+        Ok(())
+    }
+
     async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
         self.peer
             .clone()

@@ -554,6 +554,7 @@ impl Agent for Services {
             connections: b.connections,
             qps_held: b.qps_held,
             rss_bytes_per_qp: b.rss_bytes_per_qp,
+            rpc_p50_us: b.rpc_p50_us,
         }))
     }
 
@@ -700,5 +701,9 @@ impl Peer for Services {
             .map_err(join_status)?
             .map_err(transfer_status)?;
         Ok(Response::new(pb::CloseBenchRegionResponse {}))
+    }
+
+    async fn ping(&self, _req: Request<pb::PingRequest>) -> Result<Response<pb::PingResponse>, Status> {
+        Ok(Response::new(pb::PingResponse {}))
     }
 }

@@ -302,6 +302,7 @@ impl BenchResult {
             connections: r.connections,
             qps_held: r.qps_held,
             rss_bytes_per_qp: r.rss_bytes_per_qp,
+            rpc_p50_us: r.rpc_p50_us,
         }
     }
 }

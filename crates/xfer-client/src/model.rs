@@ -479,6 +479,9 @@ pub struct BenchResult {
     pub connections: u32,
     pub qps_held: u32,
     pub rss_bytes_per_qp: f64,
+    /// Connection setup: p50 of a `Peer.Ping` round trip to the same peer in the same run, the
+    /// baseline the connect times compare with.
+    pub rpc_p50_us: f64,
 }
 
 /// Raw TCP between the two agents' hosts, the baseline for [`BenchResult`]s.

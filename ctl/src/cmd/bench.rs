@@ -210,13 +210,15 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
             "connect_p50_us": r.lat_p50_us,
             "connect_p99_us": r.lat_p99_us,
             "rss_bytes_per_qp": r.rss_bytes_per_qp,
+            "rpc_p50_us": r.rpc_p50_us,
             "fabric": r.fabric.to_string(),
         }));
     }
     ctx.print(&format!(
         "# connect {} -> {} over {}
 {} connections, {} QPs held at once: connect p50 {:.2} ms, p99 {:.2} ms, avg {:.2} ms; \
-         {:.1} KiB resident per QP on this agent\n",
+         {:.1} KiB resident per QP on this agent\n\
+         baseline, same peer and run: a Peer.Ping round trip p50 {:.3} ms; connect p50 = {:.1} x that\n",
         ctx.agent,
         opt.peer,
         r.fabric,
@@ -225,7 +227,9 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
         r.lat_p50_us / 1e3,
         r.lat_p99_us / 1e3,
         r.lat_avg_us / 1e3,
-        r.rss_bytes_per_qp / 1024.0
+        r.rss_bytes_per_qp / 1024.0,
+        r.rpc_p50_us / 1e3,
+        r.lat_p50_us / r.rpc_p50_us.max(f64::MIN_POSITIVE)
     ))
 }
 
