@@ -328,6 +328,17 @@ async fn the_connect_benchmark_holds_fresh_connections_and_gives_them_back() {
     assert_eq!(o.status.code(), Some(4), "over the per-peer bound: INVALID_ARGUMENT ({o:?})");
     let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "2", "--hold", "61s"]);
     assert_eq!(o.status.code(), Some(4), "a hold over 60 s: INVALID_ARGUMENT ({o:?})");
+    let o = a.ctl(&["bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "2", "--interval", "1001ms"]);
+    assert_eq!(o.status.code(), Some(4), "a pause over 1 s: INVALID_ARGUMENT ({o:?})");
+    // Paced: each connection still fresh and timed; the pauses are not in the times.
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr(), "--pattern", "connect", "--connections", "3", "--interval", "200ms"]);
+    assert!(o.status.success(), "{o:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["connections"].as_u64(), Some(3), "{doc}");
+    // The run took both pauses, and they are outside the connections' times: the run's length
+    // is at least the sum of the three times plus 2 x 200 ms.
+    let (seconds, timed) = (doc["seconds"].as_f64().unwrap(), doc["connect_avg_us"].as_f64().unwrap() * 3.0 / 1e6);
+    assert!(seconds >= 0.4 + timed - 1e-6, "pauses outside the timed negotiations: {doc}");
     wait_gauge(&b, "xfer_accepted_connections", 0.0).await;
     // --hold keeps them all up once negotiated (what lets several initiators overlap): the
     // target counts all 4 while the command still runs, then none once it returned.

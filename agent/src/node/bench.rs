@@ -23,6 +23,9 @@ pub struct BenchParams {
     /// Connection setup: how long to keep them all once the last is up (at most
     /// [`BENCH_MAX_HOLD`]).
     pub hold: Duration,
+    /// Connection setup: untimed wait before each connection after the first (at most
+    /// [`BENCH_MAX_INTERVAL`]); zero = back to back.
+    pub interval: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -73,6 +76,9 @@ fn kv_result(block: u64, blocks: u64, iters: u32, busy: Duration, mut batch_us: 
 
 /// Longest the connection benchmark keeps its connections once they are all up.
 pub const BENCH_MAX_HOLD: Duration = Duration::from_secs(60);
+
+/// Longest pause the connection benchmark takes between two connections.
+pub const BENCH_MAX_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most connections the connection benchmark holds: what a peer keeps per identity.
 const BENCH_MAX_CONNECTIONS: u32 = 256;
@@ -446,6 +452,9 @@ impl Node {
         if p.hold > BENCH_MAX_HOLD {
             return Err(TransferError::Invalid(format!("connections are held at most {BENCH_MAX_HOLD:?}")));
         }
+        if p.interval > BENCH_MAX_INTERVAL {
+            return Err(TransferError::Invalid(format!("the pause between connections is at most {BENCH_MAX_INTERVAL:?}")));
+        }
         let _admin = self.admin_slot("Bench")?;
         let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
         let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
@@ -454,7 +463,12 @@ impl Node {
         let mut held = Vec::with_capacity(p.connections as usize);
         let mut us = Vec::with_capacity(p.connections as usize);
         let t = Instant::now();
-        for _ in 0..p.connections {
+        for i in 0..p.connections {
+            if i > 0 && !p.interval.is_zero() {
+                // Pacing, not synchronisation: each negotiation starts on agents that finished
+                // the previous one's background work (pool refill, the peer's RTS).
+                tokio::time::sleep(p.interval).await;
+            }
             let t0 = Instant::now();
             // Every lease is held, so each one is a fresh negotiation (the idle list is empty or
             // holds other shapes).

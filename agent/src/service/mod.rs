@@ -532,6 +532,7 @@ impl Agent for Services {
             channel: r.channel,
             connections: r.connections,
             hold: std::time::Duration::from_millis(u64::from(r.hold_ms)),
+            interval: std::time::Duration::from_millis(u64::from(r.interval_ms)),
         };
         let b = self.node.bench(p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {

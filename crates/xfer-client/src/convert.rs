@@ -276,6 +276,7 @@ impl BenchSpec {
             channel: self.channel,
             connections: self.connections,
             hold_ms: self.hold_ms,
+            interval_ms: self.interval_ms,
         }
     }
 }

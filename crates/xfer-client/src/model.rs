@@ -453,6 +453,9 @@ pub struct BenchSpec {
     pub connections: u32,
     /// Connect pattern: keep them this long once all are up, in milliseconds (at most 60,000).
     pub hold_ms: u32,
+    /// Connect pattern: untimed wait before each connection after the first, in milliseconds
+    /// (at most 1,000); 0 = back to back.
+    pub interval_ms: u32,
 }
 
 /// What a benchmark run measured.

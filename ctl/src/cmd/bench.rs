@@ -94,6 +94,10 @@ pub struct Opt {
     /// initiators' runs hold theirs at the same time.
     #[arg(long, value_parser = crate::units::parse_duration)]
     pub hold: Option<std::time::Duration>,
+    /// Connect pattern: wait this long before each connection after the first, untimed (at
+    /// most 1s), so each starts on idle agents (latency at low load; default back to back).
+    #[arg(long, value_parser = crate::units::parse_duration)]
+    pub interval: Option<std::time::Duration>,
     /// Connect pattern: connections to negotiate and hold (at most 256).
     #[arg(long, default_value_t = 100)]
     pub connections: u32,
@@ -194,6 +198,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
             depth: opt.depth.unwrap_or(0),
             connections: opt.connections,
             hold_ms: opt.hold.map_or(0, |h| u32::try_from(h.as_millis()).unwrap_or(u32::MAX)),
+            interval_ms: opt.interval.map_or(0, |h| u32::try_from(h.as_millis()).unwrap_or(u32::MAX)),
             ..Default::default()
         })
         .await
@@ -321,6 +326,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 channel: kv && opt.channel,
                 connections: 0,
                 hold_ms: 0,
+                interval_ms: 0,
             })
             .await
             .with_context(|| {
