@@ -111,8 +111,9 @@ pub struct VerbsConfig {
     pub max_read_wr: ByteSize,
     /// Connections of each recently used shape (QP count, depth, initiator or responder) kept
     /// built and in INIT, so a negotiation only draws PSNs and moves QPs to RTR and RTS; one is
-    /// rebuilt by the fabric's builder thread (`SCHED_IDLE`) after each is taken. At most 4 shapes and 64 QPs in all are
-    /// held (about 80-100 KiB each on rxe). 0 = build each connection while negotiating it.
+    /// rebuilt by the fabric's builder thread (`SCHED_IDLE`) after each is taken. At most 4
+    /// shapes and 64 QPs in all are held (about 80-100 KiB each on rxe). 0 = build each
+    /// connection while negotiating it.
     pub prebuilt: usize,
     /// RDMA READs outstanding per QP (the initiator depth and the responder resources both
     /// sides offer; a connection uses the smaller of the two agents'). 0 = the device's

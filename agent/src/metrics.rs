@@ -378,7 +378,6 @@ pub fn connect_phase(phase: &'static str, d: Duration) {
     histogram!(CONNECT_PHASE, "phase" => phase).record(d.as_secs_f64());
 }
 
-/// The responder's fabric accept took `d`.
 /// The responder's QPs reached RTS (or failed to), `d` after its accept started.
 pub fn accept_ready(d: Duration) {
     histogram!(ACCEPT_READY).record(d.as_secs_f64());
@@ -389,6 +388,7 @@ pub fn grant_ready_wait() {
     counter!(GRANT_READY_WAITS).increment(1);
 }
 
+/// The responder's fabric accept took `d` (until it answered).
 pub fn accept_duration(d: Duration) {
     histogram!(ACCEPT_DURATION).record(d.as_secs_f64());
 }

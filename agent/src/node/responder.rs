@@ -119,24 +119,19 @@ async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), Transf
     if *rx.borrow_and_update() == Readiness::Pending {
         m::grant_ready_wait();
     }
+    let failed = |why: &str| TransferError::UnknownConnection(format!("connection {id} could not be made ready on this agent: {why}"));
     let settled = tokio::time::timeout(READY_TIMEOUT, rx.wait_for(|r| *r != Readiness::Pending)).await;
-    let state = match settled {
-        Ok(Ok(state)) => state.clone(),
+    match settled {
+        // `wait_for` hands back a settled state only: `Ready` or `Failed`.
+        Ok(Ok(state)) => match &*state {
+            Readiness::Failed(why) => Err(failed(why)),
+            _ => Ok(()),
+        },
         // The task that moves the QPs ended without a word (it always sends one).
-        Ok(Err(_)) => Readiness::Failed("its set-up ended without a result".into()),
-        Err(_) => {
-            return Err(TransferError::FailedPrecondition(format!(
-                "connection {id} is not ready on this agent after {READY_TIMEOUT:?} (its QPs are still being moved to RTS)"
-            )))
-        }
-    };
-    match state {
-        Readiness::Ready => Ok(()),
-        Readiness::Failed(why) => Err(TransferError::UnknownConnection(format!(
-            "connection {id} could not be made ready on this agent: {why}"
+        Ok(Err(_)) => Err(failed("its set-up ended without a result")),
+        Err(_) => Err(TransferError::FailedPrecondition(format!(
+            "connection {id} is not ready on this agent after {READY_TIMEOUT:?} (its QPs are still being moved to RTS)"
         ))),
-        // `wait_for` returned a state that is not pending.
-        Readiness::Pending => Err(TransferError::Internal(format!("connection {id}: readiness settled as pending"))),
     }
 }
 

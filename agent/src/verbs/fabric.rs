@@ -150,13 +150,12 @@ impl VerbsFabric {
     /// inversion, bounded by the scheduler). If the thread cannot be started, the build runs
     /// on the blocking pool instead.
     fn refill(&self) {
-        let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
-        let run = move || fill_or_log(&pool, &dev, &opts);
+        let parts = || (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
         let mut builder = self.builder.lock().unwrap_or_else(|e| e.into_inner());
         if builder.is_none() {
             // One pending wake is enough: the build fills every shape that is short.
             let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
-            let (pool, dev, opts) = (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
+            let (pool, dev, opts) = parts();
             let spawned = std::thread::Builder::new().name("xfer-prebuild".into()).spawn(move || {
                 if let Err(e) = xfer_rdma::thread::run_when_idle() {
                     tracing::debug!(error = %e, "the connection builder runs at normal priority (SCHED_IDLE refused)");
@@ -180,6 +179,8 @@ impl VerbsFabric {
             }
         }
         drop(builder);
+        let (pool, dev, opts) = parts();
+        let run = move || fill_or_log(&pool, &dev, &opts);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn_blocking(run)),
             // Outside a runtime (not the agent's case: negotiations are async) build inline.
