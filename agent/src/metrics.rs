@@ -415,7 +415,7 @@ pub fn data_connection_refused(reason: &'static str) {
     counter!(DATA_CONNECTIONS_REFUSED, "reason" => reason).increment(1);
 }
 
-/// `reason`: `handshake` or `idle`.
+/// `reason`: `handshake`, `evicted`, `idle`, `stalled`, `payload` or `revoked`.
 pub fn data_connection_closed(reason: &'static str) {
     counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
 }

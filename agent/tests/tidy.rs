@@ -200,6 +200,24 @@ fn no_thread_sleep_on_runtime_threads() {
     fail_if_any("std::thread::sleep outside a marked blocking context", bad);
 }
 
+/// Spans attach to futures, never to threads: product code does not hold a tracing span's
+/// `enter()` guard (in an async fn it stays entered across every `.await`, so whatever else the
+/// runtime thread runs meanwhile is logged under that span). Use `.instrument(span)`, or
+/// `span.in_scope(..)` for synchronous code.
+#[test]
+fn spans_are_never_entered_by_guard() {
+    let mut bad = Vec::new();
+    for (path, text) in product_sources() {
+        for (n, line) in product_lines(&text) {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("span.enter()") || code.contains("span!(") && code.contains(".enter()") {
+                bad.push(format!("{}:{n}: {}", path.display(), line.trim()));
+            }
+        }
+    }
+    fail_if_any("a tracing span entered by guard (use .instrument or in_scope)", bad);
+}
+
 /// One proto boundary: only `agent/src/service/` imports `xfer_proto` in the agent (domain
 /// modules never see protobuf types).
 #[test]

@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use xfer_rdma::memory::RegionMemory;
 
 pub mod frame;
+pub mod stall;
 pub mod tcp;
 
 /// Which data plane an agent runs.

@@ -51,6 +51,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::stall::{is_stall, StallGuard};
 use super::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use super::{
     Access, Accepted, Completion, CompletionSink, Connection, DataSecret, Endpoint, Exposure, ExposeRequest, Fabric,
@@ -1040,6 +1041,7 @@ where
         Err(ServeError::Idle) => crate::metrics::data_connection_closed("idle"),
         Err(ServeError::PayloadTimeout) => crate::metrics::data_connection_closed("payload"),
         Err(ServeError::Revoked) => crate::metrics::data_connection_closed("revoked"),
+        Err(ServeError::Stalled) => crate::metrics::data_connection_closed("stalled"),
         _ => {}
     }
     r
@@ -1063,6 +1065,8 @@ pub enum ServeError {
     Revoked,
     #[error("closed data stream: the region's file shrank while a READ answer was being sent")]
     ShrankMidAnswer,
+    #[error("closed data stream: the initiator did not read its answers within limits.data_idle_timeout")]
+    Stalled,
 }
 
 /// The target side of one data stream of connection `connection` (its hello already checked):
@@ -1096,7 +1100,35 @@ where
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     // Responses are coalesced, and flushed before any read that could wait for the initiator:
     // the initiator writes whole frames, so bytes already buffered never wait on our answers.
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+    // An initiator that stops reading its answers fails the stream after `idle` without
+    // progress (a write, not only a read, can wait on the peer).
+    let mut wr = BufWriter::with_capacity(64 << 10, StallGuard::new(wr, idle));
+    let served = serve_loop(&mut rd, &mut wr, check, connection, idle, payload).await;
+    // However the stream ends (a bad frame, a payload cut short, a revocation, the idle timer),
+    // the answers to the frames served before it are still delivered: a READ answered in full
+    // must not reach the initiator cut short because a later frame was refused. When the loop
+    // failed, its error is the one returned (and a stalled reader gets no second wait).
+    let stalled = matches!(&served, Err(ServeError::Io(e)) if is_stall(e));
+    let flushed = if stalled { Ok(()) } else { wr.flush().await.map_err(ServeError::from) };
+    served.and(flushed).map_err(|e| match e {
+        ServeError::Io(e) if is_stall(&e) => ServeError::Stalled,
+        e => e,
+    })
+}
+
+/// The frame loop of [`serve_frames_idle`]; its caller flushes `wr` however this returns.
+async fn serve_loop<R, W>(
+    rd: &mut BufReader<R>,
+    wr: &mut BufWriter<W>,
+    check: &dyn AccessCheck,
+    connection: &ConnectionId,
+    idle: Option<Duration>,
+    payload: Option<Duration>,
+) -> Result<(), ServeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     // Whether this stream has refused a WRITE or READ. On an RC QP a refused work request puts
     // the QP in error and nothing behind it executes; this stream serves on (it stays in sync),
     // but a notification marker behind a refused request must not count: the initiator pipelines
@@ -1113,25 +1145,20 @@ where
             None => rd.read_exact(&mut hb).await,
             Some(idle) => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
                 Ok(r) => r,
-                Err(_) => {
-                    let _ = wr.flush().await;
-                    return Err(ServeError::Idle);
-                }
+                Err(_) => return Err(ServeError::Idle),
             },
         };
         match read {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                wr.flush().await?;
-                return Ok(());
-            }
+            // A clean end of stream (the caller flushes what is buffered).
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e.into()),
         }
         let h = match Header::decode(&hb) {
             Ok(h) => h,
             Err(e) => {
                 // The stream cannot be resynchronised: NAK and close.
-                refuse(&mut wr, 0, WcStatus::RemInvReqErr).await;
+                refuse(wr, 0, WcStatus::RemInvReqErr).await;
                 return Err(e.into());
             }
         };
@@ -1148,7 +1175,7 @@ where
                     Ok(t) => {
                         // Revoked (or expired) before the payload is in: the stream is closed
                         // rather than resynchronised, and no further byte lands.
-                        let stored = within(deadline, Some(&t.lease), store_payload(&mut rd, &t, h.len as usize)).await?;
+                        let stored = within(deadline, Some(&t.lease), store_payload(rd, &t, h.len as usize)).await?;
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
@@ -1160,7 +1187,7 @@ where
                     }
                     Err(status) => {
                         refused = true;
-                        within(deadline, None, async { Ok(discard(&mut rd, h.len as u64).await?) }).await?;
+                        within(deadline, None, async { Ok(discard(rd, h.len as u64).await?) }).await?;
                         wr.write_all(&Header::nak(h.id, status).encode()).await?;
                     }
                 }
@@ -1198,7 +1225,7 @@ where
                     Ok((mem, off)) => {
                         resp.len = h.len;
                         wr.write_all(&resp.encode()).await?;
-                        mem.write_all_from(&mut wr, off, h.len as usize).await?;
+                        mem.write_all_from(wr, off, h.len as usize).await?;
                     }
                     Err(status) => {
                         refused = true;
@@ -1224,7 +1251,7 @@ where
                 }
             }
             other => {
-                refuse(&mut wr, h.id, WcStatus::RemInvReqErr).await;
+                refuse(wr, h.id, WcStatus::RemInvReqErr).await;
                 return Err(ServeError::Unexpected(other));
             }
         }
@@ -1311,4 +1338,93 @@ async fn discard<R: AsyncReadExt + Unpin>(rd: &mut R, mut len: u64) -> std::io::
         len -= n as u64;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: [u8; 16] = [0x22; 16];
+    const LEN: usize = 64 << 10;
+
+    /// One READ grant over a whole 64 KiB region at address 0, with the region's bytes 0, 1, 2, …
+    struct ReadAll {
+        memory: Arc<RegionMemory>,
+        lease: Arc<GrantLease>,
+    }
+
+    impl ReadAll {
+        fn new() -> ReadAll {
+            let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
+            let pattern: Vec<u8> = (0..LEN).map(|i| i as u8).collect();
+            memory.write_at(0, &pattern).expect("fill");
+            let lease = GrantLease::new(std::time::SystemTime::now() + Duration::from_secs(3600));
+            ReadAll { memory, lease }
+        }
+    }
+
+    impl AccessCheck for ReadAll {
+        fn check(&self, _: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+            if token != &TOKEN || op != RemoteOp::Read || addr.checked_add(len).is_none_or(|end| end > LEN as u64) {
+                return Err(WcStatus::RemAccessErr);
+            }
+            Ok(Checked { memory: self.memory.clone(), offset: addr, lease: self.lease.clone() })
+        }
+
+        fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {
+            Err(WcStatus::RemAccessErr)
+        }
+    }
+
+    fn read_req(id: u64, len: u32) -> [u8; HEADER_LEN] {
+        let mut h = Header::new(Kind::ReadReq, id);
+        h.len = len;
+        h.token = TOKEN;
+        h.encode()
+    }
+
+    fn connection() -> ConnectionId {
+        ConnectionId::parse("test-conn").expect("valid id")
+    }
+
+    /// Found by the frame_decode fuzz target: a READ answered in full, then a WRITE the target
+    /// refuses whose payload the stream cuts short. The stream fails on the short payload; the
+    /// READ's answer, already owed, must still reach the initiator whole (it used to sit unsent
+    /// in the writer's buffer, so the initiator saw it cut short).
+    #[tokio::test]
+    async fn answers_owed_before_a_stream_fails_are_delivered_whole() {
+        let grants = ReadAll::new();
+        let len = LEN as u32 - 65; // header + payload over the writer's 64 KiB buffer
+        let mut input = read_req(4, len).to_vec();
+        let mut w = Header::new(Kind::Write, 5);
+        w.len = 1 << 20;
+        w.token = [0x99; 16]; // no such grant: refused, its payload discarded until the stream ends
+        input.extend_from_slice(&w.encode());
+        input.extend_from_slice(&[0xee; 100]);
+        let mut out = Vec::new();
+        let r = serve_frames(&input[..], &mut out, &grants, &connection()).await;
+        assert!(matches!(r, Err(ServeError::Io(ref e)) if e.kind() == std::io::ErrorKind::UnexpectedEof), "{r:?}");
+        let h = Header::decode(out[..HEADER_LEN].try_into().expect("a header")).expect("decodes");
+        assert_eq!((h.kind, h.id, h.status, h.len), (Kind::ReadResp, 4, 0, len));
+        let payload = &out[HEADER_LEN..];
+        assert_eq!(payload.len(), len as usize, "the READ answer arrived whole, and nothing after it");
+        assert!(payload.iter().enumerate().all(|(i, b)| *b == i as u8), "the region's bytes");
+    }
+
+    /// An initiator that sends a READ and never reads the answer: the stream fails as stalled
+    /// after the idle limit (virtual time), instead of holding its task for ever.
+    #[tokio::test(start_paused = true)]
+    async fn an_initiator_that_stops_reading_is_closed_as_stalled() {
+        let grants = ReadAll::new();
+        let (mut ours, theirs) = tokio::io::duplex(4096);
+        let (rd, wr) = tokio::io::split(theirs);
+        ours.write_all(&read_req(1, LEN as u32)).await.expect("request");
+        let idle = Duration::from_secs(300);
+        let start = tokio::time::Instant::now();
+        // `ours` stays open and unread: the answer fills the pipe and waits.
+        let r = serve_frames_idle(rd, wr, &grants, &connection(), Some(idle), Some(Duration::from_secs(30))).await;
+        assert!(matches!(r, Err(ServeError::Stalled)), "{r:?}");
+        assert_eq!(start.elapsed(), idle);
+        drop(ours);
+    }
 }

@@ -593,9 +593,15 @@ impl Peer for Services {
         let peer = caller_of(&req)?.name;
         let r = req.into_inner();
         let (connection_id, fabric, eps) = peer_connect_from_pb(&r)?;
+        // Instrumented, not entered: a guard held across the await would tag whatever else
+        // this runtime thread runs meanwhile with this peer's span.
         let span = tracing::info_span!("peer", %peer);
-        let _g = span.enter();
-        let mine = self.node.accept_connection(&peer, &connection_id, fabric, &eps).await.map_err(fabric_status)?;
+        let mine = self
+            .node
+            .accept_connection(&peer, &connection_id, fabric, &eps)
+            .instrument(span)
+            .await
+            .map_err(fabric_status)?;
         Ok(Response::new(pb::PeerConnectResponse {
             version: 1,
             node_name: self.node.node_name().to_string(),
