@@ -731,7 +731,7 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
         } else {
             None
         };
-        let res = async {
+        let send = async {
             out.write_all(&h.encode()).await?;
             if let Some(b) = &bounce {
                 out.write_all(b).await?;
@@ -743,8 +743,13 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
                 out.flush().await?;
             }
             Ok::<(), std::io::Error>(())
-        }
-        .await;
+        };
+        // A write waits on the target reading; closing the connection must not wait for that
+        // (a stopped or hostile target would otherwise hold this task and its socket for ever).
+        let res = tokio::select! {
+            r = send => r,
+            _ = ctx.cancel.cancelled() => break,
+        };
         if let Err(e) = res {
             debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
             ctx.fail(WcStatus::RetryExcErr);
@@ -756,7 +761,12 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
     while let Ok(wr) = rx.try_recv() {
         ctx.complete(&wr, WcStatus::WrFlushErr);
     }
-    let _ = out.shutdown().await;
+    // The end of stream for the target, unless the connection was closed: then the stream is
+    // dropped as it is (a shutdown could wait on the target like any write).
+    tokio::select! {
+        _ = out.shutdown() => {}
+        _ = ctx.cancel.cancelled() => {}
+    }
 }
 
 async fn reader(ctx: QpCtx, rd: BoxRead) {
@@ -1409,6 +1419,56 @@ mod tests {
         let payload = &out[HEADER_LEN..];
         assert_eq!(payload.len(), len as usize, "the READ answer arrived whole, and nothing after it");
         assert!(payload.iter().enumerate().all(|(i, b)| *b == i as u8), "the region's bytes");
+    }
+
+    /// The initiator's side of a target that stopped reading: its writer is blocked in the
+    /// middle of a WRITE's payload. Closing the connection (what a transfer's deadline or a
+    /// dropped lease does) must end the writer, so the target sees the stream end and the WR
+    /// gets its error completion; the writer used to stay blocked in the write for ever. Virtual
+    /// time: a writer that never ends fails the test at the (virtual) hour, not by hanging it.
+    #[tokio::test(start_paused = true)]
+    async fn closing_a_connection_ends_a_writer_blocked_on_a_target_that_stopped_reading() {
+        let (ours, mut theirs) = tokio::io::duplex(4096);
+        let (rd, wr) = tokio::io::split(ours);
+        let (sink, mut completions) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+        let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
+        let local: Arc<dyn Registration> = Arc::new(TcpRegistration { memory, access: Access::ReadWrite });
+        let wr = WorkRequest {
+            wr_id: 7,
+            op: WrOp::Write,
+            local,
+            local_offset: 0,
+            len: LEN as u32,
+            remote_addr: 0,
+            remote_key: RemoteKey::Token(TOKEN),
+            signaled: true,
+        };
+        qp.tx.send(wr).expect("the writer is running");
+        // The header and the start of the payload: the writer is now inside the WR, blocked on
+        // a pipe the target no longer reads.
+        let mut head = [0u8; HEADER_LEN + 64];
+        theirs.read_exact(&mut head).await.expect("the WR started");
+        assert_eq!(Header::decode(head[..HEADER_LEN].try_into().expect("a header")).expect("decodes").id, 7);
+        cancel.cancel();
+        let bound = Duration::from_secs(600);
+        let c = tokio::time::timeout(bound, completions.recv()).await.expect("a completion").expect("the sink is open");
+        assert_eq!(c.wr_id, 7);
+        assert_ne!(c.status, WcStatus::Success, "an unsent WRITE cannot succeed");
+        // Both stream tasks end (each holds the QP's state) while the target still reads nothing;
+        // polled in virtual time.
+        let ended = tokio::time::timeout(bound, async {
+            while Arc::strong_count(&qp.state) > 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "the writer is still blocked on the target");
+        // The target's side: what was buffered, then EOF; the payload was cut short.
+        let mut rest = Vec::new();
+        theirs.read_to_end(&mut rest).await.expect("reads to the end");
+        assert!(rest.len() < LEN, "the payload was cut short, not completed");
     }
 
     /// An initiator that sends a READ and never reads the answer: the stream fails as stalled

@@ -154,11 +154,6 @@ fn caller_of<T>(req: &Request<T>) -> Result<auth::Caller, Status> {
     auth::caller(req).cloned().ok_or_else(|| auth_status(auth::AuthError::NoCertificate))
 }
 
-/// Most QPs (tcp: data streams) and outstanding work requests per QP a caller may ask for
-/// (`SubmitTransfer` checks the same bounds in `Node::submit`).
-
-
-
 #[tonic::async_trait]
 impl Agent for Services {
     async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Result<Response<pb::AgentInfo>, Status> {
