@@ -806,14 +806,16 @@ async fn handle_response(
     rd: &mut BufReader<BoxRead>,
     h: &Header,
 ) -> std::io::Result<Option<WcStatus>> {
-    // Responses arrive in posting order; earlier unsignaled WRITEs completed silently.
+    // Responses arrive in posting order; earlier unsignaled WRITEs completed silently. A READ or
+    // a signaled WR is always answered, so a response that skips one is the target breaking the
+    // protocol: the QP fails (the skipped WR with the error) rather than losing its completion.
     let matched = {
         let Ok(mut st) = ctx.state.lock() else { return Ok(Some(WcStatus::GeneralErr)) };
         loop {
             match st.pending.front() {
                 None => return Ok(Some(WcStatus::RemInvReqErr)),
                 Some(p) if p.wr.wr_id == h.id => break st.pending.pop_front(),
-                Some(p) if p.wr.op == WrOp::Read => return Ok(Some(WcStatus::RemInvReqErr)),
+                Some(p) if p.wr.op == WrOp::Read || p.wr.signaled => return Ok(Some(WcStatus::RemInvReqErr)),
                 Some(_) => {
                     st.pending.pop_front();
                 }
@@ -1469,6 +1471,49 @@ mod tests {
         let mut rest = Vec::new();
         theirs.read_to_end(&mut rest).await.expect("reads to the end");
         assert!(rest.len() < LEN, "the payload was cut short, not completed");
+    }
+
+    /// A target that answers a later WR and skips a signaled one (its ACK was asked for): the
+    /// skipped WR fails with REM_INV_REQ_ERR and the later one is flushed. It used to be dropped
+    /// from the queue without a completion, so its transfer waited for one until its deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_target_that_skips_an_asked_for_ack_fails_the_qp() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let (rd, wr) = tokio::io::split(ours);
+        let (sink, mut completions) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+        let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
+        let local: Arc<dyn Registration> = Arc::new(TcpRegistration { memory, access: Access::ReadWrite });
+        for id in [1, 2] {
+            let wr = WorkRequest {
+                wr_id: id,
+                op: WrOp::Write,
+                local: local.clone(),
+                local_offset: 0,
+                len: 16,
+                remote_addr: 0,
+                remote_key: RemoteKey::Token(TOKEN),
+                signaled: true,
+            };
+            qp.tx.send(wr).expect("the writer is running");
+        }
+        // Both frames arrive at the target (header and 16 bytes each), each asking for an ACK.
+        for id in [1, 2] {
+            let mut f = [0u8; HEADER_LEN + 16];
+            theirs.read_exact(&mut f).await.expect("a frame");
+            let h = Header::decode(f[..HEADER_LEN].try_into().expect("a header")).expect("decodes");
+            assert_eq!((h.kind, h.id, h.flags & ACK_REQUESTED != 0), (Kind::Write, id, true));
+        }
+        theirs.write_all(&Header::new(Kind::Ack, 2).encode()).await.expect("the ACK");
+        // Virtual time: a completion that never comes fails the test instead of hanging it.
+        let mut next = async || {
+            tokio::time::timeout(Duration::from_secs(600), completions.recv()).await.ok().flatten().map(|c| (c.wr_id, c.status))
+        };
+        let (first, second) = (next().await, next().await);
+        assert_eq!(first, Some((1, WcStatus::RemInvReqErr)), "then {second:?}");
+        assert_eq!(second, Some((2, WcStatus::WrFlushErr)));
+        cancel.cancel();
     }
 
     /// An initiator that sends a READ and never reads the answer: the stream fails as stalled
