@@ -824,7 +824,9 @@ async fn handle_response(
     };
     let Some(p) = matched else { return Ok(Some(WcStatus::GeneralErr)) };
     match h.kind {
-        Kind::Ack if matches!(p.wr.op, WrOp::Write | WrOp::Notify { .. }) => {
+        // Only a signaled WR asks for an ACK; one for a silent WR is the target breaking the
+        // protocol (the driver must never see a completion for a WR it did not signal).
+        Kind::Ack if matches!(p.wr.op, WrOp::Write | WrOp::Notify { .. }) && p.wr.signaled => {
             ctx.complete(&p.wr, WcStatus::Success);
             Ok(None)
         }
@@ -834,11 +836,16 @@ async fn handle_response(
                 return Ok(Some(WcStatus::RemInvReqErr));
             }
             let mem = p.wr.local.memory();
+            // A payload cut short (the target died or closed mid-answer) fails the stream with
+            // this WR back at the head of the queue, so it completes with the error.
             if mem.can_shrink() {
                 // Through a buffer, so a truncated page faults in the agent (not EFAULT in the
                 // socket read), the stream stays in sync, and a poisoned region fails the WR.
                 let mut b = vec![0u8; p.wr.len as usize];
-                rd.read_exact(&mut b).await?;
+                if let Err(e) = rd.read_exact(&mut b).await {
+                    put_back(ctx, p);
+                    return Err(e);
+                }
                 if mem.write_at(p.wr.local_offset, &b).is_err() {
                     put_back(ctx, p);
                     return Ok(Some(WcStatus::LocProtErr));
@@ -849,7 +856,10 @@ async fn handle_response(
                     return Ok(Some(WcStatus::LocProtErr));
                 }
                 // Straight into region memory: no bounce buffer.
-                mem.read_exact_into(rd, p.wr.local_offset, p.wr.len as usize).await?;
+                if let Err(e) = mem.read_exact_into(rd, p.wr.local_offset, p.wr.len as usize).await {
+                    put_back(ctx, p);
+                    return Err(e);
+                }
             }
             if p.wr.signaled {
                 ctx.complete(&p.wr, WcStatus::Success);
@@ -867,6 +877,44 @@ async fn handle_response(
             Ok(Some(WcStatus::RemInvReqErr))
         }
     }
+}
+
+/// The initiator side of one data stream, driven from memory: `wrs` are posted in order on a QP
+/// whose frames go to `wr` and whose target answers are read from `rd` (which must end). Returns
+/// once both of the stream's tasks are gone (the answers read to their end or to a protocol
+/// error, every WR handed to the writer): every completion the QP produced, and how many WRs
+/// could not be posted (the stream had already ended; they are the last ones). As on verbs, a WR
+/// completes once (an unsignaled one only if it fails). Public (but not API) for the
+/// `initiator_answers` fuzz target.
+#[doc(hidden)]
+pub async fn run_initiator_stream<R, W>(rd: R, wr: W, wrs: Vec<WorkRequest>) -> (Vec<Completion>, usize)
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    let (sink, mut completions) = mpsc::unbounded_channel();
+    let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
+    let mut refused = 0;
+    for w in wrs {
+        if qp.tx.send(w).is_err() {
+            refused += 1;
+        }
+    }
+    // No more WRs: the writer ends once it has handed on the posted ones, the reader at the end
+    // of the answers, and the sink closes with them.
+    drop(qp);
+    let mut got = Vec::new();
+    while let Some(c) = completions.recv().await {
+        got.push(c);
+    }
+    (got, refused)
+}
+
+/// A registration of `memory` as the tcp fabric makes one (no keys), for
+/// [`run_initiator_stream`]'s callers.
+#[doc(hidden)]
+pub fn registration(memory: Arc<RegionMemory>, access: Access) -> Arc<dyn Registration> {
+    Arc::new(TcpRegistration { memory, access })
 }
 
 /// Returns a matched WR to the head of the queue so `fail` reports it with the error status.
@@ -1514,6 +1562,60 @@ mod tests {
         assert_eq!(first, Some((1, WcStatus::RemInvReqErr)), "then {second:?}");
         assert_eq!(second, Some((2, WcStatus::WrFlushErr)));
         cancel.cancel();
+    }
+
+    /// Found by the initiator_answers fuzz target: a target that ACKs a WRITE that did not ask
+    /// for it. On verbs an unsignaled WR never completes successfully, and the transfer driver
+    /// counts on that; the ACK is a protocol error that fails the QP, not a success.
+    #[tokio::test]
+    async fn an_ack_for_an_unsignaled_write_fails_the_qp() {
+        let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
+        let local = registration(memory, Access::ReadWrite);
+        let wrs: Vec<WorkRequest> = [(1, false), (2, true)]
+            .into_iter()
+            .map(|(id, signaled)| WorkRequest {
+                wr_id: id,
+                op: WrOp::Write,
+                local: local.clone(),
+                local_offset: 0,
+                len: 16,
+                remote_addr: 0,
+                remote_key: RemoteKey::Token(TOKEN),
+                signaled,
+            })
+            .collect();
+        let answers = Header::new(Kind::Ack, 1).encode().to_vec();
+        let (completions, refused) = run_initiator_stream(std::io::Cursor::new(answers), tokio::io::sink(), wrs).await;
+        let got: Vec<(u64, WcStatus)> = completions.iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(refused, 0);
+        assert_eq!(got, vec![(1, WcStatus::RemInvReqErr), (2, WcStatus::WrFlushErr)]);
+    }
+
+    /// Found by the initiator_answers fuzz target: a target whose READ answer stops inside its
+    /// payload (it died, or closed the stream). The READ fails with the stream's error; it used
+    /// to be dropped from the queue without a completion, so a transfer whose peer died in the
+    /// middle of a READ answer waited for its deadline instead of failing at once.
+    #[tokio::test]
+    async fn a_read_answer_cut_short_fails_its_read() {
+        let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
+        let local = registration(memory, Access::ReadWrite);
+        let read = WorkRequest {
+            wr_id: 1,
+            op: WrOp::Read,
+            local,
+            local_offset: 0,
+            len: 16,
+            remote_addr: 0,
+            remote_key: RemoteKey::Token(TOKEN),
+            signaled: true,
+        };
+        let mut h = Header::new(Kind::ReadResp, 1);
+        h.len = 16;
+        let mut answers = h.encode().to_vec();
+        answers.extend_from_slice(&[0xab; 11]); // 11 of the 16 bytes, then the end
+        let (completions, _) = run_initiator_stream(std::io::Cursor::new(answers), tokio::io::sink(), vec![read]).await;
+        let got: Vec<(u64, WcStatus)> = completions.iter().map(|c| (c.wr_id, c.status)).collect();
+        assert_eq!(got, vec![(1, WcStatus::RetryExcErr)]);
     }
 
     /// An initiator that sends a READ and never reads the answer: the stream fails as stalled
