@@ -125,28 +125,10 @@ impl Node {
         let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
         tokio::spawn(async move {
             let _held = (slot, reservation);
-            let work = async {
-                let mut tasks = Vec::new();
-                for _ in 0..n {
-                    let (mut s, _) = tokio::time::timeout(SINK_ACCEPT_WITHIN, listener.accept())
-                        .await
-                        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
-                    tasks.push(tokio::spawn(async move {
-                        let mut buf = vec![0u8; SINK_BUFFER];
-                        while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
-                        let _ = s.shutdown().await;
-                    }));
-                }
-                drop(listener);
-                for t in tasks {
-                    let _ = t.await;
-                }
-                Ok::<(), std::io::Error>(())
-            };
-            match tokio::time::timeout(SINK_LIFETIME, work).await {
-                Err(_) => warn!("tcp baseline sink reached its lifetime; closed"),
-                Ok(Err(e)) => debug!(error = %e, "tcp baseline sink closed"),
-                Ok(Ok(())) => {}
+            match run_sink(listener, n, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
+                Err(SinkEnd::Lifetime) => warn!("tcp baseline sink reached its lifetime; closed"),
+                Err(SinkEnd::Io(e)) => debug!(error = %e, "tcp baseline sink closed"),
+                Ok(()) => {}
             }
         });
         Ok(addr)
@@ -630,11 +612,14 @@ impl Node {
         let per = bytes.div_ceil(n as u64);
         let buf: Arc<[u8]> = vec![0xa5u8; block].into();
         let t0 = Instant::now();
-        let mut tasks = Vec::new();
+        // The senders are aborted if this call is dropped (its caller went away) or when the
+        // sink's lifetime has passed: a sink that stops reading holds neither them nor the
+        // admin slot for ever.
+        let mut tasks = tokio::task::JoinSet::new();
         for _ in 0..n {
             let sink = sink.clone();
             let buf = buf.clone();
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let mut s = TcpStream::connect(&sink).await?;
                 s.set_nodelay(true)?;
                 let mut left = per;
@@ -648,15 +633,19 @@ impl Node {
                 let mut one = [0u8; 1];
                 let _ = s.read(&mut one).await;
                 Ok::<u64, std::io::Error>(per)
-            }));
+            });
         }
-        let mut total = 0;
-        for t in tasks {
-            total += t
-                .await
-                .map_err(|e| TransferError::Internal(e.to_string()))?
-                .map_err(|e| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail: e.to_string() }))?;
-        }
+        let unreachable = |detail: String| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail });
+        let collect = async {
+            let mut total = 0;
+            while let Some(t) = tasks.join_next().await {
+                total += t.map_err(|e| TransferError::Internal(e.to_string()))?.map_err(|e| unreachable(e.to_string()))?;
+            }
+            Ok::<u64, TransferError>(total)
+        };
+        let total = tokio::time::timeout(SINK_ACCEPT_WITHIN + SINK_LIFETIME, collect)
+            .await
+            .map_err(|_| unreachable(format!("the sink took no more bytes within {:?}", SINK_ACCEPT_WITHIN + SINK_LIFETIME)))??;
         Ok((total, t0.elapsed().as_secs_f64()))
     }
 }
@@ -676,6 +665,42 @@ fn bench_wr(q: &crate::transfer::machine::Post, op: WrOp, local: &Arc<dyn Regist
     }
 }
 
+/// Why a TCP baseline sink ended early.
+#[derive(Debug)]
+enum SinkEnd {
+    Lifetime,
+    Io(std::io::Error),
+}
+
+/// A sink's work: accepts `n` connections, each within `accept_within`, and reads each to its
+/// end, discarding the bytes; all within `lifetime`. The reading tasks live in a `JoinSet`, so
+/// when the lifetime ends (or the sink fails) every connection still open is closed with them:
+/// a peer that keeps trickling bytes cannot keep a sink's tasks and buffers past its lifetime
+/// and the slot it gave back.
+async fn run_sink(listener: TcpListener, n: u32, accept_within: Duration, lifetime: Duration) -> Result<(), SinkEnd> {
+    let mut readers = tokio::task::JoinSet::new();
+    let work = async {
+        for _ in 0..n {
+            let (mut s, _) = tokio::time::timeout(accept_within, listener.accept())
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
+            readers.spawn(async move {
+                let mut buf = vec![0u8; SINK_BUFFER];
+                while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+                let _ = s.shutdown().await;
+            });
+        }
+        drop(listener);
+        while readers.join_next().await.is_some() {}
+        Ok::<(), std::io::Error>(())
+    };
+    match tokio::time::timeout(lifetime, work).await {
+        Err(_) => Err(SinkEnd::Lifetime),
+        Ok(r) => r.map_err(SinkEnd::Io),
+    }
+    // `readers` drops here: whatever still runs is aborted.
+}
+
 /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
 /// holds.
 fn held_parts(held: &mut Held) -> Result<(Lease, GrantInfo), TransferError> {
@@ -683,5 +708,31 @@ fn held_parts(held: &mut Held) -> Result<(Lease, GrantInfo), TransferError> {
     match (held.lease.take(), grant) {
         (Some(l), Some(g)) => Ok((l, g)),
         _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that connects to a sink and keeps its connection open past the sink's lifetime:
+    /// the sink closes it then (the peer reads the end of the stream) and ends with
+    /// `Lifetime`. Its reading tasks used to be detached, so they outlived the lifetime and the
+    /// slot and buffers it gave back. Virtual time: the lifetime passes without waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_closes_connections_still_open_at_its_lifetime() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let lifetime = Duration::from_secs(120);
+        let sink = tokio::spawn(run_sink(listener, 1, Duration::from_secs(10), lifetime));
+        let mut peer = TcpStream::connect(addr).await.expect("connect");
+        peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
+        let start = tokio::time::Instant::now();
+        let mut one = [0u8; 1];
+        let closed = tokio::time::timeout(lifetime * 10, peer.read(&mut one)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the connection outlived the sink: {closed:?}");
+        assert!(start.elapsed() >= lifetime - Duration::from_secs(1), "closed before its lifetime: {:?}", start.elapsed());
+        let ended = sink.await.expect("the sink task");
+        assert!(matches!(ended, Err(SinkEnd::Lifetime)), "{ended:?}");
     }
 }
