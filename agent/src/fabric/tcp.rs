@@ -1443,6 +1443,11 @@ mod tests {
         h.encode()
     }
 
+    /// A WR of `len` bytes at local offset 0 of `local`, on a grant named by [`TOKEN`].
+    fn work(wr_id: u64, op: WrOp, local: &Arc<dyn Registration>, len: u32, signaled: bool) -> WorkRequest {
+        WorkRequest { wr_id, op, local: local.clone(), local_offset: 0, len, remote_addr: 0, remote_key: RemoteKey::Token(TOKEN), signaled }
+    }
+
     fn connection() -> ConnectionId {
         ConnectionId::parse("test-conn").expect("valid id")
     }
@@ -1484,18 +1489,8 @@ mod tests {
         let cancel = CancellationToken::new();
         let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
         let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
-        let local: Arc<dyn Registration> = Arc::new(TcpRegistration { memory, access: Access::ReadWrite });
-        let wr = WorkRequest {
-            wr_id: 7,
-            op: WrOp::Write,
-            local,
-            local_offset: 0,
-            len: LEN as u32,
-            remote_addr: 0,
-            remote_key: RemoteKey::Token(TOKEN),
-            signaled: true,
-        };
-        qp.tx.send(wr).expect("the writer is running");
+        let local = registration(memory, Access::ReadWrite);
+        qp.tx.send(work(7, WrOp::Write, &local, LEN as u32, true)).expect("the writer is running");
         // The header and the start of the payload: the writer is now inside the WR, blocked on
         // a pipe the target no longer reads.
         let mut head = [0u8; HEADER_LEN + 64];
@@ -1532,19 +1527,9 @@ mod tests {
         let cancel = CancellationToken::new();
         let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
         let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
-        let local: Arc<dyn Registration> = Arc::new(TcpRegistration { memory, access: Access::ReadWrite });
+        let local = registration(memory, Access::ReadWrite);
         for id in [1, 2] {
-            let wr = WorkRequest {
-                wr_id: id,
-                op: WrOp::Write,
-                local: local.clone(),
-                local_offset: 0,
-                len: 16,
-                remote_addr: 0,
-                remote_key: RemoteKey::Token(TOKEN),
-                signaled: true,
-            };
-            qp.tx.send(wr).expect("the writer is running");
+            qp.tx.send(work(id, WrOp::Write, &local, 16, true)).expect("the writer is running");
         }
         // Both frames arrive at the target (header and 16 bytes each), each asking for an ACK.
         for id in [1, 2] {
@@ -1571,19 +1556,7 @@ mod tests {
     async fn an_ack_for_an_unsignaled_write_fails_the_qp() {
         let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
         let local = registration(memory, Access::ReadWrite);
-        let wrs: Vec<WorkRequest> = [(1, false), (2, true)]
-            .into_iter()
-            .map(|(id, signaled)| WorkRequest {
-                wr_id: id,
-                op: WrOp::Write,
-                local: local.clone(),
-                local_offset: 0,
-                len: 16,
-                remote_addr: 0,
-                remote_key: RemoteKey::Token(TOKEN),
-                signaled,
-            })
-            .collect();
+        let wrs = vec![work(1, WrOp::Write, &local, 16, false), work(2, WrOp::Write, &local, 16, true)];
         let answers = Header::new(Kind::Ack, 1).encode().to_vec();
         let (completions, refused) = run_initiator_stream(std::io::Cursor::new(answers), tokio::io::sink(), wrs).await;
         let got: Vec<(u64, WcStatus)> = completions.iter().map(|c| (c.wr_id, c.status)).collect();
@@ -1599,16 +1572,7 @@ mod tests {
     async fn a_read_answer_cut_short_fails_its_read() {
         let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
         let local = registration(memory, Access::ReadWrite);
-        let read = WorkRequest {
-            wr_id: 1,
-            op: WrOp::Read,
-            local,
-            local_offset: 0,
-            len: 16,
-            remote_addr: 0,
-            remote_key: RemoteKey::Token(TOKEN),
-            signaled: true,
-        };
+        let read = work(1, WrOp::Read, &local, 16, true);
         let mut h = Header::new(Kind::ReadResp, 1);
         h.len = 16;
         let mut answers = h.encode().to_vec();
