@@ -18,9 +18,11 @@ build: $(SETUP_STAMP)
 release: $(SETUP_STAMP)
 	$(CARGO) build --release --workspace --bins
 
-# The whole suite: unit + integration tests (real agents on loopback), the Python package's
-# pytest against real agents, clippy, manifests.
+# The whole suite: formatting (rustfmt.toml), unit + integration tests (real agents on loopback),
+# the Python package's pytest against real agents, clippy, manifests.
 test: $(SETUP_STAMP)
+	$(CARGO) fmt --all -- --check
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 	scripts/python-test
@@ -63,6 +65,7 @@ image: $(SETUP_STAMP)
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml
 
 clean:
 	$(CARGO) clean

@@ -85,11 +85,8 @@ async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std
     use std::os::unix::fs::OpenOptionsExt;
     let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
     let parent = socket_dir(path);
-    let mut dir = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_CLOEXEC)
-        .open(parent)
-        .map_err(err)?;
+    let mut dir =
+        std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_CLOEXEC).open(parent).map_err(err)?;
     let deadline = tokio::time::Instant::now() + UNIX_LOCK_WAIT;
     let mut told = false;
     loop {
@@ -99,7 +96,10 @@ async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std
                 if tokio::time::Instant::now() >= deadline {
                     return Err(err(std::io::Error::new(
                         std::io::ErrorKind::WouldBlock,
-                        format!("{} stayed locked for {UNIX_LOCK_WAIT:?} by another process (another agent binding there?)", parent.display()),
+                        format!(
+                            "{} stayed locked for {UNIX_LOCK_WAIT:?} by another process (another agent binding there?)",
+                            parent.display()
+                        ),
                     )));
                 }
                 if !told {
@@ -266,8 +266,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     // Before any region is mapped: a file that shrinks under its mapping poisons that region
     // instead of killing the agent (xfer_rdma::sigbus; file mappings also install it on first use).
     xfer_rdma::sigbus::install().map_err(StartError::Sigbus)?;
-    std::fs::create_dir_all(&cfg.state_dir)
-        .map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
+    std::fs::create_dir_all(&cfg.state_dir).map_err(|error| StartError::StateDir { path: cfg.state_dir.display().to_string(), error })?;
     if cfg.regions.file_roots.is_empty() {
         // The default file root, private to the agent: only root (the node's admin) puts files
         // (or links) there.
@@ -398,7 +397,13 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     };
     // Every listener is bound and served: report the addresses (ports chosen by the OS for port 0
     // included), in this log line and, if configured, the ready file.
-    let bound = Bound { grpc: local, data: info.data_address, metrics: metrics_addr, health: health_addr, unix: unix.as_ref().map(|f| f.path.clone()) };
+    let bound = Bound {
+        grpc: local,
+        data: info.data_address,
+        metrics: metrics_addr,
+        health: health_addr,
+        unix: unix.as_ref().map(|f| f.path.clone()),
+    };
     if let Some(path) = &cfg.ready_file {
         bound.write(path).map_err(|error| StartError::ReadyFile { path: path.display().to_string(), error })?;
     }

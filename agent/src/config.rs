@@ -24,9 +24,9 @@ fn bad(key: &str, problem: impl Into<String>) -> ConfigError {
     ConfigError { key: key.to_string(), problem: problem.into() }
 }
 
+use xfer_common::one_of;
 /// Sizes (`4KiB`, `1.5GiB`, `16Gi`) and durations (`30s`) in the grammar xferctl's flags use too.
 pub use xfer_common::{parse_size, ByteSize, HumanDuration};
-use xfer_common::one_of;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase", try_from = "String")]
@@ -438,7 +438,22 @@ impl Default for TransferConfig {
 impl Default for VerbsConfig {
     fn default() -> Self {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
-        VerbsConfig { device: String::new(), port: 1, gid_index: -1, grant_mode: GrantMode::Mr, timeout: 16, retry_cnt: 6, rnr_retry: 6, busy_poll: false, poll_spin: HumanDuration(Duration::from_micros(50)), worker: true, max_read_wr: ByteSize(1 << 20), prebuilt: 2, max_rd_atomic: 0, marker_spin: HumanDuration(Duration::from_millis(50)) }
+        VerbsConfig {
+            device: String::new(),
+            port: 1,
+            gid_index: -1,
+            grant_mode: GrantMode::Mr,
+            timeout: 16,
+            retry_cnt: 6,
+            rnr_retry: 6,
+            busy_poll: false,
+            poll_spin: HumanDuration(Duration::from_micros(50)),
+            worker: true,
+            max_read_wr: ByteSize(1 << 20),
+            prebuilt: 2,
+            max_rd_atomic: 0,
+            marker_spin: HumanDuration(Duration::from_millis(50)),
+        }
     }
 }
 
@@ -519,9 +534,7 @@ impl Config {
             })
             .collect();
         let env_names: Vec<String> = env.keys().cloned().collect();
-        b = b.add_source(
-            ::config::Environment::with_prefix("XFER").prefix_separator("_").separator("__").source(Some(env)),
-        );
+        b = b.add_source(::config::Environment::with_prefix("XFER").prefix_separator("_").separator("__").source(Some(env)));
         let set = |b: ::config::ConfigBuilder<::config::builder::DefaultState>, k: &str, v: Option<String>| match v {
             Some(v) => b.set_override(k, v).map_err(|e| bad(k, e.to_string())),
             None => Ok(b),
@@ -552,10 +565,7 @@ impl Config {
         }
         let mut cfg: Config = built.try_deserialize().map_err(config_error)?;
         if cfg.node_name.is_empty() {
-            cfg.node_name = nix::unistd::gethostname()
-                .ok()
-                .and_then(|h| h.into_string().ok())
-                .unwrap_or_else(|| "localhost".into());
+            cfg.node_name = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into());
         }
         cfg.validate()?;
         Ok(cfg)
@@ -585,7 +595,8 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.transfer;
-        crate::shape::chunk(t.chunk_size.0).map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
+        crate::shape::chunk(t.chunk_size.0)
+            .map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
         crate::shape::depth(t.depth).map_err(|e| bad("transfer.depth", e.to_string()))?;
         crate::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
         if !(1..=MAX_SEGMENTS_CEILING).contains(&t.max_segments) {
@@ -853,11 +864,16 @@ mod tests {
         let e = load_file("zzzzzzzzzz = 1\n").unwrap_err();
         assert!(!e.problem.contains("did you mean"), "{e}");
         // Single-level XFER_ variables that are not keys belong to other tools and are ignored.
-        let others = vec![("XFER_AGENT".into(), "h:1".into()), ("XFER_CERT".into(), "c.pem".into()), ("XFER_RXE_A_DEV".into(), "rxe0".into())];
+        let others =
+            vec![("XFER_AGENT".into(), "h:1".into()), ("XFER_CERT".into(), "c.pem".into()), ("XFER_RXE_A_DEV".into(), "rxe0".into())];
         assert!(Config::load(None, others, &Overrides::default()).is_ok());
         // Every optional key is known (they are skipped when None in --print-config).
         let f = dir.path().join("all.toml");
-        std::fs::write(&f, "data_listen = \"127.0.0.1:0\"\nhealth_listen = \"127.0.0.1:0\"\nready_file = \"r.json\"\n[regions]\nshm_owner = \"\"\n").unwrap();
+        std::fs::write(
+            &f,
+            "data_listen = \"127.0.0.1:0\"\nhealth_listen = \"127.0.0.1:0\"\nready_file = \"r.json\"\n[regions]\nshm_owner = \"\"\n",
+        )
+        .unwrap();
         Config::load(Some(&f), Vec::new(), &Overrides::default()).unwrap();
     }
 
@@ -953,7 +969,11 @@ mod tests {
         }
         let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), "256KiB".to_string())];
         assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs.max_read_wr, ByteSize(256 << 10));
-        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().verbs_options().max_rd_atomic, 0, "default: the device's maximum");
+        assert_eq!(
+            Config::load(None, vec![], &Overrides::default()).unwrap().verbs_options().max_rd_atomic,
+            0,
+            "default: the device's maximum"
+        );
         let env = vec![("XFER_VERBS__MAX_RD_ATOMIC".to_string(), "8".to_string())];
         assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().max_rd_atomic, 8);
         let env = vec![("XFER_VERBS__PREBUILT".to_string(), "17".to_string())];

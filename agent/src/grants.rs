@@ -11,8 +11,8 @@ use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
 use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
-use tracing::debug;
 use crate::regions::Region;
+use tracing::debug;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GrantError {
@@ -395,7 +395,14 @@ impl AccessCheck for GrantTable {
         self.marker_by_token(connection, token, imm)
     }
 
-    fn check(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+    fn check(
+        &self,
+        connection: &crate::ids::ConnectionId,
+        token: &[u8; 16],
+        addr: u64,
+        len: u64,
+        op: RemoteOp,
+    ) -> Result<Checked, WcStatus> {
         let grant = self.read().by_token.get(token).cloned().ok_or(WcStatus::RemAccessErr)?;
         // A token is valid only on the data streams of the connection it was granted on.
         if grant.connection_id.as_ref() != Some(connection) {

@@ -140,11 +140,19 @@ pub fn describe() {
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
-    describe_histogram!(CONNECT_DURATION, Unit::Seconds, "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up).");
+    describe_histogram!(
+        CONNECT_DURATION,
+        Unit::Seconds,
+        "Time to negotiate a connection with a peer (Peer.Connect round trip and QP bring-up)."
+    );
     describe_histogram!(CONNECT_PHASE, Unit::Seconds, "The initiator's connection negotiation by phase: prepare (local QPs created, INIT), handshake (the Peer.Connect call, which includes the peer's accept), complete (local QPs to RTR and RTS).");
     describe_histogram!(ACCEPT_DURATION, Unit::Seconds, "The responder's half of Peer.Connect until it answers: a connection taken from the pool (or QPs created, receives posted) and, on tcp, its data session set up.");
     describe_histogram!(ACCEPT_READY, Unit::Seconds, "Verbs: from the responder's accept to its QPs in RTS; they are moved there after Peer.Connect was answered, while the answer travels.");
-    describe_counter!(GRANT_READY_WAITS, Unit::Count, "Grants that waited for their connection's responder QPs to reach RTS (Peer.Connect answers before they do).");
+    describe_counter!(
+        GRANT_READY_WAITS,
+        Unit::Count,
+        "Grants that waited for their connection's responder QPs to reach RTS (Peer.Connect answers before they do)."
+    );
     describe_counter!(CONNECTION_BUILDS, Unit::Count, "Verbs connections (CQs and QPs in INIT) a negotiation started from, by source: prebuilt (built ahead of need, verbs.prebuilt) or on_demand (built during the negotiation), by role (initiator or responder).");
     describe_gauge!(PREBUILT_QPS, Unit::Count, "QPs held built and in INIT ahead of need (verbs.prebuilt).");
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
@@ -164,16 +172,32 @@ pub fn describe() {
         Unit::Count,
         "Data streams closed by the agent, by reason (handshake: no hello within limits.data_handshake_timeout; evicted: closed before its hello to make room for a newer socket, limits.max_pending_data_connections; idle: no frame for limits.data_idle_timeout; payload: a WRITE payload not complete within limits.data_payload_timeout; revoked: the grant of a WRITE payload being received was revoked, expired or its region deleted)."
     );
-    describe_counter!(ACCEPT_ERRORS, Unit::Count, "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s.");
+    describe_counter!(
+        ACCEPT_ERRORS,
+        Unit::Count,
+        "Failed accepts (e.g. EMFILE, ENFILE), by listener (data, grpc, health); each backs off that listener 10 ms doubling to 1 s."
+    );
     describe_gauge!(PEERS, Unit::Count, "Entries in the peer pool (peer agents by address); capped by limits.max_peers.");
-    describe_counter!(PEERS_EVICTED, Unit::Count, "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers.");
+    describe_counter!(
+        PEERS_EVICTED,
+        Unit::Count,
+        "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers."
+    );
     describe_gauge!(
         LIMIT,
         Unit::Count,
         "Limits in force, by config key (limit=max_data_connections as enforced, i.e. at most half of open_files; max_data_connections_per_peer; max_peers; open_files: the soft RLIMIT_NOFILE after raising it)."
     );
-    describe_gauge!(LIMIT_SECONDS, Unit::Seconds, "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout).");
-    describe_gauge!(LISTENER_CONNECTIONS, Unit::Count, "Open connections of a control listener (listener: grpc, health, metrics); capped (xfer_limit).");
+    describe_gauge!(
+        LIMIT_SECONDS,
+        Unit::Seconds,
+        "Time limits in force, by config key (data_handshake_timeout, data_idle_timeout, data_payload_timeout)."
+    );
+    describe_gauge!(
+        LISTENER_CONNECTIONS,
+        Unit::Count,
+        "Open connections of a control listener (listener: grpc, health, metrics); capped (xfer_limit)."
+    );
     describe_counter!(LISTENER_CONNECTIONS_REFUSED, Unit::Count, "Sockets a control listener closed at once because it was at its cap (limits.max_grpc_connections for grpc; health and metrics at most 64 each).");
     describe_counter!(CATALOG_WRITE_FAILURES, Unit::Count, "Catalog (regions.json) writes that failed after a region was deleted or expired; the catalog is rewritten later (regions.retry_interval).");
     describe_gauge!(ACCEPTED_CONNECTIONS, Unit::Count, "Connections peers made to this agent (Peer.Connect) that they have not disconnected; at most 256 per peer, the oldest without a grant evicted.");
@@ -199,7 +223,11 @@ pub fn describe() {
         Unit::Count,
         "Notification markers that arrived on this agent, by result (counted; refused: wrong connection or revoked grant; unknown_slot; no_notification: the grant asked for none; no_immediate; no_sink)."
     );
-    describe_gauge!(INBOUND_RINGS, Unit::Count, "WatchInboundRing subscriptions alive (shared-memory notification rings this agent writes).");
+    describe_gauge!(
+        INBOUND_RINGS,
+        Unit::Count,
+        "WatchInboundRing subscriptions alive (shared-memory notification rings this agent writes)."
+    );
     describe_counter!(
         MARKER_SPINS,
         Unit::Count,

@@ -76,7 +76,14 @@ pub struct Pending {
 
 impl Pending {
     pub fn new(tag: Vec<u8>, markers: u32) -> Pending {
-        Pending { slot: 0, tag, markers: markers.max(1), seen: AtomicU32::new(0), first: Mutex::new(None), published: AtomicBool::new(false) }
+        Pending {
+            slot: 0,
+            tag,
+            markers: markers.max(1),
+            seen: AtomicU32::new(0),
+            first: Mutex::new(None),
+            published: AtomicBool::new(false),
+        }
     }
 
     /// Counts one marker; true when it was the last one expected.
@@ -415,7 +422,13 @@ impl Hub {
     pub fn new(capacity: usize) -> Hub {
         let capacity = capacity.max(1);
         let (all, _) = broadcast::channel(capacity);
-        Hub { all, regions: Mutex::new(HashMap::new()), capacity, subscribers: Arc::new(AtomicUsize::new(0)), rings: Mutex::new(Vec::new()) }
+        Hub {
+            all,
+            regions: Mutex::new(HashMap::new()),
+            capacity,
+            subscribers: Arc::new(AtomicUsize::new(0)),
+            rings: Mutex::new(Vec::new()),
+        }
     }
 
     /// Adds a ring subscriber unless `max` subscriptions (streams and rings) are alive already.

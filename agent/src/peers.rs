@@ -469,9 +469,7 @@ impl PeerPool {
         m::connect_phase("prepare", prepared - started);
         let endpoints = pending.local_endpoints();
         let node_name = &self.home.node_name;
-        let reply = peer
-            .call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id))
-            .await?;
+        let reply = peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await?;
         let shaken = Instant::now();
         m::connect_phase("handshake", shaken - prepared);
         if reply.fabric != self.fabric.kind() {

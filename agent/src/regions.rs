@@ -601,20 +601,16 @@ impl RegionRegistry {
 
     /// Opens, maps and registers. Takes no lock. `restored`: the catalog entry being restored.
     fn build(&self, spec: &RegionSpec, restored: Option<&CatalogEntry>) -> Result<Arc<Region>, RegionError> {
-        let len = usize::try_from(spec.length)
-            .map_err(|_| RegionError::Invalid(format!("length {} does not fit this machine", spec.length)))?;
+        let len =
+            usize::try_from(spec.length).map_err(|_| RegionError::Invalid(format!("length {} does not fit this machine", spec.length)))?;
         let opened = match spec.kind {
             RegionKind::Anonymous => {
-                let memory = RegionMemory::anonymous(len, spec.hugepages)
-                    .map_err(io_err(format!("allocating {} bytes", spec.length)))?;
+                let memory = RegionMemory::anonymous(len, spec.hugepages).map_err(io_err(format!("allocating {} bytes", spec.length)))?;
                 Opened { memory, path: None, created_object: false, created_now: false }
             }
             RegionKind::File => {
-                let path = spec
-                    .path
-                    .clone()
-                    .filter(|p| !p.is_empty())
-                    .ok_or_else(|| RegionError::Invalid("file regions need a path".into()))?;
+                let path =
+                    spec.path.clone().filter(|p| !p.is_empty()).ok_or_else(|| RegionError::Invalid("file regions need a path".into()))?;
                 let (file, full) = self.open_region_file(&path, spec.access)?;
                 let actual = file.metadata().map_err(io_err(format!("stat {full}")))?.len();
                 if actual < spec.length {
@@ -1207,8 +1203,9 @@ fn walk_beneath(dir: BorrowedFd<'_>, rest: &Path, flags: OFlag) -> Result<OwnedF
     let mut current: Option<OwnedFd> = None;
     for part in dirs {
         let at = current.as_ref().map_or(dir, |f| f.as_fd());
-        let next = nix::fcntl::openat(at, *part, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
-            .map_err(|e| symlink_or(at, part, e))?;
+        let next =
+            nix::fcntl::openat(at, *part, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(|e| symlink_or(at, part, e))?;
         current = Some(next);
     }
     let at = current.as_ref().map_or(dir, |f| f.as_fd());

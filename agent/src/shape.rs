@@ -32,36 +32,64 @@ pub const MAX_BENCH_POOL: u64 = 64 << 30;
 
 /// A benchmark's scratch region on the target: one message, or the KV pattern's pool.
 pub fn bench_region(n: u64) -> Result<u64, ShapeError> {
-    if (1..=MAX_BENCH_POOL).contains(&n) { Ok(n) } else { Err(ShapeError::Pool) }
+    if (1..=MAX_BENCH_POOL).contains(&n) {
+        Ok(n)
+    } else {
+        Err(ShapeError::Pool)
+    }
 }
 
 pub fn chunk(n: u64) -> Result<u64, ShapeError> {
-    if (1..=MAX_CHUNK).contains(&n) { Ok(n) } else { Err(ShapeError::Chunk) }
+    if (1..=MAX_CHUNK).contains(&n) {
+        Ok(n)
+    } else {
+        Err(ShapeError::Chunk)
+    }
 }
 
 pub fn qps(n: usize) -> Result<usize, ShapeError> {
-    if QPS.contains(&n) { Ok(n) } else { Err(ShapeError::Qps) }
+    if QPS.contains(&n) {
+        Ok(n)
+    } else {
+        Err(ShapeError::Qps)
+    }
 }
 
 pub fn depth(n: usize) -> Result<usize, ShapeError> {
-    if DEPTH.contains(&n) { Ok(n) } else { Err(ShapeError::Depth) }
+    if DEPTH.contains(&n) {
+        Ok(n)
+    } else {
+        Err(ShapeError::Depth)
+    }
 }
 
 /// The length of a transfer's work requests: its chunk, except that READ chunks longer than
 /// `max_read_wr` are posted as WRs of at most that (on rxe a 16 MiB READ WR runs at half the rate
 /// of 1 MiB ones; many NICs prefer READs of a few MTUs to a few MiB). WRITEs keep their chunk.
 pub fn wr_chunk(read: bool, chunk: u64, max_read_wr: u64) -> u64 {
-    if read { chunk.min(max_read_wr.max(1)) } else { chunk }
+    if read {
+        chunk.min(max_read_wr.max(1))
+    } else {
+        chunk
+    }
 }
 
 /// One message of the benchmark (its scratch region on the target is this long).
 pub fn bench_size(n: u64) -> Result<u64, ShapeError> {
-    if (1..=MAX_CHUNK).contains(&n) { Ok(n) } else { Err(ShapeError::Size) }
+    if (1..=MAX_CHUNK).contains(&n) {
+        Ok(n)
+    } else {
+        Err(ShapeError::Size)
+    }
 }
 
 /// A request field where 0 means "the configured default": the default, or the checked value.
 pub fn or_default<T: PartialEq + Default>(v: T, default: T, check: fn(T) -> Result<T, ShapeError>) -> Result<T, ShapeError> {
-    if v == T::default() { Ok(default) } else { check(v) }
+    if v == T::default() {
+        Ok(default)
+    } else {
+        check(v)
+    }
 }
 
 #[cfg(test)]

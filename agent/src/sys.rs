@@ -280,8 +280,8 @@ mod tests {
     /// TCP ones must have Nagle off (tonic's own setting does not reach them).
     #[tokio::test]
     async fn accepted_tcp_connections_have_nodelay() {
-        use futures::StreamExt;
         use super::*;
+        use futures::StreamExt;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let mut incoming = Box::pin(incoming_with_backoff(l, "test", ConnLimit::new("test", 4)));

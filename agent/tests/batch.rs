@@ -34,7 +34,14 @@ fn seg(local: u64, remote: u64, len: u64) -> pb::Segment {
     pb::Segment { local_offset: local, remote_offset: remote, length: len }
 }
 
-fn batch_req(op: pb::Op, local: &str, peer: &Agent, remote: &str, segments: Vec<pb::Segment>, tag: Option<&[u8]>) -> pb::SubmitTransferRequest {
+fn batch_req(
+    op: pb::Op,
+    local: &str,
+    peer: &Agent,
+    remote: &str,
+    segments: Vec<pb::Segment>,
+    tag: Option<&[u8]>,
+) -> pb::SubmitTransferRequest {
     pb::SubmitTransferRequest {
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
@@ -45,7 +52,6 @@ fn batch_req(op: pb::Op, local: &str, peer: &Agent, remote: &str, segments: Vec<
         notify: tag.map(<[u8]>::to_vec),
     }
 }
-
 
 /// 1,024 blocks of 4 KiB scattered over an 8 MiB pool, in a random order on both sides (plus a
 /// run of contiguous ones, which coalesce): the subscriber on the target, reading the region
@@ -74,7 +80,13 @@ async fn a_kv_batch_lands_and_its_notification_follows_the_bytes() {
         segments.extend((0..24).map(|k| seg(lbase + k * BLOCK, rbase + k * BLOCK, BLOCK)));
     }
     let mut notes = subscribe(&b, "kv", Some(b"req-42")).await;
-    let t = a.client().await.submit_transfer(batch_req(pb::Op::Write, "kv", &b, "kv", segments.clone(), Some(b"req-42"))).await.unwrap().into_inner();
+    let t = a
+        .client()
+        .await
+        .submit_transfer(batch_req(pb::Op::Write, "kv", &b, "kv", segments.clone(), Some(b"req-42")))
+        .await
+        .unwrap()
+        .into_inner();
     let n = next_note(&mut notes).await;
     // Read at once, before anything else happens.
     let landed = b.read("kv", 0, POOL).await;
@@ -167,11 +179,21 @@ async fn bad_batches_are_refused_before_any_byte_moves() {
     let mut tag_over_target = w(vec![seg(0, 0, 10)]);
     tag_over_target.notify = Some(vec![b'y'; 9]);
     let cases: Vec<(&str, pb::SubmitTransferRequest, Code, &str)> = vec![
-        ("overlapping destinations", w(vec![seg(0, 100, 50), seg(100, 0, 10), seg(200, 120, 1)]), Code::InvalidArgument, "segments 0 and 2"),
+        (
+            "overlapping destinations",
+            w(vec![seg(0, 100, 50), seg(100, 0, 10), seg(200, 120, 1)]),
+            Code::InvalidArgument,
+            "segments 0 and 2",
+        ),
         ("a segment past the local region", w(vec![seg(0, 0, 1), seg((1 << 20) - 1, 8, 2)]), Code::InvalidArgument, "segment 1"),
         ("a zero-length segment", w(vec![seg(0, 0, 8), seg(8, 8, 0)]), Code::InvalidArgument, "segment 1: zero length"),
         ("an offset that overflows", w(vec![seg(0, u64::MAX - 1, 4)]), Code::InvalidArgument, "segment 0"),
-        ("more segments than transfer.max_segments", w((0..5).map(|i| seg(i * 8, i * 8, 8)).collect()), Code::ResourceExhausted, "at most 4"),
+        (
+            "more segments than transfer.max_segments",
+            w((0..5).map(|i| seg(i * 8, i * 8, 8)).collect()),
+            Code::ResourceExhausted,
+            "at most 4",
+        ),
         ("segments past the remote region", w(vec![seg(0, (1 << 20) - 8, 16)]), Code::InvalidArgument, ""),
         ("offsets beside segments", with_offset, Code::InvalidArgument, "must be 0"),
         ("verify with segments", with_verify, Code::InvalidArgument, "verify"),
@@ -210,7 +232,8 @@ async fn a_cancelled_batch_notifies_nobody() {
     a.create("src", 64 << 20, pb::Access::ReadWrite).await;
     b.create("dst", 64 << 20, pb::Access::ReadWrite).await;
     let mut notes = subscribe(&b, "dst", None).await;
-    let mut slow = batch_req(pb::Op::Write, "src", &b, "dst", (0..16).map(|i| seg(i << 22, i << 22, 4 << 20)).collect(), Some(b"cancelled"));
+    let mut slow =
+        batch_req(pb::Op::Write, "src", &b, "dst", (0..16).map(|i| seg(i << 22, i << 22, 4 << 20)).collect(), Some(b"cancelled"));
     make_slow(&mut slow);
     let mut c = a.client().await;
     let t = c.submit_transfer(slow).await.unwrap().into_inner();
@@ -296,7 +319,11 @@ async fn the_notify_benchmark_sees_bytes_before_notifications_and_cleans_up() {
     let o = a.ctl(&["--json", "bench", "--peer", &b.addr(), "--pattern", "notify", "--blocks", "32", "--iters", "8"]);
     assert!(o.status.success(), "{o:?}");
     let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!((doc["pattern"].as_str(), doc["rounds"].as_u64(), doc["blocks"].as_u64(), doc["via_fabric"].as_u64()), (Some("notify"), Some(8), Some(32), Some(8)), "{doc}");
+    assert_eq!(
+        (doc["pattern"].as_str(), doc["rounds"].as_u64(), doc["blocks"].as_u64(), doc["via_fabric"].as_u64()),
+        (Some("notify"), Some(8), Some(32), Some(8)),
+        "{doc}"
+    );
     let (p50, p99) = (doc["notify_delay_p50_us"].as_f64().unwrap(), doc["notify_delay_p99_us"].as_f64().unwrap());
     assert!(p50 >= 0.0 && p99 >= p50 && doc["batch_p50_us"].as_f64().unwrap() > 0.0, "{doc}");
     assert_eq!(labelled(&scrape(&b), "xfer_notifications_total", &[("via", "fabric")]), 8.0);
@@ -304,7 +331,12 @@ async fn the_notify_benchmark_sees_bytes_before_notifications_and_cleans_up() {
         let regions = agent.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
         assert!(regions.is_empty(), "regions left: {regions:?}");
     }
-    let left: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains("xfer-notify-pool")).map(|e| e.file_name()).collect();
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("xfer-notify-pool"))
+        .map(|e| e.file_name())
+        .collect();
     assert!(left.is_empty(), "shm objects left: {left:?}");
 }
 
@@ -345,7 +377,21 @@ async fn the_connect_benchmark_holds_fresh_connections_and_gives_them_back() {
     let (addr, peer) = (a.addr(), b.addr());
     let run = std::thread::spawn(move || {
         std::process::Command::new(xferctl_bin())
-            .args(["--agent", addr.as_str(), "bench", "--peer", peer.as_str(), "--pattern", "connect", "--connections", "4", "--qps", "1", "--hold", "10s"])
+            .args([
+                "--agent",
+                addr.as_str(),
+                "bench",
+                "--peer",
+                peer.as_str(),
+                "--pattern",
+                "connect",
+                "--connections",
+                "4",
+                "--qps",
+                "1",
+                "--hold",
+                "10s",
+            ])
             .output()
             .unwrap()
     });

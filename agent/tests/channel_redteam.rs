@@ -54,8 +54,8 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::pki::Pki;
 use common::chan::*;
+use common::pki::Pki;
 use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
@@ -602,7 +602,9 @@ async fn a_flood_of_posts_is_answered_in_order() {
 async fn oversized_lists_queued_behind_a_long_batch_are_not_kept() {
     // The conversion keeps nothing of an oversized list.
     let big = |n: usize| vec![seg(0, 0, 1); n];
-    let post = pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Post(pb::ChannelPost { seq: 7, segments: big(5), list: 0, notify: None })) };
+    let post = pb::ChannelRequest {
+        msg: Some(pb::channel_request::Msg::Post(pb::ChannelPost { seq: 7, segments: big(5), list: 0, notify: None })),
+    };
     match xfer_agent::service::convert::channel_input_from_pb(post, 4).unwrap() {
         xfer_agent::node::ChannelInput::TooMany { seq: 7, list: None, n: 5 } => {}
         other => panic!("{other:?}"),
@@ -860,7 +862,10 @@ async fn ranges_near_u64_max_are_refused() {
 #[tokio::test]
 async fn a_channel_whose_grant_expired_ends_on_its_own() {
     let (a, b, _, before) = pair(&[("XFER_LIMITS__MAX_TRANSFERS_PER_PEER", "1")], MIB).await;
-    let open = pb::ChannelOpen { ttl: Some(prost_types::Duration { seconds: 1, nanos: 0 }), ..open_msg(pb::Op::Write, "src", &b, "dst", 0, 0, false) };
+    let open = pb::ChannelOpen {
+        ttl: Some(prost_types::Duration { seconds: 1, nanos: 0 }),
+        ..open_msg(pb::Op::Write, "src", &b, "dst", 0, 0, false)
+    };
     let mut ch = try_open(&a, open).await.unwrap();
     assert!(ch.opened.expires_at.is_some());
     let end = ch.end().await;

@@ -8,9 +8,9 @@
 //! reports them as ignored, never as passed; `scripts/rxe-guest-test` runs this binary with
 //! `--include-ignored` and fails unless every case of both fabrics ran and passed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
+use xfer_agent::ids::ConnectionId;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
@@ -53,7 +53,12 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
         }
     };
-    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
+    Side {
+        node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
+        fabric,
+        grants,
+        _dir: dir,
+    }
 }
 
 fn cid(s: &str) -> ConnectionId {
@@ -66,23 +71,27 @@ async fn connect(a: &Side, b: &Side, qps: usize, depth: usize) -> (Arc<dyn Conne
     b.node.disconnect(&cid("conn-1"), "a");
     let (tx, rx) = mpsc::unbounded_channel();
     let pending = a.fabric.prepare("b", &cid("conn-1"), qps, depth, tx).await.unwrap();
-    let eps = b
-        .node
-        .accept_connection("a", &cid("conn-1"), a.fabric.kind(), &pending.local_endpoints())
-        .await
-        .unwrap();
+    let eps = b.node.accept_connection("a", &cid("conn-1"), a.fabric.kind(), &pending.local_endpoints()).await.unwrap();
     (pending.complete(&eps).await.unwrap(), rx)
 }
 
 fn region(s: &Side, name: &str, len: u64, access: Access) -> Arc<Region> {
-    s.node
-        .create_region(RegionSpec::anonymous(name, len, access))
-        .unwrap()
+    s.node.create_region(RegionSpec::anonymous(name, len, access)).unwrap()
 }
 
 async fn grant(s: &Side, region: &str, offset: u64, len: u64, op: RemoteOp, ttl: Option<Duration>) -> Arc<Grant> {
     s.node
-        .grant(&GrantParams { notify: None, region: region.into(), offset, length: len, op, ttl, peer: "a".into(), connection_id: Some(cid("conn-1")) }).await
+        .grant(&GrantParams {
+            notify: None,
+            region: region.into(),
+            offset,
+            length: len,
+            op,
+            ttl,
+            peer: "a".into(),
+            connection_id: Some(cid("conn-1")),
+        })
+        .await
         .unwrap()
 }
 
@@ -182,7 +191,16 @@ async fn region_access_ceiling_is_enforced_at_grant_time(k: Kind) {
     let _conn = connect(&a, &b, 1, 8).await;
     region(&b, "ro", 4096, Access::Read);
     region(&b, "wo", 4096, Access::Write);
-    let p = |r: &str, op| GrantParams { notify: None, region: r.into(), offset: 0, length: 4096, op, ttl: None, peer: "a".into(), connection_id: Some(cid("conn-1")) };
+    let p = |r: &str, op| GrantParams {
+        notify: None,
+        region: r.into(),
+        offset: 0,
+        length: 4096,
+        op,
+        ttl: None,
+        peer: "a".into(),
+        connection_id: Some(cid("conn-1")),
+    };
     assert!(b.node.grant(&p("ro", RemoteOp::Write)).await.is_err(), "read-only region must not be granted for WRITE");
     assert!(b.node.grant(&p("wo", RemoteOp::Read)).await.is_err(), "write-only region must not be granted for READ");
     assert!(b.node.grant(&p("ro", RemoteOp::Read)).await.is_ok());
@@ -274,7 +292,8 @@ async fn a_grant_may_name_only_the_callers_own_connection(k: Kind) {
     let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
     region(&b, "dst", 8192, Access::ReadWrite);
     let (_conn, _rx) = connect(&a, &b, 1, 8).await;
-    let mut p = GrantParams { notify: None,
+    let mut p = GrantParams {
+        notify: None,
         region: "dst".into(),
         offset: 0,
         length: 4096,
@@ -298,7 +317,8 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
     let (conn, mut rx) = connect(&a, &b, 1, 8).await;
     let g = b
         .node
-        .grant(&GrantParams { notify: None,
+        .grant(&GrantParams {
+            notify: None,
             region: "dst".into(),
             offset: 0,
             length: 8192,
@@ -306,7 +326,8 @@ async fn disconnect_revokes_the_grants_of_that_connection(k: Kind) {
             ttl: None,
             peer: "a".into(),
             connection_id: Some(cid("conn-1")),
-        }).await
+        })
+        .await
         .unwrap();
     let w = wr(1, WrOp::Write, &src, 0, 4096, &g, 0, true);
     drop(g);
@@ -657,7 +678,11 @@ async fn a_channel_grant_notifies_each_batch_after_its_bytes(k: Kind) {
         for qp in 0..2u64 {
             conn.post(qp as usize, wr(qp, WrOp::Write, &src, qp * LEN / 2, (LEN / 2) as u32, &g, qp * LEN / 2, false)).unwrap();
             let imm = xfer_agent::notify::channel_imm(base, seq);
-            conn.post(qp as usize, WorkRequest { len: 0, op: WrOp::Notify { slot: imm }, ..wr(100 + qp, WrOp::Write, &src, 0, 0, &g, 0, true) }).unwrap();
+            conn.post(
+                qp as usize,
+                WorkRequest { len: 0, op: WrOp::Notify { slot: imm }, ..wr(100 + qp, WrOp::Write, &src, 0, 0, &g, 0, true) },
+            )
+            .unwrap();
         }
         for _ in 0..2 {
             assert_eq!(next(&mut rx).await.status, WcStatus::Success);

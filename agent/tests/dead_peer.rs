@@ -31,7 +31,9 @@ fn blackhole() -> (tokio::net::TcpListener, Vec<std::net::TcpStream>, String) {
 }
 
 fn to(agent: &str, local: &str, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: agent.into(), region: remote.into(), offset: 0 }),

@@ -12,10 +12,7 @@ use xfer_proto::v1 as pb;
 /// `xfer_grants_active` from an agent's metrics endpoint.
 fn grants_active(a: &Agent) -> f64 {
     let body = ureq::get(&format!("http://127.0.0.1:{}/metrics", a.ports.metrics)).call().unwrap().into_body().read_to_string().unwrap();
-    body.lines()
-        .find_map(|l| l.strip_prefix("xfer_grants_active "))
-        .map(|v| v.trim().parse().unwrap())
-        .unwrap_or(0.0)
+    body.lines().find_map(|l| l.strip_prefix("xfer_grants_active ")).map(|v| v.trim().parse().unwrap()).unwrap_or(0.0)
 }
 
 /// A watch opened before SIGTERM: the server stops only after the drain, so it sees the end.

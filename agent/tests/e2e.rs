@@ -68,7 +68,9 @@ async fn bad_transfer_inputs_get_clear_statuses_and_change_nothing() {
     for r in ["dst", "ro", "wo"] {
         b.put(r, 0, &before).await;
     }
-    let req = |local: &str, remote: &str, op: pb::Op, loff: u64, roff: u64, len: u64| pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    let req = |local: &str, remote: &str, op: pb::Op, loff: u64, roff: u64, len: u64| pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: loff }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: remote.into(), offset: roff }),
@@ -168,7 +170,8 @@ async fn expired_grant_is_failed_precondition() {
     let mut stream = b.data_stream("c1").await;
     let mut p = b.peer_client().await;
     let g = p
-        .grant(pb::GrantRequest { notify: None,
+        .grant(pb::GrantRequest {
+            notify: None,
             region: "dst".into(),
             offset: 0,
             length: 4096,
@@ -364,11 +367,7 @@ async fn health_and_reflection_are_served() {
     let a = Agent::start("node-a");
     let ch = tonic::transport::Channel::from_shared(format!("http://{}", a.addr())).unwrap().connect().await.unwrap();
     let mut h = tonic_health::pb::health_client::HealthClient::new(ch.clone());
-    let r = h
-        .check(tonic_health::pb::HealthCheckRequest { service: "xfer.v1.Agent".into() })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = h.check(tonic_health::pb::HealthCheckRequest { service: "xfer.v1.Agent".into() }).await.unwrap().into_inner();
     assert_eq!(r.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
     // Reflection in both versions lists the services (v1alpha is what Python's grpcio-reflection
     // and many other tools speak).
@@ -381,7 +380,9 @@ async fn health_and_reflection_are_served() {
         let mut c = r1::server_reflection_client::ServerReflectionClient::new(ch.clone());
         let mut answers = c.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
         let names: Vec<String> = match answers.message().await.unwrap().and_then(|m| m.message_response) {
-            Some(r1::server_reflection_response::MessageResponse::ListServicesResponse(l)) => l.service.into_iter().map(|s| s.name).collect(),
+            Some(r1::server_reflection_response::MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
             other => panic!("v1: {other:?}"),
         };
         assert!(names.iter().any(|n| n == "xfer.v1.Agent") && names.iter().any(|n| n == "xfer.v1.Peer"), "v1: {names:?}");
@@ -445,11 +446,7 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
     // the same), metrics and health.
     let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.data_address, format!("127.0.0.1:{}", p.data));
-    a.client()
-        .await
-        .create_region(pb::CreateRegionRequest { name: "r1".into(), length: 1 << 20, ..Default::default() })
-        .await
-        .unwrap();
+    a.client().await.create_region(pb::CreateRegionRequest { name: "r1".into(), length: 1 << 20, ..Default::default() }).await.unwrap();
     let text = scrape(&a);
     assert!(text.contains("xfer_build_info"), "metrics served on the reported port");
     // Registration time is recorded on the tcp fabric too (the dashboard's panel is not empty).
@@ -476,7 +473,8 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
         assert!(line.contains(&format!("{key}=127.0.0.1:{port}")), "{key} in {line}");
     }
     // The ready file is JSON with exactly these keys (unix: null without `unix_listen`).
-    let ready: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(a.state_dir.with_extension("node-a.ready")).unwrap()).unwrap();
+    let ready: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(a.state_dir.with_extension("node-a.ready")).unwrap()).unwrap();
     assert_eq!(ready.as_object().unwrap().len(), 5, "{ready}");
     assert!(ready["unix"].is_null(), "{ready}");
     assert_eq!(ready["grpc"], format!("127.0.0.1:{}", p.grpc));

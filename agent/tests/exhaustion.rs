@@ -173,7 +173,8 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
     let g = b
         .peer_client()
         .await
-        .grant(pb::GrantRequest { notify: None,
+        .grant(pb::GrantRequest {
+            notify: None,
             region: "dst".into(),
             offset: 0,
             length: 4096,

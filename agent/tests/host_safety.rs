@@ -101,7 +101,12 @@ async fn file_regions_cannot_escape_their_roots() {
         ("symlinked directory component", "linkdir/shadow".into(), Code::PermissionDenied, &root_text),
         ("symlink that stays inside the root", "sub/relative-link.bin".into(), Code::PermissionDenied, &root_text),
         ("relative .. escape", format!("{dotdots}{}", secret_s.trim_start_matches('/')), Code::PermissionDenied, &root_text),
-        ("absolute .. escape", format!("{root_text}/sub/../../../{}", secret_s.trim_start_matches('/')), Code::PermissionDenied, &root_text),
+        (
+            "absolute .. escape",
+            format!("{root_text}/sub/../../../{}", secret_s.trim_start_matches('/')),
+            Code::PermissionDenied,
+            &root_text,
+        ),
         ("absolute path outside the roots", secret_s.clone(), Code::PermissionDenied, &root_text),
         ("/etc/shadow", "/etc/shadow".into(), Code::PermissionDenied, &root_text),
         ("a device node outside the roots", "/dev/null".into(), Code::PermissionDenied, &root_text),
@@ -357,10 +362,7 @@ async fn concurrent_creates_and_deletes_keep_the_catalog_whole() {
                     Err(e) => {
                         // A shm create may meet the object of a region of the same name that
                         // another task is deleting right now: ALREADY_EXISTS, a proper status.
-                        assert!(
-                            matches!(e.code(), Code::AlreadyExists | Code::NotFound),
-                            "op {i} of task {t}: {e:?}"
-                        );
+                        assert!(matches!(e.code(), Code::AlreadyExists | Code::NotFound), "op {i} of task {t}: {e:?}");
                         e.code()
                     }
                 });
@@ -377,8 +379,7 @@ async fn concurrent_creates_and_deletes_keep_the_catalog_whole() {
     let list = a.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner();
     let listed: BTreeSet<String> = list.regions.iter().map(|r| r.name.clone()).collect();
     let catalog: serde_json::Value = serde_json::from_slice(&std::fs::read(a.state_dir.join("regions.json")).unwrap()).unwrap();
-    let cataloged: BTreeSet<String> =
-        catalog.as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap().to_string()).collect();
+    let cataloged: BTreeSet<String> = catalog.as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap().to_string()).collect();
     assert_eq!(listed, cataloged, "the catalog matches ListRegions");
     let leftovers: Vec<String> = std::fs::read_dir(&a.state_dir)
         .unwrap()
@@ -414,11 +415,8 @@ fn real_catalog() -> Vec<u8> {
 async fn a_corrupt_catalog_is_moved_aside_and_the_agent_starts() {
     let valid = real_catalog();
     assert!(serde_json::from_slice::<serde_json::Value>(&valid).is_ok());
-    let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("truncated", valid[..valid.len() / 2].to_vec()),
-        ("empty", Vec::new()),
-        ("garbage", b"\x00\xff{{not json at all".to_vec()),
-    ];
+    let cases: Vec<(&str, Vec<u8>)> =
+        vec![("truncated", valid[..valid.len() / 2].to_vec()), ("empty", Vec::new()), ("garbage", b"\x00\xff{{not json at all".to_vec())];
     for (what, content) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let state = tmp.path().join("state");

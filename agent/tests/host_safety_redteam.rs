@@ -204,11 +204,7 @@ async fn a_big_read_on_a_file_region_does_not_pin_its_size_in_agent_memory() {
         streams.push(s);
     }
     let grown_mib = rss_anon_kib(pid).saturating_sub(baseline) / 1024;
-    assert!(
-        grown_mib < 64,
-        "{STREAMS} unread READ answers of {} MiB pin {grown_mib} MiB of agent heap",
-        LEN >> 20
-    );
+    assert!(grown_mib < 64, "{STREAMS} unread READ answers of {} MiB pin {grown_mib} MiB of agent heap", LEN >> 20);
     drop(streams);
 }
 

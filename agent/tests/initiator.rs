@@ -4,9 +4,9 @@
 //! a call held while other transfers run — are made deterministic.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
+use xfer_agent::ids::ConnectionId;
 
 use async_trait::async_trait;
 use tokio::sync::Notify;
@@ -58,7 +58,13 @@ fn remote(e: impl std::fmt::Display) -> PeerError {
 
 #[async_trait]
 impl PeerApi for LocalPeer {
-    async fn handshake(&self, node_name: &str, fabric: FabricKind, endpoints: Vec<Endpoint>, connection_id: &ConnectionId) -> Result<HandshakeReply, PeerError> {
+    async fn handshake(
+        &self,
+        node_name: &str,
+        fabric: FabricKind,
+        endpoints: Vec<Endpoint>,
+        connection_id: &ConnectionId,
+    ) -> Result<HandshakeReply, PeerError> {
         assert_eq!(node_name, A);
         let endpoints = self.target.accept_connection(A, connection_id, fabric, &endpoints).await.map_err(remote)?;
         Ok(HandshakeReply {
@@ -157,14 +163,14 @@ async fn node(name: &str, connector: Connector) -> Node2 {
 }
 
 fn region(n: &Node, name: &str, len: u64, fill: u8) {
-    let r = n
-        .create_region(RegionSpec::anonymous(name, len, Access::ReadWrite))
-        .unwrap();
+    let r = n.create_region(RegionSpec::anonymous(name, len, Access::ReadWrite)).unwrap();
     r.memory.write_at(0, &vec![fill; len as usize]).unwrap();
 }
 
 fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
-    TransferRequest { notify: None, segments: Vec::new(),
+    TransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: Op::Write,
         local_region: local.into(),
         local_offset: 0,
@@ -173,7 +179,14 @@ fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
         remote_offset: 0,
         length: len,
         // One QP and the same depth for both transfers, so a pooled connection fits either.
-        options: TransferOptions { chunk_size: Some(4096), qps: Some(1), depth: Some(1), verify, algo: None, timeout: Some(Duration::from_secs(120)) },
+        options: TransferOptions {
+            chunk_size: Some(4096),
+            qps: Some(1),
+            depth: Some(1),
+            verify,
+            algo: None,
+            timeout: Some(Duration::from_secs(120)),
+        },
     }
 }
 

@@ -89,7 +89,11 @@ async fn markers_count_only_on_their_connection_under_a_live_grant_and_publish_o
     // The real one, then a duplicate.
     assert_eq!(notify_and_read(&mut s1, token_of(&good), 6, true), (0, KIND_ACK, 6));
     let n = next_note(&mut notes).await;
-    assert_eq!((n.tag.as_slice(), n.via.as_str(), n.region.as_str()), (&b"good"[..], "fabric", "dst"), "the first notification is the valid one: {n:?}");
+    assert_eq!(
+        (n.tag.as_slice(), n.via.as_str(), n.region.as_str()),
+        (&b"good"[..], "fabric", "dst"),
+        "the first notification is the valid one: {n:?}"
+    );
     assert_eq!(notify_and_read(&mut s1, token_of(&good), 7, true), (0, KIND_ACK, 7), "a duplicate marker is counted");
     b.peer_client().await.complete(complete_req(&good.grant_id, "t-good", 4096, "x")).await.unwrap();
     // Once completed, the grant is gone: a late marker is refused.
@@ -392,7 +396,7 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
     use std::sync::Arc;
     use xfer_agent::config::Config;
     use xfer_agent::fabric::tcp::TcpFabric;
-    use xfer_agent::fabric::{Access, FabricKind, Fabric, RemoteOp};
+    use xfer_agent::fabric::{Access, Fabric, FabricKind, RemoteOp};
     use xfer_agent::grants::GrantTable;
     use xfer_agent::ids::{ConnectionId, TransferId};
     use xfer_agent::node::{GrantParams, Node};
@@ -432,7 +436,8 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
         started_rx.recv().unwrap();
         let tid = TransferId::parse("t-doomed").unwrap();
         let checksum = xfer_agent::checksum::checksum(&doomed.region.memory, 0, 4096, xfer_agent::checksum::Algo::Xxh3).unwrap();
-        let mut complete = Box::pin(node.complete_inbound(&tid, doomed.id.as_str(), "a", 4096, true, Some((xfer_agent::checksum::Algo::Xxh3, checksum))));
+        let mut complete =
+            Box::pin(node.complete_inbound(&tid, doomed.id.as_str(), "a", 4096, true, Some((xfer_agent::checksum::Algo::Xxh3, checksum))));
         // One poll: the grant is looked up, the checksum queued behind the blocker.
         assert!(futures::poll!(complete.as_mut()).is_pending(), "Complete is parked at its checksum");
         node.delete_region("doomed").unwrap();

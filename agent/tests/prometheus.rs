@@ -178,7 +178,9 @@ fn metrics_text(a: &Agent) -> String {
 }
 
 fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
@@ -220,10 +222,8 @@ async fn real_prometheus_sees_transfer_counters() {
     Prometheus::require_installed();
     let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
     let mut c = Agent::start("node-c"); // not scraped: the peer that dies
-    let prom = Prometheus::start(&[
-        ("node-a", format!("127.0.0.1:{}", a.ports.metrics)),
-        ("node-b", format!("127.0.0.1:{}", b.ports.metrics)),
-    ]);
+    let prom =
+        Prometheus::start(&[("node-a", format!("127.0.0.1:{}", a.ports.metrics)), ("node-b", format!("127.0.0.1:{}", b.ports.metrics))]);
     let context = || {
         format!(
             "--- node-a /metrics:\n{}\n--- node-b /metrics:\n{}\n--- prometheus log:\n{}",

@@ -23,7 +23,8 @@ const PART: usize = 1000;
 const POLLS: usize = 500;
 
 fn grant(region: &str, conn: &str, ttl: Option<Duration>) -> pb::GrantRequest {
-    pb::GrantRequest { notify: None,
+    pb::GrantRequest {
+        notify: None,
         region: region.into(),
         offset: 0,
         length: LEN as u64,

@@ -65,9 +65,15 @@ fn ring_req(region: &str, tag: Option<&[u8]>, slots: u32) -> pb::WatchInboundRin
 }
 
 /// `WatchInboundRing`: the stream (held: the ring lives while it is open) and its one message.
-async fn open_ring(c: &mut AgentClient<Channel>, req: pb::WatchInboundRingRequest) -> Result<(tonic::Streaming<pb::InboundRing>, pb::InboundRing), tonic::Status> {
+async fn open_ring(
+    c: &mut AgentClient<Channel>,
+    req: pb::WatchInboundRingRequest,
+) -> Result<(tonic::Streaming<pb::InboundRing>, pb::InboundRing), tonic::Status> {
     let mut s = c.watch_inbound_ring(req).await?.into_inner();
-    let first = tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("the ring's message within 30 s (hang guard)")?.expect("one message");
+    let first = tokio::time::timeout(Duration::from_secs(30), s.message())
+        .await
+        .expect("the ring's message within 30 s (hang guard)")?
+        .expect("one message");
     Ok((s, first))
 }
 
@@ -179,7 +185,8 @@ async fn refused_ring_requests_leave_nothing_behind() {
     let _sweep = Sweep(vec![r1.object.clone(), r2.object.clone()]);
     assert_eq!((r1.length, r1.slots, r2.length), (lens[0], 16, lens[0]));
     drop((s1, s2));
-    eventually("both rings removed", || !PathBuf::from(SHM).join(&r1.object).exists() && !PathBuf::from(SHM).join(&r2.object).exists()).await;
+    eventually("both rings removed", || !PathBuf::from(SHM).join(&r1.object).exists() && !PathBuf::from(SHM).join(&r2.object).exists())
+        .await;
     wait_gauge(&a, GAUGE, 0.0).await;
     // Every byte came back: the region plus the rest of max_registered_bytes fit.
     c.create_region(anon("rest", 7 * MIB)).await.expect("the refused and closed rings gave every byte back");
@@ -194,7 +201,10 @@ async fn ring_bytes_are_reserved_and_come_back() {
     const MAX: usize = 141;
     let len = ring_len(MAX, 1024);
     let limit = 3 * len + len / 2;
-    let a = Agent::start_env("node-a", &[("XFER_TRANSFER__MAX_NOTIFY_BYTES", "141"), ("XFER_LIMITS__MAX_REGISTERED_BYTES", &limit.to_string())]);
+    let a = Agent::start_env(
+        "node-a",
+        &[("XFER_TRANSFER__MAX_NOTIFY_BYTES", "141"), ("XFER_LIMITS__MAX_REGISTERED_BYTES", &limit.to_string())],
+    );
     let before = objects(len);
     let mut c = a.client().await;
     let mut held = Vec::new();
@@ -324,7 +334,11 @@ async fn abandoned_ring_streams_leave_no_object() {
         clients.push(a.client().await);
     }
     for i in 0..256 {
-        held.push(open_ring(&mut clients[i % 8], ring_req("", None, 16)).await.unwrap_or_else(|e| panic!("ring {i} after the abandoned ones: {e:?}")));
+        held.push(
+            open_ring(&mut clients[i % 8], ring_req("", None, 16))
+                .await
+                .unwrap_or_else(|e| panic!("ring {i} after the abandoned ones: {e:?}")),
+        );
     }
     let _sweep2 = Sweep(held.iter().map(|(_, r)| r.object.clone()).collect());
     held.clear();
@@ -392,7 +406,8 @@ async fn rings_get_exactly_what_their_filters_ask() {
     let (_s_t, by_tag) = open_ring(&mut c, ring_req("", Some(b"t2"), 16)).await.unwrap();
     let (_s_at, a_and_tag) = open_ring(&mut c, ring_req("ra", Some(b"t2"), 16)).await.unwrap();
     let _sweep = Sweep([&all, &by_name, &by_id, &by_tag, &a_and_tag].iter().map(|r| r.object.clone()).collect());
-    let (mut all, mut by_name, mut by_id, mut by_tag, mut a_and_tag) = (reader(&all), reader(&by_name), reader(&by_id), reader(&by_tag), reader(&a_and_tag));
+    let (mut all, mut by_name, mut by_id, mut by_tag, mut a_and_tag) =
+        (reader(&all), reader(&by_name), reader(&by_id), reader(&by_tag), reader(&a_and_tag));
     for (region, tag) in [("ra", "t1"), ("rb", "t2"), ("ra", "t2"), ("rb", "t1")] {
         notify(&a, region, "c1", tag.as_bytes()).await;
     }
@@ -568,7 +583,12 @@ async fn shutdown_closes_and_removes_open_rings() {
     let exit = a.wait_exit(Duration::from_secs(60)).await;
     assert!(exit.is_some(), "the agent exits on SIGTERM");
     let path = PathBuf::from(SHM).join(&ring.object);
-    assert!(rd.closed().unwrap() && !path.exists(), "after shutdown: reader told closed = {}, object left in /dev/shm = {}", rd.closed().unwrap(), path.exists());
+    assert!(
+        rd.closed().unwrap() && !path.exists(),
+        "after shutdown: reader told closed = {}, object left in /dev/shm = {}",
+        rd.closed().unwrap(),
+        path.exists()
+    );
 }
 
 /// Another client (another identity: mTLS client role) sees the ring's name in /dev/shm (a

@@ -159,7 +159,12 @@ fn an_agent_certificate_without_the_node_role_is_refused_at_start() {
     let cfg = tmp.path().join("agent.toml");
     std::fs::write(
         &cfg,
-        format!("insecure = false\n[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n", pki.path("xferctl.crt"), pki.path("xferctl.key"), pki.path("ca.crt")),
+        format!(
+            "insecure = false\n[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n",
+            pki.path("xferctl.crt"),
+            pki.path("xferctl.key"),
+            pki.path("ca.crt")
+        ),
     )
     .unwrap();
     let o = Command::new(agent_bin())
@@ -243,7 +248,10 @@ async fn bind_errors_say_bind_name_the_setting_and_appear_once() {
         (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--data-listen".into(), data.clone()], "data_listen"),
         (vec!["--listen".to_string(), a.addr()], "listen"),
         (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--health-listen".into(), a.addr()], "health_listen"),
-        (vec!["--listen".to_string(), "127.0.0.1:0".into(), "--metrics-listen".into(), format!("127.0.0.1:{}", a.ports.metrics)], "metrics_listen"),
+        (
+            vec!["--listen".to_string(), "127.0.0.1:0".into(), "--metrics-listen".into(), format!("127.0.0.1:{}", a.ports.metrics)],
+            "metrics_listen",
+        ),
     ] {
         let mut args = args.clone();
         if !args.iter().any(|a| a == "--metrics-listen") {
@@ -278,7 +286,10 @@ async fn probes_work_with_mtls_on_through_the_health_listener_only() {
     let e = PeerClient::new(ch).connect(connect_req("c1")).await.unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
     // And the main port still wants a certificate.
-    assert!(pki.channel(&a.addr(), "ca.crt", None).await.is_err() || AgentClient::new(pki.channel(&a.addr(), "ca.crt", None).await.unwrap()).get_info(pb::GetInfoRequest {}).await.is_err());
+    assert!(
+        pki.channel(&a.addr(), "ca.crt", None).await.is_err()
+            || AgentClient::new(pki.channel(&a.addr(), "ca.crt", None).await.unwrap()).get_info(pb::GetInfoRequest {}).await.is_err()
+    );
 }
 
 // ------------------------------------------------------------------ the tcp data plane
@@ -494,7 +505,8 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     // once. Whichever gets the slot, the other must come back first, with RESOURCE_EXHAUSTED.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let peer = silent.local_addr().unwrap().to_string();
-    let req = pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1, ..Default::default() };
+    let req =
+        pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1, ..Default::default() };
     let (mut c1, mut c2) = (a.client().await, a.client().await);
     let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096 };
     let first = c1.bench(req);

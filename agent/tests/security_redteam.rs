@@ -160,7 +160,8 @@ async fn connect_and_bench_refuse_absurd_qps_instead_of_aborting() {
 
     // The agent is still up, with its state, and sane values still work.
     let mut client = pki.agent_client(&a, "xferctl").await;
-    let names: Vec<String> = client.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions.into_iter().map(|r| r.name).collect();
+    let names: Vec<String> =
+        client.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions.into_iter().map(|r| r.name).collect();
     assert_eq!(names, ["keep"]);
     client.connect(pb::ConnectRequest { peer: b.addr(), qps: 2 }).await.unwrap();
     // No scratch region was left behind on B by the refused benchmarks.
@@ -252,9 +253,15 @@ async fn complete_validates_the_transfer_id() {
     // Nothing was recorded, and the grant is still live (a good id completes it).
     let list = b.client().await.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
     assert!(list.is_empty(), "{list:?}");
-    p.complete(pb::CompleteRequest { transfer_id: "t-1".into(), grant_id: g.grant_id, bytes: 4096, op: pb::Op::Write as i32, ..Default::default() })
-        .await
-        .unwrap();
+    p.complete(pb::CompleteRequest {
+        transfer_id: "t-1".into(),
+        grant_id: g.grant_id,
+        bytes: 4096,
+        op: pb::Op::Write as i32,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
 }
 
 /// An agent writing to itself (peer = its own address) used to lose its outbound record to the

@@ -6,7 +6,6 @@
 
 mod common;
 
-
 use common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
@@ -216,7 +215,9 @@ async fn a_transfer_from_a_truncated_file_fails_while_another_succeeds() {
     // with the region and the cause named: on the initiator for a local source or sink, and on
     // the target for a grant.
     truncate(&b, "remote", 0);
-    let read = pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    let read = pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: pb::Op::Read as i32,
         local: Some(pb::LocalRange { region: "sink".into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: "remote".into(), offset: 0 }),
@@ -229,7 +230,9 @@ async fn a_transfer_from_a_truncated_file_fails_while_another_succeeds() {
 
     file_region(&a, "into", MIB, 6).await;
     truncate(&a, "into", MIB / 2);
-    let read = pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    let read = pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: pb::Op::Read as i32,
         local: Some(pb::LocalRange { region: "into".into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: "dst2".into(), offset: 0 }),

@@ -145,7 +145,10 @@ fn region_memory_is_never_handed_out_as_a_slice() {
         let is_memory = path.ends_with(REGION_MEMORY);
         for (n, line) in product_lines(&text) {
             let code = line.split("//").next().unwrap_or("");
-            if is_memory && code.contains("pub fn") && (code.contains("-> &[u8]") || code.contains("&mut [u8]>") || code.contains("-> &mut [u8]") || code.contains("Result<&")) {
+            if is_memory
+                && code.contains("pub fn")
+                && (code.contains("-> &[u8]") || code.contains("&mut [u8]>") || code.contains("-> &mut [u8]") || code.contains("Result<&"))
+            {
                 bad.push(format!("{}:{n}: public accessor returns a reference into region memory: {}", path.display(), line.trim()));
             }
             if !is_memory && (code.contains("from_raw_parts") || code.contains("slice_mut(")) {
@@ -168,7 +171,8 @@ fn every_unsafe_has_a_safety_comment() {
         let lines: Vec<&str> = text.lines().collect();
         for (n, line) in lines.iter().enumerate().map(|(i, l)| (i + 1, *l)) {
             let code = line.split("//").next().unwrap_or("");
-            let opens = code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn") || code.contains("unsafe extern");
+            let opens =
+                code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn") || code.contains("unsafe extern");
             if !opens || code.contains("#![") {
                 continue;
             }
@@ -341,17 +345,16 @@ fn unwraps_state_their_invariant() {
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
         &["sys", "metrics", "ids", "identity"], // process facts, metric names, ids, who a certificate is
-        &["checksum"],                     // over region memory (xfer-rdma)
-        &["verbs", "fabric", "shape"],     // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
-        &["config"],                       // the validated configuration
-        &["notify", "grants", "regions"],  // notifications, what peers may touch, and the memory itself
-        &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool
-        &["node"],                         // the operations, in domain types
-        &["service"],                      // the protobuf boundary: gRPC servers and client
-        &["app"],                          // start-up
+        &["checksum"],                          // over region memory (xfer-rdma)
+        &["verbs", "fabric", "shape"],          // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
+        &["config"],                            // the validated configuration
+        &["notify", "grants", "regions"],       // notifications, what peers may touch, and the memory itself
+        &["transfer", "peer_api", "peers"],     // transfer records and machine, peer calls and pool
+        &["node"],                              // the operations, in domain types
+        &["service"],                           // the protobuf boundary: gRPC servers and client
+        &["app"],                               // start-up
     ];
-    const KNOWN_UPWARD: &[(&str, &str, &str)] = &[
-    ];
+    const KNOWN_UPWARD: &[(&str, &str, &str)] = &[];
     let layer = |m: &str| LAYERS.iter().position(|l| l.contains(&m));
     let mut upward = std::collections::BTreeSet::new();
     let mut unknown_modules = std::collections::BTreeSet::new();
@@ -384,6 +387,12 @@ fn modules_respect_the_layering() {
     }
     fail_if_any("modules missing from LAYERS", unknown_modules.into_iter().collect());
     let known: std::collections::BTreeSet<(String, String)> = KNOWN_UPWARD.iter().map(|(a, b, _)| (a.to_string(), b.to_string())).collect();
-    fail_if_any("new upward imports (a lower layer using a higher one)", upward.difference(&known).map(|(a, b)| format!("{a} -> {b}")).collect());
-    fail_if_any("listed upward imports that are gone (remove them)", known.difference(&upward).map(|(a, b)| format!("{a} -> {b}")).collect());
+    fail_if_any(
+        "new upward imports (a lower layer using a higher one)",
+        upward.difference(&known).map(|(a, b)| format!("{a} -> {b}")).collect(),
+    );
+    fail_if_any(
+        "listed upward imports that are gone (remove them)",
+        known.difference(&upward).map(|(a, b)| format!("{a} -> {b}")).collect(),
+    );
 }

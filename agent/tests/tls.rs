@@ -178,11 +178,7 @@ fn xferctl_with_and_without_certificates() {
     let pki = Pki::new();
     let (a, _ta) = pki.agent("node-a");
     let (cert, key, ca) = (pki.path("xferctl.crt"), pki.path("xferctl.key"), pki.path("ca.crt"));
-    let o = xferctl(
-        &a,
-        &["--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap(), "--ca", ca.to_str().unwrap(), "info"],
-        &[],
-    );
+    let o = xferctl(&a, &["--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap(), "--ca", ca.to_str().unwrap(), "info"], &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("node-a"));
 

@@ -69,7 +69,8 @@ async fn applications_reach_the_agent_over_its_unix_socket_as_clients() {
     assert_eq!(s.code(), Code::PermissionDenied, "xfer.v1.Peer is not for unix callers: {s:?}");
     assert!(s.message().contains("node role"), "{s:?}");
     // xferctl connects there too (through xfer-client).
-    let o = Command::new(xferctl_bin()).args(["--agent", &format!("unix://{}", sock.display()), "--json", "region", "list"]).output().unwrap();
+    let o =
+        Command::new(xferctl_bin()).args(["--agent", &format!("unix://{}", sock.display()), "--json", "region", "list"]).output().unwrap();
     assert!(o.status.success(), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stdout).contains("\"name\": \"r\""), "{o:?}");
     drop(a);

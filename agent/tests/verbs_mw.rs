@@ -12,16 +12,14 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use xfer_agent::verbs::GrantMode;
-use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use xfer_agent::ids::ConnectionId;
+use xfer_agent::verbs::GrantMode;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Fabric, 
-    Access, Completion, Connection, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp,
-};
+use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};
@@ -47,7 +45,13 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
     let grants = Arc::new(GrantTable::new(1024));
     let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
-    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, dev: var("_DEV"), _dir: dir }
+    Side {
+        node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
+        fabric,
+        grants,
+        dev: var("_DEV"),
+        _dir: dir,
+    }
 }
 
 fn cid(s: &str) -> ConnectionId {
@@ -63,9 +67,7 @@ async fn connect(a: &Side, b: &Side, id: &str, qps: usize) -> (Arc<dyn Connectio
 }
 
 fn region(s: &Side, name: &str, len: u64) -> Arc<Region> {
-    s.node
-        .create_region(RegionSpec::anonymous(name, len, Access::ReadWrite))
-        .unwrap()
+    s.node.create_region(RegionSpec::anonymous(name, len, Access::ReadWrite)).unwrap()
 }
 
 fn params(region: &str, offset: u64, len: u64, op: RemoteOp, conn: Option<&str>) -> GrantParams {
@@ -235,7 +237,10 @@ async fn mw_grant_needs_the_callers_own_connection() {
     assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
     b.node.disconnect(&cid("conn-1"), "a");
-    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(TransferError::UnknownConnection(_))));
+    assert!(matches!(
+        b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await,
+        Err(TransferError::UnknownConnection(_))
+    ));
 }
 
 #[tokio::test]

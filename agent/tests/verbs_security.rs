@@ -15,14 +15,14 @@
 #![cfg(feature = "verbs")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use xfer_agent::verbs::GrantMode;
-use xfer_agent::ids::ConnectionId;
 use std::sync::Arc;
 use std::time::Duration;
+use xfer_agent::ids::ConnectionId;
+use xfer_agent::verbs::GrantMode;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Fabric, Access, Completion, Connection, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
+use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};
@@ -54,7 +54,12 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
     let grants = Arc::new(GrantTable::new(1024));
     let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
-    Side { node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)), fabric, grants, _dir: dir }
+    Side {
+        node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
+        fabric,
+        grants,
+        _dir: dir,
+    }
 }
 
 fn cid(s: &str) -> ConnectionId {
@@ -72,9 +77,7 @@ async fn connect(a: &Side, b: &Side, id: &str) -> (Arc<dyn Connection>, mpsc::Un
 }
 
 fn region(s: &Side, name: &str) -> Arc<Region> {
-    s.node
-        .create_region(RegionSpec::anonymous(name, LEN, Access::ReadWrite))
-        .unwrap()
+    s.node.create_region(RegionSpec::anonymous(name, LEN, Access::ReadWrite)).unwrap()
 }
 
 fn fill(r: &Region, seed: u8) -> Vec<u8> {
@@ -174,7 +177,8 @@ async fn legitimate_grant_still_works(a: &Side, b: &Side, target: &Region) {
     let data = fill(&src, 0x77);
     fill(&sink, 0);
     let (conn, mut rx) = connect(a, b, "legit").await;
-    let params = |op| GrantParams { notify: None,
+    let params = |op| GrantParams {
+        notify: None,
         region: "target".into(),
         offset: 4096,
         length: 8192,

@@ -17,11 +17,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use xfer_agent::fabric::{
-    Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey,
-    RemoteOp, WcStatus, WorkRequest, WrOp,
+    Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey, RemoteOp,
+    WcStatus, WorkRequest, WrOp,
 };
-use xfer_rdma::memory::RegionMemory;
 use xfer_agent::verbs::{probe, VerbsFabric, VerbsOptions};
+use xfer_rdma::memory::RegionMemory;
 
 const LEN: usize = 16 << 20;
 const CHUNK: usize = 1 << 20;
@@ -63,14 +63,7 @@ fn bytes(m: &RegionMemory, offset: u64, len: u64) -> Vec<u8> {
 async fn expose(f: &VerbsFabric, reg: &Arc<dyn Registration>, offset: u64, len: u64, op: RemoteOp) -> Exposure {
     f.expose(
         reg,
-        &ExposeRequest {
-            offset,
-            len,
-            op,
-            expires_at: SystemTime::now() + Duration::from_secs(60),
-            peer: "a".into(),
-            connection: None,
-        },
+        &ExposeRequest { offset, len, op, expires_at: SystemTime::now() + Duration::from_secs(60), peer: "a".into(), connection: None },
     )
     .await
     .unwrap()
@@ -115,7 +108,14 @@ async fn connect_qpns(
     let pending = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
     let (b_eps, accepted) = b.accept("a", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
-    let qpns = eps.iter().chain(&b_eps).filter_map(|e| match e { Endpoint::Verbs(v) => Some(v.qpn), _ => None }).collect();
+    let qpns = eps
+        .iter()
+        .chain(&b_eps)
+        .filter_map(|e| match e {
+            Endpoint::Verbs(v) => Some(v.qpn),
+            _ => None,
+        })
+        .collect();
     let conn = pending.complete(&b_eps).await.unwrap();
     // The responder answers before its QPs reach RTS; the agent makes a grant wait for that,
     // and these tests, which post without one, wait here.
@@ -162,10 +162,8 @@ async fn verbs_smoke() {
     }
     assert!(devices.iter().any(|d| d.name == env.a_dev));
 
-    let a = VerbsFabric::open(VerbsOptions { device: Some(env.a_dev.clone()), bind_ip: env.a_ip, ..Default::default() })
-        .unwrap();
-    let b = VerbsFabric::open(VerbsOptions { device: Some(env.b_dev.clone()), bind_ip: env.b_ip, ..Default::default() })
-        .unwrap();
+    let a = VerbsFabric::open(VerbsOptions { device: Some(env.a_dev.clone()), bind_ip: env.a_ip, ..Default::default() }).unwrap();
+    let b = VerbsFabric::open(VerbsOptions { device: Some(env.b_dev.clone()), bind_ip: env.b_ip, ..Default::default() }).unwrap();
     for f in [&a, &b] {
         let info = f.info();
         let d = &info.devices[0];
@@ -212,8 +210,7 @@ async fn verbs_smoke() {
         let sig = i % 3 == 2 || i + 2 >= chunks;
         signaled += sig as usize;
         let off = (i * CHUNK) as u64;
-        conn.post(qp, wr(100 + i as u64, WrOp::Read, &ra, off, CHUNK as u32, grant_r.addr + off, rkey(&grant_r), sig))
-            .unwrap();
+        conn.post(qp, wr(100 + i as u64, WrOp::Read, &ra, off, CHUNK as u32, grant_r.addr + off, rkey(&grant_r), sig)).unwrap();
     }
     let t = std::time::Instant::now();
     let done = wait(&mut rx, signaled).await;
@@ -262,10 +259,7 @@ async fn verbs_smoke() {
     assert!(c[1..].iter().all(|c| c.status == WcStatus::WrFlushErr), "{c:?}");
     assert_eq!(bytes(&mb, base + 4096, 4096), before[4096..], "bytes past the grant changed");
     assert!(conn.is_broken());
-    assert!(matches!(
-        conn.post(0, wr(304, WrOp::Write, &ra, 0, 1, grant.addr, rkey(&grant), true)),
-        Err(FabricError::QpBroken)
-    ));
+    assert!(matches!(conn.post(0, wr(304, WrOp::Write, &ra, 0, 1, grant.addr, rkey(&grant), true)), Err(FabricError::QpBroken)));
     conn.close();
     drop(conn);
     drop(grant);
@@ -320,8 +314,7 @@ async fn verbs_smoke() {
 async fn prebuilt_connections_negotiate_and_move_data() {
     let env = env();
     let open = |dev: &str, ip| {
-        VerbsFabric::open(VerbsOptions { device: Some(dev.to_string()), bind_ip: ip, prebuilt: 1, ..Default::default() })
-            .unwrap()
+        VerbsFabric::open(VerbsOptions { device: Some(dev.to_string()), bind_ip: ip, prebuilt: 1, ..Default::default() }).unwrap()
     };
     let (a, b) = (open(&env.a_dev, env.a_ip), open(&env.b_dev, env.b_ip));
     let ma = Arc::new(RegionMemory::anonymous(1 << 20, false).unwrap());

@@ -54,11 +54,7 @@ pub enum Failure {
     /// Could not open a connection to an agent.
     Connect { addr: String, reason: String },
     /// The transfer ended in FAILED.
-    TransferFailed {
-        id: String,
-        error: String,
-        error_code: String,
-    },
+    TransferFailed { id: String, error: String, error_code: String },
     /// The transfer ended in CANCELLED.
     TransferCancelled { id: String, error: String },
     /// Data or checksums differ.
@@ -76,26 +72,11 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::Connect { addr, reason } => {
-                write!(
-                    f,
-                    "cannot connect to agent at {addr}: {reason} (UNAVAILABLE)"
-                )
+                write!(f, "cannot connect to agent at {addr}: {reason} (UNAVAILABLE)")
             }
-            Failure::TransferFailed {
-                id,
-                error,
-                error_code,
-            } => {
-                let error = if error.is_empty() {
-                    "no reason given"
-                } else {
-                    error
-                };
-                let code = if error_code.is_empty() {
-                    "FAILED"
-                } else {
-                    error_code
-                };
+            Failure::TransferFailed { id, error, error_code } => {
+                let error = if error.is_empty() { "no reason given" } else { error };
+                let code = if error_code.is_empty() { "FAILED" } else { error_code };
                 write!(f, "transfer {id} failed: {error} ({code})")
             }
             Failure::TransferCancelled { id, error } => {
@@ -117,9 +98,7 @@ impl Failure {
     fn exit_code(&self) -> u8 {
         match self {
             Failure::Connect { .. } => exit::UNAVAILABLE,
-            Failure::TransferFailed { error_code, .. } if is_checksum_code(error_code) => {
-                exit::VERIFY_MISMATCH
-            }
+            Failure::TransferFailed { error_code, .. } if is_checksum_code(error_code) => exit::VERIFY_MISMATCH,
             Failure::TransferFailed { .. } => exit::TRANSFER_FAILED,
             Failure::TransferCancelled { .. } => exit::TRANSFER_CANCELLED,
             Failure::VerifyMismatch(_) => exit::VERIFY_MISMATCH,
@@ -270,38 +249,28 @@ mod tests {
     #[test]
     fn status_renders_message_and_code_name() {
         let err = anyhow::Error::new(E::NotFound("region \"foo\" not found".into()));
-        assert_eq!(
-            report(&err),
-            (3, "region \"foo\" not found (NOT_FOUND)".to_string())
-        );
+        assert_eq!(report(&err), (3, "region \"foo\" not found (NOT_FOUND)".to_string()));
     }
 
     #[test]
     fn context_is_prefixed_on_one_line() {
-        let err = Err::<(), _>(E::InvalidArgument("offset 10 beyond end\nof region".into()))
-            .context("writing region r")
-            .unwrap_err();
+        let err = Err::<(), _>(E::InvalidArgument("offset 10 beyond end\nof region".into())).context("writing region r").unwrap_err();
         let (code, line) = report(&err);
         assert_eq!(code, 4);
-        assert_eq!(
-            line,
-            "writing region r: offset 10 beyond end of region (INVALID_ARGUMENT)"
-        );
+        assert_eq!(line, "writing region r: offset 10 beyond end of region (INVALID_ARGUMENT)");
         assert!(!line.contains('\n'));
     }
 
     #[test]
     fn empty_status_message_uses_code() {
         let err = anyhow::Error::new(E::ResourceExhausted(String::new()));
-        assert_eq!(
-            report(&err),
-            (7, "resource exhausted (RESOURCE_EXHAUSTED)".into())
-        );
+        assert_eq!(report(&err), (7, "resource exhausted (RESOURCE_EXHAUSTED)".into()));
     }
 
     #[test]
     fn a_transfer_error_from_the_client_exits_like_the_transfer_ended() {
-        let failed = E::Transfer { id: "t".into(), state: xfer_client::State::Failed, code: "CHECKSUM_MISMATCH".into(), message: "differ".into() };
+        let failed =
+            E::Transfer { id: "t".into(), state: xfer_client::State::Failed, code: "CHECKSUM_MISMATCH".into(), message: "differ".into() };
         assert_eq!(report(&anyhow::Error::new(failed)).0, 12);
         let cancelled = E::Transfer { id: "t".into(), state: xfer_client::State::Cancelled, code: String::new(), message: String::new() };
         assert_eq!(report(&anyhow::Error::new(cancelled)), (11, "transfer t was cancelled (CANCELLED)".into()));
@@ -314,13 +283,7 @@ mod tests {
             error: "peer went away".into(),
             error_code: "PEER_UNAVAILABLE".into(),
         });
-        assert_eq!(
-            report(&failed),
-            (
-                10,
-                "transfer t1 failed: peer went away (PEER_UNAVAILABLE)".into()
-            )
-        );
+        assert_eq!(report(&failed), (10, "transfer t1 failed: peer went away (PEER_UNAVAILABLE)".into()));
 
         let mismatch = anyhow::Error::new(Failure::TransferFailed {
             id: "t2".into(),
@@ -329,48 +292,28 @@ mod tests {
         });
         assert_eq!(report(&mismatch).0, 12);
 
-        let cancelled = anyhow::Error::new(Failure::TransferCancelled {
-            id: "t3".into(),
-            error: String::new(),
-        });
-        assert_eq!(
-            report(&cancelled),
-            (11, "transfer t3 was cancelled (CANCELLED)".into())
-        );
+        let cancelled = anyhow::Error::new(Failure::TransferCancelled { id: "t3".into(), error: String::new() });
+        assert_eq!(report(&cancelled), (11, "transfer t3 was cancelled (CANCELLED)".into()));
 
         let verify = anyhow::Error::new(Failure::VerifyMismatch("byte 7 differs".into()));
-        assert_eq!(
-            report(&verify),
-            (12, "verification failed: byte 7 differs".into())
-        );
+        assert_eq!(report(&verify), (12, "verification failed: byte 7 differs".into()));
 
-        let connect = anyhow::Error::new(Failure::Connect {
-            addr: "127.0.0.1:1".into(),
-            reason: "Connection refused (os error 111)".into(),
-        });
+        let connect =
+            anyhow::Error::new(Failure::Connect { addr: "127.0.0.1:1".into(), reason: "Connection refused (os error 111)".into() });
         let (code, line) = report(&connect);
         assert_eq!(code, 8);
-        assert!(
-            line.starts_with("cannot connect to agent at 127.0.0.1:1"),
-            "{line}"
-        );
+        assert!(line.starts_with("cannot connect to agent at 127.0.0.1:1"), "{line}");
         assert!(line.ends_with("(UNAVAILABLE)"), "{line}");
     }
 
     #[test]
     fn typed_error_below_context_still_decides_code() {
-        let err = Err::<(), _>(Failure::TransferCancelled {
-            id: "x".into(),
-            error: "agent shutting down".into(),
-        })
-        .context("demo step 3")
-        .unwrap_err();
+        let err = Err::<(), _>(Failure::TransferCancelled { id: "x".into(), error: "agent shutting down".into() })
+            .context("demo step 3")
+            .unwrap_err();
         let (code, line) = report(&err);
         assert_eq!(code, 11);
-        assert_eq!(
-            line,
-            "demo step 3: transfer x was cancelled: agent shutting down (CANCELLED)"
-        );
+        assert_eq!(line, "demo step 3: transfer x was cancelled: agent shutting down (CANCELLED)");
     }
 
     #[test]

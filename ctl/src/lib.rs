@@ -139,25 +139,13 @@ impl Ctx {
 pub fn main() -> ExitCode {
     // Help, version and usage errors exit here: 0 for help/version, 2 for usage errors.
     let cli = Cli::parse();
-    let tls = cli.ca.map(|ca| client::TlsFiles {
-        cert: cli.cert,
-        key: cli.key,
-        ca,
-        server_name: cli.tls_server_name,
-    });
+    let tls = cli.ca.map(|ca| client::TlsFiles { cert: cli.cert, key: cli.key, ca, server_name: cli.tls_server_name });
     let (agent, wants_tls) = target::split_tls_scheme(&cli.agent);
     if wants_tls && tls.is_none() {
-        eprintln!(
-            "error: --agent {} asks for TLS: give --ca (and --cert/--key for mTLS), or XFER_CA/XFER_CERT/XFER_KEY",
-            cli.agent
-        );
+        eprintln!("error: --agent {} asks for TLS: give --ca (and --cert/--key for mTLS), or XFER_CA/XFER_CERT/XFER_KEY", cli.agent);
         return ExitCode::from(2);
     }
-    let ctx = Ctx {
-        agent: agent.to_string(),
-        json: cli.json,
-        tls,
-    };
+    let ctx = Ctx { agent: agent.to_string(), json: cli.json, tls };
     let result = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

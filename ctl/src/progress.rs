@@ -32,11 +32,7 @@ pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<
     let mut stream = client.watch(id).await.with_context(|| format!("watching transfer {id}"))?;
     let mut bar: Option<ProgressBar> = None;
     let mut last: Option<Transfer> = None;
-    while let Some(t) = stream
-        .next()
-        .await
-        .with_context(|| format!("watching transfer {id}"))?
-    {
+    while let Some(t) = stream.next().await.with_context(|| format!("watching transfer {id}"))? {
         if bar.is_none() && !t.state.is_terminal() {
             bar = byte_bar(t.length, show_bar);
             if let Some(b) = &bar {
@@ -71,9 +67,7 @@ pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<
                 Ok(t)
             } else {
                 let state = other.map(|t| t.state.to_string()).unwrap_or_default();
-                anyhow::bail!(
-                    "the agent ended the watch of transfer {id} before it finished (last state {state})"
-                )
+                anyhow::bail!("the agent ended the watch of transfer {id} before it finished (last state {state})")
             }
         }
     }
@@ -82,10 +76,7 @@ pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<
 /// Cancels transfer `id` and follows it until it stops; its final record (CANCELLED, or the state
 /// it reached first when it was already finishing).
 pub async fn cancel_and_wait(client: &Client, id: &str) -> anyhow::Result<Transfer> {
-    client
-        .cancel(id)
-        .await
-        .with_context(|| format!("cancelling transfer {id}"))?;
+    client.cancel(id).await.with_context(|| format!("cancelling transfer {id}"))?;
     watch(client, id, false).await
 }
 
@@ -94,34 +85,20 @@ pub fn outcome(t: &Transfer, want_verify: bool) -> Result<(), Failure> {
     match t.state {
         State::Succeeded => {
             if want_verify && !t.verified {
-                Err(Failure::VerifyMismatch(format!(
-                    "transfer {} succeeded but the agent did not report it verified",
-                    t.id
-                )))
+                Err(Failure::VerifyMismatch(format!("transfer {} succeeded but the agent did not report it verified", t.id)))
             } else {
                 Ok(())
             }
         }
-        State::Cancelled => Err(Failure::TransferCancelled {
-            id: t.id.clone(),
-            error: t.error.clone(),
-        }),
-        _ => Err(Failure::TransferFailed {
-            id: t.id.clone(),
-            error: t.error.clone(),
-            error_code: t.error_code.clone(),
-        }),
+        State::Cancelled => Err(Failure::TransferCancelled { id: t.id.clone(), error: t.error.clone() }),
+        _ => Err(Failure::TransferFailed { id: t.id.clone(), error: t.error.clone(), error_code: t.error_code.clone() }),
     }
 }
 
 /// `copied N bytes in S s (X GiB/s)`; uses the agent's elapsed time, or `fallback` (local wall
 /// clock since submission) when the agent reported none.
 pub fn copied_line(t: &Transfer, fallback: Instant) -> String {
-    let secs = if t.elapsed_seconds > 0.0 {
-        t.elapsed_seconds
-    } else {
-        fallback.elapsed().as_secs_f64()
-    };
+    let secs = if t.elapsed_seconds > 0.0 { t.elapsed_seconds } else { fallback.elapsed().as_secs_f64() };
     let mut line = format!("copied {}", units::rate_summary(t.bytes_done, secs));
     if t.verified {
         line.push_str(", verified");
@@ -134,22 +111,13 @@ mod tests {
     use super::*;
 
     fn t(state: State) -> Transfer {
-        Transfer {
-            id: "t".into(),
-            state,
-            error: "boom".into(),
-            error_code: "RETRY_EXC_ERR".into(),
-            ..Default::default()
-        }
+        Transfer { id: "t".into(), state, error: "boom".into(), error_code: "RETRY_EXC_ERR".into(), ..Default::default() }
     }
 
     #[test]
     fn outcomes() {
         assert!(outcome(&t(State::Succeeded), false).is_ok());
-        assert!(matches!(
-            outcome(&t(State::Succeeded), true),
-            Err(Failure::VerifyMismatch(_))
-        ));
+        assert!(matches!(outcome(&t(State::Succeeded), true), Err(Failure::VerifyMismatch(_))));
         let mut verified = t(State::Succeeded);
         verified.verified = true;
         assert!(outcome(&verified, true).is_ok());
@@ -157,10 +125,7 @@ mod tests {
             outcome(&t(State::Failed), false),
             Err(Failure::TransferFailed { ref error_code, .. }) if error_code == "RETRY_EXC_ERR"
         ));
-        assert!(matches!(
-            outcome(&t(State::Cancelled), false),
-            Err(Failure::TransferCancelled { .. })
-        ));
+        assert!(matches!(outcome(&t(State::Cancelled), false), Err(Failure::TransferCancelled { .. })));
     }
 
     #[test]
@@ -168,9 +133,6 @@ mod tests {
         let mut x = t(State::Succeeded);
         x.bytes_done = 1 << 30;
         x.elapsed_seconds = 0.5;
-        assert_eq!(
-            copied_line(&x, Instant::now()),
-            "copied 1073741824 bytes in 0.500 s (2.000 GiB/s)"
-        );
+        assert_eq!(copied_line(&x, Instant::now()), "copied 1073741824 bytes in 0.500 s (2.000 GiB/s)");
     }
 }

@@ -48,20 +48,14 @@ fn normalize_plain(input: &str, s: &str) -> Result<String, String> {
         return Err("empty agent address".into());
     }
     if let Some(rest) = s.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| format!("invalid agent address {input:?}: missing ']'"))?;
+        let (host, after) = rest.split_once(']').ok_or_else(|| format!("invalid agent address {input:?}: missing ']'"))?;
         if host.is_empty() || host.parse::<std::net::Ipv6Addr>().is_err() {
-            return Err(format!(
-                "invalid agent address {input:?}: {host:?} is not an IPv6 address"
-            ));
+            return Err(format!("invalid agent address {input:?}: {host:?} is not an IPv6 address"));
         }
         return match after {
             "" => Ok(format!("[{host}]:{DEFAULT_PORT}")),
             _ => {
-                let port = after.strip_prefix(':').ok_or_else(|| {
-                    format!("invalid agent address {input:?}: expected ':PORT' after ']'")
-                })?;
+                let port = after.strip_prefix(':').ok_or_else(|| format!("invalid agent address {input:?}: expected ':PORT' after ']'"))?;
                 Ok(format!("[{host}]:{}", parse_port(input, port)?))
             }
         };
@@ -70,9 +64,7 @@ fn normalize_plain(input: &str, s: &str) -> Result<String, String> {
         None => Ok(format!("{s}:{DEFAULT_PORT}")),
         Some((host, port)) => {
             if port.contains(':') {
-                return Err(format!(
-                    "invalid agent address {input:?}: IPv6 addresses must be bracketed, e.g. [::1]:7470"
-                ));
+                return Err(format!("invalid agent address {input:?}: IPv6 addresses must be bracketed, e.g. [::1]:7470"));
             }
             if host.is_empty() {
                 return Err(format!("invalid agent address {input:?}: missing host"));
@@ -85,9 +77,7 @@ fn normalize_plain(input: &str, s: &str) -> Result<String, String> {
 fn parse_port(input: &str, port: &str) -> Result<u16, String> {
     match port.parse::<u16>() {
         Ok(p) if p != 0 => Ok(p),
-        _ => Err(format!(
-            "invalid agent address {input:?}: bad port {port:?}"
-        )),
+        _ => Err(format!("invalid agent address {input:?}: bad port {port:?}")),
     }
 }
 
@@ -128,9 +118,7 @@ pub fn parse_location(input: &str) -> Result<Location, String> {
         Some(i) => {
             let agent = &s[..i];
             if agent.is_empty() {
-                return Err(format!(
-                    "invalid location {input:?}: empty agent address before ':'"
-                ));
+                return Err(format!("invalid location {input:?}: empty agent address before ':'"));
             }
             let agent = normalize_agent(agent).map_err(|e| format!("in {input:?}: {e}"))?;
             (Some(agent), &s[i + 1..])
@@ -140,9 +128,7 @@ pub fn parse_location(input: &str) -> Result<Location, String> {
     let (region, offset) = match rest.split_once('@') {
         Some((region, off)) => {
             if off.trim().is_empty() {
-                return Err(format!(
-                    "invalid location {input:?}: missing offset after '@'"
-                ));
+                return Err(format!("invalid location {input:?}: missing offset after '@'"));
             }
             let off = parse_size(off).map_err(|e| format!("invalid offset in {input:?}: {e}"))?;
             (region, off)
@@ -150,20 +136,12 @@ pub fn parse_location(input: &str) -> Result<Location, String> {
         None => (rest, 0),
     };
     if region.is_empty() {
-        return Err(format!(
-            "invalid location {input:?}: missing region name (expected [AGENT:]REGION[@OFFSET])"
-        ));
+        return Err(format!("invalid location {input:?}: missing region name (expected [AGENT:]REGION[@OFFSET])"));
     }
     if region.contains('@') || region.contains(char::is_whitespace) {
-        return Err(format!(
-            "invalid location {input:?}: bad region name {region:?}"
-        ));
+        return Err(format!("invalid location {input:?}: bad region name {region:?}"));
     }
-    Ok(Location {
-        agent,
-        region: region.to_string(),
-        offset,
-    })
+    Ok(Location { agent, region: region.to_string(), offset })
 }
 
 #[cfg(test)]
@@ -171,11 +149,7 @@ mod tests {
     use super::*;
 
     fn loc(agent: Option<&str>, region: &str, offset: u64) -> Location {
-        Location {
-            agent: agent.map(str::to_string),
-            region: region.to_string(),
-            offset,
-        }
+        Location { agent: agent.map(str::to_string), region: region.to_string(), offset }
     }
 
     #[test]
@@ -202,9 +176,7 @@ mod tests {
         assert!(normalize_agent("[::1").unwrap_err().contains("missing ']'"));
         assert!(normalize_agent("[nothost]:1").is_err());
         assert!(normalize_agent("[::1]x").is_err());
-        assert!(normalize_agent(":7470")
-            .unwrap_err()
-            .contains("missing host"));
+        assert!(normalize_agent(":7470").unwrap_err().contains("missing host"));
         assert!(normalize_agent("").is_err());
     }
 
@@ -218,42 +190,21 @@ mod tests {
 
     #[test]
     fn with_agent() {
-        assert_eq!(
-            parse_location("node-b:r"),
-            Ok(loc(Some("node-b:7470"), "r", 0))
-        );
-        assert_eq!(
-            parse_location("node-b:9000:r@64MiB"),
-            Ok(loc(Some("node-b:9000"), "r", 64 << 20))
-        );
-        assert_eq!(
-            parse_location("[::1]:7470:reg@10"),
-            Ok(loc(Some("[::1]:7470"), "reg", 10))
-        );
-        assert_eq!(
-            parse_location("[::1]:reg"),
-            Ok(loc(Some("[::1]:7470"), "reg", 0))
-        );
-        assert_eq!(
-            parse_location("127.0.0.1:7471:dst"),
-            Ok(loc(Some("127.0.0.1:7471"), "dst", 0))
-        );
+        assert_eq!(parse_location("node-b:r"), Ok(loc(Some("node-b:7470"), "r", 0)));
+        assert_eq!(parse_location("node-b:9000:r@64MiB"), Ok(loc(Some("node-b:9000"), "r", 64 << 20)));
+        assert_eq!(parse_location("[::1]:7470:reg@10"), Ok(loc(Some("[::1]:7470"), "reg", 10)));
+        assert_eq!(parse_location("[::1]:reg"), Ok(loc(Some("[::1]:7470"), "reg", 0)));
+        assert_eq!(parse_location("127.0.0.1:7471:dst"), Ok(loc(Some("127.0.0.1:7471"), "dst", 0)));
     }
 
     #[test]
     fn errors() {
         assert!(parse_location("").unwrap_err().contains("missing region"));
-        assert!(parse_location("host:")
-            .unwrap_err()
-            .contains("missing region"));
+        assert!(parse_location("host:").unwrap_err().contains("missing region"));
         assert!(parse_location("@5").unwrap_err().contains("missing region"));
         assert!(parse_location("r@").unwrap_err().contains("missing offset"));
-        assert!(parse_location("r@lots")
-            .unwrap_err()
-            .contains("invalid offset"));
-        assert!(parse_location("r@1@2")
-            .unwrap_err()
-            .contains("invalid offset"));
+        assert!(parse_location("r@lots").unwrap_err().contains("invalid offset"));
+        assert!(parse_location("r@1@2").unwrap_err().contains("invalid offset"));
         assert!(parse_location(":r").unwrap_err().contains("empty agent"));
         assert!(parse_location("::1:r").unwrap_err().contains("bracketed"));
         assert!(parse_location("h:x:r").unwrap_err().contains("bad port"));

@@ -23,10 +23,7 @@ pub fn gbit_per_s(bytes: u64, seconds: f64) -> f64 {
 
 /// The summary line used by `cp`, `put`, `get` and `demo`: `N bytes in S s (X GiB/s)`.
 pub fn rate_summary(bytes: u64, seconds: f64) -> String {
-    format!(
-        "{bytes} bytes in {seconds:.3} s ({:.3} GiB/s)",
-        gib_per_s(bytes, seconds)
-    )
+    format!("{bytes} bytes in {seconds:.3} s ({:.3} GiB/s)", gib_per_s(bytes, seconds))
 }
 
 #[cfg(test)]
@@ -35,10 +32,7 @@ mod tests {
 
     #[test]
     fn rates() {
-        assert_eq!(
-            rate_summary(1 << 30, 2.0),
-            "1073741824 bytes in 2.000 s (0.500 GiB/s)"
-        );
+        assert_eq!(rate_summary(1 << 30, 2.0), "1073741824 bytes in 2.000 s (0.500 GiB/s)");
         assert_eq!(gbit_per_s(125_000_000, 1.0), 1.0);
         assert_eq!(gib_per_s(10, 0.0), 0.0);
     }

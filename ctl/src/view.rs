@@ -211,10 +211,7 @@ pub struct Table {
 
 impl Table {
     pub fn new(header: &[&str]) -> Self {
-        Table {
-            header: header.iter().map(|h| h.to_string()).collect(),
-            rows: Vec::new(),
-        }
+        Table { header: header.iter().map(|h| h.to_string()).collect(), rows: Vec::new() }
     }
 
     pub fn row(&mut self, cells: Vec<String>) {
@@ -247,9 +244,7 @@ impl Table {
 }
 
 pub fn region_table(regions: &[Region]) -> String {
-    let mut t = Table::new(&[
-        "NAME", "KIND", "SIZE", "ACCESS", "EXPIRES", "LABELS", "PATH", "STATUS",
-    ]);
+    let mut t = Table::new(&["NAME", "KIND", "SIZE", "ACCESS", "EXPIRES", "LABELS", "PATH", "STATUS"]);
     for r in regions {
         t.row(vec![
             r.name.clone(),
@@ -278,10 +273,7 @@ pub fn region_detail(r: &Region) -> String {
     let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<11} {v}\n"));
     kv("name:", r.name.clone());
     kv("id:", r.id.clone());
-    kv(
-        "length:",
-        format!("{} ({})", r.length, crate::units::format_bytes(r.length)),
-    );
+    kv("length:", format!("{} ({})", r.length, crate::units::format_bytes(r.length)));
     kv("kind:", r.kind.to_string());
     if !r.path.is_empty() {
         kv("path:", r.path.clone());
@@ -289,14 +281,8 @@ pub fn region_detail(r: &Region) -> String {
     kv("access:", r.access.to_string());
     kv("status:", region_status_text(r));
     kv("labels:", labels_text(&r.labels));
-    kv(
-        "created:",
-        rfc3339(&r.created_at).unwrap_or_else(|| "-".into()),
-    );
-    kv(
-        "expires:",
-        rfc3339(&r.expires_at).unwrap_or_else(|| "never".into()),
-    );
+    kv("created:", rfc3339(&r.created_at).unwrap_or_else(|| "-".into()));
+    kv("expires:", rfc3339(&r.expires_at).unwrap_or_else(|| "never".into()));
     // The agent sends keys and the registered address only in verbs grant mode `region`
     // (elsewhere they are 0: remote access only through grants).
     if r.addr != 0 || r.lkey != 0 || r.rkey != 0 {
@@ -331,9 +317,7 @@ pub fn transfer_remote(t: &Transfer) -> String {
 }
 
 pub fn transfer_table(transfers: &[Transfer]) -> String {
-    let mut t = Table::new(&[
-        "ID", "OP", "STATE", "DONE", "LENGTH", "LOCAL", "REMOTE", "SECONDS", "ERROR",
-    ]);
+    let mut t = Table::new(&["ID", "OP", "STATE", "DONE", "LENGTH", "LOCAL", "REMOTE", "SECONDS", "ERROR"]);
     for x in transfers {
         let error = match (x.error.is_empty(), x.error_code.is_empty()) {
             (true, true) => String::new(),
@@ -360,40 +344,18 @@ pub fn transfer_detail(t: &Transfer) -> String {
     let mut out = String::new();
     let mut kv = |k: &str, v: String| out.push_str(&format!("{k:<10} {v}\n"));
     kv("id:", t.id.clone());
-    kv(
-        "op:",
-        t.op.to_string() + if t.inbound { " (inbound)" } else { "" },
-    );
+    kv("op:", t.op.to_string() + if t.inbound { " (inbound)" } else { "" });
     kv("state:", t.state.to_string());
     kv("local:", transfer_local(t));
     kv("remote:", transfer_remote(t));
     if !t.peer.is_empty() {
         kv("peer:", t.peer.clone());
     }
-    kv(
-        "progress:",
-        format!("{} / {} bytes", t.bytes_done, t.length),
-    );
-    kv(
-        "elapsed:",
-        format!(
-            "{:.3} s ({:.3} GiB/s)",
-            t.elapsed_seconds,
-            crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds)
-        ),
-    );
-    kv(
-        "created:",
-        rfc3339(&t.created_at).unwrap_or_else(|| "-".into()),
-    );
-    kv(
-        "started:",
-        rfc3339(&t.started_at).unwrap_or_else(|| "-".into()),
-    );
-    kv(
-        "finished:",
-        rfc3339(&t.finished_at).unwrap_or_else(|| "-".into()),
-    );
+    kv("progress:", format!("{} / {} bytes", t.bytes_done, t.length));
+    kv("elapsed:", format!("{:.3} s ({:.3} GiB/s)", t.elapsed_seconds, crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds)));
+    kv("created:", rfc3339(&t.created_at).unwrap_or_else(|| "-".into()));
+    kv("started:", rfc3339(&t.started_at).unwrap_or_else(|| "-".into()));
+    kv("finished:", rfc3339(&t.finished_at).unwrap_or_else(|| "-".into()));
     if t.verified {
         kv("verified:", format!("yes (checksum {:#018x})", t.checksum));
     }
@@ -412,9 +374,7 @@ pub fn peer_table(peers: &[Peer]) -> String {
             p.fabric.to_string(),
             p.qps.to_string(),
             p.state.clone(),
-            p.connect_duration
-                .map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3))
-                .unwrap_or_else(|| "-".into()),
+            p.connect_duration.map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3)).unwrap_or_else(|| "-".into()),
         ]);
     }
     t.render()

@@ -7,11 +7,7 @@
 use std::process::{Command, Output};
 
 fn xferctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xferctl"))
-        .args(args)
-        .env_remove("XFER_AGENT")
-        .output()
-        .expect("run xferctl")
+    Command::new(env!("CARGO_BIN_EXE_xferctl")).args(args).env_remove("XFER_AGENT").output().expect("run xferctl")
 }
 
 fn stderr(o: &Output) -> String {
@@ -50,14 +46,8 @@ fn top_level_help_lists_commands_and_exit_codes() {
     let o = xferctl(&["--help"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let out = stdout(&o);
-    for cmd in [
-        "info", "doctor", "region", "put", "get", "cp", "transfer", "connect", "peers", "bench",
-        "demo",
-    ] {
-        assert!(
-            out.contains(&format!("  {cmd} ")),
-            "help lacks {cmd}:\n{out}"
-        );
+    for cmd in ["info", "doctor", "region", "put", "get", "cp", "transfer", "connect", "peers", "bench", "demo"] {
+        assert!(out.contains(&format!("  {cmd} ")), "help lacks {cmd}:\n{out}");
     }
     assert!(out.contains("Exit codes:"), "{out}");
     assert!(out.contains("8  UNAVAILABLE"), "{out}");
@@ -71,11 +61,7 @@ fn every_subcommand_has_help() {
         full.push("--help");
         let o = xferctl(&full);
         assert_eq!(o.status.code(), Some(0), "xferctl {full:?}: {}", stderr(&o));
-        assert!(
-            stdout(&o).contains("Usage: xferctl"),
-            "xferctl {full:?}: {}",
-            stdout(&o)
-        );
+        assert!(stdout(&o).contains("Usage: xferctl"), "xferctl {full:?}: {}", stdout(&o));
     }
 }
 
@@ -85,10 +71,7 @@ fn unreachable_agent_exits_8_with_one_line() {
     assert_eq!(o.status.code(), Some(8), "{}", stderr(&o));
     let err = stderr(&o);
     assert_eq!(err.lines().count(), 1, "expected one line, got:\n{err}");
-    assert!(
-        err.starts_with("error: cannot connect to agent at 127.0.0.1:1"),
-        "{err}"
-    );
+    assert!(err.starts_with("error: cannot connect to agent at 127.0.0.1:1"), "{err}");
     assert!(err.trim_end().ends_with("(UNAVAILABLE)"), "{err}");
     assert!(o.stdout.is_empty());
 }
@@ -111,14 +94,7 @@ fn cp_to_unreachable_initiator_exits_8() {
     assert_eq!(o.status.code(), Some(8), "{}", stderr(&o));
     assert!(stderr(&o).contains("127.0.0.1:1"), "{}", stderr(&o));
     // With --pull the DST agent (here --agent) initiates.
-    let o = xferctl(&[
-        "--agent",
-        "127.0.0.1:2",
-        "cp",
-        "--pull",
-        "127.0.0.1:1:src",
-        "dst",
-    ]);
+    let o = xferctl(&["--agent", "127.0.0.1:2", "cp", "--pull", "127.0.0.1:1:src", "dst"]);
     assert_eq!(o.status.code(), Some(8), "{}", stderr(&o));
     assert!(stderr(&o).contains("127.0.0.1:2"), "{}", stderr(&o));
 }
@@ -138,11 +114,7 @@ fn usage_errors_exit_2() {
     ] {
         let o = xferctl(args);
         assert_eq!(o.status.code(), Some(2), "xferctl {args:?}: {}", stderr(&o));
-        assert!(
-            stderr(&o).starts_with("error:"),
-            "xferctl {args:?}: {}",
-            stderr(&o)
-        );
+        assert!(stderr(&o).starts_with("error:"), "xferctl {args:?}: {}", stderr(&o));
     }
 }
 
@@ -155,10 +127,8 @@ fn completions_generate() {
 
 #[test]
 fn demo_without_agent_binary_fails_clearly() {
-    let o = Command::new(env!("CARGO_BIN_EXE_xferctl"))
-        .args(["demo", "--agent-bin", "/nonexistent/xfer-agent"])
-        .output()
-        .expect("run xferctl");
+    let o =
+        Command::new(env!("CARGO_BIN_EXE_xferctl")).args(["demo", "--agent-bin", "/nonexistent/xfer-agent"]).output().expect("run xferctl");
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
 }

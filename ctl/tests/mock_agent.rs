@@ -129,7 +129,10 @@ impl Agent for Fake {
         Err(not_here())
     }
     type WatchInboundRingStream = BoxStream<xfer_proto::v1::InboundRing>;
-    async fn watch_inbound_ring(&self, _: Request<xfer_proto::v1::WatchInboundRingRequest>) -> Result<Response<Self::WatchInboundRingStream>, Status> {
+    async fn watch_inbound_ring(
+        &self,
+        _: Request<xfer_proto::v1::WatchInboundRingRequest>,
+    ) -> Result<Response<Self::WatchInboundRingStream>, Status> {
         Err(not_here())
     }
     async fn get_transfer(&self, _: Request<GetTransferRequest>) -> Result<Response<Transfer>, Status> {

@@ -197,7 +197,8 @@ fn cp_both_ways_watch_show_cancel_and_a_failed_transfer() {
 
     // A transfer that fails (4 KiB chunks one at a time cannot finish within 1 ms): exit 10 with
     // the error on one line; watching it later exits the same way.
-    let o = a.ctl(&["--json", "cp", "src", &format!("{}:dst", b.addr), "--chunk", "4KiB", "--depth", "1", "--qps", "1", "--timeout", "1ms"]);
+    let o =
+        a.ctl(&["--json", "cp", "src", &format!("{}:dst", b.addr), "--chunk", "4KiB", "--depth", "1", "--qps", "1", "--timeout", "1ms"]);
     assert_eq!(o.status.code(), Some(10), "{}\n{}", err(&o), out(&o));
     assert_eq!(err(&o).lines().count(), 1, "{}", err(&o));
     let o = a.ctl(&["--json", "transfer", "list"]);

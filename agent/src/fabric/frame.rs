@@ -129,15 +129,7 @@ impl Header {
         }
         let mut token = [0u8; 16];
         token.copy_from_slice(&b[28..44]);
-        Ok(Header {
-            kind,
-            flags: b[5],
-            status: u16::from_le_bytes([b[6], b[7]]),
-            id: u64_at(8),
-            addr: u64_at(16),
-            len,
-            token,
-        })
+        Ok(Header { kind, flags: b[5], status: u16::from_le_bytes([b[6], b[7]]), id: u64_at(8), addr: u64_at(16), len, token })
     }
 }
 

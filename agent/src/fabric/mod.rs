@@ -60,10 +60,7 @@ pub enum Access {
 
 impl Access {
     pub fn allows(self, op: RemoteOp) -> bool {
-        matches!(
-            (self, op),
-            (Access::ReadWrite, _) | (Access::Read, RemoteOp::Read) | (Access::Write, RemoteOp::Write)
-        )
+        matches!((self, op), (Access::ReadWrite, _) | (Access::Read, RemoteOp::Read) | (Access::Write, RemoteOp::Write))
     }
 }
 
@@ -332,7 +329,10 @@ pub struct FabricInfo {
 pub enum Endpoint {
     Verbs(VerbsEndpoint),
     /// The responder's data listener and the secret that binds data streams to this connection.
-    Tcp { address: SocketAddr, secret: Option<DataSecret> },
+    Tcp {
+        address: SocketAddr,
+        secret: Option<DataSecret>,
+    },
 }
 
 /// The per-connection secret of a tcp data connection (handed out by an authenticated

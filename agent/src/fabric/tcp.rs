@@ -51,15 +51,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::stall::{is_stall, StallGuard};
 use super::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
+use super::stall::{is_stall, StallGuard};
 use super::{
-    Access, Accepted, Completion, CompletionSink, Connection, DataSecret, Endpoint, Exposure, ExposeRequest, Fabric,
-    FabricError, FabricInfo, FabricKind, PendingConnection, Registration, RemoteKey, RemoteOp, WcStatus,
-    WorkRequest, WrOp,
+    Accepted, Access, Completion, CompletionSink, Connection, DataSecret, Endpoint, ExposeRequest, Exposure, Fabric, FabricError,
+    FabricInfo, FabricKind, PendingConnection, Registration, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp,
 };
-use crate::identity::Role;
 use crate::identity::tls::DataTls;
+use crate::identity::Role;
 use xfer_rdma::memory::RegionMemory;
 
 /// The initiator's TLS handshake on a data stream must complete within this; it is also the
@@ -352,7 +351,12 @@ pub struct TcpFabric {
 impl TcpFabric {
     /// Starts serving frames checked by `check` on an already bound data listener. With `tls`,
     /// streams in both directions are TLS with the agent's certificates.
-    pub fn serve(listener: TcpListener, check: Arc<dyn AccessCheck>, tls: Option<DataTls>, limits: DataLimits) -> Result<TcpFabric, FabricError> {
+    pub fn serve(
+        listener: TcpListener,
+        check: Arc<dyn AccessCheck>,
+        tls: Option<DataTls>,
+        limits: DataLimits,
+    ) -> Result<TcpFabric, FabricError> {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(Sessions::new(limits.max_connections_per_peer));
@@ -414,16 +418,15 @@ impl Fabric for TcpFabric {
         _depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        Ok(Box::new(TcpPending {
-            qps: qps.max(1),
-            sink,
-            peer: peer.to_string(),
-            connection: connection_id.clone(),
-            tls: self.tls.clone(),
-        }))
+        Ok(Box::new(TcpPending { qps: qps.max(1), sink, peer: peer.to_string(), connection: connection_id.clone(), tls: self.tls.clone() }))
     }
 
-    async fn accept(&self, peer: &str, connection_id: &ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(
+        &self,
+        peer: &str,
+        connection_id: &ConnectionId,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         if let Some(Endpoint::Verbs(_)) = remote.first() {
             return Err(FabricError::Negotiation {
                 step: "accept",
@@ -576,10 +579,7 @@ impl Connection for TcpConnection {
         if !matches!(wr.remote_key, RemoteKey::Token(_)) {
             return Err(FabricError::BadRemoteKey);
         }
-        wr.local
-            .memory()
-            .check(wr.local_offset, wr.len as u64)
-            .map_err(|e| FabricError::LocalRange(e.to_string()))?;
+        wr.local.memory().check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
         if wr.op == WrOp::Read && !wr.local.memory().writable() {
             return Err(FabricError::LocalRange("READ into read-only memory".into()));
         }
@@ -801,11 +801,7 @@ async fn reader(ctx: QpCtx, rd: BoxRead) {
 }
 
 /// Handles one response frame; `Some(status)` breaks the QP with that status for the matched WR.
-async fn handle_response(
-    ctx: &QpCtx,
-    rd: &mut BufReader<BoxRead>,
-    h: &Header,
-) -> std::io::Result<Option<WcStatus>> {
+async fn handle_response(ctx: &QpCtx, rd: &mut BufReader<BoxRead>, h: &Header) -> std::io::Result<Option<WcStatus>> {
     // Responses arrive in posting order; earlier unsignaled WRITEs completed silently. A READ or
     // a signaled WR is always answered, so a response that skips one is the target breaking the
     // protocol: the QP fails (the skipped WR with the error) rather than losing its completion.
@@ -1072,7 +1068,13 @@ async fn refuse<W: AsyncWrite + Unpin>(wr: &mut W, id: u64, status: WcStatus) {
     let _ = wr.flush().await;
 }
 
-async fn serve_session<R, W>(rd: R, mut wr: W, hello: (ConnectionId, [u8; 32]), identity: Option<String>, ctx: &ServeCtx) -> Result<(), ServeError>
+async fn serve_session<R, W>(
+    rd: R,
+    mut wr: W,
+    hello: (ConnectionId, [u8; 32]),
+    identity: Option<String>,
+    ctx: &ServeCtx,
+) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -1540,9 +1542,8 @@ mod tests {
         }
         theirs.write_all(&Header::new(Kind::Ack, 2).encode()).await.expect("the ACK");
         // Virtual time: a completion that never comes fails the test instead of hanging it.
-        let mut next = async || {
-            tokio::time::timeout(Duration::from_secs(600), completions.recv()).await.ok().flatten().map(|c| (c.wr_id, c.status))
-        };
+        let mut next =
+            async || tokio::time::timeout(Duration::from_secs(600), completions.recv()).await.ok().flatten().map(|c| (c.wr_id, c.status));
         let (first, second) = (next().await, next().await);
         assert_eq!(first, Some((1, WcStatus::RemInvReqErr)), "then {second:?}");
         assert_eq!(second, Some((2, WcStatus::WrFlushErr)));

@@ -110,10 +110,7 @@ pub struct RolePolicy {
 
 impl RolePolicy {
     pub fn new(trust_domain: &str, dns_roles: &[DnsRole]) -> RolePolicy {
-        RolePolicy {
-            trust_domain: Some(trust_domain.to_ascii_lowercase()).filter(|s| !s.is_empty()),
-            dns_roles: dns_roles.to_vec(),
-        }
+        RolePolicy { trust_domain: Some(trust_domain.to_ascii_lowercase()).filter(|s| !s.is_empty()), dns_roles: dns_roles.to_vec() }
     }
 
     /// The role and name in a DER certificate (the verified leaf of a TLS peer).
@@ -200,7 +197,10 @@ fn valid_name(name: &str) -> bool {
 
 /// A trust domain: lower-case letters, digits, `-`, `.` and `_` (the SPIFFE ID rules).
 pub fn check_trust_domain(td: &str) -> Result<(), String> {
-    if td.is_empty() || td.len() > 255 || !td.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_')) {
+    if td.is_empty()
+        || td.len() > 255
+        || !td.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_'))
+    {
         return Err(format!("{td:?} is not a trust domain (lower-case letters, digits, '-', '.', '_')"));
     }
     Ok(())
@@ -209,8 +209,7 @@ pub fn check_trust_domain(td: &str) -> Result<(), String> {
 /// A `tls.dns_roles` pattern: a DNS name, optionally starting with `*.`.
 pub fn check_dns_pattern(p: &str) -> Result<(), String> {
     let rest = p.strip_prefix("*.").unwrap_or(p);
-    let ok = !rest.is_empty()
-        && rest.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    let ok = !rest.is_empty() && rest.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
     if ok {
         Ok(())
     } else {
@@ -231,4 +230,3 @@ pub fn plaintext_name(addr: Option<SocketAddr>) -> String {
         None => "local".to_string(),
     }
 }
-

@@ -52,9 +52,8 @@ pub fn data_tls(
         roots.add(c).map_err(|e| e.to_string())?;
     }
     let roots = Arc::new(roots);
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
-        .build()
-        .map_err(|e| e.to_string())?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone()).build().map_err(|e| e.to_string())?;
     let server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?

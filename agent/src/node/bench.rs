@@ -54,7 +54,15 @@ pub struct BenchResult {
 /// A KV run's result: `iters` batches of `blocks` blocks of `block` bytes that took `busy` in
 /// all; `batch_us` per batch, `submit_us` per submit (or post to first work request), and the
 /// list's cost per segment.
-fn kv_result(block: u64, blocks: u64, iters: u32, busy: Duration, mut batch_us: Vec<f64>, mut submit_us: Vec<f64>, prep_ns: f64) -> BenchResult {
+fn kv_result(
+    block: u64,
+    blocks: u64,
+    iters: u32,
+    busy: Duration,
+    mut batch_us: Vec<f64>,
+    mut submit_us: Vec<f64>,
+    prep_ns: f64,
+) -> BenchResult {
     let avg = batch_us.iter().sum::<f64>() / batch_us.len().max(1) as f64;
     batch_us.sort_by(|a, b| a.total_cmp(b));
     submit_us.sort_by(|a, b| a.total_cmp(b));
@@ -115,13 +123,14 @@ impl Node {
     /// [`SINK_LIFETIME`] in all.
     pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
         let n = connections.clamp(1, 64);
-        let slot = self.sink_slot.clone().try_acquire_owned().map_err(|_| {
-            TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into())
-        })?;
+        let slot = self
+            .sink_slot
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))?;
         let reservation = self.regions.reserve(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
-        let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))
-            .await
-            .map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+        let listener =
+            TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
         let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
         tokio::spawn(async move {
             let _held = (slot, reservation);
@@ -199,7 +208,15 @@ impl Node {
 
     async fn bench_with(&self, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
         let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-        let ask = GrantAsk { region: scratch, offset: 0, length: p.size, op: remote_op, ttl: Duration::from_secs(3600), notify: None, channel: false };
+        let ask = GrantAsk {
+            region: scratch,
+            offset: 0,
+            length: p.size,
+            op: remote_op,
+            ttl: Duration::from_secs(3600),
+            notify: None,
+            channel: false,
+        };
         let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
         // Mapping and pinning the buffer (up to 256 MiB) on the blocking pool.
         let fabric = Arc::clone(&self.fabric);
@@ -301,7 +318,10 @@ impl Node {
             return Err(TransferError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
         }
         if blocks as usize > self.config.transfer.max_segments {
-            return Err(TransferError::Limit(format!("{blocks} blocks; a batch takes at most {} (transfer.max_segments)", self.config.transfer.max_segments)));
+            return Err(TransferError::Limit(format!(
+                "{blocks} blocks; a batch takes at most {} (transfer.max_segments)",
+                self.config.transfer.max_segments
+            )));
         }
         let _admin = self.admin_slot("Bench")?;
         let iters = if p.iters == 0 { 5 } else { p.iters.min(10_000) };
@@ -309,14 +329,15 @@ impl Node {
         let local = format!("xfer-bench-kv-{}", new_id());
         // Mapping and pinning a pool of gigabytes takes seconds: on the blocking pool, never on
         // a runtime thread (which would stall this agent's gRPC connections meanwhile).
-        let (node, spec) = (Arc::clone(self), crate::regions::RegionSpec {
-            ttl: Some(BENCH_REGION_TTL),
-            labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
-            ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
-        });
-        tokio::task::spawn_blocking(move || node.regions.create(spec))
-            .await
-            .map_err(|e| TransferError::Internal(e.to_string()))??;
+        let (node, spec) = (
+            Arc::clone(self),
+            crate::regions::RegionSpec {
+                ttl: Some(BENCH_REGION_TTL),
+                labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
+                ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
+            },
+        );
+        tokio::task::spawn_blocking(move || node.regions.create(spec)).await.map_err(|e| TransferError::Internal(e.to_string()))??;
         let res = match peer.call(|| peer.client.open_bench_region(pool)).await {
             Ok(remote) => {
                 let res = self.bench_kv_with(&p, &local, &remote, block, blocks, pool, iters).await;
@@ -411,11 +432,7 @@ impl Node {
             };
             let took = t0.elapsed();
             if end.state != TransferState::Succeeded {
-                return Err(TransferError::Internal(format!(
-                    "bench batch {i} ended {:?}: {}",
-                    end.state,
-                    end.error.unwrap_or_default()
-                )));
+                return Err(TransferError::Internal(format!("bench batch {i} ended {:?}: {}", end.state, end.error.unwrap_or_default())));
             }
             busy += took;
             batch_us.push(took.as_secs_f64() * 1e6);
@@ -551,7 +568,8 @@ impl Node {
         let mut busy = Duration::ZERO;
         for i in 0..iters {
             let t0 = Instant::now();
-            let post = ChannelInput::Post { seq: u64::from(i), segments: Vec::new(), list: 1, notify: Some(format!("bench-kv-{i}").into_bytes()) };
+            let post =
+                ChannelInput::Post { seq: u64::from(i), segments: Vec::new(), list: 1, notify: Some(format!("bench-kv-{i}").into_bytes()) };
             in_tx.send(post).await.map_err(|_| lost())?;
             let d = match out_rx.recv().await {
                 Some(ChannelOutput::Done(d)) => d,
@@ -652,7 +670,14 @@ impl Node {
 
 /// The WR for `q` of a benchmark whose messages are `size` bytes: every message reuses the
 /// same buffer on both sides, so offsets are taken within a message.
-fn bench_wr(q: &crate::transfer::machine::Post, op: WrOp, local: &Arc<dyn Registration>, size: u64, grant: &GrantInfo, signaled: bool) -> WorkRequest {
+fn bench_wr(
+    q: &crate::transfer::machine::Post,
+    op: WrOp,
+    local: &Arc<dyn Registration>,
+    size: u64,
+    grant: &GrantInfo,
+    signaled: bool,
+) -> WorkRequest {
     WorkRequest {
         wr_id: q.seq,
         op,

@@ -17,14 +17,14 @@
 //! goes to the target in a `Peer.Announce` sent while the data is in flight. The target
 //! publishes once both arrived (`notify::ChannelNotes`), so the guarantee is the one a single
 //! transfer's notification gives: every byte of the batch is visible when it is published.
+use super::limits::ChannelSlot;
 #[allow(unused_imports)]
 use super::*;
-use super::limits::ChannelSlot;
-use crate::transfer::batch::BatchError;
-use crate::transfer::worker::Job;
 use crate::shape;
+use crate::transfer::batch::BatchError;
 use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::session::failure_of;
+use crate::transfer::worker::Job;
 
 /// Prepared lists one channel keeps at most.
 pub const MAX_LISTS: usize = 64;
@@ -62,12 +62,24 @@ pub struct ChannelInfo {
 /// One message on an open channel.
 #[derive(Debug, Clone)]
 pub enum ChannelInput {
-    Prepare { list: u32, segments: Vec<SegmentSpec> },
-    Post { seq: u64, segments: Vec<SegmentSpec>, list: u32, notify: Option<Vec<u8>> },
+    Prepare {
+        list: u32,
+        segments: Vec<SegmentSpec>,
+    },
+    Post {
+        seq: u64,
+        segments: Vec<SegmentSpec>,
+        list: u32,
+        notify: Option<Vec<u8>>,
+    },
     /// A prepare (`list: Some`) or a post (`seq`) whose list had `n` segments, more than
     /// `transfer.max_segments`: refused in its turn, its list dropped as it arrived (see
     /// [`Channel::max_segments`]).
-    TooMany { seq: u64, list: Option<u32>, n: usize },
+    TooMany {
+        seq: u64,
+        list: Option<u32>,
+        n: usize,
+    },
 }
 
 /// One answer.
@@ -389,7 +401,8 @@ impl Channel {
             let e = TransferError::FailedPrecondition("the channel's grant expired; open a new channel".into());
             return (BatchOutcome::refused(seq, "FAILED_PRECONDITION", e.to_string()), Some(e));
         }
-        let (segs, shift, bytes, count) = (batch.segs().clone(), batch.remote_base() - self.info.remote_offset, batch.bytes(), batch.len() as u64);
+        let (segs, shift, bytes, count) =
+            (batch.segs().clone(), batch.remote_base() - self.info.remote_offset, batch.bytes(), batch.len() as u64);
         m::batch_submitted(op, batch.asked(), batch.len());
         let Some(lease) = self.held.lease.take() else {
             let e = TransferError::Internal("channel without its connection".into());
@@ -450,7 +463,9 @@ impl Channel {
         let failure = match (failure, announce) {
             (None, Some((_, task))) => match task.await {
                 Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(Failure::new(FailureCode::Internal, format!("the data landed but the target was not told (Peer.Announce: {e})"))),
+                Ok(Err(e)) => {
+                    Some(Failure::new(FailureCode::Internal, format!("the data landed but the target was not told (Peer.Announce: {e})")))
+                }
                 Err(e) => Some(Failure::new(FailureCode::Internal, format!("Peer.Announce task: {e}"))),
             },
             (f, _) => f,
@@ -468,7 +483,8 @@ impl Channel {
                 m::channel_batch(op, "failed");
                 out.error = Some((f.code.as_str().to_string(), f.message.clone()));
                 // A fabric failure leaves the QPs in error: the channel is over.
-                let fatal = TransferError::Aborted(format!("batch {seq} failed ({}): {}; the channel is closed", f.code.as_str(), f.message));
+                let fatal =
+                    TransferError::Aborted(format!("batch {seq} failed ({}): {}; the channel is closed", f.code.as_str(), f.message));
                 (out, Some(fatal))
             }
         }

@@ -6,9 +6,9 @@
 #[allow(unused_imports)]
 use super::*;
 use crate::shape;
-use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::batch::{Batch, Dest};
 use crate::transfer::driver::{post_runs, wait, Wake};
+use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 
@@ -284,11 +284,18 @@ impl Node {
 
     /// Runs the session from `start` to `Finish`: posts, completions, cancel, time, the local
     /// check, the checksum and `Peer.Complete`.
-    async fn drive(&self, handle: &Arc<TransferHandle>, plan: &mut Plan, rec: &TransferRecord, started: Instant) -> Result<Option<u64>, Failure> {
+    async fn drive(
+        &self,
+        handle: &Arc<TransferHandle>,
+        plan: &mut Plan,
+        rec: &TransferRecord,
+        started: Instant,
+    ) -> Result<Option<u64>, Failure> {
         let Plan { session: s, held, local, algo, .. } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
-        let Some((remote_addr, key, notify_slot)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone(), g.info.notify_slot)) else {
+        let Some((remote_addr, key, notify_slot)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone(), g.info.notify_slot))
+        else {
             return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
         let registration = local.0.registration.clone();
@@ -386,7 +393,9 @@ impl Node {
             };
             let deadline = s.poll_timeout();
             let spin = self.poll_spin();
-            match wait(lease, &handle.cancel, deadline, spin, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status })).await {
+            match wait(lease, &handle.cancel, deadline, spin, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status }))
+                .await
+            {
                 Wake::Completions => {}
                 Wake::Closed => s.handle(Event::ConnectionClosed),
                 Wake::Cancelled => s.handle(Event::Cancel),
@@ -451,7 +460,6 @@ impl Node {
         h.cancel.cancel();
         Ok(h.snapshot())
     }
-
 }
 
 /// Posts the WRs the session asked for (one doorbell per QP run) and feeds back any that failed.

@@ -119,8 +119,9 @@ impl Node {
     }
 
     pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
-        self.admin_slot.clone().try_acquire_owned().map_err(|_| {
-            TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)"))
-        })
+        self.admin_slot
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)")))
     }
 }

@@ -21,23 +21,20 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::checksum::{self, Algo};
 use crate::config::Config;
-use crate::fabric::{
-    Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp,
-};
+use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
 use crate::grants::{Grant, GrantError, GrantTable};
-use crate::metrics as m;
 use crate::ids::new_id;
+use crate::metrics as m;
 use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
-use crate::transfer::driver::LatencyProbe;
-use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
 use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
+use crate::transfer::driver::LatencyProbe;
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};
+use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
 use xfer_rdma::memory::RegionMemory;
-
 
 mod bench;
 mod channel;
@@ -48,8 +45,8 @@ mod responder;
 pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 use initiator::Held;
-pub use responder::{GrantParams, InboundRing, NotifyAsk};
 use responder::AcceptedConn;
+pub use responder::{GrantParams, InboundRing, NotifyAsk};
 
 pub struct Node {
     /// Names of this agent's notification rings start with this: the private prefix and a tag of
@@ -97,13 +94,7 @@ pub const TRANSFER_HISTORY: usize = 1000;
 
 impl Node {
     /// `tls`: the agent's mTLS material for its calls to peers (None = plaintext).
-    pub fn new(
-        config: Config,
-        fabric: Arc<dyn Fabric>,
-        fabric_reason: String,
-        grants: Arc<GrantTable>,
-        connector: Connector,
-    ) -> Arc<Node> {
+    pub fn new(config: Config, fabric: Arc<dyn Fabric>, fabric_reason: String, grants: Arc<GrantTable>, connector: Connector) -> Arc<Node> {
         let mut policy = RegionPolicy::new(config.regions.effective_file_roots(&config.state_dir));
         policy.shm_mode = config.regions.shm_mode.0;
         // Both were checked by Config::validate; a failure here keeps the private defaults.
@@ -124,7 +115,9 @@ impl Node {
         let ring_prefix = format!(
             "{}{:08x}.",
             crate::regions::PRIVATE_SHM_PREFIX,
-            xxhash_rust::xxh3::xxh3_64(std::fs::canonicalize(&config.state_dir).unwrap_or_else(|_| config.state_dir.clone()).as_os_str().as_encoded_bytes()) as u32
+            xxhash_rust::xxh3::xxh3_64(
+                std::fs::canonicalize(&config.state_dir).unwrap_or_else(|_| config.state_dir.clone()).as_os_str().as_encoded_bytes()
+            ) as u32
         );
         regions.sweep_private_shm(&ring_prefix);
         Arc::new(Node {

@@ -99,8 +99,7 @@ fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
         Box::new(move || {
             weak.upgrade().is_some_and(|g| {
                 g.lease.is_live()
-                    && (g.notify.as_ref().is_some_and(|p| !p.is_published())
-                        || g.channel.as_ref().is_some_and(|c| c.expecting()))
+                    && (g.notify.as_ref().is_some_and(|p| !p.is_published()) || g.channel.as_ref().is_some_and(|c| c.expecting()))
             })
         }),
     );
@@ -323,7 +322,8 @@ impl Node {
         // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
         // grants before this one existed: re-check that the very same region is still live, or
         // the grant would outlive it (its token writing into a region nobody can see or delete).
-        let region_live = matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
+        let region_live =
+            matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
         if !region_live {
             self.grants.revoke(&grant.id);
             return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
@@ -365,11 +365,9 @@ impl Node {
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
-            None if self.fabric.grants_need_connection() => {
-                Err(TransferError::UnknownConnection(format!(
-                    "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
-                )))
-            }
+            None if self.fabric.grants_need_connection() => Err(TransferError::UnknownConnection(format!(
+                "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
+            ))),
             None => Ok(None),
         }
     }
@@ -377,16 +375,13 @@ impl Node {
     /// Subscribes to the notifications published on this agent (`WatchInbound`): those of
     /// `region` (a name or id, resolved now to the region's id; empty = every region). Nothing
     /// published once this returns is missed (short of falling 4,096 behind).
-    pub fn watch_inbound(
-        &self,
-        region: &str,
-        tag: Option<&[u8]>,
-    ) -> Result<crate::notify::Subscription, TransferError> {
+    pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
-            TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
-        })
+        self.grants
+            .hub()
+            .subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS)
+            .ok_or_else(|| TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already")))
     }
 
     /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the

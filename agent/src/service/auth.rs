@@ -60,9 +60,7 @@ pub fn required(path: &str) -> Option<Need> {
             "Bench" | "TcpBaseline" => Some(Need::Admin),
             _ => Some(Need::Client),
         },
-        "grpc.health.v1.Health" | "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection" => {
-            Some(Need::AnyRole)
-        }
+        "grpc.health.v1.Health" | "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection" => Some(Need::AnyRole),
         _ => None,
     }
 }

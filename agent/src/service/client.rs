@@ -91,12 +91,7 @@ impl PeerApi for PeerClient {
             connection_id: connection_id.to_string(),
         };
         let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
-        let endpoints = r
-            .endpoints
-            .iter()
-            .map(convert::endpoint_from_pb)
-            .collect::<Result<Vec<_>, String>>()
-            .map_err(|e| self.bad(e))?;
+        let endpoints = r.endpoints.iter().map(convert::endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(|e| self.bad(e))?;
         let fabric = convert::fabric_from_pb(r.fabric).ok_or_else(|| self.bad("unknown fabric kind"))?;
         Ok(HandshakeReply { node_name: r.node_name, instance_id: r.instance_id, fabric, endpoints })
     }
@@ -148,11 +143,7 @@ impl PeerApi for PeerClient {
     }
 
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
-        self.peer
-            .clone()
-            .revoke(pb::RevokeRequest { grant_id: grant_id.to_string() })
-            .await
-            .map_err(|s| self.err(s))?;
+        self.peer.clone().revoke(pb::RevokeRequest { grant_id: grant_id.to_string() }).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 
@@ -190,25 +181,13 @@ impl PeerApi for PeerClient {
     }
 
     async fn open_sink(&self, connections: u32) -> Result<String, PeerError> {
-        let r = self
-            .peer
-            .clone()
-            .open_sink(pb::OpenSinkRequest { connections })
-            .await
-            .map_err(|s| self.err(s))?
-            .into_inner();
+        let r = self.peer.clone().open_sink(pb::OpenSinkRequest { connections }).await.map_err(|s| self.err(s))?.into_inner();
         Ok(r.address)
     }
 
     /// `Peer.OpenBenchRegion`: a scratch region on the peer for a benchmark; returns its name.
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
-        let r = self
-            .peer
-            .clone()
-            .open_bench_region(pb::OpenBenchRegionRequest { length })
-            .await
-            .map_err(|s| self.err(s))?
-            .into_inner();
+        let r = self.peer.clone().open_bench_region(pb::OpenBenchRegionRequest { length }).await.map_err(|s| self.err(s))?.into_inner();
         crate::regions::validate_name(&r.region).map_err(|e| self.bad(e.to_string()))?;
         Ok(r.region)
     }
@@ -219,11 +198,7 @@ impl PeerApi for PeerClient {
     }
 
     async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
-        self.peer
-            .clone()
-            .close_bench_region(pb::CloseBenchRegionRequest { region: region.to_string() })
-            .await
-            .map_err(|s| self.err(s))?;
+        self.peer.clone().close_bench_region(pb::CloseBenchRegionRequest { region: region.to_string() }).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 }
@@ -235,7 +210,6 @@ pub fn connector(tls: Option<std::sync::Arc<TlsMaterial>>) -> crate::peer_api::C
         Ok(std::sync::Arc::new(PeerClient::new(addr, tls.as_deref())?))
     })
 }
-
 
 /// Whether a status came from the transport (no answer from the peer) rather than the peer.
 fn is_transport(s: &tonic::Status) -> bool {

@@ -416,7 +416,9 @@ pub fn channel_input_from_pb(r: pb::ChannelRequest, max_segments: usize) -> Resu
         Some(pb::channel_request::Msg::Post(p)) => {
             Ok(ChannelInput::Post { seq: p.seq, segments: segments_from_pb(&p.segments), list: p.list, notify: p.notify })
         }
-        Some(pb::channel_request::Msg::Open(_)) => Err(Status::invalid_argument("the channel is open already: ChannelOpen comes once, first")),
+        Some(pb::channel_request::Msg::Open(_)) => {
+            Err(Status::invalid_argument("the channel is open already: ChannelOpen comes once, first"))
+        }
         None => Err(Status::invalid_argument("empty channel message")),
     }
 }
@@ -508,15 +510,11 @@ pub fn region_status(e: RegionError) -> Status {
             Status::invalid_argument(e.to_string())
         }
         RegionError::NotRegular { .. } => Status::invalid_argument(e.to_string()),
-        RegionError::Busy(_) | RegionError::Unavailable { .. } | RegionError::Poisoned { .. } => {
-            Status::failed_precondition(e.to_string())
-        }
+        RegionError::Busy(_) | RegionError::Unavailable { .. } | RegionError::Poisoned { .. } => Status::failed_precondition(e.to_string()),
         RegionError::Denied(_) => Status::permission_denied(e.to_string()),
         RegionError::ShmExists { .. } => Status::already_exists(e.to_string()),
         RegionError::Limit(_) => Status::resource_exhausted(e.to_string()),
-        RegionError::Io { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => {
-            Status::permission_denied(e.to_string())
-        }
+        RegionError::Io { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => Status::permission_denied(e.to_string()),
         RegionError::Io { .. } => Status::internal(e.to_string()),
         RegionError::Fabric(f) => fabric_status_code(f, e.to_string()),
     }
@@ -658,7 +656,13 @@ mod tests {
             ..Default::default()
         };
         assert!(transfer_request_from_pb(submit).unwrap_err().message().contains("timeout"));
-        let grant = pb::GrantRequest { region: "b".into(), node_name: "n".into(), op: pb::Access::Write as i32, ttl: Some(huge), ..Default::default() };
+        let grant = pb::GrantRequest {
+            region: "b".into(),
+            node_name: "n".into(),
+            op: pb::Access::Write as i32,
+            ttl: Some(huge),
+            ..Default::default()
+        };
         assert!(grant_params_from_pb(grant).is_err());
     }
 
@@ -676,10 +680,7 @@ mod tests {
         assert_eq!(unavailable.code(), Code::FailedPrecondition);
         assert!(unavailable.message().contains("file missing"), "{}", unavailable.message());
         assert_eq!(grant_status(GrantError::Expired("g".into())).code(), Code::FailedPrecondition);
-        assert_eq!(
-            peer_status(PeerError::Unreachable { addr: "a".into(), detail: "refused".into() }).code(),
-            Code::Unavailable
-        );
+        assert_eq!(peer_status(PeerError::Unreachable { addr: "a".into(), detail: "refused".into() }).code(), Code::Unavailable);
         assert_eq!(transfer_status(TransferError::PermissionDenied("ro".into())).code(), Code::PermissionDenied);
     }
 }

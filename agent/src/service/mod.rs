@@ -96,7 +96,12 @@ impl Services {
     /// The router of the local unix socket (`unix_listen`): `xfer.v1.Agent`, health and
     /// reflection, no TLS, every caller a client known by its uid ([`auth::Authenticator::Local`]).
     /// `xfer.v1.Peer` is not served there: peers are other nodes.
-    pub fn local_router(self, max_message: usize, keepalive: Option<std::time::Duration>, health: &tonic_health::server::HealthReporter) -> Result<Router, String> {
+    pub fn local_router(
+        self,
+        max_message: usize,
+        keepalive: Option<std::time::Duration>,
+        health: &tonic_health::server::HealthReporter,
+    ) -> Result<Router, String> {
         let reflection = || {
             tonic_reflection::server::Builder::configure()
                 .register_encoded_file_descriptor_set(xfer_proto::FILE_DESCRIPTOR_SET)
@@ -118,7 +123,9 @@ pub fn health_router(health: &tonic_health::server::HealthReporter) -> tonic::tr
     tonic::transport::Server::builder().add_service(health_service(health))
 }
 
-fn health_service(health: &tonic_health::server::HealthReporter) -> tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService> {
+fn health_service(
+    health: &tonic_health::server::HealthReporter,
+) -> tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService> {
     tonic_health::pb::health_server::HealthServer::new(tonic_health::server::HealthService::from_health_reporter(health.clone()))
 }
 
@@ -203,10 +210,7 @@ impl Agent for Services {
         let spec = region_spec_from_pb(req.into_inner())?;
         let node = self.node.clone();
         // Mapping and registration can take long for big regions: keep them off the reactor.
-        let region = tokio::task::spawn_blocking(move || node.create_region(spec))
-            .await
-            .map_err(join_status)?
-            .map_err(region_status)?;
+        let region = tokio::task::spawn_blocking(move || node.create_region(spec)).await.map_err(join_status)?.map_err(region_status)?;
         Ok(Response::new(region_to_pb(&region)))
     }
 
@@ -214,10 +218,7 @@ impl Agent for Services {
         let node = self.node.clone();
         let name = req.into_inner().name;
         // The catalog write fsyncs: keep it off the reactor.
-        tokio::task::spawn_blocking(move || node.delete_region(&name))
-            .await
-            .map_err(join_status)?
-            .map_err(region_status)?;
+        tokio::task::spawn_blocking(move || node.delete_region(&name)).await.map_err(join_status)?.map_err(region_status)?;
         Ok(Response::new(pb::DeleteRegionResponse {}))
     }
 
@@ -451,7 +452,10 @@ impl Agent for Services {
 
     type WatchInboundRingStream = Stream2<pb::InboundRing>;
 
-    async fn watch_inbound_ring(&self, req: Request<pb::WatchInboundRingRequest>) -> Result<Response<Self::WatchInboundRingStream>, Status> {
+    async fn watch_inbound_ring(
+        &self,
+        req: Request<pb::WatchInboundRingRequest>,
+    ) -> Result<Response<Self::WatchInboundRingStream>, Status> {
         let r = req.into_inner();
         let ring = self.node.watch_inbound_ring(&r.region, r.tag.as_deref(), r.slots).map_err(transfer_status)?;
         let first = inbound_ring_to_pb(&ring);
@@ -591,12 +595,7 @@ impl Peer for Services {
         // Instrumented, not entered: a guard held across the await would tag whatever else
         // this runtime thread runs meanwhile with this peer's span.
         let span = tracing::info_span!("peer", %peer);
-        let mine = self
-            .node
-            .accept_connection(&peer, &connection_id, fabric, &eps)
-            .instrument(span)
-            .await
-            .map_err(fabric_status)?;
+        let mine = self.node.accept_connection(&peer, &connection_id, fabric, &eps).instrument(span).await.map_err(fabric_status)?;
         Ok(Response::new(pb::PeerConnectResponse {
             version: 1,
             node_name: self.node.node_name().to_string(),
@@ -655,11 +654,8 @@ impl Peer for Services {
         let transfer_id = crate::ids::TransferId::parse(&r.transfer_id).map_err(|e| invalid(e.to_string()))?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
         let op_write = op_from_pb(r.op)? == crate::transfer::Op::Write;
-        let verdict = self
-            .node
-            .complete_inbound(&transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum)
-            .await
-            .map_err(transfer_status)?;
+        let verdict =
+            self.node.complete_inbound(&transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum).await.map_err(transfer_status)?;
         Ok(Response::new(pb::CompleteResponse {
             checksum_matched: verdict.is_some_and(|v| v.0),
             checksum: verdict.map(|v| v.1).unwrap_or(0),
@@ -694,7 +690,10 @@ impl Peer for Services {
         Ok(Response::new(pb::OpenBenchRegionResponse { region }))
     }
 
-    async fn close_bench_region(&self, req: Request<pb::CloseBenchRegionRequest>) -> Result<Response<pb::CloseBenchRegionResponse>, Status> {
+    async fn close_bench_region(
+        &self,
+        req: Request<pb::CloseBenchRegionRequest>,
+    ) -> Result<Response<pb::CloseBenchRegionResponse>, Status> {
         let owner = caller_of(&req)?.name;
         let (node, region) = (self.node.clone(), req.get_ref().region.clone());
         // Deregistering a big region unpins its pages: off the runtime threads too.

@@ -17,8 +17,8 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 
 use super::auth::{Caller, Role, RolePolicy};
-pub use crate::identity::tls::{data_tls, host_of, DataTls};
 use crate::config::TlsConfig;
+pub use crate::identity::tls::{data_tls, host_of, DataTls};
 
 /// A slow or silent client cannot hold a connection slot in the handshake longer than this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -83,7 +83,8 @@ impl TlsMaterial {
         if roots_der.is_empty() {
             return Err(invalid("tls.ca", &cfg.ca, "no PEM CERTIFICATE block".into()));
         }
-        let key_der = PrivateKeyDer::from_pem_slice(&key).map_err(|e| invalid("tls.key", &cfg.key, format!("no usable private key: {e}")))?;
+        let key_der =
+            PrivateKeyDer::from_pem_slice(&key).map_err(|e| invalid("tls.key", &cfg.key, format!("no usable private key: {e}")))?;
         let server_name = Some(cfg.server_name.clone()).filter(|s| !s.is_empty());
         let data = data_tls(chain, key_der, roots_der, policy.clone(), server_name.clone())
             .map_err(|e| invalid("tls.key", &cfg.key, format!("unusable certificate, key or CA for the data plane: {e}")))?;
@@ -111,11 +112,7 @@ impl TlsMaterial {
     /// peer against the CA for `tls.server_name` or the address' host.
     pub fn client_config(&self, addr: &str) -> ClientTlsConfig {
         let name = self.server_name.clone().unwrap_or_else(|| host_of(addr).to_string());
-        ClientTlsConfig::new()
-            .identity(self.identity.clone())
-            .ca_certificate(self.ca.clone())
-            .domain_name(name)
-            .timeout(HANDSHAKE_TIMEOUT)
+        ClientTlsConfig::new().identity(self.identity.clone()).ca_certificate(self.ca.clone()).domain_name(name).timeout(HANDSHAKE_TIMEOUT)
     }
 }
 
@@ -128,4 +125,3 @@ fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
     }
     parts.join(": ")
 }
-

@@ -265,7 +265,8 @@ mod tests {
             match Batch::new(&specs, "r", 64, Dest::Remote, 8) {
                 Ok(b) => {
                     assert!(!overlaps, "{specs:?}");
-                    let mut want: Vec<(u64, u64)> = specs.iter().flat_map(|s| (0..s.len).map(move |k| (s.remote + k, s.local + k))).collect();
+                    let mut want: Vec<(u64, u64)> =
+                        specs.iter().flat_map(|s| (0..s.len).map(move |k| (s.remote + k, s.local + k))).collect();
                     let base = b.remote_base();
                     let mut got: Vec<(u64, u64)> =
                         b.segs().iter().flat_map(|s| (0..s.len).map(move |k| (base + s.remote + k, s.local + k))).collect();

@@ -42,9 +42,7 @@ impl FailureCode {
     pub fn hint(self) -> &'static str {
         use WcStatus::*;
         match self {
-            FailureCode::Completion(RemAccessErr) => {
-                " (the peer refused access: outside the grant, wrong operation, expired or revoked)"
-            }
+            FailureCode::Completion(RemAccessErr) => " (the peer refused access: outside the grant, wrong operation, expired or revoked)",
             FailureCode::Completion(RetryExcErr) => " (the peer stopped answering: dead agent, broken link or closed connection)",
             FailureCode::Completion(RnrRetryExcErr) => " (the peer's receive queue was not ready)",
             FailureCode::Completion(RemInvReqErr) => " (the peer rejected the request as invalid)",

@@ -176,7 +176,8 @@ impl Machine {
         // `next_chunk < chunks` means a segment with bytes left remains at `seg`.
         let s = *self.cfg.segs.get(self.seg)?;
         let len = (s.len - self.seg_off).min(self.cfg.chunk);
-        let post = Post { qp, seq: c, local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: len as u32, signaled, marker: false };
+        let post =
+            Post { qp, seq: c, local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: len as u32, signaled, marker: false };
         self.seg_off += len;
         if self.seg_off >= s.len {
             self.seg += 1;

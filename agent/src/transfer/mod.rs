@@ -217,8 +217,7 @@ impl TransferRegistry {
         g.order.push_back(id);
         // Forget the oldest finished transfers beyond the history bound.
         while g.order.len() > history {
-            let Some(pos) = g.order.iter().position(|id| g.by_id.get(id).is_none_or(|h| h.snapshot().state.is_terminal()))
-            else {
+            let Some(pos) = g.order.iter().position(|id| g.by_id.get(id).is_none_or(|h| h.snapshot().state.is_terminal())) else {
                 break;
             };
             if let Some(old) = g.order.remove(pos) {

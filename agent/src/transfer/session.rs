@@ -23,8 +23,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::failure::{Failure, FailureCode};
 use super::batch::Batch;
+use super::failure::{Failure, FailureCode};
 use super::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
 use super::TransferError;
 use crate::fabric::WcStatus;
@@ -88,18 +88,32 @@ pub enum Command {
 #[derive(Debug)]
 pub enum Event {
     /// A connection with `qps` QPs; `reused` = from the idle pool (negotiated earlier).
-    Leased { qps: usize, reused: bool },
+    Leased {
+        qps: usize,
+        reused: bool,
+    },
     LeaseFailed(TransferError),
     /// The peer's grant: its length, whether the peer is the same instance the connection was
     /// made with, and whether the connection broke meanwhile.
-    Granted { length: u64, same_instance: bool, conn_broken: bool },
+    Granted {
+        length: u64,
+        same_instance: bool,
+        conn_broken: bool,
+    },
     /// The peer does not know the leased connection (it closed it, or restarted).
     GrantUnknownConnection(TransferError),
     GrantFailed(TransferError),
     /// Before `start`: give up with this error (the caller went away, the agent is draining).
     Abort(TransferError),
-    Completion { qp: usize, seq: u64, status: WcStatus },
-    PostFailed { seq: u64, reason: String },
+    Completion {
+        qp: usize,
+        seq: u64,
+        status: WcStatus,
+    },
+    PostFailed {
+        seq: u64,
+        reason: String,
+    },
     /// The connection's completion channel closed.
     ConnectionClosed,
     /// `CancelTransfer` or drain.
@@ -113,8 +127,13 @@ pub enum Event {
 
 #[derive(Debug)]
 enum Phase {
-    Leasing { have_grant: bool, retried: bool },
-    Granting { retried: bool },
+    Leasing {
+        have_grant: bool,
+        retried: bool,
+    },
+    Granting {
+        retried: bool,
+    },
     Accepted,
     Running(Machine),
     /// The machine is on loan to a driver that runs it to its end ([`Session::lend_machine`]).
@@ -122,7 +141,9 @@ enum Phase {
     /// `CheckLocal` sent; then the machine's result applies.
     Checking(Result<(), Failure>),
     Verifying,
-    Completing { checksum: Option<u64> },
+    Completing {
+        checksum: Option<u64>,
+    },
     Done,
 }
 

@@ -26,8 +26,8 @@
 //! caller that went away (its future dropped) cancels its job; the lease then drops on this
 //! thread, inside the runtime (the worker enters the runtime's handle), so discarding the
 //! connection still tells the peer.
-use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -223,7 +223,8 @@ fn run<L: Leased>(rx: Receiver<Running<L>>, spin: Duration, park_cap: &std::sync
         }
         let now = Instant::now();
         let cap = if armed { Duration::from_micros(park_cap.load(std::sync::atomic::Ordering::Relaxed)) } else { PARK_UNARMED };
-        let until = jobs.iter().filter_map(|r| r.job.machine.poll_timeout()).min().map_or(cap, |d| d.saturating_duration_since(now).min(cap));
+        let until =
+            jobs.iter().filter_map(|r| r.job.machine.poll_timeout()).min().map_or(cap, |d| d.saturating_duration_since(now).min(cap));
         std::thread::park_timeout(until);
     }
 }

@@ -28,8 +28,8 @@ use super::mr::VerbsRegistration;
 use super::negotiate::{self, LINK_ETHERNET};
 use super::VerbsOptions;
 use crate::fabric::{
-    Completion, CompletionSink, Connection, Endpoint, FabricError, MarkerSink, PendingConnection, Readiness, Registration,
-    RemoteKey, VerbsEndpoint, WcStatus, WorkRequest, WrOp,
+    Completion, CompletionSink, Connection, Endpoint, FabricError, MarkerSink, PendingConnection, Readiness, Registration, RemoteKey,
+    VerbsEndpoint, WcStatus, WorkRequest, WrOp,
 };
 use crate::ids::ConnectionId;
 
@@ -97,10 +97,7 @@ fn modify_err(step: &'static str, attr: &'static str, e: std::io::Error, what: S
 
 fn draw_psn() -> Result<u32, FabricError> {
     // OsRng: the kernel CSPRNG (getrandom), as DESIGN §8 asks for PSNs.
-    rand::rngs::OsRng
-        .try_next_u32()
-        .map(|v| v & 0xFF_FFFF)
-        .map_err(|e| FabricError::Other(format!("OS random number generator: {e}")))
+    rand::rngs::OsRng.try_next_u32().map(|v| v & 0xFF_FFFF).map_err(|e| FabricError::Other(format!("OS random number generator: {e}")))
 }
 
 impl ConnInner {
@@ -152,10 +149,7 @@ impl ConnInner {
     ) -> Result<ConnInner, FabricError> {
         let (depth, cqe) = Self::check_shape(dev, opts, qps, depth)?;
         let channel = if with_channel {
-            let ch = dev
-                .ctx
-                .create_comp_channel()
-                .map_err(|e| FabricError::Other(format!("ibv_create_comp_channel: {e}")))?;
+            let ch = dev.ctx.create_comp_channel().map_err(|e| FabricError::Other(format!("ibv_create_comp_channel: {e}")))?;
             ch.set_nonblocking(true)?;
             Some(ch)
         } else {
@@ -164,10 +158,7 @@ impl ConnInner {
         let cq = Cq::new(&dev.ctx, cqe, channel.as_ref())?;
         let recv = if markers {
             let per_qp = RECV_DEPTH.min(dev.max_qp_wr).max(1);
-            let ch = dev
-                .ctx
-                .create_comp_channel()
-                .map_err(|e| FabricError::Other(format!("ibv_create_comp_channel: {e}")))?;
+            let ch = dev.ctx.create_comp_channel().map_err(|e| FabricError::Other(format!("ibv_create_comp_channel: {e}")))?;
             ch.set_nonblocking(true)?;
             // Every receive may complete (flushes do): size the CQ for all of them.
             let rcqe = (qps * per_qp as usize).min(dev.max_cqe as usize) as u32;
@@ -183,8 +174,7 @@ impl ConnInner {
             qp.to_init(port).map_err(|e| modify_err("INIT", "port", e, format!("port {port}, pkey_index 0")))?;
             if let Some((_, _, n)) = &recv {
                 for i in 0..*n {
-                    qp.post_recv_empty(i as u64)
-                        .map_err(|e| FabricError::Other(format!("posting the marker receives: {e}")))?;
+                    qp.post_recv_empty(i as u64).map_err(|e| FabricError::Other(format!("posting the marker receives: {e}")))?;
                 }
             }
             slots.push(QpSlot { qp, psn: draw_psn()? });
@@ -984,9 +974,7 @@ impl VerbsAccepted {
             }
             if left > 0 && n == 0 {
                 if std::time::Instant::now() >= deadline {
-                    return Err(give_up(FabricError::Other(format!(
-                        "memory-window binds did not complete within {BIND_TIMEOUT:?}"
-                    ))));
+                    return Err(give_up(FabricError::Other(format!("memory-window binds did not complete within {BIND_TIMEOUT:?}"))));
                 }
                 // tidy: blocking context (the blocking pool, see the doc comment).
                 std::thread::sleep(Duration::from_micros(20));

@@ -188,13 +188,7 @@ impl Device {
         Err(FabricError::NoDevice(what))
     }
 
-    fn from_context(
-        ctx: Arc<DeviceContext>,
-        name: String,
-        port: u8,
-        facts: PortFacts,
-        opts: &VerbsOptions,
-    ) -> Result<Device, FabricError> {
+    fn from_context(ctx: Arc<DeviceContext>, name: String, port: u8, facts: PortFacts, opts: &VerbsOptions) -> Result<Device, FabricError> {
         let gids = read_gids(&ctx, &name, port, &facts);
         let choice = negotiate::select_gid(&gids, &facts.link_layer, opts.gid_index, opts.bind_ip)
             .map_err(|e| FabricError::NoDevice(format!("{name} port {port}: {e}")))?;

@@ -10,13 +10,13 @@ use xfer_rdma::mr::Mr;
 use xfer_rdma::qp::WindowAccess;
 
 use super::connection::{AcceptedHandle, AcceptedIndex, ConnInner, VerbsAccepted, VerbsPending};
-use super::prebuilt::Prebuilt;
 use super::device::Device;
 use super::mr::VerbsRegistration;
+use super::prebuilt::Prebuilt;
 use super::{negotiate, VerbsOptions};
 use crate::fabric::{
-    Access, Accepted, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
-    PendingConnection, Registration, RemoteKey, RemoteOp,
+    Accepted, Access, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind, PendingConnection,
+    Registration, RemoteKey, RemoteOp,
 };
 
 /// The verbs data plane: one device context and PD shared by every registration and connection.
@@ -69,7 +69,11 @@ impl Shape {
     }
 
     fn role(&self) -> &'static str {
-        if self.markers { "responder" } else { "initiator" }
+        if self.markers {
+            "responder"
+        } else {
+            "initiator"
+        }
     }
 }
 
@@ -86,7 +90,16 @@ impl VerbsFabric {
         let dev = Device::open(&opts)?;
         let prebuilt = Arc::new(Prebuilt::new(opts.prebuilt, PREBUILT_SHAPES, PREBUILT_MAX_QPS, |s: &Shape| s.qps));
         let poller = Arc::new(super::marker_poll::MarkerPoller::new(opts.marker_spin));
-        Ok(VerbsFabric { dev: Arc::new(dev), opts: Arc::new(opts), accepted: Arc::default(), markers: None, prebuilt, prebuilt_hits: Default::default(), poller, builder: Default::default() })
+        Ok(VerbsFabric {
+            dev: Arc::new(dev),
+            opts: Arc::new(opts),
+            accepted: Arc::default(),
+            markers: None,
+            prebuilt,
+            prebuilt_hits: Default::default(),
+            poller,
+            builder: Default::default(),
+        })
     }
 
     /// A connection of `shape` for `peer`: a prebuilt one (fresh PSNs) if one is ready, else
@@ -260,7 +273,12 @@ impl Fabric for VerbsFabric {
         Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
-    async fn accept(&self, peer: &str, connection_id: &crate::ids::ConnectionId, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    async fn accept(
+        &self,
+        peer: &str,
+        connection_id: &crate::ids::ConnectionId,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
@@ -314,11 +332,7 @@ fn expose_now(
         return Err(FabricError::LocalRange("cannot expose an empty range".into()));
     }
     if !reg.access().allows(req.op) {
-        return Err(FabricError::Registration(format!(
-            "region access ceiling {} does not allow remote {}",
-            reg.access(),
-            req.op
-        )));
+        return Err(FabricError::Registration(format!("region access ceiling {} does not allow remote {}", reg.access(), req.op)));
     }
     let addr = reg.addr() + req.offset;
     match opts.grant_mode {
@@ -355,9 +369,7 @@ fn expose_now(
                 return Err(FabricError::Other(format!("device {} supports no memory windows (max_mw 0)", dev.name)));
             }
             let Some(conn) = &req.connection else {
-                return Err(FabricError::Other(
-                    "grant mode mw binds a window on the grantee's QPs: the grant names no connection".into(),
-                ));
+                return Err(FabricError::Other("grant mode mw binds a window on the grantee's QPs: the grant names no connection".into()));
             };
             let found = accepted.lock().unwrap_or_else(|e| e.into_inner()).get(conn).and_then(std::sync::Weak::upgrade);
             let Some(accepted) = found else {
@@ -377,4 +389,4 @@ fn expose_now(
             Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
         }
     }
-    }
+}

@@ -20,17 +20,17 @@ use std::sync::Arc;
 use crate::fabric::{Fabric, FabricError};
 
 #[cfg(feature = "verbs")]
-pub mod device;
-#[cfg(feature = "verbs")]
-pub mod negotiate;
-#[cfg(feature = "verbs")]
-mod mr;
-#[cfg(feature = "verbs")]
 mod connection;
+#[cfg(feature = "verbs")]
+pub mod device;
 #[cfg(feature = "verbs")]
 mod fabric;
 #[cfg(feature = "verbs")]
 mod marker_poll;
+#[cfg(feature = "verbs")]
+mod mr;
+#[cfg(feature = "verbs")]
+pub mod negotiate;
 pub mod prebuilt;
 
 #[cfg(feature = "verbs")]
@@ -145,11 +145,7 @@ impl Default for VerbsOptions {
 impl VerbsOptions {
     /// Rejects settings that would make a QP hang forever or that the spec forbids.
     pub fn validate(&self) -> Result<(), crate::fabric::FabricError> {
-        let bad = |attr: &'static str, detail: String| crate::fabric::FabricError::Negotiation {
-            step: "options",
-            attr,
-            detail,
-        };
+        let bad = |attr: &'static str, detail: String| crate::fabric::FabricError::Negotiation { step: "options", attr, detail };
         if self.port == 0 {
             return Err(bad("port", "ports are numbered from 1".into()));
         }

@@ -25,9 +25,7 @@ use crate::fabric::{Access, FabricError, Registration, RemoteOp};
 /// write ceiling on read-only memory is refused in every mode, as grants could never honour it.
 pub(crate) fn region_flags(writable: bool, ceiling: Access, mode: GrantMode) -> Result<AccessFlags, FabricError> {
     if ceiling.allows(RemoteOp::Write) && !writable {
-        return Err(FabricError::Registration(format!(
-            "access ceiling {ceiling} allows remote writes but the memory is mapped read-only"
-        )));
+        return Err(FabricError::Registration(format!("access ceiling {ceiling} allows remote writes but the memory is mapped read-only")));
     }
     let mut flags = AccessFlags::none();
     if writable {
@@ -75,12 +73,7 @@ impl std::fmt::Debug for VerbsRegistration {
 
 impl VerbsRegistration {
     /// Registers the whole of `memory` with the flags grant mode `mode` calls for.
-    pub fn new(
-        pd: &Arc<ProtectionDomain>,
-        memory: Arc<RegionMemory>,
-        access: Access,
-        mode: GrantMode,
-    ) -> Result<Self, FabricError> {
+    pub fn new(pd: &Arc<ProtectionDomain>, memory: Arc<RegionMemory>, access: Access, mode: GrantMode) -> Result<Self, FabricError> {
         let flags = region_flags(memory.writable(), access, mode)?;
         // Timed by the caller (`regions`, xfer_registration_duration_seconds on every fabric).
         let mr = Mr::register(pd, &memory, 0, memory.len(), flags)?;

@@ -109,12 +109,7 @@ impl GidChoice {
 /// Picks the GID per DESIGN §5: configured index, else the RoCEv2 GID of `bind_ip`, else the
 /// first RoCEv2 IPv4-mapped GID (then any RoCEv2 GID); InfiniBand ports use index 0 and the LID.
 /// `gids` holds only populated (non-zero) entries.
-pub fn select_gid(
-    gids: &[GidInfo],
-    link_layer: &str,
-    configured: Option<u32>,
-    bind_ip: Option<IpAddr>,
-) -> Result<GidChoice, String> {
+pub fn select_gid(gids: &[GidInfo], link_layer: &str, configured: Option<u32>, bind_ip: Option<IpAddr>) -> Result<GidChoice, String> {
     if let Some(i) = configured {
         let Some(entry) = gids.iter().find(|g| g.index == i) else {
             return Err(format!("configured gid_index {i} is not populated on this port"));
@@ -168,11 +163,7 @@ fn neg(step: &'static str, attr: &'static str, detail: impl Into<String>) -> Fab
 
 /// Validates a peer's endpoints against our port, before any QP reaches RTR. `expected` is the
 /// number of QPs we created (initiator) or `None` (responder: the peer decides, within a bound).
-pub fn validate_remote(
-    local: &LocalPort,
-    remote: &[Endpoint],
-    expected: Option<usize>,
-) -> Result<Vec<PathParams>, FabricError> {
+pub fn validate_remote(local: &LocalPort, remote: &[Endpoint], expected: Option<usize>) -> Result<Vec<PathParams>, FabricError> {
     const STEP: &str = "RTR";
     if remote.is_empty() {
         return Err(neg(STEP, "qps", "peer sent no endpoints"));
@@ -192,11 +183,7 @@ pub fn validate_remote(
             return Err(neg(STEP, "fabric", format!("endpoint {i} is not a verbs endpoint (peer runs tcp?)")));
         };
         if ep.link_layer != local.link_layer {
-            return Err(neg(
-                STEP,
-                "link_layer",
-                format!("local port is {}, peer's endpoint {i} is {:?}", local.link_layer, ep.link_layer),
-            ));
+            return Err(neg(STEP, "link_layer", format!("local port is {}, peer's endpoint {i} is {:?}", local.link_layer, ep.link_layer)));
         }
         if local.link_layer == LINK_ETHERNET {
             if local.gid_type != GID_ROCE_V2 {
@@ -217,8 +204,7 @@ pub fn validate_remote(
         if ep.psn > 0xFF_FFFF {
             return Err(neg(STEP, "rq_psn", format!("peer's PSN {:#x} is wider than 24 bits", ep.psn)));
         }
-        let remote_mtu =
-            mtu_code(ep.mtu).ok_or_else(|| neg(STEP, "path_mtu", format!("peer's active MTU {} is not 256..4096", ep.mtu)))?;
+        let remote_mtu = mtu_code(ep.mtu).ok_or_else(|| neg(STEP, "path_mtu", format!("peer's active MTU {} is not 256..4096", ep.mtu)))?;
         if ep.max_rd_atomic == 0 {
             return Err(neg(STEP, "max_rd_atomic", "peer allows no outstanding READs (max_rd_atomic 0)"));
         }

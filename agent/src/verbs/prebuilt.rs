@@ -240,7 +240,11 @@ mod tests {
         let mut n = 0;
         let r = p.refill(|k| {
             n += 1;
-            if n == 2 { Err("device busy") } else { Ok(*k) }
+            if n == 2 {
+                Err("device busy")
+            } else {
+                Ok(*k)
+            }
         });
         assert_eq!(r, Err("device busy"));
         assert_eq!(p.held().0, 1, "the item built before the failure is kept");

@@ -22,7 +22,16 @@ pub struct Chan {
 /// A `ChannelOpen` over `[offset, offset + length)` of `remote` on `peer`, with 16 KiB chunks,
 /// `qps` QPs and depth 8.
 #[allow(clippy::too_many_arguments)]
-pub fn open_msg_qps(op: pb::Op, local: &str, peer: &Agent, remote: &str, offset: u64, length: u64, notify: bool, qps: u32) -> pb::ChannelOpen {
+pub fn open_msg_qps(
+    op: pb::Op,
+    local: &str,
+    peer: &Agent,
+    remote: &str,
+    offset: u64,
+    length: u64,
+    notify: bool,
+    qps: u32,
+) -> pb::ChannelOpen {
     pb::ChannelOpen {
         op: op as i32,
         local_region: local.into(),

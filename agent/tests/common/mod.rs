@@ -123,7 +123,8 @@ pub fn connect_req(id: &str) -> pb::PeerConnectRequest {
 /// A 4 KiB grant at offset 0 of `region` for `op`, on the caller's connection `conn` (tcp grants
 /// are bound to one), declaring the node name `declared` (which the agent ignores).
 pub fn grant_req(region: &str, declared: &str, conn: &str, op: pb::Access) -> pb::GrantRequest {
-    pb::GrantRequest { notify: None,
+    pb::GrantRequest {
+        notify: None,
         region: region.into(),
         offset: 0,
         length: 4096,
@@ -388,9 +389,7 @@ impl Agent {
             // The agent writes the file under a temporary name and renames it: all or nothing.
             if let Ok(text) = std::fs::read_to_string(ready) {
                 let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("ready file {text:?}: {e}"));
-                let port = |k: &str| -> u16 {
-                    v[k].as_str().map(|a| a.parse::<std::net::SocketAddr>().unwrap().port()).unwrap_or(0)
-                };
+                let port = |k: &str| -> u16 { v[k].as_str().map(|a| a.parse::<std::net::SocketAddr>().unwrap().port()).unwrap_or(0) };
                 self.ports = Ports { grpc: port("grpc"), metrics: port("metrics"), data: port("data"), health: port("health") };
                 assert!(self.ports.grpc != 0 && self.ports.metrics != 0, "ready file without ports: {text}");
                 return Ok(());
@@ -570,7 +569,9 @@ impl Drop for Agent {
 }
 
 pub fn write_req(local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest { notify: None, segments: Vec::new(),
+    pb::SubmitTransferRequest {
+        notify: None,
+        segments: Vec::new(),
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
@@ -646,7 +647,8 @@ pub async fn grant_token(a: &Agent, region: &str, len: u64, op: pb::Access, conn
     let g = a
         .peer_client()
         .await
-        .grant(pb::GrantRequest { notify: None,
+        .grant(pb::GrantRequest {
+            notify: None,
             region: region.into(),
             offset: 0,
             length: len,

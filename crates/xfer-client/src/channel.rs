@@ -119,7 +119,9 @@ impl Channel {
         let _ = tx.send(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(open)) }).await;
         let mut events = agent.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
         match events.message().await? {
-            Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(opened)) }) => Ok(Channel { tx: Some(tx), events, opened, next_seq: 0, unanswered: 0, early: VecDeque::new() }),
+            Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(opened)) }) => {
+                Ok(Channel { tx: Some(tx), events, opened, next_seq: 0, unanswered: 0, early: VecDeque::new() })
+            }
             other => Err(Error::Protocol(format!("expected ChannelOpened, got {other:?}"))),
         }
     }
@@ -181,7 +183,8 @@ impl Channel {
     pub async fn send(&mut self, segments: &[Segment], list: u32, notify: Option<&[u8]>) -> Result<u64> {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let post = pb::ChannelPost { seq, segments: segments.iter().map(|s| s.to_pb()).collect(), list, notify: notify.map(<[u8]>::to_vec) };
+        let post =
+            pb::ChannelPost { seq, segments: segments.iter().map(|s| s.to_pb()).collect(), list, notify: notify.map(<[u8]>::to_vec) };
         self.send_msg(pb::channel_request::Msg::Post(post)).await?;
         self.unanswered += 1;
         Ok(seq)

@@ -236,12 +236,7 @@ impl Client {
             }
             endpoint = endpoint.tls_config(cfg).map_err(|e| bad(format!("TLS settings: {e}")))?;
         }
-        let channel = endpoint
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .map_err(|e| bad(root_cause(&e)))?;
+        let channel = endpoint.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true).connect().await.map_err(|e| bad(root_cause(&e)))?;
         let agent = AgentClient::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
         Ok(Client { agent, addr: addr.to_string() })
     }

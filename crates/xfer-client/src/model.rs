@@ -523,7 +523,13 @@ mod tests {
 
     #[test]
     fn a_failed_transfer_is_an_error_with_its_code() {
-        let t = Transfer { id: "t".into(), state: State::Failed, error: "boom".into(), error_code: "RETRY_EXC_ERR".into(), ..Default::default() };
+        let t = Transfer {
+            id: "t".into(),
+            state: State::Failed,
+            error: "boom".into(),
+            error_code: "RETRY_EXC_ERR".into(),
+            ..Default::default()
+        };
         match t.into_result() {
             Err(Error::Transfer { id, state: State::Failed, code, message }) => {
                 assert_eq!((id.as_str(), code.as_str(), message.as_str()), ("t", "RETRY_EXC_ERR", "boom"))

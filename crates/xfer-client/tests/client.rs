@@ -65,7 +65,8 @@ async fn a_producer_fills_shared_memory_and_a_consumer_reads_what_it_was_told_la
     let mut inbound = consumer.watch_inbound(Some(&pb), None).await.unwrap();
     let mut ch = producer.open_channel(ChannelSpec::write(&pa, &b.addr, &pb).range(1 << 20, 1 << 20)).await.unwrap();
     assert_eq!(ch.range(), (1 << 20, 1 << 20));
-    let list: Vec<Segment> = (0..64u64).map(|i| Segment { local: i * BLOCK, remote: (1 << 20) + ((i * 7) % 256) * BLOCK, len: BLOCK }).collect();
+    let list: Vec<Segment> =
+        (0..64u64).map(|i| Segment { local: i * BLOCK, remote: (1 << 20) + ((i * 7) % 256) * BLOCK, len: BLOCK }).collect();
     let p = ch.prepare(1, &list).await.unwrap();
     assert_eq!((p.segments, p.bytes), (64, 64 * BLOCK));
     for round in 0..2u64 {
@@ -163,7 +164,11 @@ struct FailingReader {
 }
 
 impl tokio::io::AsyncRead for FailingReader {
-    fn poll_read(mut self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         if self.ok == 0 {
             return std::task::Poll::Ready(Err(std::io::Error::other("disk on fire")));
         }
@@ -224,14 +229,20 @@ async fn the_typed_api_covers_what_the_cli_needs() {
     let d = Client::connect(&b.addr).await.unwrap();
     d.create_region("dst", 4 << 20).await.unwrap();
     let t = c.transfer(TransferSpec::read("other", &b.addr, "dst").range(0, 0, 1 << 20)).await.unwrap();
-    assert_eq!((t.op, t.local_region.as_str(), t.remote_agent.as_str(), t.remote_region.as_str()), (xfer_client::Op::Read, "other", b.addr.as_str(), "dst"));
+    assert_eq!(
+        (t.op, t.local_region.as_str(), t.remote_agent.as_str(), t.remote_region.as_str()),
+        (xfer_client::Op::Read, "other", b.addr.as_str(), "dst")
+    );
     assert!(t.created_at.is_some() && t.finished_at.is_some() && t.elapsed_seconds > 0.0, "{t:?}");
     let t = c.transfer(TransferSpec::write("src", &b.addr, "dst")).await.unwrap();
     assert_eq!(t.bytes_done, 4 << 20);
     for algo in [ChecksumAlgo::Xxh3, ChecksumAlgo::Crc32c] {
         assert_eq!(c.checksum("src", 0, 4 << 20, algo).await.unwrap(), d.checksum("dst", 0, 4 << 20, algo).await.unwrap());
     }
-    assert_ne!(c.checksum("src", 0, 4 << 20, ChecksumAlgo::Xxh3).await.unwrap(), c.checksum("other", 0, 4 << 20 >> 2, ChecksumAlgo::Xxh3).await.unwrap());
+    assert_ne!(
+        c.checksum("src", 0, 4 << 20, ChecksumAlgo::Xxh3).await.unwrap(),
+        c.checksum("other", 0, 4 << 20 >> 2, ChecksumAlgo::Xxh3).await.unwrap()
+    );
     let records = c.transfers().await.unwrap();
     assert!(records.iter().any(|r| r.id == t.id && r.state == State::Succeeded), "{records:?}");
     let inbound = d.transfers().await.unwrap();
@@ -296,7 +307,11 @@ async fn a_ring_delivers_notifications_in_shared_memory() {
     let dst = consumer.create_shm_region(&pb, POOL).await.unwrap();
     consumer.create_region(&other, POOL).await.unwrap();
     let shm_objects = || -> Vec<String> {
-        std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("xfer.ring.")).collect()
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("xfer.ring."))
+            .collect()
     };
     let before = shm_objects();
 
@@ -324,7 +339,10 @@ async fn a_ring_delivers_notifications_in_shared_memory() {
     for s in &segs {
         assert_eq!(dst.read_vec(s.remote, BLOCK as usize).unwrap(), &data[s.local as usize..(s.local + BLOCK) as usize]);
     }
-    assert_eq!((n.tag.as_slice(), n.region.as_str(), n.via.as_str(), n.op), (&b"wanted"[..], pb.as_str(), "fabric", xfer_client::Op::Write));
+    assert_eq!(
+        (n.tag.as_slice(), n.region.as_str(), n.via.as_str(), n.op),
+        (&b"wanted"[..], pb.as_str(), "fabric", xfer_client::Op::Write)
+    );
     assert_eq!((n.offset, n.length), (0, 256 * BLOCK), "the granted span of the batch");
     assert!(!n.peer.is_empty() && n.at.is_some(), "{n:?}");
     assert_eq!(tagged.next().await.unwrap().tag, b"wanted", "the tag filter takes it");

@@ -14,8 +14,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, String> {
     if let Ok(secs) = s.parse::<u64>() {
         return Ok(Duration::from_secs(secs));
     }
-    humantime::parse_duration(s)
-        .map_err(|e| format!("invalid duration {input:?}: {e} (examples: 30s, 5m, 1h30m, 250ms)"))
+    humantime::parse_duration(s).map_err(|e| format!("invalid duration {input:?}: {e} (examples: 30s, 5m, 1h30m, 250ms)"))
 }
 
 /// A duration in configuration, in [`parse_duration`]'s grammar; serializes as humantime text.
@@ -47,9 +46,7 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("12"), Ok(Duration::from_secs(12)));
         assert!(parse_duration("").is_err());
-        assert!(parse_duration("soon")
-            .unwrap_err()
-            .contains("invalid duration"));
+        assert!(parse_duration("soon").unwrap_err().contains("invalid duration"));
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("-5s").is_err());
     }

@@ -9,5 +9,5 @@ pub mod size;
 pub mod words;
 
 pub use duration::{parse_duration, HumanDuration};
-pub use words::one_of;
 pub use size::{format_bytes, format_size_compact, parse_size, ByteSize};
+pub use words::one_of;

@@ -19,16 +19,12 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
     if s.is_empty() {
         return Err("empty size".into());
     }
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(s.len());
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_')).unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
     let number: String = number.chars().filter(|&c| c != '_').collect();
     let unit = unit.trim();
     if number.is_empty() {
-        return Err(format!(
-            "invalid size {input:?}: expected a number such as 4096, 4KiB, 64MiB or 1GiB"
-        ));
+        return Err(format!("invalid size {input:?}: expected a number such as 4096, 4KiB, 64MiB or 1GiB"));
     }
     let multiplier: u128 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
@@ -45,9 +41,7 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
         "pb" => 1_000_000_000_000_000,
         "eb" => 1_000_000_000_000_000_000,
         _ => {
-            return Err(format!(
-                "invalid size {input:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, Ki, Mi, Gi or KB, MB, GB, TB)"
-            ))
+            return Err(format!("invalid size {input:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB, Ki, Mi, Gi or KB, MB, GB, TB)"))
         }
     };
     let (int_part, frac_part) = match number.split_once('.') {
@@ -61,12 +55,7 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
     if frac_part.len() > 18 {
         return Err(format!("invalid size {input:?}: too many decimal places"));
     }
-    let too_large = || {
-        format!(
-            "invalid size {input:?}: too large (maximum is {} bytes)",
-            u64::MAX
-        )
-    };
+    let too_large = || format!("invalid size {input:?}: too large (maximum is {} bytes)", u64::MAX);
     let parse_digits = |d: &str| -> Result<u128, String> {
         if d.is_empty() {
             Ok(0)
@@ -75,15 +64,11 @@ pub fn parse_size(input: &str) -> Result<u64, String> {
         }
     };
     let scale = 10u128.pow(frac_part.len() as u32);
-    let mantissa = parse_digits(int_part)?
-        .checked_mul(scale)
-        .and_then(|v| v.checked_add(parse_digits(frac_part).ok()?))
-        .ok_or_else(too_large)?;
+    let mantissa =
+        parse_digits(int_part)?.checked_mul(scale).and_then(|v| v.checked_add(parse_digits(frac_part).ok()?)).ok_or_else(too_large)?;
     let scaled = mantissa.checked_mul(multiplier).ok_or_else(too_large)?;
     if scaled % scale != 0 {
-        return Err(format!(
-            "invalid size {input:?}: not a whole number of bytes"
-        ));
+        return Err(format!("invalid size {input:?}: not a whole number of bytes"));
     }
     u64::try_from(scaled / scale).map_err(|_| too_large())
 }
@@ -201,10 +186,7 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        for bad in [
-            "", " ", "KiB", "abc", "4XB", "4KiBs", "-1", "1..5KiB", "1.2.3", ".", "0x10",
-            "4 K i B", "1e3",
-        ] {
+        for bad in ["", " ", "KiB", "abc", "4XB", "4KiBs", "-1", "1..5KiB", "1.2.3", ".", "0x10", "4 K i B", "1e3"] {
             assert!(parse_size(bad).is_err(), "{bad:?} should be rejected");
         }
         assert!(parse_size("4XB").unwrap_err().contains("unknown unit"));
@@ -216,14 +198,8 @@ mod tests {
         let err = parse_size("18446744073709551616").unwrap_err();
         assert!(err.contains("too large"), "{err}");
         assert!(parse_size("16EiB").unwrap_err().contains("too large"));
-        assert!(
-            parse_size("99999999999999999999999999999999999999999999GiB")
-                .unwrap_err()
-                .contains("too large")
-        );
-        assert!(parse_size("17179869184GiB")
-            .unwrap_err()
-            .contains("too large"));
+        assert!(parse_size("99999999999999999999999999999999999999999999GiB").unwrap_err().contains("too large"));
+        assert!(parse_size("17179869184GiB").unwrap_err().contains("too large"));
     }
 
     #[test]
@@ -240,7 +216,15 @@ mod tests {
 
     #[test]
     fn byte_size_round_trips_through_text_and_serde() {
-        for (s, shown) in [("4096", "4KiB"), ("4KiB", "4KiB"), ("64MiB", "64MiB"), ("1GiB", "1GiB"), ("2TiB", "2TiB"), ("1000", "1000"), ("16Gi", "16GiB")] {
+        for (s, shown) in [
+            ("4096", "4KiB"),
+            ("4KiB", "4KiB"),
+            ("64MiB", "64MiB"),
+            ("1GiB", "1GiB"),
+            ("2TiB", "2TiB"),
+            ("1000", "1000"),
+            ("16Gi", "16GiB"),
+        ] {
             let b: ByteSize = s.parse().unwrap();
             assert_eq!(b.to_string(), shown);
             assert_eq!(shown.parse::<ByteSize>().unwrap(), b, "what is shown reads back");

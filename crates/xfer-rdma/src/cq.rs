@@ -104,17 +104,16 @@ impl Cq {
         // SAFETY: the context is open for as long as `ctx` lives (we keep a clone), `attr` is a
         // fully initialised ibv_cq_init_attr_ex; a NULL return is handled.
         let raw = unsafe { sys::ibv_create_cq_ex(ctx.context().as_ptr(), &mut attr) };
-        let cq = NonNull::new(raw)
-            .ok_or_else(|| VerbsError::Other(format!("ibv_create_cq_ex({cqe}): {}", io::Error::last_os_error())))?;
+        let cq = NonNull::new(raw).ok_or_else(|| VerbsError::Other(format!("ibv_create_cq_ex({cqe}): {}", io::Error::last_os_error())))?;
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let cq = Cq { cq, id, next_index: AtomicUsize::new(0), poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
+        let cq =
+            Cq { cq, id, next_index: AtomicUsize::new(0), poll_lock: Mutex::new(()), channel: channel.cloned(), _ctx: Arc::clone(ctx) };
         // SAFETY: `cq` points at a live CQ; reading its context's ops table.
         let ops_ok = unsafe {
             let c = cq.cq.as_ref();
             let ex = &*c.context;
-            ex.ops.req_notify_cq.is_some()
-                && ex.ops.poll_cq.is_some()
+            ex.ops.req_notify_cq.is_some() && ex.ops.poll_cq.is_some()
         };
         if !ops_ok {
             return Err(VerbsError::Other("provider lacks ibv_poll_cq or ibv_req_notify_cq".into()));
@@ -124,9 +123,7 @@ impl Cq {
 
     /// Claims the next QP index on this CQ (0, 1, 2...), or `None` once index `max` is taken.
     pub(crate) fn claim_index(&self, max: usize) -> Option<usize> {
-        self.next_index
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |i| (i <= max).then_some(i + 1))
-            .ok()
+        self.next_index.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |i| (i <= max).then_some(i + 1)).ok()
     }
 
     /// The device context the CQ was created in.
@@ -211,8 +208,7 @@ pub fn watch_channel(channel: &Arc<CompletionChannel>) -> io::Result<AsyncFd<Arc
     // ibv_destroy_comp_channel in the channel's Drop. The AsyncFd owns an Arc of the channel, so
     // the fd stays open (and `as_raw_fd` returns the same fd) until the AsyncFd is dropped and
     // has deregistered it.
-    unsafe { AsyncFd::register_with_interest(Arc::clone(channel), tokio::io::Interest::READABLE) }
-        .map_err(io::Error::from)
+    unsafe { AsyncFd::register_with_interest(Arc::clone(channel), tokio::io::Interest::READABLE) }.map_err(io::Error::from)
 }
 
 impl Drop for Cq {

@@ -27,8 +27,8 @@ use std::fs::File;
 use std::io;
 use std::pin::Pin;
 use std::ptr::NonNull;
-use std::task::{Context, Poll};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -72,7 +72,9 @@ impl From<Poisoned> for MemError {
 enum Backing {
     Writable(MmapMut),
     /// Held only to keep the read-only mapping alive.
-    ReadOnly { _map: Mmap },
+    ReadOnly {
+        _map: Mmap,
+    },
 }
 
 /// A mapping of region memory (anonymous, file-backed or shared-memory object).
@@ -96,10 +98,7 @@ impl std::fmt::Debug for RegionMemory {
     // No address: on verbs it is the registered address peers would aim at, and it leaves the
     // agent only in a grant (DESIGN §8). Registrations and work requests print through this.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegionMemory")
-            .field("len", &self.len)
-            .field("writable", &self.writable)
-            .finish()
+        f.debug_struct("RegionMemory").field("len", &self.len).field("writable", &self.writable).finish()
     }
 }
 
@@ -140,7 +139,15 @@ impl RegionMemory {
             // SAFETY: as above, read-only.
             let map = unsafe { opts.map(file)? };
             let ptr = NonNull::new(map.as_ptr() as *mut u8).ok_or_else(|| io::Error::other("null mapping"))?;
-            Self { ptr, len, writable: false, sigbus: None, file: None, short: Default::default(), backing: Backing::ReadOnly { _map: map } }
+            Self {
+                ptr,
+                len,
+                writable: false,
+                sigbus: None,
+                file: None,
+                short: Default::default(),
+                backing: Backing::ReadOnly { _map: map },
+            }
         };
         mem.sigbus = Some(crate::sigbus::register(mem.ptr.as_ptr() as usize, mem.len)?);
         mem.file = Some(file.try_clone()?);

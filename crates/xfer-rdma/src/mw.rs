@@ -63,9 +63,8 @@ impl Mw {
             }
             sys::ibv_alloc_mw(pd_ptr, sys::ibv_mw_type::IBV_MW_TYPE_2)
         };
-        let mw = NonNull::new(raw).ok_or_else(|| {
-            VerbsError::Registration(format!("ibv_alloc_mw(type 2): {}", io::Error::last_os_error()))
-        })?;
+        let mw =
+            NonNull::new(raw).ok_or_else(|| VerbsError::Registration(format!("ibv_alloc_mw(type 2): {}", io::Error::last_os_error())))?;
         // SAFETY: live window, not yet shared; reading a plain field.
         let rkey = unsafe { mw.as_ref().rkey };
         Ok(Arc::new(Mw { mw, rkey: AtomicU32::new(rkey), bound_to: Mutex::new(None), pd: Arc::clone(pd) }))

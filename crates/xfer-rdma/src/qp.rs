@@ -68,7 +68,12 @@ pub enum Posting {
     Rdma(RdmaWr),
     /// A zero-length RDMA WRITE WITH IMMEDIATE (a notification marker, see
     /// [`RcQp::post_write_imm`]).
-    WriteImm { rkey: u32, remote_addr: u64, imm: u32, signaled: bool },
+    WriteImm {
+        rkey: u32,
+        remote_addr: u64,
+        imm: u32,
+        signaled: bool,
+    },
 }
 
 /// Remote access a window bind grants.
@@ -224,8 +229,7 @@ impl<K> RcQp<K> {
         attr.cap = sys::ibv_qp_cap { max_send_wr, max_recv_wr, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
-        attr.comp_mask =
-            sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
+        attr.comp_mask = sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD.0 | sys::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS.0;
         // SAFETY: reading the raw PD pointer of a live PD (we keep an Arc below).
         attr.pd = unsafe { pd.pd().as_ptr() };
         attr.send_ops_flags = send_ops as u64;
@@ -524,7 +528,15 @@ impl<K> RcQp<K> {
     /// target consumes one posted receive for it and sees it only after every earlier WR of
     /// this QP has executed there (RC ordering). `local` is kept in flight like a data WR's, so
     /// the caller's accounting is the same for every WR. One WR of [`RcQp::post_many`].
-    pub fn post_write_imm(&self, rkey: u32, remote_addr: u64, imm: u32, signaled: bool, local: &Arc<Mr>, keep: K) -> Result<(), VerbsError> {
+    pub fn post_write_imm(
+        &self,
+        rkey: u32,
+        remote_addr: u64,
+        imm: u32,
+        signaled: bool,
+        local: &Arc<Mr>,
+        keep: K,
+    ) -> Result<(), VerbsError> {
         self.post_many(vec![(Posting::WriteImm { rkey, remote_addr, imm, signaled }, keep)], local)
     }
 
@@ -558,7 +570,15 @@ impl<K> RcQp<K> {
     /// `mr` and `keep` until the bind is retired; so a window whose bind is never retired stays
     /// allocated until the QP is destroyed. Record the key with [`Mw::set_rkey`] once the bind
     /// has completed successfully.
-    pub fn post_bind_mw(&self, mw: &Arc<Mw>, mr: &Arc<Mr>, offset: u64, len: u64, access: WindowAccess, keep: K) -> Result<u32, VerbsError> {
+    pub fn post_bind_mw(
+        &self,
+        mw: &Arc<Mw>,
+        mr: &Arc<Mr>,
+        offset: u64,
+        len: u64,
+        access: WindowAccess,
+        keep: K,
+    ) -> Result<u32, VerbsError> {
         if !self.can_bind {
             return Err(VerbsError::Io(io::Error::other("QP was not created for memory-window binds")));
         }
@@ -568,12 +588,8 @@ impl<K> RcQp<K> {
         }
         let rkey = next_rkey(mw.rkey());
         mw.bind_to(mr);
-        let info = sys::ibv_mw_bind_info {
-            mr: mr.as_ptr(),
-            addr: mr.memory().addr() + offset,
-            length: len,
-            mw_access_flags: access.flags(),
-        };
+        let info =
+            sys::ibv_mw_bind_info { mr: mr.as_ptr(), addr: mr.memory().addr() + offset, length: len, mw_access_flags: access.flags() };
         let mut st = self.lock();
         let (seq, wr_id) = self.next(&st)?;
         let q = self.qpx.as_ptr();

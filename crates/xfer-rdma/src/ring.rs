@@ -172,7 +172,8 @@ impl RingWriter {
     /// the slot holds are refused (the agent sizes slots for its largest tag and names).
     pub fn publish(&mut self, note: &RingNote) -> Result<(), RingError> {
         let var = note.tag.len() + note.region.len() + note.peer.len();
-        if var > self.capacity() || note.tag.len() > MAX_TAG || note.region.len() > u16::MAX as usize || note.peer.len() > u16::MAX as usize {
+        if var > self.capacity() || note.tag.len() > MAX_TAG || note.region.len() > u16::MAX as usize || note.peer.len() > u16::MAX as usize
+        {
             return Err(RingError::Format(format!("a notification of {var} bytes of tag and names; slots hold {}", self.capacity())));
         }
         let n = self.head;
@@ -710,7 +711,10 @@ mod redteam_tests {
         // The writer refuses such a slot itself: lay out a valid ring, then widen its header.
         assert!(RingWriter::create(RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap(), 16, wide).is_err());
         RingWriter::create(mem, 16, 64).unwrap();
-        RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap().write_at(OFF_SLOT_SIZE, &wide.to_le_bytes()).unwrap();
+        RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true)
+            .unwrap()
+            .write_at(OFF_SLOT_SIZE, &wide.to_le_bytes())
+            .unwrap();
         let most = slot_size(u16::MAX as usize, u16::MAX as usize, u16::MAX as usize);
         let opened = RingReader::open(RegionMemory::map_file(f.as_file(), ring_len(16, wide) as usize, true).unwrap());
         assert!(opened.is_err(), "a slot of {wide} bytes was accepted; no notification can use more than {most}");

@@ -306,9 +306,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
         for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
-            base_runs.push(
-                client.tcp_baseline(&baseline_req).await.with_context(|| format!("TCP baseline to {}", opt.peer))?,
-            );
+            base_runs.push(client.tcp_baseline(&baseline_req).await.with_context(|| format!("TCP baseline to {}", opt.peer))?);
         }
         if i == opt.sizes.len() {
             break;
@@ -329,48 +327,21 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 interval_ms: 0,
             })
             .await
-            .with_context(|| {
-                format!(
-                    "bench {} of {} with {}",
-                    op,
-                    format_size_compact(size),
-                    opt.peer
-                )
-            })?;
+            .with_context(|| format!("bench {} of {} with {}", op, format_size_compact(size), opt.peer))?;
         rows.push(r);
     }
     let baseline = median_run(base_runs);
     if ctx.json {
-        ctx.print_json(&json_doc(
-            &ctx.agent,
-            &opt.peer,
-            op,
-            &rows,
-            baseline.as_ref(),
-        ))
+        ctx.print_json(&json_doc(&ctx.agent, &opt.peer, op, &rows, baseline.as_ref()))
     } else {
-        let fabric = rows
-            .first()
-            .map(|r| r.fabric.to_string())
-            .unwrap_or_default();
-        let header = format!(
-            "# {} {} -> {} over {fabric}\n",
-            op,
-            ctx.agent,
-            opt.peer
-        );
+        let fabric = rows.first().map(|r| r.fabric.to_string()).unwrap_or_default();
+        let header = format!("# {} {} -> {} over {fabric}\n", op, ctx.agent, opt.peer);
         let table = if kv { render_kv(&rows, baseline.as_ref()) } else { render(&rows, baseline.as_ref()) };
         ctx.print(&(header + &table))
     }
 }
 
-fn json_doc(
-    agent: &str,
-    peer: &str,
-    op: Op,
-    rows: &[BenchResult],
-    baseline: Option<&TcpBaseline>,
-) -> Value {
+fn json_doc(agent: &str, peer: &str, op: Op, rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> Value {
     let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
     json!({
         "agent": agent,
@@ -434,39 +405,14 @@ mod tests {
             lat_p99_us: 20.0,
             ..Default::default()
         }];
-        let base = TcpBaseline {
-            bytes: 1,
-            seconds: 1.0,
-            gbit_per_s: 0.8388608,
-        };
+        let base = TcpBaseline { bytes: 1, seconds: 1.0, gbit_per_s: 0.8388608 };
         let text = render(&rows, Some(&base));
         let mut lines = text.lines();
-        let header: Vec<&str> = lines
-            .next()
-            .unwrap()
-            .split("  ")
-            .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .collect();
-        assert_eq!(
-            header,
-            [
-                "#bytes",
-                "iters",
-                "BW Gb/s",
-                "BW GiB/s",
-                "lat avg us",
-                "lat p50 us",
-                "lat p99 us",
-                "BW/tcp"
-            ]
-        );
+        let header: Vec<&str> = lines.next().unwrap().split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+        assert_eq!(header, ["#bytes", "iters", "BW Gb/s", "BW GiB/s", "lat avg us", "lat p50 us", "lat p99 us", "BW/tcp"]);
         let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         // 100 MiB in 1 s = 0.8388608 Gb/s = 0.098 GiB/s; ratio 1.00.
-        assert_eq!(
-            row,
-            ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]
-        );
+        assert_eq!(row, ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]);
         assert!(text.contains("# tcp baseline"));
         let doc = json_doc("a", "b", Op::Write, &rows, Some(&base));
         assert_eq!(doc["rows"][0]["size"], 1 << 20);

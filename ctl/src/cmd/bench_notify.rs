@@ -154,10 +154,9 @@ pub async fn run_notify(ctx: &Ctx, peer_addr: &str, block: u64, blocks: u32, rou
     let (src_name, pool_name) = (format!("xfer-notify-src-{tag}"), format!("xfer-notify-pool-{tag}"));
     let pool_len = block * blocks as u64;
     let src_len = pool_len.checked_mul(rounds as u64).context("--blocks x --block x --iters overflows")?;
-    let pool = peer
-        .create_shm_region(&pool_name, pool_len)
-        .await
-        .with_context(|| format!("creating and mapping a shared-memory pool on {peer_addr} (xferctl must run on the peer's node, as the agent's user)"))?;
+    let pool = peer.create_shm_region(&pool_name, pool_len).await.with_context(|| {
+        format!("creating and mapping a shared-memory pool on {peer_addr} (xferctl must run on the peer's node, as the agent's user)")
+    })?;
     let pool = Arc::new(pool);
     let result = async {
         initiator.create_region(&src_name, src_len).await.context("creating the source region")?;
@@ -194,14 +193,20 @@ enum Receiver {
     Stream(Inbound),
 }
 
-async fn rounds_over(initiator: &Client, peer: &Client, pool: &Arc<ShmRegion>, sh: &Shape<'_>, via: NotifyVia) -> anyhow::Result<NotifyRun> {
+async fn rounds_over(
+    initiator: &Client,
+    peer: &Client,
+    pool: &Arc<ShmRegion>,
+    sh: &Shape<'_>,
+    via: NotifyVia,
+) -> anyhow::Result<NotifyRun> {
     let mut rx = match via {
-        NotifyVia::Stream => Receiver::Stream(peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?),
-        NotifyVia::Ring => Receiver::Ring(Some(
-            peer.watch_inbound_ring(Some(pool.name()), None, 0)
-                .await
-                .context("subscribing to the peer's notifications through a ring (xferctl must run on the peer's node, as the agent's user)")?,
-        )),
+        NotifyVia::Stream => {
+            Receiver::Stream(peer.watch_inbound(Some(pool.name()), None).await.context("subscribing to the peer's notifications")?)
+        }
+        NotifyVia::Ring => Receiver::Ring(Some(peer.watch_inbound_ring(Some(pool.name()), None, 0).await.context(
+            "subscribing to the peer's notifications through a ring (xferctl must run on the peer's node, as the agent's user)",
+        )?)),
     };
     let mut run = NotifyRun {
         via,
@@ -231,9 +236,11 @@ async fn rounds_over(initiator: &Client, peer: &Client, pool: &Arc<ShmRegion>, s
                 (ring, seen)
             })
         };
-        let segs: Vec<Segment> = (0..blocks as u64).map(|j| Segment { local: (r as u64 * blocks as u64 + j) * block, remote: j * block, len: block }).collect();
+        let segs: Vec<Segment> =
+            (0..blocks as u64).map(|j| Segment { local: (r as u64 * blocks as u64 + j) * block, remote: j * block, len: block }).collect();
         let t0 = Instant::now();
-        let submitted = initiator.submit(TransferSpec::write(sh.src, sh.peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
+        let submitted =
+            initiator.submit(TransferSpec::write(sh.src, sh.peer_addr, pool.name()).segments(segs).notify(note_tag.as_bytes())).await;
         let t = match submitted {
             Ok(t) => t,
             Err(e) => {
@@ -267,7 +274,8 @@ async fn rounds_over(initiator: &Client, peer: &Client, pool: &Arc<ShmRegion>, s
         };
         let joined = tokio::task::spawn_blocking(move || app.join()).await;
         give_up.abort();
-        let (ring, seen) = joined.context("joining the application thread")?.map_err(|_| anyhow::anyhow!("the application thread panicked"))?;
+        let (ring, seen) =
+            joined.context("joining the application thread")?.map_err(|_| anyhow::anyhow!("the application thread panicked"))?;
         if let Receiver::Ring(slot) = &mut rx {
             *slot = ring;
         }

@@ -19,10 +19,7 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let client = ctx.client().await?;
-    let peer = client
-        .connect_peer(&opt.peer, opt.qps)
-        .await
-        .with_context(|| format!("connecting {} to {}", ctx.agent, opt.peer))?;
+    let peer = client.connect_peer(&opt.peer, opt.qps).await.with_context(|| format!("connecting {} to {}", ctx.agent, opt.peer))?;
     if ctx.json {
         ctx.print_json(&view::peer_json(&peer))
     } else {

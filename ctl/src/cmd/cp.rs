@@ -107,12 +107,10 @@ pub fn plan(
 ) -> anyhow::Result<Plan> {
     let src_agent = src.agent_or(default_agent).to_string();
     let dst_agent = dst.agent_or(default_agent).to_string();
-    let options = Options { chunk_size: tuning.chunk, qps: tuning.qps, depth: tuning.depth, verify: tuning.verify, timeout: tuning.timeout };
-    let (initiator, op, local, remote, remote_agent) = if pull {
-        (dst_agent, Op::Read, dst, src, src_agent)
-    } else {
-        (src_agent, Op::Write, src, dst, dst_agent)
-    };
+    let options =
+        Options { chunk_size: tuning.chunk, qps: tuning.qps, depth: tuning.depth, verify: tuning.verify, timeout: tuning.timeout };
+    let (initiator, op, local, remote, remote_agent) =
+        if pull { (dst_agent, Op::Read, dst, src, src_agent) } else { (src_agent, Op::Write, src, dst, dst_agent) };
     // Segment offsets are relative to each side's @OFFSET; the request then carries none.
     let shift = |base: u64, off: u64| base.checked_add(off).context("a segment offset overflows");
     let segments = batch
@@ -133,13 +131,7 @@ pub fn plan(
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
-    let tuning = Tuning {
-        chunk: opt.chunk,
-        depth: opt.depth,
-        qps: opt.qps,
-        verify: opt.verify,
-        timeout: opt.timeout,
-    };
+    let tuning = Tuning { chunk: opt.chunk, depth: opt.depth, qps: opt.qps, verify: opt.verify, timeout: opt.timeout };
     let segments = match &opt.segments {
         None => Vec::new(),
         Some(path) => {
@@ -160,11 +152,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let started = Instant::now();
     let t = submit(&client, &plan).await?;
     if opt.no_wait {
-        return if ctx.json {
-            ctx.print_json(&view::transfer_json(&t))
-        } else {
-            ctx.print(&format!("{}\n", t.id))
-        };
+        return if ctx.json { ctx.print_json(&view::transfer_json(&t)) } else { ctx.print(&format!("{}\n", t.id)) };
     }
     let id = t.id.clone();
     let t = tokio::select! {
@@ -192,10 +180,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
 
 /// Submits the planned transfer on the initiating agent.
 pub async fn submit(client: &Client, plan: &Plan) -> anyhow::Result<Transfer> {
-    client
-        .submit(plan.spec.clone())
-        .await
-        .with_context(|| format!("submitting {} transfer to {}", plan.spec.op, plan.initiator))
+    client.submit(plan.spec.clone()).await.with_context(|| format!("submitting {} transfer to {}", plan.spec.op, plan.initiator))
 }
 
 #[cfg(test)]
@@ -208,16 +193,7 @@ mod tests {
 
     #[test]
     fn push_is_write_from_src_agent() {
-        let p = plan(
-            &loc("a:1:src@4KiB"),
-            &loc("b:dst"),
-            "d:9",
-            100,
-            false,
-            &Tuning::default(),
-            &Batch::default(),
-        )
-        .unwrap();
+        let p = plan(&loc("a:1:src@4KiB"), &loc("b:dst"), "d:9", 100, false, &Tuning::default(), &Batch::default()).unwrap();
         assert_eq!(p.initiator, "a:1");
         assert_eq!(p.spec.op, Op::Write);
         assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("src", 4096));
@@ -228,42 +204,21 @@ mod tests {
 
     #[test]
     fn pull_is_read_from_dst_agent() {
-        let p = plan(
-            &loc("src@1"),
-            &loc("b:dst@2"),
-            "d:9",
-            0,
-            true,
-            &Tuning::default(),
-            &Batch::default(),
-        )
-        .unwrap();
+        let p = plan(&loc("src@1"), &loc("b:dst@2"), "d:9", 0, true, &Tuning::default(), &Batch::default()).unwrap();
         assert_eq!(p.initiator, "b:7470");
         assert_eq!(p.spec.op, Op::Read);
         assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("dst", 2));
-        assert_eq!(
-            (p.spec.peer.as_str(), p.spec.remote_region.as_str(), p.spec.remote_offset),
-            ("d:9", "src", 1)
-        );
+        assert_eq!((p.spec.peer.as_str(), p.spec.remote_region.as_str(), p.spec.remote_offset), ("d:9", "src", 1));
     }
 
     #[test]
     fn defaults_and_options() {
-        let tuning = Tuning {
-            chunk: Some(1 << 20),
-            depth: Some(8),
-            qps: Some(2),
-            verify: true,
-            timeout: Some(Duration::from_secs(30)),
-        };
+        let tuning = Tuning { chunk: Some(1 << 20), depth: Some(8), qps: Some(2), verify: true, timeout: Some(Duration::from_secs(30)) };
         let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning, &Batch::default()).unwrap();
         assert_eq!(p.initiator, "d:9");
         assert_eq!(p.spec.peer, "d:9");
         let o = &p.spec.options;
-        assert_eq!(
-            (o.chunk_size, o.depth, o.qps, o.verify),
-            (Some(1 << 20), Some(8), Some(2), true)
-        );
+        assert_eq!((o.chunk_size, o.depth, o.qps, o.verify), (Some(1 << 20), Some(8), Some(2), true));
         assert_eq!(o.timeout, Some(Duration::from_secs(30)));
     }
 }

@@ -58,10 +58,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
     let bin = find_agent(opt.agent_bin.as_deref())?;
     // Dropping `tmp` removes the directory; it lives until the agents are stopped below.
-    let tmp = tempfile::Builder::new()
-        .prefix("xferctl-demo-")
-        .tempdir()
-        .context("creating a temporary directory")?;
+    let tmp = tempfile::Builder::new().prefix("xferctl-demo-").tempdir().context("creating a temporary directory")?;
     let mut report = Report::new(ctx.json);
 
     let mut agents: Vec<DemoAgent> = Vec::new();
@@ -82,8 +79,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         report.line(&format!("kept {} (agent logs and state)", kept.display()));
     } else {
         let path = tmp.path().to_path_buf();
-        tmp.close()
-            .with_context(|| format!("removing {}", path.display()))?;
+        tmp.close().with_context(|| format!("removing {}", path.display()))?;
     }
     result?;
     if ctx.json {
@@ -100,10 +96,7 @@ struct Report {
 
 impl Report {
     fn new(json: bool) -> Self {
-        Report {
-            json,
-            steps: Vec::new(),
-        }
+        Report { json, steps: Vec::new() }
     }
 
     fn line(&self, text: &str) {
@@ -123,13 +116,7 @@ impl Report {
     }
 }
 
-async fn steps(
-    opt: &Opt,
-    bin: &Path,
-    tmp: &Path,
-    agents: &mut Vec<DemoAgent>,
-    report: &mut Report,
-) -> anyhow::Result<()> {
+async fn steps(opt: &Opt, bin: &Path, tmp: &Path, agents: &mut Vec<DemoAgent>, report: &mut Report) -> anyhow::Result<()> {
     let size = opt.size;
     let ports = free_ports(6)?;
     for (i, name) in ["demo-a", "demo-b"].into_iter().enumerate() {
@@ -148,11 +135,7 @@ async fn steps(
     for agent in agents.iter_mut() {
         let started = Instant::now();
         let (client, fabric) = agent.wait_ready(opt.startup_timeout).await?;
-        report.line(&format!(
-            "{} ready in {:.2} s (fabric {fabric})",
-            agent.name,
-            started.elapsed().as_secs_f64()
-        ));
+        report.line(&format!("{} ready in {:.2} s (fabric {fabric})", agent.name, started.elapsed().as_secs_f64()));
         clients.push(client);
     }
     let (a_addr, b_addr) = (agents[0].addr.clone(), agents[1].addr.clone());
@@ -162,19 +145,9 @@ async fn steps(
         Err(_) => anyhow::bail!("internal error: expected two agents"),
     };
 
-    for (client, agent, region) in [
-        (a.clone(), &a_addr, "demo-src"),
-        (b.clone(), &b_addr, "demo-dst"),
-        (a.clone(), &a_addr, "demo-back"),
-    ] {
-        client
-            .create_region(region, size)
-            .await
-            .with_context(|| format!("creating region {region} on {agent}"))?;
-        report.line(&format!(
-            "created region {region} ({}) on {agent}",
-            units::format_bytes(size)
-        ));
+    for (client, agent, region) in [(a.clone(), &a_addr, "demo-src"), (b.clone(), &b_addr, "demo-dst"), (a.clone(), &a_addr, "demo-back")] {
+        client.create_region(region, size).await.with_context(|| format!("creating region {region} on {agent}"))?;
+        report.line(&format!("created region {region} ({}) on {agent}", units::format_bytes(size)));
     }
 
     let len = usize::try_from(size).context("--size does not fit in memory")?;
@@ -183,22 +156,10 @@ async fn steps(
     let data: Arc<[u8]> = buf.into();
 
     let started = Instant::now();
-    let written = a
-        .put_reader("demo-src", 0, Cursor::new(data.clone()))
-        .await
-        .context("filling demo-src on demo-a")?;
-    report.rate(
-        "put",
-        "put random data into demo-a:demo-src",
-        written,
-        started.elapsed().as_secs_f64(),
-    );
+    let written = a.put_reader("demo-src", 0, Cursor::new(data.clone())).await.context("filling demo-src on demo-a")?;
+    report.rate("put", "put random data into demo-a:demo-src", written, started.elapsed().as_secs_f64());
 
-    let at = |addr: &str, region: &str| Location {
-        agent: Some(addr.to_string()),
-        region: region.to_string(),
-        offset: 0,
-    };
+    let at = |addr: &str, region: &str| Location { agent: Some(addr.to_string()), region: region.to_string(), offset: 0 };
     let copies = [
         (
             "write",
@@ -207,13 +168,7 @@ async fn steps(
             at(&b_addr, "demo-dst"),
             false,
         ),
-        (
-            "read",
-            "READ demo-b:demo-dst -> demo-a:demo-back (initiated by demo-a)",
-            at(&b_addr, "demo-dst"),
-            at(&a_addr, "demo-back"),
-            true,
-        ),
+        ("read", "READ demo-b:demo-dst -> demo-a:demo-back (initiated by demo-a)", at(&b_addr, "demo-dst"), at(&a_addr, "demo-back"), true),
     ];
     for (step, what, src, dst, pull) in copies {
         let plan = cp::plan(&src, &dst, &a_addr, size, pull, &Tuning::default(), &cp::Batch::default())?;
@@ -223,71 +178,36 @@ async fn steps(
         let t = cp::submit(&a, &plan).await?;
         let t = progress::watch(&a, &t.id, true).await?;
         progress::outcome(&t, false).with_context(|| format!("{step} copy"))?;
-        let secs = if t.elapsed_seconds > 0.0 {
-            t.elapsed_seconds
-        } else {
-            started.elapsed().as_secs_f64()
-        };
+        let secs = if t.elapsed_seconds > 0.0 { t.elapsed_seconds } else { started.elapsed().as_secs_f64() };
         report.rate(step, what, t.bytes_done, secs);
         if t.bytes_done != size {
-            return Err(Failure::VerifyMismatch(format!(
-                "{step} copy moved {} bytes, expected {size}",
-                t.bytes_done
-            ))
-            .into());
+            return Err(Failure::VerifyMismatch(format!("{step} copy moved {} bytes, expected {size}", t.bytes_done)).into());
         }
     }
 
     let mut sums = Vec::new();
-    for (client, name, region) in [
-        (a.clone(), "demo-a", "demo-src"),
-        (b.clone(), "demo-b", "demo-dst"),
-        (a.clone(), "demo-a", "demo-back"),
-    ] {
+    for (client, name, region) in [(a.clone(), "demo-a", "demo-src"), (b.clone(), "demo-b", "demo-dst"), (a.clone(), "demo-a", "demo-back")]
+    {
         let algo = ChecksumAlgo::Xxh3;
-        let sum = client
-            .checksum(region, 0, size, algo)
-            .await
-            .with_context(|| format!("checksum of {name}:{region}"))?;
+        let sum = client.checksum(region, 0, size, algo).await.with_context(|| format!("checksum of {name}:{region}"))?;
         sums.push((format!("{name}:{region}"), sum, algo.as_str()));
     }
     let first = sums[0].1;
-    let listing: Vec<String> = sums
-        .iter()
-        .map(|(what, v, algo)| format!("{what}={algo}:{v:016x}"))
-        .collect();
+    let listing: Vec<String> = sums.iter().map(|(what, v, algo)| format!("{what}={algo}:{v:016x}")).collect();
     if sums.iter().any(|(_, v, _)| *v != first) {
-        return Err(
-            Failure::VerifyMismatch(format!("checksums differ: {}", listing.join(" "))).into(),
-        );
+        return Err(Failure::VerifyMismatch(format!("checksums differ: {}", listing.join(" "))).into());
     }
     report.line(&format!("checksums match: {}", listing.join(" ")));
-    report
-        .steps
-        .push(json!({"step": "checksum", "value": format!("{first:016x}")}));
+    report.steps.push(json!({"step": "checksum", "value": format!("{first:016x}")}));
 
-    for (client, name, region) in [
-        (&b, "demo-b", "demo-dst"),
-        (&a, "demo-a", "demo-back"),
-    ] {
+    for (client, name, region) in [(&b, "demo-b", "demo-dst"), (&a, "demo-a", "demo-back")] {
         let started = Instant::now();
-        let back = client
-            .get(region, 0, size)
-            .await
-            .with_context(|| format!("reading back {name}:{region}"))?;
+        let back = client.get(region, 0, size).await.with_context(|| format!("reading back {name}:{region}"))?;
         let secs = started.elapsed().as_secs_f64();
         if let Some(i) = first_difference(&data, &back) {
-            return Err(Failure::VerifyMismatch(format!(
-                "{name}:{region} differs from the data written, first at byte {i}"
-            ))
-            .into());
+            return Err(Failure::VerifyMismatch(format!("{name}:{region} differs from the data written, first at byte {i}")).into());
         }
-        report.rate(
-            "get",
-            &format!("read back {name}:{region}, bytes match"),
-            back.len() as u64,
-            secs,
-        );
+        report.rate("get", &format!("read back {name}:{region}, bytes match"), back.len() as u64, secs);
     }
     report.line("demo OK");
     Ok(())
@@ -310,9 +230,7 @@ pub fn find_agent(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
         }
         anyhow::bail!("agent binary {} does not exist", p.display());
     }
-    let exe_dir = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(Path::to_path_buf));
+    let exe_dir = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf));
     if let Some(dir) = &exe_dir {
         let candidate = dir.join(AGENT_BIN);
         if candidate.is_file() {
@@ -336,14 +254,9 @@ pub fn find_agent(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
 /// Distinct free loopback ports: all are bound at once, then released. Another process could
 /// take one before the agent binds it; the agent then fails to start and says so.
 pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
-    let listeners = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .context("finding free loopback ports")?;
-    listeners
-        .iter()
-        .map(|l| Ok(l.local_addr()?.port()))
-        .collect()
+    let listeners =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<Vec<_>, _>>().context("finding free loopback ports")?;
+    listeners.iter().map(|l| Ok(l.local_addr()?.port())).collect()
 }
 
 /// A child `xfer-agent` with its log file.
@@ -357,18 +270,11 @@ struct DemoAgent {
 }
 
 impl DemoAgent {
-    fn spawn(
-        bin: &Path,
-        name: &str,
-        [grpc, metrics, data]: [u16; 3],
-        tmp: &Path,
-        extra: &[String],
-    ) -> anyhow::Result<Self> {
+    fn spawn(bin: &Path, name: &str, [grpc, metrics, data]: [u16; 3], tmp: &Path, extra: &[String]) -> anyhow::Result<Self> {
         let state = tmp.join(name);
         std::fs::create_dir_all(&state).with_context(|| format!("creating {}", state.display()))?;
         let log = tmp.join(format!("{name}.log"));
-        let out =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone().context("duplicating the log file handle")?;
         let addr = format!("127.0.0.1:{grpc}");
         let child = Command::new(bin)
@@ -392,30 +298,16 @@ impl DemoAgent {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {} for {name}", bin.display()))?;
-        Ok(DemoAgent {
-            name: name.to_string(),
-            addr,
-            pid: child.id(),
-            child,
-            log,
-            stopped: false,
-        })
+        Ok(DemoAgent { name: name.to_string(), addr, pid: child.id(), child, log, stopped: false })
     }
 
     /// Polls `GetInfo` until it answers; fails early if the agent exits.
     async fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<(Client, String)> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(status) = self
-                .child
-                .try_wait()
-                .context("checking the agent process")?
-            {
+            if let Some(status) = self.child.try_wait().context("checking the agent process")? {
                 self.stopped = true;
-                anyhow::bail!(
-                    "{} exited during startup ({status}); see its log above",
-                    self.name
-                );
+                anyhow::bail!("{} exited during startup ({status}); see its log above", self.name);
             }
             let last_error = match client::connect(&self.addr).await {
                 Ok(client) => match client.info().await {
@@ -445,18 +337,12 @@ impl DemoAgent {
             return;
         }
         if let Some(pid) = self.pid.and_then(|p| i32::try_from(p).ok()) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGTERM,
-            );
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM);
         }
         match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
             Ok(_) => {}
             Err(_) => {
-                eprintln!(
-                    "{} did not exit within {STOP_GRACE:?} of SIGTERM; killing it",
-                    self.name
-                );
+                eprintln!("{} did not exit within {STOP_GRACE:?} of SIGTERM; killing it", self.name);
                 let _ = self.child.kill().await;
             }
         }

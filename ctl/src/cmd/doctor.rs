@@ -56,12 +56,7 @@ pub struct Check {
 }
 
 fn check(name: &str, verdict: Verdict, detail: impl Into<String>, fix: Option<&str>) -> Check {
-    Check {
-        name: name.to_string(),
-        verdict,
-        detail: detail.into(),
-        fix: fix.map(str::to_string),
-    }
+    Check { name: name.to_string(), verdict, detail: detail.into(), fix: fix.map(str::to_string) }
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
@@ -83,16 +78,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     match &info {
         Some(info) => checks.extend(agent_checks(info, &ctx.agent)),
         None => {
-            let line = connect_error
-                .as_ref()
-                .map(|e| crate::error::report(e).1)
-                .unwrap_or_default();
-            checks.push(check(
-                "agent",
-                Verdict::Fail,
-                line,
-                Some("start xfer-agent, or point --agent / $XFER_AGENT at it"),
-            ));
+            let line = connect_error.as_ref().map(|e| crate::error::report(e).1).unwrap_or_default();
+            checks.push(check("agent", Verdict::Fail, line, Some("start xfer-agent, or point --agent / $XFER_AGENT at it")));
         }
     }
     let local = opt.local || is_local(&ctx.agent, info.as_ref());
@@ -102,21 +89,12 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         checks.push(check(
             "host",
             Verdict::Info,
-            format!(
-                "agent {} is not on this host: host checks skipped (use --local to force)",
-                ctx.agent
-            ),
+            format!("agent {} is not on this host: host checks skipped (use --local to force)", ctx.agent),
             None,
         ));
     }
-    let rxe = info
-        .as_ref()
-        .map(|i| i.devices.iter().any(|d| d.name.starts_with("rxe")))
-        .unwrap_or(false)
-        || (local
-            && list_devices(&opt.sysfs)
-                .iter()
-                .any(|d| d.starts_with("rxe")));
+    let rxe = info.as_ref().map(|i| i.devices.iter().any(|d| d.name.starts_with("rxe"))).unwrap_or(false)
+        || (local && list_devices(&opt.sysfs).iter().any(|d| d.starts_with("rxe")));
     checks.push(check(
         "grant mode",
         if rxe { Verdict::Warn } else { Verdict::Info },
@@ -152,12 +130,7 @@ pub fn render(checks: &[Check]) -> String {
     let width = checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
     let mut out = String::new();
     for c in checks {
-        out.push_str(&format!(
-            "{:<5} {:<width$}  {}",
-            c.verdict.to_string(),
-            c.name,
-            c.detail
-        ));
+        out.push_str(&format!("{:<5} {:<width$}  {}", c.verdict.to_string(), c.name, c.detail));
         if let Some(fix) = &c.fix {
             if c.verdict != Verdict::Ok {
                 out.push_str(&format!(" — fix: {fix}"));
@@ -182,23 +155,13 @@ fn is_local(agent: &str, info: Option<&AgentInfo>) -> bool {
             return true;
         }
     }
-    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default();
     !hostname.is_empty() && (host == hostname || info.is_some_and(|i| i.node_name == hostname))
 }
 
 /// Checks from the agent's own view (`GetInfo`).
 pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
-    let mut out = vec![check(
-        "agent",
-        Verdict::Ok,
-        format!(
-            "{addr} answers: node {}, version {}",
-            info.node_name, info.version
-        ),
-        None,
-    )];
+    let mut out = vec![check("agent", Verdict::Ok, format!("{addr} answers: node {}, version {}", info.node_name, info.version), None)];
     let verbs = info.fabric == Fabric::Verbs;
     out.push(if verbs {
         check("fabric", Verdict::Ok, format!("verbs ({})", info.fabric_reason), None)
@@ -247,18 +210,12 @@ pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
                 detail,
                 Some("port is not ACTIVE: bring its netdev up (ip link set DEV up) / check the cable and subnet manager"),
             ),
-            (true, false) => check(
-                &name,
-                Verdict::Fail,
-                detail,
-                Some("no usable GID: give the netdev an IP address so a RoCEv2 GID appears"),
-            ),
-            (true, true) if d.active_mtu != 0 && d.active_mtu < 1024 => check(
-                &name,
-                Verdict::Warn,
-                detail,
-                Some("small active MTU: raise the netdev MTU (RoCE uses the largest IB MTU that fits)"),
-            ),
+            (true, false) => {
+                check(&name, Verdict::Fail, detail, Some("no usable GID: give the netdev an IP address so a RoCEv2 GID appears"))
+            }
+            (true, true) if d.active_mtu != 0 && d.active_mtu < 1024 => {
+                check(&name, Verdict::Warn, detail, Some("small active MTU: raise the netdev MTU (RoCE uses the largest IB MTU that fits)"))
+            }
             _ => check(&name, Verdict::Ok, detail, None),
         });
     }
@@ -268,9 +225,7 @@ pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
 /// Checks of this host: limits and capabilities of this shell, RDMA devices in sysfs.
 pub fn host_checks(sysfs: &Path) -> Vec<Check> {
     let mut out = Vec::new();
-    let cap = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| cap_ipc_lock(&s));
+    let cap = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| cap_ipc_lock(&s));
     match nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK) {
         Ok((soft, hard)) => {
             // rlim_t is u64 on Linux; RLIM_INFINITY is u64::MAX, which limit_bytes shows as "unlimited".
@@ -286,12 +241,7 @@ pub fn host_checks(sysfs: &Path) -> Vec<Check> {
                 Some("`ulimit -l unlimited` before starting the agent (or LimitMEMLOCK=infinity in its unit); at least 64 MiB plus all registered bytes"),
             ));
         }
-        Err(e) => out.push(check(
-            "host memlock",
-            Verdict::Warn,
-            format!("getrlimit failed: {e}"),
-            None,
-        )),
+        Err(e) => out.push(check("host memlock", Verdict::Warn, format!("getrlimit failed: {e}"), None)),
     }
     out.push(match cap {
         Some(true) => check("host CAP_IPC_LOCK", Verdict::Ok, "this shell has CAP_IPC_LOCK", None),
@@ -316,10 +266,7 @@ pub fn host_checks(sysfs: &Path) -> Vec<Check> {
     }
     out.push(check("host devices", Verdict::Ok, devices.join(", "), None));
     let uverbs = std::fs::read_dir("/dev/infiniband")
-        .map(|rd| {
-            rd.filter_map(Result::ok)
-                .any(|e| e.file_name().to_string_lossy().starts_with("uverbs"))
-        })
+        .map(|rd| rd.filter_map(Result::ok).any(|e| e.file_name().to_string_lossy().starts_with("uverbs")))
         .unwrap_or(false);
     out.push(if uverbs {
         check("host /dev/infiniband", Verdict::Ok, "uverbs device nodes present", None)
@@ -342,11 +289,7 @@ pub fn host_checks(sysfs: &Path) -> Vec<Check> {
 /// Device names under the sysfs class directory, sorted.
 pub fn list_devices(sysfs: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(sysfs)
-        .map(|rd| {
-            rd.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
+        .map(|rd| rd.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
     names.sort();
     names
@@ -364,24 +307,14 @@ pub struct PortStatus {
 }
 
 pub fn scan_ports(dev_dir: &Path) -> Vec<PortStatus> {
-    let read = |p: &Path| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_string())
-            .ok()
-    };
+    let read = |p: &Path| std::fs::read_to_string(p).map(|s| s.trim().to_string()).ok();
     let mut ports: Vec<PortStatus> = std::fs::read_dir(dev_dir.join("ports"))
-        .map(|rd| {
-            rd.filter_map(Result::ok)
-                .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-                .collect::<Vec<_>>()
-        })
+        .map(|rd| rd.filter_map(Result::ok).filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok()).collect::<Vec<_>>())
         .unwrap_or_default()
         .into_iter()
         .map(|port| {
             let dir = dev_dir.join("ports").join(port.to_string());
-            let state = read(&dir.join("state"))
-                .map(|s| port_state(&s))
-                .unwrap_or_else(|| "UNKNOWN".into());
+            let state = read(&dir.join("state")).map(|s| port_state(&s)).unwrap_or_else(|| "UNKNOWN".into());
             let link_layer = read(&dir.join("link_layer")).unwrap_or_default();
             let mut gids = Vec::new();
             if let Ok(rd) = std::fs::read_dir(dir.join("gids")) {
@@ -394,22 +327,15 @@ pub fn scan_ports(dev_dir: &Path) -> Vec<PortStatus> {
                         continue;
                     }
                     // Reading the type of an unused entry fails with EINVAL: skip it.
-                    let Some(ty) = read(&dir.join("gid_attrs/types").join(index.to_string()))
-                    else {
+                    let Some(ty) = read(&dir.join("gid_attrs/types").join(index.to_string())) else {
                         continue;
                     };
-                    let ndev = read(&dir.join("gid_attrs/ndevs").join(index.to_string()))
-                        .unwrap_or_default();
+                    let ndev = read(&dir.join("gid_attrs/ndevs").join(index.to_string())).unwrap_or_default();
                     gids.push((index, ty, ndev));
                 }
             }
             gids.sort();
-            PortStatus {
-                port,
-                state,
-                link_layer,
-                gids,
-            }
+            PortStatus { port, state, link_layer, gids }
         })
         .collect();
     ports.sort_by_key(|p| p.port);
@@ -418,16 +344,9 @@ pub fn scan_ports(dev_dir: &Path) -> Vec<PortStatus> {
 
 fn port_check(dev: &str, p: &PortStatus) -> Check {
     let name = format!("host {dev}/{}", p.port);
-    let roce_v2: Vec<&(u32, String, String)> = p
-        .gids
-        .iter()
-        .filter(|(_, ty, _)| ty.eq_ignore_ascii_case("RoCE v2"))
-        .collect();
+    let roce_v2: Vec<&(u32, String, String)> = p.gids.iter().filter(|(_, ty, _)| ty.eq_ignore_ascii_case("RoCE v2")).collect();
     let gid_summary = match roce_v2.first() {
-        Some((i, _, ndev)) => format!(
-            "{} GIDs, first RoCE v2 GID index {i} on {ndev}",
-            p.gids.len()
-        ),
+        Some((i, _, ndev)) => format!("{} GIDs, first RoCE v2 GID index {i} on {ndev}", p.gids.len()),
         None => format!("{} GIDs, none RoCE v2", p.gids.len()),
     };
     let detail = format!("{} {}, {gid_summary}", p.state, p.link_layer);
@@ -440,23 +359,14 @@ fn port_check(dev: &str, p: &PortStatus) -> Check {
         );
     }
     if p.link_layer.eq_ignore_ascii_case("Ethernet") && roce_v2.is_empty() {
-        return check(
-            &name,
-            Verdict::Fail,
-            detail,
-            Some("no RoCE v2 GID: assign an IPv4/IPv6 address to the port's netdev"),
-        );
+        return check(&name, Verdict::Fail, detail, Some("no RoCE v2 GID: assign an IPv4/IPv6 address to the port's netdev"));
     }
     check(&name, Verdict::Ok, detail, None)
 }
 
 /// `4: ACTIVE` → `ACTIVE`.
 pub fn port_state(raw: &str) -> String {
-    raw.split_once(':')
-        .map(|(_, s)| s)
-        .unwrap_or(raw)
-        .trim()
-        .to_string()
+    raw.split_once(':').map(|(_, s)| s).unwrap_or(raw).trim().to_string()
 }
 
 fn is_zero_gid(gid: &str) -> bool {
@@ -505,22 +415,13 @@ mod tests {
         let port = dir.path().join("rxe0/ports/1");
         write(&port.join("state"), "4: ACTIVE\n");
         write(&port.join("link_layer"), "Ethernet\n");
-        write(
-            &port.join("gids/0"),
-            "fe80:0000:0000:0000:0000:0000:0000:0001\n",
-        );
+        write(&port.join("gids/0"), "fe80:0000:0000:0000:0000:0000:0000:0001\n");
         write(&port.join("gid_attrs/types/0"), "IB/RoCE v1\n");
         write(&port.join("gid_attrs/ndevs/0"), "eth0\n");
-        write(
-            &port.join("gids/1"),
-            "0000:0000:0000:0000:0000:ffff:0a00:0001\n",
-        );
+        write(&port.join("gids/1"), "0000:0000:0000:0000:0000:ffff:0a00:0001\n");
         write(&port.join("gid_attrs/types/1"), "RoCE v2\n");
         write(&port.join("gid_attrs/ndevs/1"), "eth0\n");
-        write(
-            &port.join("gids/2"),
-            "0000:0000:0000:0000:0000:0000:0000:0000\n",
-        );
+        write(&port.join("gids/2"), "0000:0000:0000:0000:0000:0000:0000:0000\n");
         let down = dir.path().join("mlx5_0/ports/1");
         write(&down.join("state"), "1: DOWN\n");
         write(&down.join("link_layer"), "Ethernet\n");
@@ -529,13 +430,7 @@ mod tests {
         let ports = scan_ports(&dir.path().join("rxe0"));
         assert_eq!(ports.len(), 1);
         assert_eq!(ports[0].state, "ACTIVE");
-        assert_eq!(
-            ports[0].gids,
-            [
-                (0, "IB/RoCE v1".to_string(), "eth0".to_string()),
-                (1, "RoCE v2".to_string(), "eth0".to_string())
-            ]
-        );
+        assert_eq!(ports[0].gids, [(0, "IB/RoCE v1".to_string(), "eth0".to_string()), (1, "RoCE v2".to_string(), "eth0".to_string())]);
         let ok = port_check("rxe0", &ports[0]);
         assert_eq!(ok.verdict, Verdict::Ok, "{ok:?}");
         assert!(ok.detail.contains("RoCE v2 GID index 1 on eth0"));
@@ -555,12 +450,7 @@ mod tests {
         let info = AgentInfo {
             node_name: "n1".into(),
             fabric: Fabric::Verbs,
-            limits: Some(Limits {
-                memlock_soft: 8 << 20,
-                memlock_hard: 8 << 20,
-                cap_ipc_lock: false,
-                ..Default::default()
-            }),
+            limits: Some(Limits { memlock_soft: 8 << 20, memlock_hard: 8 << 20, cap_ipc_lock: false, ..Default::default() }),
             devices: vec![Device {
                 name: "rxe0".into(),
                 port: 1,
@@ -583,10 +473,7 @@ mod tests {
         fine.limits.as_mut().unwrap().cap_ipc_lock = true;
         fine.devices[0].selected_gid_index = Some(1);
         let checks = agent_checks(&fine, "h:1");
-        assert!(
-            checks.iter().all(|c| c.verdict == Verdict::Ok),
-            "{checks:?}"
-        );
+        assert!(checks.iter().all(|c| c.verdict == Verdict::Ok), "{checks:?}");
         let text = render(&checks);
         assert!(text.lines().all(|l| l.starts_with("OK ")), "{text}");
     }

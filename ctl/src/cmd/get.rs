@@ -35,12 +35,9 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         Some(len) => len,
         None => {
             let r = client.region(region).await.with_context(|| format!("getting region {region:?}"))?;
-            r.length.checked_sub(offset).with_context(|| {
-                format!(
-                    "offset {offset} is beyond the end of region {region:?} ({} bytes)",
-                    r.length
-                )
-            })?
+            r.length
+                .checked_sub(offset)
+                .with_context(|| format!("offset {offset} is beyond the end of region {region:?} ({} bytes)", r.length))?
         }
     };
     let to_stdout = opt.file.as_os_str() == "-";
@@ -49,12 +46,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let read = if to_stdout {
         read_region(&client, region, offset, len, tokio::io::stdout(), None).await?
     } else {
-        let file = tokio::fs::File::create(&opt.file)
-            .await
-            .with_context(|| format!("creating {display}"))?;
-        read_region(&client, region, offset, len, file, byte_bar(len, true))
-            .await
-            .with_context(|| format!("writing {display}"))?
+        let file = tokio::fs::File::create(&opt.file).await.with_context(|| format!("creating {display}"))?;
+        read_region(&client, region, offset, len, file, byte_bar(len, true)).await.with_context(|| format!("writing {display}"))?
     };
     let secs = started.elapsed().as_secs_f64();
     if ctx.json && !to_stdout {

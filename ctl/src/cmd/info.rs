@@ -28,42 +28,16 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
     kv("agent:", addr.to_string());
     kv("node:", info.node_name.clone());
     kv("version:", info.version.clone());
-    let reason = if info.fabric_reason.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", info.fabric_reason)
-    };
+    let reason = if info.fabric_reason.is_empty() { String::new() } else { format!(" ({})", info.fabric_reason) };
     kv("fabric:", format!("{}{reason}", info.fabric));
     if !info.data_address.is_empty() {
         kv("data address:", info.data_address.clone());
     }
-    kv(
-        "uptime:",
-        info.uptime
-            .map(human_duration)
-            .unwrap_or_else(|| "-".into()),
-    );
-    kv(
-        "regions:",
-        format!(
-            "{} ({} registered)",
-            info.regions,
-            format_bytes(info.registered_bytes)
-        ),
-    );
+    kv("uptime:", info.uptime.map(human_duration).unwrap_or_else(|| "-".into()));
+    kv("regions:", format!("{} ({} registered)", info.regions, format_bytes(info.registered_bytes)));
     if let Some(l) = &info.limits {
-        kv(
-            "memlock:",
-            format!(
-                "soft {} / hard {}",
-                limit_bytes(l.memlock_soft),
-                limit_bytes(l.memlock_hard)
-            ),
-        );
-        kv(
-            "CAP_IPC_LOCK:",
-            if l.cap_ipc_lock { "yes" } else { "no" }.into(),
-        );
+        kv("memlock:", format!("soft {} / hard {}", limit_bytes(l.memlock_soft), limit_bytes(l.memlock_hard)));
+        kv("CAP_IPC_LOCK:", if l.cap_ipc_lock { "yes" } else { "no" }.into());
         let max = |v: u64| {
             if v == 0 {
                 "-".to_string()
@@ -76,11 +50,7 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
             format!(
                 "max regions {}, max registered {}, max transfers {}",
                 max(u64::from(l.max_regions)),
-                if l.max_registered_bytes == 0 {
-                    "-".to_string()
-                } else {
-                    format_bytes(l.max_registered_bytes)
-                },
+                if l.max_registered_bytes == 0 { "-".to_string() } else { format_bytes(l.max_registered_bytes) },
                 max(u64::from(l.max_transfers)),
             ),
         );
@@ -102,18 +72,8 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
             d.selected_gid_index.map_or_else(|| "none".to_string(), |i| i.to_string())
         ));
         for g in &d.gids {
-            let mark = if d.selected_gid_index == Some(g.index) {
-                '*'
-            } else {
-                ' '
-            };
-            out.push_str(&format!(
-                "   {mark}gid[{}] {:<7} {:<10} {}\n",
-                g.index,
-                g.kind,
-                g.netdev,
-                gid_text(&g.raw)
-            ));
+            let mark = if d.selected_gid_index == Some(g.index) { '*' } else { ' ' };
+            out.push_str(&format!("   {mark}gid[{}] {:<7} {:<10} {}\n", g.index, g.kind, g.netdev, gid_text(&g.raw)));
         }
     }
     out
@@ -135,12 +95,7 @@ mod tests {
             version: "0.1.0".into(),
             fabric: Fabric::Tcp,
             fabric_reason: "no RDMA devices".into(),
-            limits: Some(Limits {
-                memlock_soft: u64::MAX,
-                memlock_hard: u64::MAX,
-                cap_ipc_lock: true,
-                ..Default::default()
-            }),
+            limits: Some(Limits { memlock_soft: u64::MAX, memlock_hard: u64::MAX, cap_ipc_lock: true, ..Default::default() }),
             uptime: Some(std::time::Duration::from_secs(3723)),
             devices: vec![Device {
                 name: "rxe0".into(),
@@ -156,35 +111,18 @@ mod tests {
                         kind: "RoCEv1".into(),
                         netdev: "eth0".into(),
                     },
-                    Gid {
-                        index: 1,
-                        raw,
-                        kind: "RoCEv2".into(),
-                        netdev: "eth0".into(),
-                    },
+                    Gid { index: 1, raw, kind: "RoCEv2".into(), netdev: "eth0".into() },
                 ],
                 ..Default::default()
             }],
             ..Default::default()
         };
         let text = render(&info, "h:7470");
-        assert!(
-            text.contains("fabric:           tcp (no RDMA devices)"),
-            "{text}"
-        );
+        assert!(text.contains("fabric:           tcp (no RDMA devices)"), "{text}");
         assert!(text.contains("soft unlimited / hard unlimited"), "{text}");
         assert!(text.contains("uptime:           1h 2m 3s"), "{text}");
-        assert!(
-            text.contains("rxe0 port 1: ACTIVE Ethernet MTU 1024"),
-            "{text}"
-        );
-        assert!(
-            text.contains("   gid[0] RoCEv1  eth0       fe80::1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("  *gid[1] RoCEv2  eth0       ::ffff:10.0.0.1 (10.0.0.1)"),
-            "{text}"
-        );
+        assert!(text.contains("rxe0 port 1: ACTIVE Ethernet MTU 1024"), "{text}");
+        assert!(text.contains("   gid[0] RoCEv1  eth0       fe80::1"), "{text}");
+        assert!(text.contains("  *gid[1] RoCEv2  eth0       ::ffff:10.0.0.1 (10.0.0.1)"), "{text}");
     }
 }

@@ -32,31 +32,11 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let started = Instant::now();
     let display = opt.file.display().to_string();
     let written = if opt.file.as_os_str() == "-" {
-        write_region(
-            &client,
-            &opt.dest.region,
-            opt.dest.offset,
-            tokio::io::stdin(),
-            None,
-        )
-        .await
+        write_region(&client, &opt.dest.region, opt.dest.offset, tokio::io::stdin(), None).await
     } else {
-        let file = tokio::fs::File::open(&opt.file)
-            .await
-            .with_context(|| format!("opening {display}"))?;
-        let len = file
-            .metadata()
-            .await
-            .with_context(|| format!("reading metadata of {display}"))?
-            .len();
-        write_region(
-            &client,
-            &opt.dest.region,
-            opt.dest.offset,
-            file,
-            byte_bar(len, true),
-        )
-        .await
+        let file = tokio::fs::File::open(&opt.file).await.with_context(|| format!("opening {display}"))?;
+        let len = file.metadata().await.with_context(|| format!("reading metadata of {display}"))?.len();
+        write_region(&client, &opt.dest.region, opt.dest.offset, file, byte_bar(len, true)).await
     }
     .with_context(|| format!("writing {display} to region {:?}", opt.dest.region))?;
     let secs = started.elapsed().as_secs_f64();
@@ -77,13 +57,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
 /// Returns the bytes the agent reports written.
 /// Streams everything `reader` yields into `region` at `offset` (through
 /// [`Client::put_reader`]), advancing `bar` as the bytes are read. Returns the bytes written.
-pub async fn write_region<R>(
-    client: &Client,
-    region: &str,
-    offset: u64,
-    reader: R,
-    bar: Option<ProgressBar>,
-) -> anyhow::Result<u64>
+pub async fn write_region<R>(client: &Client, region: &str, offset: u64, reader: R, bar: Option<ProgressBar>) -> anyhow::Result<u64>
 where
     R: AsyncRead + Unpin + Send + 'static,
 {

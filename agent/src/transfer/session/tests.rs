@@ -320,7 +320,8 @@ fn data_path_faults_fail_with_their_code_and_revoke() {
         let t = run(95, true, f.clone());
         assert_eq!(t.code(), Some(want), "{f:?}: {t:?}");
         assert!(t.releases.iter().all(|c| !c) || matches!(want, C::RegionPoisoned | C::ChecksumMismatch | C::VerifyFailed), "{f:?}: {t:?}");
-        let after_data = matches!(want, C::ChecksumMismatch | C::VerifyFailed) || f.checksum_fails || (f.file_shrank && f.dead_from.is_none());
+        let after_data =
+            matches!(want, C::ChecksumMismatch | C::VerifyFailed) || f.checksum_fails || (f.file_shrank && f.dead_from.is_none());
         let data_failed = !after_data;
         if data_failed {
             assert!(t.completes.is_empty(), "no Peer.Complete for data that did not land: {f:?}");
@@ -513,7 +514,10 @@ fn a_lent_machine_comes_back_and_the_session_moves_on() {
             s.handle(Event::LocalChecked(Ok(())));
             assert!(matches!(s.poll(), Some(Command::Release { clean: false })));
             assert!(matches!(s.poll(), Some(Command::Revoke)));
-            assert!(matches!(s.poll(), Some(Command::Finish(Err(f))) if f.code == FailureCode::Completion(WcStatus::RemAccessErr)), "the lent machine's fault is the transfer's");
+            assert!(
+                matches!(s.poll(), Some(Command::Finish(Err(f))) if f.code == FailureCode::Completion(WcStatus::RemAccessErr)),
+                "the lent machine's fault is the transfer's"
+            );
         } else {
             assert_eq!(s.bytes_done(), 40, "the cancel fed while lent was ignored");
             assert!(matches!(s.poll(), Some(Command::CheckLocal)));

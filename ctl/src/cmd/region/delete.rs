@@ -13,10 +13,7 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let client = ctx.client().await?;
-    client
-        .delete_region(&opt.name)
-        .await
-        .with_context(|| format!("deleting region {:?}", opt.name))?;
+    client.delete_region(&opt.name).await.with_context(|| format!("deleting region {:?}", opt.name))?;
     if ctx.json {
         ctx.print_json(&serde_json::json!({"deleted": opt.name}))
     } else {

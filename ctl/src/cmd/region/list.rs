@@ -16,15 +16,10 @@ pub struct Opt {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let client = ctx.client().await?;
-    let mut regions = client
-        .regions_matching(&opt.selector.into_iter().collect())
-        .await
-        .context("listing regions")?;
+    let mut regions = client.regions_matching(&opt.selector.into_iter().collect()).await.context("listing regions")?;
     regions.sort_by(|a, b| a.name.cmp(&b.name));
     if ctx.json {
-        ctx.print_json(&serde_json::Value::Array(
-            regions.iter().map(view::region_json).collect(),
-        ))
+        ctx.print_json(&serde_json::Value::Array(regions.iter().map(view::region_json).collect()))
     } else {
         ctx.print(&view::region_table(&regions))
     }
