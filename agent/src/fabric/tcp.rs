@@ -819,58 +819,76 @@ async fn handle_response(ctx: &QpCtx, rd: &mut BufReader<BoxRead>, h: &Header) -
         }
     };
     let Some(p) = matched else { return Ok(Some(WcStatus::GeneralErr)) };
+    // Every return below that does not complete the WR (a refusal, a bad answer, a payload cut
+    // short by `?`) puts it back at the head of the queue, so the stream's failure reports it.
+    let mut m = Matched { ctx, wr: p.wr, done: false };
+    let wr = &m.wr;
     match h.kind {
         // Only a signaled WR asks for an ACK; one for a silent WR is the target breaking the
         // protocol (the driver must never see a completion for a WR it did not signal).
-        Kind::Ack if matches!(p.wr.op, WrOp::Write | WrOp::Notify { .. }) && p.wr.signaled => {
-            ctx.complete(&p.wr, WcStatus::Success);
+        Kind::Ack if matches!(wr.op, WrOp::Write | WrOp::Notify { .. }) && wr.signaled => {
+            ctx.complete(m.done(), WcStatus::Success);
             Ok(None)
         }
-        Kind::ReadResp if p.wr.op == WrOp::Read && h.status == 0 => {
-            if h.len != p.wr.len {
-                put_back(ctx, p);
+        Kind::ReadResp if wr.op == WrOp::Read && h.status == 0 => {
+            if h.len != wr.len {
                 return Ok(Some(WcStatus::RemInvReqErr));
             }
-            let mem = p.wr.local.memory();
-            // A payload cut short (the target died or closed mid-answer) fails the stream with
-            // this WR back at the head of the queue, so it completes with the error.
+            let mem = wr.local.memory();
             if mem.can_shrink() {
                 // Through a buffer, so a truncated page faults in the agent (not EFAULT in the
                 // socket read), the stream stays in sync, and a poisoned region fails the WR.
-                let mut b = vec![0u8; p.wr.len as usize];
-                if let Err(e) = rd.read_exact(&mut b).await {
-                    put_back(ctx, p);
-                    return Err(e);
-                }
-                if mem.write_at(p.wr.local_offset, &b).is_err() {
-                    put_back(ctx, p);
+                let mut b = vec![0u8; wr.len as usize];
+                rd.read_exact(&mut b).await?;
+                if mem.write_at(wr.local_offset, &b).is_err() {
                     return Ok(Some(WcStatus::LocProtErr));
                 }
             } else {
-                if !mem.writable() || mem.check(p.wr.local_offset, p.wr.len as u64).is_err() {
-                    put_back(ctx, p);
+                if !mem.writable() || mem.check(wr.local_offset, wr.len as u64).is_err() {
                     return Ok(Some(WcStatus::LocProtErr));
                 }
                 // Straight into region memory: no bounce buffer.
-                if let Err(e) = mem.read_exact_into(rd, p.wr.local_offset, p.wr.len as usize).await {
-                    put_back(ctx, p);
-                    return Err(e);
-                }
+                mem.read_exact_into(rd, wr.local_offset, wr.len as usize).await?;
             }
-            if p.wr.signaled {
-                ctx.complete(&p.wr, WcStatus::Success);
+            let wr = m.done();
+            if wr.signaled {
+                ctx.complete(wr, WcStatus::Success);
             }
             Ok(None)
         }
         Kind::Nak | Kind::ReadResp => {
             let status = WcStatus::from_code(h.status as u32);
-            let status = if status.is_success() { WcStatus::RemInvReqErr } else { status };
-            put_back(ctx, p);
-            Ok(Some(status))
+            Ok(Some(if status.is_success() { WcStatus::RemInvReqErr } else { status }))
         }
-        _ => {
-            put_back(ctx, p);
-            Ok(Some(WcStatus::RemInvReqErr))
+        _ => Ok(Some(WcStatus::RemInvReqErr)),
+    }
+}
+
+/// The WR an answer was matched to, taken off the head of the queue. Dropped before
+/// [`Matched::done`] (any return that does not complete it), it goes back to the head, so `fail`
+/// reports it with the stream's error instead of losing its completion.
+struct Matched<'a> {
+    ctx: &'a QpCtx,
+    wr: WorkRequest,
+    done: bool,
+}
+
+impl Matched<'_> {
+    /// The answer was handled in full: the WR leaves the queue for good.
+    fn done(&mut self) -> &WorkRequest {
+        self.done = true;
+        &self.wr
+    }
+}
+
+impl Drop for Matched<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Error paths only: the queue takes its own copy (an Arc and a few words).
+        if let Ok(mut st) = self.ctx.state.lock() {
+            st.pending.push_front(Pending { wr: self.wr.clone() });
         }
     }
 }
@@ -911,13 +929,6 @@ where
 #[doc(hidden)]
 pub fn registration(memory: Arc<RegionMemory>, access: Access) -> Arc<dyn Registration> {
     Arc::new(TcpRegistration { memory, access })
-}
-
-/// Returns a matched WR to the head of the queue so `fail` reports it with the error status.
-fn put_back(ctx: &QpCtx, p: Pending) {
-    if let Ok(mut st) = ctx.state.lock() {
-        st.pending.push_front(p);
-    }
 }
 
 // ------------------------------------------------------------------ target side
@@ -1450,6 +1461,16 @@ mod tests {
         WorkRequest { wr_id, op, local: local.clone(), local_offset: 0, len, remote_addr: 0, remote_key: RemoteKey::Token(TOKEN), signaled }
     }
 
+    /// A QP whose stream is `ours` (the test holds the target's end), its completions and the
+    /// cancellation its connection's close fires.
+    fn qp_over(ours: tokio::io::DuplexStream) -> (TcpQp, mpsc::UnboundedReceiver<Completion>, CancellationToken) {
+        let (rd, wr) = tokio::io::split(ours);
+        let (sink, completions) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+        (qp, completions, cancel)
+    }
+
     fn connection() -> ConnectionId {
         ConnectionId::parse("test-conn").expect("valid id")
     }
@@ -1486,10 +1507,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn closing_a_connection_ends_a_writer_blocked_on_a_target_that_stopped_reading() {
         let (ours, mut theirs) = tokio::io::duplex(4096);
-        let (rd, wr) = tokio::io::split(ours);
-        let (sink, mut completions) = mpsc::unbounded_channel();
-        let cancel = CancellationToken::new();
-        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+        let (qp, mut completions, cancel) = qp_over(ours);
         let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
         let local = registration(memory, Access::ReadWrite);
         qp.tx.send(work(7, WrOp::Write, &local, LEN as u32, true)).expect("the writer is running");
@@ -1524,10 +1542,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_target_that_skips_an_asked_for_ack_fails_the_qp() {
         let (ours, mut theirs) = tokio::io::duplex(1 << 20);
-        let (rd, wr) = tokio::io::split(ours);
-        let (sink, mut completions) = mpsc::unbounded_channel();
-        let cancel = CancellationToken::new();
-        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+        let (qp, mut completions, cancel) = qp_over(ours);
         let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
         let local = registration(memory, Access::ReadWrite);
         for id in [1, 2] {
