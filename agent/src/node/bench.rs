@@ -111,6 +111,8 @@ const SINK_BUFFER: usize = 256 << 10;
 const SINK_ACCEPT_WITHIN: Duration = Duration::from_secs(10);
 /// A sink closes after this, whatever its state.
 const SINK_LIFETIME: Duration = Duration::from_secs(120);
+/// The longest a sink can take bytes: the baseline's senders give up after this.
+const SINK_SPAN: Duration = SINK_ACCEPT_WITHIN.saturating_add(SINK_LIFETIME);
 /// Largest TCP baseline send buffer.
 const BASELINE_MAX_BLOCK: u64 = 16 << 20;
 /// A benchmark's scratch region on the target is reaped after this at the latest.
@@ -661,9 +663,9 @@ impl Node {
             }
             Ok::<u64, TransferError>(total)
         };
-        let total = tokio::time::timeout(SINK_ACCEPT_WITHIN + SINK_LIFETIME, collect)
+        let total = tokio::time::timeout(SINK_SPAN, collect)
             .await
-            .map_err(|_| unreachable(format!("the sink took no more bytes within {:?}", SINK_ACCEPT_WITHIN + SINK_LIFETIME)))??;
+            .map_err(|_| unreachable(format!("the sink took no more bytes within {SINK_SPAN:?}")))??;
         Ok((total, t0.elapsed().as_secs_f64()))
     }
 }
