@@ -106,6 +106,11 @@ pub struct VerbsConfig {
     /// their work requests and polls their completion queues itself (no tokio wake-up per
     /// completion). `false`: each batch's own tokio task drives it.
     pub worker: bool,
+    /// The CPUs the worker thread is pinned to: `auto` (the device's NUMA node, within the
+    /// CPUs this process may run on; unpinned if the device names no node), `off`, or a CPU
+    /// list (`3`, `8-15`). On Soft-RoCE one CPU keeps each QP's packets in order, which READs
+    /// need (see [`crate::cpus`]).
+    pub worker_cpu: crate::cpus::WorkerCpu,
     /// Largest READ work request: longer READ chunks (a `--chunk` above it, a benchmark's large
     /// messages) are posted as several READs of at most this many bytes.
     pub max_read_wr: ByteSize,
@@ -449,6 +454,7 @@ impl Default for VerbsConfig {
             busy_poll: false,
             poll_spin: HumanDuration(Duration::from_micros(50)),
             worker: true,
+            worker_cpu: crate::cpus::WorkerCpu::Auto,
             max_read_wr: ByteSize(1 << 20),
             prebuilt: 2,
             max_rd_atomic: 0,
@@ -612,6 +618,11 @@ impl Config {
         })?;
         if !(4096..=crate::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {
             return Err(bad("verbs.max_read_wr", format!("must be between 4KiB and {}", ByteSize(crate::shape::MAX_CHUNK))));
+        }
+        if let crate::cpus::WorkerCpu::Cpus(_) = self.verbs.worker_cpu {
+            // Only CPUs this process may run on (its affinity mask, which a cpuset narrows).
+            let allowed = crate::cpus::allowed().map_err(|e| bad("verbs.worker_cpu", e))?;
+            crate::cpus::choose(&self.verbs.worker_cpu, &allowed, None).map_err(|e| bad("verbs.worker_cpu", e))?;
         }
         if self.verbs.gid_index < -1 {
             return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
@@ -905,6 +916,38 @@ mod tests {
         let flags = Overrides { node_name: Some("from-flag".into()), ..Default::default() };
         let c = Config::load(Some(&f), env, &flags).unwrap();
         assert_eq!(c.node_name, "from-flag");
+    }
+
+    #[test]
+    fn worker_cpu_is_auto_off_or_cpus_this_process_may_run_on() {
+        use crate::cpus::WorkerCpu;
+        let one = |c: usize| WorkerCpu::Cpus([c].into_iter().collect());
+        let env = |v: &str| vec![("XFER_VERBS__WORKER_CPU".to_string(), v.to_string())];
+        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().verbs.worker_cpu, WorkerCpu::Auto, "default");
+        assert_eq!(Config::load(None, env("off"), &Overrides::default()).unwrap().verbs.worker_cpu, WorkerCpu::Off);
+        let &cpu = crate::cpus::allowed().unwrap().last().unwrap();
+        assert_eq!(Config::load(None, env(&cpu.to_string()), &Overrides::default()).unwrap().verbs.worker_cpu, one(cpu));
+        // A file's integer, as TOML writes it, and the printed form loads back.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, format!("[verbs]\nworker_cpu = {cpu}\n")).unwrap();
+        let c = Config::load(Some(&f), vec![], &Overrides::default()).unwrap();
+        assert_eq!(c.verbs.worker_cpu, one(cpu));
+        assert!(c.to_toml().contains(&format!("worker_cpu = \"{cpu}\"")), "{}", c.to_toml());
+        // Not a setting, past the mask type, or a CPU outside this process's mask: refused,
+        // naming the key.
+        for v in ["fast", "-1", "1024", "3-1", ""] {
+            let e = Config::load(None, env(v), &Overrides::default()).unwrap_err();
+            assert!(e.to_string().contains("worker_cpu"), "{v}: {e}");
+        }
+        if !crate::cpus::allowed().unwrap().contains(&crate::cpus::MAX_CPU) {
+            let e = Config::load(None, env(&crate::cpus::MAX_CPU.to_string()), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.worker_cpu");
+            assert!(e.problem.contains("may run on"), "{e}");
+            // One CPU outside the mask spoils a list.
+            let e = Config::load(None, env(&format!("{cpu},{}", crate::cpus::MAX_CPU)), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.worker_cpu");
+        }
     }
 
     #[test]

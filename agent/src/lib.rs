@@ -16,11 +16,13 @@
 //! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
 //!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
+//! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
 #![forbid(unsafe_code)]
 
 pub mod app;
 pub mod checksum;
 pub mod config;
+pub mod cpus;
 pub mod fabric;
 pub mod grants;
 pub mod identity;

@@ -734,7 +734,7 @@ async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
     let dst = region(&b, "dst", LEN, Access::ReadWrite);
     let data = fill(&src, 3);
     let (conn, rx) = connect(&a, &b, 2, 16).await;
-    let worker: Worker<Held> = Worker::start("conformance-dp", Duration::ZERO, tokio::runtime::Handle::current()).unwrap();
+    let worker: Worker<Held> = Worker::start("conformance-dp", Duration::ZERO, tokio::runtime::Handle::current(), None).unwrap();
     let mut held = Held { conn: conn.clone(), rx };
     for (op, local, remote_op) in [(WrOp::Write, &src, RemoteOp::Write), (WrOp::Read, &back, RemoteOp::Read)] {
         let g = grant(&b, "dst", 0, LEN, remote_op, None).await;

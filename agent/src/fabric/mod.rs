@@ -523,6 +523,12 @@ pub trait Fabric: Send + Sync + 'static {
     fn grants_need_connection(&self) -> bool;
     fn info(&self) -> FabricInfo;
 
+    /// The device this fabric drives, by name (verbs); `None` for a fabric without one (tcp).
+    /// Cheap, unlike [`Fabric::info`], which queries the device.
+    fn device_name(&self) -> Option<&str> {
+        None
+    }
+
     /// Registers region memory. `access` is the region's ceiling for remote peers; local
     /// read access is implied, local write access whenever the memory is writable.
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError>;

@@ -97,11 +97,39 @@ impl Node {
         self.worker
             .get_or_init(|| {
                 let rt = tokio::runtime::Handle::try_current().ok()?;
-                Worker::start("xfer-data-path", self.config.verbs.poll_spin.0, rt)
+                Worker::start("xfer-data-path", self.config.verbs.poll_spin.0, rt, self.worker_cpu())
                     .map_err(|e| warn!(error = %e, "cannot start the data-path worker thread; batches run on their own tasks"))
                     .ok()
             })
             .as_ref()
+    }
+
+    /// The CPUs `verbs.worker_cpu` pins the data-path worker to (logged once, when the worker
+    /// starts). Configured CPUs were checked against the affinity mask when the configuration
+    /// loaded; if the mask changed since, or cannot be read, the worker runs unpinned.
+    fn worker_cpu(&self) -> Option<std::collections::BTreeSet<usize>> {
+        let setting = &self.config.verbs.worker_cpu;
+        let device = self.fabric.device_name().unwrap_or_default().to_string();
+        let local = crate::cpus::device_local(&device);
+        let chosen = crate::cpus::allowed().and_then(|allowed| crate::cpus::choose(setting, &allowed, local.as_ref()));
+        match chosen {
+            Ok(Some((cpus, why))) => {
+                info!(device = %device, "data-path worker pinned to CPUs {} ({why})", crate::cpus::format_cpulist(&cpus));
+                Some(cpus)
+            }
+            Ok(None) if *setting == crate::cpus::WorkerCpu::Off => {
+                info!("data-path worker not pinned (verbs.worker_cpu = off)");
+                None
+            }
+            Ok(None) => {
+                info!(device = %device, "data-path worker not pinned: the device names no NUMA node this process may run on");
+                None
+            }
+            Err(e) => {
+                warn!(error = %e, "the data-path worker runs unpinned");
+                None
+            }
+        }
     }
 
     /// Runs `job` to its end on the data-path worker, or on this task without one.

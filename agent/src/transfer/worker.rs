@@ -109,13 +109,24 @@ pub struct Worker<L: Leased = Lease> {
 }
 
 impl<L: Leased> Worker<L> {
-    /// Starts the thread `name`, which busy-polls for up to `spin` after each event. Dropped
-    /// leases are discarded inside `runtime`.
-    pub fn start(name: &str, spin: Duration, runtime: tokio::runtime::Handle) -> std::io::Result<Worker<L>> {
+    /// Starts the thread `name`, which busy-polls for up to `spin` after each event, pinned to
+    /// the CPUs `pin` if given (a thread that cannot be pinned runs unpinned, with a warning).
+    /// Dropped leases are discarded inside `runtime`.
+    pub fn start(
+        name: &str,
+        spin: Duration,
+        runtime: tokio::runtime::Handle,
+        pin: Option<std::collections::BTreeSet<usize>>,
+    ) -> std::io::Result<Worker<L>> {
         let (tx, rx) = mpsc::sync_channel::<Running<L>>(QUEUE);
         let park_cap = Arc::new(std::sync::atomic::AtomicU64::new(PARK_ARMED.as_micros() as u64));
         let cap = park_cap.clone();
         let join = std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            if let Some(cpus) = pin {
+                if let Err(e) = crate::cpus::pin_current_thread(&cpus) {
+                    tracing::warn!(error = %e, "the data-path worker runs unpinned");
+                }
+            }
             let _rt = runtime.enter();
             run(rx, spin, &cap);
         })?;

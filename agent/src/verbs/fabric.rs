@@ -240,6 +240,10 @@ impl Fabric for VerbsFabric {
         FabricKind::Verbs
     }
 
+    fn device_name(&self) -> Option<&str> {
+        Some(VerbsFabric::device_name(self))
+    }
+
     fn info(&self) -> FabricInfo {
         FabricInfo { kind: FabricKind::Verbs, devices: vec![self.dev.info()], data_address: None }
     }

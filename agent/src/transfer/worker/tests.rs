@@ -181,7 +181,7 @@ impl Drop for FakeLease {
 }
 
 fn worker(spin: Duration) -> Worker<FakeLease> {
-    let mut w = Worker::start("test-data-path", spin, tokio::runtime::Handle::current()).unwrap();
+    let mut w = Worker::start("test-data-path", spin, tokio::runtime::Handle::current(), None).unwrap();
     w.set_park_cap(Duration::from_secs(3600));
     w
 }
