@@ -109,8 +109,9 @@ impl Node {
     /// loaded; if the mask changed since, or cannot be read, the worker runs unpinned.
     fn worker_cpu(&self) -> Option<std::collections::BTreeSet<usize>> {
         let setting = &self.config.verbs.worker_cpu;
-        let device = self.fabric.device_name().unwrap_or_default().to_string();
-        let local = crate::cpus::device_local(&device);
+        let device = self.fabric.device_name().unwrap_or_default();
+        // Only `auto` asks the device for its NUMA node.
+        let local = if *setting == crate::cpus::WorkerCpu::Auto { crate::cpus::device_local(device) } else { None };
         let chosen = crate::cpus::allowed().and_then(|allowed| crate::cpus::choose(setting, &allowed, local.as_ref()));
         match chosen {
             Ok(Some((cpus, why))) => {
