@@ -187,6 +187,13 @@ pub struct LimitsConfig {
     /// close one that does not answer within as long again, with every stream on it (0 = never
     /// ping): what a vanished client held — a notification ring, a channel — is given back.
     pub grpc_keepalive: HumanDuration,
+    /// Negotiated connections kept for one peer identity, as responder and as initiator (an
+    /// initiator also stays under what the responder advertises).
+    pub max_connections_per_peer: usize,
+    /// The share (0 < f <= 1) of each global limit one authenticated identity may hold:
+    /// transfers and channels, `WatchInbound` subscriptions, regions, registered bytes and a
+    /// peer's inbound records. 1 turns shares off.
+    pub tenant_share: f64,
 }
 
 impl LimitsConfig {
@@ -482,6 +489,8 @@ impl Default for LimitsConfig {
             data_payload_timeout: HumanDuration(Duration::from_secs(30)),
             max_peers: 1024,
             grpc_keepalive: HumanDuration(Duration::from_secs(30)),
+            max_connections_per_peer: 256,
+            tenant_share: 0.5,
         }
     }
 }
@@ -649,10 +658,18 @@ impl Config {
             ("limits.max_pending_data_connections", self.limits.max_pending_data_connections),
             ("limits.max_grpc_connections", self.limits.max_grpc_connections),
             ("limits.max_peers", self.limits.max_peers),
+            ("limits.max_connections_per_peer", self.limits.max_connections_per_peer),
         ] {
             if v == 0 {
                 return Err(bad(key, "must be at least 1"));
             }
+        }
+        if self.limits.max_connections_per_peer > 4096 {
+            return Err(bad("limits.max_connections_per_peer", "must be at most 4096"));
+        }
+        let share = self.limits.tenant_share;
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(bad("limits.tenant_share", format!("must be a fraction in (0, 1], not {share}")));
         }
         for (key, v) in [
             ("limits.data_handshake_timeout", self.limits.data_handshake_timeout.0),

@@ -11,7 +11,9 @@
 //! * [`grants`] — grant table, expiry, revocation; the TCP fabric's access check.
 //! * [`transfer`] — transfer records, the sans-IO [`transfer::machine`] and its tokio driver.
 //! * [`peer_api`] — the calls made on a peer agent ([`peer_api::PeerApi`]), in domain types.
-//! * [`peers`] — connection pool per peer (lease, reuse, recreate).
+//! * [`peer_addr`] — peer addresses parsed into one canonical spelling.
+//! * [`peers`] — connection pool per peer identity (lease, reuse, recreate, bounds).
+//! * [`tenants`] — per-identity shares of the global limits.
 //! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
 //! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
 //!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
@@ -30,11 +32,13 @@ pub mod ids;
 pub mod metrics;
 pub mod node;
 pub mod notify;
+pub mod peer_addr;
 pub mod peer_api;
 pub mod peers;
 pub mod regions;
 pub mod service;
 pub mod shape;
+pub mod tenants;
 pub mod sys;
 pub mod transfer;
 pub mod verbs;

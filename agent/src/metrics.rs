@@ -40,6 +40,8 @@ pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
 pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
+pub const SHARE_REFUSED: &str = "xfer_tenant_share_refused_total";
+pub const PEER_ALIASES: &str = "xfer_peer_aliases";
 pub const LIMIT: &str = "xfer_limit";
 pub const ACCEPTED_CONNECTIONS: &str = "xfer_accepted_connections";
 pub const CATALOG_WRITE_FAILURES: &str = "xfer_catalog_write_failures_total";
@@ -183,6 +185,12 @@ pub fn describe() {
         Unit::Count,
         "Peer pool entries evicted (least recently used, with no connection leased) to stay within limits.max_peers."
     );
+    describe_counter!(
+        SHARE_REFUSED,
+        Unit::Count,
+        "Requests refused because their identity holds its share (limits.tenant_share) of a limit, by limit (transfers, regions, registered_bytes, watchers, inbound)."
+    );
+    describe_gauge!(PEER_ALIASES, Unit::Count, "Distinct spellings of peer addresses remembered by the peer pool (at most 4 x limits.max_peers).");
     describe_gauge!(
         LIMIT,
         Unit::Count,
@@ -459,4 +467,12 @@ pub fn peers(n: usize) {
 
 pub fn peer_evicted() {
     counter!(PEERS_EVICTED).increment(1);
+}
+
+pub fn share_refused(limit: &'static str) {
+    counter!(SHARE_REFUSED, "limit" => limit).increment(1);
+}
+
+pub fn peer_aliases(n: usize) {
+    gauge!(PEER_ALIASES).set(n as f64);
 }

@@ -70,6 +70,9 @@ pub struct HandshakeReply {
     pub instance_id: String,
     pub fabric: FabricKind,
     pub endpoints: Vec<Endpoint>,
+    /// What the responder keeps for this agent's identity (0 = no bound).
+    pub max_connections: u32,
+    pub max_streams: u32,
 }
 
 /// The `xfer-error` metadata value of a refusal because the named connection is unknown.
@@ -109,6 +112,10 @@ pub enum PeerError {
     Fabric { addr: String, source: FabricError },
     #[error("peer pool is full: {max} peers (limits.max_peers) are all in use; cannot add {addr}")]
     PoolFull { addr: String, max: usize },
+    #[error(transparent)]
+    InvalidAddress(#[from] crate::peer_addr::AddrError),
+    #[error("peer {addr}: {detail}")]
+    ConnectionLimit { addr: String, detail: String },
 }
 
 impl PeerError {
@@ -156,6 +163,18 @@ pub trait PeerApi: Send + Sync {
     async fn close_bench_region(&self, region: &str) -> Result<(), PeerError>;
     /// `Peer.Ping`: one round trip that does nothing (the connect benchmark's baseline).
     async fn ping(&self) -> Result<(), PeerError>;
+    /// The node name the peer's certificate proved on the last connection (mTLS); `None` in
+    /// plaintext or before any connection.
+    fn verified_identity(&self) -> Option<String> {
+        None
+    }
+    /// Whether the peer proves a node identity (mTLS): then the pool keys it on that name.
+    fn authenticates(&self) -> bool {
+        false
+    }
+    /// From now on a connection whose certificate names another node is refused (the address
+    /// was taken over by another agent: the pool must not send this peer's calls there).
+    fn pin_identity(&self, _name: &str) {}
 }
 
 /// Makes the [`PeerApi`] client for a peer address (`host:port`): the gRPC client in the agent

@@ -72,6 +72,9 @@ pub struct RegionSpec {
     pub labels: BTreeMap<String, String>,
     /// shm: use an object that already exists (never resized, never removed by the agent).
     pub adopt_existing: bool,
+    /// The creator's share of the per-identity limits (`crate::tenants`), held by the region
+    /// for as long as it exists.
+    pub shares: Option<Arc<crate::tenants::Permits>>,
 }
 
 impl RegionSpec {
@@ -88,6 +91,7 @@ impl RegionSpec {
             ttl: None,
             labels: BTreeMap::new(),
             adopt_existing: false,
+            shares: None,
         }
     }
 }
@@ -149,6 +153,8 @@ pub struct Region {
     in_use: AtomicU32,
     /// shm object created by the agent (unlinked on delete)
     created_object: bool,
+    /// The creator's share of the per-identity limits, given back when the region is dropped.
+    _shares: Option<Arc<crate::tenants::Permits>>,
 }
 
 impl Region {
@@ -251,6 +257,7 @@ impl CatalogEntry {
             ttl: None,
             labels: self.labels.clone(),
             adopt_existing: !self.created_object,
+            shares: None,
         }
     }
 }
@@ -686,6 +693,7 @@ impl RegionRegistry {
             registration,
             in_use: AtomicU32::new(0),
             created_object: opened.created_object,
+            _shares: spec.shares.clone(),
         }))
     }
 
@@ -1311,6 +1319,7 @@ mod tests {
             ttl: None,
             labels: BTreeMap::new(),
             adopt_existing: false,
+            shares: None,
         }
     }
 

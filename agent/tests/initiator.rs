@@ -72,6 +72,8 @@ impl PeerApi for LocalPeer {
             instance_id: self.target.instance_id().to_string(),
             fabric: self.target.fabric_kind(),
             endpoints,
+            max_connections: self.target.limits().max_connections_per_peer as u32,
+            max_streams: self.target.streams_per_peer() as u32,
         })
     }
 

@@ -199,7 +199,7 @@ impl Node {
         let _admin = self.admin_slot("Bench")?;
         let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
         let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
-        let peer = self.peers.peer(&p.peer)?;
+        let peer = self.peers.peer(&p.peer).await?;
         let scratch = peer.call(|| peer.client.open_bench_region(p.size)).await?;
         let res = self.bench_with(&peer, &scratch, &p, iters).await;
         if let Err(e) = peer.client.close_bench_region(&scratch).await {
@@ -327,7 +327,7 @@ impl Node {
         }
         let _admin = self.admin_slot("Bench")?;
         let iters = if p.iters == 0 { 5 } else { p.iters.min(10_000) };
-        let peer = self.peers.peer(&p.peer)?;
+        let peer = self.peers.peer(&p.peer).await?;
         let local = format!("xfer-bench-kv-{}", new_id());
         // Mapping and pinning a pool of gigabytes takes seconds: on the blocking pool, never on
         // a runtime thread (which would stall this agent's gRPC connections meanwhile).
@@ -459,7 +459,7 @@ impl Node {
         let _admin = self.admin_slot("Bench")?;
         let qps = crate::shape::or_default(p.qps, self.config.transfer.qps, crate::shape::qps)?;
         let depth = crate::shape::or_default(p.depth, self.config.transfer.depth, crate::shape::depth)?;
-        let peer = self.peers.peer(&p.peer)?;
+        let peer = self.peers.peer(&p.peer).await?;
         let before = rss_bytes();
         let mut held = Vec::with_capacity(p.connections as usize);
         let mut us = Vec::with_capacity(p.connections as usize);
@@ -626,7 +626,7 @@ impl Node {
         let _admin = self.admin_slot("TcpBaseline")?;
         let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
         let _memory = self.regions.reserve(block as u64, "the TCP baseline buffer")?;
-        let peer = self.peers.peer(peer_addr)?;
+        let peer = self.peers.peer(peer_addr).await?;
         let n = connections.clamp(1, 64);
         let sink = peer.call(|| peer.client.open_sink(n)).await?;
         let per = bytes.div_ceil(n as u64);

@@ -146,6 +146,12 @@ impl Node {
     /// Opens a channel: checks the ask, leases a connection and asks the peer's grant over the
     /// channel's range (one round trip), as a transfer does before its first byte.
     pub async fn open_channel(self: &Arc<Self>, p: ChannelParams) -> Result<Channel, TransferError> {
+        self.open_channel_as(p, &crate::tenants::Tenant::exempt()).await
+    }
+
+    /// `OpenChannel` on behalf of `owner`: the channel counts as a transfer against its share of
+    /// `limits.max_transfers` for its whole life.
+    pub async fn open_channel_as(self: &Arc<Self>, p: ChannelParams, owner: &crate::tenants::Tenant) -> Result<Channel, TransferError> {
         if self.draining.is_cancelled() {
             return Err(TransferError::ShuttingDown);
         }
@@ -154,7 +160,6 @@ impl Node {
                 "verify checks one contiguous range; on a channel, compare ranges with Agent.Checksum on both agents".into(),
             ));
         }
-        let slot = self.channel_slot(&p.remote_agent)?;
         let local = self.regions.acquire(&p.local_region)?;
         if p.op == Op::Read && !local.0.memory.writable() {
             return Err(TransferError::PermissionDenied(format!(
@@ -167,7 +172,8 @@ impl Node {
         let qps = shape::qps(p.options.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(p.options.depth.unwrap_or(t.depth))?;
         let timeout = p.options.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&p.remote_agent)?;
+        let peer = self.peers.peer(&p.remote_agent).await?;
+        let slot = self.channel_slot(&peer.key, owner)?;
         let remote_op = match p.op {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,

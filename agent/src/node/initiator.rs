@@ -18,10 +18,15 @@ impl Node {
     /// Validates a transfer, obtains the peer's grant and starts it. Bad input fails here with a
     /// clear error; failures after this point are reported in the transfer record.
     pub async fn submit(self: &Arc<Self>, req: TransferRequest) -> Result<TransferRecord, TransferError> {
+        self.submit_as(req, &crate::tenants::Tenant::exempt()).await
+    }
+
+    /// `SubmitTransfer` on behalf of `owner`: the transfer counts against its share of
+    /// `limits.max_transfers` until it ends.
+    pub async fn submit_as(self: &Arc<Self>, req: TransferRequest, owner: &crate::tenants::Tenant) -> Result<TransferRecord, TransferError> {
         if self.draining.is_cancelled() {
             return Err(TransferError::ShuttingDown);
         }
-        let slot = self.reserve_slot(&req.remote_agent)?;
         // In use from the lookup on (under the registry lock): a DeleteRegion meanwhile is
         // refused as busy instead of deleting a region this transfer is about to move bytes in.
         let local_use = self.regions.acquire(&req.local_region)?;
@@ -77,7 +82,8 @@ impl Node {
         let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
         let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&req.remote_agent)?;
+        let peer = self.peers.peer(&req.remote_agent).await?;
+        let slot = self.reserve_slot(&peer.key, owner)?;
         let remote_op = match req.op {
             Op::Write => RemoteOp::Write,
             Op::Read => RemoteOp::Read,
@@ -155,6 +161,8 @@ impl Node {
             inbound: false,
             segments,
             notify: req.notify.clone(),
+            peer_key: peer.key.to_string(),
+            owner: owner.clone(),
         };
         let handle = self.transfers.insert(record);
         // The id it was stored under (the registry never replaces a record).

@@ -3,17 +3,19 @@
 //! data path's knobs: the poll spin, the device's worker thread, the WR length.
 #[allow(unused_imports)]
 use super::*;
+use crate::peers::PeerKey;
+use crate::tenants::Tenant;
 
 /// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
 /// limit check until the transfer's record is in the registry (which then counts it).
 pub(super) struct SubmitSlot<'a> {
     node: &'a Node,
-    peer: String,
+    key: (String, Tenant),
 }
 
 impl Drop for SubmitSlot<'_> {
     fn drop(&mut self) {
-        self.node.release_slot(&self.peer);
+        self.node.release_slot(&self.key);
     }
 }
 
@@ -21,12 +23,12 @@ impl Drop for SubmitSlot<'_> {
 /// running transfer to its peer).
 pub(super) struct ChannelSlot {
     node: Arc<Node>,
-    peer: String,
+    key: (String, Tenant),
 }
 
 impl Drop for ChannelSlot {
     fn drop(&mut self) {
-        self.node.release_slot(&self.peer);
+        self.node.release_slot(&self.key);
     }
 }
 
@@ -35,46 +37,62 @@ impl Node {
         self.submitting.lock().map(|m| m.values().sum()).unwrap_or(0)
     }
 
-    /// Checks `limits.max_transfers` and `limits.max_transfers_per_peer` and holds a slot until
-    /// the transfer's record is inserted, so concurrent submits cannot overshoot.
-    pub(super) fn reserve_slot(&self, peer: &str) -> Result<SubmitSlot<'_>, TransferError> {
-        self.take_slot(peer)?;
-        Ok(SubmitSlot { node: self, peer: peer.to_string() })
+    /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
+    /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
+    /// inserted, so concurrent submits cannot overshoot.
+    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
+        let key = self.take_slot(peer, tenant)?;
+        Ok(SubmitSlot { node: self, key })
     }
 
     /// [`Node::reserve_slot`] for a channel's whole life.
-    pub(super) fn channel_slot(self: &Arc<Self>, peer: &str) -> Result<ChannelSlot, TransferError> {
-        self.take_slot(peer)?;
-        Ok(ChannelSlot { node: Arc::clone(self), peer: peer.to_string() })
+    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
+        let key = self.take_slot(peer, tenant)?;
+        Ok(ChannelSlot { node: Arc::clone(self), key })
     }
 
-    fn release_slot(&self, peer: &str) {
+    fn release_slot(&self, key: &(String, Tenant)) {
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(peer) {
+        if let Some(n) = m.get_mut(key) {
             *n -= 1;
             if *n == 0 {
-                m.remove(peer);
+                m.remove(key);
             }
         }
     }
 
-    fn take_slot(&self, peer: &str) -> Result<(), TransferError> {
+    fn take_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
         let limits = &self.config.limits;
+        let peer = peer.to_string();
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         let active = self.transfers.active(None);
         let total = active.len() + m.values().sum::<usize>();
         if total >= limits.max_transfers {
             return Err(TransferError::Limit(format!("max_transfers = {} ({total} running)", limits.max_transfers)));
         }
-        let to_peer = active.iter().filter(|h| h.record.borrow().remote_agent == peer).count() + m.get(peer).copied().unwrap_or(0);
+        let pending = |f: &dyn Fn(&(String, Tenant)) -> bool| m.iter().filter(|(k, _)| f(k)).map(|(_, n)| *n).sum::<usize>();
+        let to_peer = active.iter().filter(|h| h.record.borrow().peer_key == peer).count() + pending(&|k| k.0 == peer);
         if to_peer >= limits.max_transfers_per_peer {
             return Err(TransferError::Limit(format!(
                 "max_transfers_per_peer = {} ({to_peer} running to {peer})",
                 limits.max_transfers_per_peer
             )));
         }
-        *m.entry(peer.to_string()).or_insert(0) += 1;
-        Ok(())
+        if tenant.key().is_some() {
+            let cap = crate::tenants::share_of(limits.max_transfers as u64, limits.tenant_share) as usize;
+            let mine = active.iter().filter(|h| h.record.borrow().owner == *tenant).count() + pending(&|k| k.1 == *tenant);
+            if mine >= cap {
+                m::share_refused("transfers");
+                return Err(TransferError::Limit(format!(
+                    "{tenant} holds {mine} transfers and channels: its share ({cap} of max_transfers = {}, limits.tenant_share); \
+                     other identities keep the rest",
+                    limits.max_transfers
+                )));
+            }
+        }
+        let key = (peer, tenant.clone());
+        *m.entry(key.clone()).or_insert(0) += 1;
+        Ok(key)
     }
 
     /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.

@@ -6,6 +6,7 @@
 //! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
 //! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
 //! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
+//! * [`shares`] — the per-identity shares of regions, bytes and subscriptions;
 //! * [`channel`] — channels: one connection and one grant held, many batches posted;
 //! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
 use std::collections::HashMap;
@@ -41,6 +42,7 @@ mod channel;
 mod initiator;
 mod limits;
 mod responder;
+mod shares;
 
 pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
@@ -72,9 +74,12 @@ pub struct Node {
     accept_seq: std::sync::atomic::AtomicU64,
     /// Cancelled on SIGTERM: refuse new transfers.
     draining: CancellationToken,
-    /// Submits past the limit check that have not inserted their record yet, by peer address.
-    /// Counted with the active transfers so concurrent submits cannot overshoot the limits.
-    submitting: Mutex<HashMap<String, usize>>,
+    /// Submits past the limit check that have not inserted their record yet, and open
+    /// channels, by peer identity and owner. Counted with the active transfers so concurrent
+    /// submits cannot overshoot the limits.
+    submitting: Mutex<HashMap<(String, crate::tenants::Tenant), usize>>,
+    /// Per-identity shares of the region, registered-bytes and subscriber limits.
+    shares: shares::Shares,
     /// Background revocations of peer grants in flight; `drain` waits for them.
     pending_revokes: Arc<AtomicUsize>,
     /// Admin calls (`Bench`, `TcpBaseline`) run one at a time.
@@ -111,7 +116,13 @@ impl Node {
             },
             policy,
         );
-        let peers = PeerPool::new(fabric.clone(), config.node_name.clone(), connector, config.limits.max_peers);
+        let peers = PeerPool::new(
+            fabric.clone(),
+            config.node_name.clone(),
+            connector,
+            config.limits.max_peers,
+            config.limits.max_connections_per_peer,
+        );
         let ring_prefix = format!(
             "{}{:08x}.",
             crate::regions::PRIVATE_SHM_PREFIX,
@@ -120,6 +131,7 @@ impl Node {
             ) as u32
         );
         regions.sweep_private_shm(&ring_prefix);
+        let shares = shares::Shares::new(&config.limits);
         Arc::new(Node {
             ring_prefix,
             regions,
@@ -133,6 +145,7 @@ impl Node {
             accept_seq: std::sync::atomic::AtomicU64::new(0),
             draining: CancellationToken::new(),
             submitting: Mutex::new(HashMap::new()),
+            shares,
             pending_revokes: Arc::new(AtomicUsize::new(0)),
             admin_slot: Arc::new(tokio::sync::Semaphore::new(1)),
             sink_slot: Arc::new(tokio::sync::Semaphore::new(1)),
@@ -272,7 +285,7 @@ impl Node {
     /// `Agent.Connect`: a healthy pooled connection with `qps` QPs (0 = the configured default)
     /// to the agent at `addr`, made now if there is none; returns the peer's pool entry.
     pub async fn connect_peer(&self, addr: &str, qps: usize) -> Result<Arc<PeerEntry>, PeerError> {
-        let peer = self.peers.peer(addr)?;
+        let peer = self.peers.peer(addr).await?;
         let qps = if qps == 0 { self.config.transfer.qps } else { qps };
         self.peers.lease(&peer, qps, self.config.transfer.depth).await?.release(true);
         Ok(peer)

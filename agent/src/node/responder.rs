@@ -47,8 +47,6 @@ impl NotifyAsk {
 /// accepted (a sequence number: lower is older).
 pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 
-/// Most `WatchInbound` subscribers at once (each publication wakes every one).
-const MAX_SUBSCRIBERS: usize = 256;
 
 /// Slots of a notification ring unless the caller asks otherwise.
 const DEFAULT_RING_SLOTS: u32 = 1024;
@@ -134,10 +132,16 @@ async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), Transf
     }
 }
 
-/// Responder halves one peer identity may hold; connecting more evicts one of them.
-const MAX_CONNECTIONS_PER_PEER: usize = 256;
-
 impl Node {
+    /// Data streams (tcp) one peer identity may hold on this agent, as advertised in
+    /// `Peer.Connect` (0 = no bound of the fabric's own: verbs QPs are bounded by connections).
+    pub fn streams_per_peer(&self) -> usize {
+        match self.fabric.kind() {
+            FabricKind::Tcp => self.config.limits.max_data_connections_per_peer,
+            FabricKind::Verbs => 0,
+        }
+    }
+
     // ------------------------------------------------------------------ Peer side
 
     pub async fn accept_connection(
@@ -177,7 +181,7 @@ impl Node {
             // the oldest first: evicting one in use would revoke a running transfer's grants.
             let mut evicted = None;
             let from_peer = acc.values().filter(|v| v.0 == peer).count();
-            if from_peer >= MAX_CONNECTIONS_PER_PEER {
+            if from_peer >= self.config.limits.max_connections_per_peer {
                 let idle = acc
                     .iter()
                     .filter(|(k, v)| v.0 == peer && !self.grants.has_connection(k))
@@ -191,7 +195,7 @@ impl Node {
                             attr: "connections",
                             detail: format!(
                                 "{peer} already has {from_peer} connections to this agent, each with a live grant \
-                                 (limit {MAX_CONNECTIONS_PER_PEER} per peer)"
+                                 (limits.max_connections_per_peer = {})", self.config.limits.max_connections_per_peer
                             ),
                         });
                     }
@@ -203,7 +207,7 @@ impl Node {
         m::accepted_connections(total);
         if let Some((id, _)) = evicted {
             let n = self.grants.revoke_connection(&id);
-            warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limit {MAX_CONNECTIONS_PER_PEER} per peer)");
+            warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limits.max_connections_per_peer = {})", self.config.limits.max_connections_per_peer);
         }
         Ok(mine)
     }
@@ -380,8 +384,8 @@ impl Node {
         // Per region: a subscriber falls behind only by its own region's notifications.
         self.grants
             .hub()
-            .subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS)
-            .ok_or_else(|| TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already")))
+            .subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS)
+            .ok_or_else(|| TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS)))
     }
 
     /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the
@@ -413,9 +417,9 @@ impl Node {
             Err(e) => return Err(remove(format!("laying out notification ring {object}: {e}"))),
         };
         let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
-        let Some(slot) = self.grants.hub().add_ring(sub, MAX_SUBSCRIBERS) else {
+        let Some(slot) = self.grants.hub().add_ring(sub, super::shares::MAX_SUBSCRIBERS) else {
             self.regions.remove_private_shm(&object);
-            return Err(TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already")));
+            return Err(TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS)));
         };
         crate::metrics::inbound_rings(1);
         let path = self.regions.shm_path(&object);
@@ -541,8 +545,12 @@ impl Node {
             inbound: true,
             segments: 1,
             notify: g.notify.as_ref().map(|n| n.tag.clone()),
+            peer_key: peer.to_string(),
+            owner: crate::tenants::Tenant::exempt(),
         };
-        if self.inbound.insert_new(rec).is_none() {
+        // One peer keeps at most its share of the inbound history.
+        let share = crate::tenants::share_of(super::TRANSFER_HISTORY as u64, self.config.limits.tenant_share) as usize;
+        if self.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }

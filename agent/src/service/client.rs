@@ -1,11 +1,14 @@
 //! The agent's gRPC client to other agents: domain calls in, protobuf on the wire. Together with
 //! `service::mod` this is the only code that sees protobuf types.
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use xfer_proto::v1 as pb;
 
 use super::convert;
+use super::auth::Role;
 use super::tls::TlsMaterial;
 use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
@@ -14,6 +17,16 @@ use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerA
 pub struct PeerClient {
     addr: String,
     peer: pb::peer_client::PeerClient<Channel>,
+    /// Who answered at `addr` (mTLS only): the node name its certificate proved.
+    identity: Arc<Mutex<Identity>>,
+    tls: bool,
+}
+
+/// The node identity a TLS connection to a peer proved, and the one it must prove once pinned.
+#[derive(Debug, Default)]
+struct Identity {
+    seen: Option<String>,
+    pinned: Option<String>,
 }
 
 /// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).
@@ -22,27 +35,33 @@ const MAX_QP_RKEYS: usize = 256;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on any single peer RPC (the peer's work per call is small and local).
 const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// A peer that accepts TCP but stalls the TLS handshake fails within this.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl PeerClient {
     /// A lazily connecting client to the agent at `addr` (`host:port`); with `tls`, over mTLS
-    /// (https, the agent's certificate presented, the peer verified against the CA).
+    /// (the agent's certificate presented, the peer verified against the CA for the address' host
+    /// or `tls.server_name`, and its certificate's node name recorded: the pool keys peers on it).
     pub fn new(addr: &str, tls: Option<&TlsMaterial>) -> Result<PeerClient, PeerError> {
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        let mut ep = TonicEndpoint::from_shared(format!("{scheme}://{addr}")).map_err(|_| PeerError::BadAddress(addr.to_string()))?;
-        if let Some(t) = tls {
-            ep = ep.tls_config(t.client_config(addr)).map_err(|_| PeerError::BadAddress(addr.to_string()))?;
-        }
-        let ep = ep
+        let bad = || PeerError::BadAddress(addr.to_string());
+        let ep = TonicEndpoint::from_shared(format!("http://{addr}"))
+            .map_err(|_| bad())?
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(RPC_TIMEOUT)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(5));
-        let channel = ep.connect_lazy();
+        let identity = Arc::new(Mutex::new(Identity::default()));
+        let channel = match tls {
+            None => ep.connect_lazy(),
+            Some(t) => tls_channel(&ep, addr, t, identity.clone()).map_err(|_| bad())?,
+        };
         Ok(PeerClient {
             addr: addr.to_string(),
             // Agents call each other's Peer service only (their certificates have the node role).
             peer: pb::peer_client::PeerClient::new(channel).max_decoding_message_size(64 << 20),
+            identity,
+            tls: tls.is_some(),
         })
     }
 
@@ -74,8 +93,55 @@ impl PeerClient {
     }
 }
 
+/// The gRPC channel to a peer over mTLS, with the TLS handshake done here rather than by tonic so
+/// that the peer's verified certificate can be read: it must carry the node role, its name is
+/// recorded in `identity`, and once the pool pinned a name, a connection to any other node (the
+/// address now belongs to another agent) is refused before a request is sent on it.
+fn tls_channel(ep: &TonicEndpoint, addr: &str, tls: &TlsMaterial, identity: Arc<Mutex<Identity>>) -> Result<Channel, String> {
+    let mut cfg = (*tls.data.client).clone();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let data = tls.data.clone();
+    let server_name = data.server_name_for(addr)?;
+    let addr = addr.to_string();
+    Ok(ep.connect_with_connector_lazy(tower::service_fn(move |_: tonic::transport::Uri| {
+        let (connector, data, server_name, addr, identity) =
+            (connector.clone(), data.clone(), server_name.clone(), addr.clone(), identity.clone());
+        async move {
+            let tcp = tokio::net::TcpStream::connect(&addr).await?;
+            tcp.set_nodelay(true)?;
+            let stream = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, connector.connect(server_name, tcp))
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+            let caller = data.caller_of(stream.get_ref().1.peer_certificates()).map_err(std::io::Error::other)?;
+            if caller.role != Role::Node {
+                return Err(std::io::Error::other(format!("the agent at {addr} presented a {} certificate, not a node's", caller.role)));
+            }
+            let mut id = identity.lock().unwrap_or_else(|p| p.into_inner());
+            id.seen = Some(caller.name.clone());
+            if let Some(pinned) = id.pinned.as_ref().filter(|p| **p != caller.name) {
+                return Err(std::io::Error::other(format!("the agent at {addr} is now node {:?}, not {pinned:?}", caller.name)));
+            }
+            drop(id);
+            Ok::<_, std::io::Error>(TokioIo::new(stream))
+        }
+    })))
+}
+
 #[async_trait::async_trait]
 impl PeerApi for PeerClient {
+    fn verified_identity(&self) -> Option<String> {
+        self.identity.lock().unwrap_or_else(|p| p.into_inner()).seen.clone()
+    }
+
+    fn authenticates(&self) -> bool {
+        self.tls
+    }
+
+    fn pin_identity(&self, name: &str) {
+        self.identity.lock().unwrap_or_else(|p| p.into_inner()).pinned = Some(name.to_string());
+    }
+
     async fn handshake(
         &self,
         node_name: &str,
@@ -93,7 +159,14 @@ impl PeerApi for PeerClient {
         let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
         let endpoints = r.endpoints.iter().map(convert::endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(|e| self.bad(e))?;
         let fabric = convert::fabric_from_pb(r.fabric).ok_or_else(|| self.bad("unknown fabric kind"))?;
-        Ok(HandshakeReply { node_name: r.node_name, instance_id: r.instance_id, fabric, endpoints })
+        Ok(HandshakeReply {
+            node_name: r.node_name,
+            instance_id: r.instance_id,
+            fabric,
+            endpoints,
+            max_connections: r.max_connections,
+            max_streams: r.max_streams,
+        })
     }
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its

@@ -341,6 +341,7 @@ pub fn region_spec_from_pb(r: pb::CreateRegionRequest) -> Result<RegionSpec, Sta
         hugepages: r.hugepages,
         labels: r.labels.into_iter().collect(),
         adopt_existing: r.adopt_existing,
+        shares: None,
     })
 }
 
@@ -558,8 +559,8 @@ pub fn auth_status(e: super::auth::AuthError) -> Status {
 pub fn peer_status(e: PeerError) -> Status {
     let msg = e.to_string();
     match &e {
-        PeerError::BadAddress(_) => Status::invalid_argument(msg),
-        PeerError::PoolFull { .. } => Status::resource_exhausted(msg),
+        PeerError::BadAddress(_) | PeerError::InvalidAddress(_) => Status::invalid_argument(msg),
+        PeerError::PoolFull { .. } | PeerError::ConnectionLimit { .. } => Status::resource_exhausted(msg),
         PeerError::Unreachable { .. } => Status::unavailable(msg),
         PeerError::Protocol { .. } => Status::internal(msg),
         PeerError::Fabric { source, .. } => fabric_status_code(source, msg),

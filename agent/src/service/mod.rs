@@ -16,6 +16,7 @@ use xfer_proto::v1::peer_server::{Peer, PeerServer};
 
 use crate::node::{BenchParams, Node};
 use crate::regions::RegionError;
+use crate::tenants::Tenant;
 
 pub mod auth;
 pub mod client;
@@ -207,10 +208,12 @@ impl Agent for Services {
     }
 
     async fn create_region(&self, req: Request<pb::CreateRegionRequest>) -> Result<Response<pb::Region>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let spec = region_spec_from_pb(req.into_inner())?;
         let node = self.node.clone();
         // Mapping and registration can take long for big regions: keep them off the reactor.
-        let region = tokio::task::spawn_blocking(move || node.create_region(spec)).await.map_err(join_status)?.map_err(region_status)?;
+        let region =
+            tokio::task::spawn_blocking(move || node.create_region_as(spec, &tenant)).await.map_err(join_status)?.map_err(region_status)?;
         Ok(Response::new(region_to_pb(&region)))
     }
 
@@ -296,8 +299,9 @@ impl Agent for Services {
     }
 
     async fn submit_transfer(&self, req: Request<pb::SubmitTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let treq = transfer_request_from_pb(req.into_inner())?;
-        let rec = self.node.submit(treq).await.map_err(transfer_status)?;
+        let rec = self.node.submit_as(treq, &tenant).await.map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&rec)))
     }
 
@@ -324,6 +328,7 @@ impl Agent for Services {
     type OpenChannelStream = Stream2<pb::ChannelEvent>;
 
     async fn open_channel(&self, req: Request<Streaming<pb::ChannelRequest>>) -> Result<Response<Self::OpenChannelStream>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let mut inbound = req.into_inner();
         let open = match inbound.message().await? {
             Some(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(o)) }) => o,
@@ -331,7 +336,7 @@ impl Agent for Services {
             None => return Err(invalid("the channel stream ended before ChannelOpen")),
         };
         let params = channel_params_from_pb(open)?;
-        let channel = self.node.open_channel(params).await.map_err(transfer_status)?;
+        let channel = self.node.open_channel_as(params, &tenant).await.map_err(transfer_status)?;
         let opened = channel_opened_to_pb(channel.info());
         // Inputs are read by one task and served in order by another (the channel); answers
         // and a final status go out through `tx`. A bounded queue each way: a caller that posts
@@ -425,13 +430,16 @@ impl Agent for Services {
 
     async fn watch_inbound(&self, req: Request<pb::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
         use tokio::sync::broadcast::error::RecvError;
+        let tenant = Tenant::of(&caller_of(&req)?);
         let r = req.into_inner();
-        let rx = self.node.watch_inbound(&r.region, r.tag.as_deref()).map_err(transfer_status)?;
+        // The permit (the caller's share of the subscriptions) lives in the stream's state: it
+        // is given back when the stream ends or the caller goes away.
+        let (rx, permit) = self.node.watch_inbound_as(&r.region, r.tag.as_deref(), &tenant).map_err(transfer_status)?;
         let tag = r.tag;
-        let stream = futures::stream::unfold(Some(rx), move |rx| {
+        let stream = futures::stream::unfold(Some((rx, permit)), move |st| {
             let tag = tag.clone();
             async move {
-                let mut rx = rx?;
+                let (mut rx, permit) = st?;
                 loop {
                     match rx.recv().await {
                         Ok(n) => {
@@ -439,7 +447,7 @@ impl Agent for Services {
                             if tag.as_ref().is_some_and(|t| *t != n.tag) {
                                 continue;
                             }
-                            return Some((Ok(notification_to_pb(&n)), Some(rx)));
+                            return Some((Ok(notification_to_pb(&n)), Some((rx, permit))));
                         }
                         Err(RecvError::Lagged(k)) => return Some((Err(lagged_status(k)), None)),
                         Err(RecvError::Closed) => return None,
@@ -456,17 +464,18 @@ impl Agent for Services {
         &self,
         req: Request<pb::WatchInboundRingRequest>,
     ) -> Result<Response<Self::WatchInboundRingStream>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let r = req.into_inner();
-        let ring = self.node.watch_inbound_ring(&r.region, r.tag.as_deref(), r.slots).map_err(transfer_status)?;
+        let (ring, permit) = self.node.watch_inbound_ring_as(&r.region, r.tag.as_deref(), r.slots, &tenant).map_err(transfer_status)?;
         let first = inbound_ring_to_pb(&ring);
         info!(object = %ring.object, slots = ring.slots, "notification ring opened");
         // One message, then the stream stays open holding the ring: when the caller closes it
         // (or goes away), tonic drops the stream and with it the ring and its object. A ring the
         // agent can no longer write ends the stream with DATA_LOSS.
-        let stream = futures::stream::unfold(Some((ring, Some(first))), |st| async move {
-            let (ring, first) = st?;
+        let stream = futures::stream::unfold(Some(((ring, permit), Some(first))), |st| async move {
+            let ((ring, permit), first) = st?;
             match first {
-                Some(m) => Some((Ok(m), Some((ring, None)))),
+                Some(m) => Some((Ok(m), Some(((ring, permit), None)))),
                 None => {
                     let why = ring.failed().await;
                     warn!(object = %ring.object, "notification ring failed: {why}");
@@ -602,6 +611,8 @@ impl Peer for Services {
             fabric: fabric_to_pb(self.node.fabric_kind()) as i32,
             endpoints: mine.iter().map(endpoint_to_pb).collect(),
             instance_id: self.node.instance_id().to_string(),
+            max_connections: self.node.limits().max_connections_per_peer as u32,
+            max_streams: self.node.streams_per_peer() as u32,
         }))
     }
 

@@ -108,6 +108,11 @@ pub struct TransferRecord {
     pub segments: u64,
     /// The notification tag asked for.
     pub notify: Option<Vec<u8>>,
+    /// The peer's identity (its pool key; for an inbound record, its certificate name): what
+    /// `limits.max_transfers_per_peer` counts by, whatever spelling of its address was used.
+    pub peer_key: String,
+    /// Who submitted it (the share of `limits.max_transfers` it counts against).
+    pub owner: crate::tenants::Tenant,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -205,6 +210,24 @@ impl TransferRegistry {
         let mut g = self.lock();
         if g.by_id.contains_key(&record.id) {
             return None;
+        }
+        Some(Self::insert_locked(&mut g, record, self.history))
+    }
+
+    /// [`TransferRegistry::insert_new`], keeping at most `max` finished records that `same`
+    /// matches (one peer's inbound records): the oldest of them makes room, so one peer cannot
+    /// push every other peer's records out of the history.
+    pub fn insert_new_within(&self, record: TransferRecord, max: usize, same: impl Fn(&TransferRecord) -> bool) -> Option<Arc<TransferHandle>> {
+        let mut g = self.lock();
+        if g.by_id.contains_key(&record.id) {
+            return None;
+        }
+        let mine: Vec<String> =
+            g.order.iter().filter(|id| g.by_id.get(*id).is_some_and(|h| h.record.borrow().state.is_terminal() && same(&h.record.borrow()))).cloned().collect();
+        let excess = (mine.len() + 1).saturating_sub(max.max(1));
+        for id in mine.into_iter().take(excess) {
+            g.by_id.remove(&id);
+            g.order.retain(|o| *o != id);
         }
         Some(Self::insert_locked(&mut g, record, self.history))
     }

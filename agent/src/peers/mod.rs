@@ -20,30 +20,36 @@
 //! back-off. A dead peer therefore costs its callers about one connect timeout per window, and
 //! never touches transfers to other peers: each peer has its own entry, channel and connections.
 //!
+//! A peer is an identity, not a string ([`pool`]): an entry is keyed on the node name the peer's
+//! certificate proves (mTLS) or on its resolved socket address (plaintext), and every spelling of
+//! an address that reaches it shares that entry, its gRPC channel and its connections. The
+//! connections one entry holds (leased and idle) stay under `limits.max_connections_per_peer` and
+//! under what the peer advertised in `Peer.Connect` it keeps for this agent, so the responder
+//! never has to evict a connection this agent still counts on.
+//!
 //! The pool holds at most `limits.max_peers` entries (any client may name any address in
 //! `Agent.Connect` or a submit). A new address past the cap evicts the least recently used entry
 //! that nothing else holds (no transfer, lease or call in flight): its idle connections are closed
 //! and disconnected. When every entry is in use the new address is refused (RESOURCE_EXHAUSTED).
-use std::collections::HashMap;
+mod health;
+mod pool;
+
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{debug, info, warn};
 
-use crate::fabric::{Completion, Connection, Fabric, FabricError};
+use crate::fabric::{Completion, Connection};
 use crate::ids::ConnectionId;
 use crate::metrics as m;
-use crate::peer_api::{Connector, PeerApi, PeerError};
+use crate::peer_api::{PeerApi, PeerError};
+use health::Health;
+pub use health::{BACKOFF_AFTER, BACKOFF_BASE, BACKOFF_CAP};
+pub use pool::{PeerKey, PeerPool};
 
-/// Consecutive transport failures after which a peer is put in back-off.
-pub const BACKOFF_AFTER: u32 = 3;
-/// First back-off window; it doubles with every failed probe.
-pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
-/// Longest back-off window.
-pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
 /// Attempts of one call whose connection was refused (the request never reached the peer, so a
 /// retry is safe even for non-idempotent calls such as `Grant`).
 pub const CALL_ATTEMPTS: u32 = 3;
@@ -51,39 +57,6 @@ pub const CALL_ATTEMPTS: u32 = 3;
 const RETRY_DELAY: Duration = Duration::from_millis(100);
 /// A transport failure that took this long was a timeout, not a refusal: back off at once.
 const SLOW_FAILURE: Duration = Duration::from_secs(1);
-
-/// Transport health of one peer: consecutive failures and the back-off window.
-#[derive(Debug, Default)]
-struct Health {
-    failures: u32,
-    window: Duration,
-    until: Option<Instant>,
-    last_error: String,
-}
-
-impl Health {
-    /// `Some(remaining)` while backing off at `now`.
-    fn backing_off(&self, now: Instant) -> Option<Duration> {
-        self.until.and_then(|u| u.checked_duration_since(now)).filter(|d| !d.is_zero())
-    }
-
-    fn success(&mut self) {
-        *self = Health::default();
-    }
-
-    /// Records a transport failure; returns the new window when it starts one. A `slow` failure
-    /// (a timeout) starts one at once.
-    fn failure(&mut self, now: Instant, error: String, slow: bool) -> Option<Duration> {
-        self.failures = self.failures.saturating_add(1);
-        self.last_error = error;
-        if self.failures < BACKOFF_AFTER && !slow {
-            return None;
-        }
-        self.window = if self.window.is_zero() { BACKOFF_BASE } else { (self.window * 2).min(BACKOFF_CAP) };
-        self.until = Some(now + self.window);
-        Some(self.window)
-    }
-}
 
 /// A negotiated connection: its QPs (or streams), its completions and who it was made with. It
 /// rests in a peer's idle list between leases.
@@ -95,6 +68,37 @@ pub struct PooledConn {
     depth: usize,
     /// The peer's instance id when the connection was negotiated.
     instance_id: String,
+    /// Counts it against its entry's connection bound while it exists.
+    _held: HeldConn,
+}
+
+/// Connections (and their QPs or streams) an entry holds, leased or idle.
+#[derive(Debug, Default)]
+pub struct ConnCounts {
+    conns: AtomicUsize,
+    streams: AtomicUsize,
+}
+
+/// One connection's share of [`ConnCounts`], given back when the connection is dropped, however
+/// it ends (released to a full idle list, discarded, closed because the peer restarted).
+struct HeldConn {
+    counts: Arc<ConnCounts>,
+    streams: usize,
+}
+
+impl HeldConn {
+    fn new(counts: &Arc<ConnCounts>, streams: usize) -> HeldConn {
+        counts.conns.fetch_add(1, Ordering::AcqRel);
+        counts.streams.fetch_add(streams, Ordering::AcqRel);
+        HeldConn { counts: counts.clone(), streams }
+    }
+}
+
+impl Drop for HeldConn {
+    fn drop(&mut self) {
+        self.counts.conns.fetch_sub(1, Ordering::AcqRel);
+        self.counts.streams.fetch_sub(self.streams, Ordering::AcqRel);
+    }
 }
 
 /// A connection leased by one transfer: an RAII guard. [`Lease::release`] hands it back (to the
@@ -200,10 +204,18 @@ fn update_gauge(peer: &Arc<PeerEntry>) {
     m::qp_connections(&label, "idle", idle_qps);
 }
 
-/// One peer agent, by the address transfers name it with.
+/// One peer agent: who it is, the address it was first reached at, and its connections.
 pub struct PeerEntry {
+    /// Who this entry is (what the pool keys it on).
+    pub key: PeerKey,
+    /// The spelling it was first reached at (canonical): dialled, and shown in `ListPeers`.
     pub addr: String,
     pub client: Arc<dyn PeerApi>,
+    /// Connections this entry holds, leased or idle.
+    held: Arc<ConnCounts>,
+    /// What the peer keeps for this agent (`Peer.Connect`'s answer): connections, streams (0 =
+    /// no bound; both 0 until the first answer).
+    advertised: Mutex<(u32, u32)>,
     /// Node name and instance id learned from the last Connect/Grant. std Mutex: no awaits held.
     identity: Mutex<(String, String)>,
     idle: Mutex<Vec<PooledConn>>,
@@ -217,6 +229,27 @@ pub struct PeerEntry {
 }
 
 impl PeerEntry {
+    fn new(key: PeerKey, addr: String, client: Arc<dyn PeerApi>, now: u64) -> PeerEntry {
+        PeerEntry {
+            key,
+            addr,
+            client,
+            held: Arc::new(ConnCounts::default()),
+            advertised: Mutex::new((0, 0)),
+            identity: Mutex::new((String::new(), String::new())),
+            idle: Mutex::new(Vec::new()),
+            last_connect: Mutex::new(None),
+            health: Mutex::new(Health::default()),
+            backoff_started: watch::channel(0).0,
+            last_used: AtomicU64::new(now),
+        }
+    }
+
+    /// Connections and streams (QPs) this entry holds, leased or idle.
+    pub fn held(&self) -> (usize, usize) {
+        (self.held.conns.load(Ordering::Acquire), self.held.streams.load(Ordering::Acquire))
+    }
+
     fn health(&self) -> std::sync::MutexGuard<'_, Health> {
         self.health.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -327,220 +360,9 @@ impl PeerEntry {
     }
 }
 
-pub struct PeerPool {
-    fabric: Arc<dyn Fabric>,
-    /// This agent's name and the idle-list bound, shared with every lease.
-    home: Arc<Home>,
-    /// Makes the client for a new peer address.
-    connector: Connector,
-    /// Most entries (`limits.max_peers`).
-    max_peers: usize,
-    /// Logical clock for `PeerEntry::last_used`.
-    clock: AtomicU64,
-    /// addr → peer. std Mutex: map operations only.
-    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
-}
-
-impl PeerPool {
-    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, connector: Connector, max_peers: usize) -> Self {
-        PeerPool {
-            fabric,
-            home: Arc::new(Home { node_name, max_idle_per_peer: 8 }),
-            connector,
-            max_peers: max_peers.max(1),
-            clock: AtomicU64::new(0),
-            peers: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn tick(&self) -> u64 {
-        self.clock.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<PeerEntry>>> {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The peer at `addr` (host:port), creating its gRPC client on first use.
-    pub fn peer(&self, addr: &str) -> Result<Arc<PeerEntry>, PeerError> {
-        if let Some(p) = self.map().get(addr) {
-            p.last_used.store(self.tick(), Ordering::Relaxed);
-            return Ok(p.clone());
-        }
-        let client = (self.connector)(addr)?;
-        let entry = Arc::new(PeerEntry {
-            addr: addr.to_string(),
-            client,
-            identity: Mutex::new((String::new(), String::new())),
-            idle: Mutex::new(Vec::new()),
-            last_connect: Mutex::new(None),
-            health: Mutex::new(Health::default()),
-            backoff_started: watch::channel(0).0,
-            last_used: AtomicU64::new(self.tick()),
-        });
-        let (entry, evicted, size) = {
-            let mut map = self.map();
-            if let Some(p) = map.get(addr) {
-                // Another caller added it meanwhile.
-                return Ok(p.clone());
-            }
-            let mut evicted = None;
-            if map.len() >= self.max_peers {
-                // Only the map holds an entry that no transfer, lease or call uses.
-                let victim = map
-                    .values()
-                    .filter(|p| Arc::strong_count(p) == 1)
-                    .min_by_key(|p| p.last_used.load(Ordering::Relaxed))
-                    .map(|p| p.addr.clone());
-                match victim.and_then(|v| map.remove(&v)) {
-                    Some(v) => evicted = Some(v),
-                    None => return Err(PeerError::PoolFull { addr: addr.to_string(), max: self.max_peers }),
-                }
-            }
-            map.insert(addr.to_string(), entry.clone());
-            (entry, evicted, map.len())
-        };
-        m::peers(size);
-        if let Some(v) = evicted {
-            debug!(peer = %v.addr, "peer pool full (limits.max_peers): evicted the least recently used peer");
-            m::peer_evicted();
-            let drained: Vec<PooledConn> = v.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
-            for l in drained {
-                discard(&v, &self.home.node_name, l);
-            }
-        }
-        Ok(entry)
-    }
-
-    /// Entries in the pool.
-    pub fn len(&self) -> usize {
-        self.map().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map().is_empty()
-    }
-
-    pub fn list(&self) -> Vec<Arc<PeerEntry>> {
-        let mut v: Vec<_> = self.map().values().cloned().collect();
-        v.sort_by(|a, b| a.addr.cmp(&b.addr));
-        v
-    }
-
-    /// A connection with `qps` QPs to `peer`: an idle one if healthy, else a new negotiation.
-    pub async fn lease(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<Lease, PeerError> {
-        let current = peer.identity.lock().map(|g| g.1.clone()).unwrap_or_default();
-        let mut stale = Vec::new();
-        let mut found = None;
-        if let Ok(mut idle) = peer.idle.lock() {
-            // A broken connection (e.g. the target closed its idle streams: the readers saw EOF)
-            // or one to an earlier instance of the peer is never lent again.
-            let (keep, drop): (Vec<PooledConn>, Vec<PooledConn>) =
-                idle.drain(..).partition(|l| !l.conn.is_broken() && l.instance_id == current);
-            *idle = keep;
-            stale = drop;
-            if let Some(pos) = idle.iter().position(|l| l.qps == qps && l.depth >= depth) {
-                found = Some(idle.swap_remove(pos));
-            }
-        }
-        for l in stale {
-            // Closes it and tells the peer to forget the session.
-            discard(peer, &self.home.node_name, l);
-        }
-        if let Some(c) = found {
-            update_gauge(peer);
-            return Ok(self.guard(peer, c, true));
-        }
-        let c = self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await?;
-        Ok(self.guard(peer, c, false))
-    }
-
-    fn guard(&self, peer: &Arc<PeerEntry>, c: PooledConn, reused: bool) -> Lease {
-        Lease { inner: Some(c), reused, peer: peer.clone(), home: self.home.clone() }
-    }
-
-    async fn negotiate(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<PooledConn, PeerError> {
-        let started = Instant::now();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
-        let connection_id = ConnectionId::random();
-        let pending = self.fabric.prepare(&peer.addr, &connection_id, qps, depth, tx).await.map_err(fabric_err)?;
-        let prepared = Instant::now();
-        m::connect_phase("prepare", prepared - started);
-        let endpoints = pending.local_endpoints();
-        let node_name = &self.home.node_name;
-        let reply = peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await?;
-        let shaken = Instant::now();
-        m::connect_phase("handshake", shaken - prepared);
-        if reply.fabric != self.fabric.kind() {
-            return Err(fabric_err(FabricError::Negotiation {
-                step: "connect",
-                attr: "fabric",
-                detail: format!("peer runs {} but this agent runs {}", reply.fabric, self.fabric.kind()),
-            }));
-        }
-        let conn = match pending.complete(&reply.endpoints).await {
-            Ok(c) => c,
-            Err(e) => {
-                let client = peer.client.clone();
-                let id = connection_id.clone();
-                let me = node_name.clone();
-                tokio::spawn(async move { client.disconnect(&id, &me).await });
-                return Err(fabric_err(e));
-            }
-        };
-        m::connect_phase("complete", shaken.elapsed());
-        peer.observe(&reply.node_name, &reply.instance_id);
-        let took = started.elapsed();
-        m::connect_duration(took);
-        if let Ok(mut l) = peer.last_connect.lock() {
-            *l = Some(took);
-        }
-        debug!(peer = %peer.addr, qps, ?took, "connection negotiated");
-        update_gauge(peer);
-        Ok(PooledConn { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id })
-    }
-
-    /// Closes every idle connection (shutdown).
-    pub fn close_all(&self) {
-        for p in self.list() {
-            let drained: Vec<PooledConn> = p.idle.lock().map(|mut i| i.drain(..).collect()).unwrap_or_default();
-            for l in drained {
-                discard(&p, &self.home.node_name, l);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::peer_api::RemoteCode;
-
-    #[test]
-    fn back_off_starts_after_consecutive_failures_doubles_to_the_cap_and_resets() {
-        let t0 = Instant::now();
-        let mut h = Health::default();
-        for _ in 1..BACKOFF_AFTER {
-            assert_eq!(h.failure(t0, "refused".into(), false), None);
-            assert_eq!(h.backing_off(t0), None, "no back-off before {BACKOFF_AFTER} failures");
-        }
-        assert_eq!(h.failure(t0, "refused".into(), false), Some(BACKOFF_BASE));
-        assert_eq!(h.backing_off(t0), Some(BACKOFF_BASE));
-        assert_eq!(h.backing_off(t0 + BACKOFF_BASE), None, "the window ends: the next call probes");
-        // Failed probes double the window, up to the cap.
-        let mut want = BACKOFF_BASE;
-        for _ in 0..20 {
-            want = (want * 2).min(BACKOFF_CAP);
-            assert_eq!(h.failure(t0, "refused".into(), false), Some(want));
-        }
-        assert_eq!(want, BACKOFF_CAP);
-        h.success();
-        assert_eq!(h.backing_off(t0), None);
-        assert_eq!(h.failure(t0, "x".into(), false), None, "a success resets the count");
-        h.success();
-        assert_eq!(h.failure(t0, "connect timed out".into(), true), Some(BACKOFF_BASE), "a timeout backs off at once");
-    }
+    use crate::peer_api::{PeerError, RemoteCode};
 
     #[test]
     fn only_refused_connections_are_retried() {

@@ -1,0 +1,100 @@
+//! The per-identity shares of the limits a client fills by creating things: regions and their
+//! bytes, and `WatchInbound` subscriptions (streams and rings). Transfers and channels are
+//! counted with their slots (`limits`); a peer's inbound records where they are kept
+//! (`responder`).
+//!
+//! Each operation here takes its permits before anything is allocated and hands them to what it
+//! creates (a region holds its own, a subscription's stream holds its), so the share is given
+//! back on every path by which that thing ends.
+use std::sync::Arc;
+
+use super::{InboundRing, Node};
+use crate::config::LimitsConfig;
+use crate::metrics as m;
+use crate::notify::Subscription;
+use crate::regions::{Region, RegionError, RegionSpec};
+use crate::tenants::{Permit, Permits, Quota, ShareExceeded, Tenant};
+use crate::transfer::TransferError;
+
+/// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
+pub(super) const MAX_SUBSCRIBERS: usize = 256;
+
+pub(super) struct Shares {
+    regions: Quota,
+    bytes: Quota,
+    watchers: Quota,
+}
+
+impl Shares {
+    pub(super) fn new(limits: &LimitsConfig) -> Shares {
+        let f = limits.tenant_share;
+        Shares {
+            regions: Quota::new("regions", limits.max_regions as u64, f),
+            bytes: Quota::new("registered bytes", limits.max_registered_bytes.0, f),
+            watchers: Quota::new("WatchInbound subscriptions", MAX_SUBSCRIBERS as u64, f),
+        }
+    }
+}
+
+fn refused(limit: &'static str) -> impl FnOnce(ShareExceeded) -> ShareExceeded {
+    move |e| {
+        m::share_refused(limit);
+        e
+    }
+}
+
+/// What `tenant` holds of each share (for `GetInfo`-style introspection and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantUsage {
+    pub regions: u64,
+    pub bytes: u64,
+    pub watchers: u64,
+}
+
+impl Node {
+    /// `CreateRegion` on behalf of `tenant`: its share of `max_regions` and
+    /// `max_registered_bytes` is taken first, then held by the region until it is gone.
+    pub fn create_region_as(&self, mut spec: RegionSpec, tenant: &Tenant) -> Result<Arc<Region>, RegionError> {
+        let limit = |e: ShareExceeded| RegionError::Limit(e.to_string());
+        let count = self.shares.regions.take(tenant, 1).map_err(refused("regions")).map_err(limit)?;
+        let bytes = self.shares.bytes.take(tenant, spec.length).map_err(refused("registered_bytes")).map_err(limit)?;
+        spec.shares = Some(Arc::new(Permits(vec![count, bytes])));
+        self.create_region(spec)
+    }
+
+    /// `WatchInbound` on behalf of `tenant`; the permit must live as long as the subscription.
+    pub fn watch_inbound_as(&self, region: &str, tag: Option<&[u8]>, tenant: &Tenant) -> Result<(Subscription, Permit), TransferError> {
+        let permit = self.watcher_permit(tenant)?;
+        Ok((self.watch_inbound(region, tag)?, permit))
+    }
+
+    /// `WatchInboundRing` on behalf of `tenant`; the permit must live as long as the ring.
+    pub fn watch_inbound_ring_as(
+        &self,
+        region: &str,
+        tag: Option<&[u8]>,
+        slots: u32,
+        tenant: &Tenant,
+    ) -> Result<(InboundRing, Permit), TransferError> {
+        let permit = self.watcher_permit(tenant)?;
+        Ok((self.watch_inbound_ring(region, tag, slots)?, permit))
+    }
+
+    fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {
+        self.shares.watchers.take(tenant, 1).map_err(refused("watchers")).map_err(|e| TransferError::Limit(e.to_string()))
+    }
+
+    /// What `tenant` holds now of the region, byte and subscription shares.
+    pub fn tenant_usage(&self, tenant: &Tenant) -> TenantUsage {
+        TenantUsage {
+            regions: self.shares.regions.held(tenant),
+            bytes: self.shares.bytes.held(tenant),
+            watchers: self.shares.watchers.held(tenant),
+        }
+    }
+
+    /// Identities holding a share of anything (entries live only while something is held).
+    pub fn tenants_holding(&self) -> usize {
+        self.shares.regions.tenants() + self.shares.bytes.tenants() + self.shares.watchers.tenants()
+    }
+}
