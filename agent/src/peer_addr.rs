@@ -99,9 +99,10 @@ pub fn canonical(a: SocketAddr) -> SocketAddr {
     SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
-/// A port of 1-6 ASCII digits (so `0007470` cannot be made arbitrarily long) in 1..=65535.
+/// A port of 1-8 ASCII digits in 1..=65535 (leading zeros are read and dropped: every such
+/// spelling is the same port).
 fn parse_port(p: &str) -> Option<u16> {
-    if p.is_empty() || p.len() > 6 || !p.bytes().all(|b| b.is_ascii_digit()) {
+    if p.is_empty() || p.len() > 8 || !p.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     p.parse::<u16>().ok().filter(|&n| n != 0)
@@ -137,7 +138,7 @@ mod tests {
 
     #[test]
     fn every_spelling_of_one_socket_is_one_address() {
-        for s in ["127.0.0.1:7470", "127.0.0.1:07470", "127.0.0.1:007470", "[::ffff:127.0.0.1]:7470", "[::FFFF:7f00:1]:7470"] {
+        for s in ["127.0.0.1:7470", "127.0.0.1:07470", "127.0.0.1:0007470", "[::ffff:127.0.0.1]:7470", "[::FFFF:7f00:1]:7470"] {
             assert_eq!(canon(s), "127.0.0.1:7470", "{s}");
         }
         assert_eq!(canon("[::1]:7470"), "[::1]:7470");
@@ -155,7 +156,7 @@ mod tests {
             "127.0.0.1:0",
             "127.0.0.1:65536",
             "127.0.0.1:+80",
-            "127.0.0.1:0000007470",
+            "127.0.0.1:000007470",
             "127.1:7470",
             "0127.0.0.1:7470",
             "::1:7470",

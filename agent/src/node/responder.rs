@@ -548,8 +548,10 @@ impl Node {
             peer_key: peer.to_string(),
             owner: crate::tenants::Tenant::exempt(),
         };
-        // One peer keeps at most its share of the inbound history.
-        let share = crate::tenants::share_of(super::TRANSFER_HISTORY as u64, self.config.limits.tenant_share) as usize;
+        // One peer identity keeps at most its share of the inbound history (plaintext has no
+        // identities to share it between: every loopback peer is one caller).
+        let history = super::TRANSFER_HISTORY as u64;
+        let share = if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
         if self.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));

@@ -292,7 +292,7 @@ impl PeerPool {
             update_gauge(peer);
             return Ok(self.guard(peer, c, true));
         }
-        self.make_room(peer, qps)?;
+        self.make_room(peer, qps).await?;
         let c = self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await?;
         Ok(self.guard(peer, c, false))
     }
@@ -300,7 +300,9 @@ impl PeerPool {
     /// Keeps a new connection of `qps` streams within `limits.max_connections_per_peer` and what
     /// the peer keeps for this agent: idle connections (oldest first) are closed to make room;
     /// with every connection leased, the new one is refused rather than opened past the bound.
-    fn make_room(&self, peer: &Arc<PeerEntry>, qps: usize) -> Result<(), PeerError> {
+    /// A connection closed to make room is disconnected at the peer before the new one is
+    /// negotiated, so the peer's count has dropped by the time the new one reaches it.
+    async fn make_room(&self, peer: &Arc<PeerEntry>, qps: usize) -> Result<(), PeerError> {
         let (their_conns, their_streams) = *peer.advertised.lock().unwrap_or_else(|p| p.into_inner());
         let max_conns = match their_conns as usize {
             0 => self.max_connections,
@@ -317,7 +319,12 @@ impl PeerPool {
         while !fits(peer) {
             let oldest = peer.idle.lock().ok().and_then(|mut i| (!i.is_empty()).then(|| i.remove(0)));
             match oldest {
-                Some(l) => discard(peer, &self.home.node_name, l),
+                Some(l) => {
+                    l.conn.close();
+                    peer.client.disconnect(&l.connection_id, &self.home.node_name).await;
+                    drop(l);
+                    update_gauge(peer);
+                }
                 None => {
                     let (c, s) = peer.held();
                     return Err(PeerError::ConnectionLimit {

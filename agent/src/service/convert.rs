@@ -329,6 +329,12 @@ fn request_duration(d: Option<&prost_types::Duration>, what: &str) -> Result<Opt
     }
 }
 
+/// A peer address as a caller sent it: refused here, before any region, slot or dial is looked
+/// at, unless it parses (`crate::peer_addr`); the pool canonicalizes it again when it keys.
+pub fn peer_address(addr: &str) -> Result<(), Status> {
+    crate::peer_addr::PeerAddr::parse(addr).map(|_| ()).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
 /// `Agent.CreateRegion`: everything that can be checked without the registry.
 pub fn region_spec_from_pb(r: pb::CreateRegionRequest) -> Result<RegionSpec, Status> {
     Ok(RegionSpec {
@@ -352,6 +358,7 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     require(!local.region.is_empty(), "local region is required")?;
     require(!remote.region.is_empty(), "remote region is required")?;
     require(!remote.agent.is_empty(), "remote agent address is required")?;
+    peer_address(&remote.agent)?;
     let options = options_from_pb(r.options.unwrap_or_default())?;
     Ok(TransferRequest {
         op: op_from_pb(r.op)?,
@@ -389,6 +396,7 @@ pub fn channel_params_from_pb(o: pb::ChannelOpen) -> Result<crate::node::Channel
     require(!o.local_region.is_empty(), "local region is required")?;
     require(!remote.region.is_empty(), "remote region is required")?;
     require(!remote.agent.is_empty(), "remote agent address is required")?;
+    peer_address(&remote.agent)?;
     Ok(crate::node::ChannelParams {
         op: op_from_pb(o.op)?,
         local_region: o.local_region,

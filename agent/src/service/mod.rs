@@ -504,6 +504,7 @@ impl Agent for Services {
     async fn connect(&self, req: Request<pb::ConnectRequest>) -> Result<Response<pb::PeerInfo>, Status> {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
+        peer_address(&r.peer)?;
         // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
         // tcp fabric's stream vector abort the agent). 0 = the configured default.
         if r.qps != 0 {
@@ -521,6 +522,7 @@ impl Agent for Services {
     async fn bench(&self, req: Request<pb::BenchRequest>) -> Result<Response<pb::BenchResponse>, Status> {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
+        peer_address(&r.peer)?;
         // 0 = the agent's default; otherwise the bounds SubmitTransfer applies.
         if r.qps != 0 {
             crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
@@ -570,6 +572,7 @@ impl Agent for Services {
     async fn tcp_baseline(&self, req: Request<pb::TcpBaselineRequest>) -> Result<Response<pb::TcpBaselineResponse>, Status> {
         let r = req.into_inner();
         require(!r.peer.is_empty(), "peer address is required")?;
+        peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
         let (bytes, seconds) = self
             .node

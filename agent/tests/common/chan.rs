@@ -58,9 +58,18 @@ pub async fn try_open(a: &Agent, open: pb::ChannelOpen) -> Result<Chan, tonic::S
 
 /// Opens a channel whose request queue (in this test) holds `depth` messages.
 pub async fn try_open_depth(a: &Agent, open: pb::ChannelOpen, depth: usize) -> Result<Chan, tonic::Status> {
+    try_open_with(&mut a.client().await, open, depth).await
+}
+
+/// Opens a channel through `client` (e.g. an mTLS client of one identity).
+pub async fn try_open_with(
+    client: &mut xfer_proto::v1::agent_client::AgentClient<tonic::transport::Channel>,
+    open: pb::ChannelOpen,
+    depth: usize,
+) -> Result<Chan, tonic::Status> {
     let (tx, rx) = mpsc::channel(depth);
     tx.send(msg(pb::channel_request::Msg::Open(open))).await.unwrap();
-    let mut events = a.client().await.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    let mut events = client.open_channel(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
     match next_event(&mut events).await? {
         Some(pb::ChannelEvent { ev: Some(pb::channel_event::Ev::Opened(o)) }) => Ok(Chan { tx: Some(tx), events, opened: o }),
         other => panic!("expected ChannelOpened, got {other:?}"),
