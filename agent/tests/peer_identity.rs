@@ -245,3 +245,30 @@ async fn in_plaintext_every_spelling_of_one_socket_is_one_entry() {
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
     assert!(b.read("dst", 0, data.len() as u64).await == data);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_taken_over_by_another_node_never_gets_the_first_nodes_calls() {
+    let pki = Pki::new();
+    let (a, _ta) = pki.agent("node-a");
+    let (mut b, _tb) = pki.agent("node-b");
+    let mut c = pki.agent_client(&a, "xferctl").await;
+    let addr = b.addr();
+    let p = c.connect(pb::ConnectRequest { peer: addr.clone(), qps: 1 }).await.unwrap().into_inner();
+    assert_eq!(p.node_name, "node-b");
+    // node-b goes away and node-c comes up on its gRPC port.
+    b.kill9();
+    let (other, _tc) = pki.agent_on("node-c", b.ports.same(), "", "", &[]);
+    assert_eq!(other.addr(), addr);
+    let mut c_owner = pki.agent_client(&other, "xferctl").await;
+    c_owner.create_region(anon("dst", 4096)).await.unwrap();
+    // The entry pinned to node-b refuses to send node-b's calls to node-c...
+    let e = c.connect(pb::ConnectRequest { peer: addr.clone(), qps: 1 }).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("node-c") && e.message().contains("node-b"), "names both: {e:?}");
+    assert_eq!(gauge(&other, "xfer_accepted_connections"), 0.0, "no connection reached node-c as node-b's");
+    // ...and the next lookup starts over: the address is node-c's now.
+    let p = c.connect(pb::ConnectRequest { peer: addr.clone(), qps: 1 }).await.unwrap().into_inner();
+    assert_eq!(p.node_name, "node-c");
+    let listed = peers(&mut c).await;
+    assert_eq!(listed.iter().map(|p| p.node_name.as_str()).collect::<Vec<_>>(), ["node-c"], "{listed:?}");
+}

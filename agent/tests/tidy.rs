@@ -344,7 +344,7 @@ fn unwraps_state_their_invariant() {
 #[test]
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
-        &["sys", "metrics", "ids", "identity", "cpus"], // process facts, metric names, ids, who a certificate is, CPU sets
+        &["sys", "metrics", "ids", "identity", "cpus", "peer_addr", "tenants"], // process facts, metric names, ids, who a certificate is, CPU sets, address spellings, shares
         &["checksum"],                                  // over region memory (xfer-rdma)
         &["verbs", "fabric", "shape"],                  // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
         &["config"],                                    // the validated configuration

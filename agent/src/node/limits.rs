@@ -79,15 +79,25 @@ impl Node {
             )));
         }
         if tenant.key().is_some() {
-            let cap = crate::tenants::share_of(limits.max_transfers as u64, limits.tenant_share) as usize;
-            let mine = active.iter().filter(|h| h.record.borrow().owner == *tenant).count() + pending(&|k| k.1 == *tenant);
-            if mine >= cap {
-                m::share_refused("transfers");
-                return Err(TransferError::Limit(format!(
-                    "{tenant} holds {mine} transfers and channels: its share ({cap} of max_transfers = {}, limits.tenant_share); \
-                     other identities keep the rest",
-                    limits.max_transfers
-                )));
+            let share = |max: usize| crate::tenants::share_of(max as u64, limits.tenant_share) as usize;
+            let mine = |to: Option<&str>| {
+                active.iter().filter(|h| h.record.borrow().owner == *tenant && to.is_none_or(|p| h.record.borrow().peer_key == p)).count()
+                    + pending(&|k| k.1 == *tenant && to.is_none_or(|p| k.0 == p))
+            };
+            // Both the agent's transfers and those to one peer: a tenant filling either would
+            // refuse every other tenant's transfers (to that peer).
+            for (key, max, held) in [
+                ("max_transfers", limits.max_transfers, mine(None)),
+                ("max_transfers_per_peer", limits.max_transfers_per_peer, mine(Some(&peer))),
+            ] {
+                let cap = share(max);
+                if held >= cap {
+                    m::share_refused("transfers");
+                    return Err(TransferError::Limit(format!(
+                        "{tenant} holds {held} transfers and channels: its share ({cap} of {key} = {max}, limits.tenant_share); \
+                         other identities keep the rest"
+                    )));
+                }
             }
         }
         let key = (peer, tenant.clone());

@@ -93,6 +93,11 @@ impl Pki {
     /// An agent with mTLS under certificate `name`, configured through a `--config` TOML file
     /// (plus `extra` TOML lines at the top level, and `tls_extra` inside `[tls]`) and `env`.
     pub fn agent_with(&self, name: &str, extra: &str, tls_extra: &str, env: &[(&str, &str)]) -> (Agent, tempfile::TempDir) {
+        self.agent_on(name, Ports::new(), extra, tls_extra, env)
+    }
+
+    /// [`Pki::agent_with`] on `ports` (e.g. another agent's gRPC port, `Ports::same`).
+    pub fn agent_on(&self, name: &str, ports: Ports, extra: &str, tls_extra: &str, env: &[(&str, &str)]) -> (Agent, tempfile::TempDir) {
         let tmp = tempfile::tempdir().unwrap();
         let cfg = tmp.path().join("agent.toml");
         std::fs::write(
@@ -107,7 +112,7 @@ impl Pki {
         .unwrap();
         let state = tmp.path().join("state");
         let cfg = cfg.display().to_string();
-        let a = Agent::start_with_env(name, &state, Ports::new(), &["--config", &cfg], env);
+        let a = Agent::start_with_env(name, &state, ports, &["--config", &cfg], env);
         (a, tmp)
     }
 
