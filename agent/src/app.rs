@@ -251,13 +251,12 @@ pub struct Bound {
 
 impl Bound {
     /// Writes the JSON to `path` through a temporary file and a rename, so a reader sees the
-    /// whole file or none.
+    /// whole file or none. The temporary file is a new one of its own (`O_EXCL | O_NOFOLLOW`,
+    /// [`crate::safe_file`]): the agent runs as root and the ready file's directory may be
+    /// writable by others, who must not be able to plant a link the agent writes through.
     pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
         let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        std::fs::write(&tmp, json)?;
-        std::fs::rename(&tmp, path)
+        crate::safe_file::write_atomically(path, &json, 0o644)
     }
 }
 

@@ -272,6 +272,10 @@ pub struct RegionsConfig {
     pub shm_owner: Option<String>,
     /// How often regions that could not be restored from the catalog are retried.
     pub retry_interval: HumanDuration,
+    /// Accept file regions whose file has other hard links (`st_nlink > 1`). Off: a hard link
+    /// beneath a root to a file outside it is the same inode, and the link count is the only
+    /// thing that tells, so such files are refused (PERMISSION_DENIED).
+    pub allow_hard_links: bool,
 }
 
 impl Default for RegionsConfig {
@@ -282,6 +286,7 @@ impl Default for RegionsConfig {
             shm_group: None,
             shm_owner: None,
             retry_interval: HumanDuration(Duration::from_secs(10)),
+            allow_hard_links: false,
         }
     }
 }

@@ -18,6 +18,7 @@
 //! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
 //!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
+//! * [`safe_file`] — files written without following planted links; the hard-link check of file regions.
 //! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
 #![forbid(unsafe_code)]
 
@@ -36,6 +37,7 @@ pub mod peer_addr;
 pub mod peer_api;
 pub mod peers;
 pub mod regions;
+pub mod safe_file;
 pub mod service;
 pub mod shape;
 pub mod tenants;

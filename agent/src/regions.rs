@@ -10,8 +10,8 @@
 //!   `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` (or, on kernels without openat2, a
 //!   component-by-component walk with `O_NOFOLLOW | O_DIRECTORY`), opened `O_NONBLOCK | O_NOCTTY`
 //!   (a FIFO never blocks) and must be a regular file. A hard link inside a root to a file outside
-//!   it is the same inode and cannot be told apart by path: the roots' permissions must keep
-//!   untrusted users from creating links there (SECURITY.md).
+//!   it is the same inode and cannot be told apart by path, only by its link count: a file with
+//!   other links is refused unless `regions.allow_hard_links` ([`crate::safe_file::check_hard_links`]).
 //! - **shm objects are private.** Created with `O_CREAT | O_EXCL | O_NOFOLLOW` and
 //!   `regions.shm_mode` (0600), optionally given `regions.shm_group`. An existing object is used
 //!   only with `adopt_existing`, only if it is a regular file owned by the agent's uid (or
@@ -29,10 +29,9 @@
 //! and leaves the catalog only through `DeleteRegion` (or its lease).
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -335,6 +334,8 @@ pub struct RegionPolicy {
     pub shm_gid: Option<u32>,
     /// Owner an existing shm object must have to be adopted.
     pub shm_owner: u32,
+    /// Accept file regions whose file has other hard links (`regions.allow_hard_links`).
+    pub allow_hard_links: bool,
 }
 
 impl RegionPolicy {
@@ -346,6 +347,7 @@ impl RegionPolicy {
             shm_mode: 0o600,
             shm_gid: None,
             shm_owner: nix::unistd::geteuid().as_raw(),
+            allow_hard_links: false,
         }
     }
 
@@ -755,6 +757,8 @@ impl RegionRegistry {
         if !meta.file_type().is_file() {
             return Err(RegionError::NotRegular { path: full, kind: file_kind(&meta.file_type()) });
         }
+        crate::safe_file::check_hard_links(&meta, self.policy.allow_hard_links)
+            .map_err(|why| RegionError::Denied(format!("file {full:?} refused: {why}")))?;
         Ok((file, full))
     }
 
@@ -1125,22 +1129,12 @@ impl RegionRegistry {
 const CATALOG: &str = "regions.json";
 
 /// Replaces `dir/name` with `bytes` so that after a crash or power loss it holds either the old
-/// or the new content: a temp file of its own (`O_EXCL`, so concurrent writers never share
-/// one), fsync, rename over the target, fsync of the directory (which makes the rename durable).
+/// or the new content ([`crate::safe_file::write_atomically`]: a temp file of its own,
+/// `regions.json.<pid>.<random>.tmp`, created `O_EXCL | O_NOFOLLOW` so concurrent writers never
+/// share one and a planted link is never followed; fsync, rename, fsync of the directory).
 fn write_durably(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), RegionError> {
-    let tmp = dir.join(format!("{name}.{}.{:016x}.tmp", std::process::id(), rand::random::<u64>()));
     let target = dir.join(name);
-    let result = (|| -> std::io::Result<()> {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &target)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(format!("writing {}", target.display()))(e));
-    }
-    sync_dir(dir)
+    crate::safe_file::write_atomically(&target, bytes, 0o600).map_err(io_err(format!("writing {}", target.display())))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), RegionError> {

@@ -148,14 +148,14 @@ async fn file_regions_cannot_escape_their_roots() {
     assert!(std::fs::read(root.join("good.bin")).unwrap() == good);
 
     // A hard link inside the root to a file outside is the same inode: no path check can tell it
-    // from a file that was always there, so it is accepted. The root's permissions (0700, the
-    // agent's own) are what keeps untrusted users from making such links (SECURITY.md).
+    // from a file that was always there, only its link count, so it is refused unless
+    // regions.allow_hard_links (files_redteam.rs has the rest).
     let hard = root.join("hard.bin");
     std::fs::hard_link(&secret, &hard).unwrap();
     assert_eq!(std::fs::metadata(&hard).unwrap().ino(), std::fs::metadata(&secret).unwrap().ino());
-    c.create_region(file_region_req("hard", 4096, "hard.bin", pb::Access::Read)).await.unwrap();
-    assert!(a.read("hard", 0, 4096).await == secret_bytes[..4096]);
-    c.delete_region(pb::DeleteRegionRequest { name: "hard".into() }).await.unwrap();
+    let e = c.create_region(file_region_req("hard", 4096, "hard.bin", pb::Access::Read)).await.unwrap_err();
+    refused(&e, Code::PermissionDenied, "regions.allow_hard_links", "a hard link to a file outside the root");
+    assert!(std::fs::read(&secret).unwrap() == secret_bytes, "the secret is untouched");
     assert_eq!(std::fs::metadata(&root).unwrap().permissions().mode() & 0o777, 0o700, "the default root is private");
     assert_eq!(snapshot(&a).await, before);
 }

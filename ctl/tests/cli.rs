@@ -118,6 +118,29 @@ fn usage_errors_exit_2() {
     }
 }
 
+/// Hostile segment lists are usage errors naming the line, found before anything is allocated
+/// for them or any agent is called (a count near 2^64 after another line once wrapped the
+/// bound and allocated until the process aborted).
+#[test]
+fn hostile_segment_lists_exit_2_naming_the_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        (format!("0 0 4KiB\n0 0 4KiB x{}\n", u64::MAX), "line 2: the list expands to more than"),
+        ("0 0 4KiB x1048576\n0 0 1\n".to_string(), "line 2: the list expands to more than"),
+        (format!("{} 0 4KiB\n", u64::MAX - 1), "line 1: block 0 ends past 2^64 bytes"),
+        ("0 0 4KiB x3 8EiB\n".to_string(), "line 1: block 2 ends past 2^64 bytes on the source side"),
+    ];
+    for (i, (list, want)) in cases.iter().enumerate() {
+        let f = dir.path().join(format!("list{i}"));
+        std::fs::write(&f, list).expect("write the list");
+        // The agent address is unreachable: the list must be refused before any call.
+        let o = xferctl(&["--agent", "127.0.0.1:1", "cp", "--segments", &f.display().to_string(), "src", "dst"]);
+        assert_eq!(o.status.code(), Some(2), "{list:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{list:?}: {}", stderr(&o));
+        assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    }
+}
+
 #[test]
 fn completions_generate() {
     let o = xferctl(&["completions", "bash"]);

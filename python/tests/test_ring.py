@@ -1,11 +1,15 @@
 """Notifications through the shared-memory ring (``watch_inbound_ring``) against real agents: every
 field of a WRITE (and a READ) batch's notification with its bytes already in place, the region and
 tag filters, the object's removal when the ring is closed, an agent that went away, refused slot
-counts, hostile headers, a reader that falls behind, and one that the agent laps while it reads."""
+counts, hostile headers, a reader that falls behind, one that the agent laps while it reads, and
+an object truncated under its readers."""
 import asyncio
 import os
 import re
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -412,3 +416,77 @@ def test_a_reader_racing_the_agent_sees_no_torn_notification(agents):
         assert not errors, errors
         assert seen + lost == total and ring.try_next() is None
         ring.close()
+
+
+# A second process reading the ring: it reads the first notification, waits for its parent to
+# truncate the object, then reads on twice. A reader that loads through a mapping dies here of
+# SIGBUS, which the parent sees as the child's signal instead of killing the test run.
+_TRUNCATED_READER = r"""
+import sys
+from xfer import ring as xring
+r = xring.Ring(sys.argv[1])
+print(r.next(timeout=30).tag.decode(), flush=True)
+sys.stdin.readline()
+for _ in range(2):
+    try:
+        print(f"returned {r.try_next()!r}", flush=True)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
+try:
+    print(f"closed: {r.closed}", flush=True)
+except Exception as e:
+    print(f"closed: {type(e).__name__}", flush=True)
+r.close()
+"""
+
+
+@pytest.mark.parametrize("keep", ["nothing", "part of the header", "the header and the first slot"])
+def test_a_ring_truncated_under_its_readers_is_a_clear_error_not_sigbus(agents, keep):
+    a, b = agents
+    pa, pb = names(f"trunc-{keep.split()[0]}")
+    with xfer.Client(a.addr) as producer, xfer.Client(b.addr) as consumer:
+        src = producer.create_shm_region(pa, POOL)
+        dst = consumer.create_shm_region(pb, POOL)
+        ring = consumer.watch_inbound_ring(pb, slots=16)
+        stream = consumer.watch_inbound(pb)
+        path = os.path.join(SHM, ring.object)
+        # Two notifications: the first read by both readers before the truncation, the second
+        # (in slot 1) left for after it.
+        for tag in (b"one", b"two"):
+            producer.transfer(xfer.WRITE, pa, b.addr, pb, segments=[xfer.Segment(0, 0, BLOCK)], notify=tag)
+            assert stream_note(stream).tag == tag
+        assert ring.next(timeout=30).tag == b"one"
+        child = subprocess.Popen([sys.executable, "-c", _TRUNCATED_READER, ring.object],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "one", child.stderr.read()
+            size = {"nothing": 0, "part of the header": 40, "the header and the first slot": xring.HEADER + ring.slot_size}[keep]
+            os.truncate(path, size)
+            out, err = child.communicate("go\n", timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode != -signal.SIGBUS, f"the reader died of SIGBUS: {err}"
+        assert child.returncode == 0, err
+        lines = out.splitlines()
+        want = re.compile(rf"FailedPrecondition: notification ring {re.escape(ring.object)} was truncated under this "
+                          rf"reader: it has {size} bytes, the ring needs \d+; open a new ring")
+        assert len(lines) == 3 and all(want.fullmatch(line) for line in lines[:2]), out
+        # `closed` reads the flags and head (bytes 20 to 72): an error while they are gone.
+        assert lines[2] == ("closed: False" if size >= 72 else "closed: FailedPrecondition"), out
+        # The reader in this process (it holds the subscription) is told the same, and stays so.
+        for _ in range(2):
+            with pytest.raises(xfer.FailedPrecondition, match="was truncated under this reader"):
+                ring.try_next()
+        # Nothing else changed: the agent still serves, its stream subscribers still hear of
+        # batches, and the bytes land.
+        data = pattern(7, BLOCK)
+        src.buffer[:BLOCK] = data
+        producer.transfer(xfer.WRITE, pa, b.addr, pb, segments=[xfer.Segment(0, BLOCK, BLOCK)], notify=b"three")
+        assert stream_note(stream).tag == b"three"
+        assert bytes(dst.buffer[BLOCK:2 * BLOCK]) == data
+        stream.cancel()
+        ring.close()
+        src.close()
+        dst.close()

@@ -1,6 +1,6 @@
 """Notifications through a shared-memory ring (``Client.watch_inbound_ring``): the agent writes
-every notification of the subscription into an object under /dev/shm that this process maps, so
-receiving one costs a few loads and a copy of one slot: no gRPC message, no socket read, no
+every notification of the subscription into an object under /dev/shm that this process reads,
+so receiving one costs three small reads of that object: no gRPC message, no socket read, no
 thread hand-off. The layout is ``crates/xfer-rdma/src/ring.rs`` (version 1); this reader does
 what its ``RingReader::try_next`` does.
 
@@ -11,16 +11,28 @@ Readers here only load: they never write into the ring, so they do not use its f
 reader sleeps on it); ``next()`` polls, spinning for ``spin`` and then sleeping in short steps
 of at most 1 ms.
 
-x86-64 only. A slot is read as a seqlock (its sequence word, a copy of the slot, the sequence
-word again), which is correct only if the processor keeps loads in program order, as x86-64 does
+The ring is read with ``os.pread``, not through a mapping. Anyone who may write the object can
+truncate it, and a load from a mapped page past the end of a file raises SIGBUS, which kills a
+Python process outright (the Rust reader catches it; Python cannot: its signal handlers run
+later, on the main thread, and the load would fault again). A ``pread`` past the end returns
+fewer bytes instead, which this reader reports as FailedPrecondition ("truncated"). Checking the
+size with ``fstat`` before each load would still race a truncation between the two. A poll is
+one ``pread`` of the header's flags and head; a notification is two more: the slot's first 512
+bytes (the fixed part and short names and tags; longer ones cost one more) and its sequence word.
+Measured on x86-64 (CPython 3.11): an idle poll 0.1 µs through a mapping, 0.8 µs with pread; a
+notification about 2.3 µs and 5 µs. Polls sleep between tries after ``spin``, so the idle cost
+is small, and a notification is still far cheaper than a message on the stream.
+
+x86-64 only. A slot is read as a seqlock (the head, a copy of the slot, its sequence word; see
+``try_next``), which is correct only if the processor keeps loads in program order, as x86-64 does
 (TSO) and as Python cannot ask for on other processors (it has no fences). Elsewhere opening a
 ring raises FailedPrecondition: use ``watch_inbound`` (the stream) there.
 """
 import asyncio
-import mmap
 import os
 import platform
 import stat
+import struct
 import sys
 import time
 
@@ -39,9 +51,14 @@ MAX_SLOT_SIZE = -(-(SLOT_FIXED + MAX_TAG + 2 * 0xFFFF) // 64) * 64
 MIN_SLOTS = 16
 MAX_SLOTS = 1 << 16
 FLAG_CLOSED = 1
-# Word indexes: 64-bit words (cast "Q") and 32-bit words (cast "I") of the mapping.
-_Q_HEAD = 64 // 8
-_I_VERSION, _I_SLOT_SIZE, _I_SLOTS, _I_FLAGS = 8 // 4, 12 // 4, 16 // 4, 20 // 4
+# Header offsets (ring.rs): version, slot size, slots and flags (u32), head (u64).
+_OFF_FLAGS = 20
+_OFF_HEAD = 64
+_HEADER_WORDS = struct.Struct("<8sIII")  # magic, version, slot size, slots
+_FLAGS_HEAD = struct.Struct("<I40xQ")  # flags at 20, head at 64: one pread from 20 to 72
+_U64 = struct.Struct("<Q")
+# Bytes of a slot (after its sequence word) read at once: the fixed part and short names and tags.
+_FIRST_READ = 512
 
 _OPS = {1: t.WRITE, 2: t.READ}
 _VIAS = {1: "fabric", 2: "complete"}
@@ -71,13 +88,12 @@ class Ring:
 
     def __init__(self, object, length=None, *, call=None, expect=None):
         self._call = call
-        self._mm = None
-        self._views = []
+        self._fd = None
         self.object = object
         try:
             self._open(object, length, expect)
         except BaseException:
-            self._unmap()
+            self._release()
             raise
 
     def _open(self, object, length, expect):
@@ -87,32 +103,24 @@ class Ring:
             raise FailedPrecondition(f"notification ring object name {object!r}")
         path = os.path.join(SHM_DIR, object)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Read-only (this reader writes nothing into the ring); non-blocking so that a FIFO
+            # planted at the name is opened at once and refused below, never waited on.
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise FailedPrecondition(f"notification ring {path}: {e.strerror}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise FailedPrecondition(f"notification ring {path} is not a regular file")
-            if length is None:
-                length = st.st_size
-            if length < HEADER:
-                raise FailedPrecondition(f"not a notification ring: {path} has {length} bytes, less than its header")
-            if st.st_size < length:
-                raise FailedPrecondition(f"notification ring {path} is {st.st_size} bytes, the agent said {length}")
-            # Read-only: this reader writes nothing into the ring.
-            self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FailedPrecondition(f"notification ring {path} is not a regular file")
+        if length is None:
+            length = st.st_size
+        if length < HEADER:
+            raise FailedPrecondition(f"not a notification ring: {path} has {length} bytes, less than its header")
+        if st.st_size < length:
+            raise FailedPrecondition(f"notification ring {path} is {st.st_size} bytes, the agent said {length}")
         self.length = length
-        mm = self._mm
-        if mm[0:8] != MAGIC:
-            raise FailedPrecondition(f"not a notification ring: {path} has magic {bytes(mm[0:8])!r}, not {MAGIC!r}")
-        # One aligned load per word (the mapping is page-aligned, every word naturally aligned).
-        self._q = memoryview(mm).cast("Q")
-        self._i = memoryview(mm).cast("I")
-        self._views = [self._q, self._i]
-        version, slot_size, slots = self._i[_I_VERSION], self._i[_I_SLOT_SIZE], self._i[_I_SLOTS]
+        magic, version, slot_size, slots = _HEADER_WORDS.unpack(self._read(0, _HEADER_WORDS.size))
+        if magic != MAGIC:
+            raise FailedPrecondition(f"not a notification ring: {path} has magic {magic!r}, not {MAGIC!r}")
         if version != VERSION:
             raise FailedPrecondition(f"not a notification ring this reader knows: {path} has version {version}, "
                                      f"this reader knows {VERSION}")
@@ -130,44 +138,70 @@ class Ring:
                                      f"the agent said {expect.slots} of {expect.slot_size}")
         self.slots, self.slot_size = slots, slot_size
         # Starts at the oldest notification still held (a fresh ring: the first one).
-        self.position = max(0, self._q[_Q_HEAD] - slots)
+        self.position = max(0, self._load_u64(_OFF_HEAD) - slots)
+
+    def _read(self, offset, n):
+        """``n`` bytes of the ring at ``offset``; FailedPrecondition if the object no longer has
+        them (it was truncated: a mapping would have died of SIGBUS here)."""
+        b = os.pread(self._fd, n, offset)
+        if len(b) < n:
+            raise self._truncated(offset + n)
+        return b
+
+    def _load_u64(self, offset):
+        return _U64.unpack(self._read(offset, 8))[0]
+
+    def _truncated(self, needed):
+        try:
+            size = f"{os.fstat(self._fd).st_size} bytes"
+        except OSError as e:
+            size = f"an unknown size ({e.strerror})"
+        return FailedPrecondition(f"notification ring {self.object} was truncated under this reader: it has {size}, "
+                                  f"the ring needs {max(needed, self.length)}; open a new ring")
 
     @property
     def closed(self):
         """True once the agent closed the ring (nothing more will be written into it), or this
-        process did (``close()``)."""
-        return self._mm is None or bool(self._i[_I_FLAGS] & FLAG_CLOSED)
+        process did (``close()``). Raises FailedPrecondition if the object was truncated."""
+        return self._fd is None or bool(_FLAGS_HEAD.unpack(self._read(_OFF_FLAGS, _FLAGS_HEAD.size))[0] & FLAG_CLOSED)
 
     def try_next(self):
         """The next notification if one was published, else None, without waiting. Raises
         DataLoss (once; ``.lost`` is how many) when this reader fell more than ``slots`` behind:
         the next call goes on with the oldest notification still held. Raises Unavailable once
-        every notification was read and the agent closed the ring."""
-        if self._mm is None:
+        every notification was read and the agent closed the ring, and FailedPrecondition if the
+        ring's object was truncated under this reader (every later call does too)."""
+        if self._fd is None:
             raise Unavailable(f"notification ring {self.object} was closed by this process")
-        q = self._q
-        # Closed is read first: the writer closes after its last publication, so a head read
-        # after seeing the flag is final.
-        closed = self._i[_I_FLAGS] & FLAG_CLOSED
-        head = q[_Q_HEAD]
+        flags, head = _FLAGS_HEAD.unpack(self._read(_OFF_FLAGS, _FLAGS_HEAD.size))
         n = self.position
         if head == n:
-            if closed:
+            if not flags & FLAG_CLOSED:
+                return None
+            # Closed must be read before head (the writer closes after its last publication, so
+            # a head read after seeing the flag is final), and one copy does not promise the
+            # order of its loads: read head again, after the flag.
+            head = self._load_u64(_OFF_HEAD)
+            if head == n:
                 raise Unavailable(f"the agent closed notification ring {self.object}")
-            return None
         if head < n:
             raise FailedPrecondition(f"notification ring {self.object}: head {head} went back below {n}")
         slots = self.slots
         if head - n > slots:
             raise self._skip_to(head - slots)
         slot = HEADER + (n % slots) * self.slot_size
-        # Seqlock read: seq, the slot, seq again; the copy is whole only if both are n + 1.
-        s1 = q[slot // 8]
-        if s1 != n + 1:
+        # Seqlock read: the slot, then its seq, each its own pread (so in that order). The head
+        # read above stands in for the usual first load of seq: the writer stores seq n + 1
+        # before head n + 1, so with head > n the slot held notification n whole, and any later
+        # overwrite stores seq 0 before touching the body. A seq of n + 1 after the copy means
+        # none had begun when the copy ended: the copy is whole.
+        room = self.slot_size - 8
+        body = self._read(slot + 8, min(room, _FIRST_READ))
+        want = SLOT_FIXED - 8 + _var_len(body)
+        if len(body) < want <= room:
+            body += self._read(slot + 8 + len(body), want - len(body))
+        if self._load_u64(slot) != n + 1:
             # Overwritten (or being overwritten) by a later notification.
-            raise self._lag_from_head()
-        body = self._mm[slot + 8:slot + self.slot_size]
-        if q[slot // 8] != s1:
             raise self._lag_from_head()
         note = self._parse(n, body)
         self.position = n + 1
@@ -207,7 +241,7 @@ class Ring:
             raise Unavailable(f"the agent ended notification ring {self.object}")
 
     def _lag_from_head(self):
-        head = self._q[_Q_HEAD]
+        head = self._load_u64(_OFF_HEAD)
         return self._skip_to(max(head - self.slots, self.position + 1))
 
     def _skip_to(self, oldest):
@@ -223,7 +257,7 @@ class Ring:
         peer_len = int.from_bytes(b[30:32], "little")
         tag_len = int.from_bytes(b[32:36], "little")
         var = SLOT_FIXED - 8
-        if tag_len + region_len + peer_len > len(b) - var:
+        if tag_len + region_len + peer_len > self.slot_size - SLOT_FIXED:
             raise FailedPrecondition(f"notification ring {self.object}: notification {n} has lengths past its slot")
         op, via = _OPS.get(b[24]), _VIAS.get(b[25])
         if op is None or via is None:
@@ -242,15 +276,12 @@ class Ring:
         if self._call is not None:
             self._call.cancel()
             self._call = None
-        self._unmap()
+        self._release()
 
-    def _unmap(self):
-        for v in self._views:
-            v.release()
-        self._views = []
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+    def _release(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self):
         return self
@@ -260,6 +291,11 @@ class Ring:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.object} position={getattr(self, 'position', None)}>"
+
+
+def _var_len(body):
+    """Tag, region and peer name lengths of a slot's fixed part (after seq), summed."""
+    return int.from_bytes(body[28:30], "little") + int.from_bytes(body[30:32], "little") + int.from_bytes(body[32:36], "little")
 
 
 class AsyncRing(Ring):

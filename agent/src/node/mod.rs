@@ -102,6 +102,7 @@ impl Node {
     pub fn new(config: Config, fabric: Arc<dyn Fabric>, fabric_reason: String, grants: Arc<GrantTable>, connector: Connector) -> Arc<Node> {
         let mut policy = RegionPolicy::new(config.regions.effective_file_roots(&config.state_dir));
         policy.shm_mode = config.regions.shm_mode.0;
+        policy.allow_hard_links = config.regions.allow_hard_links;
         // Both were checked by Config::validate; a failure here keeps the private defaults.
         policy.shm_gid = config.regions.shm_gid().unwrap_or(None);
         if let Ok(uid) = config.regions.shm_owner_uid() {

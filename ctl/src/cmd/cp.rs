@@ -136,10 +136,12 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         None => Vec::new(),
         Some(path) => {
             let text = if path.as_os_str() == "-" {
-                std::io::read_to_string(std::io::stdin()).context("reading the segment list from stdin")?
+                crate::segments::read_text(std::io::stdin())
             } else {
-                std::fs::read_to_string(path).with_context(|| format!("reading the segment list {}", path.display()))?
-            };
+                let f = std::fs::File::open(path).with_context(|| format!("reading the segment list {}", path.display()))?;
+                crate::segments::read_text(f)
+            }
+            .map_err(|e| crate::error::usage(format!("--segments {}: {e}", path.display())))?;
             crate::segments::parse(&text).map_err(|e| crate::error::usage(format!("--segments {}: {e}", path.display())))?
         }
     };
