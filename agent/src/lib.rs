@@ -40,7 +40,7 @@ pub mod regions;
 pub mod safe_file;
 pub mod service;
 pub mod shape;
-pub mod tenants;
 pub mod sys;
+pub mod tenants;
 pub mod transfer;
 pub mod verbs;

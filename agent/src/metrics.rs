@@ -190,7 +190,11 @@ pub fn describe() {
         Unit::Count,
         "Requests refused because their identity holds its share (limits.tenant_share) of a limit, by limit (transfers, regions, registered_bytes, watchers, inbound)."
     );
-    describe_gauge!(PEER_ALIASES, Unit::Count, "Distinct spellings of peer addresses remembered by the peer pool (at most 4 x limits.max_peers).");
+    describe_gauge!(
+        PEER_ALIASES,
+        Unit::Count,
+        "Distinct spellings of peer addresses remembered by the peer pool (at most 4 x limits.max_peers)."
+    );
     describe_gauge!(
         LIMIT,
         Unit::Count,

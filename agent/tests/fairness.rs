@@ -133,8 +133,11 @@ async fn one_client_cannot_hold_every_transfer_slot_with_idle_channels() {
         last = Some(m);
     }
     assert_eq!(last.unwrap().state, pb::TransferState::Succeeded as i32);
-    let mut s =
-        b_owner.read_region(pb::ReadRegionRequest { region: "dst".into(), offset: 512 << 10, length: data.len() as u64 }).await.unwrap().into_inner();
+    let mut s = b_owner
+        .read_region(pb::ReadRegionRequest { region: "dst".into(), offset: 512 << 10, length: data.len() as u64 })
+        .await
+        .unwrap()
+        .into_inner();
     let mut got = Vec::new();
     while let Some(m) = s.message().await.unwrap() {
         got.extend_from_slice(&m.data);

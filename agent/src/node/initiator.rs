@@ -23,7 +23,11 @@ impl Node {
 
     /// `SubmitTransfer` on behalf of `owner`: the transfer counts against its share of
     /// `limits.max_transfers` until it ends.
-    pub async fn submit_as(self: &Arc<Self>, req: TransferRequest, owner: &crate::tenants::Tenant) -> Result<TransferRecord, TransferError> {
+    pub async fn submit_as(
+        self: &Arc<Self>,
+        req: TransferRequest,
+        owner: &crate::tenants::Tenant,
+    ) -> Result<TransferRecord, TransferError> {
         if self.draining.is_cancelled() {
             return Err(TransferError::ShuttingDown);
         }

@@ -47,7 +47,6 @@ impl NotifyAsk {
 /// accepted (a sequence number: lower is older).
 pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 
-
 /// Slots of a notification ring unless the caller asks otherwise.
 const DEFAULT_RING_SLOTS: u32 = 1024;
 
@@ -195,7 +194,8 @@ impl Node {
                             attr: "connections",
                             detail: format!(
                                 "{peer} already has {from_peer} connections to this agent, each with a live grant \
-                                 (limits.max_connections_per_peer = {})", self.config.limits.max_connections_per_peer
+                                 (limits.max_connections_per_peer = {})",
+                                self.config.limits.max_connections_per_peer
                             ),
                         });
                     }
@@ -382,10 +382,9 @@ impl Node {
     pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        self.grants
-            .hub()
-            .subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS)
-            .ok_or_else(|| TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS)))
+        self.grants.hub().subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS).ok_or_else(|| {
+            TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS))
+        })
     }
 
     /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the
@@ -419,7 +418,10 @@ impl Node {
         let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
         let Some(slot) = self.grants.hub().add_ring(sub, super::shares::MAX_SUBSCRIBERS) else {
             self.regions.remove_private_shm(&object);
-            return Err(TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS)));
+            return Err(TransferError::Limit(format!(
+                "{} WatchInbound subscribers are connected to this agent already",
+                super::shares::MAX_SUBSCRIBERS
+            )));
         };
         crate::metrics::inbound_rings(1);
         let path = self.regions.shm_path(&object);
@@ -551,7 +553,8 @@ impl Node {
         // One peer identity keeps at most its share of the inbound history (plaintext has no
         // identities to share it between: every loopback peer is one caller).
         let history = super::TRANSFER_HISTORY as u64;
-        let share = if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
+        let share =
+            if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
         if self.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));

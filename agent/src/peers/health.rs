@@ -42,7 +42,6 @@ impl Health {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::time::Instant;

@@ -7,8 +7,8 @@ use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use xfer_proto::v1 as pb;
 
-use super::convert;
 use super::auth::Role;
+use super::convert;
 use super::tls::TlsMaterial;
 use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};

@@ -217,13 +217,22 @@ impl TransferRegistry {
     /// [`TransferRegistry::insert_new`], keeping at most `max` finished records that `same`
     /// matches (one peer's inbound records): the oldest of them makes room, so one peer cannot
     /// push every other peer's records out of the history.
-    pub fn insert_new_within(&self, record: TransferRecord, max: usize, same: impl Fn(&TransferRecord) -> bool) -> Option<Arc<TransferHandle>> {
+    pub fn insert_new_within(
+        &self,
+        record: TransferRecord,
+        max: usize,
+        same: impl Fn(&TransferRecord) -> bool,
+    ) -> Option<Arc<TransferHandle>> {
         let mut g = self.lock();
         if g.by_id.contains_key(&record.id) {
             return None;
         }
-        let mine: Vec<String> =
-            g.order.iter().filter(|id| g.by_id.get(*id).is_some_and(|h| h.record.borrow().state.is_terminal() && same(&h.record.borrow()))).cloned().collect();
+        let mine: Vec<String> = g
+            .order
+            .iter()
+            .filter(|id| g.by_id.get(*id).is_some_and(|h| h.record.borrow().state.is_terminal() && same(&h.record.borrow())))
+            .cloned()
+            .collect();
         let excess = (mine.len() + 1).saturating_sub(max.max(1));
         for id in mine.into_iter().take(excess) {
             g.by_id.remove(&id);
