@@ -15,6 +15,11 @@ use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 
+fn threads(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+}
+
 fn port_of(a: &Agent) -> u16 {
     a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
 }
@@ -79,8 +84,13 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     a_owner.create_region(anon("src", 64 << 10)).await.unwrap();
     b_owner.create_region(anon("dst", 64 << 10)).await.unwrap();
 
-    // The attack: one peer named again and again under every spelling the parser accepts.
+    // One connection of each shape the attack will ask for, so what follows is the steady state.
     let port = port_of(&b);
+    for qps in 1..=4 {
+        attacker.connect(pb::ConnectRequest { peer: b.addr(), qps }).await.unwrap();
+    }
+    let (fds0, threads0) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    // The attack: one peer named again and again under every spelling the parser accepts.
     for round in 0..40 {
         for s in spellings(port) {
             let p = attacker.connect(pb::ConnectRequest { peer: s.clone(), qps: 1 + (round % 4) }).await.unwrap().into_inner();
@@ -97,6 +107,10 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     // gRPC connections at B: A's one channel, the test's own client, nothing per spelling.
     let grpc = labelled(&scrape(&b), "xfer_listener_connections", &[("listener", "grpc")]);
     assert!(grpc <= 3.0, "B holds {grpc} gRPC connections");
+    // A holds what it held before the 200 calls: no descriptor or thread per spelling.
+    let (fds1, threads1) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    assert!(fds1 <= fds0 + 2, "A's descriptors {fds0} -> {fds1}");
+    assert!(threads1 <= threads0 + 2, "A's threads {threads0} -> {threads1}");
 
     // The victim's transfer to B still runs, on the shared entry.
     victim_transfer_lands(&mut a_owner, &mut b_owner, &b, 7).await;
