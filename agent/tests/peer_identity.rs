@@ -286,3 +286,32 @@ async fn an_address_taken_over_by_another_node_never_gets_the_first_nodes_calls(
     let listed = peers(&mut c).await;
     assert_eq!(listed.iter().map(|p| p.node_name.as_str()).collect::<Vec<_>>(), ["node-c"], "{listed:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responder_keeps_its_bound_per_identity_and_other_identities_keep_theirs() {
+    let pki = Pki::new();
+    let (b, _tb) = pki.agent_with("node-b", "[limits]\nmax_connections_per_peer = 2\n", "", &[]);
+    let mut owner = pki.agent_client(&b, "xferctl").await;
+    owner.create_region(anon("dst", 1 << 20)).await.unwrap();
+    let mut a = pki.peer(&b, "node-a").await;
+    let reply = a.connect(connect_req("a-1")).await.unwrap().into_inner();
+    assert_eq!((reply.max_connections, reply.max_streams), (2, 256), "B advertises what it keeps for a peer");
+    a.connect(connect_req("a-2")).await.unwrap();
+    let g1 = a.grant(grant_req("dst", "node-a", "a-1", pb::Access::Write)).await.unwrap().into_inner();
+    let g2 = a.grant(grant_req("dst", "node-a", "a-2", pb::Access::Write)).await.unwrap().into_inner();
+    // Both hold a live grant: a third is refused, and nothing of the two is touched.
+    let e = a.connect(connect_req("a-3")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("max_connections_per_peer"), "{e:?}");
+    assert_eq!(gauge(&b, "xfer_accepted_connections"), 2.0);
+    a.complete(complete_req(&g2.grant_id, "t-2", 4096, "node-a")).await.unwrap();
+    // Another identity has its own bound.
+    let mut c = pki.peer(&b, "node-c").await;
+    c.connect(connect_req("c-1")).await.unwrap();
+    c.grant(grant_req("dst", "node-c", "c-1", pb::Access::Write)).await.unwrap();
+    // a-2's grant ended with its Complete: a-2 holds none now, and a new connection of node-a's
+    // replaces it (the oldest without a grant), never a-1, whose grant is live.
+    a.connect(connect_req("a-3")).await.unwrap();
+    assert_eq!(gauge(&b, "xfer_accepted_connections"), 3.0);
+    a.complete(complete_req(&g1.grant_id, "t-1", 4096, "node-a")).await.unwrap();
+}

@@ -532,6 +532,8 @@ pub fn region_status(e: RegionError) -> Status {
 fn fabric_status_code(f: &FabricError, msg: String) -> Status {
     match f {
         FabricError::Registration(_) => Status::resource_exhausted(msg),
+        // The responder keeps no more connections for this identity: a limit, not a mismatch.
+        FabricError::Negotiation { attr: "connections", .. } => Status::resource_exhausted(msg),
         FabricError::Negotiation { .. } => Status::failed_precondition(msg),
         FabricError::Connect { .. } => Status::unavailable(msg),
         _ => Status::internal(msg),
