@@ -17,16 +17,19 @@
 //!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
 //! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
+//! * [`labels`] — the rules region labels and selectors follow; [`deadline`] — deadlines that never overflow.
 #![forbid(unsafe_code)]
 
 pub mod app;
 pub mod checksum;
 pub mod config;
 pub mod cpus;
+pub mod deadline;
 pub mod fabric;
 pub mod grants;
 pub mod identity;
 pub mod ids;
+pub mod labels;
 pub mod metrics;
 pub mod node;
 pub mod notify;
