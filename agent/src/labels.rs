@@ -143,7 +143,10 @@ mod tests {
             ("x", ""),
             ("a", "A"),
             ("xfer.io/scratch", "bench"),
-            (&format!("{}/{}", ["a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61)].join("."), "n".repeat(63)), &"v".repeat(63)),
+            (
+                &format!("{}/{}", ["a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61)].join("."), "n".repeat(63)),
+                &"v".repeat(63),
+            ),
         ] {
             assert_eq!(check(&one(k, v)), Ok(()), "{k}={v}");
         }
@@ -188,8 +191,7 @@ mod tests {
         let max: BTreeMap<String, String> = (0..MAX_LABELS).map(|i| (format!("k{i}"), "v".into())).collect();
         assert_eq!(check(&max), Ok(()));
         // 64 labels of the longest key and value are valid one by one, but too large together.
-        let big: BTreeMap<String, String> =
-            (0..MAX_LABELS).map(|i| (format!("{}.ex.com/{}", i, "n".repeat(63)), "v".repeat(63))).collect();
+        let big: BTreeMap<String, String> = (0..MAX_LABELS).map(|i| (format!("{}.ex.com/{}", i, "n".repeat(63)), "v".repeat(63))).collect();
         assert!(matches!(check(&big), Err(LabelError::TooLarge { .. })));
     }
 

@@ -375,7 +375,10 @@ impl Inner {
     }
 
     fn taken(&self, name: &str) -> bool {
-        self.live.contains_key(name) || self.unavailable.contains_key(name) || self.pending.contains_key(name) || self.pending_scratch.contains(name)
+        self.live.contains_key(name)
+            || self.unavailable.contains_key(name)
+            || self.pending.contains_key(name)
+            || self.pending_scratch.contains(name)
     }
 
     /// Bytes counted toward `max_registered_bytes` (benchmark scratch regions' are not).
@@ -651,9 +654,9 @@ impl RegionRegistry {
     /// apart from everything clients use; RESOURCE_EXHAUSTED when they do not fit.
     pub fn reserve_bench(&self, bytes: u64, what: &str) -> Result<Reservation, RegionError> {
         let max = self.limits.max_bench_bytes;
-        self.bench
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| used.checked_add(bytes).filter(|&n| n <= max))
-            .map_err(|used| RegionError::Limit(format!("limits.max_bench_bytes = {max} ({used} in use by benchmarks, {bytes} needed for {what})")))?;
+        self.bench.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| used.checked_add(bytes).filter(|&n| n <= max)).map_err(
+            |used| RegionError::Limit(format!("limits.max_bench_bytes = {max} ({used} in use by benchmarks, {bytes} needed for {what})")),
+        )?;
         Ok(Reservation { counter: self.bench.clone(), bytes })
     }
 

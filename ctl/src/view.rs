@@ -56,7 +56,8 @@ fn labels_text(labels: &std::collections::BTreeMap<String, String>) -> String {
 /// retitle the window or reorder what is shown. JSON stays valid: serde_json has escaped C0
 /// already, and a C1 or bidi character inside a string becomes the JSON escape `\uXXXX`.
 pub fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
-    let unsafe_char = |c: char| (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    let unsafe_char =
+        |c: char| (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
     if !s.chars().any(unsafe_char) {
         return std::borrow::Cow::Borrowed(s);
     }

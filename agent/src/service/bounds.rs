@@ -4,12 +4,14 @@
 //! tonic bounds a whole message (`limits.max_message_size`); this bounds each field to what it
 //! can mean: a region name is a region name's length, an id an id's, a tag at most
 //! `transfer.max_notify_bytes`, labels by [`crate::labels`]. A field over its bound is
-//! INVALID_ARGUMENT naming the field, so what a caller sent never reaches a log, a record, a
+//! INVALID_ARGUMENT naming the field ([`BoundError`], mapped in `convert`), so what a caller sent never reaches a log, a record, a
 //! notification or another caller at a size nobody planned for. Every request type of the proto
 //! has an impl here (a test compares them with `xfer.proto`), and every handler takes its
 //! request through [`Services::checked`] (a test reads `service/mod.rs`).
 use tonic::{Request, Status};
 use xfer_proto::v1 as pb;
+
+use super::convert::bound_status;
 
 use super::Services;
 
@@ -37,30 +39,41 @@ pub struct Bounds {
     pub max_segments: usize,
 }
 
-/// A request whose fields can be checked against [`Bounds`].
-pub trait Bounded {
-    fn check(&self, b: &Bounds) -> Result<(), Status>;
+/// A field over its bound; every message starts with the field's name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BoundError {
+    /// INVALID_ARGUMENT: the field cannot mean anything at this size.
+    #[error("{0}")]
+    Invalid(String),
+    /// RESOURCE_EXHAUSTED: more items than a configured limit (segments, QPs).
+    #[error("{0}")]
+    TooMany(String),
 }
 
-fn at_most(field: &str, n: usize, max: usize) -> Result<(), Status> {
+/// A request whose fields can be checked against [`Bounds`].
+pub trait Bounded {
+    fn check(&self, b: &Bounds) -> Result<(), BoundError>;
+}
+
+fn at_most(field: &str, n: usize, max: usize) -> Result<(), BoundError> {
     if n > max {
-        return Err(Status::invalid_argument(format!("{field}: {n} bytes; at most {max}")));
+        return Err(BoundError::Invalid(format!("{field}: {n} bytes; at most {max}")));
     }
     Ok(())
 }
 
-fn labels(field: &str, m: &std::collections::HashMap<String, String>) -> Result<(), Status> {
+fn labels(field: &str, m: &std::collections::HashMap<String, String>) -> Result<(), BoundError> {
     // Counted before anything is copied: a map of a million entries is refused as it is.
     if m.len() > crate::labels::MAX_LABELS {
-        return Err(Status::invalid_argument(format!("{field}: {} entries; at most {}", m.len(), crate::labels::MAX_LABELS)));
+        return Err(BoundError::Invalid(format!("{field}: {} entries; at most {}", m.len(), crate::labels::MAX_LABELS)));
     }
     let sorted: std::collections::BTreeMap<String, String> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    crate::labels::check(&sorted).map_err(|e| Status::invalid_argument(format!("{field}: {e}")))
+    crate::labels::check(&sorted).map_err(|e| BoundError::Invalid(format!("{field}: {e}")))
 }
 
-fn tag(field: &str, t: Option<&[u8]>, b: &Bounds) -> Result<(), Status> {
+fn tag(field: &str, t: Option<&[u8]>, b: &Bounds) -> Result<(), BoundError> {
     match t {
-        Some(t) if t.len() > b.max_tag => Err(Status::invalid_argument(format!(
+        Some(t) if t.len() > b.max_tag => Err(BoundError::Invalid(format!(
             "{field}: a tag of {} bytes; this agent takes at most {} (transfer.max_notify_bytes)",
             t.len(),
             b.max_tag
@@ -69,11 +82,11 @@ fn tag(field: &str, t: Option<&[u8]>, b: &Bounds) -> Result<(), Status> {
     }
 }
 
-fn local(field: &str, r: Option<&pb::LocalRange>) -> Result<(), Status> {
+fn local(field: &str, r: Option<&pb::LocalRange>) -> Result<(), BoundError> {
     r.map_or(Ok(()), |r| at_most(&format!("{field}.region"), r.region.len(), MAX_REGION_REF))
 }
 
-fn remote(field: &str, r: Option<&pb::RemoteRange>) -> Result<(), Status> {
+fn remote(field: &str, r: Option<&pb::RemoteRange>) -> Result<(), BoundError> {
     match r {
         Some(r) => {
             at_most(&format!("{field}.agent"), r.agent.len(), MAX_ADDRESS)?;
@@ -83,7 +96,7 @@ fn remote(field: &str, r: Option<&pb::RemoteRange>) -> Result<(), Status> {
     }
 }
 
-fn endpoint(i: usize, e: &pb::Endpoint) -> Result<(), Status> {
+fn endpoint(i: usize, e: &pb::Endpoint) -> Result<(), BoundError> {
     match &e.kind {
         Some(pb::endpoint::Kind::Tcp(t)) => {
             at_most(&format!("endpoints[{i}].tcp.address"), t.address.len(), MAX_ADDRESS)?;
@@ -103,7 +116,7 @@ macro_rules! bounded {
     ($($t:ident => |$r:ident, $b:ident| $body:block)*) => {
         $(impl Bounded for pb::$t {
             #[allow(unused_variables)]
-            fn check(&self, $b: &Bounds) -> Result<(), Status> {
+            fn check(&self, $b: &Bounds) -> Result<(), BoundError> {
                 let $r = self;
                 $body
             }
@@ -133,7 +146,7 @@ bounded! {
         tag("notify", r.notify.as_deref(), b)?;
         // Refused before the list is converted (a copy of up to a message of segments).
         if r.segments.len() > b.max_segments {
-            return Err(Status::resource_exhausted(format!(
+            return Err(BoundError::TooMany(format!(
                 "segments: {} segments in one batch; this agent takes at most {} (transfer.max_segments)",
                 r.segments.len(),
                 b.max_segments
@@ -173,7 +186,7 @@ bounded! {
         at_most("node_name", r.node_name.len(), MAX_NODE_NAME)?;
         at_most("connection_id", r.connection_id.len(), MAX_ID)?;
         if r.endpoints.len() > MAX_ENDPOINTS {
-            return Err(Status::resource_exhausted(format!("endpoints: {}; at most {MAX_ENDPOINTS} QPs per connection", r.endpoints.len())));
+            return Err(BoundError::TooMany(format!("endpoints: {}; at most {MAX_ENDPOINTS} QPs per connection", r.endpoints.len())));
         }
         r.endpoints.iter().enumerate().try_for_each(|(i, e)| endpoint(i, e))
     }
@@ -212,19 +225,19 @@ impl Services {
     /// The request's message, once every field is within its bound.
     pub(super) fn checked<T: Bounded>(&self, req: Request<T>) -> Result<T, Status> {
         let m = req.into_inner();
-        m.check(&self.bounds())?;
+        m.check(&self.bounds()).map_err(bound_status)?;
         Ok(m)
     }
 
     /// One message of a request stream, once every field is within its bound.
     pub(super) fn checked_msg<T: Bounded>(&self, m: T) -> Result<T, Status> {
-        m.check(&self.bounds())?;
+        m.check(&self.bounds()).map_err(bound_status)?;
         Ok(m)
     }
 
     /// [`Services::checked`] for a request whose metadata the handler still needs.
     pub(super) fn checked_ref<'a, T: Bounded>(&self, req: &'a Request<T>) -> Result<&'a T, Status> {
-        req.get_ref().check(&self.bounds())?;
+        req.get_ref().check(&self.bounds()).map_err(bound_status)?;
         Ok(req.get_ref())
     }
 }
@@ -247,7 +260,8 @@ mod tests {
     fn every_field_is_refused_one_past_its_bound_and_accepted_at_it() {
         type Case = (&'static str, Box<dyn Fn(usize) -> Box<dyn Bounded>>, usize);
         let remote = |agent: usize, region: usize| Some(pb::RemoteRange { agent: s(agent), region: s(region), offset: 0 });
-        let ep_tcp = |addr: usize| pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: s(addr), secret: vec![] })) };
+        let ep_tcp =
+            |addr: usize| pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: s(addr), secret: vec![] })) };
         let ep_verbs = |w: usize| pb::Endpoint {
             kind: Some(pb::endpoint::Kind::Verbs(pb::VerbsEndpoint { gid_type: s(w), link_layer: "IB".into(), ..Default::default() })),
         };
@@ -266,7 +280,11 @@ mod tests {
                 }),
                 128,
             ),
-            ("remote.agent", Box::new(move |n| Box::new(pb::SubmitTransferRequest { remote: remote(n, 1), ..Default::default() })), MAX_ADDRESS),
+            (
+                "remote.agent",
+                Box::new(move |n| Box::new(pb::SubmitTransferRequest { remote: remote(n, 1), ..Default::default() })),
+                MAX_ADDRESS,
+            ),
             ("remote.region", Box::new(move |n| Box::new(pb::SubmitTransferRequest { remote: remote(1, n), ..Default::default() })), 128),
             ("notify", Box::new(|n| Box::new(pb::SubmitTransferRequest { notify: Some(vec![0; n]), ..Default::default() })), 1024),
             ("id", Box::new(|n| Box::new(pb::WatchTransferRequest { id: s(n) })), MAX_ID),
@@ -343,7 +361,11 @@ mod tests {
         ];
         for (field, make, max) in &cases {
             make(*max).check(&B).unwrap_or_else(|e| panic!("{field} at its bound {max}: {e:?}"));
-            let e = make(max + 1).check(&B).err().unwrap_or_else(|| panic!("{field} one past its bound {max} was accepted"));
+            let e = make(max + 1)
+                .check(&B)
+                .map_err(bound_status)
+                .err()
+                .unwrap_or_else(|| panic!("{field} one past its bound {max} was accepted"));
             assert_eq!(e.code(), Code::InvalidArgument, "{field}: {e:?}");
             assert!(e.message().starts_with(&format!("{field}: ")), "{field}: {}", e.message());
         }
@@ -355,13 +377,13 @@ mod tests {
         let ok = pb::CreateRegionRequest { name: "r".into(), labels: one("app.example.com/tier", "db"), ..Default::default() };
         assert!(ok.check(&B).is_ok());
         let bad = pb::CreateRegionRequest { name: "r".into(), labels: one("k", "\u{1b}[2J"), ..Default::default() };
-        let e = bad.check(&B).unwrap_err();
+        let e = bound_status(bad.check(&B).unwrap_err());
         assert_eq!(e.code(), Code::InvalidArgument);
         assert!(e.message().starts_with("labels: label \"k\""), "{}", e.message());
         let many: HashMap<String, String> = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
-        let e = pb::ListRegionsRequest { label_selector: many }.check(&B).unwrap_err();
+        let e = bound_status(pb::ListRegionsRequest { label_selector: many }.check(&B).unwrap_err());
         assert!(e.message().starts_with("label_selector: 65 entries"), "{}", e.message());
-        let e = pb::ListRegionsRequest { label_selector: one("bad key", "v") }.check(&B).unwrap_err();
+        let e = bound_status(pb::ListRegionsRequest { label_selector: one("bad key", "v") }.check(&B).unwrap_err());
         assert!(e.message().contains("bad key"), "{}", e.message());
     }
 
@@ -369,7 +391,7 @@ mod tests {
     fn too_many_segments_are_refused_before_they_are_converted() {
         let seg = pb::Segment { local_offset: 0, remote_offset: 0, length: 1 };
         assert!(pb::SubmitTransferRequest { segments: vec![seg; 16], ..Default::default() }.check(&B).is_ok());
-        let e = pb::SubmitTransferRequest { segments: vec![seg; 17], ..Default::default() }.check(&B).unwrap_err();
+        let e = bound_status(pb::SubmitTransferRequest { segments: vec![seg; 17], ..Default::default() }.check(&B).unwrap_err());
         assert_eq!(e.code(), Code::ResourceExhausted);
         assert!(e.message().starts_with("segments: 17 segments"), "{}", e.message());
     }
@@ -377,7 +399,7 @@ mod tests {
     #[test]
     fn too_many_endpoints_are_refused_before_any_is_looked_at() {
         let r = pb::PeerConnectRequest { endpoints: vec![pb::Endpoint::default(); MAX_ENDPOINTS + 1], ..Default::default() };
-        assert_eq!(r.check(&B).unwrap_err().code(), Code::ResourceExhausted);
+        assert_eq!(bound_status(r.check(&B).unwrap_err()).code(), Code::ResourceExhausted);
     }
 
     /// Every request type of xfer.proto has a check (a new RPC cannot be added without one).

@@ -366,7 +366,7 @@ impl Agent for Services {
                     _ = reader_cancel.cancelled() => break,
                 };
                 match m {
-                    Ok(Some(m)) => match m.check(&bounds).and_then(|()| channel_input_from_pb(m, max_segments)) {
+                    Ok(Some(m)) => match m.check(&bounds).map_err(bound_status).and_then(|()| channel_input_from_pb(m, max_segments)) {
                         Ok(i) => {
                             if in_tx.send(i).await.is_err() {
                                 break;
