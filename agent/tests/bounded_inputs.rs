@@ -120,6 +120,30 @@ async fn label_selectors_are_checked_like_labels() {
     assert_eq!(observable(&a).await, before);
 }
 
+/// One tenant once made ListRegions fail for every client (15 MiB of labels on one region, over
+/// the message limit). Labels are bounded per region now, tightly enough that the default
+/// 1,024 regions, each with the most labels it may carry, still list in one message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_region_at_its_largest_labels_still_lists() {
+    let a = Agent::start("node-a");
+    let mut c = a.client().await;
+    let labels: HashMap<String, String> = (0..64).map(|i| (format!("p{i:02}.example.com/{}", "n".repeat(48)), "v".repeat(63))).collect();
+    let bytes: usize = labels.iter().map(|(k, v)| k.len() + v.len()).sum();
+    assert!(bytes > 8000, "{bytes}");
+    for i in 0..1024 {
+        c.create_region(pb::CreateRegionRequest { labels: labels.clone(), ..anon(&format!("r{i:04}"), 4096) }).await.unwrap();
+    }
+    let e = c.create_region(anon("one-more", 4096)).await.unwrap_err();
+    assert!(e.code() == Code::ResourceExhausted && e.message().contains("max_regions"), "{e:?}");
+    // Another client lists them all: the answer fits the agent's 16 MiB message limit.
+    let list = a.client().await.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner();
+    assert_eq!(list.regions.len(), 1024);
+    assert!(list.regions.iter().all(|r| r.labels == labels));
+    let size = prost::Message::encoded_len(&list);
+    println!("ListRegions of 1,024 regions with {bytes} bytes of labels each: {size} bytes");
+    assert!(size < 16 << 20, "{size}");
+}
+
 /// A catalog edited behind the agent's back (a bad label on one entry) cannot show anyone what
 /// CreateRegion would have refused: that entry is ignored, with a warning; the others restore.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
