@@ -545,6 +545,15 @@ pub fn fabric_status(f: FabricError) -> Status {
     fabric_status_code(&f, msg)
 }
 
+/// A request field over its bound (`service::bounds`).
+pub fn bound_status(e: super::bounds::BoundError) -> Status {
+    use super::bounds::BoundError as B;
+    match e {
+        B::Invalid(m) => Status::invalid_argument(m),
+        B::TooMany(m) => Status::resource_exhausted(m),
+    }
+}
+
 pub fn grant_status(e: GrantError) -> Status {
     match &e {
         GrantError::NotFound(_) => Status::not_found(e.to_string()),
