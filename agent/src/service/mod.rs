@@ -428,8 +428,10 @@ impl Agent for Services {
         let r = req.into_inner();
         let rx = self.node.watch_inbound(&r.region, r.tag.as_deref()).map_err(transfer_status)?;
         let tag = r.tag;
+        let region = r.region;
         let stream = futures::stream::unfold(Some(rx), move |rx| {
             let tag = tag.clone();
+            let region = region.clone();
             async move {
                 let mut rx = rx?;
                 loop {
@@ -442,6 +444,11 @@ impl Agent for Services {
                             return Some((Ok(notification_to_pb(&n)), Some(rx)));
                         }
                         Err(RecvError::Lagged(k)) => return Some((Err(lagged_status(k)), None)),
+                        // A region's channel closes when the region ends (deleted, lease over):
+                        // nothing more can come, and the subscriber is told why.
+                        Err(RecvError::Closed) if !region.is_empty() => {
+                            return Some((Err(region_status(RegionError::NotFound(region))), None))
+                        }
                         Err(RecvError::Closed) => return None,
                     }
                 }
