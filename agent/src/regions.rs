@@ -1044,6 +1044,20 @@ impl RegionRegistry {
         }
     }
 
+    /// Whether a lease has ended at `now`, or a retry pass has work (an unavailable region, a
+    /// stale catalog): the background ticks look first, so an idle agent sends nothing to the
+    /// blocking pool and its threads can leave.
+    pub fn housekeeping_due(&self, now: Option<SystemTime>) -> bool {
+        let st = self.lock();
+        match now {
+            Some(now) => {
+                st.live.values().any(|r| r.expires_at.is_some_and(|t| t <= now))
+                    || st.unavailable.values().any(|u| u.expires_at().is_some_and(|t| t <= now))
+            }
+            None => !st.unavailable.is_empty() || self.catalog_dirty.load(Ordering::Acquire),
+        }
+    }
+
     /// Removes regions whose lease ended and are not in use, each like a delete (`cut_off` as
     /// in [`RegionRegistry::retire`]); returns the live ones. Unavailable regions whose lease
     /// ended leave the catalog too.

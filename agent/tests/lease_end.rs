@@ -105,7 +105,8 @@ async fn write_until(
         let succeeded = match conn.post(0, wr) {
             Err(_) => false,
             Ok(()) => {
-                let c = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("a completion within 20 s").expect("sink open");
+                let c =
+                    tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("a completion within 20 s").expect("sink open");
                 assert_eq!(c.wr_id, i);
                 c.status == WcStatus::Success
             }

@@ -45,9 +45,9 @@ mod limits;
 mod responder;
 
 pub use bench::{BenchParams, BenchResult};
-pub use lifetime::StateCounts;
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 use initiator::Held;
+pub use lifetime::StateCounts;
 use responder::AcceptedConn;
 pub use responder::{GrantParams, InboundRing, NotifyAsk};
 
@@ -160,9 +160,11 @@ impl Node {
                 }
                 let now = SystemTime::now();
                 node.grants.reap(now);
-                // Catalog writes fsync: off the reactor.
-                let n = node.clone();
-                let _ = tokio::task::spawn_blocking(move || n.reap_regions(now)).await;
+                // Catalog writes fsync: off the reactor (only when a lease ended).
+                if node.regions.housekeeping_due(Some(now)) {
+                    let n = node.clone();
+                    let _ = tokio::task::spawn_blocking(move || n.reap_regions(now)).await;
+                }
             }
         });
         // Regions the catalog has but that could not be restored (file missing, owner mismatch,
@@ -175,6 +177,9 @@ impl Node {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tick.tick() => {}
+                }
+                if !node.regions.housekeeping_due(None) {
+                    continue;
                 }
                 let n = node.clone();
                 let _ = tokio::task::spawn_blocking(move || {

@@ -378,11 +378,9 @@ impl Node {
     pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        let sub = self
-            .grants
-            .hub()
-            .subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS)
-            .ok_or_else(|| TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already")))?;
+        let sub = self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
+            TransferError::Limit(format!("{MAX_SUBSCRIBERS} WatchInbound subscribers are connected to this agent already"))
+        })?;
         // A region that ended since it was looked up has forgotten its channel already; this
         // subscription would have made it anew and never be told. Looked up again after joining:
         // an end from now on takes the channel out (and ends this stream).
