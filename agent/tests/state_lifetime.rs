@@ -233,7 +233,7 @@ async fn a_real_agent_returns_to_its_baseline_memory_descriptors_and_threads() {
         eprintln!("{who}: {before:?} -> {after:?}");
         assert!(
             after.rss_kib < before.rss_kib + 8 * 1024,
-            "{who}: resident memory grew from {} KiB to {} KiB over 5,000 cycles",
+            "{who}: resident memory grew from {} KiB to {} KiB over {CYCLES} cycles",
             before.rss_kib,
             after.rss_kib
         );
