@@ -3,8 +3,11 @@
 //!
 //! In-process (two `Node`s over the tcp fabric on 127.0.0.1) so that the lease ends when the test
 //! says: the reaper is called with a `now` past the lease, while a peer writes into the file
-//! region continuously and another region of the same agent is written beside it.
+//! region continuously and another region of the same agent is written beside it. And end to
+//! end, with real agents, a channel and the agent's own reaper.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -263,4 +266,82 @@ async fn a_region_stays_visible_until_its_grants_are_revoked() {
     assert!(matches!(b.node.describe_region("leased"), Err(RegionError::NotFound(_))));
     assert!(!g.lease.is_live(), "its grant was revoked");
     assert_eq!(b.grants.len(), 0);
+}
+
+/// End to end, as it was seen: real agents, a channel A → B writing batch after batch into B's
+/// file region whose lease (ttl, 1 s) runs out on B's own reaper, and a second channel into
+/// another region of B beside it. From the first GetRegion that answers NOT_FOUND: the file's
+/// bytes never change again and no batch posted after it is SUCCEEDED (the channel ends); the
+/// other channel's batches all succeed, before and after.
+#[tokio::test]
+async fn a_channel_into_a_region_whose_lease_ends_gets_no_success_after_not_found() {
+    use common::chan::*;
+    use common::{file_region_req, random_bytes, root_of, Agent};
+    use xfer_proto::v1 as pb;
+
+    let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));
+    a.create("src", 17 * CHUNK, pb::Access::ReadWrite).await;
+    a.put("src", 0, &random_bytes(17 * CHUNK as usize, 5)).await;
+    b.create("other", 16 * CHUNK, pb::Access::ReadWrite).await;
+    std::fs::create_dir_all(root_of(&b)).unwrap();
+    let file = root_of(&b).join("leased.bin");
+    std::fs::write(&file, vec![0u8; 16 * CHUNK as usize]).unwrap();
+    let mut cb = b.client().await;
+    cb.create_region(pb::CreateRegionRequest {
+        ttl: Some(prost_types::Duration { seconds: 1, nanos: 0 }),
+        ..file_region_req("leased", 16 * CHUNK, "leased.bin", pb::Access::ReadWrite)
+    })
+    .await
+    .unwrap();
+    let open = |remote: &str| open_msg_qps(pb::Op::Write, "src", &b, remote, 0, 16 * CHUNK, false, 2);
+    let mut leased = try_open(&a, open("leased")).await.unwrap();
+    let mut other = try_open(&a, open("other")).await.unwrap();
+    // Batch i: source chunk i % 17 to destination chunk i % 16 (every batch changes its bytes).
+    let batch = |i: u64| vec![seg((i % 17) * CHUNK, (i % 16) * CHUNK, CHUNK)];
+
+    let gone = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let gone = gone.clone();
+        let (mut cb, file) = (cb.clone(), file.clone());
+        tokio::spawn(async move {
+            loop {
+                match cb.get_region(pb::GetRegionRequest { name: "leased".into() }).await {
+                    Ok(_) => continue,
+                    Err(s) if s.code() == tonic::Code::NotFound => break,
+                    Err(s) => panic!("{s}"),
+                }
+            }
+            let at_gone = std::fs::read(&file).unwrap();
+            gone.store(true, Ordering::SeqCst);
+            at_gone
+        })
+    };
+    let (mut before, mut late_ok, mut other_ok) = (0, Vec::new(), 0);
+    for i in 0u64.. {
+        let posted_after_gone = gone.load(Ordering::SeqCst);
+        leased.send(post_msg(i, batch(i), 0, None)).await;
+        let d = leased.done().await;
+        let succeeded = d.state == pb::TransferState::Succeeded as i32;
+        if succeeded && posted_after_gone {
+            late_ok.push(d.seq);
+        }
+        before += usize::from(succeeded && !posted_after_gone);
+        ok(&other.post(i, batch(i), 0, None).await);
+        other_ok += 1;
+        if !succeeded {
+            break;
+        }
+    }
+    let status = leased.end().await;
+    assert_ne!(status.code(), tonic::Code::Ok, "{status:?}");
+    let at_gone = watcher.await.unwrap();
+    assert!(std::fs::read(&file).unwrap() == at_gone, "bytes landed in the file after GetRegion answered NOT_FOUND");
+    assert!(before > 0, "the channel was writing when the lease ended");
+    assert!(late_ok.is_empty(), "batches posted after NOT_FOUND were SUCCEEDED: {late_ok:?}");
+    // Nothing else changed: the other channel goes on.
+    for i in 0..20 {
+        ok(&other.post(1_000_000 + i, batch(i), 0, None).await);
+    }
+    assert!(other_ok > 0);
+    other.close().await;
 }
