@@ -168,7 +168,7 @@ impl Node {
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
-        let handle = self.transfers.insert(record);
+        let handle = self.transfers.insert_owned(record, self.config.limits.tenant_share);
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
