@@ -338,6 +338,49 @@ async fn a_certificate_named_like_a_local_uid_does_not_spend_that_uids_share() {
     assert_eq!(n, 2, "the refused requests created nothing");
 }
 
+/// An mTLS agent under certificate `name` whose config and state live in `dir` (so that it can
+/// be restarted on the same state).
+fn mtls_agent_in(pki: &Pki, name: &str, dir: &Path, extra: &str) -> Agent {
+    let cfg = dir.join("agent.toml");
+    let tls = format!("[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n", pki.path(&format!("{name}.crt")), pki.path(&format!("{name}.key")), pki.path("ca.crt"));
+    std::fs::write(&cfg, format!("insecure = false\n{extra}\n{tls}")).unwrap();
+    Agent::start_with_env(name, &dir.join("state"), Ports::new(), &["--config", cfg.to_str().unwrap()], &[])
+}
+
+/// Regions restored from the catalog at start are charged to no one: a client whose file
+/// regions fill its share gets the share back at every restart of the agent, and after one
+/// restart it holds every region slot; another client's first region is refused by
+/// `max_regions`. A restored region must still count against its creator's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "BUG: restored regions are exempt from shares (the catalog does not keep the owner); each restart gives a tenant its share again"]
+async fn a_restart_does_not_give_a_client_its_share_again() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = "[limits]\nmax_regions = 4\n";
+    let a = mtls_agent_in(&pki, "node-a", dir.path(), limits);
+    for i in 0..4 {
+        std::fs::write(root_of(&a).join(format!("f{i}.bin")), vec![i as u8; 4096]).unwrap();
+    }
+    let mut hoarder = pki.agent_client(&a, "xferctl").await;
+    for i in 0..2 {
+        hoarder.create_region(file_region_req(&format!("f{i}"), 4096, &format!("f{i}.bin"), pb::Access::ReadWrite)).await.unwrap();
+    }
+    share_refusal(&hoarder.create_region(file_region_req("f2", 4096, "f2.bin", pb::Access::ReadWrite)).await.unwrap_err(), "client/xferctl");
+    drop(hoarder);
+    drop(a);
+
+    let a = mtls_agent_in(&pki, "node-a", dir.path(), limits);
+    let mut hoarder = pki.agent_client(&a, "xferctl").await;
+    let mut victim = pki.agent_client(&a, "tenant-b").await;
+    assert_eq!(victim.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions.len(), 2, "both restored");
+    for i in 2..4 {
+        let e = hoarder.create_region(file_region_req(&format!("f{i}"), 4096, &format!("f{i}.bin"), pb::Access::ReadWrite)).await;
+        share_refusal(&e.expect_err("the restored regions are still the hoarder's"), "client/xferctl");
+    }
+    victim.create_region(anon("v0", 4096)).await.unwrap();
+    victim.create_region(anon("v1", 4096)).await.unwrap();
+}
+
 /// Refused requests give back whatever share they took: a client whose creates, watches and
 /// channels fail after the share was taken (a file region that is not there, a watch on a region
 /// that is not there, a channel to a remote region that is not there), many times over, can
