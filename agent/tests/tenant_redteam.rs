@@ -228,6 +228,33 @@ async fn racing_first_lookups_of_many_spellings_make_one_entry() {
     victim_lands(&mut victim, &mut b_owner, &b, 0, 3).await;
 }
 
+/// A host name that reaches a peer's socket but that the peer's certificate does not cover
+/// (`localhost`: node-b's certificate names node-b and 127.0.0.1). The attacker's lookup fails
+/// verification; its entry, until the peer answers, holds the client made for that spelling. Keyed
+/// on the resolved socket, it would be handed to another client that names the same socket
+/// correctly (127.0.0.1), whose lookups would then fail verification (and back off) too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spelling_that_fails_verification_does_not_poison_the_socket() {
+    let pki = pki();
+    let (a, _ta) = pki.agent("node-a");
+    let (b, _tb) = pki.agent("node-b");
+    let mut attacker = pki.agent_client(&a, "xferctl").await;
+    let mut victim = pki.agent_client(&a, "tenant-b").await;
+    let mut b_owner = pki.agent_client(&b, "xferctl").await;
+    victim.create_region(anon("vsrc", 64 << 10)).await.unwrap();
+    b_owner.create_region(anon("dst", 64 << 10)).await.unwrap();
+    // The attack: B's port under a name its certificate does not carry, a few times (enough to
+    // put the entry in back-off).
+    for _ in 0..4 {
+        let e = attacker.connect(pb::ConnectRequest { peer: format!("localhost:{}", port_of(&b)), qps: 1 }).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    }
+    // The victim names B by the address its certificate carries: verified, connected, served.
+    let p = victim.connect(pb::ConnectRequest { peer: b.addr(), qps: 1 }).await;
+    assert_eq!(p.unwrap_or_else(|e| panic!("the victim's first Connect to node-b failed: {e:?}")).into_inner().node_name, "node-b");
+    victim_lands(&mut victim, &mut b_owner, &b, 0, 7).await;
+}
+
 // ------------------------------------------------------------------ connections to a peer
 
 /// The connections A keeps to one peer are bounded (`limits.max_connections_per_peer`, and the
