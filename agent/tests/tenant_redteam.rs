@@ -349,7 +349,8 @@ async fn a_certificate_named_like_a_local_uid_does_not_spend_that_uids_share() {
     pki.leaf("uid-cert", vec![uri(&role_uri("client", &format!("uid-{uid}")))]);
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("agent.sock");
-    let (a, _t) = pki.agent_with("node-a", &format!("unix_listen = {:?}\n[limits]\nmax_regions = 4\n", sock.display().to_string()), "", &[]);
+    let (a, _t) =
+        pki.agent_with("node-a", &format!("unix_listen = {:?}\n[limits]\nmax_regions = 4\n", sock.display().to_string()), "", &[]);
     let mut remote = pki.agent_client(&a, "uid-cert").await;
     for i in 0..3 {
         let e = remote.create_region(anon(&format!("r{i}"), 4096)).await.unwrap_err();
@@ -369,7 +370,12 @@ async fn a_certificate_named_like_a_local_uid_does_not_spend_that_uids_share() {
 /// be restarted on the same state).
 fn mtls_agent_in(pki: &Pki, name: &str, dir: &Path, extra: &str) -> Agent {
     let cfg = dir.join("agent.toml");
-    let tls = format!("[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n", pki.path(&format!("{name}.crt")), pki.path(&format!("{name}.key")), pki.path("ca.crt"));
+    let tls = format!(
+        "[tls]\ncert = {:?}\nkey = {:?}\nca = {:?}\n",
+        pki.path(&format!("{name}.crt")),
+        pki.path(&format!("{name}.key")),
+        pki.path("ca.crt")
+    );
     std::fs::write(&cfg, format!("insecure = false\n{extra}\n{tls}")).unwrap();
     Agent::start_with_env(name, &dir.join("state"), Ports::new(), &["--config", cfg.to_str().unwrap()], &[])
 }
@@ -392,7 +398,10 @@ async fn a_restart_does_not_give_a_client_its_share_again() {
     for i in 0..2 {
         hoarder.create_region(file_region_req(&format!("f{i}"), 4096, &format!("f{i}.bin"), pb::Access::ReadWrite)).await.unwrap();
     }
-    share_refusal(&hoarder.create_region(file_region_req("f2", 4096, "f2.bin", pb::Access::ReadWrite)).await.unwrap_err(), "client/xferctl");
+    share_refusal(
+        &hoarder.create_region(file_region_req("f2", 4096, "f2.bin", pb::Access::ReadWrite)).await.unwrap_err(),
+        "client/xferctl",
+    );
     drop(hoarder);
     drop(a);
 

@@ -223,7 +223,9 @@ mod tests {
     #[test]
     fn a_certificate_cannot_be_named_like_a_local_uid() {
         let any = RolePolicy::new("", &[DnsRole { pattern: "*.apps.example".into(), role: RoleName::Client }]);
-        for sans in [vec![uri("spiffe://td/xfer/client/uid-0")], vec![uri("spiffe://td/xfer/admin/uid-1000")], vec![dns("uid-7.apps.example")]] {
+        for sans in
+            [vec![uri("spiffe://td/xfer/client/uid-0")], vec![uri("spiffe://td/xfer/admin/uid-1000")], vec![dns("uid-7.apps.example")]]
+        {
             assert!(matches!(any.caller_of(&cert_with(sans)), Err(AuthError::Reserved(_))));
         }
         // Only `uid-` and digits is a unix socket caller's NAME.
