@@ -13,6 +13,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::verbs::GrantMode;
 
+mod bounds;
+
 #[derive(Debug, thiserror::Error)]
 #[error("{key}: {problem}")]
 pub struct ConfigError {
@@ -157,6 +159,10 @@ pub struct TlsConfig {
 pub struct LimitsConfig {
     pub max_regions: usize,
     pub max_registered_bytes: ByteSize,
+    /// Memory of benchmarks (an admin's `Bench` and `TcpBaseline` buffers and pools, a peer's
+    /// `OpenBenchRegion` scratch region, `OpenSink` buffers): a budget of its own, not counted
+    /// against `max_registered_bytes`, so a benchmark never makes a client's region fail.
+    pub max_bench_bytes: ByteSize,
     pub max_grants_per_peer: usize,
     pub max_transfers: usize,
     pub max_transfers_per_peer: usize,
@@ -480,6 +486,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_regions: 1024,
             max_registered_bytes: ByteSize(64 << 30),
+            max_bench_bytes: ByteSize(1 << 30),
             max_grants_per_peer: 1024,
             max_transfers: 256,
             max_transfers_per_peer: 64,
@@ -614,6 +621,8 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // Every duration and size first: nothing accepted may overflow a deadline or a sum later.
+        bounds::check(self)?;
         let t = &self.transfer;
         crate::shape::chunk(t.chunk_size.0)
             .map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;

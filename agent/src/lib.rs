@@ -20,16 +20,19 @@
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
 //! * [`safe_file`] — files written without following planted links; the hard-link check of file regions.
 //! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
+//! * [`labels`] — the rules region labels and selectors follow; [`deadline`] — deadlines that never overflow.
 #![forbid(unsafe_code)]
 
 pub mod app;
 pub mod checksum;
 pub mod config;
 pub mod cpus;
+pub mod deadline;
 pub mod fabric;
 pub mod grants;
 pub mod identity;
 pub mod ids;
+pub mod labels;
 pub mod metrics;
 pub mod node;
 pub mod notify;

@@ -154,6 +154,10 @@ pub struct Region {
     created_object: bool,
     /// The creator's share of the per-identity limits, given back when the region is dropped.
     _shares: Option<Arc<crate::tenants::Permits>>,
+    /// A benchmark's scratch region: its bytes are held in `limits.max_bench_bytes` (released
+    /// when the last user drops it) and it counts toward neither `max_regions` nor
+    /// `max_registered_bytes`.
+    scratch: Option<Reservation>,
 }
 
 impl Region {
@@ -319,6 +323,8 @@ impl RegionView {
 pub struct RegionLimits {
     pub max_regions: usize,
     pub max_registered_bytes: u64,
+    /// Benchmarks' own budget ([`RegionRegistry::reserve_bench`]).
+    pub max_bench_bytes: u64,
 }
 
 /// Where regions may live and who may see shared memory (`regions.*` in the configuration).
@@ -367,19 +373,27 @@ struct Inner {
     /// name → bytes of a create in progress (opening, mapping, registering with no lock held):
     /// the name is taken and the bytes are counted until it is inserted or fails.
     pending: HashMap<String, u64>,
+    /// Names of benchmark scratch regions being created (their bytes are in the bench budget).
+    pending_scratch: std::collections::HashSet<String>,
 }
 
 impl Inner {
+    /// Regions counted toward `max_regions` (benchmark scratch regions are not).
     fn count(&self) -> usize {
-        self.live.len() + self.unavailable.len() + self.pending.len()
+        self.live.values().filter(|r| r.scratch.is_none()).count() + self.unavailable.len() + self.pending.len()
     }
 
     fn taken(&self, name: &str) -> bool {
-        self.live.contains_key(name) || self.unavailable.contains_key(name) || self.pending.contains_key(name)
+        self.live.contains_key(name)
+            || self.unavailable.contains_key(name)
+            || self.pending.contains_key(name)
+            || self.pending_scratch.contains(name)
     }
 
+    /// Bytes counted toward `max_registered_bytes` (benchmark scratch regions' are not).
     fn registered_bytes(&self) -> u64 {
-        self.live.values().map(|r| r.length).sum::<u64>().saturating_add(self.pending.values().sum::<u64>())
+        let live: u64 = self.live.values().filter(|r| r.scratch.is_none()).map(|r| r.length).sum();
+        live.saturating_add(self.pending.values().sum::<u64>())
     }
 }
 
@@ -396,9 +410,11 @@ pub struct RegionRegistry {
     persist_lock: Mutex<()>,
     /// The last catalog write failed: the catalog on disk is stale (see `finish_removal`).
     catalog_dirty: std::sync::atomic::AtomicBool,
-    /// Bytes the agent holds outside regions (benchmark buffers), counted against
+    /// Bytes the agent holds outside regions (notification rings), counted against
     /// `max_registered_bytes` like regions ([`Reservation`]).
     reserved: Arc<AtomicU64>,
+    /// Bytes benchmarks hold (buffers, pools, scratch regions), against `max_bench_bytes`.
+    bench: Arc<AtomicU64>,
 }
 
 /// Memory counted against `max_registered_bytes` while it lives; released on drop.
@@ -465,6 +481,7 @@ impl RegionRegistry {
             persist_lock: Mutex::new(()),
             catalog_dirty: Default::default(),
             reserved: Arc::new(AtomicU64::new(0)),
+            bench: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -508,6 +525,12 @@ impl RegionRegistry {
                 warn!(region = %e.name, "catalog entry with an invalid or duplicate name ignored");
                 continue;
             }
+            // A catalog edited by hand (or by an attacker) must not show other users what
+            // CreateRegion would have refused.
+            if let Err(why) = crate::labels::check(&e.labels) {
+                warn!(region = %e.name, error = %why, "catalog entry with invalid labels ignored");
+                continue;
+            }
             match self.build(&e.spec(), Some(&e)) {
                 Ok(region) => {
                     self.lock().live.insert(region.name.clone(), region);
@@ -548,7 +571,23 @@ impl RegionRegistry {
     }
 
     pub fn create(&self, spec: RegionSpec) -> Result<Arc<Region>, RegionError> {
+        self.create_as(spec, None)
+    }
+
+    /// A benchmark's scratch region (anonymous), its bytes already in `budget`
+    /// ([`RegionRegistry::reserve_bench`]) and held by the region until its last user drops it:
+    /// it takes nothing from `max_regions` or `max_registered_bytes`, so no client's
+    /// CreateRegion is refused because a benchmark is running.
+    pub fn create_scratch(&self, spec: RegionSpec, budget: Reservation) -> Result<Arc<Region>, RegionError> {
+        if spec.kind != RegionKind::Anonymous || budget.bytes < spec.length {
+            return Err(RegionError::Invalid("a scratch region is anonymous memory inside its bench budget".into()));
+        }
+        self.create_as(spec, Some(budget))
+    }
+
+    fn create_as(&self, spec: RegionSpec, scratch: Option<Reservation>) -> Result<Arc<Region>, RegionError> {
         validate_name(&spec.name)?;
+        crate::labels::check(&spec.labels).map_err(|e| RegionError::Invalid(e.to_string()))?;
         if spec.length == 0 {
             return Err(RegionError::Invalid("region length must be greater than zero".into()));
         }
@@ -557,24 +596,36 @@ impl RegionRegistry {
             if st.taken(&spec.name) {
                 return Err(RegionError::AlreadyExists(spec.name));
             }
-            if st.count() >= self.limits.max_regions {
-                return Err(RegionError::Limit(format!("max_regions = {}", self.limits.max_regions)));
+            if scratch.is_some() {
+                st.pending_scratch.insert(spec.name.clone());
+            } else {
+                if st.count() >= self.limits.max_regions {
+                    return Err(RegionError::Limit(format!("max_regions = {}", self.limits.max_regions)));
+                }
+                let registered = st.registered_bytes().saturating_add(self.reserved.load(Ordering::Acquire));
+                if registered.saturating_add(spec.length) > self.limits.max_registered_bytes {
+                    return Err(RegionError::Limit(format!(
+                        "max_registered_bytes = {} ({} registered, {} requested)",
+                        self.limits.max_registered_bytes, registered, spec.length
+                    )));
+                }
+                st.pending.insert(spec.name.clone(), spec.length);
             }
-            let registered = st.registered_bytes().saturating_add(self.reserved.load(Ordering::Acquire));
-            if registered.saturating_add(spec.length) > self.limits.max_registered_bytes {
-                return Err(RegionError::Limit(format!(
-                    "max_registered_bytes = {} ({} registered, {} requested)",
-                    self.limits.max_registered_bytes, registered, spec.length
-                )));
-            }
-            st.pending.insert(spec.name.clone(), spec.length);
         }
         // No lock from here to the insert: opening a file (even one on a hung NFS mount),
         // mapping and registering must not stall other creates, deletes or lookups.
-        let built = self.build(&spec, None);
+        let built = self.build(&spec, None).and_then(|mut region| {
+            if scratch.is_some() {
+                // Just built: no one else holds it yet.
+                let r = Arc::get_mut(&mut region).ok_or_else(|| RegionError::Invalid("scratch region shared while built".into()))?;
+                r.scratch = scratch;
+            }
+            Ok(region)
+        });
         let region = {
             let mut st = self.lock();
             st.pending.remove(&spec.name);
+            st.pending_scratch.remove(&spec.name);
             let region = built?;
             st.live.insert(region.name.clone(), region.clone());
             region
@@ -606,6 +657,21 @@ impl RegionRegistry {
         }
         self.reserved.fetch_add(bytes, Ordering::AcqRel);
         Ok(Reservation { counter: self.reserved.clone(), bytes })
+    }
+
+    /// Counts `bytes` a benchmark is about to hold (for `what`) against `limits.max_bench_bytes`,
+    /// apart from everything clients use; RESOURCE_EXHAUSTED when they do not fit.
+    pub fn reserve_bench(&self, bytes: u64, what: &str) -> Result<Reservation, RegionError> {
+        let max = self.limits.max_bench_bytes;
+        self.bench.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| used.checked_add(bytes).filter(|&n| n <= max)).map_err(
+            |used| RegionError::Limit(format!("limits.max_bench_bytes = {max} ({used} in use by benchmarks, {bytes} needed for {what})")),
+        )?;
+        Ok(Reservation { counter: self.bench.clone(), bytes })
+    }
+
+    /// Bytes benchmarks hold now.
+    pub fn bench_bytes(&self) -> u64 {
+        self.bench.load(Ordering::Acquire)
     }
 
     /// Opens, maps and registers. Takes no lock. `restored`: the catalog entry being restored.
@@ -690,12 +756,14 @@ impl RegionRegistry {
             hugepages: spec.hugepages,
             labels: spec.labels.clone(),
             created_at: restored.map(|e| e.created_at).unwrap_or(now),
-            expires_at: restored.and_then(|e| e.expires_at).or_else(|| spec.ttl.map(|t| now + t)),
+            // A ttl past what a SystemTime holds would panic; requests bound it to 100 years anyway.
+            expires_at: restored.and_then(|e| e.expires_at).or_else(|| spec.ttl.and_then(|t| now.checked_add(t))),
             memory,
             registration,
             in_use: AtomicU32::new(0),
             created_object: opened.created_object,
             _shares: spec.shares.clone(),
+            scratch: None,
         }))
     }
 
@@ -1298,7 +1366,7 @@ mod tests {
     async fn registry(state: &Path, policy: RegionPolicy, max_regions: usize) -> RegionRegistry {
         let grants = Arc::new(crate::grants::GrantTable::new(16));
         let fabric = crate::fabric::tcp::TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants, None).await.unwrap();
-        let limits = RegionLimits { max_regions, max_registered_bytes: 1 << 30 };
+        let limits = RegionLimits { max_regions, max_registered_bytes: 1 << 30, max_bench_bytes: 1 << 20 };
         RegionRegistry::new(Arc::new(fabric), state.to_path_buf(), limits, policy)
     }
 

@@ -15,6 +15,11 @@ use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 
+fn threads(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+}
+
 fn port_of(a: &Agent) -> u16 {
     a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
 }
@@ -79,8 +84,13 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     a_owner.create_region(anon("src", 64 << 10)).await.unwrap();
     b_owner.create_region(anon("dst", 64 << 10)).await.unwrap();
 
-    // The attack: one peer named again and again under every spelling the parser accepts.
+    // One connection of each shape the attack will ask for, so what follows is the steady state.
     let port = port_of(&b);
+    for qps in 1..=4 {
+        attacker.connect(pb::ConnectRequest { peer: b.addr(), qps }).await.unwrap();
+    }
+    let (fds0, threads0) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    // The attack: one peer named again and again under every spelling the parser accepts.
     for round in 0..40 {
         for s in spellings(port) {
             let p = attacker.connect(pb::ConnectRequest { peer: s.clone(), qps: 1 + (round % 4) }).await.unwrap().into_inner();
@@ -97,6 +107,10 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     // gRPC connections at B: A's one channel, the test's own client, nothing per spelling.
     let grpc = labelled(&scrape(&b), "xfer_listener_connections", &[("listener", "grpc")]);
     assert!(grpc <= 3.0, "B holds {grpc} gRPC connections");
+    // A holds what it held before the 200 calls: no descriptor or thread per spelling.
+    let (fds1, threads1) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    assert!(fds1 <= fds0 + 2, "A's descriptors {fds0} -> {fds1}");
+    assert!(threads1 <= threads0 + 2, "A's threads {threads0} -> {threads1}");
 
     // The victim's transfer to B still runs, on the shared entry.
     victim_transfer_lands(&mut a_owner, &mut b_owner, &b, 7).await;
@@ -271,4 +285,33 @@ async fn an_address_taken_over_by_another_node_never_gets_the_first_nodes_calls(
     assert_eq!(p.node_name, "node-c");
     let listed = peers(&mut c).await;
     assert_eq!(listed.iter().map(|p| p.node_name.as_str()).collect::<Vec<_>>(), ["node-c"], "{listed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responder_keeps_its_bound_per_identity_and_other_identities_keep_theirs() {
+    let pki = Pki::new();
+    let (b, _tb) = pki.agent_with("node-b", "[limits]\nmax_connections_per_peer = 2\n", "", &[]);
+    let mut owner = pki.agent_client(&b, "xferctl").await;
+    owner.create_region(anon("dst", 1 << 20)).await.unwrap();
+    let mut a = pki.peer(&b, "node-a").await;
+    let reply = a.connect(connect_req("a-1")).await.unwrap().into_inner();
+    assert_eq!((reply.max_connections, reply.max_streams), (2, 256), "B advertises what it keeps for a peer");
+    a.connect(connect_req("a-2")).await.unwrap();
+    let g1 = a.grant(grant_req("dst", "node-a", "a-1", pb::Access::Write)).await.unwrap().into_inner();
+    let g2 = a.grant(grant_req("dst", "node-a", "a-2", pb::Access::Write)).await.unwrap().into_inner();
+    // Both hold a live grant: a third is refused, and nothing of the two is touched.
+    let e = a.connect(connect_req("a-3")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("max_connections_per_peer"), "{e:?}");
+    assert_eq!(gauge(&b, "xfer_accepted_connections"), 2.0);
+    a.complete(complete_req(&g2.grant_id, "t-2", 4096, "node-a")).await.unwrap();
+    // Another identity has its own bound.
+    let mut c = pki.peer(&b, "node-c").await;
+    c.connect(connect_req("c-1")).await.unwrap();
+    c.grant(grant_req("dst", "node-c", "c-1", pb::Access::Write)).await.unwrap();
+    // a-2's grant ended with its Complete: a-2 holds none now, and a new connection of node-a's
+    // replaces it (the oldest without a grant), never a-1, whose grant is live.
+    a.connect(connect_req("a-3")).await.unwrap();
+    assert_eq!(gauge(&b, "xfer_accepted_connections"), 3.0);
+    a.complete(complete_req(&g1.grant_id, "t-1", 4096, "node-a")).await.unwrap();
 }

@@ -344,15 +344,15 @@ fn unwraps_state_their_invariant() {
 #[test]
 fn modules_respect_the_layering() {
     const LAYERS: &[&[&str]] = &[
-        &["sys", "metrics", "ids", "identity", "cpus", "peer_addr", "tenants", "safe_file"], // process facts, metric names, ids, who a certificate is, CPU sets, address spellings, shares, safe file writes
-        &["checksum"],                                                                       // over region memory (xfer-rdma)
-        &["verbs", "fabric", "shape"], // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
-        &["config"],                   // the validated configuration
-        &["notify", "grants", "regions"], // notifications, what peers may touch, and the memory itself
+        &["sys", "metrics", "ids", "identity", "cpus", "peer_addr", "tenants", "safe_file", "labels", "deadline"], // process facts, metric names, ids, certificates, CPU sets, address spellings, shares, safe file writes, label rules, deadlines
+        &["checksum"],                      // over region memory (xfer-rdma)
+        &["verbs", "fabric", "shape"],      // the data plane: the Fabric trait, tcp and verbs; transfer shape bounds
+        &["config"],                        // the validated configuration
+        &["notify", "grants", "regions"],   // notifications, what peers may touch, and the memory itself
         &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool
-        &["node"],                     // the operations, in domain types
-        &["service"],                  // the protobuf boundary: gRPC servers and client
-        &["app"],                      // start-up
+        &["node"],                          // the operations, in domain types
+        &["service"],                       // the protobuf boundary: gRPC servers and client
+        &["app"],                           // start-up
     ];
     const KNOWN_UPWARD: &[(&str, &str, &str)] = &[];
     let layer = |m: &str| LAYERS.iter().position(|l| l.contains(&m));

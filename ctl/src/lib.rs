@@ -123,6 +123,9 @@ impl Ctx {
     /// Writes `text` to stdout. A closed pipe (`xferctl region list | head -1`) is not an error.
     pub fn print(&self, text: &str) -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
+        // Everything printed here is text for a terminal (tables, details, JSON); bytes a user
+        // asked for (`xferctl get -`) go to stdout elsewhere, unchanged.
+        let text = view::terminal_safe(text);
         match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
             Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
             other => other.context("writing to stdout"),
@@ -155,7 +158,7 @@ pub fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let (code, line) = error::report(&err);
-            eprintln!("error: {line}");
+            eprintln!("error: {}", view::terminal_safe(&line));
             ExitCode::from(code)
         }
     }

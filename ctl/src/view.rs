@@ -50,6 +50,28 @@ fn labels_text(labels: &std::collections::BTreeMap<String, String>) -> String {
     labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
+/// Text for a terminal: every control character but the newline (C0, DEL, C1 such as CSI) and
+/// every bidirectional override written as `\uXXXX`, so a region name, label, path or error
+/// that came from the agent (or, through it, from another tenant) can never move the cursor,
+/// retitle the window or reorder what is shown. JSON stays valid: serde_json has escaped C0
+/// already, and a C1 or bidi character inside a string becomes the JSON escape `\uXXXX`.
+pub fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char =
+        |c: char| (c.is_control() && c != '\n') || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !s.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if unsafe_char(c) {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 // ------------------------------------------------------------------------------------ JSON
 
 pub fn region_json(r: &Region) -> Value {
@@ -383,6 +405,19 @@ pub fn peer_table(peers: &[Peer]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn terminal_output_escapes_control_and_bidi_characters() {
+        assert_eq!(terminal_safe("plain\nline"), "plain\nline");
+        let hostile = "a\u{1b}]0;pwned\u{7}b\u{9b}2Jc\rd\u{202e}e\u{7f}";
+        let safe = terminal_safe(hostile);
+        assert!(!safe.chars().any(|c| c.is_control() || c == '\u{202e}'), "{safe:?}");
+        assert_eq!(safe, "a\\u001b]0;pwned\\u0007b\\u009b2Jc\\u000dd\\u202ee\\u007f");
+        // JSON with a C1 character inside a string is still JSON, with the same value.
+        let doc = json_text(&json!({"name": "x\u{9b}y"}));
+        let back: Value = serde_json::from_str(&terminal_safe(&doc)).unwrap();
+        assert_eq!(back["name"], "x\u{9b}y");
+    }
 
     #[test]
     fn gids() {

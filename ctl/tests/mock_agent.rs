@@ -8,6 +8,10 @@
 //!   offset, which the real agent never does (it uses its own fixed chunk size); the client must
 //!   reassemble by offset.
 //!
+//! * Hostile text (`region show`): a region whose labels and path carry terminal escape
+//!   sequences, and an error message carrying them, which a real agent refuses to store or
+//!   send; the client must still print them inert, whatever agent it talks to.
+//!
 //! Everything else (statuses, exit codes, cp/watch, failed transfers, bench) is tested against real
 //! agents in `ctl/tests/real_agent.rs`. The fake holds regions in memory, implements
 //! CreateRegion, GetRegion, WriteRegion and ReadRegion, and answers UNIMPLEMENTED to the rest: it
@@ -25,6 +29,9 @@ use futures::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use xfer_proto::v1::agent_server::{Agent, AgentServer};
 use xfer_proto::v1::*;
+
+/// Sets the window title, clears the screen (C1 CSI), sounds the bell and reverses the text.
+const HOSTILE: &str = "\u{1b}]0;pwned\u{7}\u{9b}2J\r\u{202e}x";
 
 /// The odd ReadRegion message size.
 const READ_CHUNK: usize = 300_000;
@@ -59,6 +66,13 @@ impl Agent for Fake {
     }
     async fn get_region(&self, r: Request<GetRegionRequest>) -> Result<Response<Region>, Status> {
         let name = r.into_inner().name;
+        if name == "hostile" {
+            let labels = HashMap::from([("k".to_string(), HOSTILE.to_string())]);
+            return Ok(Response::new(Region { labels, path: HOSTILE.into(), ..region_msg("hostile\u{9b}2J", 1) }));
+        }
+        if name == "hostile-error" {
+            return Err(Status::not_found(format!("no such region {HOSTILE}")));
+        }
         let st = self.0.lock().unwrap();
         st.regions.get(&name).map(|d| Response::new(region_msg(&name, d.len()))).ok_or_else(|| Status::not_found(name))
     }
@@ -221,4 +235,27 @@ async fn put_frames_1_mib_messages_and_get_reassembles_odd_ones() {
     let o = xferctl(addr, &["get", "src@4KiB", "--len", &len, "-"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
     assert!(o.stdout == payload);
+}
+
+/// Nothing an agent sends can reach the terminal as a control sequence: `region show` (text and
+/// JSON) and the error line print it escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_from_the_agent_is_printed_inert() {
+    let (_fake, addr) = start().await;
+    let inert = |b: &[u8]| {
+        let t = String::from_utf8_lossy(b).into_owned();
+        assert!(!t.chars().any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'), "{t:?}");
+        t
+    };
+    let o = xferctl(addr, &["region", "show", "hostile"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let text = inert(&o.stdout);
+    assert!(text.contains("k=\\u001b]0;pwned\\u0007\\u009b2J\\u000d\\u202ex"), "{text}");
+    let o = xferctl(addr, &["--json", "region", "show", "hostile"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&inert(&o.stdout)).unwrap();
+    assert_eq!(v["labels"]["k"], HOSTILE, "the JSON still carries the exact value");
+    let o = xferctl(addr, &["region", "show", "hostile-error"]).await;
+    assert_eq!(o.status.code(), Some(3), "{}", err(&o));
+    assert!(inert(&o.stderr).contains("no such region \\u001b]0;pwned"), "{}", err(&o));
 }

@@ -13,6 +13,7 @@ use prost::Message;
 use xfer_agent::config::{parse_size, ByteSize};
 use xfer_agent::fabric::{Endpoint, FabricKind, RemoteOp};
 use xfer_agent::regions::validate_name;
+use xfer_agent::service::bounds::{Bounded, Bounds};
 use xfer_agent::service::convert as c;
 use xfer_proto::v1 as pb;
 
@@ -82,6 +83,15 @@ fuzz_target!(|data: &[u8]| {
     match sel % 8 {
         0 => {
             if let Ok(r) = pb::CreateRegionRequest::decode(rest) {
+                // Labels that pass the bounds are inert: nothing but [A-Za-z0-9._/-], bounded.
+                if r.check(&Bounds { max_tag: 1024, max_segments: 65_536 }).is_ok() {
+                    assert!(r.labels.len() <= xfer_agent::labels::MAX_LABELS);
+                    for (k, v) in &r.labels {
+                        assert!(k.len() <= 253 + 1 + 63 && v.len() <= 63, "{k:?}={v:?}");
+                        let inert = |s: &str| s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'/'));
+                        assert!(inert(k) && inert(v), "{k:?}={v:?}");
+                    }
+                }
                 let name = r.name.clone();
                 if let Ok(spec) = c::region_spec_from_pb(r) {
                     assert_eq!(spec.name, name);

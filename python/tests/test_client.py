@@ -170,3 +170,28 @@ def test_reflection_v1alpha_lists_the_services(agents):
         assert {"xfer.v1.Agent", "xfer.v1.Peer"} <= services, services
         desc = db.FindFileContainingSymbol("xfer.v1.Agent")
         assert desc.package == "xfer.v1"
+
+
+def test_shm_region_read_and_write_survive_a_truncated_object(agents):
+    """Truncating the object under a mapped ShmRegion makes read/write raise FailedPrecondition
+    (pread/pwrite on the fd), not kill the process with SIGBUS; the agent and other regions carry
+    on."""
+    a, b = agents
+    name = f"trunc-{os.getpid()}"
+    with xfer.Client(a.addr) as c:
+        r = c.create_shm_region(name, 1 << 20)
+        r.write(0, b"y" * 8192)
+        assert r.read(4096, 16) == b"y" * 16
+        os.truncate(f"/dev/shm/{r.region.path}", 4096)
+        for op in (lambda: r.read(4096, 16), lambda: r.read(0, 8192), lambda: r.write(8192, b"z" * 16)):
+            with pytest.raises(xfer.FailedPrecondition, match="truncated"):
+                op()
+        # A write does not grow the object back.
+        assert os.stat(f"/dev/shm/{r.region.path}").st_size == 4096
+        assert r.read(0, 16) == b"y" * 16, "the bytes still there are readable"
+        r.close()
+        c.delete_region(name)
+        other = c.create_region(f"other-{os.getpid()}", 4096)
+        c.put(other.name, 0, b"q" * 4096)
+        assert c.get(other.name, 0, 4096) == b"q" * 4096
+        c.delete_region(other.name)

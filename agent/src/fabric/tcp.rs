@@ -1237,7 +1237,7 @@ where
         };
         match h.kind {
             Kind::Write => {
-                let deadline = payload.map(|p| tokio::time::Instant::now() + p);
+                let deadline = payload.map(|p| tokio::time::Instant::from_std(crate::deadline::instant_after(p)));
                 let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
                     match (t.memory.writable(), t.memory.check(t.offset, h.len as u64), t.memory.intact()) {
                         (true, Ok(_), Ok(())) => Ok(t),

@@ -121,7 +121,7 @@ const BENCH_REGION_TTL: Duration = Duration::from_secs(600);
 impl Node {
     /// `Peer.OpenSink`: a one-shot listener that reads and discards, for the raw TCP baseline.
     /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
-    /// counted against `max_registered_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
+    /// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
     /// [`SINK_LIFETIME`] in all.
     pub async fn open_sink(&self, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
         let n = connections.clamp(1, 64);
@@ -130,7 +130,7 @@ impl Node {
             .clone()
             .try_acquire_owned()
             .map_err(|_| TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))?;
-        let reservation = self.regions.reserve(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
+        let reservation = self.regions.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
         let listener =
             TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
         let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
@@ -146,8 +146,9 @@ impl Node {
     }
 
     /// `Peer.OpenBenchRegion`: the target side of a benchmark, a scratch region for `owner`. One
-    /// at a time per agent; the region counts against the region limits and its lease ends after
-    /// [`BENCH_REGION_TTL`] even if the caller never closes it.
+    /// at a time per agent; the region's bytes come from `limits.max_bench_bytes` (not from the
+    /// clients' region limits) and its lease ends after [`BENCH_REGION_TTL`] even if the caller
+    /// never closes it.
     pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
         crate::shape::bench_region(length)?;
         let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
@@ -157,11 +158,19 @@ impl Node {
             }
         }
         let name = format!("xfer-bench-{}", new_id());
-        self.regions.create(crate::regions::RegionSpec {
+        let budget = self.regions.reserve_bench(length, "a benchmark scratch region")?;
+        let mut labels: std::collections::BTreeMap<String, String> = [("xfer.io/scratch".to_string(), "bench".to_string())].into();
+        // A NAME can be longer than a label value (or an address, in plaintext): shown only
+        // when it is one.
+        if crate::labels::check_value("xfer.io/owner", owner).is_ok() {
+            labels.insert("xfer.io/owner".to_string(), owner.to_string());
+        }
+        let spec = crate::regions::RegionSpec {
             ttl: Some(BENCH_REGION_TTL),
-            labels: [("xfer.io/scratch".to_string(), "bench".to_string()), ("xfer.io/owner".to_string(), owner.to_string())].into(),
+            labels,
             ..crate::regions::RegionSpec::anonymous(&name, length, crate::fabric::Access::ReadWrite)
-        })?;
+        };
+        self.regions.create_scratch(spec, budget)?;
         *slot = Some((name.clone(), owner.to_string()));
         Ok(name)
     }
@@ -186,8 +195,8 @@ impl Node {
     // ------------------------------------------------------------------ benchmarks
 
     /// perftest-style data-path benchmark against `peer`. Admin-only; one at a time; its buffer
-    /// counts against `max_registered_bytes` here and the target's scratch region against the
-    /// target's region limits.
+    /// counts against `limits.max_bench_bytes` here and the target's scratch region against the
+    /// target's.
     pub async fn bench(self: &Arc<Self>, p: BenchParams) -> Result<BenchResult, TransferError> {
         if p.connections > 0 {
             return self.bench_connect(p).await;
@@ -197,7 +206,7 @@ impl Node {
         }
         crate::shape::bench_size(p.size)?;
         let _admin = self.admin_slot("Bench")?;
-        let _memory = self.regions.reserve(p.size, "the benchmark buffer")?;
+        let _memory = self.regions.reserve_bench(p.size, "the benchmark buffer")?;
         let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
         let peer = self.peers.peer(&p.peer).await?;
         let scratch = peer.call(|| peer.client.open_bench_region(p.size)).await?;
@@ -339,7 +348,10 @@ impl Node {
                 ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
             },
         );
-        tokio::task::spawn_blocking(move || node.regions.create(spec)).await.map_err(|e| TransferError::Internal(e.to_string()))??;
+        let budget = self.regions.reserve_bench(pool, "the benchmark's local pool")?;
+        tokio::task::spawn_blocking(move || node.regions.create_scratch(spec, budget))
+            .await
+            .map_err(|e| TransferError::Internal(e.to_string()))??;
         let res = match peer.call(|| peer.client.open_bench_region(pool)).await {
             Ok(remote) => {
                 let res = self.bench_kv_with(&p, &local, &remote, block, blocks, pool, iters).await;
@@ -372,21 +384,10 @@ impl Node {
         pool: u64,
         iters: u32,
     ) -> Result<BenchResult, TransferError> {
-        // Distinct random slots on each side (a seeded Fisher-Yates over the pool's slots).
+        // Distinct random slots on each side, in memory for `blocks` (at most
+        // transfer.max_segments), never for the pool's slots (which the caller chooses).
         let slots = pool / block;
-        let pick = |seed: u64| -> Vec<u64> {
-            let mut v: Vec<u64> = (0..slots).collect();
-            let mut x = seed | 1;
-            for i in 0..blocks.min(slots) as usize {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let j = i + (x % (slots - i as u64)) as usize;
-                v.swap(i, j);
-            }
-            v.truncate(blocks as usize);
-            v
-        };
+        let pick = |seed: u64| super::sample::distinct_slots(slots, blocks, seed);
         let (from, to) = (pick(0x9E37_79B9), pick(0x7F4A_7C15));
         let specs: Vec<SegmentSpec> =
             from.iter().zip(&to).map(|(&l, &r)| SegmentSpec { local: l * block, remote: r * block, len: block }).collect();
@@ -621,11 +622,11 @@ impl Node {
 
     /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
     /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
-    /// `max_registered_bytes`.
+    /// `limits.max_bench_bytes`.
     pub async fn tcp_baseline(&self, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
         let _admin = self.admin_slot("TcpBaseline")?;
         let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
-        let _memory = self.regions.reserve(block as u64, "the TCP baseline buffer")?;
+        let _memory = self.regions.reserve_bench(block as u64, "the TCP baseline buffer")?;
         let peer = self.peers.peer(peer_addr).await?;
         let n = connections.clamp(1, 64);
         let sink = peer.call(|| peer.client.open_sink(n)).await?;

@@ -434,7 +434,7 @@ impl Channel {
             qps: lease.qps(),
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
-            deadline: Some(Instant::now() + self.timeout),
+            deadline: Some(crate::deadline::instant_after(self.timeout)),
             markers,
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };

@@ -126,7 +126,7 @@ impl Node {
             offset: ask_offset,
             length: ask_length,
             op: remote_op,
-            ttl: timeout + Duration::from_secs(60),
+            ttl: timeout.saturating_add(Duration::from_secs(60)),
             // The markers count is the leased connection's QPs, filled in when the grant is asked.
             notify: req.notify.as_deref().map(|t| (t, 0)),
             channel: false,

@@ -42,6 +42,7 @@ mod channel;
 mod initiator;
 mod limits;
 mod responder;
+mod sample;
 mod shares;
 
 pub use bench::{BenchParams, BenchResult};
@@ -114,6 +115,7 @@ impl Node {
             crate::regions::RegionLimits {
                 max_regions: config.limits.max_regions,
                 max_registered_bytes: config.limits.max_registered_bytes.0,
+                max_bench_bytes: config.limits.max_bench_bytes.0,
             },
             policy,
         );
@@ -242,6 +244,16 @@ impl Node {
     }
 
     /// The limits and transfer defaults in force (the validated configuration).
+    /// `transfer.max_notify_bytes`: the longest tag a request may carry.
+    pub fn max_notify_bytes(&self) -> usize {
+        self.config.transfer.max_notify_bytes
+    }
+
+    /// `transfer.max_segments`: the most segments a batch may list.
+    pub fn max_segments(&self) -> usize {
+        self.config.transfer.max_segments
+    }
+
     pub fn limits(&self) -> &crate::config::LimitsConfig {
         &self.config.limits
     }
@@ -302,7 +314,7 @@ impl Node {
     /// and close connections.
     pub async fn drain(&self, grace: Duration) {
         self.draining.cancel();
-        let deadline = Instant::now() + grace;
+        let deadline = crate::deadline::instant_after(grace);
         let mut submitting = self.submitting_count();
         loop {
             let active = self.transfers.active(None);

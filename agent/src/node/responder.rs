@@ -92,7 +92,7 @@ fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
     let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
     let weak = Arc::downgrade(grant);
     conn.expect_markers(
-        std::time::Instant::now() + ttl,
+        crate::deadline::instant_after(ttl),
         Box::new(move || {
             weak.upgrade().is_some_and(|g| {
                 g.lease.is_live()
@@ -265,7 +265,7 @@ impl Node {
         }
         region.check_range(p.offset, length)?;
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
-        let expires_at = SystemTime::now() + ttl;
+        let expires_at = crate::deadline::system_after(ttl);
         let connection = self.grant_connection(p)?;
         if let (Some(conn), Some(id)) = (&connection, &p.connection_id) {
             wait_ready(conn.as_ref(), id).await?;

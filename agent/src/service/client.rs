@@ -85,12 +85,32 @@ impl PeerClient {
             Code::Unavailable => RemoteCode::Unavailable,
             _ => RemoteCode::Other,
         };
-        PeerError::Remote { addr: self.addr.clone(), code, message: s.message().to_string() }
+        // A peer's message reaches this agent's callers (transfer errors): at most 1 KiB of it.
+        let message: String = s.message().chars().take(1024).collect();
+        PeerError::Remote { addr: self.addr.clone(), code, message }
     }
 
     fn bad(&self, detail: impl Into<String>) -> PeerError {
         PeerError::Protocol { addr: self.addr.clone(), detail: detail.into() }
     }
+
+    fn identity(&self, node_name: String, instance_id: String) -> Result<(String, String), PeerError> {
+        check_identity(&node_name, &instance_id).map_err(|e| self.bad(e))?;
+        Ok((node_name, instance_id))
+    }
+}
+
+/// A peer's node name and instance id, bounded before they are kept and shown (ListPeers,
+/// transfer records): a node name is at most 253 bytes without control characters, an instance
+/// id an id (or empty).
+fn check_identity(node_name: &str, instance_id: &str) -> Result<(), String> {
+    if node_name.len() > crate::identity::MAX_NAME_LEN || node_name.chars().any(char::is_control) {
+        return Err(format!("peer node name of {} bytes, or with control characters", node_name.len()));
+    }
+    if !instance_id.is_empty() && !crate::ids::valid_wire_id(instance_id) {
+        return Err("peer instance id is not 1-64 characters of [A-Za-z0-9_.-]".into());
+    }
+    Ok(())
 }
 
 /// The gRPC channel to a peer over mTLS, with the TLS handshake done here rather than by tonic so
@@ -159,14 +179,8 @@ impl PeerApi for PeerClient {
         let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
         let endpoints = r.endpoints.iter().map(convert::endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(|e| self.bad(e))?;
         let fabric = convert::fabric_from_pb(r.fabric).ok_or_else(|| self.bad("unknown fabric kind"))?;
-        Ok(HandshakeReply {
-            node_name: r.node_name,
-            instance_id: r.instance_id,
-            fabric,
-            endpoints,
-            max_connections: r.max_connections,
-            max_streams: r.max_streams,
-        })
+        let (node_name, instance_id) = self.identity(r.node_name, r.instance_id)?;
+        Ok(HandshakeReply { node_name, instance_id, fabric, endpoints, max_connections: r.max_connections, max_streams: r.max_streams })
     }
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
@@ -203,14 +217,15 @@ impl PeerApi for PeerClient {
         if r.addr.checked_add(r.length).is_none() {
             return Err(self.bad(format!("grant range {:#x}+{} overflows the address space", r.addr, r.length)));
         }
+        let (node_name, instance_id) = self.identity(r.node_name, r.instance_id)?;
         Ok(GrantInfo {
             grant_id,
             addr: r.addr,
             key,
             length: r.length,
             expires_at: r.expires_at.and_then(convert::time_from_pb),
-            node_name: r.node_name,
-            instance_id: r.instance_id,
+            node_name,
+            instance_id,
             notify_slot: r.notify_slot,
         })
     }
@@ -333,5 +348,21 @@ mod tests {
         // A status that merely says the words is not the marker.
         let s = tonic::Status::failed_precondition("unknown-connection");
         assert!(matches!(c.err(s), PeerError::Remote { code: RemoteCode::FailedPrecondition, .. }));
+    }
+
+    /// What a peer answers is bounded before it is kept: its name, its instance id, its errors.
+    #[tokio::test]
+    async fn a_peers_answers_are_bounded() {
+        assert_eq!(check_identity("node-b", "0123abcd"), Ok(()));
+        assert_eq!(check_identity("", ""), Ok(()));
+        assert!(check_identity(&"n".repeat(254), "x").is_err());
+        assert!(check_identity("node\u{1b}[2J", "x").is_err());
+        assert!(check_identity("node-b", &"i".repeat(65)).is_err());
+        assert!(check_identity("node-b", "a/b").is_err());
+        let c = PeerClient::new("127.0.0.1:1", None).unwrap();
+        match c.err(tonic::Status::internal("e".repeat(1 << 20))) {
+            PeerError::Remote { message, .. } => assert_eq!(message.len(), 1024),
+            other => panic!("{other:?}"),
+        }
     }
 }

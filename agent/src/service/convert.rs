@@ -532,6 +532,8 @@ pub fn region_status(e: RegionError) -> Status {
 fn fabric_status_code(f: &FabricError, msg: String) -> Status {
     match f {
         FabricError::Registration(_) => Status::resource_exhausted(msg),
+        // The responder keeps no more connections for this identity: a limit, not a mismatch.
+        FabricError::Negotiation { attr: "connections", .. } => Status::resource_exhausted(msg),
         FabricError::Negotiation { .. } => Status::failed_precondition(msg),
         FabricError::Connect { .. } => Status::unavailable(msg),
         _ => Status::internal(msg),
@@ -541,6 +543,15 @@ fn fabric_status_code(f: &FabricError, msg: String) -> Status {
 pub fn fabric_status(f: FabricError) -> Status {
     let msg = f.to_string();
     fabric_status_code(&f, msg)
+}
+
+/// A request field over its bound (`service::bounds`).
+pub fn bound_status(e: super::bounds::BoundError) -> Status {
+    use super::bounds::BoundError as B;
+    match e {
+        B::Invalid(m) => Status::invalid_argument(m),
+        B::TooMany(m) => Status::resource_exhausted(m),
+    }
 }
 
 pub fn grant_status(e: GrantError) -> Status {

@@ -19,10 +19,12 @@ use crate::regions::RegionError;
 use crate::tenants::Tenant;
 
 pub mod auth;
+pub mod bounds;
 pub mod client;
 pub mod convert;
 pub mod tls;
 
+use bounds::Bounded;
 use convert::*;
 
 type Stream2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -209,7 +211,7 @@ impl Agent for Services {
 
     async fn create_region(&self, req: Request<pb::CreateRegionRequest>) -> Result<Response<pb::Region>, Status> {
         let tenant = Tenant::of(&caller_of(&req)?);
-        let spec = region_spec_from_pb(req.into_inner())?;
+        let spec = region_spec_from_pb(self.checked(req)?)?;
         let node = self.node.clone();
         // Mapping and registration can take long for big regions: keep them off the reactor.
         let region =
@@ -219,26 +221,26 @@ impl Agent for Services {
 
     async fn delete_region(&self, req: Request<pb::DeleteRegionRequest>) -> Result<Response<pb::DeleteRegionResponse>, Status> {
         let node = self.node.clone();
-        let name = req.into_inner().name;
+        let name = self.checked(req)?.name;
         // The catalog write fsyncs: keep it off the reactor.
         tokio::task::spawn_blocking(move || node.delete_region(&name)).await.map_err(join_status)?.map_err(region_status)?;
         Ok(Response::new(pb::DeleteRegionResponse {}))
     }
 
     async fn list_regions(&self, req: Request<pb::ListRegionsRequest>) -> Result<Response<pb::ListRegionsResponse>, Status> {
-        let sel = req.into_inner().label_selector.into_iter().collect();
+        let sel = self.checked(req)?.label_selector.into_iter().collect();
         let regions = self.node.list_regions(&sel).iter().map(region_view_to_pb).collect();
         Ok(Response::new(pb::ListRegionsResponse { regions }))
     }
 
     async fn get_region(&self, req: Request<pb::GetRegionRequest>) -> Result<Response<pb::Region>, Status> {
-        let r = self.node.describe_region(&req.into_inner().name).map_err(region_status)?;
+        let r = self.node.describe_region(&self.checked(req)?.name).map_err(region_status)?;
         Ok(Response::new(region_view_to_pb(&r)))
     }
 
     async fn write_region(&self, req: Request<Streaming<pb::WriteRegionRequest>>) -> Result<Response<pb::WriteRegionResponse>, Status> {
         let mut stream = req.into_inner();
-        let first = stream.message().await?.ok_or_else(|| invalid("empty WriteRegion stream"))?;
+        let first = self.checked_msg(stream.message().await?.ok_or_else(|| invalid("empty WriteRegion stream"))?)?;
         require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
         let use_ = self.node.use_region(&first.region).map_err(region_status)?;
         let region = &use_.0;
@@ -256,7 +258,7 @@ impl Agent for Services {
                 offset += m.data.len() as u64;
                 written += m.data.len() as u64;
             }
-            msg = stream.message().await?;
+            msg = stream.message().await?.map(|m| self.checked_msg(m)).transpose()?;
         }
         Ok(Response::new(pb::WriteRegionResponse { bytes_written: written }))
     }
@@ -264,7 +266,7 @@ impl Agent for Services {
     type ReadRegionStream = Stream2<pb::ReadRegionResponse>;
 
     async fn read_region(&self, req: Request<pb::ReadRegionRequest>) -> Result<Response<Self::ReadRegionStream>, Status> {
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         let use_ = self.node.use_region(&r.region).map_err(region_status)?;
         let region = &use_.0;
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
@@ -285,7 +287,7 @@ impl Agent for Services {
     }
 
     async fn checksum(&self, req: Request<pb::ChecksumRequest>) -> Result<Response<pb::ChecksumResponse>, Status> {
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         let algo = algo_from_pb(r.algo)?;
         let u = self.node.use_region(&r.region).map_err(region_status)?;
         let region = u.0.clone();
@@ -300,7 +302,7 @@ impl Agent for Services {
 
     async fn submit_transfer(&self, req: Request<pb::SubmitTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
         let tenant = Tenant::of(&caller_of(&req)?);
-        let treq = transfer_request_from_pb(req.into_inner())?;
+        let treq = transfer_request_from_pb(self.checked(req)?)?;
         let rec = self.node.submit_as(treq, &tenant).await.map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&rec)))
     }
@@ -308,7 +310,7 @@ impl Agent for Services {
     type WatchTransferStream = Stream2<pb::Transfer>;
 
     async fn watch_transfer(&self, req: Request<pb::WatchTransferRequest>) -> Result<Response<Self::WatchTransferStream>, Status> {
-        let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
+        let h = self.node.transfer(&self.checked(req)?.id).map_err(transfer_status)?;
         let rx = h.record.subscribe();
         // First the current record, then every change; end after a terminal state.
         let stream = futures::stream::unfold((rx, false, true), |(mut rx, done, first)| async move {
@@ -330,7 +332,7 @@ impl Agent for Services {
     async fn open_channel(&self, req: Request<Streaming<pb::ChannelRequest>>) -> Result<Response<Self::OpenChannelStream>, Status> {
         let tenant = Tenant::of(&caller_of(&req)?);
         let mut inbound = req.into_inner();
-        let open = match inbound.message().await? {
+        let open = match inbound.message().await?.map(|m| self.checked_msg(m)).transpose()? {
             Some(pb::ChannelRequest { msg: Some(pb::channel_request::Msg::Open(o)) }) => o,
             Some(_) => return Err(invalid("the first channel message must be ChannelOpen")),
             None => return Err(invalid("the channel stream ended before ChannelOpen")),
@@ -345,7 +347,7 @@ impl Agent for Services {
         // ones are refused as they arrive, not kept): what a caller that never reads its answers
         // makes the agent hold is a few lists, not 64 decoded messages of any size (~24 bytes
         // per segment: 6 GB for 64 messages of 16 MiB).
-        let max_segments = channel.max_segments();
+        let (max_segments, bounds) = (channel.max_segments(), self.bounds());
         let (in_tx, in_rx) = tokio::sync::mpsc::channel(CHANNEL_INPUT_QUEUE);
         let (out_tx, mut out_rx) = tokio::sync::mpsc::channel(64);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::ChannelEvent, Status>>(64);
@@ -369,7 +371,7 @@ impl Agent for Services {
                     _ = reader_cancel.cancelled() => break,
                 };
                 match m {
-                    Ok(Some(m)) => match channel_input_from_pb(m, max_segments) {
+                    Ok(Some(m)) => match m.check(&bounds).map_err(bound_status).and_then(|()| channel_input_from_pb(m, max_segments)) {
                         Ok(i) => {
                             if in_tx.send(i).await.is_err() {
                                 break;
@@ -431,7 +433,7 @@ impl Agent for Services {
     async fn watch_inbound(&self, req: Request<pb::WatchInboundRequest>) -> Result<Response<Self::WatchInboundStream>, Status> {
         use tokio::sync::broadcast::error::RecvError;
         let tenant = Tenant::of(&caller_of(&req)?);
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         // The permit (the caller's share of the subscriptions) lives in the stream's state: it
         // is given back when the stream ends or the caller goes away.
         let (rx, permit) = self.node.watch_inbound_as(&r.region, r.tag.as_deref(), &tenant).map_err(transfer_status)?;
@@ -465,7 +467,7 @@ impl Agent for Services {
         req: Request<pb::WatchInboundRingRequest>,
     ) -> Result<Response<Self::WatchInboundRingStream>, Status> {
         let tenant = Tenant::of(&caller_of(&req)?);
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         let (ring, permit) = self.node.watch_inbound_ring_as(&r.region, r.tag.as_deref(), r.slots, &tenant).map_err(transfer_status)?;
         let first = inbound_ring_to_pb(&ring);
         info!(object = %ring.object, slots = ring.slots, "notification ring opened");
@@ -487,7 +489,7 @@ impl Agent for Services {
     }
 
     async fn get_transfer(&self, req: Request<pb::GetTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
-        let h = self.node.transfer(&req.into_inner().id).map_err(transfer_status)?;
+        let h = self.node.transfer(&self.checked(req)?.id).map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&h.snapshot())))
     }
 
@@ -497,12 +499,12 @@ impl Agent for Services {
     }
 
     async fn cancel_transfer(&self, req: Request<pb::CancelTransferRequest>) -> Result<Response<pb::Transfer>, Status> {
-        let rec = self.node.cancel(&req.into_inner().id).map_err(transfer_status)?;
+        let rec = self.node.cancel(&self.checked(req)?.id).map_err(transfer_status)?;
         Ok(Response::new(transfer_to_pb(&rec)))
     }
 
     async fn connect(&self, req: Request<pb::ConnectRequest>) -> Result<Response<pb::PeerInfo>, Status> {
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
         // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
@@ -520,7 +522,7 @@ impl Agent for Services {
     }
 
     async fn bench(&self, req: Request<pb::BenchRequest>) -> Result<Response<pb::BenchResponse>, Status> {
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
         // 0 = the agent's default; otherwise the bounds SubmitTransfer applies.
@@ -570,7 +572,7 @@ impl Agent for Services {
     }
 
     async fn tcp_baseline(&self, req: Request<pb::TcpBaselineRequest>) -> Result<Response<pb::TcpBaselineResponse>, Status> {
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
@@ -602,7 +604,7 @@ fn peer_info(node: &Node, p: &crate::peers::PeerEntry) -> pb::PeerInfo {
 impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
         let peer = caller_of(&req)?.name;
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         let (connection_id, fabric, eps) = peer_connect_from_pb(&r)?;
         // Instrumented, not entered: a guard held across the await would tag whatever else
         // this runtime thread runs meanwhile with this peer's span.
@@ -621,7 +623,7 @@ impl Peer for Services {
 
     async fn grant(&self, req: Request<pb::GrantRequest>) -> Result<Response<pb::GrantResponse>, Status> {
         let peer = caller_of(&req)?.name;
-        let mut p = grant_params_from_pb(req.into_inner())?;
+        let mut p = grant_params_from_pb(self.checked(req)?)?;
         // The grant is bound to the authenticated identity, not the declared name.
         p.peer = peer;
         let g = self.node.grant(&p).await.map_err(transfer_status)?;
@@ -648,7 +650,7 @@ impl Peer for Services {
     async fn announce(&self, req: Request<pb::AnnounceRequest>) -> Result<Response<pb::AnnounceResponse>, Status> {
         // Only the identity the grant was issued to may announce on it.
         let peer = caller_of(&req)?.name;
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         require(!r.grant_id.is_empty(), "grant_id is required")?;
         self.node.announce(&r.grant_id, &peer, r.seq, r.tag).map_err(transfer_status)?;
         Ok(Response::new(pb::AnnounceResponse {}))
@@ -657,13 +659,13 @@ impl Peer for Services {
     async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {
         // Only the identity the grant was issued to may revoke it.
         let peer = caller_of(&req)?.name;
-        self.node.revoke(&req.get_ref().grant_id, &peer).map_err(grant_status)?;
+        self.node.revoke(&self.checked_ref(&req)?.grant_id, &peer).map_err(grant_status)?;
         Ok(Response::new(pb::RevokeResponse {}))
     }
 
     async fn complete(&self, req: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
         let peer = caller_of(&req)?.name;
-        let r = req.into_inner();
+        let r = self.checked(req)?;
         require(!r.grant_id.is_empty(), "grant_id is required")?;
         let transfer_id = crate::ids::TransferId::parse(&r.transfer_id).map_err(|e| invalid(e.to_string()))?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
@@ -680,7 +682,7 @@ impl Peer for Services {
         // Only the identity that made the connection may tear it down.
         let owner = caller_of(&req)?.name;
         // An id that is not a valid one names no connection: nothing to tear down.
-        if let Ok(id) = crate::ids::ConnectionId::parse(&req.get_ref().connection_id) {
+        if let Ok(id) = crate::ids::ConnectionId::parse(&self.checked_ref(&req)?.connection_id) {
             self.node.disconnect(&id, &owner);
         }
         Ok(Response::new(pb::DisconnectResponse {}))
@@ -688,13 +690,13 @@ impl Peer for Services {
 
     async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-        let addr = self.node.open_sink(ip, req.into_inner().connections).await.map_err(transfer_status)?;
+        let addr = self.node.open_sink(ip, self.checked(req)?.connections).await.map_err(transfer_status)?;
         Ok(Response::new(pb::OpenSinkResponse { address: addr.to_string() }))
     }
 
     async fn open_bench_region(&self, req: Request<pb::OpenBenchRegionRequest>) -> Result<Response<pb::OpenBenchRegionResponse>, Status> {
         let owner = caller_of(&req)?.name;
-        let (node, length) = (self.node.clone(), req.get_ref().length);
+        let (node, length) = (self.node.clone(), self.checked_ref(&req)?.length);
         // Mapping and registering (pinning) the scratch region can take seconds for a big pool:
         // off the runtime threads, like CreateRegion.
         let region = tokio::task::spawn_blocking(move || node.open_bench_region(&owner, length))
@@ -709,7 +711,7 @@ impl Peer for Services {
         req: Request<pb::CloseBenchRegionRequest>,
     ) -> Result<Response<pb::CloseBenchRegionResponse>, Status> {
         let owner = caller_of(&req)?.name;
-        let (node, region) = (self.node.clone(), req.get_ref().region.clone());
+        let (node, region) = (self.node.clone(), self.checked_ref(&req)?.region.clone());
         // Deregistering a big region unpins its pages: off the runtime threads too.
         tokio::task::spawn_blocking(move || node.close_bench_region(&owner, &region))
             .await

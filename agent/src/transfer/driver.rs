@@ -48,7 +48,7 @@ pub async fn wait<L: Leased>(
     mut on_completion: impl FnMut(Completion),
 ) -> Wake {
     if !spin.is_zero() {
-        let until = Instant::now() + spin;
+        let until = crate::deadline::instant_after(spin);
         loop {
             lease.conn().progress();
             if let Ok(c) = lease.completions().try_recv() {

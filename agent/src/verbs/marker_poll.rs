@@ -60,7 +60,7 @@ impl MarkerPoller {
         if self.budget.is_zero() {
             return;
         }
-        hot.until = hot.until.min(Instant::now() + self.budget);
+        hot.until = hot.until.min(crate::deadline::instant_after(self.budget));
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
             let (s, r) = mpsc::channel();
