@@ -71,17 +71,20 @@ pub struct ShareExceeded {
     pub max: u64,
 }
 
+/// Units held, by tenant key.
+type Held = Arc<Mutex<HashMap<String, u64>>>;
+
 /// Units held per tenant for one limit (the global count is the limit's own business).
 pub struct Quota {
     what: &'static str,
     max: u64,
     cap: u64,
-    held: Arc<Mutex<HashMap<String, u64>>>,
+    held: Held,
 }
 
 /// Units of a [`Quota`] held by one tenant; given back on drop.
 pub struct Permit {
-    held: Option<(Arc<Mutex<HashMap<String, u64>>>, String)>,
+    held: Option<(Held, String)>,
     n: u64,
 }
 

@@ -139,7 +139,7 @@ async fn malformed_addresses_are_refused_before_anything_is_dialled() {
     ] {
         let e = c.connect(pb::ConnectRequest { peer: bad.clone(), qps: 1 }).await.unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{bad:?}: {e:?}");
-        assert!(e.message().contains("invalid peer address"), "{e:?}");
+        assert!(e.message().contains("invalid peer address") || e.message().starts_with("peer: "), "names the field: {e:?}");
         assert!(!e.message().contains('\u{1b}'), "the refusal does not echo control characters: {e:?}");
         let mut t = write_req("src", &b, "dst", 16);
         t.remote.as_mut().unwrap().agent = bad.clone();

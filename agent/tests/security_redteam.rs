@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::time::Duration;
 
 use common::pki::{ip, role_uri, uri, Pki};
 use common::*;
@@ -118,11 +117,10 @@ async fn a_grant_racing_disconnect_does_not_outlive_its_connection() {
 // ------------------------------------------------------------------ promise 5: labels keyed on identity
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known gap: the initiator labels metrics and records with the node_name the target \
-            declares in its Peer.Connect/Grant replies, not with the target certificate's NAME"]
 async fn the_initiator_labels_a_target_by_its_certificate_not_its_claim() {
     // An agent whose certificate says node-b runs with node_name "node-c" (any name it likes):
-    // A's record (and its `peer` metric label) for the transfer to it says "node-c".
+    // A's record (and its `peer` metric label) for the transfer to it says what the certificate
+    // says, which A's pool read in its own TLS handshake.
     let pki = Pki::new();
     pki.leaf("node-c", vec![uri(&role_uri("node", "node-b")), ip("127.0.0.1")]);
     let (a, _ta) = pki.agent("node-a");
@@ -131,9 +129,16 @@ async fn the_initiator_labels_a_target_by_its_certificate_not_its_claim() {
     ca.create_region(anon("src", 4096)).await.unwrap();
     pki.agent_client(&b, "xferctl").await.create_region(anon("dst", 4096)).await.unwrap();
     let t = ca.submit_transfer(write_req("src", &b, "dst", 4096)).await.unwrap().into_inner();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let t = ca.get_transfer(pb::GetTransferRequest { id: t.id }).await.unwrap().into_inner();
+    let mut w = ca.watch_transfer(pb::WatchTransferRequest { id: t.id }).await.unwrap().into_inner();
+    let mut t = None;
+    while let Some(m) = w.message().await.unwrap() {
+        t = Some(m);
+    }
+    let t = t.unwrap();
+    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
     assert_eq!(t.peer, "node-b", "the target's certificate says node-b: {t:?}");
+    let peers = ca.list_peers(pb::ListPeersRequest {}).await.unwrap().into_inner().peers;
+    assert_eq!(peers.iter().map(|p| p.node_name.as_str()).collect::<Vec<_>>(), ["node-b"]);
 }
 // ------------------------------------------------------------------ promise 7: no panics on input
 

@@ -219,7 +219,7 @@ impl Node {
         m::channels_open(1.0);
         let info = ChannelInfo {
             id: crate::ids::TransferId::random().to_string(),
-            peer: grant.node_name.clone(),
+            peer: peer.node_name(),
             remote_offset: p.remote_offset,
             remote_length: granted,
             qps,

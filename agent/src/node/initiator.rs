@@ -161,7 +161,7 @@ impl Node {
             elapsed: Duration::ZERO,
             verified: false,
             checksum: None,
-            peer: held.grant.as_ref().map(|g| g.info.node_name.clone()).unwrap_or_default(),
+            peer: peer.node_name(),
             inbound: false,
             segments,
             notify: req.notify.clone(),

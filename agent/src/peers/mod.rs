@@ -350,7 +350,10 @@ impl PeerEntry {
                 }
             }
         }
-        *id = (node_name.to_string(), instance_id.to_string());
+        // The name the peer's certificate proved wins over the one it declares (mTLS): labels
+        // and records then name who really answered.
+        let name = self.client.verified_identity().unwrap_or_else(|| node_name.to_string());
+        *id = (name, instance_id.to_string());
     }
 
     /// Idle connections that can still be lent (a broken one, e.g. closed by the peer's
