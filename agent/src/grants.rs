@@ -26,6 +26,8 @@ pub enum GrantError {
     Limit(String),
     #[error("{0}")]
     Invalid(String),
+    #[error("region {0:?} not found (it is being removed)")]
+    RegionGone(String),
 }
 
 pub struct Grant {
@@ -112,6 +114,11 @@ impl GrantTable {
 
     pub fn insert(&self, mut grant: Grant) -> Result<Arc<Grant>, GrantError> {
         let mut g = self.write();
+        // Checked under the table's lock, which the region's end takes (to revoke its grants)
+        // after marking it retiring: a grant is either revoked with the others or refused here.
+        if grant.region.is_retiring() {
+            return Err(GrantError::RegionGone(grant.region.name.clone()));
+        }
         let count = g.by_id.values().filter(|x| x.peer == grant.peer).count();
         if count >= self.max_per_peer {
             return Err(GrantError::Limit(format!("max_grants_per_peer = {}", self.max_per_peer)));
@@ -222,6 +229,12 @@ impl GrantTable {
 
     pub fn len(&self) -> usize {
         self.read().by_id.len()
+    }
+
+    /// Entries by id, token, notification slot and channel slot (tests, introspection).
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        let g = self.read();
+        (g.by_id.len(), g.by_token.len(), g.by_slot.len(), g.by_channel.len())
     }
 
     pub fn is_empty(&self) -> bool {

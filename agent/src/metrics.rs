@@ -54,6 +54,7 @@ pub const NOTIFICATIONS: &str = "xfer_notifications_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
 pub const INBOUND_RINGS: &str = "xfer_inbound_rings";
+pub const INBOUND_SUBSCRIBERS: &str = "xfer_inbound_subscribers";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 pub const CHANNELS_OPEN: &str = "xfer_channels_open";
 pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
@@ -240,6 +241,11 @@ pub fn describe() {
         Unit::Count,
         "WatchInboundRing subscriptions alive (shared-memory notification rings this agent writes)."
     );
+    describe_gauge!(
+        INBOUND_SUBSCRIBERS,
+        Unit::Count,
+        "WatchInbound and WatchInboundRing subscriptions alive (at most 256); one that ended is no longer counted once everything kept for it is freed."
+    );
     describe_counter!(
         MARKER_SPINS,
         Unit::Count,
@@ -286,6 +292,11 @@ pub fn notify_marker(result: &'static str) {
 /// A notification ring was opened (+1) or closed (-1).
 pub fn inbound_rings(delta: i64) {
     gauge!(INBOUND_RINGS).increment(delta as f64);
+}
+
+/// A WatchInbound subscription (stream or ring) began (+1) or everything kept for it was freed (-1).
+pub fn inbound_subscribers(delta: i64) {
+    gauge!(INBOUND_SUBSCRIBERS).increment(delta as f64);
 }
 
 /// The marker poller took a connection or let it go (`event` is a closed set).

@@ -281,8 +281,10 @@ pub struct About<'a> {
 /// subscribers of another.
 pub struct Hub {
     all: broadcast::Sender<Arc<Notification>>,
-    /// By region id; a channel is dropped once nobody listens to it.
-    regions: Mutex<HashMap<String, broadcast::Sender<Arc<Notification>>>>,
+    /// By region id, only while the region has subscribers: the last [`Subscription`] of a
+    /// region takes its channel out (its 4,096 slots are about 128 KiB), and so does the region's
+    /// end ([`Hub::forget_region`]), which also ends its subscribers' streams.
+    regions: Arc<RegionChannels>,
     capacity: usize,
     /// `WatchInbound` subscriptions alive ([`Subscription`]s and rings).
     subscribers: Arc<AtomicUsize>,
@@ -393,17 +395,50 @@ impl Drop for RingSlot {
     }
 }
 
-/// A counted subscription: its place is given back when it is dropped.
+/// Region id → (the channel's serial number, its sender). The serial tells a subscription whose
+/// channel was taken out (its region ended) from one that replaced it under the same id.
+type RegionChannels = Mutex<RegionMap>;
+
+#[derive(Default)]
+struct RegionMap {
+    next: u64,
+    by_id: HashMap<String, (u64, broadcast::Sender<Arc<Notification>>)>,
+}
+
+/// A counted subscription: its place is given back when it is dropped, and the last subscription
+/// of a region takes the region's channel with it.
 pub struct Subscription {
     rx: broadcast::Receiver<Arc<Notification>>,
+    /// The region's channel map, id and channel serial, for a subscription to one region.
+    region: Option<(Arc<RegionChannels>, String, u64)>,
     _slot: SubscriberSlot,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let Some((regions, id, serial)) = self.region.take() else { return };
+        // Under the map's lock, so that no subscribe joins the channel between the count and the
+        // removal: this receiver is still alive, so a count of one is this subscription alone.
+        let mut map = regions.lock().unwrap_or_else(|e| e.into_inner());
+        if map.by_id.get(&id).is_some_and(|(s, tx)| *s == serial && tx.receiver_count() <= 1) {
+            map.by_id.remove(&id);
+        }
+    }
 }
 
 struct SubscriberSlot(Arc<AtomicUsize>);
 
+impl SubscriberSlot {
+    fn new(count: Arc<AtomicUsize>) -> SubscriberSlot {
+        m::inbound_subscribers(1);
+        SubscriberSlot(count)
+    }
+}
+
 impl Drop for SubscriberSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        m::inbound_subscribers(-1);
     }
 }
 
@@ -424,7 +459,7 @@ impl Hub {
         let (all, _) = broadcast::channel(capacity);
         Hub {
             all,
-            regions: Mutex::new(HashMap::new()),
+            regions: Arc::new(Mutex::new(RegionMap::default())),
             capacity,
             subscribers: Arc::new(AtomicUsize::new(0)),
             rings: Mutex::new(Vec::new()),
@@ -437,7 +472,7 @@ impl Hub {
         if taken.is_err() {
             return None;
         }
-        let slot = SubscriberSlot(Arc::clone(&self.subscribers));
+        let slot = SubscriberSlot::new(Arc::clone(&self.subscribers));
         self.rings.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&sub));
         Some(RingSlot { hub: Arc::downgrade(self), sub, _slot: slot })
     }
@@ -449,15 +484,33 @@ impl Hub {
         if taken.is_err() {
             return None;
         }
-        let slot = SubscriberSlot(Arc::clone(&self.subscribers));
-        let rx = match region_id {
-            None => self.all.subscribe(),
+        let slot = SubscriberSlot::new(Arc::clone(&self.subscribers));
+        let (rx, region) = match region_id {
+            None => (self.all.subscribe(), None),
             Some(id) => {
-                let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-                regions.entry(id.to_string()).or_insert_with(|| broadcast::channel(self.capacity).0).subscribe()
+                let mut map = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+                let RegionMap { next, by_id } = &mut *map;
+                let (serial, tx) = by_id.entry(id.to_string()).or_insert_with(|| {
+                    *next += 1;
+                    (*next, broadcast::channel(self.capacity).0)
+                });
+                (tx.subscribe(), Some((Arc::clone(&self.regions), id.to_string(), *serial)))
             }
         };
-        Some(Subscription { rx, _slot: slot })
+        Some(Subscription { rx, region, _slot: slot })
+    }
+
+    /// A region ended (deleted, its lease over): its channel goes, and its subscribers' streams
+    /// end once they have read what was published before.
+    pub fn forget_region(&self, region_id: &str) {
+        self.regions.lock().unwrap_or_else(|e| e.into_inner()).by_id.remove(region_id);
+    }
+
+    /// Per-region channels, ring subscribers and subscriptions alive (tests, introspection).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let channels = self.regions.lock().unwrap_or_else(|e| e.into_inner()).by_id.len();
+        let rings = self.rings.lock().unwrap_or_else(|e| e.into_inner()).len();
+        (channels, rings, self.subscribers.load(Ordering::Acquire))
     }
 
     /// Every notification, uncounted (in-process observers: tests).
@@ -500,12 +553,10 @@ impl Hub {
             rings.retain(|r| !r.has_failed());
         }
         {
-            let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(tx) = regions.get(&n.region_id) {
-                if tx.send(Arc::clone(&n)).is_err() {
-                    // Its last subscriber left: drop the channel.
-                    regions.remove(&n.region_id);
-                }
+            // A channel is in the map only while it has subscribers (see `Subscription`'s drop).
+            let map = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, tx)) = map.by_id.get(&n.region_id) {
+                let _ = tx.send(Arc::clone(&n));
             }
         }
         let _ = self.all.send(n);
@@ -555,6 +606,32 @@ mod tests {
         assert!(hub.subscribe_bounded(None, 3).is_none(), "at most 3");
         drop(third);
         assert!(hub.subscribe_bounded(None, 3).is_some(), "a dropped subscription gave its place back");
+    }
+
+    /// A region's channel (4,096 slots) lives only while the region has subscribers: the last
+    /// one takes it out, and so does the region's end, which ends its subscribers. A subscription
+    /// left from before the end never takes out the channel of a newer one.
+    #[test]
+    fn a_regions_channel_goes_with_its_last_subscriber_or_its_region() {
+        let hub = Hub::new(4);
+        let (a, b) = (hub.subscribe_bounded(Some("r1"), 8).unwrap(), hub.subscribe_bounded(Some("r1"), 8).unwrap());
+        assert_eq!(hub.counts(), (1, 0, 2));
+        drop(a);
+        assert_eq!(hub.counts(), (1, 0, 1), "one subscriber left");
+        drop(b);
+        assert_eq!(hub.counts(), (0, 0, 0), "the last one took the channel out");
+
+        let mut old = hub.subscribe_bounded(Some("r1"), 8).unwrap();
+        hub.forget_region("r1");
+        assert_eq!(hub.counts(), (0, 0, 1));
+        assert!(matches!(old.try_recv(), Err(broadcast::error::TryRecvError::Closed)), "the region's end ends its subscribers");
+        let mut new = hub.subscribe_bounded(Some("r1"), 8).unwrap();
+        drop(old);
+        assert_eq!(hub.counts(), (1, 0, 1), "the old subscription left the new channel alone");
+        hub.publish(&Pending::new(b"n".to_vec(), 1), about(), Via::Fabric);
+        assert_eq!(new.try_recv().unwrap().tag, b"n");
+        drop(new);
+        assert_eq!(hub.counts(), (0, 0, 0));
     }
 
     fn chan(markers: u32) -> ChannelNotes {

@@ -33,7 +33,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -150,6 +150,10 @@ pub struct Region {
     pub registration: Arc<dyn Registration>,
     /// Running transfers that use this region (delete is refused while non-zero).
     in_use: AtomicU32,
+    /// Set under the registry lock when the region starts to end (delete, lease, ...): from then
+    /// on it takes no new use and no new grant, while its grants are revoked and before it stops
+    /// being visible (`RegionRegistry::retire`).
+    retiring: AtomicBool,
     /// shm object created by the agent (unlinked on delete)
     created_object: bool,
     /// The creator's share of the per-identity limits, given back when the region is dropped.
@@ -185,6 +189,11 @@ impl std::fmt::Debug for Region {
 }
 
 impl Region {
+    /// Whether the region is ending: no new use or grant may start on it.
+    pub fn is_retiring(&self) -> bool {
+        self.retiring.load(Ordering::Acquire)
+    }
+
     /// Marks the region in use until the guard drops.
     pub fn acquire(self: &Arc<Self>) -> RegionUse {
         self.in_use.fetch_add(1, Ordering::AcqRel);
@@ -761,6 +770,7 @@ impl RegionRegistry {
             memory,
             registration,
             in_use: AtomicU32::new(0),
+            retiring: AtomicBool::new(false),
             created_object: opened.created_object,
             _shares: spec.shares.clone(),
             scratch: None,
@@ -956,6 +966,9 @@ impl RegionRegistry {
     /// FAILED_PRECONDITION naming its reason.
     pub fn get(&self, name_or_id: &str) -> Result<Arc<Region>, RegionError> {
         let r = Self::live(self.describe(name_or_id)?)?;
+        if r.is_retiring() {
+            return Err(RegionError::NotFound(name_or_id.to_string()));
+        }
         r.intact()?;
         Ok(r)
     }
@@ -969,7 +982,11 @@ impl RegionRegistry {
         let u = {
             let st = self.lock();
             let view = Self::find(&st, name_or_id).ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))?;
-            Self::live(view)?.acquire()
+            let r = Self::live(view)?;
+            if r.is_retiring() {
+                return Err(RegionError::NotFound(name_or_id.to_string()));
+            }
+            r.acquire()
         };
         u.0.intact()?;
         Ok(u)
@@ -1019,15 +1036,19 @@ impl RegionRegistry {
     }
 
     /// Deletes a region; an unavailable one just leaves the catalog (its file or object is not
-    /// touched). Returns the live region that was removed, if it was live.
-    pub fn delete(&self, name: &str) -> Result<Option<Arc<Region>>, RegionError> {
+    /// touched). Returns the live region that was removed, if it was live. `cut_off` is called
+    /// as in [`RegionRegistry::retire`].
+    pub fn delete(&self, name: &str, cut_off: impl FnOnce(&Arc<Region>)) -> Result<Option<Arc<Region>>, RegionError> {
         let removed = {
             let mut st = self.lock();
             if let Some(r) = st.live.get(name).cloned() {
                 if r.in_use.load(Ordering::Acquire) > 0 {
                     return Err(RegionError::Busy(name.to_string()));
                 }
-                st.live.remove(name);
+                if r.retiring.swap(true, Ordering::AcqRel) {
+                    // Its lease ended and the reaper is removing it.
+                    return Err(RegionError::NotFound(name.to_string()));
+                }
                 Some(r)
             } else if st.unavailable.remove(name).is_some() {
                 None
@@ -1036,7 +1057,7 @@ impl RegionRegistry {
             }
         };
         match &removed {
-            Some(region) => self.finish_removal(region),
+            Some(region) => self.retire(region, cut_off),
             None => {
                 self.persist()?;
                 self.update_gauges();
@@ -1044,6 +1065,22 @@ impl RegionRegistry {
         }
         info!(region = %name, "region deleted");
         Ok(removed)
+    }
+
+    /// The one way a live region ends (delete, lease, a benchmark's scratch region): the caller
+    /// marked it retiring under the registry lock (no new use, no new grant; none in use).
+    /// `cut_off` then revokes what reaches it from outside (its grants: chunks being copied
+    /// finish, streams mid-payload are closed) while it is still visible, and only then does it
+    /// leave the registry: once a lookup answers NOT_FOUND, no byte of it changes.
+    fn retire(&self, region: &Arc<Region>, cut_off: impl FnOnce(&Arc<Region>)) {
+        cut_off(region);
+        {
+            let mut st = self.lock();
+            if st.live.get(&region.name).is_some_and(|r| Arc::ptr_eq(r, region)) {
+                st.live.remove(&region.name);
+            }
+        }
+        self.finish_removal(region);
     }
 
     /// Completes the removal of a region already taken out of `live`. A catalog that cannot be
@@ -1087,25 +1124,41 @@ impl RegionRegistry {
         }
     }
 
-    /// Removes regions whose lease ended and are not in use; returns the live ones. Unavailable
-    /// regions whose lease ended leave the catalog too.
-    pub fn reap_expired(&self, now: SystemTime) -> Vec<Arc<Region>> {
+    /// Whether a lease has ended at `now`, or a retry pass has work (an unavailable region, a
+    /// stale catalog): the background ticks look first, so an idle agent sends nothing to the
+    /// blocking pool and its threads can leave.
+    pub fn housekeeping_due(&self, now: Option<SystemTime>) -> bool {
+        let st = self.lock();
+        match now {
+            Some(now) => {
+                st.live.values().any(|r| r.expires_at.is_some_and(|t| t <= now))
+                    || st.unavailable.values().any(|u| u.expires_at().is_some_and(|t| t <= now))
+            }
+            None => !st.unavailable.is_empty() || self.catalog_dirty.load(Ordering::Acquire),
+        }
+    }
+
+    /// Removes regions whose lease ended and are not in use, each like a delete (`cut_off` as
+    /// in [`RegionRegistry::retire`]); returns the live ones. Unavailable regions whose lease
+    /// ended leave the catalog too.
+    pub fn reap_expired(&self, now: SystemTime, cut_off: impl Fn(&Arc<Region>)) -> Vec<Arc<Region>> {
         let (expired, dropped) = {
             let mut st = self.lock();
-            let names: Vec<String> = st
-                .live
-                .values()
-                .filter(|r| r.expires_at.is_some_and(|t| t <= now) && r.in_use.load(Ordering::Acquire) == 0)
-                .map(|r| r.name.clone())
-                .collect();
-            let expired: Vec<Arc<Region>> = names.iter().filter_map(|n| st.live.remove(n)).collect();
+            let mut expired = Vec::new();
+            for r in st.live.values() {
+                let due = r.expires_at.is_some_and(|t| t <= now) && r.in_use.load(Ordering::Acquire) == 0;
+                // A region being deleted already is left to its deleter.
+                if due && !r.retiring.swap(true, Ordering::AcqRel) {
+                    expired.push(Arc::clone(r));
+                }
+            }
             let before = st.unavailable.len();
             st.unavailable.retain(|_, u| u.expires_at().is_none_or(|t| t > now));
             (expired, before != st.unavailable.len())
         };
         for r in &expired {
+            self.retire(r, &cut_off);
             info!(region = %r.name, "region lease expired; deregistered");
-            self.finish_removal(r);
         }
         if dropped {
             self.persist_or_mark_dirty("dropping expired unavailable regions", "-");
@@ -1396,11 +1449,11 @@ mod tests {
         let u = reg.acquire("a").unwrap();
         assert!(Arc::ptr_eq(&u.0, &r));
         let by_id = reg.acquire(&r.id).unwrap();
-        assert!(matches!(reg.delete("a"), Err(RegionError::Busy(_))));
+        assert!(matches!(reg.delete("a", |_| {}), Err(RegionError::Busy(_))));
         drop(u);
-        assert!(matches!(reg.delete("a"), Err(RegionError::Busy(_))), "still used through its id");
+        assert!(matches!(reg.delete("a", |_| {}), Err(RegionError::Busy(_))), "still used through its id");
         drop(by_id);
-        reg.delete("a").unwrap();
+        reg.delete("a", |_| {}).unwrap();
         assert!(matches!(reg.acquire("a"), Err(RegionError::NotFound(_))));
         assert!(matches!(reg.acquire(&r.id), Err(RegionError::NotFound(_))));
     }
@@ -1444,7 +1497,7 @@ mod tests {
         let RegionView::Unavailable(u) = reg.describe("a").unwrap() else { panic!("a is live") };
         assert!(u.reason.contains("outside every file root"), "{}", u.reason);
         // Deleting it is the only way out of the catalog, and it leaves the file alone.
-        assert!(reg.delete("a").unwrap().is_none());
+        assert!(reg.delete("a", |_| {}).unwrap().is_none());
         assert_eq!(std::fs::read(state.join(CATALOG)).unwrap(), b"[]");
         assert_eq!(std::fs::read(root.join("a.bin")).unwrap(), vec![1u8; 4096]);
     }

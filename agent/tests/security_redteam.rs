@@ -7,7 +7,6 @@
 
 mod common;
 
-
 use common::pki::{ip, role_uri, uri, Pki};
 use common::*;
 use tonic::Code;

@@ -2,7 +2,8 @@
 //! gRPC services expose (in domain types). `service` converts protobuf to these calls and back.
 //!
 //! `Node` is split by role, one file each; its fields are private to this module:
-//! * this file — the `Node` itself, start-up (`new`, reapers), region deletion and drain;
+//! * this file — the `Node` itself, start-up (`new`, reapers) and drain;
+//! * [`lifetime`] — how a region ends (delete, lease) and what is kept per owner;
 //! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
 //! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
 //! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
@@ -40,6 +41,7 @@ use xfer_rdma::memory::RegionMemory;
 mod bench;
 mod channel;
 mod initiator;
+mod lifetime;
 mod limits;
 mod responder;
 mod sample;
@@ -48,6 +50,7 @@ mod shares;
 pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 use initiator::Held;
+pub use lifetime::StateCounts;
 use responder::AcceptedConn;
 pub use responder::{GrantParams, InboundRing, NotifyAsk};
 
@@ -173,11 +176,10 @@ impl Node {
                 }
                 let now = SystemTime::now();
                 node.grants.reap(now);
-                // Catalog writes fsync: off the reactor.
-                let n = node.clone();
-                let expired = tokio::task::spawn_blocking(move || n.regions.reap_expired(now)).await.unwrap_or_default();
-                for r in expired {
-                    node.grants.revoke_region(&r.id);
+                // Catalog writes fsync: off the reactor (only when a lease ended).
+                if node.regions.housekeeping_due(Some(now)) {
+                    let n = node.clone();
+                    let _ = tokio::task::spawn_blocking(move || n.reap_regions(now)).await;
                 }
             }
         });
@@ -192,6 +194,9 @@ impl Node {
                     _ = shutdown.cancelled() => return,
                     _ = tick.tick() => {}
                 }
+                if !node.regions.housekeeping_due(None) {
+                    continue;
+                }
                 let n = node.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     n.regions.retry_unavailable();
@@ -200,18 +205,6 @@ impl Node {
                 .await;
             }
         });
-    }
-
-    pub fn delete_region(&self, name: &str) -> Result<(), crate::regions::RegionError> {
-        let Some(r) = self.regions.delete(name)? else {
-            // An unavailable region: never registered, so no grants.
-            return Ok(());
-        };
-        let n = self.grants.revoke_region(&r.id);
-        if n > 0 {
-            info!(region = %name, grants = n, "revoked grants of deleted region");
-        }
-        Ok(())
     }
 
     // ------------------------------------------------------------------ what services read

@@ -382,9 +382,16 @@ impl Node {
     pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        self.grants.hub().subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS).ok_or_else(|| {
+        let sub = self.grants.hub().subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS).ok_or_else(|| {
             TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS))
-        })
+        })?;
+        // A region that ended since it was looked up has forgotten its channel already; this
+        // subscription would have made it anew and never be told. Looked up again after joining:
+        // an end from now on takes the channel out (and ends this stream).
+        if let Some(id) = &id {
+            self.regions.get(id)?;
+        }
+        Ok(sub)
     }
 
     /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the

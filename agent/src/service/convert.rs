@@ -556,7 +556,7 @@ pub fn bound_status(e: super::bounds::BoundError) -> Status {
 
 pub fn grant_status(e: GrantError) -> Status {
     match &e {
-        GrantError::NotFound(_) => Status::not_found(e.to_string()),
+        GrantError::NotFound(_) | GrantError::RegionGone(_) => Status::not_found(e.to_string()),
         GrantError::Expired(_) => Status::failed_precondition(e.to_string()),
         GrantError::WrongPeer(_) => Status::permission_denied(e.to_string()),
         GrantError::Limit(_) => Status::resource_exhausted(e.to_string()),

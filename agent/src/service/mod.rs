@@ -438,8 +438,10 @@ impl Agent for Services {
         // is given back when the stream ends or the caller goes away.
         let (rx, permit) = self.node.watch_inbound_as(&r.region, r.tag.as_deref(), &tenant).map_err(transfer_status)?;
         let tag = r.tag;
+        let region = r.region;
         let stream = futures::stream::unfold(Some((rx, permit)), move |st| {
             let tag = tag.clone();
+            let region = region.clone();
             async move {
                 let (mut rx, permit) = st?;
                 loop {
@@ -452,6 +454,11 @@ impl Agent for Services {
                             return Some((Ok(notification_to_pb(&n)), Some((rx, permit))));
                         }
                         Err(RecvError::Lagged(k)) => return Some((Err(lagged_status(k)), None)),
+                        // A region's channel closes when the region ends (deleted, lease over):
+                        // nothing more can come, and the subscriber is told why.
+                        Err(RecvError::Closed) if !region.is_empty() => {
+                            return Some((Err(region_status(RegionError::NotFound(region))), None))
+                        }
                         Err(RecvError::Closed) => return None,
                     }
                 }

@@ -285,6 +285,15 @@ impl TransferRegistry {
         self.lock().by_id.get(id).cloned().ok_or_else(|| TransferError::NotFound(id.to_string()))
     }
 
+    /// Records kept: running transfers and the finished ones of the history.
+    pub fn len(&self) -> usize {
+        self.lock().by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn list(&self) -> Vec<TransferRecord> {
         let g = self.lock();
         g.order.iter().filter_map(|id| g.by_id.get(id)).map(|h| h.snapshot()).collect()
