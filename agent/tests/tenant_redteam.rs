@@ -459,6 +459,40 @@ async fn refused_requests_give_back_every_share_they_took() {
     drop(chans);
 }
 
+// ------------------------------------------------------------------ regions that do not end
+
+/// A benchmark's scratch region on the target (`Peer.OpenBenchRegion`) is a region like any
+/// other: clients see it in `ListRegions` and may use it as the local side of a channel. A
+/// region in use cannot be deleted nor reaped at the end of its lease, so a client's idle
+/// channel (ttl up to 24 h, reopened at will) keeps the scratch region, its share of
+/// `limits.max_bench_bytes` and so the agent's one benchmark target, after the node that opened
+/// it closed it: every other node's benchmark against this agent is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "BUG: a client's local use keeps a benchmark scratch region (and the bench budget) past its close and its lease"]
+async fn a_client_cannot_keep_a_benchmark_target_after_its_node_closed_it() {
+    let pki = pki();
+    let (a, _ta) = pki.agent_with("node-a", "[limits]\nmax_bench_bytes = \"1MiB\"\n", "", &[]);
+    let (b, _tb) = pki.agent("node-b");
+    let mut attacker = pki.agent_client(&a, "xferctl").await;
+    let mut b_owner = pki.agent_client(&b, "xferctl").await;
+    b_owner.create_region(anon("dst", 1 << 20)).await.unwrap();
+    let mut node_c = pki.peer(&a, "node-c").await;
+    let scratch = node_c.open_bench_region(pb::OpenBenchRegionRequest { length: 1 << 20 }).await.unwrap().into_inner().region;
+    let listed = attacker.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
+    assert!(listed.iter().any(|r| r.name == scratch), "clients see the scratch region: {listed:?}");
+    // The attacker holds it in use.
+    let mut open = open_msg_qps(pb::Op::Write, &scratch, &b, "dst", 0, 4096, false, 1);
+    open.ttl = Some(prost_types::Duration { seconds: 86_400, nanos: 0 });
+    let held = try_open_with(&mut attacker, open, 4).await;
+    // node-c's benchmark is over: it closes its region.
+    let closed = node_c.close_bench_region(pb::CloseBenchRegionRequest { region: scratch.clone() }).await;
+    // Another node's benchmark finds the target free, and the budget whole.
+    let mut node_b = pki.peer(&a, "node-b").await;
+    let r = node_b.open_bench_region(pb::OpenBenchRegionRequest { length: 1 << 20 }).await;
+    assert!(r.is_ok(), "node-b's benchmark was refused (node-c's close: {closed:?}; the attacker's channel: {:?}): {r:?}", held.as_ref().err());
+    drop(held);
+}
+
 // ------------------------------------------------------------------ the transfer history
 
 /// The agent keeps the last 1,000 finished transfers for `GetTransfer`/`WatchTransfer`/
