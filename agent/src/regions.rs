@@ -979,12 +979,29 @@ impl RegionRegistry {
     /// then calling [`Region::acquire`] leaves a window in which a delete can slip through, after
     /// which bytes would still land in a deleted file region).
     pub fn acquire(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
+        self.acquire_as(name_or_id, true)
+    }
+
+    /// [`RegionRegistry::acquire`] for a client: a benchmark's scratch region is refused. In use
+    /// by a client it could be neither closed nor reaped, and it (with the bench budget and the
+    /// agent's one benchmark target) would outlive its benchmark.
+    pub fn acquire_for_client(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
+        self.acquire_as(name_or_id, false)
+    }
+
+    fn acquire_as(&self, name_or_id: &str, scratch: bool) -> Result<RegionUse, RegionError> {
         let u = {
             let st = self.lock();
             let view = Self::find(&st, name_or_id).ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))?;
             let r = Self::live(view)?;
             if r.is_retiring() {
                 return Err(RegionError::NotFound(name_or_id.to_string()));
+            }
+            if r.scratch.is_some() && !scratch {
+                return Err(RegionError::Denied(format!(
+                    "region {:?} is a benchmark's scratch region: only the benchmark uses it",
+                    r.name
+                )));
             }
             r.acquire()
         };

@@ -33,7 +33,7 @@ impl Node {
         }
         // In use from the lookup on (under the registry lock): a DeleteRegion meanwhile is
         // refused as busy instead of deleting a region this transfer is about to move bytes in.
-        let local_use = self.regions.acquire(&req.local_region)?;
+        let local_use = self.local_use(&req.local_region, owner)?;
         let local = Arc::clone(&local_use.0);
         if req.local_offset > local.length {
             return Err(TransferError::Invalid(format!(
