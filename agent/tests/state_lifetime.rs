@@ -49,12 +49,15 @@ async fn every_cycle_leaves_the_agents_maps_at_their_baseline() {
     let baseline = b.state_counts();
     assert_eq!((baseline.regions, baseline.notify_channels, baseline.subscribers), (1, 0, 0));
 
-    // WatchInbound(region), cancel, DeleteRegion.
+    // WatchInbound(region), cancel, DeleteRegion, on behalf of one tenant (its shares come and go).
+    let tenant =
+        xfer_agent::tenants::Tenant::of(&xfer_agent::identity::Caller { role: xfer_agent::identity::Role::Client, name: "churn".into() });
     for i in 0..CYCLES {
-        b.create_region(labelled_region(i)).unwrap();
-        let sub = b.watch_inbound("churn", None).unwrap();
+        b.create_region_as(labelled_region(i), &tenant).unwrap();
+        let (sub, permit) = b.watch_inbound_as("churn", None, &tenant).unwrap();
         assert_eq!(b.state_counts().notify_channels, 1);
-        drop(sub);
+        assert_eq!(b.state_counts().tenants, 3, "the tenant holds a region, its bytes and a subscription");
+        drop((sub, permit));
         assert_eq!(b.state_counts().notify_channels, 0, "cycle {i}: the last subscriber took its region's channel");
         b.delete_region("churn").unwrap();
     }

@@ -44,8 +44,11 @@ pub struct StateCounts {
     /// Outbound and inbound transfer records kept (running and history).
     pub transfers_kept: usize,
     pub inbound_kept: usize,
-    /// Peer pool entries.
+    /// Peer pool entries, and the spellings remembered for them.
     pub peers: usize,
+    pub peer_aliases: usize,
+    /// Identities holding a share of regions, bytes or subscriptions (`tenants`).
+    pub tenants: usize,
     /// Whether a benchmark's scratch region is held for a peer.
     pub bench_region: bool,
 }
@@ -115,6 +118,8 @@ impl Node {
             transfers_kept: self.transfers.len(),
             inbound_kept: self.inbound.len(),
             peers: self.peers.list().len(),
+            peer_aliases: self.peers.alias_count(),
+            tenants: self.tenants_holding(),
             bench_region: self.bench_region.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
         }
     }
