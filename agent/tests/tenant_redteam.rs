@@ -380,12 +380,11 @@ fn mtls_agent_in(pki: &Pki, name: &str, dir: &Path, extra: &str) -> Agent {
     Agent::start_with_env(name, &dir.join("state"), Ports::new(), &["--config", cfg.to_str().unwrap()], &[])
 }
 
-/// Regions restored from the catalog at start are charged to no one: a client whose file
-/// regions fill its share gets the share back at every restart of the agent, and after one
-/// restart it holds every region slot; another client's first region is refused by
-/// `max_regions`. A restored region must still count against its creator's share.
+/// Regions restored from the catalog at start must still count against their creator's share.
+/// Charged to no one, they would give a client whose file regions fill its share that share
+/// back at every restart of the agent: after one restart it would hold every region slot, and
+/// another client's first region would be refused by `max_regions`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "BUG: restored regions are exempt from shares (the catalog does not keep the owner); each restart gives a tenant its share again"]
 async fn a_restart_does_not_give_a_client_its_share_again() {
     let pki = pki();
     let dir = tempfile::tempdir().unwrap();

@@ -138,6 +138,7 @@ impl Node {
         );
         regions.sweep_private_shm(&ring_prefix);
         let shares = shares::Shares::new(&config.limits);
+        regions.set_charge(shares.charge());
         Arc::new(Node {
             ring_prefix,
             regions,

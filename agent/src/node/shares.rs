@@ -36,6 +36,14 @@ impl Shares {
     }
 }
 
+impl Shares {
+    /// Charges a region restored from the catalog to its tenant's region and byte shares.
+    pub(super) fn charge(&self) -> crate::regions::Charge {
+        let (regions, bytes) = (self.regions.clone(), self.bytes.clone());
+        Box::new(move |owner, length| Arc::new(Permits(vec![regions.charge(owner, 1), bytes.charge(owner, length)])))
+    }
+}
+
 fn refused(limit: &'static str) -> impl FnOnce(ShareExceeded) -> ShareExceeded {
     move |e| {
         m::share_refused(limit);
