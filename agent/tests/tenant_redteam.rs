@@ -681,3 +681,44 @@ async fn one_local_user_cannot_hold_every_unix_socket_connection() {
         .unwrap();
     assert!(out.status.success(), "uid 65534 was locked out while uid 0 holds {} connections: {:?}", held.len(), stderr_lines(&out));
 }
+
+// ------------------------------------------------------------------ streams that are not read
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").trim().parse().unwrap()
+}
+
+/// `ReadRegion` answers in 1 MiB pieces, each read from the region as the stream is polled. A
+/// client that opens many of them on one connection and reads none makes the agent hold a piece
+/// (or more) for each: HTTP/2 takes as many concurrent streams per connection as a client opens
+/// (no `max_concurrent_streams`), so one client's unread streams grow the agent's memory without
+/// bound, for every tenant. Bounded, 400 unread streams over a 64 MiB region cost far less than
+/// 400 MiB, and another client is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "BUG: streams per connection are unbounded; unread ReadRegion streams hold ~1 MiB each"]
+async fn unread_read_region_streams_do_not_grow_the_agent_without_bound() {
+    let pki = pki();
+    let (a, _t) = pki.agent("node-a");
+    let pid = a.pid().unwrap();
+    let mut owner = pki.agent_client(&a, "tenant-b").await;
+    owner.create_region(anon("big", 64 << 20)).await.unwrap();
+    put(&mut owner, "big", 0, &random_bytes(1 << 20, 9)).await;
+    let before = rss_kib(pid);
+    // One connection with a small window, 400 streams, none read.
+    let ch = pki.channel(&a.addr(), "ca.crt", Some("xferctl")).await.unwrap();
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..400 {
+        let mut c = AgentClient::new(ch.clone());
+        match c.read_region(pb::ReadRegionRequest { region: "big".into(), offset: 0, length: 0 }).await {
+            Ok(s) => held.push(s.into_inner()),
+            Err(_) => refused += 1,
+        }
+    }
+    let grown_mib = rss_kib(pid).saturating_sub(before) / 1024;
+    // Another client is served meanwhile.
+    let mut victim = pki.agent_client(&a, "tenant-b").await;
+    victim.create_region(anon("mine", 4096)).await.unwrap();
+    assert!(grown_mib < 128, "{} unread streams ({refused} refused) grew the agent by {grown_mib} MiB", held.len());
+}
