@@ -126,12 +126,12 @@ fn usage(a: &Agent) -> Usage {
     Usage { rss_kib: status_field(pid, "VmRSS:"), fds: open_fds(pid), threads: status_field(pid, "Threads:") }
 }
 
-/// Waits until `a`'s descriptors and threads are back at `baseline` (polled, at most 3000 times
-/// 20 ms apart: a hang guard; the wait is for the values). Returns its usage then.
-async fn back_to(a: &Agent, baseline: Usage) -> Usage {
+/// Waits until `a`'s descriptors and threads are back at `baseline` plus `more_fds` (polled, at
+/// most 3000 times 20 ms apart: a hang guard; the wait is for the values). Returns its usage then.
+async fn back_to(a: &Agent, baseline: Usage, more_fds: usize) -> Usage {
     for _ in 0..3000 {
         let u = usage(a);
-        if u.fds <= baseline.fds && u.threads <= baseline.threads {
+        if u.fds <= baseline.fds + more_fds && u.threads <= baseline.threads {
             return u;
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -148,6 +148,11 @@ async fn back_to(a: &Agent, baseline: Usage) -> Usage {
         .map(|p| p.display().to_string())
         .collect();
     panic!("{}: descriptors and threads never came back to {baseline:?}: {:?}; threads {threads:?}; fds {fds:?}", a.name, usage(a));
+}
+
+/// Data streams (QPs) A keeps idle in its pool for B.
+fn idle_streams(a: &Agent) -> f64 {
+    labelled(&scrape(a), "xfer_qp_connections", &[("peer", "node-b"), ("state", "idle")])
 }
 
 /// Waits until everything the cycles made has ended on both agents (the gauges are updated when
@@ -224,15 +229,22 @@ async fn a_real_agent_returns_to_its_baseline_memory_descriptors_and_threads() {
     }
     settled(&a, &b).await;
     let (a0, b0) = (usage(&a), usage(&b));
+    let idle0 = idle_streams(&a);
     for i in 0..CYCLES {
         cycle(i, &mut ca, &mut cb, &b).await;
     }
     settled(&a, &b).await;
+    // A's pool keeps up to 8 idle connections to B for reuse, each a data socket per stream on
+    // both agents; how many of the cycle's two shapes are idle at the end depends on timing. They
+    // are bounded by the pool, not left behind: the descriptors allowed are those it holds.
+    let idle1 = idle_streams(&a);
+    eprintln!("idle streams A to B: {idle0} -> {idle1}");
+    let more = (idle1 - idle0).max(0.0) as usize;
     for (who, agent, before) in [("target", &b, b0), ("initiator", &a, a0)] {
         // Descriptors and threads come back: the last scrape's socket is closed by the agent
         // after its answer, and blocking-pool threads (creates, deletes, scrapes) leave after
         // 10 s without work.
-        let after = back_to(agent, before).await;
+        let after = back_to(agent, before, more).await;
         eprintln!("{who}: {before:?} -> {after:?}");
         assert!(
             after.rss_kib < before.rss_kib + 8 * 1024,
