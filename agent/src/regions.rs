@@ -240,6 +240,9 @@ struct CatalogEntry {
     expires_at: Option<SystemTime>,
     #[serde(default)]
     created_object: bool,
+    /// The tenant the region is charged to (`crate::tenants`; none: exempt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<String>,
 }
 
 impl CatalogEntry {
@@ -255,6 +258,7 @@ impl CatalogEntry {
             created_at: r.created_at,
             expires_at: r.expires_at,
             created_object: r.created_object,
+            owner: r._shares.as_ref().and_then(|p| p.tenant()).map(str::to_string),
         }
     }
 
@@ -424,7 +428,12 @@ pub struct RegionRegistry {
     reserved: Arc<AtomicU64>,
     /// Bytes benchmarks hold (buffers, pools, scratch regions), against `max_bench_bytes`.
     bench: Arc<AtomicU64>,
+    /// Charges a restored region to the tenant that created it ([`RegionRegistry::set_charge`]).
+    charge: std::sync::OnceLock<Charge>,
 }
+
+/// (tenant key, bytes) → the permits a region of that tenant holds (`crate::tenants`).
+pub type Charge = Box<dyn Fn(&str, u64) -> Arc<crate::tenants::Permits> + Send + Sync>;
 
 /// Memory counted against `max_registered_bytes` while it lives; released on drop.
 #[derive(Debug)]
@@ -491,7 +500,21 @@ impl RegionRegistry {
             catalog_dirty: Default::default(),
             reserved: Arc::new(AtomicU64::new(0)),
             bench: Arc::new(AtomicU64::new(0)),
+            charge: std::sync::OnceLock::new(),
         }
+    }
+
+    /// How restored regions are charged to their tenants (set once, before `restore`): restoring
+    /// a tenant's regions must not give it its share again.
+    pub fn set_charge(&self, charge: Charge) {
+        let _ = self.charge.set(charge);
+    }
+
+    /// What it takes to rebuild a catalog entry, charged to its tenant.
+    fn restored_spec(&self, e: &CatalogEntry) -> RegionSpec {
+        let mut spec = e.spec();
+        spec.shares = e.owner.as_deref().zip(self.charge.get()).map(|(owner, charge)| charge(owner, e.length));
+        spec
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -540,7 +563,7 @@ impl RegionRegistry {
                 warn!(region = %e.name, error = %why, "catalog entry with invalid labels ignored");
                 continue;
             }
-            match self.build(&e.spec(), Some(&e)) {
+            match self.build(&self.restored_spec(&e), Some(&e)) {
                 Ok(region) => {
                     self.lock().live.insert(region.name.clone(), region);
                     restored += 1;
@@ -979,12 +1002,29 @@ impl RegionRegistry {
     /// then calling [`Region::acquire`] leaves a window in which a delete can slip through, after
     /// which bytes would still land in a deleted file region).
     pub fn acquire(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
+        self.acquire_as(name_or_id, true)
+    }
+
+    /// [`RegionRegistry::acquire`] for a client: a benchmark's scratch region is refused. In use
+    /// by a client it could be neither closed nor reaped, and it (with the bench budget and the
+    /// agent's one benchmark target) would outlive its benchmark.
+    pub fn acquire_for_client(&self, name_or_id: &str) -> Result<RegionUse, RegionError> {
+        self.acquire_as(name_or_id, false)
+    }
+
+    fn acquire_as(&self, name_or_id: &str, scratch: bool) -> Result<RegionUse, RegionError> {
         let u = {
             let st = self.lock();
             let view = Self::find(&st, name_or_id).ok_or_else(|| RegionError::NotFound(name_or_id.to_string()))?;
             let r = Self::live(view)?;
             if r.is_retiring() {
                 return Err(RegionError::NotFound(name_or_id.to_string()));
+            }
+            if r.scratch.is_some() && !scratch {
+                return Err(RegionError::Denied(format!(
+                    "region {:?} is a benchmark's scratch region: only the benchmark uses it",
+                    r.name
+                )));
             }
             r.acquire()
         };
@@ -1173,7 +1213,7 @@ impl RegionRegistry {
         let candidates: Vec<UnavailableRegion> = self.lock().unavailable.values().cloned().collect();
         let mut revived = 0;
         for u in candidates {
-            let result = self.build(&u.entry.spec(), Some(&u.entry));
+            let result = self.build(&self.restored_spec(&u.entry), Some(&u.entry));
             let mut st = self.lock();
             // Deleted or replaced while we were opening: drop what we built.
             let still = st.unavailable.get(u.name()).is_some_and(|x| x.id() == u.id());

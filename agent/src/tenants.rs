@@ -74,7 +74,9 @@ pub struct ShareExceeded {
 /// Units held, by tenant key.
 type Held = Arc<Mutex<HashMap<String, u64>>>;
 
-/// Units held per tenant for one limit (the global count is the limit's own business).
+/// Units held per tenant for one limit (the global count is the limit's own business). A clone
+/// counts into the same map.
+#[derive(Clone)]
 pub struct Quota {
     what: &'static str,
     max: u64,
@@ -97,6 +99,13 @@ impl fmt::Debug for Permit {
 /// Several permits held together by one object (a region holds its count and its bytes).
 #[derive(Debug, Default)]
 pub struct Permits(pub Vec<Permit>);
+
+impl Permits {
+    /// The key of the tenant they are charged to (`None`: exempt).
+    pub fn tenant(&self) -> Option<&str> {
+        self.0.iter().find_map(|p| p.held.as_ref().map(|h| h.1.as_str()))
+    }
+}
 
 impl Quota {
     /// `what` names the limit in refusals (`"transfers"`, `"registered bytes"`); `max` is the
@@ -121,6 +130,15 @@ impl Quota {
         }
         *held.entry(key.to_string()).or_insert(0) += n;
         Ok(Permit { held: Some((self.held.clone(), key.to_string())), n })
+    }
+
+    /// Charges `n` units to the tenant keyed `key` whatever it holds already: for state that
+    /// comes back (regions restored from the catalog) rather than being asked for. It counts
+    /// from then on, so the tenant's next request sees it.
+    pub fn charge(&self, key: &str, n: u64) -> Permit {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held.entry(key.to_string()).or_insert(0) += n;
+        Permit { held: Some((self.held.clone(), key.to_string())), n }
     }
 
     /// Units `tenant` holds now.
@@ -190,6 +208,20 @@ mod tests {
         let permits: Vec<_> = (0..10).map(|_| q.take(&t, 1).unwrap()).collect();
         assert_eq!(q.tenants(), 0);
         drop(permits);
+    }
+
+    #[test]
+    fn restored_state_is_charged_past_the_share_and_counts_from_then_on() {
+        let q = Quota::new("regions", 4, 0.5);
+        let a = tenant("a");
+        let restored: Vec<_> = (0..3).map(|_| q.charge("client/a", 1)).collect();
+        assert_eq!(q.held(&a), 3);
+        assert!(q.take(&a, 1).is_err(), "over its share until some of it goes");
+        let permits = super::Permits(restored);
+        assert_eq!(permits.tenant(), Some("client/a"));
+        drop(permits);
+        assert_eq!(q.held(&a), 0);
+        q.take(&a, 1).unwrap();
     }
 
     #[test]

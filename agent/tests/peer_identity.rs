@@ -206,7 +206,7 @@ async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it(
         let d = ch.post(1, vec![common::chan::seg(0, (i as u64) << 16, 4096)], 0, None).await;
         assert_eq!(d.state, pb::TransferState::Succeeded as i32, "{d:?}");
         let got = read(&mut b_owner, "dst").await;
-        let at = (i << 16) as usize;
+        let at = i << 16;
         assert!(got[at..at + 4096] == data[..], "channel {i}'s bytes arrived");
     }
     // Once they close, their connections are A's to use again.

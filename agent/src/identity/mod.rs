@@ -95,6 +95,8 @@ pub enum AuthError {
     NoRole { trust_domain: String, dns: &'static str },
     #[error("certificate carries conflicting xfer role URIs ({0}): a certificate must carry one identity")]
     Ambiguous(String),
+    #[error("certificate names {0:?}: NAMEs uid-N are the local unix socket's callers, never a certificate's")]
+    Reserved(String),
     #[error("{method} needs {need}; the caller {name:?} has the {role} role")]
     Denied { method: String, need: &'static str, role: Role, name: String },
     #[error("{0} is not a method this agent serves")]
@@ -132,12 +134,12 @@ impl RolePolicy {
             if let Some(other) = uri_callers.find(|c| *c != first) {
                 return Err(AuthError::Ambiguous(format!("{} {:?} and {} {:?}", first.role, first.name, other.role, other.name)));
             }
-            return Ok(first);
+            return not_local(first);
         }
         for n in &names {
             if let GeneralName::DNSName(d) = n {
                 if let Some(c) = self.role_of_dns(d) {
-                    return Ok(c);
+                    return not_local(c);
                 }
             }
         }
@@ -185,6 +187,17 @@ impl RolePolicy {
             valid_name(&name).then(|| Caller { role: r.role.into(), name })
         })
     }
+}
+
+/// A certificate's caller, unless its NAME is one the local unix socket gives its callers
+/// (`uid-N`, `service::auth`): limits, shares and grants are keyed on the NAME, so a certificate
+/// named like a local uid would spend that local user's shares from the network.
+fn not_local(c: Caller) -> Result<Caller, AuthError> {
+    let local = c.name.strip_prefix("uid-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if local {
+        return Err(AuthError::Reserved(c.name));
+    }
+    Ok(c)
 }
 
 /// Longest NAME (a DNS name's limit).

@@ -160,7 +160,7 @@ impl Node {
                 "verify checks one contiguous range; on a channel, compare ranges with Agent.Checksum on both agents".into(),
             ));
         }
-        let local = self.regions.acquire(&p.local_region)?;
+        let local = self.local_use(&p.local_region, owner)?;
         if p.op == Op::Read && !local.0.memory.writable() {
             return Err(TransferError::PermissionDenied(format!(
                 "local region {:?} is mapped read-only and cannot receive a READ",

@@ -33,7 +33,7 @@ impl Node {
         }
         // In use from the lookup on (under the registry lock): a DeleteRegion meanwhile is
         // refused as busy instead of deleting a region this transfer is about to move bytes in.
-        let local_use = self.regions.acquire(&req.local_region)?;
+        let local_use = self.local_use(&req.local_region, owner)?;
         let local = Arc::clone(&local_use.0);
         if req.local_offset > local.length {
             return Err(TransferError::Invalid(format!(
@@ -168,7 +168,7 @@ impl Node {
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
-        let handle = self.transfers.insert(record);
+        let handle = self.transfers.insert_owned(record, self.config.limits.tenant_share);
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here

@@ -138,6 +138,7 @@ impl Node {
         );
         regions.sweep_private_shm(&ring_prefix);
         let shares = shares::Shares::new(&config.limits);
+        regions.set_charge(shares.charge());
         Arc::new(Node {
             ring_prefix,
             regions,
@@ -273,7 +274,16 @@ impl Node {
 
     /// A live region, marked in use until the returned guard drops (see `RegionRegistry::acquire`).
     pub fn use_region(&self, name: &str) -> Result<RegionUse, crate::regions::RegionError> {
-        self.regions.acquire(name)
+        self.regions.acquire_for_client(name)
+    }
+
+    /// The local region of `owner`'s transfer or channel, marked in use: a tenant never holds a
+    /// benchmark's scratch region (the agent's own benchmarks, exempt, do).
+    pub(super) fn local_use(&self, name: &str, owner: &crate::tenants::Tenant) -> Result<RegionUse, crate::regions::RegionError> {
+        match owner.key() {
+            Some(_) => self.regions.acquire_for_client(name),
+            None => self.regions.acquire(name),
+        }
     }
 
     /// A live, intact region by name or id (not marked in use: see [`Node::use_region`]).

@@ -400,13 +400,8 @@ impl Node {
     /// `regions.shm_group`), named at random, counted against `max_registered_bytes`, and removed
     /// when the returned handle is dropped (the caller's stream closed).
     pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
-        let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
-        xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
+        let (slots, slot_size, length) = self.ring_shape(slots)?;
         let id = self.inbound_filter(region, tag)?;
-        let max = self.config.transfer.max_notify_bytes;
-        // Slots hold the largest tag, region name and peer identity this agent produces.
-        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
-        let length = xfer_rdma::ring::ring_len(slots, slot_size);
         let reservation = self.regions.reserve(length, "a notification ring")?;
         let len = usize::try_from(length).map_err(|_| TransferError::Invalid("ring too large for this machine".into()))?;
         let (object, file) = self.create_ring_object(length)?;
@@ -433,6 +428,17 @@ impl Node {
         crate::metrics::inbound_rings(1);
         let path = self.regions.shm_path(&object);
         Ok(InboundRing { object, length, slots, slot_size, slot: Some(slot), path, _reservation: reservation })
+    }
+
+    /// The slots (0 = the default), slot size and byte length of a ring asked for with `slots`,
+    /// checked: what a ring costs is known before anything is reserved or created.
+    pub(super) fn ring_shape(&self, slots: u32) -> Result<(u32, u32, u64), TransferError> {
+        let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
+        xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
+        // Slots hold the largest tag, region name and peer identity this agent produces.
+        let max = self.config.transfer.max_notify_bytes;
+        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
+        Ok((slots, slot_size, xfer_rdma::ring::ring_len(slots, slot_size)))
     }
 
     /// A subscription's filter checked: the region (a name or id, resolved now to its id; empty =

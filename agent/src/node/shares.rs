@@ -36,6 +36,14 @@ impl Shares {
     }
 }
 
+impl Shares {
+    /// Charges a region restored from the catalog to its tenant's region and byte shares.
+    pub(super) fn charge(&self) -> crate::regions::Charge {
+        let (regions, bytes) = (self.regions.clone(), self.bytes.clone());
+        Box::new(move |owner, length| Arc::new(Permits(vec![regions.charge(owner, 1), bytes.charge(owner, length)])))
+    }
+}
+
 fn refused(limit: &'static str) -> impl FnOnce(ShareExceeded) -> ShareExceeded {
     move |e| {
         m::share_refused(limit);
@@ -68,16 +76,22 @@ impl Node {
         Ok((self.watch_inbound(region, tag)?, permit))
     }
 
-    /// `WatchInboundRing` on behalf of `tenant`; the permit must live as long as the ring.
+    /// `WatchInboundRing` on behalf of `tenant`: a subscription, and a mapping counted against
+    /// `max_registered_bytes` like a region's, so its bytes come out of the tenant's byte share
+    /// too (rings alone would otherwise take every registered byte). The permits must live as
+    /// long as the ring.
     pub fn watch_inbound_ring_as(
         &self,
         region: &str,
         tag: Option<&[u8]>,
         slots: u32,
         tenant: &Tenant,
-    ) -> Result<(InboundRing, Permit), TransferError> {
-        let permit = self.watcher_permit(tenant)?;
-        Ok((self.watch_inbound_ring(region, tag, slots)?, permit))
+    ) -> Result<(InboundRing, Permits), TransferError> {
+        let (_, _, length) = self.ring_shape(slots)?;
+        let watcher = self.watcher_permit(tenant)?;
+        let bytes =
+            self.shares.bytes.take(tenant, length).map_err(refused("registered_bytes")).map_err(|e| TransferError::Limit(e.to_string()))?;
+        Ok((self.watch_inbound_ring(region, tag, slots)?, Permits(vec![watcher, bytes])))
     }
 
     fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {

@@ -6,8 +6,10 @@
 //! resolved to a socket address. In plaintext that socket is the key. Under mTLS the pool asks
 //! the peer (one `Peer.Ping`) and keys the entry on the node name its certificate proved; a second
 //! spelling that reaches the same node (another host name, another of its addresses) joins that
-//! entry and drops its own channel. Until a peer has answered, its entry is keyed on its socket, so
-//! a dead address still has one entry whose back-off fails callers fast.
+//! entry and drops its own channel. Until a peer has answered, its entry is keyed on the spelling
+//! it is dialled under (which decides the name its certificate is verified for: a spelling that
+//! fails verification cannot lend its client to a good spelling of the same socket), so a dead
+//! address still has one entry per spelling whose back-off fails callers fast.
 //!
 //! The client of an identified entry is pinned to its name: if the address is later taken by
 //! another agent, that connection is refused, and the next lookup sees the moved identity, drops
@@ -42,8 +44,12 @@ const ALIASES_PER_PEER: usize = 4;
 pub enum PeerKey {
     /// The node name of the peer's certificate (mTLS).
     Node(String),
-    /// The resolved socket address (plaintext, or an mTLS peer that has not answered yet).
+    /// The resolved socket address (plaintext).
     Socket(SocketAddr),
+    /// An mTLS peer that has not answered yet, by the spelling it is dialled under: the spelling
+    /// decides the name its certificate is verified for, so a spelling that fails verification
+    /// never lends its client to another spelling of the same socket.
+    Dialled(String),
 }
 
 impl fmt::Display for PeerKey {
@@ -51,6 +57,7 @@ impl fmt::Display for PeerKey {
         match self {
             PeerKey::Node(n) => write!(f, "node/{n}"),
             PeerKey::Socket(a) => write!(f, "{a}"),
+            PeerKey::Dialled(s) => write!(f, "{s}"),
         }
     }
 }
@@ -118,18 +125,17 @@ impl PeerPool {
             None => resolve(&spelling).await?,
         };
         let resolved_at = spelled.socket().is_none().then(Instant::now);
-        let by_socket = PeerKey::Socket(canonical(socket));
         // The client dials the spelling: for an IP literal that is the canonical socket; a host
-        // name is what a peer's certificate is verified for under mTLS.
-        let entry = match self.get(&by_socket) {
+        // name is what a peer's certificate is verified for under mTLS. (A client connects
+        // lazily: making one to find out which it is dials nothing.)
+        let client = (self.connector)(&spelling)?;
+        let pending = if client.authenticates() { PeerKey::Dialled(spelling.clone()) } else { PeerKey::Socket(canonical(socket)) };
+        let entry = match self.get(&pending) {
             Some(e) => e,
-            None => {
-                let client = (self.connector)(&spelling)?;
-                self.insert(PeerEntry::new(by_socket.clone(), spelling.clone(), client, self.tick()))?
-            }
+            None => self.insert(PeerEntry::new(pending.clone(), spelling.clone(), client, self.tick()))?,
         };
         if !entry.client.authenticates() {
-            self.alias(spelling, by_socket, resolved_at);
+            self.alias(spelling, pending, resolved_at);
             return Ok(entry);
         }
         // mTLS: ask who answers there.
@@ -141,8 +147,8 @@ impl PeerPool {
         let key = PeerKey::Node(name.clone());
         let joined = {
             let mut map = self.map();
-            if map.get(&by_socket).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
-                map.remove(&by_socket);
+            if map.get(&pending).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
+                map.remove(&pending);
             }
             match map.get(&key) {
                 Some(existing) => existing.clone(),

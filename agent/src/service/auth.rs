@@ -221,6 +221,21 @@ mod tests {
     }
 
     #[test]
+    fn a_certificate_cannot_be_named_like_a_local_uid() {
+        let any = RolePolicy::new("", &[DnsRole { pattern: "*.apps.example".into(), role: RoleName::Client }]);
+        for sans in
+            [vec![uri("spiffe://td/xfer/client/uid-0")], vec![uri("spiffe://td/xfer/admin/uid-1000")], vec![dns("uid-7.apps.example")]]
+        {
+            assert!(matches!(any.caller_of(&cert_with(sans)), Err(AuthError::Reserved(_))));
+        }
+        // Only `uid-` and digits is a unix socket caller's NAME.
+        for name in ["uid-", "uid-0a", "uid0", "UID-0", "my-uid-0"] {
+            let c = any.caller_of(&cert_with(vec![uri(&format!("spiffe://td/xfer/client/{name}"))])).unwrap();
+            assert_eq!(c.name, name);
+        }
+    }
+
+    #[test]
     fn a_pinned_trust_domain_refuses_others() {
         let pinned = RolePolicy::new("prod.example", &[]);
         assert!(pinned.caller_of(&cert_with(vec![uri("spiffe://prod.example/xfer/node/a")])).is_ok());

@@ -570,7 +570,7 @@ pub fn auth_status(e: super::auth::AuthError) -> Status {
     use super::auth::AuthError as A;
     match e {
         A::NoCertificate | A::Unusable(_) => Status::unauthenticated(e.to_string()),
-        A::NoRole { .. } | A::Ambiguous(_) | A::Denied { .. } => Status::permission_denied(e.to_string()),
+        A::NoRole { .. } | A::Ambiguous(_) | A::Reserved(_) | A::Denied { .. } => Status::permission_denied(e.to_string()),
         A::Unknown(_) => Status::unimplemented(e.to_string()),
     }
 }

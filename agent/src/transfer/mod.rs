@@ -227,6 +227,29 @@ impl TransferRegistry {
         if g.by_id.contains_key(&record.id) {
             return None;
         }
+        Self::make_room_within(&mut g, max, same);
+        Some(Self::insert_locked(&mut g, record, self.history))
+    }
+
+    /// [`TransferRegistry::insert`] of a transfer a tenant submitted: its owner keeps at most
+    /// `share` of the history's finished records (its oldest make room), so one client's stream
+    /// of small transfers cannot push every other client's results out before they are read.
+    /// Exempt owners (plaintext) are bounded by the history alone.
+    pub fn insert_owned(&self, mut record: TransferRecord, share: f64) -> Arc<TransferHandle> {
+        let mut g = self.lock();
+        while g.by_id.contains_key(&record.id) {
+            record.id = crate::ids::new_id();
+        }
+        if record.owner.key().is_some() {
+            let owner = record.owner.clone();
+            let max = crate::tenants::share_of(self.history as u64, share) as usize;
+            Self::make_room_within(&mut g, max, |r| r.owner == owner);
+        }
+        Self::insert_locked(&mut g, record, self.history)
+    }
+
+    /// Forgets the oldest finished records that `same` matches until one more fits under `max`.
+    fn make_room_within(g: &mut Inner, max: usize, same: impl Fn(&TransferRecord) -> bool) {
         let mine: Vec<String> = g
             .order
             .iter()
@@ -238,7 +261,6 @@ impl TransferRegistry {
             g.by_id.remove(&id);
             g.order.retain(|o| *o != id);
         }
-        Some(Self::insert_locked(&mut g, record, self.history))
     }
 
     fn insert_locked(g: &mut Inner, record: TransferRecord, history: usize) -> Arc<TransferHandle> {
