@@ -19,10 +19,25 @@ use crate::transfer::TransferError;
 /// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
 pub(super) const MAX_SUBSCRIBERS: usize = 256;
 
+/// `ReadRegion`/`WriteRegion` streams open at once on one agent. Each holds up to a 1 MiB piece
+/// (a read) or one decoded message (a write) while its client does not take or send the rest:
+/// unbounded, a client that opens streams and never reads them grows the agent without limit.
+pub(super) const MAX_BYTE_STREAMS: usize = 64;
+
 pub(super) struct Shares {
     regions: Quota,
     bytes: Quota,
     watchers: Quota,
+    byte_streams: Quota,
+    /// The global bound of `byte_streams` (a quota only bounds each tenant).
+    byte_streams_all: Arc<tokio::sync::Semaphore>,
+}
+
+/// A `ReadRegion`/`WriteRegion` stream's place: its tenant's share and the agent's bound, held by
+/// the stream's state until it ends.
+pub struct StreamSlot {
+    _share: Permit,
+    _all: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Shares {
@@ -32,6 +47,8 @@ impl Shares {
             regions: Quota::new("regions", limits.max_regions as u64, f),
             bytes: Quota::new("registered bytes", limits.max_registered_bytes.0, f),
             watchers: Quota::new("WatchInbound subscriptions", MAX_SUBSCRIBERS as u64, f),
+            byte_streams: Quota::new("ReadRegion/WriteRegion streams", MAX_BYTE_STREAMS as u64, f),
+            byte_streams_all: Arc::new(tokio::sync::Semaphore::new(MAX_BYTE_STREAMS)),
         }
     }
 }
@@ -92,6 +109,16 @@ impl Node {
         let bytes =
             self.shares.bytes.take(tenant, length).map_err(refused("registered_bytes")).map_err(|e| TransferError::Limit(e.to_string()))?;
         Ok((self.watch_inbound_ring(region, tag, slots)?, Permits(vec![watcher, bytes])))
+    }
+
+    /// A place for one `ReadRegion`/`WriteRegion` stream of `tenant`, or RESOURCE_EXHAUSTED.
+    pub fn byte_stream_slot(&self, tenant: &Tenant) -> Result<StreamSlot, TransferError> {
+        let share =
+            self.shares.byte_streams.take(tenant, 1).map_err(refused("byte_streams")).map_err(|e| TransferError::Limit(e.to_string()))?;
+        let all = self.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
+            TransferError::Limit(format!("{MAX_BYTE_STREAMS} ReadRegion/WriteRegion streams are open on this agent already"))
+        })?;
+        Ok(StreamSlot { _share: share, _all: all })
     }
 
     fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {

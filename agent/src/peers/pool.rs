@@ -298,8 +298,8 @@ impl PeerPool {
             update_gauge(peer);
             return Ok(self.guard(peer, c, true));
         }
-        self.make_room(peer, qps).await?;
-        let c = self.negotiate(peer, qps, depth).instrument(info_span!("peer", peer = %peer.addr)).await?;
+        let held = self.make_room(peer, qps).await?;
+        let c = self.negotiate(peer, qps, depth, held).instrument(info_span!("peer", peer = %peer.addr)).await?;
         Ok(self.guard(peer, c, false))
     }
 
@@ -307,8 +307,10 @@ impl PeerPool {
     /// the peer keeps for this agent: idle connections (oldest first) are closed to make room;
     /// with every connection leased, the new one is refused rather than opened past the bound.
     /// A connection closed to make room is disconnected at the peer before the new one is
-    /// negotiated, so the peer's count has dropped by the time the new one reaches it.
-    async fn make_room(&self, peer: &Arc<PeerEntry>, qps: usize) -> Result<(), PeerError> {
+    /// negotiated, so the peer's count has dropped by the time the new one reaches it. The new
+    /// connection's place is taken in the same step as the check (under the idle list's lock),
+    /// so concurrent leases cannot both pass it.
+    async fn make_room(&self, peer: &Arc<PeerEntry>, qps: usize) -> Result<HeldConn, PeerError> {
         let (their_conns, their_streams) = *peer.advertised.lock().unwrap_or_else(|p| p.into_inner());
         let max_conns = match their_conns as usize {
             0 => self.max_connections,
@@ -322,8 +324,14 @@ impl PeerPool {
             let (c, s) = p.held();
             c < max_conns && s.saturating_add(qps) <= max_streams
         };
-        while !fits(peer) {
-            let oldest = peer.idle.lock().ok().and_then(|mut i| (!i.is_empty()).then(|| i.remove(0)));
+        loop {
+            let oldest = {
+                let mut idle = peer.idle.lock().unwrap_or_else(|p| p.into_inner());
+                if fits(peer) {
+                    return Ok(HeldConn::new(&peer.held, qps));
+                }
+                (!idle.is_empty()).then(|| idle.remove(0))
+            };
             match oldest {
                 Some(l) => {
                     l.conn.close();
@@ -344,17 +352,15 @@ impl PeerPool {
                 }
             }
         }
-        Ok(())
     }
 
     fn guard(&self, peer: &Arc<PeerEntry>, c: PooledConn, reused: bool) -> Lease {
         Lease { inner: Some(c), reused, peer: peer.clone(), home: self.home.clone() }
     }
 
-    async fn negotiate(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<PooledConn, PeerError> {
+    /// A new connection, counted (`held`, from `make_room`) from before the handshake.
+    async fn negotiate(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize, held: HeldConn) -> Result<PooledConn, PeerError> {
         let started = Instant::now();
-        // Counted from before the handshake: concurrent negotiations cannot overshoot the bound.
-        let held = HeldConn::new(&peer.held, qps);
         let (tx, rx) = mpsc::unbounded_channel();
         let fabric_err = |source| PeerError::Fabric { addr: peer.addr.clone(), source };
         let connection_id = ConnectionId::random();

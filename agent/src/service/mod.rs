@@ -44,8 +44,15 @@ pub struct Services {
 /// does not answer within another `keepalive` (`limits.grpc_keepalive`): a client whose host
 /// vanished would otherwise hold its streams — a `WatchInboundRing` subscription's ring, its
 /// bytes and its subscriber place, a channel's grant — until TCP gave up, if ever.
+/// Concurrent streams (calls) one HTTP/2 connection may have open; more wait for one to end
+/// (the client queues them), so one connection cannot fan out without bound.
+const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
 fn keepalive_server(keepalive: Option<std::time::Duration>) -> tonic::transport::Server {
-    tonic::transport::Server::builder().http2_keepalive_interval(keepalive).http2_keepalive_timeout(keepalive)
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(keepalive)
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
 }
 
 impl Services {
@@ -239,6 +246,8 @@ impl Agent for Services {
     }
 
     async fn write_region(&self, req: Request<Streaming<pb::WriteRegionRequest>>) -> Result<Response<pb::WriteRegionResponse>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
+        let _slot = self.node.byte_stream_slot(&tenant).map_err(transfer_status)?;
         let mut stream = req.into_inner();
         let first = self.checked_msg(stream.message().await?.ok_or_else(|| invalid("empty WriteRegion stream"))?)?;
         require(!first.region.is_empty(), "the first WriteRegion message must name the region")?;
@@ -266,13 +275,16 @@ impl Agent for Services {
     type ReadRegionStream = Stream2<pb::ReadRegionResponse>;
 
     async fn read_region(&self, req: Request<pb::ReadRegionRequest>) -> Result<Response<Self::ReadRegionStream>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let r = self.checked(req)?;
+        // Held by the stream's state: a client that never reads holds its place, not more.
+        let slot = self.node.byte_stream_slot(&tenant).map_err(transfer_status)?;
         let use_ = self.node.use_region(&r.region).map_err(region_status)?;
         let region = &use_.0;
         let len = if r.length == 0 { region.length.saturating_sub(r.offset) } else { r.length };
         region.check_range(r.offset, len).map_err(region_status)?;
         const PIECE: u64 = 1 << 20;
-        let stream = futures::stream::unfold((use_, r.offset, r.offset + len), move |(u, pos, end)| async move {
+        let stream = futures::stream::unfold((use_, r.offset, r.offset + len, slot), move |(u, pos, end, slot)| async move {
             if pos >= end {
                 return None;
             }
@@ -281,7 +293,7 @@ impl Agent for Services {
             // read_at checks for a shrunken file after the copy: zeros standing in for missing
             // pages are never sent (FAILED_PRECONDITION naming the region instead).
             let item = u.0.memory.read_at(pos, &mut buf).map(|_| pb::ReadRegionResponse { offset: pos, data: buf });
-            Some((item.map_err(|e| region_status(u.0.mem_error(e))), (u, pos + n, end)))
+            Some((item.map_err(|e| region_status(u.0.mem_error(e))), (u, pos + n, end, slot)))
         });
         Ok(Response::new(Box::pin(stream)))
     }
