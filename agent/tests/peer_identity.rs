@@ -173,7 +173,8 @@ async fn a_host_name_and_an_address_of_one_node_share_its_entry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it() {
     let pki = Pki::new();
-    let (a, _ta) = pki.agent("node-a");
+    // One client alone (shares off): the bound under test is the agent's as a whole.
+    let (a, _ta) = pki.agent_with("node-a", "[limits]\ntenant_share = 1.0\n", "", &[]);
     let (b, _tb) = pki.agent_with("node-b", "[limits]\nmax_connections_per_peer = 2\n", "", &[]);
     let mut c = pki.agent_client(&a, "xferctl").await;
     let mut b_owner = pki.agent_client(&b, "xferctl").await;

@@ -263,7 +263,6 @@ async fn a_spelling_that_fails_verification_does_not_poison_the_socket() {
 /// stream B keeps for A, well inside the client's share of transfers. Every other client's
 /// transfer to B is then refused until the channels end (ttl up to 24 h).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "BUG: streams/connections to a peer have no per-tenant share; one client's channels hold all of them"]
 async fn one_client_cannot_hold_every_stream_to_a_peer() {
     let pki = pki();
     let (a, _ta) = pki.agent("node-a");
@@ -276,17 +275,16 @@ async fn one_client_cannot_hold_every_stream_to_a_peer() {
     victim.create_region(anon("vsrc", 64 << 10)).await.unwrap();
     b_owner.create_region(anon("dst", 1 << 20)).await.unwrap();
 
-    // Two idle channels with four QPs each: two of the hoarder's 32 transfers to B, all 8 streams.
+    // An idle channel with four QPs: the hoarder's share (half) of the 8 streams B keeps for A.
     let mut held = Vec::new();
-    for i in 0..2u64 {
-        let mut open = open_msg_qps(pb::Op::Write, "src", &b, "dst", i << 16, 64 << 10, false, 4);
-        open.ttl = Some(prost_types::Duration { seconds: 86_400, nanos: 0 });
-        held.push(try_open_with(&mut hoarder, open, 4).await.unwrap());
-    }
-    // A third would need more streams than B keeps: the hoarder is refused.
-    let open = open_msg_qps(pb::Op::Write, "src", &b, "dst", 2 << 16, 64 << 10, false, 4);
+    let mut open = open_msg_qps(pb::Op::Write, "src", &b, "dst", 0, 64 << 10, false, 4);
+    open.ttl = Some(prost_types::Duration { seconds: 86_400, nanos: 0 });
+    held.push(try_open_with(&mut hoarder, open, 4).await.unwrap());
+    // A second would take the other half: the hoarder is refused, naming its share.
+    let open = open_msg_qps(pb::Op::Write, "src", &b, "dst", 1 << 16, 64 << 10, false, 4);
     let e = try_open_with(&mut hoarder, open, 4).await.err().expect("refused");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("tenant_share") && e.message().contains("client/xferctl"), "{e:?}");
 
     // The victim's first transfer to B, with one QP, is served and lands.
     victim_lands(&mut victim, &mut b_owner, &b, 512 << 10, 4).await;

@@ -474,7 +474,7 @@ impl Node {
             let t0 = Instant::now();
             // Every lease is held, so each one is a fresh negotiation (the idle list is empty or
             // holds other shapes).
-            let lease = self.peers.lease(&peer, qps, depth).await?;
+            let lease = self.peers.lease(&peer, qps, depth, &crate::tenants::Tenant::exempt()).await?;
             if !lease.reused() {
                 us.push(t0.elapsed().as_secs_f64() * 1e6);
             }
@@ -615,7 +615,7 @@ impl Node {
             verify: false,
             timeout: Duration::from_secs(600),
         });
-        let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), crate::tenants::Tenant::exempt(), self.pending_revokes.clone());
         self.acquire(&mut s, &mut held, ask, qps, depth).await?;
         Ok(held)
     }

@@ -204,7 +204,7 @@ impl Node {
             verify: false,
             timeout,
         });
-        let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
             (Some(g), Some(l)) => (g.info.clone(), l.qps()),

@@ -131,7 +131,7 @@ impl Node {
             notify: req.notify.as_deref().map(|t| (t, 0)),
             channel: false,
         };
-        let mut held = Held::new(peer.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
@@ -194,7 +194,7 @@ impl Node {
             let ev = match held.settle(s) {
                 Some(Command::Accept { length }) => return Ok(length),
                 Some(Command::Refuse(e)) => return Err(e),
-                Some(Command::Lease) => match self.peers.lease(&held.peer, qps, depth).await {
+                Some(Command::Lease) => match self.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
                         let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
                         held.lease = Some(l);
@@ -513,14 +513,16 @@ pub(super) struct Plan {
 /// held when this drops is discarded and revoked.
 pub(super) struct Held {
     pub(super) peer: Arc<PeerEntry>,
+    /// Whose share of the connections to `peer` its lease is charged to.
+    pub(super) tenant: crate::tenants::Tenant,
     pub(super) lease: Option<Lease>,
     pub(super) grant: Option<GrantGuard>,
     pending_revokes: Arc<AtomicUsize>,
 }
 
 impl Held {
-    pub(super) fn new(peer: Arc<PeerEntry>, pending_revokes: Arc<AtomicUsize>) -> Held {
-        Held { peer, lease: None, grant: None, pending_revokes }
+    pub(super) fn new(peer: Arc<PeerEntry>, tenant: crate::tenants::Tenant, pending_revokes: Arc<AtomicUsize>) -> Held {
+        Held { peer, tenant, lease: None, grant: None, pending_revokes }
     }
 
     fn hold_grant(&mut self, info: GrantInfo) {

@@ -47,8 +47,10 @@ pub struct StateCounts {
     /// Peer pool entries, and the spellings remembered for them.
     pub peers: usize,
     pub peer_aliases: usize,
-    /// Identities holding a share of regions, bytes or subscriptions (`tenants`).
+    /// Identities holding a share of regions, bytes or subscriptions (`tenants`), and of the
+    /// connections to peers (summed over peers).
     pub tenants: usize,
+    pub lease_tenants: usize,
     /// Whether a benchmark's scratch region is held for a peer.
     pub bench_region: bool,
 }
@@ -120,6 +122,7 @@ impl Node {
             peers: self.peers.list().len(),
             peer_aliases: self.peers.alias_count(),
             tenants: self.tenants_holding(),
+            lease_tenants: self.peers.lease_tenants(),
             bench_region: self.bench_region.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
         }
     }

@@ -128,6 +128,7 @@ impl Node {
             connector,
             config.limits.max_peers,
             config.limits.max_connections_per_peer,
+            config.limits.tenant_share,
         );
         let ring_prefix = format!(
             "{}{:08x}.",
@@ -300,10 +301,10 @@ impl Node {
 
     /// `Agent.Connect`: a healthy pooled connection with `qps` QPs (0 = the configured default)
     /// to the agent at `addr`, made now if there is none; returns the peer's pool entry.
-    pub async fn connect_peer(&self, addr: &str, qps: usize) -> Result<Arc<PeerEntry>, PeerError> {
+    pub async fn connect_peer(&self, addr: &str, qps: usize, tenant: &crate::tenants::Tenant) -> Result<Arc<PeerEntry>, PeerError> {
         let peer = self.peers.peer(addr).await?;
         let qps = if qps == 0 { self.config.transfer.qps } else { qps };
-        self.peers.lease(&peer, qps, self.config.transfer.depth).await?.release(true);
+        self.peers.lease(&peer, qps, self.config.transfer.depth, tenant).await?.release(true);
         Ok(peer)
     }
 

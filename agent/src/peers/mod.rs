@@ -33,6 +33,7 @@
 //! and disconnected. When every entry is in use the new address is refused (RESOURCE_EXHAUSTED).
 mod health;
 mod pool;
+mod tenancy;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -112,6 +113,8 @@ pub struct Lease {
     reused: bool,
     peer: Arc<PeerEntry>,
     home: Arc<Home>,
+    /// Its tenant's share of the connections to this peer, given back with the lease.
+    _charge: Option<tenancy::LeaseCharge>,
 }
 
 /// What a lease needs to go back: the pool's settings, shared by every lease it made.
@@ -216,6 +219,8 @@ pub struct PeerEntry {
     /// What the peer keeps for this agent (`Peer.Connect`'s answer): connections, streams (0 =
     /// no bound; both 0 until the first answer).
     advertised: Mutex<(u32, u32)>,
+    /// Leased connections and streams per tenant.
+    tenants: tenancy::TenantLeases,
     /// Node name and instance id learned from the last Connect/Grant. std Mutex: no awaits held.
     identity: Mutex<(String, String)>,
     idle: Mutex<Vec<PooledConn>>,
@@ -236,6 +241,7 @@ impl PeerEntry {
             client,
             held: Arc::new(ConnCounts::default()),
             advertised: Mutex::new((0, 0)),
+            tenants: tenancy::TenantLeases::default(),
             identity: Mutex::new((String::new(), String::new())),
             idle: Mutex::new(Vec::new()),
             last_connect: Mutex::new(None),

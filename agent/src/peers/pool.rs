@@ -30,6 +30,7 @@ use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::peer_addr::{canonical, PeerAddr};
 use crate::peer_api::{Connector, PeerError};
+use crate::tenants::Tenant;
 
 /// How long a host name's resolution is trusted before the next lookup resolves it again.
 const NAME_TTL: Duration = Duration::from_secs(60);
@@ -79,6 +80,8 @@ pub struct PeerPool {
     max_peers: usize,
     /// Most connections one entry holds (`limits.max_connections_per_peer`).
     max_connections: usize,
+    /// The share of an entry's connections one tenant may lease (`limits.tenant_share`).
+    tenant_share: f64,
     /// Logical clock for `PeerEntry::last_used` and aliases.
     clock: AtomicU64,
     /// Identity → entry. std Mutex: map operations only.
@@ -88,13 +91,21 @@ pub struct PeerPool {
 }
 
 impl PeerPool {
-    pub fn new(fabric: Arc<dyn Fabric>, node_name: String, connector: Connector, max_peers: usize, max_connections: usize) -> Self {
+    pub fn new(
+        fabric: Arc<dyn Fabric>,
+        node_name: String,
+        connector: Connector,
+        max_peers: usize,
+        max_connections: usize,
+        tenant_share: f64,
+    ) -> Self {
         PeerPool {
             fabric,
             home: Arc::new(Home { node_name, max_idle_per_peer: 8 }),
             connector,
             max_peers: max_peers.max(1),
             max_connections: max_connections.max(1),
+            tenant_share,
             clock: AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             aliases: Mutex::new(HashMap::new()),
@@ -262,6 +273,11 @@ impl PeerPool {
         self.map().is_empty()
     }
 
+    /// Tenants holding leased connections, summed over entries.
+    pub fn lease_tenants(&self) -> usize {
+        self.map().values().map(|p| p.tenants.tenants()).sum()
+    }
+
     /// Spellings remembered (bounded by `limits.max_peers` × 4).
     pub fn alias_count(&self) -> usize {
         self.aliases().len()
@@ -275,7 +291,12 @@ impl PeerPool {
 
     /// A connection with `qps` QPs to `peer`: an idle one if healthy, else a new negotiation
     /// within the entry's connection bound.
-    pub async fn lease(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize) -> Result<Lease, PeerError> {
+    pub async fn lease(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize, tenant: &Tenant) -> Result<Lease, PeerError> {
+        let (max_conns, max_streams) = self.bounds(peer);
+        let charge = peer
+            .tenants
+            .charge(tenant, qps, max_conns, max_streams, self.tenant_share)
+            .map_err(|detail| PeerError::ConnectionLimit { addr: peer.addr.clone(), detail })?;
         let current = peer.identity.lock().map(|g| g.1.clone()).unwrap_or_default();
         let mut stale = Vec::new();
         let mut found = None;
@@ -296,11 +317,11 @@ impl PeerPool {
         }
         if let Some(c) = found {
             update_gauge(peer);
-            return Ok(self.guard(peer, c, true));
+            return Ok(self.guard(peer, c, true, charge));
         }
         let held = self.make_room(peer, qps).await?;
         let c = self.negotiate(peer, qps, depth, held).instrument(info_span!("peer", peer = %peer.addr)).await?;
-        Ok(self.guard(peer, c, false))
+        Ok(self.guard(peer, c, false, charge))
     }
 
     /// Keeps a new connection of `qps` streams within `limits.max_connections_per_peer` and what
@@ -311,15 +332,7 @@ impl PeerPool {
     /// connection's place is taken in the same step as the check (under the idle list's lock),
     /// so concurrent leases cannot both pass it.
     async fn make_room(&self, peer: &Arc<PeerEntry>, qps: usize) -> Result<HeldConn, PeerError> {
-        let (their_conns, their_streams) = *peer.advertised.lock().unwrap_or_else(|p| p.into_inner());
-        let max_conns = match their_conns as usize {
-            0 => self.max_connections,
-            n => n.min(self.max_connections),
-        };
-        let max_streams = match their_streams as usize {
-            0 => usize::MAX,
-            n => n,
-        };
+        let (max_conns, max_streams) = self.bounds(peer);
         let fits = |p: &PeerEntry| {
             let (c, s) = p.held();
             c < max_conns && s.saturating_add(qps) <= max_streams
@@ -354,8 +367,23 @@ impl PeerPool {
         }
     }
 
-    fn guard(&self, peer: &Arc<PeerEntry>, c: PooledConn, reused: bool) -> Lease {
-        Lease { inner: Some(c), reused, peer: peer.clone(), home: self.home.clone() }
+    fn guard(&self, peer: &Arc<PeerEntry>, c: PooledConn, reused: bool, charge: Option<super::tenancy::LeaseCharge>) -> Lease {
+        Lease { inner: Some(c), reused, peer: peer.clone(), home: self.home.clone(), _charge: charge }
+    }
+
+    /// The most connections and streams this agent keeps to `peer`: its own bound and what the
+    /// peer advertised (`usize::MAX` streams: no bound).
+    fn bounds(&self, peer: &PeerEntry) -> (usize, usize) {
+        let (their_conns, their_streams) = *peer.advertised.lock().unwrap_or_else(|p| p.into_inner());
+        let max_conns = match their_conns as usize {
+            0 => self.max_connections,
+            n => n.min(self.max_connections),
+        };
+        let max_streams = match their_streams as usize {
+            0 => usize::MAX,
+            n => n,
+        };
+        (max_conns, max_streams)
     }
 
     /// A new connection, counted (`held`, from `make_room`) from before the handshake.

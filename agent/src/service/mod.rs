@@ -523,6 +523,7 @@ impl Agent for Services {
     }
 
     async fn connect(&self, req: Request<pb::ConnectRequest>) -> Result<Response<pb::PeerInfo>, Status> {
+        let tenant = Tenant::of(&caller_of(&req)?);
         let r = self.checked(req)?;
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
@@ -531,7 +532,7 @@ impl Agent for Services {
         if r.qps != 0 {
             crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
         }
-        let peer = self.node.connect_peer(&r.peer, r.qps as usize).await.map_err(peer_status)?;
+        let peer = self.node.connect_peer(&r.peer, r.qps as usize, &tenant).await.map_err(peer_status)?;
         Ok(Response::new(peer_info(&self.node, &peer)))
     }
 
