@@ -6,6 +6,7 @@
 #[allow(unused_imports)]
 use super::*;
 use crate::shape;
+use crate::tenants::Tenant;
 use crate::transfer::batch::{Batch, Dest};
 use crate::transfer::driver::{post_runs, wait, Wake};
 use crate::transfer::failure::{Failure, FailureCode};
@@ -18,16 +19,11 @@ impl Node {
     /// Validates a transfer, obtains the peer's grant and starts it. Bad input fails here with a
     /// clear error; failures after this point are reported in the transfer record.
     pub async fn submit(self: &Arc<Self>, req: TransferRequest) -> Result<TransferRecord, TransferError> {
-        self.submit_as(req, &crate::tenants::Tenant::exempt()).await
+        self.submit_as(req, &Tenant::exempt()).await
     }
 
-    /// `SubmitTransfer` on behalf of `owner`: the transfer counts against its share of
-    /// `limits.max_transfers` until it ends.
-    pub async fn submit_as(
-        self: &Arc<Self>,
-        req: TransferRequest,
-        owner: &crate::tenants::Tenant,
-    ) -> Result<TransferRecord, TransferError> {
+    /// `SubmitTransfer` on behalf of `owner`: it counts against `owner`'s shares until it ends.
+    pub async fn submit_as(self: &Arc<Self>, req: TransferRequest, owner: &Tenant) -> Result<TransferRecord, TransferError> {
         if self.draining.is_cancelled() {
             return Err(TransferError::ShuttingDown);
         }
@@ -514,14 +510,14 @@ pub(super) struct Plan {
 pub(super) struct Held {
     pub(super) peer: Arc<PeerEntry>,
     /// Whose share of the connections to `peer` its lease is charged to.
-    pub(super) tenant: crate::tenants::Tenant,
+    pub(super) tenant: Tenant,
     pub(super) lease: Option<Lease>,
     pub(super) grant: Option<GrantGuard>,
     pending_revokes: Arc<AtomicUsize>,
 }
 
 impl Held {
-    pub(super) fn new(peer: Arc<PeerEntry>, tenant: crate::tenants::Tenant, pending_revokes: Arc<AtomicUsize>) -> Held {
+    pub(super) fn new(peer: Arc<PeerEntry>, tenant: Tenant, pending_revokes: Arc<AtomicUsize>) -> Held {
         Held { peer, tenant, lease: None, grant: None, pending_revokes }
     }
 
