@@ -61,19 +61,14 @@ impl Shares {
     }
 }
 
-fn refused(limit: &'static str) -> impl FnOnce(ShareExceeded) -> ShareExceeded {
-    move |e| {
-        m::share_refused(limit);
-        e
-    }
+/// Takes `n` units of `q` for `tenant`; a refusal is counted under `limit` in
+/// `xfer_tenant_share_refused_total`.
+fn take(q: &Quota, tenant: &Tenant, n: u64, limit: &'static str) -> Result<Permit, ShareExceeded> {
+    q.take(tenant, n).inspect_err(|_| m::share_refused(limit))
 }
 
-/// What `tenant` holds of each share (for `GetInfo`-style introspection and tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TenantUsage {
-    pub regions: u64,
-    pub bytes: u64,
-    pub watchers: u64,
+fn exhausted(e: ShareExceeded) -> TransferError {
+    TransferError::Limit(e.to_string())
 }
 
 impl Node {
@@ -81,8 +76,8 @@ impl Node {
     /// `max_registered_bytes` is taken first, then held by the region until it is gone.
     pub fn create_region_as(&self, mut spec: RegionSpec, tenant: &Tenant) -> Result<Arc<Region>, RegionError> {
         let limit = |e: ShareExceeded| RegionError::Limit(e.to_string());
-        let count = self.shares.regions.take(tenant, 1).map_err(refused("regions")).map_err(limit)?;
-        let bytes = self.shares.bytes.take(tenant, spec.length).map_err(refused("registered_bytes")).map_err(limit)?;
+        let count = take(&self.shares.regions, tenant, 1, "regions").map_err(limit)?;
+        let bytes = take(&self.shares.bytes, tenant, spec.length, "registered_bytes").map_err(limit)?;
         spec.shares = Some(Arc::new(Permits(vec![count, bytes])));
         self.create_region(spec)
     }
@@ -106,15 +101,13 @@ impl Node {
     ) -> Result<(InboundRing, Permits), TransferError> {
         let (_, _, length) = self.ring_shape(slots)?;
         let watcher = self.watcher_permit(tenant)?;
-        let bytes =
-            self.shares.bytes.take(tenant, length).map_err(refused("registered_bytes")).map_err(|e| TransferError::Limit(e.to_string()))?;
+        let bytes = take(&self.shares.bytes, tenant, length, "registered_bytes").map_err(exhausted)?;
         Ok((self.watch_inbound_ring(region, tag, slots)?, Permits(vec![watcher, bytes])))
     }
 
     /// A place for one `ReadRegion`/`WriteRegion` stream of `tenant`, or RESOURCE_EXHAUSTED.
     pub fn byte_stream_slot(&self, tenant: &Tenant) -> Result<StreamSlot, TransferError> {
-        let share =
-            self.shares.byte_streams.take(tenant, 1).map_err(refused("byte_streams")).map_err(|e| TransferError::Limit(e.to_string()))?;
+        let share = take(&self.shares.byte_streams, tenant, 1, "byte_streams").map_err(exhausted)?;
         let all = self.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
             TransferError::Limit(format!("{MAX_BYTE_STREAMS} ReadRegion/WriteRegion streams are open on this agent already"))
         })?;
@@ -122,16 +115,7 @@ impl Node {
     }
 
     fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {
-        self.shares.watchers.take(tenant, 1).map_err(refused("watchers")).map_err(|e| TransferError::Limit(e.to_string()))
-    }
-
-    /// What `tenant` holds now of the region, byte and subscription shares.
-    pub fn tenant_usage(&self, tenant: &Tenant) -> TenantUsage {
-        TenantUsage {
-            regions: self.shares.regions.held(tenant),
-            bytes: self.shares.bytes.held(tenant),
-            watchers: self.shares.watchers.held(tenant),
-        }
+        take(&self.shares.watchers, tenant, 1, "watchers").map_err(exhausted)
     }
 
     /// Identities holding a share of anything (entries live only while something is held).
