@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
+use crate::fabric::grant::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
 use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};

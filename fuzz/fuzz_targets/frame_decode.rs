@@ -12,7 +12,8 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use xfer_agent::fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_agent::fabric::tcp::{read_hello, serve_frames, AccessCheck, Checked, GrantLease};
+use xfer_agent::fabric::grant::{AccessCheck, Checked, GrantLease};
+use xfer_agent::fabric::tcp::{read_hello, serve_frames};
 use xfer_agent::ids::ConnectionId;
 
 /// The data connection the fuzzed stream belongs to.

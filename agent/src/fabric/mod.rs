@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use xfer_rdma::memory::RegionMemory;
 
 pub mod frame;
+pub mod grant;
 pub mod stall;
 pub mod tcp;
 

@@ -312,7 +312,7 @@ impl Node {
             expires_at,
             exposure,
             connection_id: p.connection_id.clone(),
-            lease: crate::fabric::tcp::GrantLease::new(expires_at),
+            lease: crate::fabric::grant::GrantLease::new(expires_at),
             notify: match &notify {
                 Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::Pending::new(tag.clone(), *markers)),
                 _ => None,

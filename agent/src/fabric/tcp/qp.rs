@@ -1,0 +1,337 @@
+//! One initiator "QP": a data stream's writer task (frames out, WRITE payloads straight from
+//! region memory) and reader task (answers in, READ payloads straight into region memory), and
+//! the in-order completion of every WR posted on it, as on an RC QP.
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::fabric::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
+use crate::fabric::{Completion, CompletionSink, RemoteKey, WcStatus, WorkRequest, WrOp};
+
+/// Either half of a data stream, plain TCP or TLS.
+pub(super) type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+pub(super) type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+struct Outstanding {
+    wr: WorkRequest,
+}
+
+/// Shared by the writer and reader tasks of one stream. Holding the lock orders "queue a WR" with
+/// "the stream broke", so every WR gets exactly one completion or flush.
+pub(super) struct QpState {
+    pending: VecDeque<Outstanding>,
+    pub(super) broken: bool,
+}
+
+pub(super) struct TcpQp {
+    pub(super) tx: mpsc::UnboundedSender<WorkRequest>,
+    pub(super) state: Arc<Mutex<QpState>>,
+}
+
+impl TcpQp {
+    pub(super) fn start(
+        index: usize,
+        rd: BoxRead,
+        wr: BoxWrite,
+        sink: CompletionSink,
+        conn_broken: Arc<AtomicBool>,
+        cancel: CancellationToken,
+    ) -> TcpQp {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let state = Arc::new(Mutex::new(QpState { pending: VecDeque::new(), broken: false }));
+        let ctx = QpCtx { index, sink, state: state.clone(), conn_broken, cancel };
+        tokio::spawn(writer(ctx.clone(), wr, rx));
+        tokio::spawn(reader(ctx, rd));
+        TcpQp { tx, state }
+    }
+}
+
+#[derive(Clone)]
+struct QpCtx {
+    index: usize,
+    sink: CompletionSink,
+    state: Arc<Mutex<QpState>>,
+    conn_broken: Arc<AtomicBool>,
+    cancel: CancellationToken,
+}
+
+impl QpCtx {
+    fn complete(&self, wr: &WorkRequest, status: WcStatus) {
+        crate::metrics::work_completion(status.name());
+        // The receiver is gone only when nobody waits for completions any more.
+        let _ = self.sink.send(Completion { wr_id: wr.wr_id, qp: self.index, status, byte_len: wr.len });
+    }
+
+    /// Breaks the QP: the first pending WR completes with `first`, the rest are flushed.
+    fn fail(&self, first: WcStatus) {
+        self.conn_broken.store(true, Ordering::Release);
+        let drained: Vec<Outstanding> = match self.state.lock() {
+            Ok(mut st) => {
+                st.broken = true;
+                st.pending.drain(..).collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        for (i, p) in drained.iter().enumerate() {
+            self.complete(&p.wr, if i == 0 { first } else { WcStatus::WrFlushErr });
+        }
+        self.cancel.cancel();
+    }
+
+    /// Queues a WR as pending, or flushes it if the QP already broke.
+    fn enqueue(&self, wr: WorkRequest) -> Option<WorkRequest> {
+        let Ok(mut st) = self.state.lock() else {
+            return None;
+        };
+        if st.broken {
+            drop(st);
+            self.complete(&wr, WcStatus::WrFlushErr);
+            return None;
+        }
+        st.pending.push_back(Outstanding { wr: wr.clone() });
+        Some(wr)
+    }
+}
+
+async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
+    // Small frames (headers, small payloads) are coalesced and flushed once no further WR is
+    // queued; payloads at least as large as the buffer bypass it, so big chunks are not copied.
+    let mut out = BufWriter::with_capacity(64 << 10, out);
+    loop {
+        let wr = tokio::select! {
+            _ = ctx.cancel.cancelled() => break,
+            wr = rx.recv() => match wr { Some(wr) => wr, None => break },
+        };
+        let Some(wr) = ctx.enqueue(wr) else { continue };
+        let RemoteKey::Token(token) = wr.remote_key else {
+            ctx.fail(WcStatus::LocQpOpErr);
+            break;
+        };
+        let kind = match wr.op {
+            WrOp::Write => Kind::Write,
+            WrOp::Read => Kind::ReadReq,
+            WrOp::Notify { .. } => Kind::Notify,
+        };
+        let mut h = Header::new(kind, wr.wr_id);
+        // A NOTIFY names its grant by token and carries the marker's immediate (a verbs WRITE
+        // WITH IMMEDIATE's 32 bits) where other frames carry the address; it has no length.
+        h.addr = match wr.op {
+            WrOp::Notify { slot } => slot as u64,
+            _ => wr.remote_addr,
+        };
+        h.len = if kind == Kind::Notify { 0 } else { wr.len };
+        h.token = token;
+        if wr.signaled {
+            h.flags |= ACK_REQUESTED;
+        }
+        // Memory over a file that can shrink is copied out first: a truncated page then faults in
+        // the agent (and poisons the memory, see `xfer_rdma::sigbus`) instead of failing the socket
+        // write with EFAULT, and zeros standing in for the file are never sent.
+        let bounce = if wr.op == WrOp::Write && wr.local.memory().can_shrink() {
+            let mut b = vec![0u8; wr.len as usize];
+            if let Err(e) = wr.local.memory().read_at(wr.local_offset, &mut b) {
+                warn!(qp = ctx.index, error = %e, "tcp fabric: cannot send from local memory");
+                ctx.fail(WcStatus::LocProtErr);
+                break;
+            }
+            Some(b)
+        } else {
+            None
+        };
+        let send = async {
+            out.write_all(&h.encode()).await?;
+            if let Some(b) = &bounce {
+                out.write_all(b).await?;
+            } else if wr.op == WrOp::Write {
+                // Straight from region memory: no bounce buffer. Bounds were checked at post.
+                wr.local.memory().write_all_from(&mut out, wr.local_offset, wr.len as usize).await?;
+            }
+            if rx.is_empty() {
+                out.flush().await?;
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        // A write waits on the target reading; closing the connection must not wait for that
+        // (a stopped or hostile target would otherwise hold this task and its socket for ever).
+        let res = tokio::select! {
+            r = send => r,
+            _ = ctx.cancel.cancelled() => break,
+        };
+        if let Err(e) = res {
+            debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
+            ctx.fail(WcStatus::RetryExcErr);
+            break;
+        }
+    }
+    // Flush whatever was posted after the stream stopped.
+    rx.close();
+    while let Ok(wr) = rx.try_recv() {
+        ctx.complete(&wr, WcStatus::WrFlushErr);
+    }
+    // The end of stream for the target, unless the connection was closed: then the stream is
+    // dropped as it is (a shutdown could wait on the target like any write).
+    tokio::select! {
+        _ = out.shutdown() => {}
+        _ = ctx.cancel.cancelled() => {}
+    }
+}
+
+async fn reader(ctx: QpCtx, rd: BoxRead) {
+    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let first_error = loop {
+        let mut hb = [0u8; HEADER_LEN];
+        let res = tokio::select! {
+            _ = ctx.cancel.cancelled() => break WcStatus::WrFlushErr,
+            r = rd.read_exact(&mut hb) => r,
+        };
+        if let Err(e) = res {
+            debug!(qp = ctx.index, error = %e, "tcp fabric: peer stream closed");
+            break WcStatus::RetryExcErr;
+        }
+        let h = match Header::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => {
+                warn!(qp = ctx.index, error = %e, "tcp fabric: bad frame from target");
+                break WcStatus::RemInvReqErr;
+            }
+        };
+        match handle_response(&ctx, &mut rd, &h).await {
+            Ok(None) => {}
+            Ok(Some(status)) => break status,
+            Err(e) => {
+                debug!(qp = ctx.index, error = %e, "tcp fabric: read of response failed");
+                break WcStatus::RetryExcErr;
+            }
+        }
+    };
+    ctx.fail(first_error);
+}
+
+/// Handles one response frame; `Some(status)` breaks the QP with that status for the matched WR.
+async fn handle_response(ctx: &QpCtx, rd: &mut BufReader<BoxRead>, h: &Header) -> std::io::Result<Option<WcStatus>> {
+    // Responses arrive in posting order; earlier unsignaled WRITEs completed silently. A READ or
+    // a signaled WR is always answered, so a response that skips one is the target breaking the
+    // protocol: the QP fails (the skipped WR with the error) rather than losing its completion.
+    let matched = {
+        let Ok(mut st) = ctx.state.lock() else { return Ok(Some(WcStatus::GeneralErr)) };
+        loop {
+            match st.pending.front() {
+                None => return Ok(Some(WcStatus::RemInvReqErr)),
+                Some(p) if p.wr.wr_id == h.id => break st.pending.pop_front(),
+                Some(p) if p.wr.op == WrOp::Read || p.wr.signaled => return Ok(Some(WcStatus::RemInvReqErr)),
+                Some(_) => {
+                    st.pending.pop_front();
+                }
+            }
+        }
+    };
+    let Some(p) = matched else { return Ok(Some(WcStatus::GeneralErr)) };
+    // Every return below that does not complete the WR (a refusal, a bad answer, a payload cut
+    // short by `?`) puts it back at the head of the queue, so the stream's failure reports it.
+    let mut m = Matched { ctx, wr: p.wr, done: false };
+    let wr = &m.wr;
+    match h.kind {
+        // Only a signaled WR asks for an ACK; one for a silent WR is the target breaking the
+        // protocol (the driver must never see a completion for a WR it did not signal).
+        Kind::Ack if matches!(wr.op, WrOp::Write | WrOp::Notify { .. }) && wr.signaled => {
+            ctx.complete(m.done(), WcStatus::Success);
+            Ok(None)
+        }
+        Kind::ReadResp if wr.op == WrOp::Read && h.status == 0 => {
+            if h.len != wr.len {
+                return Ok(Some(WcStatus::RemInvReqErr));
+            }
+            let mem = wr.local.memory();
+            if mem.can_shrink() {
+                // Through a buffer, so a truncated page faults in the agent (not EFAULT in the
+                // socket read), the stream stays in sync, and a poisoned region fails the WR.
+                let mut b = vec![0u8; wr.len as usize];
+                rd.read_exact(&mut b).await?;
+                if mem.write_at(wr.local_offset, &b).is_err() {
+                    return Ok(Some(WcStatus::LocProtErr));
+                }
+            } else {
+                if !mem.writable() || mem.check(wr.local_offset, wr.len as u64).is_err() {
+                    return Ok(Some(WcStatus::LocProtErr));
+                }
+                // Straight into region memory: no bounce buffer.
+                mem.read_exact_into(rd, wr.local_offset, wr.len as usize).await?;
+            }
+            let wr = m.done();
+            if wr.signaled {
+                ctx.complete(wr, WcStatus::Success);
+            }
+            Ok(None)
+        }
+        Kind::Nak | Kind::ReadResp => {
+            let status = WcStatus::from_code(h.status as u32);
+            Ok(Some(if status.is_success() { WcStatus::RemInvReqErr } else { status }))
+        }
+        _ => Ok(Some(WcStatus::RemInvReqErr)),
+    }
+}
+
+/// The WR an answer was matched to, taken off the head of the queue. Dropped before
+/// [`Matched::done`] (any return that does not complete it), it goes back to the head, so `fail`
+/// reports it with the stream's error instead of losing its completion.
+struct Matched<'a> {
+    ctx: &'a QpCtx,
+    wr: WorkRequest,
+    done: bool,
+}
+
+impl Matched<'_> {
+    /// The answer was handled in full: the WR leaves the queue for good.
+    fn done(&mut self) -> &WorkRequest {
+        self.done = true;
+        &self.wr
+    }
+}
+
+impl Drop for Matched<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Error paths only: the queue takes its own copy (an Arc and a few words).
+        if let Ok(mut st) = self.ctx.state.lock() {
+            st.pending.push_front(Outstanding { wr: self.wr.clone() });
+        }
+    }
+}
+
+/// The initiator side of one data stream, driven from memory: `wrs` are posted in order on a QP
+/// whose frames go to `wr` and whose target answers are read from `rd` (which must end). Returns
+/// once both of the stream's tasks are gone (the answers read to their end or to a protocol
+/// error, every WR handed to the writer): every completion the QP produced, and how many WRs
+/// could not be posted (the stream had already ended; they are the last ones). As on verbs, a WR
+/// completes once (an unsignaled one only if it fails). Public (but not API) for the
+/// `initiator_answers` fuzz target.
+#[doc(hidden)]
+pub async fn run_initiator_stream<R, W>(rd: R, wr: W, wrs: Vec<WorkRequest>) -> (Vec<Completion>, usize)
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    let (sink, mut completions) = mpsc::unbounded_channel();
+    let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
+    let mut refused = 0;
+    for w in wrs {
+        if qp.tx.send(w).is_err() {
+            refused += 1;
+        }
+    }
+    // No more WRs: the writer ends once it has handed on the posted ones, the reader at the end
+    // of the answers, and the sink closes with them.
+    drop(qp);
+    let mut got = Vec::new();
+    while let Some(c) = completions.recv().await {
+        got.push(c);
+    }
+    (got, refused)
+}
