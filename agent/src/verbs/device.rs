@@ -1,5 +1,5 @@
 //! Device and port discovery, the GID table, and the opened device (context + PD) that every
-//! connection of a [`super::VerbsFabric`] shares.
+//! connection of a [`super::fabric::VerbsFabric`] shares.
 //!
 //! Only panic-free sideway calls are used here: device names, `open`, raw `query_port` /
 //! `query_device` attributes and `query_gid`. sideway's `PortAttr::active_mtu()`,
@@ -12,7 +12,7 @@ use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::negotiate::{self, GidChoice, LocalPort, LINK_ETHERNET};
-use super::VerbsOptions;
+use super::options::VerbsOptions;
 use crate::fabric::{DeviceInfo, FabricError, GidInfo};
 
 const PORT_ACTIVE: u32 = 4;

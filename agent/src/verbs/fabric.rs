@@ -1,5 +1,5 @@
 //! [`VerbsFabric`]: the `Fabric` trait over RC QPs.
-use super::GrantMode;
+use super::options::GrantMode;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -9,11 +9,14 @@ use xfer_rdma::memory::RegionMemory;
 use xfer_rdma::mr::Mr;
 use xfer_rdma::qp::WindowAccess;
 
-use super::connection::{AcceptedHandle, AcceptedIndex, ConnInner, VerbsAccepted, VerbsPending};
+use super::connection::ConnInner;
 use super::device::Device;
+use super::initiator::VerbsPrepared;
 use super::mr::VerbsRegistration;
+use super::negotiate;
+use super::options::VerbsOptions;
 use super::prebuilt::Prebuilt;
-use super::{negotiate, VerbsOptions};
+use super::responder::{AcceptedHandle, AcceptedIndex, VerbsAccepted};
 use crate::fabric::{
     Accepted, Access, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind, PendingConnection,
     Registration, RemoteKey, RemoteOp,
@@ -274,7 +277,7 @@ impl Fabric for VerbsFabric {
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
         let inner = self.connection(Shape::initiator(qps, depth), peer)?;
-        Ok(Box::new(VerbsPending { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
+        Ok(Box::new(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
     }
 
     async fn accept(

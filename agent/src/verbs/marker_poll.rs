@@ -1,7 +1,7 @@
 //! The responder's marker poller: one OS thread per verbs fabric that busy-polls the marker
 //! receive CQs of connections that expect a notification soon, so the last marker of a batch
-//! is seen within one poll instead of after a completion-channel wake-up (issue 11's
-//! "last byte visible → application" target).
+//! is seen within one poll instead of after a completion-channel wake-up (the "last byte
+//! visible → application" latency).
 //!
 //! A one-sided WRITE raises nothing at the target, so the responder cannot see a batch coming
 //! from its data; what it does see is the grant: a grant with a notification (`Peer.Grant`) or
@@ -12,9 +12,10 @@
 //! completion channel) sees its markers as before: the budget bounds the cost (one core while
 //! any connection is hot), never correctness.
 //!
-//! Both this thread and the receive task call [`super::connection::drain_markers`], which holds
-//! the connection's marker lock across poll and delivery: each completion is read once and the
-//! markers of one connection are delivered in the order they completed.
+//! The poller knows a connection only as a [`MarkerReceiver`]. Both this thread and the receive
+//! task drain the same receive CQ under the connection's marker lock (held across poll and
+//! delivery): each completion is read once and the markers of one connection are delivered in
+//! the order they completed.
 //!
 //! Between rounds the thread yields its core (`sched_yield`): on a busy host, the agents,
 //! the kernel's RoCE processing and the application waiting for the notification need it
@@ -24,16 +25,27 @@ use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::connection::ConnInner;
+use xfer_rdma::cq::RawWc;
+
 use crate::fabric::MarkerSink;
 use crate::ids::ConnectionId;
+
+/// A responder connection's marker receive side, as the poller sees it.
+pub(crate) trait MarkerReceiver: Send + Sync {
+    /// True while the connection has marker receives worth polling (it has a receive side and
+    /// is not closing).
+    fn polls_markers(&self) -> bool;
+    /// Hands every marker completed so far on the connection's receive CQ to `markers` (as
+    /// connection `id`); returns how many completions it read.
+    fn drain_recv(&self, id: &ConnectionId, markers: Option<&Arc<dyn MarkerSink>>, buf: &mut Vec<RawWc>) -> Result<usize, std::io::Error>;
+}
 
 /// Whether the notification a connection was made hot for is still unpublished.
 pub type Waiting = Box<dyn Fn() -> bool + Send>;
 
 /// One connection to poll until `until` or until `waiting` says no.
 pub(crate) struct Hot {
-    pub inner: Weak<ConnInner>,
+    pub inner: Weak<dyn MarkerReceiver>,
     pub id: ConnectionId,
     pub markers: Option<Arc<dyn MarkerSink>>,
     pub until: Instant,
@@ -87,7 +99,7 @@ impl MarkerPoller {
 /// A connection being polled and why: every ask on it that is still live (several grants, or
 /// a channel's successive batches, may wait on one connection; it is polled once per round).
 struct Polled {
-    inner: Weak<ConnInner>,
+    inner: Weak<dyn MarkerReceiver>,
     id: ConnectionId,
     markers: Option<Arc<dyn MarkerSink>>,
     /// (until, still waiting), oldest first.

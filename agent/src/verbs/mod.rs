@@ -9,8 +9,13 @@
 //! * [`connection`]: a set of `xfer_rdma::qp::RcQp`s to one peer sharing one CQ, completion
 //!   delivery, and the tokio task that drives the CQ from its channel through `AsyncFd`
 //!   (`xfer_rdma::cq::watch_channel`). The QPs' in-flight lists (in `xfer-rdma`) keep posted
-//!   memory alive. Also the responder half (`VerbsAccepted`) and grant mode `mw`: window binds
-//!   on its QPs and what an `mw` grant keeps alive (`MwGrant`).
+//!   memory alive.
+//! * [`initiator`]: the initiator half (`VerbsConnection`): posting and completion polling.
+//! * [`responder`]: the responder half (`VerbsAccepted`) and grant mode `mw`: window binds on
+//!   its QPs and what an `mw` grant keeps alive (`MwGrant`).
+//! * [`markers`]: the responder's notification markers (receive CQ, receive task);
+//!   [`marker_poll`]: the thread that busy-polls them while a notification is due.
+//! * [`options`]: the fabric's settings ([`VerbsOptions`], [`GrantMode`]), validated.
 //! * [`prebuilt`]: the bookkeeping of connections built ahead of need (generic, no verbs).
 //! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
 //!
@@ -26,17 +31,25 @@ pub mod device;
 #[cfg(feature = "verbs")]
 mod fabric;
 #[cfg(feature = "verbs")]
+mod initiator;
+#[cfg(feature = "verbs")]
 mod marker_poll;
+#[cfg(feature = "verbs")]
+mod markers;
 #[cfg(feature = "verbs")]
 mod mr;
 #[cfg(feature = "verbs")]
 pub mod negotiate;
+pub mod options;
 pub mod prebuilt;
+#[cfg(feature = "verbs")]
+mod responder;
 
 #[cfg(feature = "verbs")]
 pub use device::probe;
 #[cfg(feature = "verbs")]
 pub use fabric::VerbsFabric;
+pub use options::{GrantMode, VerbsOptions, MAX_PREBUILT};
 
 #[cfg(feature = "verbs")]
 impl From<xfer_rdma::VerbsError> for FabricError {
@@ -49,124 +62,6 @@ impl From<xfer_rdma::VerbsError> for FabricError {
             E::Other(s) => FabricError::Other(s),
             E::Io(e) => FabricError::Io(e),
         }
-    }
-}
-
-/// How the verbs fabric's grants expose memory (`verbs.grant_mode`, DESIGN §2). A property of
-/// the fabric, fixed when it opens: tcp always uses tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase", try_from = "String")]
-pub enum GrantMode {
-    /// A dedicated MR over exactly the granted range.
-    Mr,
-    /// A type-2 memory window bound to the range on each responder QP of the grantee's
-    /// connection (`ExposeRequest::connection`). Range-safe only on devices that enforce window
-    /// bounds: rxe (6.1) checks an access against the underlying MR, not the window.
-    Mw,
-    /// The region MR's rkey (fastest, least scoped).
-    Region,
-}
-
-impl TryFrom<String> for GrantMode {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        xfer_common::one_of(&s, &[("mr", GrantMode::Mr), ("mw", GrantMode::Mw), ("region", GrantMode::Region)])
-    }
-}
-
-/// Most connections per shape `verbs.prebuilt` may ask for.
-pub const MAX_PREBUILT: usize = 16;
-
-/// Settings of the verbs fabric.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VerbsOptions {
-    /// Device name (`mlx5_0`, `rxe0`); `None` = the first device whose `port` is ACTIVE.
-    pub device: Option<String>,
-    /// Port number (1-based).
-    pub port: u8,
-    /// GID index; `None` = the RoCEv2 IPv4-mapped GID of `bind_ip`, else the first RoCEv2
-    /// IPv4-mapped GID.
-    pub gid_index: Option<u32>,
-    /// The agent's own address, used to pick the GID on the netdev that carries it.
-    pub bind_ip: Option<std::net::IpAddr>,
-    /// Local ACK timeout exponent: 4.096 µs × 2^timeout per try. With `retry_cnt` 6 the default
-    /// (16, ≈268 ms) declares a dead peer after ≈ 7 × 268 ms ≈ 1.9 s.
-    pub timeout: u8,
-    /// Transport retries, at most 6 (7 means "retry forever" and on rxe a WRITE to a dead peer
-    /// then never completes).
-    pub retry_cnt: u8,
-    /// RNR retries, below 7 (7 = forever).
-    pub rnr_retry: u8,
-    /// Outstanding RDMA READs per QP (initiator depth / responder resources); capped by the
-    /// device; 0 = the device's maximum (`verbs.max_rd_atomic`).
-    pub max_rd_atomic: u8,
-    /// Minimum CQ size; the fabric grows it to hold `qps × depth` completions.
-    pub cq_size: usize,
-    /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
-    pub busy_poll: bool,
-    /// How grants expose memory (`verbs.grant_mode`, DESIGN §2). It decides the region MR's
-    /// access: local only in `mr` and `mw` (plus window binding in `mw`, whose responder QPs can
-    /// also post binds), remote access from the ceiling only in `region`.
-    pub grant_mode: GrantMode,
-    /// Connections of each recently used shape kept built and in INIT ahead of need
-    /// (`verbs.prebuilt`, [`prebuilt`]); 0 builds every connection during its negotiation.
-    pub prebuilt: usize,
-    /// The connection shape (QPs, depth) transfers use unless they ask otherwise
-    /// (`transfer.qps`, `transfer.depth`): the pool builds it, both halves, from the start, so
-    /// even the first negotiation finds one ready.
-    pub expected_shape: Option<(usize, usize)>,
-    /// How long a responder busy-polls a connection's marker receives after a grant with a
-    /// notification (or a channel batch's announcement) on it, at most (`verbs.marker_spin`);
-    /// zero leaves markers to the completion channel alone.
-    pub marker_spin: std::time::Duration,
-}
-
-impl Default for VerbsOptions {
-    fn default() -> Self {
-        VerbsOptions {
-            device: None,
-            port: 1,
-            gid_index: None,
-            bind_ip: None,
-            timeout: 16,
-            retry_cnt: 6,
-            rnr_retry: 6,
-            max_rd_atomic: 0,
-            cq_size: 1024,
-            busy_poll: false,
-            grant_mode: GrantMode::Mr,
-            prebuilt: 2,
-            expected_shape: None,
-            marker_spin: std::time::Duration::from_millis(50),
-        }
-    }
-}
-
-impl VerbsOptions {
-    /// Rejects settings that would make a QP hang forever or that the spec forbids.
-    pub fn validate(&self) -> Result<(), crate::fabric::FabricError> {
-        let bad = |attr: &'static str, detail: String| crate::fabric::FabricError::Negotiation { step: "options", attr, detail };
-        if self.port == 0 {
-            return Err(bad("port", "ports are numbered from 1".into()));
-        }
-        if self.timeout == 0 || self.timeout > 31 {
-            return Err(bad("timeout", format!("{} is outside 1..=31 (0 would wait forever)", self.timeout)));
-        }
-        if self.retry_cnt > 6 {
-            return Err(bad("retry_cnt", format!("{} > 6 (7 retries forever)", self.retry_cnt)));
-        }
-        if self.rnr_retry > 6 {
-            return Err(bad("rnr_retry", format!("{} > 6 (7 retries forever)", self.rnr_retry)));
-        }
-        if self.prebuilt > MAX_PREBUILT {
-            return Err(bad("prebuilt", format!("{} connections per shape asked, at most {MAX_PREBUILT}", self.prebuilt)));
-        }
-        Ok(())
-    }
-
-    /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
-    pub fn mw_grants(&self) -> bool {
-        self.grant_mode == GrantMode::Mw
     }
 }
 

@@ -8,7 +8,7 @@ use sideway::ibverbs::AccessFlags;
 use xfer_rdma::memory::RegionMemory;
 use xfer_rdma::mr::Mr;
 
-use super::GrantMode;
+use super::options::GrantMode;
 use crate::fabric::{Access, FabricError, Registration, RemoteOp};
 
 /// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
