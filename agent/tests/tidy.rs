@@ -115,6 +115,7 @@ fn unsafe_lives_only_in_the_rdma_crate() {
         "proto/src/lib.rs",
         "proto/build.rs",
         "crates/xfer-common/src/lib.rs",
+        "crates/xfer-engine/src/lib.rs",
         "crates/xfer-client/src/lib.rs",
     ];
     for root in roots {

@@ -74,7 +74,7 @@ impl Header {
     }
 
     /// A NAK of frame `id` with `status`.
-    pub fn nak(id: u64, status: crate::fabric::WcStatus) -> Self {
+    pub fn nak(id: u64, status: crate::status::WcStatus) -> Self {
         Header { status: status.code(), ..Header::new(Kind::Nak, id) }
     }
 
