@@ -1,4 +1,4 @@
-//! Wire format of the TCP fabric (DESIGN §7): fixed 44-byte little-endian headers, optionally
+//! Wire format of the TCP fabric: fixed 44-byte little-endian headers, optionally
 //! followed by a payload whose length the header gives.
 //!
 //! ```text
