@@ -351,7 +351,7 @@ fn modules_respect_the_layering() {
         &["notify", "grants", "regions"],   // notifications, what peers may touch, and the memory itself
         &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool
         &["node"],                          // the operations, in domain types
-        &["service"],                       // the protobuf boundary: gRPC servers and client
+        &["service", "admin"],              // the protobuf boundary: gRPC servers and client; the admin (metrics) HTTP server
         &["app"],                           // start-up
     ];
     const KNOWN_UPWARD: &[(&str, &str, &str)] = &[];
