@@ -4,6 +4,7 @@
 //! answer with a function from here; nothing else in the agent constructs a protobuf message.
 //! Callers use the flat surface re-exported below.
 mod bench;
+mod calls;
 mod info;
 mod peers;
 mod regions;
@@ -12,6 +13,10 @@ mod status;
 mod transfers;
 
 pub use bench::{bench_params_from_pb, bench_region_to_pb, bench_to_pb, sink_to_pb, tcp_baseline_to_pb};
+pub use calls::{
+    announce_request_to_pb, bench_region_request_to_pb, close_bench_region_request_to_pb, complete_request_to_pb, disconnect_request_to_pb,
+    grant_info_from_pb, grant_request_to_pb, handshake_reply_from_pb, peer_connect_request_to_pb, revoke_request_to_pb, sink_request_to_pb,
+};
 pub use info::agent_info_to_pb;
 pub use peers::{
     complete_to_pb, connection_id_from_pb, endpoint_from_pb, endpoint_to_pb, grant_params_from_pb, grant_to_pb, peer_address,
