@@ -1,7 +1,7 @@
-//! gRPC services: `xfer.v1.Agent` (xferctl and local apps, [`agent`]) and `xfer.v1.Peer` (agent
-//! to agent, [`peer`]), plus health and reflection, over one [`Services`]. The only place, with
+//! gRPC services: `xfer.v1.Agent` (xferctl and local apps, `agent`) and `xfer.v1.Peer` (agent
+//! to agent, `peer`), plus health and reflection, over one [`Services`]. The only place, with
 //! `client` and `convert`, that sees protobuf: requests are checked against their bounds
-//! ([`Services::checked`]), converted to domain calls on [`Node`], and every answer and every
+//! (`Services::checked`), converted to domain calls on [`Node`], and every answer and every
 //! domain error is converted in `convert`. Every request passes [`auth::AuthLayer`] first: the
 //! caller's role must allow the method, and handlers take the caller's identity from it, never
 //! from a field of the request.

@@ -1,8 +1,9 @@
 //! Protobuf ⇄ domain conversions: the one proto boundary, one file per domain, and the mapping
-//! of every domain error to a gRPC status ([`status`], the only place a `tonic::Status` is
+//! of every domain error to a gRPC status (`status`, the only place a `tonic::Status` is
 //! built). Handlers check a request's bounds, call the node in domain types, and convert the
-//! answer with a function from here; nothing else in the agent constructs a protobuf message.
-//! Callers use the flat surface re-exported below.
+//! answer with a function from here (an answer with no fields is its `Default`); the peer client
+//! builds its requests and reads their answers here too (`calls`). Callers use the flat surface
+//! re-exported below.
 mod bench;
 mod calls;
 mod info;
