@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! * [`app`] — start-up and shutdown (the binary calls [`app::run`]).
+//! * [`admin`] — the admin HTTP server: /metrics (the [`metrics`] registry's exposition) and /health.
 //! * [`config`] — defaults < file < env < flags, validated.
 //! * [`node`] — the core: the operations both gRPC services expose, in domain types.
 //! * [`service`] — the only protobuf boundary: tonic services, the peer client, conversions and
@@ -23,6 +24,7 @@
 //! * [`labels`] — the rules region labels and selectors follow; [`deadline`] — deadlines that never overflow.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
 pub mod checksum;
 pub mod config;
