@@ -1,5 +1,5 @@
 //! The initiator's side of a tcp connection: its data streams opened (TLS when on) and bound to
-//! the connection with the hello, then one [`TcpQp`] per stream.
+//! the connection with the hello, then one `TcpQp` per stream.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

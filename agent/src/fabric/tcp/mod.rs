@@ -35,7 +35,7 @@
 //! ([`crate::sys::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
-//! [`GrantLease`], so once a grant is revoked (explicitly, by expiry, with its region or its
+//! [`GrantLease`](crate::fabric::grant::GrantLease), so once a grant is revoked (explicitly, by expiry, with its region or its
 //! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
 use std::net::SocketAddr;
 use std::sync::Arc;
