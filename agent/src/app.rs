@@ -10,12 +10,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Config, FabricChoice};
-use crate::fabric::tcp::{DataLimits, TcpFabric};
-use crate::fabric::{Fabric, FabricError};
 use crate::grants::GrantTable;
 use crate::node::Node;
 use crate::service::tls::TlsMaterial;
 use crate::service::Services;
+use xfer_fabric::tcp::{DataLimits, TcpFabric};
+use xfer_fabric::{Fabric, FabricError};
 
 /// Why the agent could not start. Each message is complete on its own (no `source()` chain that
 /// would repeat it): `main` prints it once.
@@ -171,7 +171,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
     let want_verbs = match cfg.fabric {
         FabricChoice::Tcp => false,
         FabricChoice::Verbs => true,
-        FabricChoice::Auto => match crate::verbs::usable_device(&cfg.verbs_options()) {
+        FabricChoice::Auto => match xfer_fabric::verbs::usable_device(&cfg.verbs_options()) {
             Ok(dev) => {
                 info!(device = %dev, "auto: usable RDMA device found");
                 true
@@ -183,7 +183,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
         },
     };
     if want_verbs {
-        let f = crate::verbs::open_fabric(cfg.verbs_options(), grants.clone()).map_err(StartError::Fabric)?;
+        let f = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).map_err(StartError::Fabric)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         return Ok((f, reason.to_string()));
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::verbs::GrantMode;
+use xfer_fabric::verbs::GrantMode;
 
 mod bounds;
 
@@ -599,9 +599,9 @@ impl Config {
     }
 
     /// The verbs fabric's options this configuration asks for.
-    pub fn verbs_options(&self) -> crate::verbs::VerbsOptions {
+    pub fn verbs_options(&self) -> xfer_fabric::verbs::VerbsOptions {
         let ip = self.listen.ip();
-        crate::verbs::VerbsOptions {
+        xfer_fabric::verbs::VerbsOptions {
             device: Some(self.verbs.device.clone()).filter(|d| !d.is_empty()),
             port: self.verbs.port,
             gid_index: u32::try_from(self.verbs.gid_index).ok(),
@@ -616,7 +616,7 @@ impl Config {
             expected_shape: Some((self.transfer.qps, self.transfer.depth)),
             max_rd_atomic: self.verbs.max_rd_atomic,
             marker_spin: self.verbs.marker_spin.0,
-            ..crate::verbs::VerbsOptions::default()
+            ..xfer_fabric::verbs::VerbsOptions::default()
         }
     }
 
@@ -636,7 +636,7 @@ impl Config {
         }
         // The verbs fabric's own checks (one place for the retry and timeout bounds).
         self.verbs_options().validate().map_err(|e| match e {
-            crate::fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
+            xfer_fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
             other => bad("verbs", other.to_string()),
         })?;
         if !(4096..=crate::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {

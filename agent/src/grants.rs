@@ -7,12 +7,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-use crate::fabric::grant::{AccessCheck, Checked, GrantLease};
-use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
 use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
 use crate::regions::Region;
 use tracing::debug;
+use xfer_fabric::grant::{AccessCheck, Checked, GrantLease};
+use xfer_fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GrantError {
@@ -386,7 +386,7 @@ fn about(g: &Grant) -> About<'_> {
     About { region: &g.region.name, region_id: &g.region.id, peer: &g.peer, op: g.op, offset: g.offset, length: g.len }
 }
 
-impl crate::fabric::MarkerSink for GrantTable {
+impl xfer_fabric::MarkerSink for GrantTable {
     /// A verbs marker: the immediate of a zero-length WRITE WITH IMMEDIATE names the slot.
     fn marker(&self, connection: &crate::ids::ConnectionId, imm: u32) {
         let grant = if imm & CHANNEL_BIT != 0 {

@@ -15,9 +15,8 @@
 //! * [`peer_addr`] — peer addresses parsed into one canonical spelling.
 //! * [`peers`] — connection pool per peer identity (lease, reuse, recreate, bounds).
 //! * [`tenants`] — per-identity shares of the global limits.
-//! * [`fabric`] — the `Fabric` trait and the TCP fabric ([`fabric::tcp`], [`fabric::frame`]).
-//! * [`verbs`] — the verbs fabric (safe code over the `xfer-rdma` crate, which holds every
-//!   `unsafe`: region memory, the SIGBUS guard and the raw verbs objects).
+//! * The data plane is the `xfer-fabric` crate: the `Fabric` trait, the tcp fabric and the verbs
+//!   fabric (safe code over the `xfer-rdma` crate, which holds every `unsafe`).
 //! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
 //! * [`safe_file`] — files written without following planted links; the hard-link check of file regions.
 //! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
@@ -29,11 +28,10 @@ pub mod app;
 pub mod checksum;
 pub mod config;
 pub mod cpus;
-pub mod deadline;
-pub mod fabric;
+pub use xfer_common::deadline;
 pub mod grants;
-pub mod identity;
 pub use xfer_engine::ids;
+pub use xfer_fabric::identity;
 pub mod labels;
 pub mod metrics;
 pub mod node;
@@ -48,4 +46,3 @@ pub use xfer_engine::shape;
 pub mod sys;
 pub mod tenants;
 pub mod transfer;
-pub mod verbs;

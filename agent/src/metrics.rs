@@ -12,32 +12,30 @@ use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+// The data plane records these itself; their names and helpers live with it, described below.
+pub use xfer_fabric::metrics::{
+    accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
+    notify_marker, prebuilt_qps, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS,
+    DATA_CONNECTIONS_CLOSED, DATA_CONNECTIONS_REFUSED, MARKER_SPINS, NOTIFY_MARKERS, PREBUILT_QPS, WORK_COMPLETIONS,
+};
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
 pub const TRANSFER_FAILURES: &str = "xfer_transfer_failures_total";
 pub const TRANSFER_BYTES: &str = "xfer_transfer_bytes_total";
 pub const TRANSFER_DURATION: &str = "xfer_transfer_duration_seconds";
-pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
 pub const WORK_REQUESTS: &str = "xfer_work_requests_total";
 pub const DATA_PATH_JOBS: &str = "xfer_data_path_jobs_total";
 pub const QP_CONNECTIONS: &str = "xfer_qp_connections";
 pub const CONNECT_DURATION: &str = "xfer_connect_duration_seconds";
 pub const CONNECT_PHASE: &str = "xfer_connect_phase_seconds";
 pub const ACCEPT_DURATION: &str = "xfer_accept_duration_seconds";
-pub const ACCEPT_READY: &str = "xfer_accept_ready_seconds";
 pub const GRANT_READY_WAITS: &str = "xfer_grant_ready_waits_total";
-pub const CONNECTION_BUILDS: &str = "xfer_connection_builds_total";
-pub const PREBUILT_QPS: &str = "xfer_prebuilt_qps";
 pub const REGIONS: &str = "xfer_regions";
 pub const REGION_BYTES: &str = "xfer_region_bytes_registered";
 pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
 pub const GRANTS_ACTIVE: &str = "xfer_grants_active";
 pub const FABRIC_INFO: &str = "xfer_fabric_info";
 pub const BUILD_INFO: &str = "xfer_build_info";
-pub const DATA_CONNECTIONS: &str = "xfer_data_connections";
-pub const DATA_CONNECTIONS_REFUSED: &str = "xfer_data_connections_refused_total";
-pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
-pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const PEERS: &str = "xfer_peers";
 pub const PEERS_EVICTED: &str = "xfer_peers_evicted_total";
 pub const SHARE_REFUSED: &str = "xfer_tenant_share_refused_total";
@@ -51,8 +49,6 @@ pub const LIMIT_SECONDS: &str = "xfer_limit_seconds";
 pub const BATCHES: &str = "xfer_batches_total";
 pub const BATCH_SEGMENTS: &str = "xfer_batch_segments_total";
 pub const NOTIFICATIONS: &str = "xfer_notifications_total";
-pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
-pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
 pub const INBOUND_RINGS: &str = "xfer_inbound_rings";
 pub const INBOUND_SUBSCRIBERS: &str = "xfer_inbound_subscribers";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
@@ -243,11 +239,6 @@ pub fn notification_published(via: &'static str, delay: Option<Duration>) {
     }
 }
 
-/// A notification marker arrived (`result` is a closed set).
-pub fn notify_marker(result: &'static str) {
-    counter!(NOTIFY_MARKERS, "result" => result).increment(1);
-}
-
 /// A notification ring was opened (+1) or closed (-1).
 pub fn inbound_rings(delta: i64) {
     gauge!(INBOUND_RINGS).increment(delta as f64);
@@ -256,11 +247,6 @@ pub fn inbound_rings(delta: i64) {
 /// A WatchInbound subscription (stream or ring) began (+1) or everything kept for it was freed (-1).
 pub fn inbound_subscribers(delta: i64) {
     gauge!(INBOUND_SUBSCRIBERS).increment(delta as f64);
-}
-
-/// The marker poller took a connection or let it go (`event` is a closed set).
-pub fn marker_spin(event: &'static str) {
-    counter!(MARKER_SPINS, "event" => event).increment(1);
 }
 
 /// Open connections of a control listener (grpc, health, metrics).
@@ -357,22 +343,9 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
     }
 }
 
-/// A verbs connection's CQs and QPs came from `source` (`prebuilt` or `on_demand`) for `role`.
-pub fn connection_build(role: &'static str, source: &'static str) {
-    counter!(CONNECTION_BUILDS, "role" => role, "source" => source).increment(1);
-}
-
-pub fn prebuilt_qps(n: usize) {
-    gauge!(PREBUILT_QPS).set(n as f64);
-}
-
 /// A job ran to its end, driven by `driver` (`worker` or `task`).
 pub fn data_path_job(driver: &'static str) {
     counter!(DATA_PATH_JOBS, "driver" => driver).increment(1);
-}
-
-pub fn work_completion(status: &'static str) {
-    counter!(WORK_COMPLETIONS, "status" => status).increment(1);
 }
 
 pub fn qp_connections(peer: &str, state: &'static str, n: usize) {
@@ -386,11 +359,6 @@ pub fn connect_duration(d: Duration) {
 /// One phase of the initiator's negotiation (`prepare`, `handshake`, `complete`).
 pub fn connect_phase(phase: &'static str, d: Duration) {
     histogram!(CONNECT_PHASE, "phase" => phase).record(d.as_secs_f64());
-}
-
-/// The responder's QPs reached RTS (or failed to), `d` after its accept started.
-pub fn accept_ready(d: Duration) {
-    histogram!(ACCEPT_READY).record(d.as_secs_f64());
 }
 
 /// A grant waited for its connection's responder QPs to reach RTS.
@@ -414,25 +382,6 @@ pub fn registration_duration(d: Duration) {
 
 pub fn grants_active(n: usize) {
     gauge!(GRANTS_ACTIVE).set(n as f64);
-}
-
-pub fn data_connections(n: usize) {
-    gauge!(DATA_CONNECTIONS).set(n as f64);
-}
-
-/// `reason`: `total` or `per_peer`.
-pub fn data_connection_refused(reason: &'static str) {
-    counter!(DATA_CONNECTIONS_REFUSED, "reason" => reason).increment(1);
-}
-
-/// `reason`: `handshake`, `evicted`, `idle`, `stalled`, `payload` or `revoked`.
-pub fn data_connection_closed(reason: &'static str) {
-    counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
-}
-
-/// `listener`: `data`, `grpc` or `health`.
-pub fn accept_error(listener: &'static str) {
-    counter!(ACCEPT_ERRORS, "listener" => listener).increment(1);
 }
 
 pub fn peers(n: usize) {

@@ -23,8 +23,8 @@ use std::time::{Instant, SystemTime};
 
 use tokio::sync::broadcast;
 
-use crate::fabric::RemoteOp;
 use crate::metrics as m;
+use xfer_fabric::RemoteOp;
 
 /// How a notification was known to be due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

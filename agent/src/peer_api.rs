@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use crate::checksum::Algo;
-use crate::fabric::{Endpoint, FabricError, FabricKind, RemoteKey, RemoteOp};
+use xfer_fabric::{Endpoint, FabricError, FabricKind, RemoteKey, RemoteOp};
 
 /// What `Peer.Grant` returns.
 #[derive(Clone)]

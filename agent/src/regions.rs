@@ -45,8 +45,8 @@ use tracing::{error, info, warn};
 
 use crate::ids::new_id;
 
-use crate::fabric::{Access, Fabric, FabricError, Registration};
 use crate::metrics as m;
+use xfer_fabric::{Access, Fabric, FabricError, Registration};
 use xfer_rdma::memory::RegionMemory;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -1458,7 +1458,7 @@ mod tests {
 
     async fn registry(state: &Path, policy: RegionPolicy, max_regions: usize) -> RegionRegistry {
         let grants = Arc::new(crate::grants::GrantTable::new(16));
-        let fabric = crate::fabric::tcp::TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants, None).await.unwrap();
+        let fabric = xfer_fabric::tcp::TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants, None).await.unwrap();
         let limits = RegionLimits { max_regions, max_registered_bytes: 1 << 30, max_bench_bytes: 1 << 20 };
         RegionRegistry::new(Arc::new(fabric), state.to_path_buf(), limits, policy)
     }

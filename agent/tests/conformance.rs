@@ -14,12 +14,12 @@ use xfer_agent::ids::ConnectionId;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::tcp::TcpFabric;
-use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::transfer::TransferError;
+use xfer_fabric::tcp::TcpFabric;
+use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 
 struct Side {
     node: Arc<Node>,
@@ -50,7 +50,7 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             cfg.verbs.device = var("_DEV");
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
-            xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
+            xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
         }
     };
     Side {

@@ -11,13 +11,13 @@ use xfer_agent::ids::ConnectionId;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 use xfer_agent::config::Config;
-use xfer_agent::fabric::tcp::TcpFabric;
-use xfer_agent::fabric::{Access, Endpoint, Fabric, FabricKind, RemoteKey};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 use xfer_agent::regions::RegionSpec;
 use xfer_agent::transfer::{Op, TransferOptions, TransferRecord, TransferRequest, TransferState};
+use xfer_fabric::tcp::TcpFabric;
+use xfer_fabric::{Access, Endpoint, Fabric, FabricKind, RemoteKey};
 
 /// The initiator's name as the target sees it (what a certificate's NAME would be).
 const A: &str = "node-a";

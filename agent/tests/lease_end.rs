@@ -14,13 +14,13 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, oneshot};
 use xfer_agent::config::Config;
-use xfer_agent::fabric::tcp::TcpFabric;
-use xfer_agent::fabric::{Access, Completion, Connection, Fabric, FabricKind, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::ids::ConnectionId;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionError, RegionKind, RegionSpec};
 use xfer_agent::transfer::TransferError;
+use xfer_fabric::tcp::TcpFabric;
+use xfer_fabric::{Access, Completion, Connection, Fabric, FabricKind, RemoteOp, WcStatus, WorkRequest, WrOp};
 
 /// Bytes per write; the destination has 16 such chunks, the source 17.
 const CHUNK: u64 = 64 << 10;

@@ -395,12 +395,12 @@ async fn a_batch_reaches_no_byte_past_its_span() {
 fn a_complete_racing_a_revocation_publishes_nothing() {
     use std::sync::Arc;
     use xfer_agent::config::Config;
-    use xfer_agent::fabric::tcp::TcpFabric;
-    use xfer_agent::fabric::{Access, Fabric, FabricKind, RemoteOp};
     use xfer_agent::grants::GrantTable;
     use xfer_agent::ids::{ConnectionId, TransferId};
     use xfer_agent::node::{GrantParams, Node};
     use xfer_agent::regions::RegionSpec;
+    use xfer_fabric::tcp::TcpFabric;
+    use xfer_fabric::{Access, Fabric, FabricKind, RemoteOp};
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(1).build().unwrap();
     rt.block_on(async {

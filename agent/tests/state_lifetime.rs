@@ -15,12 +15,12 @@ use common::chan::*;
 use common::*;
 use tokio::sync::mpsc;
 use xfer_agent::config::Config;
-use xfer_agent::fabric::tcp::TcpFabric;
-use xfer_agent::fabric::{Access, Fabric, FabricKind, RemoteOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::ids::ConnectionId;
 use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::regions::RegionSpec;
+use xfer_fabric::tcp::TcpFabric;
+use xfer_fabric::{Access, Fabric, FabricKind, RemoteOp};
 use xfer_proto::v1 as pb;
 
 async fn node(dir: &tempfile::TempDir) -> Arc<Node> {

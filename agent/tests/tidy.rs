@@ -116,6 +116,7 @@ fn unsafe_lives_only_in_the_rdma_crate() {
         "proto/build.rs",
         "crates/xfer-common/src/lib.rs",
         "crates/xfer-engine/src/lib.rs",
+        "crates/xfer-fabric/src/lib.rs",
         "crates/xfer-client/src/lib.rs",
     ];
     for root in roots {

@@ -15,15 +15,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use xfer_agent::ids::ConnectionId;
-use xfer_agent::verbs::GrantMode;
+use xfer_fabric::verbs::GrantMode;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::transfer::TransferError;
+use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 
 struct Side {
     node: Arc<Node>,
@@ -44,7 +44,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.listen = format!("{}:7470", var("")).parse().unwrap();
     cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
     let grants = Arc::new(GrantTable::new(1024));
-    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
+    let fabric = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
     Side {
         node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
         fabric,

@@ -18,15 +18,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 use xfer_agent::ids::ConnectionId;
-use xfer_agent::verbs::GrantMode;
+use xfer_fabric::verbs::GrantMode;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
-use xfer_agent::fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};
 use xfer_agent::service::convert::region_to_pb;
+use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 
 /// The target region: big enough for several MTUs per WR.
 const LEN: u64 = 64 << 10;
@@ -53,7 +53,7 @@ fn side(name: &str, which: char, mode: GrantMode) -> Side {
     cfg.listen = format!("{}:7470", var(which, "")).parse().unwrap();
     cfg.data_listen = Some(format!("{}:7471", var(which, "")).parse().unwrap());
     let grants = Arc::new(GrantTable::new(1024));
-    let fabric = xfer_agent::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
+    let fabric = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
     Side {
         node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
         fabric,
@@ -290,8 +290,8 @@ async fn region_mode_region_keys_are_the_access() {
 #[tokio::test]
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn an_endpoint_the_responder_cannot_route_to_fails_the_grant_with_the_reason() {
-    use xfer_agent::fabric::Endpoint;
     use xfer_agent::transfer::TransferError;
+    use xfer_fabric::Endpoint;
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mr));
     let target = region(&b, "target");

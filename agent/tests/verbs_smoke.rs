@@ -16,11 +16,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
-use xfer_agent::fabric::{
+use xfer_fabric::verbs::{probe, VerbsFabric, VerbsOptions};
+use xfer_fabric::{
     Access, Completion, Connection, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey, RemoteOp,
     WcStatus, WorkRequest, WrOp,
 };
-use xfer_agent::verbs::{probe, VerbsFabric, VerbsOptions};
 use xfer_rdma::memory::RegionMemory;
 
 const LEN: usize = 16 << 20;
@@ -92,7 +92,7 @@ async fn connect(
     b: &VerbsFabric,
     qps: usize,
     depth: usize,
-) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>) {
+) -> (Arc<dyn Connection>, Box<dyn xfer_fabric::Accepted>, mpsc::UnboundedReceiver<Completion>) {
     let (conn, accepted, rx, _) = connect_qpns(a, b, qps, depth).await;
     (conn, accepted, rx)
 }
@@ -103,7 +103,7 @@ async fn connect_qpns(
     b: &VerbsFabric,
     qps: usize,
     depth: usize,
-) -> (Arc<dyn Connection>, Box<dyn xfer_agent::fabric::Accepted>, mpsc::UnboundedReceiver<Completion>, Vec<u32>) {
+) -> (Arc<dyn Connection>, Box<dyn xfer_fabric::Accepted>, mpsc::UnboundedReceiver<Completion>, Vec<u32>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let pending = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();

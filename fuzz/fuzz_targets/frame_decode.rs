@@ -11,9 +11,9 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use xfer_agent::fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_agent::fabric::grant::{AccessCheck, Checked, GrantLease};
-use xfer_agent::fabric::tcp::{read_hello, serve_frames};
+use xfer_fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
+use xfer_fabric::grant::{AccessCheck, Checked, GrantLease};
+use xfer_fabric::tcp::{read_hello, serve_frames};
 use xfer_agent::ids::ConnectionId;
 
 /// The data connection the fuzzed stream belongs to.
@@ -23,7 +23,7 @@ fn connection() -> ConnectionId {
     // Invariant: a constant valid id.
     ConnectionId::parse(CONNECTION).expect("valid id")
 }
-use xfer_agent::fabric::{RemoteOp, WcStatus};
+use xfer_fabric::{RemoteOp, WcStatus};
 use xfer_rdma::memory::RegionMemory;
 
 /// Remote address of region offset 0 (a fixed value so the fuzzer can reach the windows).

@@ -13,8 +13,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use xfer_agent::fabric::tcp::{registration, run_initiator_stream};
-use xfer_agent::fabric::{Access, RemoteKey, WcStatus, WorkRequest, WrOp};
+use xfer_fabric::tcp::{registration, run_initiator_stream};
+use xfer_fabric::{Access, RemoteKey, WcStatus, WorkRequest, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
 const LEN: usize = 64 << 10;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use xfer_agent::config::{parse_size, ByteSize};
-use xfer_agent::fabric::{Endpoint, FabricKind, RemoteOp};
+use xfer_fabric::{Endpoint, FabricKind, RemoteOp};
 use xfer_agent::regions::validate_name;
 use xfer_agent::service::bounds::{Bounded, Bounds};
 use xfer_agent::service::convert as c;

@@ -168,7 +168,7 @@ impl Node {
         let spec = crate::regions::RegionSpec {
             ttl: Some(BENCH_REGION_TTL),
             labels,
-            ..crate::regions::RegionSpec::anonymous(&name, length, crate::fabric::Access::ReadWrite)
+            ..crate::regions::RegionSpec::anonymous(&name, length, xfer_fabric::Access::ReadWrite)
         };
         self.regions.create_scratch(spec, budget)?;
         *slot = Some((name.clone(), owner.to_string()));
@@ -233,7 +233,7 @@ impl Node {
         let fabric = Arc::clone(&self.fabric);
         let local = tokio::task::spawn_blocking(move || {
             let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
-            fabric.register(mem, crate::fabric::Access::ReadWrite).map_err(|e| TransferError::Internal(e.to_string()))
+            fabric.register(mem, xfer_fabric::Access::ReadWrite).map_err(|e| TransferError::Internal(e.to_string()))
         })
         .await
         .map_err(|e| TransferError::Internal(e.to_string()))??;
@@ -345,7 +345,7 @@ impl Node {
             crate::regions::RegionSpec {
                 ttl: Some(BENCH_REGION_TTL),
                 labels: [("xfer.io/scratch".to_string(), "bench".to_string())].into(),
-                ..crate::regions::RegionSpec::anonymous(&local, pool, crate::fabric::Access::ReadWrite)
+                ..crate::regions::RegionSpec::anonymous(&local, pool, xfer_fabric::Access::ReadWrite)
             },
         );
         let budget = self.regions.reserve_bench(pool, "the benchmark's local pool")?;

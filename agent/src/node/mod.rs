@@ -23,7 +23,6 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::checksum::{self, Algo};
 use crate::config::Config;
-use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
 use crate::grants::{Grant, GrantError, GrantTable};
 use crate::ids::new_id;
 use crate::metrics as m;
@@ -36,6 +35,7 @@ use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{Session, SessionConfig};
 use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use xfer_fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
 mod bench;
@@ -225,7 +225,7 @@ impl Node {
         self.fabric.kind()
     }
 
-    pub fn fabric_info(&self) -> crate::fabric::FabricInfo {
+    pub fn fabric_info(&self) -> xfer_fabric::FabricInfo {
         self.fabric.info()
     }
 

@@ -2,8 +2,8 @@
 //! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
 #[allow(unused_imports)]
 use super::*;
-use crate::fabric::Readiness;
 use crate::ids::ConnectionId;
+use xfer_fabric::Readiness;
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
@@ -312,7 +312,7 @@ impl Node {
             expires_at,
             exposure,
             connection_id: p.connection_id.clone(),
-            lease: crate::fabric::grant::GrantLease::new(expires_at),
+            lease: xfer_fabric::grant::GrantLease::new(expires_at),
             notify: match &notify {
                 Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::Pending::new(tag.clone(), *markers)),
                 _ => None,

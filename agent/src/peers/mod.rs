@@ -43,13 +43,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
-use crate::fabric::{Completion, Connection};
 use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::peer_api::{PeerApi, PeerError};
 use health::Health;
 pub use health::{BACKOFF_AFTER, BACKOFF_BASE, BACKOFF_CAP};
 pub use pool::{PeerKey, PeerPool};
+use xfer_fabric::{Completion, Connection};
 
 /// Attempts of one call whose connection was refused (the request never reached the peer, so a
 /// retry is safe even for non-idempotent calls such as `Grant`).

@@ -13,8 +13,8 @@ use super::convert::{
     grant_info_from_pb, grant_request_to_pb, handshake_reply_from_pb, peer_connect_request_to_pb, revoke_request_to_pb, sink_request_to_pb,
 };
 use super::tls::TlsMaterial;
-use crate::fabric::{Endpoint, FabricKind};
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
+use xfer_fabric::{Endpoint, FabricKind};
 
 #[derive(Clone)]
 pub struct PeerClient {

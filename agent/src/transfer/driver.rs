@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::machine::{Machine, Post};
 use super::worker::{Done, Job, Leased, Refused, Worker};
-use crate::fabric::{Completion, Connection, WorkRequest};
+use xfer_fabric::{Completion, Connection, WorkRequest};
 
 /// Per-WR round-trip times, for the latency benchmark.
 #[derive(Default)]
@@ -100,9 +100,9 @@ pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>)
         let mut ops = [0u64; 3];
         for w in &run {
             ops[match w.op {
-                crate::fabric::WrOp::Write => 0,
-                crate::fabric::WrOp::Read => 1,
-                crate::fabric::WrOp::Notify { .. } => 2,
+                xfer_fabric::WrOp::Write => 0,
+                xfer_fabric::WrOp::Read => 1,
+                xfer_fabric::WrOp::Notify { .. } => 2,
             }] += 1;
         }
         if let Err((id, e)) = conn.post_batch(qp, run) {
@@ -185,7 +185,7 @@ pub async fn pump<L: Leased>(
     }
 }
 
-pub(super) fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp: usize, seq: u64, status: crate::fabric::WcStatus) {
+pub(super) fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp: usize, seq: u64, status: xfer_fabric::WcStatus) {
     if let Some(pr) = probe.as_deref_mut() {
         if let Some(t) = pr.posted.remove(&seq) {
             pr.samples.push(t.elapsed());

@@ -9,11 +9,11 @@
 //! sleeps when there is nothing to do):
 //! - **Spin, then sleep.** While jobs are outstanding the worker busy-polls for up to
 //!   `verbs.poll_spin` after the last thing that happened. Past that it arms each job's
-//!   connection ([`crate::fabric::Connection::arm_wake`]), polls once more (a completion before the arm raised
+//!   connection ([`xfer_fabric::Connection::arm_wake`]), polls once more (a completion before the arm raised
 //!   nothing) and parks; the connection's completion task unparks it on the next completion
 //!   event. New jobs, cancels and closed connections unpark it too; a deadline bounds the park.
 //!   Idle (no jobs), it blocks on its queue and costs nothing.
-//! - **Hand-off.** A job's connection is handed to the worker ([`crate::fabric::Connection::hand_off`]) for the
+//! - **Hand-off.** A job's connection is handed to the worker ([`xfer_fabric::Connection::hand_off`]) for the
 //!   job's life: only the worker polls it, and the fabric's completion task stands down. A
 //!   fabric without that mode (tcp, whose completions come from its stream readers) refuses, and
 //!   the job runs on the caller's task instead ([`driver::pump`]), as it does when the queue is
@@ -36,8 +36,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::driver::{self, LatencyProbe};
 use super::machine::{Machine, Post};
-use crate::fabric::{Completion, Connection, WorkRequest};
 use crate::peers::Lease;
+use xfer_fabric::{Completion, Connection, WorkRequest};
 
 /// What a job needs of its lease: the connection, and its completions (the job is their only
 /// reader). [`Lease`] in the agent; a bare connection in the worker's tests.

@@ -1,8 +1,9 @@
 //! Vocabulary shared by the agent and xferctl, so both read the same text the same way: byte
 //! sizes ([`size`]), durations ([`duration`]), configuration words ([`words`]) and facts about the
-//! host process ([`host`]).
+//! host process ([`host`]), and deadlines that never overflow ([`deadline`]).
 #![forbid(unsafe_code)]
 
+pub mod deadline;
 pub mod duration;
 pub mod host;
 pub mod size;

@@ -3,8 +3,8 @@
 use xfer_proto::v1 as pb;
 
 use super::scalars::{duration_to_pb, fabric_to_pb};
-use crate::fabric::{DeviceInfo, GidInfo};
 use crate::node::Node;
+use xfer_fabric::{DeviceInfo, GidInfo};
 
 /// The node's facts, with the process's locked-memory limit `memlock` (soft, hard) and whether
 /// it holds CAP_IPC_LOCK.

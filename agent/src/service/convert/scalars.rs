@@ -8,9 +8,9 @@ use xfer_proto::v1 as pb;
 
 use super::status::invalid;
 use crate::checksum::Algo;
-use crate::fabric::{Access, FabricKind};
 use crate::regions::RegionKind;
 use crate::transfer::Op;
+use xfer_fabric::{Access, FabricKind};
 
 pub fn duration_to_pb(d: Duration) -> prost_types::Duration {
     prost_types::Duration { seconds: d.as_secs().min(i64::MAX as u64) as i64, nanos: d.subsec_nanos() as i32 }

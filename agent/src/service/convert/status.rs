@@ -5,7 +5,6 @@
 //! imports them, and nothing it imports imports it back.
 use tonic::Status;
 
-use crate::fabric::FabricError;
 use crate::grants::GrantError;
 use crate::identity::AuthError;
 use crate::peer_api::{PeerError, RemoteCode};
@@ -13,6 +12,7 @@ use crate::regions::RegionError;
 use crate::service::bounds::BoundError;
 use crate::transfer::batch::BatchError;
 use crate::transfer::TransferError;
+use xfer_fabric::FabricError;
 
 /// INVALID_ARGUMENT unless `cond` holds.
 pub(crate) fn require(cond: bool, msg: &str) -> Result<(), Status> {

@@ -7,11 +7,11 @@ use xfer_proto::v1 as pb;
 use super::peers::peer_address;
 use super::scalars::{algo_from_pb, op_from_pb, op_to_pb, request_duration, time_to_pb};
 use super::status::{invalid, require};
-use crate::fabric::RemoteOp;
 use crate::node::{ChannelInfo, ChannelInput, ChannelOutput, ChannelParams, InboundRing};
 use crate::notify::Notification;
 use crate::transfer::batch::SegmentSpec;
 use crate::transfer::{TransferOptions, TransferRecord, TransferRequest, TransferState};
+use xfer_fabric::RemoteOp;
 
 fn state_to_pb(s: TransferState) -> pb::TransferState {
     match s {

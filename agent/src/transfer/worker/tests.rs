@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 
 use super::*;
-use crate::fabric::{Access, FabricError, Registration, RemoteKey, WcStatus, WrOp};
 use crate::transfer::batch::Seg;
 use crate::transfer::machine::{Fault, MachineConfig, Markers, State};
+use xfer_fabric::{Access, FabricError, Registration, RemoteKey, WcStatus, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
 #[derive(Debug)]

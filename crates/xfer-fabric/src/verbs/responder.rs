@@ -13,8 +13,8 @@ use super::device::Device;
 use super::marker_poll::{Hot, MarkerPoller, MarkerReceiver, Waiting};
 use super::markers::{drain_markers, run_recv};
 use super::options::VerbsOptions;
-use crate::fabric::{Endpoint, FabricError, MarkerSink, Readiness, WcStatus};
-use crate::ids::ConnectionId;
+use crate::{Endpoint, FabricError, MarkerSink, Readiness, WcStatus};
+use xfer_engine::ids::ConnectionId;
 
 // ------------------------------------------------------------------ grant mode mw
 //
@@ -224,17 +224,17 @@ impl VerbsAccepted {
 
 /// The fabric's index of its accepted connections, by id: grant mode `mw` finds the QPs to bind
 /// on here (an `ExposeRequest` names the connection by id).
-pub(crate) type AcceptedIndex = Mutex<std::collections::HashMap<crate::ids::ConnectionId, std::sync::Weak<VerbsAccepted>>>;
+pub(crate) type AcceptedIndex = Mutex<std::collections::HashMap<xfer_engine::ids::ConnectionId, std::sync::Weak<VerbsAccepted>>>;
 
 /// What `Fabric::accept` hands the agent: owning it keeps the responder QPs; dropping it (the
 /// peer disconnected) moves them to ERR and takes the connection out of the fabric's index.
 pub(crate) struct AcceptedHandle {
     pub(crate) acc: Arc<VerbsAccepted>,
     pub(crate) index: Arc<AcceptedIndex>,
-    pub(crate) id: crate::ids::ConnectionId,
+    pub(crate) id: xfer_engine::ids::ConnectionId,
 }
 
-impl crate::fabric::Accepted for AcceptedHandle {
+impl crate::Accepted for AcceptedHandle {
     fn drain_markers(&self) {
         self.acc.drain_markers();
     }

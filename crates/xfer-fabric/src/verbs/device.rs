@@ -13,7 +13,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::negotiate::{self, GidChoice, LocalPort, LINK_ETHERNET};
 use super::options::VerbsOptions;
-use crate::fabric::{DeviceInfo, FabricError, GidInfo};
+use crate::{DeviceInfo, FabricError, GidInfo};
 
 const PORT_ACTIVE: u32 = 4;
 

@@ -12,11 +12,11 @@ use super::hello::read_hello;
 use super::limits::{DataLimits, PreHelloSlot, PreHelloSockets};
 use super::serve::{refuse, serve_frames_idle, ServeError};
 use super::session::{DataSessions, Refusal};
-use crate::fabric::grant::AccessCheck;
-use crate::fabric::WcStatus;
+use crate::grant::AccessCheck;
 use crate::identity::tls::DataTls;
 use crate::identity::Role;
-use crate::ids::ConnectionId;
+use crate::WcStatus;
+use xfer_engine::ids::ConnectionId;
 
 #[derive(Clone)]
 pub(super) struct ServeCtx {
@@ -26,12 +26,12 @@ pub(super) struct ServeCtx {
     pub(super) shutdown: CancellationToken,
     pub(super) limits: DataLimits,
     /// Open sockets on the data port (`limits.max_data_connections`), from accept until close.
-    pub(super) open: Arc<crate::sys::Slots>,
+    pub(super) open: Arc<crate::accept::Slots>,
     pub(super) pre_hello: Arc<PreHelloSockets>,
 }
 
 pub(super) async fn serve(listener: TcpListener, ctx: ServeCtx) {
-    let mut backoff = crate::sys::AcceptBackoff::default();
+    let mut backoff = crate::accept::AcceptBackoff::default();
     loop {
         let accepted = tokio::select! {
             _ = ctx.shutdown.cancelled() => return,

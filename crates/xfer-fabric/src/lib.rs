@@ -1,4 +1,4 @@
-//! The data plane behind one trait, shaped after RDMA verbs.
+//! xfer-fabric: the data plane behind one trait, shaped after RDMA verbs.
 //!
 //! A [`Fabric`] registers region memory ([`Registration`]: lkey/rkey/address), exposes ranges of it
 //! to peers ([`Exposure`]: the remote address and key a grant hands out), negotiates connections
@@ -6,9 +6,18 @@
 //! `Peer.Connect`), and executes one-sided [`WorkRequest`]s whose results arrive as
 //! [`Completion`]s with verbs-style [`WcStatus`]es on the sink given at connection time.
 //!
-//! Two implementations: [`tcp`] (software one-sided ops over TCP) and `crate::verbs` (RC QPs over
-//! sideway). The transfer engine only sees this trait, so both behave alike; one conformance suite
-//! (`agent/tests/conformance.rs`) runs against both.
+//! Two implementations: [`tcp`] (software one-sided ops over TCP) and [`verbs`] (RC QPs over
+//! sideway, feature `verbs`). The transfer engine only sees this trait, so both behave alike; one
+//! conformance suite (`agent/tests/conformance.rs`) runs against both.
+//!
+//! # Layout
+//! * this file — the [`Fabric`] trait and the types it speaks.
+//! * [`tcp`] — the tcp fabric: initiator, target, limits; [`stall`] — its write-stall guard.
+//! * [`verbs`] — the verbs fabric by role: device, negotiation, connection and CQ, initiator,
+//!   responder, markers.
+//! * [`grant`] — grant checks on the data plane: what the grant table answers, the grant's lease.
+//! * [`identity`] — who a peer is, from its certificate (the data streams' TLS is checked with it).
+//! * [`accept`] — socket caps and accept back-off; [`metrics`] — the metrics the data plane records.
 //!
 //! Semantics every implementation keeps:
 //! * Work requests on one QP complete in order. A successful completion of a signaled WR implies
@@ -17,6 +26,8 @@
 //!   [`WcStatus::WrFlushErr`] and later posts fail with [`FabricError::QpBroken`].
 //! * A posted WR keeps its [`Registration`] (and so the memory) alive until its completion or flush
 //!   has been delivered — cancelling a transfer never frees memory under a WR.
+#![forbid(unsafe_code)]
+
 use std::any::Any;
 use std::fmt;
 use std::net::SocketAddr;
@@ -30,9 +41,14 @@ use xfer_rdma::memory::RegionMemory;
 
 pub use xfer_engine::frame;
 pub use xfer_engine::status::WcStatus;
+
+pub mod accept;
 pub mod grant;
+pub mod identity;
+pub mod metrics;
 pub mod stall;
 pub mod tcp;
+pub mod verbs;
 
 /// Which data plane an agent runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -198,7 +214,7 @@ pub struct ExposeRequest {
     /// The grantee's connection (`GrantRequest.connection_id`), which the caller has checked is
     /// one this agent accepted from that peer: `mw` binds its windows on that connection's QPs
     /// (the fabric finds them by id). Other modes and tcp ignore it.
-    pub connection: Option<crate::ids::ConnectionId>,
+    pub connection: Option<xfer_engine::ids::ConnectionId>,
 }
 
 impl fmt::Debug for ExposeRequest {
@@ -299,7 +315,7 @@ pub enum WrOp {
 /// accepted (the grant table counts them and publishes the notification).
 pub trait MarkerSink: Send + Sync + 'static {
     /// A marker naming `slot` arrived on a QP of `connection`, after every earlier WR there.
-    fn marker(&self, connection: &crate::ids::ConnectionId, slot: u32);
+    fn marker(&self, connection: &xfer_engine::ids::ConnectionId, slot: u32);
 }
 
 /// A one-sided work request. `wr_id` comes back in its [`Completion`].
@@ -464,7 +480,7 @@ pub trait Fabric: Send + Sync + 'static {
     async fn prepare(
         &self,
         peer: &str,
-        connection_id: &crate::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
@@ -476,7 +492,7 @@ pub trait Fabric: Send + Sync + 'static {
     async fn accept(
         &self,
         peer: &str,
-        connection_id: &crate::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError>;
 }

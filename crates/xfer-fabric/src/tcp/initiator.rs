@@ -12,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 use super::hello::encode_hello;
 use super::limits::HELLO_TIMEOUT;
 use super::qp::{BoxRead, BoxWrite, TcpQp};
-use crate::fabric::{CompletionSink, Connection, DataSecret, Endpoint, FabricError, PendingConnection, RemoteKey, WorkRequest, WrOp};
 use crate::identity::tls::DataTls;
 use crate::identity::Role;
-use crate::ids::ConnectionId;
+use crate::{CompletionSink, Connection, DataSecret, Endpoint, FabricError, PendingConnection, RemoteKey, WorkRequest, WrOp};
+use xfer_engine::ids::ConnectionId;
 
 pub(super) struct TcpPrepared {
     pub(super) qps: usize,

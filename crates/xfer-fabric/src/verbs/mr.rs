@@ -9,7 +9,7 @@ use xfer_rdma::memory::RegionMemory;
 use xfer_rdma::mr::Mr;
 
 use super::options::GrantMode;
-use crate::fabric::{Access, FabricError, Registration, RemoteOp};
+use crate::{Access, FabricError, Registration, RemoteOp};
 
 /// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
 /// grants).

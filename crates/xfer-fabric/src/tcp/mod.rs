@@ -32,10 +32,10 @@
 //! `limits.data_idle_timeout`, or that does not complete a WRITE payload within
 //! `limits.data_payload_timeout`, is closed; the initiator's reader then sees EOF and marks the
 //! connection broken, so the pool never lends it again. Failed accepts (EMFILE) back off
-//! ([`crate::sys::AcceptBackoff`]) instead of spinning.
+//! ([`crate::accept::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
-//! [`GrantLease`](crate::fabric::grant::GrantLease), so once a grant is revoked (explicitly, by expiry, with its region or its
+//! [`GrantLease`](crate::grant::GrantLease), so once a grant is revoked (explicitly, by expiry, with its region or its
 //! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -45,17 +45,17 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use xfer_rdma::memory::RegionMemory;
 
-use crate::fabric::grant::AccessCheck;
-use crate::fabric::{
+use crate::grant::AccessCheck;
+use crate::identity::tls::DataTls;
+use crate::{
     Accepted, Access, CompletionSink, DataSecret, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
     PendingConnection, Registration, RemoteKey,
 };
-use crate::identity::tls::DataTls;
-use crate::ids::ConnectionId;
 use initiator::TcpPrepared;
 use limits::PreHelloSockets;
 use session::{DataSession, DataSessions, TcpAccepted};
 use target::ServeCtx;
+use xfer_engine::ids::ConnectionId;
 
 mod hello;
 mod initiator;
@@ -118,7 +118,7 @@ impl TcpFabric {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(DataSessions::new(limits.max_connections_per_peer));
-        let open = crate::sys::Slots::new(limits.max_connections, crate::metrics::data_connections);
+        let open = crate::accept::Slots::new(limits.max_connections, crate::metrics::data_connections);
         let pre_hello = PreHelloSockets::new(limits.max_pending);
         let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pre_hello };
         tokio::spawn(target::serve(listener, ctx));
@@ -240,10 +240,10 @@ mod tests {
     use super::qp::TcpQp;
     use super::serve::serve_frames_idle;
     use super::{registration, run_initiator_stream, serve_frames, ServeError};
-    use crate::fabric::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
-    use crate::fabric::grant::{AccessCheck, Checked, GrantLease};
-    use crate::fabric::{Access, Completion, Registration, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
-    use crate::ids::ConnectionId;
+    use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
+    use crate::grant::{AccessCheck, Checked, GrantLease};
+    use crate::{Access, Completion, Registration, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
+    use xfer_engine::ids::ConnectionId;
 
     const TOKEN: [u8; 16] = [0x22; 16];
     const LEN: usize = 64 << 10;

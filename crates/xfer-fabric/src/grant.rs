@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use xfer_rdma::memory::RegionMemory;
 
-use super::{RemoteOp, WcStatus};
-use crate::ids::ConnectionId;
+use crate::{RemoteOp, WcStatus};
+use xfer_engine::ids::ConnectionId;
 
 /// The target's grant table as the data plane sees it (the tcp fabric checks every frame with it): resolves a frame's token and range to
 /// region memory, or the status to NAK with.

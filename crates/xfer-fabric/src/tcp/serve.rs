@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 
-use crate::fabric::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
-use crate::fabric::grant::{AccessCheck, Checked, GrantLease, PAYLOAD_CHUNK};
-use crate::fabric::stall::{is_stall, StallGuard};
-use crate::fabric::{RemoteOp, WcStatus};
-use crate::ids::ConnectionId;
+use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
+use crate::grant::{AccessCheck, Checked, GrantLease, PAYLOAD_CHUNK};
+use crate::stall::{is_stall, StallGuard};
+use crate::{RemoteOp, WcStatus};
+use xfer_engine::ids::ConnectionId;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -135,7 +135,7 @@ where
         };
         match h.kind {
             Kind::Write => {
-                let deadline = payload.map(|p| tokio::time::Instant::from_std(crate::deadline::instant_after(p)));
+                let deadline = payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p)));
                 let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
                     match (t.memory.writable(), t.memory.check(t.offset, h.len as u64), t.memory.intact()) {
                         (true, Ok(_), Ok(())) => Ok(t),

@@ -22,7 +22,7 @@
 //! sideway's safe API is used here for the device list, device context and PD.
 use std::sync::Arc;
 
-use crate::fabric::{Fabric, FabricError};
+use crate::{Fabric, FabricError};
 
 #[cfg(feature = "verbs")]
 mod connection;
@@ -86,7 +86,7 @@ pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
 }
 
 #[cfg(feature = "verbs")]
-pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::fabric::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
+pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
     let expected = opts.expected_shape;
     let f = VerbsFabric::open(opts)?.with_markers(markers);
     if let Some((qps, depth)) = expected {
@@ -101,6 +101,6 @@ pub fn usable_device(_opts: &VerbsOptions) -> Result<String, String> {
 }
 
 #[cfg(not(feature = "verbs"))]
-pub fn open_fabric(_opts: VerbsOptions, _markers: Arc<dyn crate::fabric::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
+pub fn open_fabric(_opts: VerbsOptions, _markers: Arc<dyn crate::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
     Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
 }

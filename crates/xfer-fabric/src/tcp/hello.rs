@@ -3,8 +3,8 @@
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::serve::ServeError;
-use crate::fabric::DataSecret;
-use crate::ids::ConnectionId;
+use crate::DataSecret;
+use xfer_engine::ids::ConnectionId;
 
 /// First bytes of a data stream's hello (protocol version 1).
 pub(super) const HELLO_MAGIC: &[u8; 4] = b"XFR1";

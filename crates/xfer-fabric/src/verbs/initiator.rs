@@ -13,7 +13,7 @@ use super::connection::{run_cq, ConnInner, InFlight, POLL_BATCH};
 use super::device::Device;
 use super::mr::VerbsRegistration;
 use super::options::VerbsOptions;
-use crate::fabric::{CompletionSink, Connection, Endpoint, FabricError, PendingConnection, RemoteKey, WorkRequest, WrOp};
+use crate::{CompletionSink, Connection, Endpoint, FabricError, PendingConnection, RemoteKey, WorkRequest, WrOp};
 
 /// The initiator's connection between `prepare` and the responder's answer.
 pub(crate) struct VerbsPrepared {

@@ -1,6 +1,6 @@
 //! The verbs fabric's settings (`verbs.*` in the configuration): device and port, GID, QP
 //! timeouts and retries, CQ size, grant mode, prebuilt connections, marker spin.
-use crate::fabric::FabricError;
+use crate::FabricError;
 
 /// How the verbs fabric's grants expose memory (`verbs.grant_mode`, DESIGN §2). A property of
 /// the fabric, fixed when it opens: tcp always uses tokens.

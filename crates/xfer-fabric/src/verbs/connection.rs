@@ -25,7 +25,7 @@ use xfer_rdma::qp::{queue_of, RcQp, Route, RtrAttrs, RtsAttrs};
 use super::device::Device;
 use super::negotiate::{self, LINK_ETHERNET};
 use super::options::VerbsOptions;
-use crate::fabric::{Completion, CompletionSink, Endpoint, FabricError, Registration, VerbsEndpoint, WcStatus};
+use crate::{Completion, CompletionSink, Endpoint, FabricError, Registration, VerbsEndpoint, WcStatus};
 
 /// Completions read per `ibv_poll_cq` batch.
 pub(super) const POLL_BATCH: usize = 64;

@@ -9,8 +9,8 @@ use xfer_rdma::cq::{Cq, RawWc};
 
 use super::connection::{ConnInner, POLL_BATCH};
 use super::marker_poll::MarkerReceiver;
-use crate::fabric::MarkerSink;
-use crate::ids::ConnectionId;
+use crate::MarkerSink;
+use xfer_engine::ids::ConnectionId;
 
 impl MarkerReceiver for ConnInner {
     /// True while this responder connection has marker receives worth polling (it has a

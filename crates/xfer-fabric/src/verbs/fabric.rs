@@ -17,7 +17,7 @@ use super::negotiate;
 use super::options::VerbsOptions;
 use super::prebuilt::Prebuilt;
 use super::responder::{AcceptedHandle, AcceptedIndex, VerbsAccepted};
-use crate::fabric::{
+use crate::{
     Accepted, Access, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind, PendingConnection,
     Registration, RemoteKey, RemoteOp,
 };
@@ -29,7 +29,7 @@ pub struct VerbsFabric {
     /// Accepted connections by id, for `mw` binds.
     accepted: Arc<AcceptedIndex>,
     /// Where responder connections report notification markers.
-    markers: Option<Arc<dyn crate::fabric::MarkerSink>>,
+    markers: Option<Arc<dyn crate::MarkerSink>>,
     /// Connections built ahead of need (`verbs.prebuilt`).
     prebuilt: Arc<Prebuilt<Shape, ConnInner>>,
     /// Negotiations that started from a prebuilt connection.
@@ -211,7 +211,7 @@ impl VerbsFabric {
 
     /// Reports the notification markers that arrive on accepted connections to `sink` (the
     /// grant table). Without one they are received and dropped.
-    pub fn with_markers(mut self, sink: Arc<dyn crate::fabric::MarkerSink>) -> Self {
+    pub fn with_markers(mut self, sink: Arc<dyn crate::MarkerSink>) -> Self {
         self.markers = Some(sink);
         self
     }
@@ -271,7 +271,7 @@ impl Fabric for VerbsFabric {
     async fn prepare(
         &self,
         peer: &str,
-        _connection_id: &crate::ids::ConnectionId,
+        _connection_id: &xfer_engine::ids::ConnectionId,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
@@ -283,7 +283,7 @@ impl Fabric for VerbsFabric {
     async fn accept(
         &self,
         peer: &str,
-        connection_id: &crate::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
         // Validate before allocating anything for the peer.

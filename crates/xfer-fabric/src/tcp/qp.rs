@@ -10,8 +10,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::fabric::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
-use crate::fabric::{Completion, CompletionSink, RemoteKey, WcStatus, WorkRequest, WrOp};
+use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
+use crate::{Completion, CompletionSink, RemoteKey, WcStatus, WorkRequest, WrOp};
 
 /// Either half of a data stream, plain TCP or TLS.
 pub(super) type BoxRead = Box<dyn AsyncRead + Send + Unpin>;

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use xfer_rdma::cq::RawWc;
 
-use crate::fabric::MarkerSink;
-use crate::ids::ConnectionId;
+use crate::MarkerSink;
+use xfer_engine::ids::ConnectionId;
 
 /// A responder connection's marker receive side, as the poller sees it.
 pub(crate) trait MarkerReceiver: Send + Sync {
@@ -72,7 +72,7 @@ impl MarkerPoller {
         if self.budget.is_zero() {
             return;
         }
-        hot.until = hot.until.min(crate::deadline::instant_after(self.budget));
+        hot.until = hot.until.min(xfer_common::deadline::instant_after(self.budget));
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
             let (s, r) = mpsc::channel();

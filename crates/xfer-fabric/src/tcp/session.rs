@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::fabric::{Accepted, DataSecret};
-use crate::ids::ConnectionId;
+use crate::{Accepted, DataSecret};
+use xfer_engine::ids::ConnectionId;
 
 /// Most data streams one connection may open (`transfer.qps` is at most 64).
 const MAX_STREAMS_PER_SESSION: usize = 64;

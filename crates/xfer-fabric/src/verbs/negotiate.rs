@@ -2,9 +2,9 @@
 //! endpoints before any QP reaches RTR (DESIGN §5). No IO, no device: unit-tested on the host.
 use std::net::IpAddr;
 
-use crate::fabric::{Endpoint, FabricError, GidInfo, VerbsEndpoint};
+use crate::{Endpoint, FabricError, GidInfo, VerbsEndpoint};
 
-/// Link-layer names as carried in [`VerbsEndpoint::link_layer`] and [`crate::fabric::DeviceInfo`].
+/// Link-layer names as carried in [`VerbsEndpoint::link_layer`] and [`crate::DeviceInfo`].
 pub const LINK_ETHERNET: &str = "Ethernet";
 pub const LINK_INFINIBAND: &str = "InfiniBand";
 

@@ -1,0 +1,64 @@
+//! The metrics the data plane records: names and recording helpers. The agent describes them
+//! (help texts, units) with the rest of its metrics and installs the recorder; without one
+//! (tests, tools) recording does nothing.
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+
+pub const WORK_COMPLETIONS: &str = "xfer_work_completions_total";
+pub const ACCEPT_READY: &str = "xfer_accept_ready_seconds";
+pub const CONNECTION_BUILDS: &str = "xfer_connection_builds_total";
+pub const PREBUILT_QPS: &str = "xfer_prebuilt_qps";
+pub const DATA_CONNECTIONS: &str = "xfer_data_connections";
+pub const DATA_CONNECTIONS_REFUSED: &str = "xfer_data_connections_refused_total";
+pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
+pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
+pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
+pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
+
+pub fn work_completion(status: &'static str) {
+    counter!(WORK_COMPLETIONS, "status" => status).increment(1);
+}
+
+/// The responder's QPs reached RTS (or failed to), `d` after its accept started.
+pub fn accept_ready(d: Duration) {
+    histogram!(ACCEPT_READY).record(d.as_secs_f64());
+}
+
+/// A verbs connection's CQs and QPs came from `source` (`prebuilt` or `on_demand`) for `role`.
+pub fn connection_build(role: &'static str, source: &'static str) {
+    counter!(CONNECTION_BUILDS, "role" => role, "source" => source).increment(1);
+}
+
+pub fn prebuilt_qps(n: usize) {
+    gauge!(PREBUILT_QPS).set(n as f64);
+}
+
+pub fn data_connections(n: usize) {
+    gauge!(DATA_CONNECTIONS).set(n as f64);
+}
+
+/// `reason`: `total` or `per_peer`.
+pub fn data_connection_refused(reason: &'static str) {
+    counter!(DATA_CONNECTIONS_REFUSED, "reason" => reason).increment(1);
+}
+
+/// `reason`: `handshake`, `evicted`, `idle`, `stalled`, `payload` or `revoked`.
+pub fn data_connection_closed(reason: &'static str) {
+    counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
+}
+
+/// `listener`: `data`, `grpc` or `health`.
+pub fn accept_error(listener: &'static str) {
+    counter!(ACCEPT_ERRORS, "listener" => listener).increment(1);
+}
+
+/// A notification marker arrived (`result` is a closed set).
+pub fn notify_marker(result: &'static str) {
+    counter!(NOTIFY_MARKERS, "result" => result).increment(1);
+}
+
+/// The marker poller took a connection or let it go (`event` is a closed set).
+pub fn marker_spin(event: &'static str) {
+    counter!(MARKER_SPINS, "event" => event).increment(1);
+}
