@@ -7,7 +7,7 @@ import struct
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "..", "corpus")
 
-# ---- frames (agent/src/fabric/frame.rs); tokens and BASE as in fuzz_targets/frame_decode.rs
+# ---- frames (crates/xfer-engine/src/frame.rs); tokens and BASE as in fuzz_targets/frame_decode.rs
 MAGIC = 0x31524658
 WRITE, READ_REQ, READ_RESP, ACK, NAK = 1, 2, 3, 4, 5
 BASE = 0x10000
