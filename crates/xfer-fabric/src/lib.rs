@@ -151,7 +151,7 @@ pub trait Registration: Send + Sync + fmt::Debug {
     }
     fn access(&self) -> Access;
     /// True if `rkey` (with `addr`) by itself gives a peer remote access to this memory: only a
-    /// verbs region MR in grant mode `region`. Otherwise only grants do (DESIGN §8), and the
+    /// verbs region MR in grant mode `region`. Otherwise only grants do, and the
     /// Agent API must not show the keys or the registered address.
     fn remote_key_exposed(&self) -> bool;
     /// The concrete registration, for the fabric that made it (verbs binds windows to its MR).

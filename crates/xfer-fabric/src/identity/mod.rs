@@ -1,5 +1,5 @@
-//! Who a peer or caller is, from its certificate — never from a field it sends (DESIGN §8,
-//! SECURITY.md): roles and names from a SPIFFE-style URI SAN
+//! Who a peer or caller is, from its certificate — never from a field it sends
+//! (SECURITY.md): roles and names from a SPIFFE-style URI SAN
 //! `spiffe://TRUST_DOMAIN/xfer/{node,client,admin}/NAME` or a `tls.dns_roles` DNS SAN, the
 //! plaintext-mode identity of an address, and ([`tls`]) the data plane's rustls configuration.
 //!
@@ -14,7 +14,7 @@ use x509_parser::extensions::GeneralName;
 
 pub mod tls;
 
-/// A caller role (DESIGN §8): what a certificate may call.
+/// A caller role: what a certificate may call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RoleName {

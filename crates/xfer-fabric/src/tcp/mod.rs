@@ -8,7 +8,7 @@
 //! any violation. Streams are processed in order, so an ACK for a signaled WRITE implies every
 //! earlier WR on that stream succeeded, exactly like an RC QP.
 //!
-//! Data streams are bound to the authenticated control plane (DESIGN §8): `Peer.Connect` (over
+//! Data streams are bound to the authenticated control plane: `Peer.Connect` (over
 //! mTLS, or plaintext on loopback) creates a *session* on the target with a random 32-byte secret
 //! that only the initiator learns. Every data stream starts with a hello naming the connection and
 //! presenting that secret; a stream without a valid hello within `limits.data_handshake_timeout`

@@ -90,7 +90,7 @@ fn modify_err(step: &'static str, attr: &'static str, e: std::io::Error, what: S
 }
 
 fn draw_psn() -> Result<u32, FabricError> {
-    // OsRng: the kernel CSPRNG (getrandom), as DESIGN §8 asks for PSNs.
+    // OsRng: the kernel CSPRNG (getrandom): a PSN a peer could guess would let it inject packets.
     rand::rngs::OsRng.try_next_u32().map(|v| v & 0xFF_FFFF).map_err(|e| FabricError::Other(format!("OS random number generator: {e}")))
 }
 

@@ -345,7 +345,7 @@ fn expose_now(
     match opts.grant_mode {
         GrantMode::Region => {
             // Only a fabric opened in grant mode `region` gives region MRs remote access; in
-            // `mr` and `mw` the region MR's keys open nothing remotely (DESIGN §8).
+            // `mr` and `mw` the region MR's keys open nothing remotely.
             if !vreg.remote_key_exposed() {
                 return Err(FabricError::Other(
                     "grant mode region needs the fabric opened for it (verbs.grant_mode = \"region\" at \

@@ -11,8 +11,7 @@ use xfer_rdma::mr::Mr;
 use super::options::GrantMode;
 use crate::{Access, FabricError, Registration, RemoteOp};
 
-/// Access flags for a region MR in grant mode `mode` (DESIGN §8: remote memory only through
-/// grants).
+/// Access flags for a region MR in grant mode `mode` (remote memory only through grants).
 ///
 /// * `mr`, `mw`: **local access only**. Only grants give remote access: a dedicated grant MR per
 ///   grant (`mr`), or type-2 windows bound to this MR (`mw`, which adds MW_BIND). A type-2 window

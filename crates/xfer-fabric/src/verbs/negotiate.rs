@@ -1,5 +1,5 @@
 //! Pure negotiation logic: GID parsing and selection, MTU codes, and validation of a peer's
-//! endpoints before any QP reaches RTR (DESIGN §5). No IO, no device: unit-tested on the host.
+//! endpoints before any QP reaches RTR. No IO, no device: unit-tested on the host.
 use std::net::IpAddr;
 
 use crate::{Endpoint, FabricError, GidInfo, VerbsEndpoint};
@@ -106,7 +106,7 @@ impl GidChoice {
     }
 }
 
-/// Picks the GID per DESIGN §5: configured index, else the RoCEv2 GID of `bind_ip`, else the
+/// Picks the GID: configured index, else the RoCEv2 GID of `bind_ip`, else the
 /// first RoCEv2 IPv4-mapped GID (then any RoCEv2 GID); InfiniBand ports use index 0 and the LID.
 /// `gids` holds only populated (non-zero) entries.
 pub fn select_gid(gids: &[GidInfo], link_layer: &str, configured: Option<u32>, bind_ip: Option<IpAddr>) -> Result<GidChoice, String> {

@@ -2,7 +2,7 @@
 //! timeouts and retries, CQ size, grant mode, prebuilt connections, marker spin.
 use crate::FabricError;
 
-/// How the verbs fabric's grants expose memory (`verbs.grant_mode`, DESIGN §2). A property of
+/// How the verbs fabric's grants expose memory (`verbs.grant_mode`). A property of
 /// the fabric, fixed when it opens: tcp always uses tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase", try_from = "String")]
@@ -54,7 +54,7 @@ pub struct VerbsOptions {
     pub cq_size: usize,
     /// Poll the CQ in a loop instead of waiting for completion events (lower latency, one core).
     pub busy_poll: bool,
-    /// How grants expose memory (`verbs.grant_mode`, DESIGN §2). It decides the region MR's
+    /// How grants expose memory (`verbs.grant_mode`). It decides the region MR's
     /// access: local only in `mr` and `mw` (plus window binding in `mw`, whose responder QPs can
     /// also post binds), remote access from the ceiling only in `region`.
     pub grant_mode: GrantMode,

@@ -18,7 +18,7 @@ use xfer_engine::ids::ConnectionId;
 
 // ------------------------------------------------------------------ grant mode mw
 //
-// Type-2 memory windows: grant mode `mw` (DESIGN §2).
+// Type-2 memory windows: grant mode `mw`.
 //
 // A grant binds one window per responder QP of the grantee's connection (a type-2 window only
 // answers accesses that arrive on the QP it was bound on, and transfers stripe over every QP of
@@ -28,7 +28,7 @@ use xfer_engine::ids::ConnectionId;
 // when `ibv_dealloc_mw` returns, the key is dead (an access gets REM_ACCESS_ERR).
 //
 // Windows are range-safe only on devices that check accesses against the window: rxe (6.1)
-// checks the key and the QP, but the range against the underlying MR (DESIGN §13).
+// checks the key and the QP, but the range against the underlying MR.
 
 /// What an `mw` grant keeps alive; dropping it revokes the grant.
 pub(crate) struct MwGrant {
