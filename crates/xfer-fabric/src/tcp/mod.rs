@@ -35,8 +35,15 @@
 //! ([`crate::accept::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
-//! [`GrantLease`](crate::grant::GrantLease), so once a grant is revoked (explicitly, by expiry, with its region or its
-//! connection) no further byte lands, and a stream mid-payload on it is closed without an ACK.
+//! [`GrantLease`](crate::grant::GrantLease), so once a grant is revoked (explicitly, by expiry,
+//! with its region or its connection) no further byte lands, and a stream mid-payload on it is
+//! closed without an ACK.
+//!
+//! # Layout
+//! * this file — [`TcpFabric`]: the `Fabric` implementation tying the halves together.
+//! * `initiator`, `qp` — the initiator's connection and its streams' writer and reader tasks.
+//! * `target`, `hello`, `session`, `serve` — the data listener, a stream's hello, the sessions
+//!   streams are admitted to, and the frame loop; `limits` — the data port's bounds.
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -51,11 +58,12 @@ use crate::{
     Accepted, Access, CompletionSink, DataSecret, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
     PendingConnection, Registration, RemoteKey,
 };
+use xfer_engine::ids::ConnectionId;
+
 use initiator::TcpPrepared;
 use limits::PreHelloSockets;
 use session::{DataSession, DataSessions, TcpAccepted};
 use target::ServeCtx;
-use xfer_engine::ids::ConnectionId;
 
 mod hello;
 mod initiator;

@@ -1,8 +1,8 @@
 //! The target's data listener: accepts sockets within the data-port limits, runs each stream's
 //! (TLS handshake and) hello, admits it to its connection's session and serves its frames.
+use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;

@@ -5,19 +5,19 @@
 //! # Layout (feature `verbs`)
 //! * [`device`]: device/port discovery, the GID table (from verbs + sysfs), GID selection, `probe`.
 //! * [`negotiate`]: pure checks of a peer's endpoints (link layer, GID type, MTU, PSN...) — no IO.
-//! * [`mr`]: region registrations (access flags per grant mode) over `xfer_rdma::mr::Mr`.
-//! * [`connection`]: a set of `xfer_rdma::qp::RcQp`s to one peer sharing one CQ, completion
+//! * `mr`: region registrations (access flags per grant mode) over `xfer_rdma::mr::Mr`.
+//! * `connection`: a set of `xfer_rdma::qp::RcQp`s to one peer sharing one CQ, completion
 //!   delivery, and the tokio task that drives the CQ from its channel through `AsyncFd`
 //!   (`xfer_rdma::cq::watch_channel`). The QPs' in-flight lists (in `xfer-rdma`) keep posted
 //!   memory alive.
-//! * [`initiator`]: the initiator half (`VerbsConnection`): posting and completion polling.
-//! * [`responder`]: the responder half (`VerbsAccepted`) and grant mode `mw`: window binds on
+//! * `initiator`: the initiator half (`VerbsConnection`): posting and completion polling.
+//! * `responder`: the responder half (`VerbsAccepted`) and grant mode `mw`: window binds on
 //!   its QPs and what an `mw` grant keeps alive (`MwGrant`).
-//! * [`markers`]: the responder's notification markers (receive CQ, receive task);
-//!   [`marker_poll`]: the thread that busy-polls them while a notification is due.
+//! * `markers`: the responder's notification markers (receive CQ, receive task);
+//!   `marker_poll`: the thread that busy-polls them while a notification is due.
 //! * [`options`]: the fabric's settings ([`VerbsOptions`], [`GrantMode`]), validated.
 //! * [`prebuilt`]: the bookkeeping of connections built ahead of need (generic, no verbs).
-//! * [`fabric`]: [`VerbsFabric`], the `Fabric` implementation tying it together.
+//! * `fabric`: [`VerbsFabric`], the `Fabric` implementation tying it together.
 //!
 //! sideway's safe API is used here for the device list, device context and PD.
 use std::sync::Arc;
