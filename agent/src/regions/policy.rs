@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub struct RegionLimits {
     pub max_regions: usize,
     pub max_registered_bytes: u64,
-    /// Benchmarks' own budget ([`RegionRegistry::reserve_bench`]).
+    /// Benchmarks' own budget ([`RegionRegistry::reserve_bench`](crate::regions::RegionRegistry::reserve_bench)).
     pub max_bench_bytes: u64,
 }
 

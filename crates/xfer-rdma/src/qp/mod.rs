@@ -3,8 +3,8 @@
 //!
 //! Unsafe lives here because a posted work request hands the device a raw address: the memory
 //! must stay registered and mapped until the device is done with it. [`RcQp`] guarantees that
-//! itself. Every posting function takes the MR (an `Arc<`[`Mr`]`>`, which owns its memory) and,
-//! for a window bind, the `Arc<`[`Mw`]`>`; the QP keeps those clones on its in-flight list, next
+//! itself. Every posting function takes the MR (an `Arc<`[`Mr`](crate::mr::Mr)`>`, which owns its memory) and,
+//! for a window bind, the `Arc<`[`Mw`](crate::mw::Mw)`>`; the QP keeps those clones on its in-flight list, next
 //! to the caller's own value `K`, until [`RcQp::retire`] is given the WR's completion (or a
 //! completion that retires it: WRs complete in order on an RC QP), or until the QP is destroyed
 //! (which ends all DMA) — whichever comes first. Posting is serialized by the same lock, so no

@@ -2,7 +2,7 @@
 //! shared-memory object that a local application maps and polls — no gRPC message, no socket,
 //! no wake-up of the agent per notification (`Agent.WatchInboundRing`).
 //!
-//! Safe code over [`RegionMemory`]'s atomic word accessors: the agent writes with
+//! Safe code over [`RegionMemory`](crate::memory::RegionMemory)'s atomic word accessors: the agent writes with
 //! [`RingWriter`], the client crate reads with [`RingReader`], and Python reads the same layout
 //! (`python/xfer/ring.py`). One writer per ring (the agent serializes its publications), any
 //! number of readers, none of which can disturb the writer or each other: a reader only loads.
