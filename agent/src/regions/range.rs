@@ -4,11 +4,11 @@ use super::error::RegionError;
 
 /// Checks `offset..offset+len` against a region `name` of `length` bytes.
 pub fn check_range(name: &str, length: u64, offset: u64, len: u64) -> Result<(), RegionError> {
-    match offset.checked_add(len) {
-        None => Err(RegionError::Invalid(format!("offset {offset} + length {len} overflows"))),
-        Some(end) if end > length => {
-            Err(RegionError::Invalid(format!("range {offset}..{end} is outside region {name:?} of {length} bytes")))
-        }
-        Some(_) => Ok(()),
+    Ok(xfer_engine::range::check_range(name, length, offset, len)?)
+}
+
+impl From<xfer_engine::range::RangeError> for RegionError {
+    fn from(e: xfer_engine::range::RangeError) -> RegionError {
+        RegionError::Invalid(e.to_string())
     }
 }
