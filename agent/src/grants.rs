@@ -5,7 +5,7 @@
 //! grant's [`GrantLease`] makes sure no payload byte lands under it once the revoking call returns.
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
@@ -300,7 +300,7 @@ impl GrantTable {
         // Counted and published under the grant's lease: a revocation either waits for this or
         // comes first (then the marker is refused), so nothing is published once it returned.
         let counted = grant.lease.while_live(|| {
-            if n.marker() {
+            if n.marker(Instant::now()) {
                 self.hub.publish(n, about(grant), Via::Fabric);
             }
         });
@@ -322,7 +322,7 @@ impl GrantTable {
         }
         // Under the lease, as for a grant's one notification.
         let r = grant.lease.while_live(|| {
-            let r = ch.marker(imm);
+            let r = ch.marker(imm, Instant::now());
             if let Ok(Some((tag, first))) = &r {
                 self.hub.send(tag.clone(), *first, about(grant), Via::Fabric);
             }

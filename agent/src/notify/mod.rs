@@ -20,9 +20,7 @@
 //! The bookkeeping of markers and announcements is sans-IO, in `notes.rs`; this file is the
 //! tokio side: the hub, its subscriptions and rings.
 
-mod notes;
-
-pub use notes::{
+pub use xfer_engine::notes::{
     channel_imm, ChannelNotes, ChannelRefusal, PendingNote, Ready, CHANNEL_BIT, CHANNEL_TAG_BYTES, CHANNEL_WINDOW, MAX_CHANNEL_SLOT,
 };
 
@@ -383,15 +381,15 @@ mod tests {
         let hub = Hub::new(4);
         let mut rx = hub.subscribe();
         let p = PendingNote::new(b"req-7".to_vec(), 3);
-        assert!(!p.marker());
-        assert!(!p.marker());
-        assert!(p.marker(), "third of three");
+        assert!(!p.marker(Instant::now()));
+        assert!(!p.marker(Instant::now()));
+        assert!(p.marker(Instant::now()), "third of three");
         assert!(hub.publish(&p, about(), Via::Fabric));
         assert!(!hub.publish(&p, about(), Via::Complete), "Complete after the markers is a no-op");
         let n = rx.try_recv().unwrap();
         assert_eq!((n.tag.as_slice(), n.via, n.region.as_str()), (&b"req-7"[..], Via::Fabric, "kv"));
         assert!(rx.try_recv().is_err(), "published once");
-        assert!(!p.marker(), "a duplicate marker never completes it again");
+        assert!(!p.marker(Instant::now()), "a duplicate marker never completes it again");
     }
 
     /// A busy region does not push the subscribers of another region behind; a subscriber of

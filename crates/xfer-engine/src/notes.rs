@@ -2,7 +2,8 @@
 //! until its notification may be published ([`PendingNote`]), and a channel grant's window of
 //! batches, each published once its tag was announced and all its markers arrived
 //! ([`ChannelNotes`]). What a peer sends (immediates, sequence numbers, tags) is bounded here:
-//! nothing outside the window is kept. Publishing is the caller's (the notification hub).
+//! nothing outside the window is kept. Publishing is the caller's (the notification hub), and so is
+//! the clock: a marker is counted with the time it arrived, which the delay histogram starts from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -36,10 +37,10 @@ impl PendingNote {
         }
     }
 
-    /// Counts one marker; true when it was the last one expected.
-    pub fn marker(&self) -> bool {
+    /// Counts one marker that arrived at `now`; true when it was the last one expected.
+    pub fn marker(&self, now: Instant) -> bool {
         if let Ok(mut f) = self.first.lock() {
-            f.get_or_insert_with(Instant::now);
+            f.get_or_insert(now);
         }
         self.seen.fetch_add(1, Ordering::AcqRel).saturating_add(1) == self.markers
     }
@@ -143,8 +144,8 @@ impl ChannelNotes {
         self.window.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// One marker with immediate `imm`. `Ok(Some(..))` when it completed its batch.
-    pub fn marker(&self, imm: u32) -> Result<Option<Ready>, ChannelRefusal> {
+    /// One marker with immediate `imm`, arrived at `now`. `Ok(Some(..))` when it completed its batch.
+    pub fn marker(&self, imm: u32, now: Instant) -> Result<Option<Ready>, ChannelRefusal> {
         if imm & 0xffff_0000 != self.base_imm {
             return Err(ChannelRefusal::WrongChannel);
         }
@@ -163,7 +164,7 @@ impl ChannelNotes {
             return Err(ChannelRefusal::TooManyMarkers(self.markers));
         }
         e.seen += 1;
-        e.first.get_or_insert_with(Instant::now);
+        e.first.get_or_insert(now);
         Ok(Self::take_if_ready(&mut w, seq, self.markers))
     }
 
@@ -230,16 +231,16 @@ mod tests {
         let c = chan(2);
         let imm = |seq| channel_imm(c.base_imm, seq);
         // Batch 0: markers first.
-        assert_eq!(c.marker(imm(0)), Ok(None));
-        assert_eq!(c.marker(imm(0)), Ok(None), "two markers, no tag yet");
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None), "two markers, no tag yet");
         assert_eq!(c.announce(0, b"b0".to_vec()).unwrap().map(|r| r.0), Some(b"b0".to_vec()));
         // Batch 2 before batch 1: announcement first.
         assert_eq!(c.announce(2, b"b2".to_vec()), Ok(None));
-        assert_eq!(c.marker(imm(2)), Ok(None));
-        assert_eq!(c.marker(imm(2)).unwrap().map(|r| r.0), Some(b"b2".to_vec()));
+        assert_eq!(c.marker(imm(2), Instant::now()), Ok(None));
+        assert_eq!(c.marker(imm(2), Instant::now()).unwrap().map(|r| r.0), Some(b"b2".to_vec()));
         assert_eq!(c.announce(1, b"b1".to_vec()), Ok(None));
-        assert_eq!(c.marker(imm(1)), Ok(None));
-        assert_eq!(c.marker(imm(1)).unwrap().map(|r| r.0), Some(b"b1".to_vec()));
+        assert_eq!(c.marker(imm(1), Instant::now()), Ok(None));
+        assert_eq!(c.marker(imm(1), Instant::now()).unwrap().map(|r| r.0), Some(b"b1".to_vec()));
         assert_eq!(c.unpublished(), 0);
         // Published batches stay published.
         assert_eq!(c.announce(1, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(1)));
@@ -255,9 +256,9 @@ mod tests {
         assert!(c.expecting(), "a fresh channel's first batch is coming");
         assert_eq!(c.announce(0, b"b0".to_vec()), Ok(None));
         assert!(c.expecting());
-        assert!(c.marker(channel_imm(c.base_imm, 0)).unwrap().is_some());
+        assert!(c.marker(channel_imm(c.base_imm, 0), Instant::now()).unwrap().is_some());
         assert!(!c.expecting(), "batch 0 published, nothing else announced");
-        assert_eq!(c.marker(channel_imm(c.base_imm, 1)), Ok(None), "marker before its announce");
+        assert_eq!(c.marker(channel_imm(c.base_imm, 1), Instant::now()), Ok(None), "marker before its announce");
         assert!(c.expecting());
         assert!(c.announce(1, vec![]).unwrap().is_some());
         assert!(!c.expecting());
@@ -269,17 +270,17 @@ mod tests {
     fn a_channel_refuses_what_lies_outside_its_window() {
         let c = chan(1);
         let imm = |seq| channel_imm(c.base_imm, seq);
-        assert_eq!(c.marker(CHANNEL_BIT | 8 << 16), Err(ChannelRefusal::WrongChannel));
-        assert_eq!(c.marker(5), Err(ChannelRefusal::WrongChannel), "a plain slot");
+        assert_eq!(c.marker(CHANNEL_BIT | 8 << 16, Instant::now()), Err(ChannelRefusal::WrongChannel));
+        assert_eq!(c.marker(5, Instant::now()), Err(ChannelRefusal::WrongChannel), "a plain slot");
         assert_eq!(c.announce(CHANNEL_WINDOW, b"x".to_vec()), Err(ChannelRefusal::OutOfWindow(CHANNEL_WINDOW)));
-        assert_eq!(c.marker(imm(CHANNEL_WINDOW)), Err(ChannelRefusal::OutOfWindow(CHANNEL_WINDOW)));
-        assert_eq!(c.marker(imm(0xffff)), Err(ChannelRefusal::OutOfWindow(0xffff)), "behind the base: outside too");
+        assert_eq!(c.marker(imm(CHANNEL_WINDOW), Instant::now()), Err(ChannelRefusal::OutOfWindow(CHANNEL_WINDOW)));
+        assert_eq!(c.marker(imm(0xffff), Instant::now()), Err(ChannelRefusal::OutOfWindow(0xffff)), "behind the base: outside too");
         // Fill the whole window with markers only: bounded.
         for seq in 0..CHANNEL_WINDOW {
-            assert_eq!(c.marker(imm(seq)), Ok(None));
+            assert_eq!(c.marker(imm(seq), Instant::now()), Ok(None));
         }
         assert_eq!(c.unpublished(), CHANNEL_WINDOW as usize);
-        assert_eq!(c.marker(imm(3)), Err(ChannelRefusal::TooManyMarkers(1)));
+        assert_eq!(c.marker(imm(3), Instant::now()), Err(ChannelRefusal::TooManyMarkers(1)));
         assert_eq!(c.announce(3, b"t".to_vec()).unwrap().map(|r| r.0), Some(b"t".to_vec()));
         assert_eq!(c.announce(3, b"t".to_vec()), Err(ChannelRefusal::AlreadyPublished(3)));
         assert_eq!(c.announce(4, b"a".to_vec()).unwrap().map(|r| r.0), Some(b"a".to_vec()));
@@ -288,7 +289,7 @@ mod tests {
         let c = chan(1);
         for seq in 0..70_000u64 {
             assert_eq!(c.announce(seq, vec![]), Ok(None));
-            assert!(c.marker(channel_imm(c.base_imm, seq)).unwrap().is_some(), "batch {seq}");
+            assert!(c.marker(channel_imm(c.base_imm, seq), Instant::now()).unwrap().is_some(), "batch {seq}");
         }
         assert_eq!(c.unpublished(), 0);
     }
@@ -305,7 +306,7 @@ mod tests {
         assert_eq!(c.announce(64, big(64)), Err(ChannelRefusal::TagBudget(64)));
         assert_eq!(c.unpublished(), 64, "the refused announce left no entry");
         assert_eq!(c.announce(64, vec![]), Ok(None), "an empty tag still fits");
-        assert_eq!(c.marker(channel_imm(c.base_imm, 5)).unwrap().map(|r| r.0), Some(big(5)));
+        assert_eq!(c.marker(channel_imm(c.base_imm, 5), Instant::now()).unwrap().map(|r| r.0), Some(big(5)));
         assert_eq!(c.announce(65, big(65)), Ok(None), "room again");
         assert_eq!(c.announce(66, big(66)), Err(ChannelRefusal::TagBudget(66)));
         // One tag is always taken, whatever its size.
