@@ -5,14 +5,12 @@
 //! nothing else changed: the other regions' bytes, the region list and the catalog file.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

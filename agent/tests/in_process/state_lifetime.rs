@@ -7,12 +7,11 @@
 //! (the per-region notification channel a `WatchInbound` left behind was ~128 KiB a cycle, 640 MiB
 //! over 5,000), and their descriptors and threads must come back to it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::sync::Arc;
 
-use common::chan::*;
-use common::*;
+use crate::common::chan::*;
+use crate::common::*;
 use tokio::sync::mpsc;
 use xfer_agent::config::Config;
 use xfer_agent::fabric::tcp::TcpFabric;

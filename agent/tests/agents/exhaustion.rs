@@ -3,13 +3,11 @@
 //! (EOF) or a gRPC answer, and loops are bounded by counts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures::StreamExt;
 use xfer_proto::v1 as pb;
 

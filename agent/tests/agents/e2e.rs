@@ -1,12 +1,11 @@
 //! End-to-end tests: real `xfer-agent` binaries on loopback (tcp fabric), real `xferctl`, real
 //! gRPC clients. Each bad input gets a clear status and changes no byte outside its range.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

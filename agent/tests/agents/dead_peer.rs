@@ -6,11 +6,10 @@
 //! calls' results). Lower bounds stay where the agent's own timers set them: load can only
 //! lengthen those.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -6,7 +6,6 @@
 //! region continuously and another region of the same agent is written beside it. And end to
 //! end, with real agents, a channel and the agent's own reaper.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -275,8 +274,8 @@ async fn a_region_stays_visible_until_its_grants_are_revoked() {
 /// other channel's batches all succeed, before and after.
 #[tokio::test]
 async fn a_channel_into_a_region_whose_lease_ends_gets_no_success_after_not_found() {
-    use common::chan::*;
-    use common::{file_region_req, random_bytes, root_of, Agent};
+    use crate::common::chan::*;
+    use crate::common::{file_region_req, random_bytes, root_of, Agent};
     use xfer_proto::v1 as pb;
 
     let (a, b) = (Agent::start("node-a"), Agent::start("node-b"));

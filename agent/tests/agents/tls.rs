@@ -4,13 +4,11 @@
 //! identity (not its self-declared node name), and xferctl's `--cert/--key/--ca`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use common::pki::Pki;
-use common::*;
+use crate::common::pki::Pki;
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;

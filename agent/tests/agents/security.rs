@@ -5,14 +5,12 @@
 //! device and runs in the Soft-RoCE VM (`tests/verbs_security.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::{Read, Write};
 use std::process::Command;
 use std::time::Duration;
 
-use common::pki::{dns, role_uri, uri, Pki};
-use common::*;
+use crate::common::pki::{dns, role_uri, uri, Pki};
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;

@@ -5,13 +5,12 @@
 //!
 //! `scripts/setup` installs the package. Without it this test fails (it never skips).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use xfer_proto::v1 as pb;
 

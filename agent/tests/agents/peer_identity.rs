@@ -5,11 +5,9 @@
 //! that another client's transfer to the same peer still lands its bytes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::chan::{open_msg_qps, try_open_with};
-use common::pki::{dns, ip, role_uri, uri, Pki};
-use common::*;
+use crate::common::chan::{open_msg_qps, try_open_with};
+use crate::common::pki::{dns, ip, role_uri, uri, Pki};
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;
@@ -204,7 +202,7 @@ async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it(
     for (i, ch) in held.iter_mut().enumerate() {
         let data = random_bytes(4096, i as u64 + 1);
         put(&mut c, "src", &data).await;
-        let d = ch.post(1, vec![common::chan::seg(0, (i as u64) << 16, 4096)], 0, None).await;
+        let d = ch.post(1, vec![crate::common::chan::seg(0, (i as u64) << 16, 4096)], 0, None).await;
         assert_eq!(d.state, pb::TransferState::Succeeded as i32, "{d:?}");
         let got = read(&mut b_owner, "dst").await;
         let at = i << 16;

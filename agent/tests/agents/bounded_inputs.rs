@@ -12,11 +12,10 @@
 //! Each test asserts the refusal and that nothing else changed: the regions, their labels, the
 //! counts and bytes the agent reports, the agent's pid, and another tenant's transfer.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::collections::HashMap;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -5,10 +5,8 @@
 //! baseline). Tests marked `#[ignore = "known gap: …"]` document an open break.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::pki::{ip, role_uri, uri, Pki};
-use common::*;
+use crate::common::pki::{ip, role_uri, uri, Pki};
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

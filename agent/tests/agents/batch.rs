@@ -5,13 +5,12 @@
 //! leaves nothing behind; a cancelled batch notifies nobody; xferctl's `cp --segments --notify`
 //! and `watch-inbound` do the same from the shell.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -10,7 +10,6 @@
 //! objects of that length. Absence of a notification is never shown by waiting: a valid one is
 //! published afterwards and must be the reader's next.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -18,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;

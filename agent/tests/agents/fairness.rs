@@ -5,11 +5,9 @@
 //! service, and that the refusal changed nothing (counts, bytes).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::chan::{open_msg_qps, try_open_with};
-use common::pki::{role_uri, uri, Pki};
-use common::*;
+use crate::common::chan::{open_msg_qps, try_open_with};
+use crate::common::pki::{role_uri, uri, Pki};
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;

@@ -3,9 +3,7 @@
 //! and the history stays bounded (the host-safety issue, bullet 4). Real agents on loopback.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -4,13 +4,12 @@
 //! agent is never taken over, a stale one is replaced, and anything else at the path is left
 //! alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;

@@ -4,9 +4,7 @@
 //! nothing else changed: other regions' bytes, other transfers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

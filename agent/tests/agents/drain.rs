@@ -1,11 +1,10 @@
 //! SIGTERM drain (DESIGN §9): the agent stops accepting transfers, lets running ones finish
 //! within `shutdown.grace`, cancels the rest (CANCELLED, not FAILED), revokes grants and exits 0.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -5,12 +5,10 @@
 //! is open at this commit; run them with `--ignored` to see it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -49,14 +49,13 @@
 //!    that expired under an idle channel → the channel ends on its own with FAILED_PRECONDITION,
 //!    giving its transfer slot back.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::chan::*;
-use common::pki::Pki;
-use common::*;
+use crate::common::chan::*;
+use crate::common::pki::Pki;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

@@ -6,13 +6,11 @@
 //! loopback, raw frames on data streams.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use xfer_proto::v1 as pb;
 
 /// Region, grant and payload size.

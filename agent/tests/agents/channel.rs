@@ -3,12 +3,11 @@
 //! notification comes after its bytes, bad batches are answered and the channel goes on, a
 //! revoked grant ends the channel with a clear status, and closing it gives everything back.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::time::Duration;
 
-use common::chan::*;
-use common::*;
+use crate::common::chan::*;
+use crate::common::*;
 use tokio::sync::mpsc;
 use tonic::Code;
 use xfer_proto::v1 as pb;

@@ -8,12 +8,11 @@
 //! Absence of a notification is never shown by waiting: a valid notification is produced
 //! afterwards, and the subscriber's *first* message must be that one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 

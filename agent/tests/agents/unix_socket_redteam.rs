@@ -2,7 +2,6 @@
 //! asserts the refusal *and* that nothing else changed: what was at the path (its inode, type,
 //! content), its neighbours in the directory, other agents' sockets, files and shm objects.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -11,7 +10,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;

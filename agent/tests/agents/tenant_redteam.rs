@@ -8,15 +8,13 @@
 //! code; they assert the correct behaviour and fail until the bug is fixed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use common::chan::{open_msg_qps, try_open_with};
-use common::pki::{role_uri, uri, Pki};
-use common::*;
+use crate::common::chan::{open_msg_qps, try_open_with};
+use crate::common::pki::{role_uri, uri, Pki};
+use crate::common::*;
 use tonic::transport::Channel;
 use tonic::Code;
 use xfer_proto::v1 as pb;

@@ -2,9 +2,8 @@
 //! `XFER_LIMITS__*`, answers RESOURCE_EXHAUSTED (the gRPC message size: see
 //! `oversized_messages_are_refused_and_the_agent_keeps_serving`), and the agent keeps serving.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-mod common;
 
-use common::*;
+use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
