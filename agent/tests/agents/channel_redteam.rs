@@ -61,9 +61,6 @@ use xfer_proto::v1 as pb;
 
 const REM_INV_REQ_ERR: u16 = 9;
 const REM_ACCESS_ERR: u16 = 10;
-const KIND_ACK: u8 = 4;
-const KIND_NAK: u8 = 5;
-const KIND_NOTIFY: u8 = 6;
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 4096;
 const CHANNEL_BIT: u32 = 1 << 31;
@@ -113,22 +110,22 @@ async fn announce(a: &Agent, g: &str, seq: u64, tag: &[u8]) -> Result<(), tonic:
 
 /// Sends a NOTIFY frame under `tok` whose address field is `addr` (the immediate), ACK asked;
 /// reads the answer: (status, kind, id).
-fn notify_addr<S: Read + Write>(s: &mut S, tok: [u8; 16], addr: u64, id: u64) -> (u16, u8, u64) {
-    s.write_all(&frame_header(KIND_NOTIFY, 1, id, tok, addr, 0)).unwrap();
+fn notify_addr<S: Read + Write>(s: &mut S, tok: [u8; 16], addr: u64, id: u64) -> (u16, Kind, u64) {
+    s.write_all(&frame_header(Kind::Notify, 1, id, tok, addr, 0)).unwrap();
     s.flush().unwrap();
     read_frame_answer(s)
 }
 
-fn notify<S: Read + Write>(s: &mut S, tok: [u8; 16], imm: u32, id: u64) -> (u16, u8, u64) {
+fn notify<S: Read + Write>(s: &mut S, tok: [u8; 16], imm: u32, id: u64) -> (u16, Kind, u64) {
     notify_addr(s, tok, imm as u64, id)
 }
 
-fn ok_ack(a: (u16, u8, u64), id: u64, what: &str) {
-    assert_eq!(a, (0, KIND_ACK, id), "{what}");
+fn ok_ack(a: (u16, Kind, u64), id: u64, what: &str) {
+    assert_eq!(a, (0, Kind::Ack, id), "{what}");
 }
 
-fn nak(a: (u16, u8, u64), status: u16, id: u64, what: &str) {
-    assert_eq!(a, (status, KIND_NAK, id), "{what}");
+fn nak(a: (u16, Kind, u64), status: u16, id: u64, what: &str) {
+    assert_eq!(a, (status, Kind::Nak, id), "{what}");
 }
 
 /// A fresh notification with `tag` on `region` via `Peer.Complete` (plaintext, connection
@@ -240,7 +237,7 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     nak(notify(&mut cs, token_of(&g), imm(&g, 0), 1), REM_ACCESS_ERR, 1, "node-a's token on node-c's stream");
     // node-c's certificate cannot say hello as node-a's connection (it has node-a's token now).
     let mut hijack = tls_data_stream(&pki, "node-c", &addr, "ca1", &a_secret);
-    let _ = hijack.write_all(&frame_header(KIND_NOTIFY, 1, 2, token_of(&g), imm(&g, 0) as u64, 0));
+    let _ = hijack.write_all(&frame_header(Kind::Notify, 1, 2, token_of(&g), imm(&g, 0) as u64, 0));
     let _ = hijack.flush();
     // The hello is refused (a NAK of frame 0) and the stream closed: the marker is never served.
     nak(read_frame_answer(&mut hijack), REM_ACCESS_ERR, 0, "node-c's hello naming node-a's connection");

@@ -219,10 +219,9 @@ async fn garbage_and_forged_tokens_on_the_data_port_are_refused() {
     plain.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     for mut s in [plain, b.data_stream("c1").await] {
         s.write_all(&[0xde; 64]).unwrap();
-        let mut r = [0u8; 44];
-        s.read_exact(&mut r).unwrap();
-        assert_eq!(r[4], 5, "NAK");
-        assert_eq!(u16::from_le_bytes([r[6], r[7]]), 9, "REM_INV_REQ_ERR");
+        let h = read_header(&mut s);
+        assert_eq!(h.kind, Kind::Nak);
+        assert_eq!(h.status, 9, "REM_INV_REQ_ERR");
         let mut rest = Vec::new();
         assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "connection closed after garbage");
     }
@@ -244,7 +243,7 @@ async fn garbage_and_forged_tokens_on_the_data_port_are_refused() {
         .unwrap()
         .into_inner();
     let (status, kind) = raw_write(&mut s, [0x41; 16], g.addr + 100, &[0xff; 4096]);
-    assert_eq!((kind, status), (5, 10));
+    assert_eq!((kind, status), (Kind::Nak, 10));
     assert!(b.read("dst", 0, 65536).await == before, "forged frame changed region bytes");
     assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok(), "agent keeps serving");
 }

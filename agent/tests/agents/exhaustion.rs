@@ -17,11 +17,10 @@ fn nofile_soft(pid: u32) -> u64 {
     line.split_whitespace().nth(3).unwrap().parse().unwrap()
 }
 
-/// Reads one frame header (44 bytes) from a refused stream: (kind, status, id).
-fn read_frame(s: &mut TcpStream) -> (u8, u16, u64) {
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    (r[4], u16::from_le_bytes([r[6], r[7]]), u64::from_le_bytes(r[8..16].try_into().unwrap()))
+/// Reads one frame header from a refused stream: (kind, status, id).
+fn read_frame(s: &mut TcpStream) -> (Kind, u16, u64) {
+    let h = read_header(s);
+    (h.kind, h.status, h.id)
 }
 
 /// Whether the next read sees the stream closed (EOF or a reset).
@@ -36,20 +35,20 @@ fn at_eof(s: &mut TcpStream) -> bool {
 
 /// One NAK frame (`REM_INV_REQ_ERR`: the stream never said hello) and then EOF.
 fn naked_then_eof(s: &mut TcpStream) -> bool {
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).is_ok() && r[4] == NAK && at_eof(s)
+    let mut r = [0u8; frame::HEADER_LEN];
+    s.read_exact(&mut r).is_ok() && Header::decode(&r).is_ok_and(|h| h.kind == Kind::Nak) && at_eof(s)
 }
 
 /// Like `raw_write`, but a stream the agent refused (and closed) gives `None` instead of a panic.
-fn try_write(s: &mut TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> Option<(u16, u8)> {
-    s.write_all(&frame_header(1, 1, 7, token, addr, payload.len() as u32)).ok()?;
+fn try_write(s: &mut TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> Option<(u16, Kind)> {
+    s.write_all(&frame_header(Kind::Write, frame::ACK_REQUESTED, 7, token, addr, payload.len() as u32)).ok()?;
     s.write_all(payload).ok()?;
-    let mut r = [0u8; 44];
+    let mut r = [0u8; frame::HEADER_LEN];
     s.read_exact(&mut r).ok()?;
-    Some((u16::from_le_bytes([r[6], r[7]]), r[4]))
+    let h = Header::decode(&r).unwrap();
+    Some((h.status, h.kind))
 }
 
-const NAK: u8 = 5;
 const REM_ACCESS_ERR: u16 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -139,7 +138,7 @@ async fn an_idle_stream_is_closed_and_a_busy_one_is_not() {
     // count bounds the wait.
     for _ in 0..2_000_000 {
         let (status, kind) = raw_write(&mut busy, [0; 16], 0, &[1; 8]);
-        assert_eq!((status, kind), (REM_ACCESS_ERR, NAK), "a busy stream keeps answering");
+        assert_eq!((status, kind), (REM_ACCESS_ERR, Kind::Nak), "a busy stream keeps answering");
         match idle.read(&mut buf) {
             Ok(0) => {
                 closed = true;
@@ -151,7 +150,7 @@ async fn an_idle_stream_is_closed_and_a_busy_one_is_not() {
         }
     }
     assert!(closed, "the idle stream was never closed");
-    assert_eq!(raw_write(&mut busy, [0; 16], 0, &[1; 8]), (REM_ACCESS_ERR, NAK), "the busy stream is still open");
+    assert_eq!(raw_write(&mut busy, [0; 16], 0, &[1; 8]), (REM_ACCESS_ERR, Kind::Nak), "the busy stream is still open");
     let text = scrape(&b);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"idle\"}") >= 1.0, "{text}");
 }
@@ -165,7 +164,7 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
     // The same identity (plaintext: every loopback caller) on another connection: over the cap.
     let mut fifth = b.data_stream("c2").await;
     let (kind, status, _) = read_frame(&mut fifth);
-    assert_eq!((kind, status), (NAK, REM_ACCESS_ERR), "refused with a NAK");
+    assert_eq!((kind, status), (Kind::Nak, REM_ACCESS_ERR), "refused with a NAK");
     assert!(at_eof(&mut fifth), "then closed");
 
     let g = b
@@ -186,7 +185,7 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
         .into_inner();
     let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
     for (i, s) in four.iter_mut().enumerate() {
-        assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 1; 1024]), (0, 4), "stream {i} ACKs");
+        assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 1; 1024]), (0, Kind::Ack), "stream {i} ACKs");
     }
     assert!(b.read("dst", 0, 1024).await == vec![4u8; 1024]);
     let text = scrape(&b);
@@ -198,7 +197,7 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
     // Bounded by count: the agent notices the close asynchronously; a refused attempt reads a NAK.
     let mut ok = false;
     for _ in 0..1000 {
-        if try_write(&mut again, token, g.addr, &[9; 16]) == Some((0, 4)) {
+        if try_write(&mut again, token, g.addr, &[9; 16]) == Some((0, Kind::Ack)) {
             ok = true;
             break;
         }
@@ -283,7 +282,7 @@ async fn accept_errors_back_off_are_counted_and_the_agent_recovers() {
     }
     drop(socks);
     let mut s = open_data_stream(&address, "c1", &secret);
-    assert_eq!(try_write(&mut s, [0; 16], 0, &[1; 8]), Some((REM_ACCESS_ERR, NAK)), "a new data stream is served");
+    assert_eq!(try_write(&mut s, [0; 16], 0, &[1; 8]), Some((REM_ACCESS_ERR, Kind::Nak)), "a new data stream is served");
     // The failed accepts were counted (scraped now: /metrics had no descriptor either).
     let text = scrape(&b);
     assert!(metric(&text, "xfer_accept_errors_total{listener=\"data\"}") >= 1.0, "{text}");

@@ -5,14 +5,13 @@
 //! is open at this commit; run them with `--ignored` to see it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 
 use crate::common::*;
 use tonic::Code;
 use xfer_proto::v1 as pb;
 
-const NAK: u8 = 5;
 const REM_ACCESS_ERR: u16 = 10;
 
 /// Region names, paths and reasons, and the catalog's bytes: what a refusal must not change.
@@ -194,11 +193,10 @@ async fn a_big_read_on_a_file_region_does_not_pin_its_size_in_agent_memory() {
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
         let mut s = open_data_stream(&address, "c1", &secret);
-        s.write_all(&frame_header(2, 0, 1, token, addr, LEN as u32)).unwrap();
+        s.write_all(&frame_header(Kind::ReadReq, 0, 1, token, addr, LEN as u32)).unwrap();
         // The READ_RESP header comes after the whole answer was copied out.
-        let mut h = [0u8; 44];
-        s.read_exact(&mut h).unwrap();
-        assert_eq!((h[4], u16::from_le_bytes([h[6], h[7]])), (3, 0), "READ_RESP, status 0");
+        let h = read_header(&mut s);
+        assert_eq!((h.kind, h.status), (Kind::ReadResp, 0), "READ_RESP, status 0");
         streams.push(s);
     }
     let grown_mib = rss_anon_kib(pid).saturating_sub(baseline) / 1024;
@@ -238,7 +236,7 @@ async fn a_failed_delete_never_leaves_live_grants_behind() {
     let listed = c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions;
     assert!(!listed.iter().any(|r| r.name == "victim"), "deleted, yet listed");
     let w = raw_write(&mut s, token, addr, &[0xee; 4096]);
-    assert_eq!(w, (REM_ACCESS_ERR, NAK), "a WRITE under the deleted region's grant was acknowledged");
+    assert_eq!(w, (REM_ACCESS_ERR, Kind::Nak), "a WRITE under the deleted region's grant was acknowledged");
     assert!(std::fs::read(root.join("victim.bin")).unwrap() == before, "bytes landed in the file after DeleteRegion");
     assert!(a.logs().contains("the catalog could not be written"), "the stale catalog is reported: {}", a.logs());
     assert!(scrape(&a).contains("xfer_catalog_write_failures_total 1"), "and counted");

@@ -18,9 +18,6 @@ use xfer_proto::v1 as pb;
 
 const REM_INV_REQ_ERR: u16 = 9;
 const REM_ACCESS_ERR: u16 = 10;
-const KIND_ACK: u8 = 4;
-const KIND_NAK: u8 = 5;
-const KIND_NOTIFY: u8 = 6;
 const MIB: u64 = 1 << 20;
 
 /// `Peer.Grant` with a notification ask, on connection `conn`.
@@ -42,8 +39,8 @@ async fn grant(a: &Agent, req: pb::GrantRequest) -> Result<pb::GrantResponse, to
 }
 
 /// Sends a NOTIFY frame (`ack`: with ACK_REQUESTED); reads one answer: (status, kind, id).
-fn notify_and_read(s: &mut std::net::TcpStream, tok: [u8; 16], id: u64, ack: bool) -> (u16, u8, u64) {
-    s.write_all(&frame_header(KIND_NOTIFY, u8::from(ack), id, tok, 0, 0)).unwrap();
+fn notify_and_read(s: &mut std::net::TcpStream, tok: [u8; 16], id: u64, ack: bool) -> (u16, Kind, u64) {
+    s.write_all(&frame_header(Kind::Notify, u8::from(ack), id, tok, 0, 0)).unwrap();
     read_frame_answer(s)
 }
 
@@ -77,26 +74,26 @@ async fn markers_count_only_on_their_connection_under_a_live_grant_and_publish_o
     assert_eq!(gauge(&b, "xfer_grants_active"), 2.0);
 
     // The good grant's token on the other connection's stream (same identity).
-    assert_eq!(notify_and_read(&mut s2, token_of(&good), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1), "another connection's stream");
+    assert_eq!(notify_and_read(&mut s2, token_of(&good), 1, true), (REM_ACCESS_ERR, Kind::Nak, 1), "another connection's stream");
     // Refused markers are NAKed even without ACK_REQUESTED.
-    assert_eq!(notify_and_read(&mut s2, token_of(&good), 2, false), (REM_ACCESS_ERR, KIND_NAK, 2), "unacked, other connection");
-    assert_eq!(notify_and_read(&mut s1, [0x5a; 16], 3, true), (REM_ACCESS_ERR, KIND_NAK, 3), "a token that never was");
-    assert_eq!(notify_and_read(&mut s1, token_of(&plain), 4, true), (REM_INV_REQ_ERR, KIND_NAK, 4), "a grant without a notification");
-    assert_eq!(notify_and_read(&mut s1, token_of(&revoked), 5, true), (REM_ACCESS_ERR, KIND_NAK, 5), "a revoked grant");
+    assert_eq!(notify_and_read(&mut s2, token_of(&good), 2, false), (REM_ACCESS_ERR, Kind::Nak, 2), "unacked, other connection");
+    assert_eq!(notify_and_read(&mut s1, [0x5a; 16], 3, true), (REM_ACCESS_ERR, Kind::Nak, 3), "a token that never was");
+    assert_eq!(notify_and_read(&mut s1, token_of(&plain), 4, true), (REM_INV_REQ_ERR, Kind::Nak, 4), "a grant without a notification");
+    assert_eq!(notify_and_read(&mut s1, token_of(&revoked), 5, true), (REM_ACCESS_ERR, Kind::Nak, 5), "a revoked grant");
     assert_eq!(notify_markers(&b, "counted"), 0.0);
 
     // The real one, then a duplicate.
-    assert_eq!(notify_and_read(&mut s1, token_of(&good), 6, true), (0, KIND_ACK, 6));
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 6, true), (0, Kind::Ack, 6));
     let n = next_note(&mut notes).await;
     assert_eq!(
         (n.tag.as_slice(), n.via.as_str(), n.region.as_str()),
         (&b"good"[..], "fabric", "dst"),
         "the first notification is the valid one: {n:?}"
     );
-    assert_eq!(notify_and_read(&mut s1, token_of(&good), 7, true), (0, KIND_ACK, 7), "a duplicate marker is counted");
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 7, true), (0, Kind::Ack, 7), "a duplicate marker is counted");
     b.peer_client().await.complete(complete_req(&good.grant_id, "t-good", 4096, "x")).await.unwrap();
     // Once completed, the grant is gone: a late marker is refused.
-    assert_eq!(notify_and_read(&mut s1, token_of(&good), 8, true), (REM_ACCESS_ERR, KIND_NAK, 8));
+    assert_eq!(notify_and_read(&mut s1, token_of(&good), 8, true), (REM_ACCESS_ERR, Kind::Nak, 8));
     probe(&b, "dst", "c1", b"next").await;
     let n = next_note(&mut notes).await;
     assert_eq!(n.tag, b"next", "published twice: {n:?}");
@@ -165,9 +162,9 @@ async fn malformed_and_flooded_notify_frames() {
     let mut s = c1.open();
     let g = grant(&b, notify_grant_req("dst", 0, 4096, pb::Access::Write, "c1", b"flood", 2)).await.unwrap();
     // A length on a NOTIFY: NAK REM_INV_REQ_ERR (frame id 0: the header did not decode), EOF.
-    s.write_all(&frame_header(KIND_NOTIFY, 1, 9, token_of(&g), 0, 5)).unwrap();
+    s.write_all(&frame_header(Kind::Notify, 1, 9, token_of(&g), 0, 5)).unwrap();
     s.write_all(&[0; 5]).unwrap();
-    assert_eq!(read_frame_answer(&mut s), (REM_INV_REQ_ERR, KIND_NAK, 0));
+    assert_eq!(read_frame_answer(&mut s), (REM_INV_REQ_ERR, Kind::Nak, 0));
     let mut rest = Vec::new();
     assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "the stream is closed");
     assert_eq!(notify_markers(&b, "counted"), 0.0);
@@ -176,20 +173,20 @@ async fn malformed_and_flooded_notify_frames() {
     let mut s = c1.open();
     let mut flood = Vec::new();
     for i in 0..2000u64 {
-        flood.extend_from_slice(&frame_header(KIND_NOTIFY, 0, i, [7; 16], 0, 0));
+        flood.extend_from_slice(&frame_header(Kind::Notify, 0, i, [7; 16], 0, 0));
     }
     s.write_all(&flood).unwrap();
     for i in 0..2000u64 {
-        assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, i));
+        assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, Kind::Nak, i));
     }
     // 10,000 unacknowledged markers on the live grant (2 expected), then one with ACK.
     let mut flood = Vec::new();
     for i in 0..10_000u64 {
-        flood.extend_from_slice(&frame_header(KIND_NOTIFY, 0, i, token_of(&g), 0, 0));
+        flood.extend_from_slice(&frame_header(Kind::Notify, 0, i, token_of(&g), 0, 0));
     }
-    flood.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 77_777, token_of(&g), 0, 0));
+    flood.extend_from_slice(&frame_header(Kind::Notify, 1, 77_777, token_of(&g), 0, 0));
     s.write_all(&flood).unwrap();
-    assert_eq!(read_frame_answer(&mut s), (0, KIND_ACK, 77_777), "no answer to unacked markers, in order");
+    assert_eq!(read_frame_answer(&mut s), (0, Kind::Ack, 77_777), "no answer to unacked markers, in order");
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.via.as_str()), (&b"flood"[..], "fabric"));
     b.peer_client().await.complete(complete_req(&g.grant_id, "t-flood", 4096, "x")).await.unwrap();
@@ -213,12 +210,12 @@ async fn a_marker_under_a_read_grant_says_read_and_changes_nothing() {
     let g = grant(&b, notify_grant_req("pool", 4096, 8192, pb::Access::Read, "c1", b"rd", 1)).await.unwrap();
     // A WRITE under the READ grant's token is refused; the marker still counts (it is the
     // grantee's to send).
-    assert_eq!(raw_write(&mut s, token_of(&g), g.addr, &[0xee; 64]), (REM_ACCESS_ERR, KIND_NAK));
+    assert_eq!(raw_write(&mut s, token_of(&g), g.addr, &[0xee; 64]), (REM_ACCESS_ERR, Kind::Nak));
     let mut s = c1.open();
     let (status, _, data) = raw_read(&mut s, token_of(&g), g.addr, 8192);
     assert_eq!(status, 0);
     assert!(data == bytes[4096..4096 + 8192]);
-    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (0, KIND_ACK, 1));
+    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (0, Kind::Ack, 1));
     let n = next_note(&mut notes).await;
     assert_eq!((n.tag.as_slice(), n.op, n.offset, n.length), (&b"rd"[..], pb::Op::Read as i32, 4096, 8192));
     assert!(b.read("pool", 0, MIB).await == bytes);
@@ -244,35 +241,35 @@ async fn a_marker_behind_a_refused_write_on_its_stream_does_not_count() {
     // The file shrinks after the grant: the next WRITE into it is refused.
     std::fs::OpenOptions::new().write(true).open(root_of(&b).join("wr.bin")).unwrap().set_len(0).unwrap();
     // The initiator's pipeline: WRITE (ACK asked), then the marker, without waiting.
-    let mut w = frame_header(1, 1, 1, token_of(&failed), failed.addr, 4096).to_vec();
+    let mut w = frame_header(Kind::Write, frame::ACK_REQUESTED, 1, token_of(&failed), failed.addr, 4096).to_vec();
     w.extend_from_slice(&[0xab; 4096]);
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 2, token_of(&failed), 0, 0));
+    w.extend_from_slice(&frame_header(Kind::Notify, 1, 2, token_of(&failed), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 1), "the WRITE into the shrunk file");
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, Kind::Nak, 1), "the WRITE into the shrunk file");
     let (status, kind, id) = read_frame_answer(&mut s);
-    assert_eq!((kind, id), (KIND_NAK, 2), "the marker behind a refused WRITE was acknowledged (status {status})");
+    assert_eq!((kind, id), (Kind::Nak, 2), "the marker behind a refused WRITE was acknowledged (status {status})");
     // Same on another region: a WRITE past its grant, then a marker.
     let mut s = c1.open();
-    let mut w = frame_header(1, 1, 3, token_of(&outside), outside.addr + 4096, 16).to_vec();
+    let mut w = frame_header(Kind::Write, frame::ACK_REQUESTED, 3, token_of(&outside), outside.addr + 4096, 16).to_vec();
     w.extend_from_slice(&[0xcd; 16]);
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 4, token_of(&outside), 0, 0));
+    w.extend_from_slice(&frame_header(Kind::Notify, 1, 4, token_of(&outside), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, KIND_NAK, 3));
-    assert_eq!(read_frame_answer(&mut s).1, KIND_NAK, "the marker behind a WRITE past the grant");
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, Kind::Nak, 3));
+    assert_eq!(read_frame_answer(&mut s).1, Kind::Nak, "the marker behind a WRITE past the grant");
     // A READ the target refuses stops the stream's markers just the same.
     let mut s = c1.open();
-    let mut w = frame_header(2, 0, 5, [9; 16], 0, 16).to_vec();
-    w.extend_from_slice(&frame_header(KIND_NOTIFY, 1, 6, token_of(&outside), 0, 0));
+    let mut w = frame_header(Kind::ReadReq, 0, 5, [9; 16], 0, 16).to_vec();
+    w.extend_from_slice(&frame_header(Kind::Notify, 1, 6, token_of(&outside), 0, 0));
     s.write_all(&w).unwrap();
-    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, 3, 5), "READ_RESP with an error status");
-    assert_eq!(read_frame_answer(&mut s).1, KIND_NAK, "the marker behind a refused READ");
+    assert_eq!(read_frame_answer(&mut s), (REM_ACCESS_ERR, Kind::ReadResp, 5), "READ_RESP with an error status");
+    assert_eq!(read_frame_answer(&mut s).1, Kind::Nak, "the marker behind a refused READ");
 
     // Neither was published: the next notification is the probe's.
     probe(&b, "dst", "c1", b"probe").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe");
     // A fresh stream of the same connection, with nothing refused on it, still counts markers.
     let mut s = c1.open();
-    assert_eq!(notify_and_read(&mut s, token_of(&outside), 7, true), (0, KIND_ACK, 7));
+    assert_eq!(notify_and_read(&mut s, token_of(&outside), 7, true), (0, Kind::Ack, 7));
     assert_eq!(next_note(&mut notes).await.tag, b"outside");
     assert!(b.read("dst", 0, MIB).await.iter().all(|&x| x == 0), "no byte of dst changed");
 }
@@ -290,7 +287,7 @@ async fn an_expired_grant_publishes_nothing() {
     let g = grant(&b, req).await.unwrap();
     // The reaper removes it (waiting for the gauge, not for a time).
     wait_gauge(&b, "xfer_grants_active", 0.0).await;
-    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (REM_ACCESS_ERR, KIND_NAK, 1));
+    assert_eq!(notify_and_read(&mut s, token_of(&g), 1, true), (REM_ACCESS_ERR, Kind::Nak, 1));
     let e = b.peer_client().await.complete(complete_req(&g.grant_id, "t-exp", 4096, "x")).await.expect_err("expired");
     assert_ne!(e.code(), Code::Ok);
     probe(&b, "dst", "c1", b"probe").await;
@@ -473,10 +470,11 @@ async fn disconnect_and_delete_take_their_notifications_with_them() {
     b.peer_client().await.disconnect(pb::DisconnectRequest { connection_id: "c1".into(), node_name: "x".into() }).await.unwrap();
     // The session's streams are being closed and the grant is gone: a marker gets EOF (or a
     // reset), or at most a NAK if the stream served it before closing — never an ACK.
-    let _ = s.write_all(&frame_header(KIND_NOTIFY, 1, 1, token_of(&by_conn), 0, 0));
-    let mut r = [0u8; 44];
+    let _ = s.write_all(&frame_header(Kind::Notify, 1, 1, token_of(&by_conn), 0, 0));
+    let mut r = [0u8; frame::HEADER_LEN];
     if s.read_exact(&mut r).is_ok() {
-        assert_eq!((u16::from_le_bytes([r[6], r[7]]), r[4]), (REM_ACCESS_ERR, KIND_NAK), "a disconnected connection's marker");
+        let h = Header::decode(&r).unwrap();
+        assert_eq!((h.status, h.kind), (REM_ACCESS_ERR, Kind::Nak), "a disconnected connection's marker");
     }
     b.client().await.delete_region(pb::DeleteRegionRequest { name: "dst".into() }).await.unwrap();
     b.create("dst", MIB, pb::Access::ReadWrite).await;
@@ -487,7 +485,7 @@ async fn disconnect_and_delete_take_their_notifications_with_them() {
     }
     // The old token on the surviving connection's stream: refused.
     let mut s2 = DataSession::of(&b, "c3").await.open();
-    assert_eq!(notify_and_read(&mut s2, token_of(&by_region), 2, true), (REM_ACCESS_ERR, KIND_NAK, 2));
+    assert_eq!(notify_and_read(&mut s2, token_of(&by_region), 2, true), (REM_ACCESS_ERR, Kind::Nak, 2));
     probe(&b, "other", "c2", b"probe").await;
     assert_eq!(next_note(&mut notes).await.tag, b"probe");
 }

@@ -18,10 +18,6 @@ fn threads(pid: u32) -> usize {
     status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
 }
 
-fn port_of(a: &Agent) -> u16 {
-    a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
-}
-
 /// Spellings of `127.0.0.1:port` a caller may send: all reach one socket.
 fn spellings(port: u16) -> Vec<String> {
     vec![
@@ -37,38 +33,13 @@ async fn peers(c: &mut AgentClient<Channel>) -> Vec<pb::PeerInfo> {
     c.list_peers(pb::ListPeersRequest {}).await.unwrap().into_inner().peers
 }
 
-async fn put(c: &mut AgentClient<Channel>, region: &str, data: &[u8]) {
-    let msg = pb::WriteRegionRequest { region: region.into(), offset: 0, data: data.to_vec() };
-    c.write_region(futures::stream::iter(vec![msg])).await.unwrap();
-}
-
-async fn read(c: &mut AgentClient<Channel>, region: &str) -> Vec<u8> {
-    let mut s = c.read_region(pb::ReadRegionRequest { region: region.into(), offset: 0, length: 0 }).await.unwrap().into_inner();
-    let mut got = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        got.extend_from_slice(&m.data);
-    }
-    got
-}
-
-/// Submits and watches `req` to its end through `c`.
-async fn run(c: &mut AgentClient<Channel>, req: pb::SubmitTransferRequest) -> pb::Transfer {
-    let t = c.submit_transfer(req).await.unwrap().into_inner();
-    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await.unwrap().into_inner();
-    let mut last = t;
-    while let Some(m) = w.message().await.unwrap() {
-        last = m;
-    }
-    last
-}
-
 /// A's client copies fresh bytes to B's `dst` and B's client reads them back.
 async fn victim_transfer_lands(a_client: &mut AgentClient<Channel>, b_client: &mut AgentClient<Channel>, b: &Agent, seed: u64) {
     let data = random_bytes(64 << 10, seed);
-    put(a_client, "src", &data).await;
-    let t = run(a_client, write_req("src", b, "dst", data.len() as u64)).await;
+    put_via(a_client, "src", 0, &data).await;
+    let t = run_via(a_client, write_req("src", b, "dst", data.len() as u64)).await.unwrap();
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
-    assert!(read(b_client, "dst").await == data, "the bytes arrived");
+    assert!(read_via(b_client, "dst", 0, 0).await == data, "the bytes arrived");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,10 +172,10 @@ async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it(
     // Both held channels still work: a post on each lands.
     for (i, ch) in held.iter_mut().enumerate() {
         let data = random_bytes(4096, i as u64 + 1);
-        put(&mut c, "src", &data).await;
+        put_via(&mut c, "src", 0, &data).await;
         let d = ch.post(1, vec![crate::common::chan::seg(0, (i as u64) << 16, 4096)], 0, None).await;
         assert_eq!(d.state, pb::TransferState::Succeeded as i32, "{d:?}");
-        let got = read(&mut b_owner, "dst").await;
+        let got = read_via(&mut b_owner, "dst", 0, 0).await;
         let at = i << 16;
         assert!(got[at..at + 4096] == data[..], "channel {i}'s bytes arrived");
     }
@@ -215,7 +186,7 @@ async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it(
 
 async fn victim_transfer_lands_plain(a_client: &mut AgentClient<Channel>, b_client: &mut AgentClient<Channel>, b: &Agent) {
     let data = random_bytes(64 << 10, 99);
-    put(a_client, "src", &data).await;
+    put_via(a_client, "src", 0, &data).await;
     // The channels' connections go back as their streams close; a transfer may find them still
     // leased for a moment and is then refused, never queued past the bound (a hang guard).
     for _ in 0..500 {
@@ -230,7 +201,7 @@ async fn victim_transfer_lands_plain(a_client: &mut AgentClient<Channel>, b_clie
                     last = Some(m);
                 }
                 assert_eq!(last.unwrap().state, pb::TransferState::Succeeded as i32);
-                assert!(read(b_client, "dst").await[..data.len()] == data[..]);
+                assert!(read_via(b_client, "dst", 0, 0).await[..data.len()] == data[..]);
                 return;
             }
         }

@@ -35,7 +35,7 @@ fn grant(region: &str, conn: &str, ttl: Option<Duration>) -> pb::GrantRequest {
 
 /// A WRITE header (ACK requested) for `len` bytes at `addr`, as `raw_write` sends it.
 fn write_header(s: &mut TcpStream, token: [u8; 16], addr: u64, len: usize) {
-    s.write_all(&frame_header(1, 1, 7, token, addr, len as u32)).unwrap();
+    s.write_all(&frame_header(Kind::Write, frame::ACK_REQUESTED, 7, token, addr, len as u32)).unwrap();
 }
 
 /// Sends what is left of the payload; the agent may have closed the stream (an error is fine).
@@ -48,7 +48,7 @@ fn send_rest(s: &mut TcpStream, rest: &[u8]) {
 /// The stream ends (EOF or reset) or answers with a NAK; never an ACK, never silence.
 fn expect_closed_or_nak(s: &mut TcpStream, what: &str) {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut r = [0u8; 44];
+    let mut r = [0u8; frame::HEADER_LEN];
     let mut got = 0;
     loop {
         match s.read(&mut r[got..]) {
@@ -56,8 +56,9 @@ fn expect_closed_or_nak(s: &mut TcpStream, what: &str) {
             Ok(n) => {
                 got += n;
                 if got == r.len() {
-                    assert_eq!(r[4], 5, "{what}: expected the stream closed or a NAK, got frame kind {} (4 = ACK)", r[4]);
-                    assert_ne!(u16::from_le_bytes([r[6], r[7]]), 0, "{what}: a NAK carries an error status");
+                    let h = Header::decode(&r).unwrap();
+                    assert_eq!(h.kind, Kind::Nak, "{what}: expected the stream closed or a NAK, got {h:?}");
+                    assert_ne!(h.status, 0, "{what}: a NAK carries an error status");
                     return;
                 }
             }
@@ -205,7 +206,7 @@ async fn a_payload_stalled_past_data_payload_timeout_closes_its_stream() {
     // Stalled: the agent closes the stream (EOF within the socket's read timeout, far below
     // limits.data_idle_timeout), without an ACK.
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut r = [0u8; 44];
+    let mut r = [0u8; frame::HEADER_LEN];
     match s.read(&mut r) {
         Ok(0) => {}
         other => panic!("expected EOF after limits.data_payload_timeout, got {other:?}"),
@@ -217,6 +218,6 @@ async fn a_payload_stalled_past_data_payload_timeout_closes_its_stream() {
     wait_metric(&a, "xfer_data_connections_closed_total{reason=\"payload\"} 1").await;
     // The grant itself is untouched: a whole frame on a new stream still lands.
     let mut s2 = open_data_stream(&session.0, "c1", &session.1);
-    assert_eq!(raw_write(&mut s2, g.token.as_slice().try_into().unwrap(), g.addr, &payload), (0, 4), "ACK");
+    assert_eq!(raw_write(&mut s2, g.token.as_slice().try_into().unwrap(), g.addr, &payload), (0, Kind::Ack), "ACK");
     assert!(a.read("dst", 0, LEN as u64).await == payload);
 }

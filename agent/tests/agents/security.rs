@@ -21,20 +21,6 @@ async fn region_names(c: &mut AgentClient<Channel>) -> Vec<String> {
     c.list_regions(pb::ListRegionsRequest::default()).await.unwrap().into_inner().regions.into_iter().map(|r| r.name).collect()
 }
 
-async fn read_all(c: &mut AgentClient<Channel>, region: &str) -> Vec<u8> {
-    let mut s = c.read_region(pb::ReadRegionRequest { region: region.into(), offset: 0, length: 0 }).await.unwrap().into_inner();
-    let mut got = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        got.extend_from_slice(&m.data);
-    }
-    got
-}
-
-async fn put(c: &mut AgentClient<Channel>, region: &str, data: &[u8]) {
-    let msg = pb::WriteRegionRequest { region: region.into(), offset: 0, data: data.to_vec() };
-    c.write_region(futures::stream::iter(vec![msg])).await.unwrap();
-}
-
 fn denied(e: &tonic::Status, role: &str) {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains(role), "the refusal names the role needed ({role}): {e:?}");
@@ -49,7 +35,7 @@ async fn a_node_certificate_cannot_call_the_agent_service() {
     let mut owner = pki.agent_client(&b, "xferctl").await;
     owner.create_region(anon("secret", 4096)).await.unwrap();
     let data = random_bytes(4096, 1);
-    put(&mut owner, "secret", &data).await;
+    put_via(&mut owner, "secret", 0, &data).await;
 
     let mut as_node = pki.agent_client(&b, "node-a").await;
     denied(&as_node.create_region(anon("evil", 4096)).await.unwrap_err(), "client");
@@ -67,7 +53,7 @@ async fn a_node_certificate_cannot_call_the_agent_service() {
 
     // Nothing changed.
     assert_eq!(region_names(&mut owner).await, ["secret"]);
-    assert!(read_all(&mut owner, "secret").await == data);
+    assert!(read_via(&mut owner, "secret", 0, 0).await == data);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,7 +292,7 @@ async fn a_token_works_only_on_the_connection_it_was_granted_on() {
     let (tw, tr): ([u8; 16], [u8; 16]) = (gw.token.as_slice().try_into().unwrap(), gr.token.as_slice().try_into().unwrap());
 
     // On another connection (same caller, its own valid secret) both tokens are dead.
-    assert_eq!(raw_write(&mut s2, tw, gw.addr, &[0xee; 4096]), (10, 5), "REM_ACCESS_ERR NAK");
+    assert_eq!(raw_write(&mut s2, tw, gw.addr, &[0xee; 4096]), (10, Kind::Nak), "REM_ACCESS_ERR NAK");
     let mut s2 = b.data_stream("c3").await;
     let (status, _, data) = raw_read(&mut s2, tr, gr.addr, 4096);
     assert_eq!((status, data.len()), (10, 0), "no bytes read through another connection");
@@ -316,14 +302,13 @@ async fn a_token_works_only_on_the_connection_it_was_granted_on() {
     let (status, _, data) = raw_read(&mut s1, tr, gr.addr, 4096);
     assert_eq!(status, 0);
     assert!(data == before[..4096]);
-    assert_eq!(raw_write(&mut s1, tw, gw.addr, &[0xee; 4096]), (0, 4), "ACK");
+    assert_eq!(raw_write(&mut s1, tw, gw.addr, &[0xee; 4096]), (0, Kind::Ack), "ACK");
     assert!(b.read("dst", 0, 4096).await == vec![0xee; 4096]);
 }
 
 fn expect_refused(mut s: std::net::TcpStream, status: u16) {
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    assert_eq!((r[4], u16::from_le_bytes([r[6], r[7]])), (5, status), "NAK with status {status}");
+    let h = read_header(&mut s);
+    assert_eq!((h.kind, h.status), (Kind::Nak, status), "NAK with status {status}");
     let mut rest = Vec::new();
     assert_eq!(s.read_to_end(&mut rest).unwrap_or(0), 0, "closed after the refusal");
 }
@@ -345,20 +330,20 @@ async fn data_streams_need_the_secret_of_a_live_connection() {
     let (_, other) = b.data_session("c2").await;
     for (id, sec) in [("c1", wrong.as_slice()), ("c2", secret.as_slice()), ("c1", other.as_slice()), ("nope", secret.as_slice())] {
         let mut s = open_data_stream(&address, id, sec);
-        let _ = s.write_all(&frame_header(1, 0, 0, token, 0, 4));
+        let _ = s.write_all(&frame_header(Kind::Write, 0, 0, token, 0, 4));
         let _ = s.write_all(&[0xee; 4]);
         expect_refused(s, 10);
     }
     // No hello at all: a frame straight away is garbage.
     let mut s = std::net::TcpStream::connect(&address).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(&[0u8; 44]).unwrap();
+    s.write_all(&[0u8; frame::HEADER_LEN]).unwrap();
     expect_refused(s, 9);
     assert!(b.read("dst", 0, 8192).await == before, "bytes changed");
 
     // Disconnect ends the session: open streams are closed, new ones refused, the grant is gone.
     let mut live = open_data_stream(&address, "c1", &secret);
-    assert_eq!(raw_write(&mut live, token, g.addr, &[0xaa; 16]), (0, 4));
+    assert_eq!(raw_write(&mut live, token, g.addr, &[0xaa; 16]), (0, Kind::Ack));
     b.peer_client().await.disconnect(pb::DisconnectRequest { connection_id: "c1".into(), node_name: String::new() }).await.unwrap();
     let mut rest = Vec::new();
     assert_eq!(live.read_to_end(&mut rest).unwrap_or(0), 0, "stream closed by Disconnect");
@@ -373,18 +358,18 @@ async fn with_mtls_the_data_port_speaks_tls_only() {
     let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     c.create_region(anon("dst", 4096)).await.unwrap();
     let before = random_bytes(4096, 8);
-    put(&mut c, "dst", &before).await;
+    put_via(&mut c, "dst", 0, &before).await;
     // node-a's connection secret, presented in clear text on the data port: the TLS server
     // never sees a ClientHello and closes.
     let r = pki.peer(&b, "node-a").await.connect(connect_req("c1")).await.unwrap().into_inner();
     let Some(pb::endpoint::Kind::Tcp(t)) = &r.endpoints[0].kind else { panic!("tcp endpoint") };
     assert_eq!(t.secret.len(), 32);
     let mut s = open_data_stream(&info.data_address, "c1", &t.secret);
-    let _ = s.write_all(&[0u8; 44]);
+    let _ = s.write_all(&[0u8; frame::HEADER_LEN]);
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
-    assert!(!buf.starts_with(&0x3152_4658u32.to_le_bytes()), "a plaintext stream got an xfer frame back");
-    assert!(read_all(&mut c, "dst").await == before);
+    assert!(!buf.starts_with(&frame::MAGIC.to_le_bytes()), "a plaintext stream got an xfer frame back");
+    assert!(read_via(&mut c, "dst", 0, 0).await == before);
 }
 
 // ------------------------------------------------------------------ identity-keyed limits

@@ -106,7 +106,7 @@ async fn a_grant_racing_disconnect_does_not_outlive_its_connection() {
     for (id, g) in survivors.iter().take(20) {
         let mut s = b.data_stream(id).await;
         let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
-        assert_eq!(raw_write(&mut s, token, g.addr, &[0xee; 64]), (10, 5), "{id}: REM_ACCESS_ERR");
+        assert_eq!(raw_write(&mut s, token, g.addr, &[0xee; 64]), (10, Kind::Nak), "{id}: REM_ACCESS_ERR");
     }
     assert!(b.read("dst", 0, 1 << 20).await == before, "bytes changed");
 }

@@ -10,7 +10,6 @@ use xfer_proto::v1 as pb;
 
 const MIB: u64 = 1 << 20;
 const REM_ACCESS_ERR: u16 = 10;
-const KIND_NAK: u8 = 5;
 
 /// A file region `name` over `<root>/<name>.bin` holding `len` seeded bytes.
 async fn file_region(a: &Agent, name: &str, len: u64, seed: u64) -> Vec<u8> {
@@ -146,9 +145,9 @@ async fn remote_frames_on_a_truncated_file_are_naked() {
     truncate(&a, "rd", 0);
     truncate(&a, "wr", 0);
     let (status, kind, data) = raw_read(&mut s, rtok, raddr + 4096, 4096);
-    assert_eq!((status, data.len()), (REM_ACCESS_ERR, 0), "READ of a truncated page: REM_ACCESS_ERR, no bytes (kind {kind})");
+    assert_eq!((status, data.len()), (REM_ACCESS_ERR, 0), "READ of a truncated page: REM_ACCESS_ERR, no bytes (kind {kind:?})");
     alive(&mut a, pid).await;
-    assert_eq!(raw_write(&mut s, wtok, waddr + 8192, &[0xcd; 4096]), (REM_ACCESS_ERR, KIND_NAK), "WRITE into a truncated page");
+    assert_eq!(raw_write(&mut s, wtok, waddr + 8192, &[0xcd; 4096]), (REM_ACCESS_ERR, Kind::Nak), "WRITE into a truncated page");
     alive(&mut a, pid).await;
     assert_eq!(std::fs::metadata(root_of(&a).join("wr.bin")).unwrap().len(), 0, "the file was not extended");
 

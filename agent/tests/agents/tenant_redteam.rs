@@ -27,38 +27,9 @@ fn pki() -> Pki {
     pki
 }
 
-fn port_of(a: &Agent) -> u16 {
-    a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
-}
-
 fn share_refusal(e: &tonic::Status, who: &str) {
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("tenant_share") && e.message().contains(who), "names the share and who holds it: {e:?}");
-}
-
-async fn put(c: &mut AgentClient<Channel>, region: &str, offset: u64, data: &[u8]) {
-    let msg = pb::WriteRegionRequest { region: region.into(), offset, data: data.to_vec() };
-    c.write_region(futures::stream::iter(vec![msg])).await.unwrap();
-}
-
-async fn read(c: &mut AgentClient<Channel>, region: &str, offset: u64, length: u64) -> Vec<u8> {
-    let mut s = c.read_region(pb::ReadRegionRequest { region: region.into(), offset, length }).await.unwrap().into_inner();
-    let mut got = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        got.extend_from_slice(&m.data);
-    }
-    got
-}
-
-/// Submits `req` through `c` and watches it to its end.
-async fn run(c: &mut AgentClient<Channel>, req: pb::SubmitTransferRequest) -> Result<pb::Transfer, tonic::Status> {
-    let t = c.submit_transfer(req).await?.into_inner();
-    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await?.into_inner();
-    let mut last = t;
-    while let Some(m) = w.message().await? {
-        last = m;
-    }
-    Ok(last)
 }
 
 /// One QP: the victim asks for the least a transfer can use.
@@ -71,13 +42,13 @@ fn one_qp(mut req: pb::SubmitTransferRequest) -> pb::SubmitTransferRequest {
 /// `b_client` reads them back there.
 async fn victim_lands(a_client: &mut AgentClient<Channel>, b_client: &mut AgentClient<Channel>, b: &Agent, offset: u64, seed: u64) {
     let data = random_bytes(16 << 10, seed);
-    put(a_client, "vsrc", 0, &data).await;
+    put_via(a_client, "vsrc", 0, &data).await;
     let mut req = one_qp(write_req("vsrc", b, "dst", data.len() as u64));
     req.remote.as_mut().unwrap().offset = offset;
-    let t = run(a_client, req).await;
+    let t = run_via(a_client, req).await;
     let t = t.unwrap_or_else(|e| panic!("the victim's transfer was refused: {e:?}"));
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
-    assert!(read(b_client, "dst", offset, data.len() as u64).await == data, "the victim's bytes arrived");
+    assert!(read_via(b_client, "dst", offset, data.len() as u64).await == data, "the victim's bytes arrived");
 }
 
 async fn grpc_connections(a: &Agent) -> f64 {
@@ -323,17 +294,6 @@ fn own_uid() -> u32 {
     std::fs::metadata("/proc/self").unwrap().uid()
 }
 
-async fn unix_channel(path: &Path) -> Channel {
-    let path = path.to_path_buf();
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .unwrap()
-}
-
 /// A local application on the unix socket is the tenant `client/uid-N`; a certificate whose
 /// NAME is `uid-N` (DNS characters: a valid NAME) would be the very same tenant, spending the
 /// local user's shares from the network until the local user's first request is refused. Such a
@@ -508,8 +468,8 @@ async fn one_client_cannot_push_another_clients_results_out_of_the_history() {
     victim.create_region(anon("vsrc", 64 << 10)).await.unwrap();
     b_owner.create_region(anon("dst", 1 << 20)).await.unwrap();
     let data = random_bytes(4096, 6);
-    put(&mut victim, "vsrc", 0, &data).await;
-    let mine = run(&mut victim, one_qp(write_req("vsrc", &b, "dst", 4096))).await.unwrap();
+    put_via(&mut victim, "vsrc", 0, &data).await;
+    let mine = run_via(&mut victim, one_qp(write_req("vsrc", &b, "dst", 4096))).await.unwrap();
     assert_eq!(mine.state, pb::TransferState::Succeeded as i32);
 
     // The flood: 1,100 small transfers, 8 at a time (well inside the attacker's share).
@@ -520,7 +480,7 @@ async fn one_client_cannot_push_another_clients_results_out_of_the_history() {
         req.remote.as_mut().unwrap().offset = (w + 1) << 16;
         workers.push(tokio::spawn(async move {
             for _ in 0..(1100 / 8 + 1) {
-                let t = run(&mut c, req.clone()).await.unwrap();
+                let t = run_via(&mut c, req.clone()).await.unwrap();
                 assert_eq!(t.state, pb::TransferState::Succeeded as i32);
             }
         }));
@@ -536,7 +496,7 @@ async fn one_client_cannot_push_another_clients_results_out_of_the_history() {
     let got = victim.get_transfer(pb::GetTransferRequest { id: mine.id.clone() }).await;
     let got = got.unwrap_or_else(|e| panic!("the victim's finished transfer was pushed out of the history: {e:?}")).into_inner();
     assert_eq!(got.state, pb::TransferState::Succeeded as i32);
-    assert!(read(&mut b_owner, "dst", 0, 4096).await == data);
+    assert!(read_via(&mut b_owner, "dst", 0, 4096).await == data);
 }
 
 // ------------------------------------------------------------------ answers that list everyone's
@@ -594,7 +554,7 @@ async fn one_clients_tags_cannot_break_list_transfers() {
         req.remote.as_mut().unwrap().offset = w << 16;
         workers.push(tokio::spawn(async move {
             for _ in 0..65 {
-                let t = run(&mut c, req.clone()).await.unwrap();
+                let t = run_via(&mut c, req.clone()).await.unwrap();
                 assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
             }
         }));
@@ -699,7 +659,7 @@ async fn unread_read_region_streams_do_not_grow_the_agent_without_bound() {
     let pid = a.pid().unwrap();
     let mut owner = pki.agent_client(&a, "tenant-b").await;
     owner.create_region(anon("big", 64 << 20)).await.unwrap();
-    put(&mut owner, "big", 0, &random_bytes(1 << 20, 9)).await;
+    put_via(&mut owner, "big", 0, &random_bytes(1 << 20, 9)).await;
     let before = rss_kib(pid);
     // One connection with a small window, 400 streams, none read.
     let ch = pki.channel(&a.addr(), "ca.crt", Some("xferctl")).await.unwrap();
@@ -716,7 +676,7 @@ async fn unread_read_region_streams_do_not_grow_the_agent_without_bound() {
     // Another client is served meanwhile.
     let mut victim = pki.agent_client(&a, "tenant-b").await;
     victim.create_region(anon("mine", 4096)).await.unwrap();
-    put(&mut victim, "mine", 0, &[7u8; 4096]).await;
+    put_via(&mut victim, "mine", 0, &[7u8; 4096]).await;
     let mut s = victim.read_region(pb::ReadRegionRequest { region: "mine".into(), offset: 0, length: 0 }).await.unwrap().into_inner();
     assert_eq!(s.message().await.unwrap().unwrap().data, vec![7u8; 4096], "the victim's own ReadRegion is served");
     assert!(grown_mib < 128, "{} unread streams ({refused} refused) grew the agent by {grown_mib} MiB", held.len());

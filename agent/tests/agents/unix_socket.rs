@@ -15,17 +15,6 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
 
-async fn unix_channel(path: &Path) -> tonic::transport::Channel {
-    let path = path.to_path_buf();
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .unwrap()
-}
-
 /// Runs an agent with its unix socket at `sock` that is expected to refuse to start.
 fn run_agent(dir: &Path, sock: &Path) -> std::process::Output {
     Command::new(agent_bin())

@@ -29,10 +29,6 @@ async fn unix_channel_as(path: &Path, authority: &'static str) -> tonic::transpo
         .unwrap()
 }
 
-async fn unix_channel(path: &Path) -> tonic::transport::Channel {
-    unix_channel_as(path, "http://localhost").await
-}
-
 /// What a directory holds, one level: name -> (type, mode, inode, size, link target, content of
 /// small regular files). Equal snapshots mean nothing there changed.
 type Snapshot = BTreeMap<String, (String, u32, u64, u64, Option<PathBuf>, Option<Vec<u8>>)>;

@@ -17,6 +17,8 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
 
+pub use xfer_agent::fabric::frame::{self, Header, Kind};
+
 /// A data stream to `address` whose hello names `connection_id` and presents `secret`.
 pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> std::net::TcpStream {
     use std::io::Write;
@@ -30,25 +32,24 @@ pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> st
     s
 }
 
-/// The 44-byte tcp-fabric frame header (`fabric::frame`) as an initiator sends it: `kind` 1 =
-/// WRITE, 2 = READ_REQ; `flags` 1 = ACK requested.
-pub fn frame_header(kind: u8, flags: u8, id: u64, token: [u8; 16], addr: u64, len: u32) -> [u8; 44] {
-    let mut h = [0u8; 44];
-    h[0..4].copy_from_slice(&0x3152_4658u32.to_le_bytes());
-    h[4] = kind;
-    h[5] = flags;
-    h[8..16].copy_from_slice(&id.to_le_bytes());
-    h[16..24].copy_from_slice(&addr.to_le_bytes());
-    h[24..28].copy_from_slice(&len.to_le_bytes());
-    h[28..44].copy_from_slice(&token);
-    h
+/// A tcp-fabric frame header as an initiator sends it, encoded by the product's codec
+/// (`fabric::frame`): `flags` 1 = ACK requested.
+pub fn frame_header(kind: Kind, flags: u8, id: u64, token: [u8; 16], addr: u64, len: u32) -> [u8; frame::HEADER_LEN] {
+    Header { kind, flags, status: 0, id, addr, len, token }.encode()
 }
 
-/// Reads one 44-byte answer frame (ACK or NAK): (status, kind, id).
-pub fn read_frame_answer<S: std::io::Read>(s: &mut S) -> (u16, u8, u64) {
-    let mut r = [0u8; 44];
+/// Reads one answer frame (ACK, NAK or READ_RESP) and decodes it with the product's codec:
+/// (status, kind, id).
+pub fn read_frame_answer<S: std::io::Read>(s: &mut S) -> (u16, Kind, u64) {
+    let h = read_header(s);
+    (h.status, h.kind, h.id)
+}
+
+/// Reads and decodes one frame header; a header the codec refuses fails the test.
+pub fn read_header<S: std::io::Read>(s: &mut S) -> Header {
+    let mut r = [0u8; frame::HEADER_LEN];
     s.read_exact(&mut r).unwrap();
-    (u16::from_le_bytes([r[6], r[7]]), r[4], u64::from_le_bytes(r[8..16].try_into().unwrap()))
+    Header::decode(&r).unwrap_or_else(|e| panic!("the agent sent a frame its own codec refuses: {e}"))
 }
 
 /// A tcp grant's 16-byte token.
@@ -77,25 +78,22 @@ impl DataSession {
 }
 
 /// Sends one WRITE frame (ACK requested) on `s`; returns (NAK/ACK status, frame kind).
-pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, u8) {
-    use std::io::{Read, Write};
-    s.write_all(&frame_header(1, 1, 7, token, addr, payload.len() as u32)).unwrap();
+pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, Kind) {
+    use std::io::Write;
+    s.write_all(&frame_header(Kind::Write, frame::ACK_REQUESTED, 7, token, addr, payload.len() as u32)).unwrap();
     s.write_all(payload).unwrap();
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    (u16::from_le_bytes([r[6], r[7]]), r[4])
+    let h = read_header(s);
+    (h.status, h.kind)
 }
 
 /// Sends one READ request frame on `s`; returns (status, kind, payload).
-pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u32) -> (u16, u8, Vec<u8>) {
+pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u32) -> (u16, Kind, Vec<u8>) {
     use std::io::{Read, Write};
-    s.write_all(&frame_header(2, 0, 9, token, addr, len)).unwrap();
-    let mut r = [0u8; 44];
-    s.read_exact(&mut r).unwrap();
-    let status = u16::from_le_bytes([r[6], r[7]]);
-    let mut data = vec![0u8; if status == 0 { u32::from_le_bytes([r[24], r[25], r[26], r[27]]) as usize } else { 0 }];
+    s.write_all(&frame_header(Kind::ReadReq, 0, 9, token, addr, len)).unwrap();
+    let h = read_header(s);
+    let mut data = vec![0u8; h.payload_len() as usize];
     s.read_exact(&mut data).unwrap();
-    (status, r[4], data)
+    (h.status, h.kind, data)
 }
 
 /// An anonymous read-write region request.
@@ -675,4 +673,52 @@ pub async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::St
 /// The subscriber's next notification (30 s: a hang guard, not a synchronisation).
 pub async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
     tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
+}
+
+// ------------------------------------------------------------------ calls through any client
+// (an mTLS identity from `pki`, the unix socket, or plaintext): the tests that compare what one
+// identity may do with what another may do drive the same calls through different clients.
+
+/// Writes `data` at `offset` of `region` through `c`.
+pub async fn put_via(c: &mut AgentClient<Channel>, region: &str, offset: u64, data: &[u8]) {
+    let msg = pb::WriteRegionRequest { region: region.into(), offset, data: data.to_vec() };
+    c.write_region(futures::stream::iter(vec![msg])).await.unwrap();
+}
+
+/// Reads `length` bytes (0: to the end) at `offset` of `region` through `c`.
+pub async fn read_via(c: &mut AgentClient<Channel>, region: &str, offset: u64, length: u64) -> Vec<u8> {
+    let mut s = c.read_region(pb::ReadRegionRequest { region: region.into(), offset, length }).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(m) = s.message().await.unwrap() {
+        got.extend_from_slice(&m.data);
+    }
+    got
+}
+
+/// Submits `req` through `c` and watches it to its end.
+pub async fn run_via(c: &mut AgentClient<Channel>, req: pb::SubmitTransferRequest) -> Result<pb::Transfer, tonic::Status> {
+    let t = c.submit_transfer(req).await?.into_inner();
+    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await?.into_inner();
+    let mut last = t;
+    while let Some(m) = w.message().await? {
+        last = m;
+    }
+    Ok(last)
+}
+
+/// A gRPC channel over the agent's unix socket at `path`.
+pub async fn unix_channel(path: &Path) -> Channel {
+    let path = path.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .unwrap()
+}
+
+/// The gRPC port `a` listens on.
+pub fn port_of(a: &Agent) -> u16 {
+    a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
 }
