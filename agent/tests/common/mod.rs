@@ -5,8 +5,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
+pub mod calls;
 pub mod chan;
 pub mod pki;
+pub mod wire;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -17,83 +19,18 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 use xfer_proto::v1::peer_client::PeerClient;
 
-pub use xfer_agent::fabric::frame::{self, Header, Kind};
-
-/// A data stream to `address` whose hello names `connection_id` and presents `secret`.
-pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> std::net::TcpStream {
-    use std::io::Write;
-    let mut s = std::net::TcpStream::connect(address).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut hello = b"XFR1".to_vec();
-    hello.push(connection_id.len() as u8);
-    hello.extend_from_slice(connection_id.as_bytes());
-    hello.extend_from_slice(secret);
-    s.write_all(&hello).unwrap();
-    s
-}
-
-/// A tcp-fabric frame header as an initiator sends it, encoded by the product's codec
-/// (`fabric::frame`): `flags` 1 = ACK requested.
-pub fn frame_header(kind: Kind, flags: u8, id: u64, token: [u8; 16], addr: u64, len: u32) -> [u8; frame::HEADER_LEN] {
-    Header { kind, flags, status: 0, id, addr, len, token }.encode()
-}
-
-/// Reads one answer frame (ACK, NAK or READ_RESP) and decodes it with the product's codec:
-/// (status, kind, id).
-pub fn read_frame_answer<S: std::io::Read>(s: &mut S) -> (u16, Kind, u64) {
-    let h = read_header(s);
-    (h.status, h.kind, h.id)
-}
-
-/// Reads and decodes one frame header; a header the codec refuses fails the test.
-pub fn read_header<S: std::io::Read>(s: &mut S) -> Header {
-    let mut r = [0u8; frame::HEADER_LEN];
-    s.read_exact(&mut r).unwrap();
-    Header::decode(&r).unwrap_or_else(|e| panic!("the agent sent a frame its own codec refuses: {e}"))
-}
-
-/// A tcp grant's 16-byte token.
-pub fn token_of(g: &pb::GrantResponse) -> [u8; 16] {
-    g.token.as_slice().try_into().unwrap()
-}
+// Re-exported for `use crate::common::*`; a binary that drives no raw streams or no second
+// client leaves them unused, like the rest of this harness (`dead_code` above).
+#[allow(unused_imports)]
+pub use calls::{port_of, put_via, read_via, run_via, unix_channel};
+#[allow(unused_imports)]
+pub use wire::{
+    frame, frame_header, open_data_stream, raw_read, raw_write, read_frame_answer, read_header, token_of, DataSession, Header, Kind,
+};
 
 /// `xfer_notify_markers_total{result}` of `a`.
 pub fn notify_markers(a: &Agent, result: &str) -> f64 {
     labelled(&scrape(a), "xfer_notify_markers_total", &[("result", result)])
-}
-
-/// One `Peer.Connect` session (plaintext) of connection `id`; `open` opens another data stream
-/// of it.
-pub struct DataSession(String, Vec<u8>, &'static str);
-
-impl DataSession {
-    pub async fn of(a: &Agent, id: &'static str) -> DataSession {
-        let (addr, secret) = a.data_session(id).await;
-        DataSession(addr, secret, id)
-    }
-
-    pub fn open(&self) -> std::net::TcpStream {
-        open_data_stream(&self.0, self.2, &self.1)
-    }
-}
-
-/// Sends one WRITE frame (ACK requested) on `s`; returns (NAK/ACK status, frame kind).
-pub fn raw_write(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, payload: &[u8]) -> (u16, Kind) {
-    use std::io::Write;
-    s.write_all(&frame_header(Kind::Write, frame::ACK_REQUESTED, 7, token, addr, payload.len() as u32)).unwrap();
-    s.write_all(payload).unwrap();
-    let h = read_header(s);
-    (h.status, h.kind)
-}
-
-/// Sends one READ request frame on `s`; returns (status, kind, payload).
-pub fn raw_read(s: &mut std::net::TcpStream, token: [u8; 16], addr: u64, len: u32) -> (u16, Kind, Vec<u8>) {
-    use std::io::{Read, Write};
-    s.write_all(&frame_header(Kind::ReadReq, 0, 9, token, addr, len)).unwrap();
-    let h = read_header(s);
-    let mut data = vec![0u8; h.payload_len() as usize];
-    s.read_exact(&mut data).unwrap();
-    (h.status, h.kind, data)
 }
 
 /// An anonymous read-write region request.
@@ -673,52 +610,4 @@ pub async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::St
 /// The subscriber's next notification (30 s: a hang guard, not a synchronisation).
 pub async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
     tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
-}
-
-// ------------------------------------------------------------------ calls through any client
-// (an mTLS identity from `pki`, the unix socket, or plaintext): the tests that compare what one
-// identity may do with what another may do drive the same calls through different clients.
-
-/// Writes `data` at `offset` of `region` through `c`.
-pub async fn put_via(c: &mut AgentClient<Channel>, region: &str, offset: u64, data: &[u8]) {
-    let msg = pb::WriteRegionRequest { region: region.into(), offset, data: data.to_vec() };
-    c.write_region(futures::stream::iter(vec![msg])).await.unwrap();
-}
-
-/// Reads `length` bytes (0: to the end) at `offset` of `region` through `c`.
-pub async fn read_via(c: &mut AgentClient<Channel>, region: &str, offset: u64, length: u64) -> Vec<u8> {
-    let mut s = c.read_region(pb::ReadRegionRequest { region: region.into(), offset, length }).await.unwrap().into_inner();
-    let mut got = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        got.extend_from_slice(&m.data);
-    }
-    got
-}
-
-/// Submits `req` through `c` and watches it to its end.
-pub async fn run_via(c: &mut AgentClient<Channel>, req: pb::SubmitTransferRequest) -> Result<pb::Transfer, tonic::Status> {
-    let t = c.submit_transfer(req).await?.into_inner();
-    let mut w = c.watch_transfer(pb::WatchTransferRequest { id: t.id.clone() }).await?.into_inner();
-    let mut last = t;
-    while let Some(m) = w.message().await? {
-        last = m;
-    }
-    Ok(last)
-}
-
-/// A gRPC channel over the agent's unix socket at `path`.
-pub async fn unix_channel(path: &Path) -> Channel {
-    let path = path.to_path_buf();
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .unwrap()
-}
-
-/// The gRPC port `a` listens on.
-pub fn port_of(a: &Agent) -> u16 {
-    a.addr().rsplit_once(':').unwrap().1.parse().unwrap()
 }
