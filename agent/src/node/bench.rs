@@ -1,8 +1,28 @@
 //! Benchmarks (`Agent.Bench`: perftest-style WRITE/READ over a scratch region on the target),
 //! the raw TCP baseline client and its one-shot sink (`Peer.OpenSink`), and bench scratch
 //! regions (`Peer.OpenBenchRegion`/`CloseBenchRegion`).
-#[allow(unused_imports)]
-use super::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::initiator::Held;
+use super::Node;
+use crate::fabric::{Registration, RemoteOp, WorkRequest, WrOp};
+use crate::ids::new_id;
+use crate::peer_api::{GrantAsk, GrantInfo, PeerError};
+use crate::peers::{Lease, PeerEntry};
+use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
+use crate::transfer::driver::LatencyProbe;
+use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
+use crate::transfer::session::{Session, SessionConfig};
+use crate::transfer::worker::{Job, MakeWr};
+use crate::transfer::{Op, TransferError, TransferRequest, TransferState};
+use xfer_rdma::memory::RegionMemory;
 
 #[derive(Debug, Clone)]
 pub struct BenchParams {

@@ -17,14 +17,26 @@
 //! goes to the target in a `Peer.Announce` sent while the data is in flight. The target
 //! publishes once both arrived (`notify::ChannelNotes`), so the guarantee is the one a single
 //! transfer's notification gives: every byte of the batch is visible when it is published.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use super::initiator::Held;
 use super::limits::ChannelSlot;
-#[allow(unused_imports)]
-use super::*;
+use super::Node;
+use crate::fabric::{RemoteOp, WorkRequest, WrOp};
+use crate::metrics as m;
+use crate::peer_api::{GrantAsk, GrantInfo};
+use crate::regions::RegionUse;
 use crate::shape;
-use crate::transfer::batch::BatchError;
+use crate::transfer::batch::{Batch, BatchError, Dest, SegmentSpec};
 use crate::transfer::failure::{Failure, FailureCode};
-use crate::transfer::session::failure_of;
+use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
+use crate::transfer::session::{failure_of, Session, SessionConfig};
 use crate::transfer::worker::Job;
+use crate::transfer::{Op, TransferError};
 
 /// Prepared lists one channel keeps at most.
 pub const MAX_LISTS: usize = 64;

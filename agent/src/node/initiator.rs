@@ -3,8 +3,19 @@
 //! the data, the local check, verification and `Peer.Complete` in a task. What the transfer holds
 //! from its peer — the leased connection and the grant — lives in [`Held`] as RAII guards, so a
 //! path that forgets them, or a dropped future, still gives them back.
-#[allow(unused_imports)]
-use super::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::Node;
+use crate::checksum::{self, Algo};
+use crate::fabric::{RemoteOp, WorkRequest, WrOp};
+use crate::metrics as m;
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
+use crate::peers::{Lease, PeerEntry};
+use crate::regions::RegionUse;
 use crate::shape;
 use crate::tenants::Tenant;
 use crate::transfer::batch::{Batch, Dest};
@@ -12,6 +23,8 @@ use crate::transfer::driver::{post_runs, wait, Wake};
 use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
+use crate::transfer::worker::{Job, MakeWr, Progress, Refused};
+use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRequest, TransferState};
 
 impl Node {
     // ------------------------------------------------------------------ Initiator side

@@ -1,10 +1,18 @@
 //! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
 //! the check until the transfer's record counts), and the one-at-a-time admin slot; and the
 //! data path's knobs: the poll spin, the device's worker thread, the WR length.
-#[allow(unused_imports)]
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::Node;
+use crate::fabric::FabricKind;
+use crate::metrics as m;
 use crate::peers::PeerKey;
 use crate::tenants::Tenant;
+use crate::transfer::worker::{Done, Job, Worker};
+use crate::transfer::TransferError;
 
 /// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
 /// limit check until the transfer's record is in the registry (which then counts it).

@@ -11,32 +11,23 @@
 //! * [`channel`] — channels: one connection and one grant held, many batches posted;
 //! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{info, warn};
 
-use crate::checksum::{self, Algo};
 use crate::config::Config;
-use crate::fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
-use crate::grants::{Grant, GrantError, GrantTable};
+use crate::fabric::{Fabric, FabricKind};
+use crate::grants::GrantTable;
 use crate::ids::new_id;
 use crate::metrics as m;
-use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError, RemoteCode};
-use crate::peers::{Lease, PeerEntry, PeerPool};
+use crate::peer_api::{Connector, PeerError};
+use crate::peers::{PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
-use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
-use crate::transfer::driver::LatencyProbe;
-use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
-use crate::transfer::session::{Session, SessionConfig};
-use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
-use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
-use xfer_rdma::memory::RegionMemory;
+use crate::transfer::worker::Worker;
+use crate::transfer::TransferRegistry;
 
 mod bench;
 mod channel;
@@ -49,7 +40,6 @@ mod shares;
 
 pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
-use initiator::Held;
 pub use lifetime::StateCounts;
 use responder::AcceptedConn;
 pub use responder::{GrantParams, InboundRing, NotifyAsk};

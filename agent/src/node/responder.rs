@@ -1,9 +1,18 @@
 //! The target side of the Peer service: accepting a peer's connection (and bounding how many it
 //! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
-#[allow(unused_imports)]
-use super::*;
-use crate::fabric::Readiness;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{info, warn};
+
+use super::Node;
+use crate::checksum::{self, Algo};
+use crate::fabric::{Accepted, Endpoint, ExposeRequest, FabricError, FabricKind, Readiness, RemoteOp};
+use crate::grants::{Grant, GrantError};
 use crate::ids::ConnectionId;
+use crate::metrics as m;
+use crate::transfer::{Op, TransferError, TransferRecord, TransferState};
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
