@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod bench;
 pub mod checksum;
 pub mod config;
 pub mod cpus;

@@ -189,7 +189,7 @@ impl Node {
     }
 
     /// Drives `s` through lease and grant until it accepts (the transfer's length) or refuses.
-    /// Also used by the benchmark, which then moves the data itself.
+    /// Also used by channels and [`Node::acquire_exempt`], which then move the data themselves.
     pub(super) async fn acquire(
         &self,
         s: &mut Session,
@@ -251,6 +251,28 @@ impl Node {
             };
             s.handle(ev);
         }
+    }
+
+    /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
+    /// region), through the transfer session's acquire phase: the same stale-connection handling
+    /// as a transfer. Both are given back when the returned [`Held`] drops.
+    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, TransferError> {
+        let mut s = Session::new(SessionConfig {
+            length: ask.length,
+            batch: None,
+            markers: Markers::None,
+            local_name: "bench buffer".into(),
+            local_length: ask.length,
+            local_offset: 0,
+            chunk: ask.length,
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            verify: false,
+            timeout: Duration::from_secs(600),
+        });
+        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.pending_revokes.clone());
+        self.acquire(&mut s, &mut held, ask, qps, depth).await?;
+        Ok(held)
     }
 
     async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, mut plan: Plan) {
@@ -520,7 +542,7 @@ pub(super) struct Plan {
 /// the pool or discarded) and the grant ([`GrantGuard`]: revoked unless the peer consumed it).
 /// The session's `Release`/`Revoke`/`GrantConsumed` commands are applied here; anything still
 /// held when this drops is discarded and revoked.
-pub(super) struct Held {
+pub struct Held {
     pub(super) peer: Arc<PeerEntry>,
     /// Whose share of the connections to `peer` its lease is charged to.
     pub(super) tenant: Tenant,
@@ -541,6 +563,16 @@ impl Held {
     }
 
     /// The session's next command, after applying the resource ones (release, revoke, consumed).
+    /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
+    /// holds; the grant itself stays here, revoked when this drops.
+    pub fn take_parts(&mut self) -> Result<(Lease, GrantInfo), TransferError> {
+        let grant = self.grant.as_ref().map(|g| g.info.clone());
+        match (self.lease.take(), grant) {
+            (Some(l), Some(g)) => Ok((l, g)),
+            _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
+        }
+    }
+
     pub(super) fn settle(&mut self, s: &mut Session) -> Option<Command> {
         loop {
             match s.poll()? {

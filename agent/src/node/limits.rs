@@ -113,7 +113,6 @@ impl Node {
         Ok(key)
     }
 
-    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
     /// How long a transfer polls its own connection before sleeping (`verbs.poll_spin`; only
     /// the verbs fabric has anything to poll).
     pub(super) fn poll_spin(&self) -> Duration {
@@ -170,23 +169,32 @@ impl Node {
     }
 
     /// Runs `job` to its end on the data-path worker, or on this task without one.
-    pub(super) async fn run_job(&self, job: Job) -> Result<Done, TransferError> {
+    pub async fn run_job(&self, job: Job) -> Result<Done, TransferError> {
         crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(TransferError::Internal)
     }
 
     /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp
     /// fabric's frames need no split).
-    pub(super) fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
+    pub fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
         match self.fabric.kind() {
             FabricKind::Verbs => crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0),
             FabricKind::Tcp => chunk,
         }
     }
 
-    pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+    pub fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
         self.admin_slot
             .clone()
             .try_acquire_owned()
             .map_err(|_| TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)")))
+    }
+
+    /// One `Peer.OpenSink` at a time; the sink's task holds the permit until the sink closes.
+    pub fn sink_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+        self.sink_slot
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))
     }
 }

@@ -9,7 +9,7 @@
 //! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
 //! * [`shares`] — the per-identity shares of regions, bytes and subscriptions;
 //! * [`channel`] — channels: one connection and one grant held, many batches posted;
-//! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
+//! * [`scratch`] — the target side of a benchmark: its scratch region.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,25 +24,26 @@ use crate::grants::GrantTable;
 use crate::ids::new_id;
 use crate::metrics as m;
 use crate::peer_api::{Connector, PeerError};
-use crate::peers::{PeerEntry, PeerPool};
+use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::transfer::worker::Worker;
 use crate::transfer::TransferRegistry;
+use xfer_rdma::memory::RegionMemory;
 
-mod bench;
 mod channel;
 mod initiator;
 mod lifetime;
 mod limits;
 mod responder;
-mod sample;
+mod scratch;
 mod shares;
 
-pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
+pub use initiator::Held;
 pub use lifetime::StateCounts;
 use responder::AcceptedConn;
 pub use responder::{GrantParams, InboundRing, NotifyAsk};
+pub use scratch::BENCH_REGION_TTL;
 
 pub struct Node {
     /// Names of this agent's notification rings start with this: the private prefix and a tag of
@@ -239,6 +240,11 @@ impl Node {
         self.config.transfer.max_segments
     }
 
+    /// The transfer defaults (`[transfer]`): what a request that says nothing gets.
+    pub fn transfer_defaults(&self) -> &crate::config::TransferConfig {
+        &self.config.transfer
+    }
+
     pub fn limits(&self) -> &crate::config::LimitsConfig {
         &self.config.limits
     }
@@ -287,6 +293,30 @@ impl Node {
         self.regions.totals()
     }
 
+    /// Counts `bytes` a benchmark is about to hold (for `what`) against `limits.max_bench_bytes`.
+    pub fn reserve_bench(&self, bytes: u64, what: &str) -> Result<crate::regions::Reservation, crate::regions::RegionError> {
+        self.regions.reserve_bench(bytes, what)
+    }
+
+    /// A benchmark's scratch region, its bytes already in `budget` (see
+    /// `RegionRegistry::create_scratch`). Blocking: call it off the runtime's threads.
+    pub fn create_scratch(
+        &self,
+        spec: crate::regions::RegionSpec,
+        budget: crate::regions::Reservation,
+    ) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
+        self.regions.create_scratch(spec, budget)
+    }
+
+    /// Registers memory that is no region (a benchmark's buffer) with the fabric.
+    pub fn register(
+        &self,
+        memory: Arc<RegionMemory>,
+        access: crate::fabric::Access,
+    ) -> Result<Arc<dyn crate::fabric::Registration>, crate::fabric::FabricError> {
+        self.fabric.register(memory, access)
+    }
+
     // ------------------------------------------------------------------ peers
 
     /// `Agent.Connect`: a healthy pooled connection with `qps` QPs (0 = the configured default)
@@ -296,6 +326,23 @@ impl Node {
         let qps = if qps == 0 { self.config.transfer.qps } else { qps };
         self.peers.lease(&peer, qps, self.config.transfer.depth, tenant).await?.release(true);
         Ok(peer)
+    }
+
+    /// The peer pool's entry for `addr` (made if there is none).
+    pub async fn peer_entry(&self, addr: &str) -> Result<Arc<PeerEntry>, PeerError> {
+        self.peers.peer(addr).await
+    }
+
+    /// A connection to `peer` with `qps` QPs, charged to `tenant`'s share (from the idle pool or
+    /// negotiated now).
+    pub async fn lease(
+        &self,
+        peer: &Arc<PeerEntry>,
+        qps: usize,
+        depth: usize,
+        tenant: &crate::tenants::Tenant,
+    ) -> Result<Lease, PeerError> {
+        self.peers.lease(peer, qps, depth, tenant).await
     }
 
     /// The peer pool's entries, by address.

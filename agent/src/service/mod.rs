@@ -14,7 +14,8 @@ use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_server::{Agent, AgentServer};
 use xfer_proto::v1::peer_server::{Peer, PeerServer};
 
-use crate::node::{BenchParams, Node};
+use crate::bench::BenchParams;
+use crate::node::Node;
 use crate::regions::RegionError;
 use crate::tenants::Tenant;
 
@@ -566,7 +567,7 @@ impl Agent for Services {
             hold: std::time::Duration::from_millis(u64::from(r.hold_ms)),
             interval: std::time::Duration::from_millis(u64::from(r.interval_ms)),
         };
-        let b = self.node.bench(p).await.map_err(transfer_status)?;
+        let b = crate::bench::run(&self.node, p).await.map_err(transfer_status)?;
         Ok(Response::new(pb::BenchResponse {
             size: b.size,
             iters: b.iters,
@@ -596,11 +597,10 @@ impl Agent for Services {
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
-        let (bytes, seconds) = self
-            .node
-            .tcp_baseline(&r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
-            .await
-            .map_err(transfer_status)?;
+        let (bytes, seconds) =
+            crate::bench::tcp_baseline(&self.node, &r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
+                .await
+                .map_err(transfer_status)?;
         Ok(Response::new(pb::TcpBaselineResponse {
             bytes,
             seconds,
@@ -710,7 +710,7 @@ impl Peer for Services {
 
     async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-        let addr = self.node.open_sink(ip, self.checked(req)?.connections).await.map_err(transfer_status)?;
+        let addr = crate::bench::open_sink(&self.node, ip, self.checked(req)?.connections).await.map_err(transfer_status)?;
         Ok(Response::new(pb::OpenSinkResponse { address: addr.to_string() }))
     }
 
