@@ -8,14 +8,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::params::{percentile, BenchParams, BenchResult};
-use crate::fabric::{Registration, RemoteOp, WorkRequest, WrOp};
+use crate::fabric::{Registration, RemoteOp, WrOp};
 use crate::node::Node;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
 use crate::transfer::batch::Seg;
-use crate::transfer::driver::LatencyProbe;
+use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
-use crate::transfer::worker::{Job, MakeWr};
 use crate::transfer::{Op, TransferError};
 use xfer_rdma::memory::RegionMemory;
 
@@ -85,9 +84,9 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         deadline: Some(Instant::now() + Duration::from_secs(600)),
     });
     let (buf, size) = (local.clone(), p.size);
-    let make_wr: MakeWr = Box::new(move |q| bench_wr(q, op, &buf, size, &grant, q.signaled));
+    let wr = bench_wr(op, buf, size, grant);
     let t0 = Instant::now();
-    let done = node.run_job(Job { machine, lease, make_wr, probe: None, cancel: cancel.clone() }).await?;
+    let done = node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await?;
     let seconds = t0.elapsed().as_secs_f64();
     let bw_state = done.machine.state().clone();
     done.lease.release(bw_state == State::Succeeded);
@@ -110,9 +109,9 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         deadline: Some(Instant::now() + Duration::from_secs(600)),
     });
     let size = p.size;
-    let make_wr: MakeWr = Box::new(move |q| bench_wr(q, op, &local, size, &grant, true));
+    let wr = bench_wr(op, local, size, grant);
     let probe = Some(LatencyProbe::default());
-    let done = node.run_job(Job { machine, lease, make_wr, probe, cancel }).await?;
+    let done = node.run_job(Job { machine, lease, wr, probe, cancel, progress: None }).await?;
     let lat_ok = done.machine.state() == &State::Succeeded;
     done.lease.release(lat_ok);
     drop(held);
@@ -136,24 +135,9 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     })
 }
 
-/// The WR for `q` of a benchmark whose messages are `size` bytes: every message reuses the
-/// same buffer on both sides, so offsets are taken within a message.
-fn bench_wr(
-    q: &crate::transfer::machine::Post,
-    op: WrOp,
-    local: &Arc<dyn Registration>,
-    size: u64,
-    grant: &GrantInfo,
-    signaled: bool,
-) -> WorkRequest {
-    WorkRequest {
-        wr_id: q.seq,
-        op,
-        local: local.clone(),
-        local_offset: q.local % size,
-        len: q.len,
-        remote_addr: grant.addr + q.remote % size,
-        remote_key: grant.key.clone(),
-        signaled,
-    }
+/// The WR template of a benchmark whose messages are `size` bytes: every message reuses the
+/// same buffer on both sides, so offsets are taken within a message. (The latency phase's
+/// machine signals every WR: one WR per run.)
+fn bench_wr(op: WrOp, local: Arc<dyn Registration>, size: u64, grant: GrantInfo) -> WrTemplate {
+    WrTemplate { op, notify_slot: 0, local, remote_addr: grant.addr, remote_key: grant.key, wrap: Some(size) }
 }

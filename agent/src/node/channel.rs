@@ -26,16 +26,16 @@ use tokio_util::sync::CancellationToken;
 use super::initiator::Held;
 use super::limits::ChannelSlot;
 use super::Node;
-use crate::fabric::{RemoteOp, WorkRequest, WrOp};
+use crate::fabric::{RemoteOp, WrOp};
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::regions::RegionUse;
 use crate::shape;
 use crate::transfer::batch::{Batch, BatchError, Dest, SegmentSpec};
 use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::job::{Job, WrTemplate};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
-use crate::transfer::worker::Job;
 use crate::transfer::{Op, TransferError};
 
 /// Prepared lists one channel keeps at most.
@@ -452,17 +452,8 @@ impl Channel {
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
         let imm = announce.as_ref().map_or(0, |(imm, _)| *imm);
-        let make_wr: crate::transfer::worker::MakeWr = Box::new(move |p| WorkRequest {
-            wr_id: p.seq,
-            op: if p.marker { WrOp::Notify { slot: imm } } else { wr_op },
-            local: registration.clone(),
-            local_offset: p.local,
-            len: p.len,
-            remote_addr: addr + p.remote,
-            remote_key: key.clone(),
-            signaled: p.signaled,
-        });
-        let done = match self.node.run_job(Job { machine, lease, make_wr, probe: None, cancel: cancel.clone() }).await {
+        let wr = WrTemplate { op: wr_op, notify_slot: imm, local: registration, remote_addr: addr, remote_key: key, wrap: None };
+        let done = match self.node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await {
             Ok(d) => d,
             Err(e) => return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e)),
         };

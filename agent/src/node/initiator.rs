@@ -11,7 +11,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::Node;
 use crate::checksum::{self, Algo};
-use crate::fabric::{RemoteOp, WorkRequest, WrOp};
+use crate::fabric::{RemoteOp, WrOp};
 use crate::metrics as m;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry};
@@ -19,11 +19,10 @@ use crate::regions::RegionUse;
 use crate::shape;
 use crate::tenants::Tenant;
 use crate::transfer::batch::{Batch, Dest};
-use crate::transfer::driver::{post_runs, wait, Wake};
 use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::job::{Job, Progress, WrTemplate};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
-use crate::transfer::worker::{Job, MakeWr, Progress, Refused};
 use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRequest, TransferState};
 
 impl Node {
@@ -325,8 +324,10 @@ impl Node {
         }
     }
 
-    /// Runs the session from `start` to `Finish`: posts, completions, cancel, time, the local
-    /// check, the checksum and `Peer.Complete`.
+    /// Runs the session from `start` to `Finish`: its data phase is a job on the data path's one
+    /// driver ([`Node::run_job`]: posts, completions, cancel, time, progress into the record);
+    /// what comes after — the local check, the checksum and `Peer.Complete` — is done here, as
+    /// the session asks.
     async fn drive(
         &self,
         handle: &Arc<TransferHandle>,
@@ -337,112 +338,53 @@ impl Node {
         let Plan { session: s, held, local, algo, .. } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
-        let Some((remote_addr, key, notify_slot)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone(), g.info.notify_slot))
-        else {
+        let Some(grant) = held.grant.as_ref().map(|g| &g.info) else {
             return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
-        let registration = local.0.registration.clone();
-        let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let wr = WrTemplate {
+            op: if rec.op == Op::Write { WrOp::Write } else { WrOp::Read },
+            notify_slot: grant.notify_slot,
+            local: local.0.registration.clone(),
+            remote_addr: grant.addr,
+            remote_key: grant.key.clone(),
+            wrap: None,
+        };
         let mut reported = 0;
-        // WRs the session asked for in one go, posted together (one doorbell per QP run) before
-        // anything else happens.
-        let mut pending: Vec<(usize, WorkRequest)> = Vec::new();
-        // The data phase goes to the device's data-path worker once (verbs with
-        // `verbs.worker`); if it cannot take it, this task drives it.
-        let mut worker = self.worker();
         loop {
-            loop {
-                let Some(cmd) = held.settle(s) else {
-                    if pending.is_empty() {
-                        break;
-                    }
-                    flush(held, s, &mut pending);
-                    continue;
+            // The data phase: the session lends its machine whenever it is moving data.
+            if let Some(machine) = s.lend_machine() {
+                let Some(lease) = held.lease.take() else {
+                    s.return_machine(machine);
+                    return Err(Failure::new(FailureCode::Internal, "transfer session runs without a connection"));
                 };
-                if !matches!(cmd, Command::Post(_)) && !pending.is_empty() {
-                    flush(held, s, &mut pending);
-                }
-                match cmd {
-                    Command::Post(p) => {
-                        let wr = WorkRequest {
-                            wr_id: p.seq,
-                            op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
-                            local: registration.clone(),
-                            local_offset: p.local,
-                            len: p.len,
-                            remote_addr: remote_addr + p.remote,
-                            remote_key: key.clone(),
-                            signaled: p.signaled,
-                        };
-                        pending.push((p.qp, wr));
-                    }
-                    Command::CheckLocal => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
-                    Command::Checksum => {
-                        let r = self.checksum(local, rec, *algo).await;
-                        s.handle(Event::Checksummed(r));
-                    }
-                    Command::Complete { checksum } => {
-                        let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
-                        s.handle(Event::Completed(r));
-                    }
-                    Command::Finish(r) => {
-                        report(handle, s.bytes_done(), &mut reported, started);
-                        return r;
-                    }
-                    other => {
-                        return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));
-                    }
-                }
+                let h = handle.clone();
+                let mut shown = reported;
+                let progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
+                let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
+                let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
+                held.lease = Some(done.lease);
+                reported = done.machine.bytes_done();
+                s.return_machine(done.machine);
+                continue;
             }
-            report(handle, s.bytes_done(), &mut reported, started);
-            if let Some(w) = worker.take() {
-                if let Some(machine) = s.lend_machine() {
-                    let Some(lease) = held.lease.take() else {
-                        s.return_machine(machine);
-                        return Err(Failure::new(FailureCode::Internal, "transfer session runs without a connection"));
-                    };
-                    let reg = registration.clone();
-                    let (key, h) = (key.clone(), handle.clone());
-                    let make_wr: MakeWr = Box::new(move |p| WorkRequest {
-                        wr_id: p.seq,
-                        op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
-                        local: reg.clone(),
-                        local_offset: p.local,
-                        len: p.len,
-                        remote_addr: remote_addr + p.remote,
-                        remote_key: key.clone(),
-                        signaled: p.signaled,
-                    });
-                    let mut shown = reported;
-                    let on_progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
-                    let job = Job { machine, lease, make_wr, probe: None, cancel: handle.cancel.clone() };
-                    match w.run_with_progress(job, Some(on_progress)).await {
-                        Ok(done) => {
-                            m::data_path_job("worker");
-                            held.lease = Some(done.lease);
-                            s.return_machine(done.machine);
-                        }
-                        Err(Refused::Busy(job)) => {
-                            held.lease = Some(job.lease);
-                            s.return_machine(job.machine);
-                        }
-                        Err(Refused::Lost) => return Err(Failure::new(FailureCode::Internal, "the data-path worker thread stopped")),
-                    }
-                    continue;
+            match held.settle(s) {
+                Some(Command::CheckLocal) => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
+                Some(Command::Checksum) => {
+                    let r = self.checksum(local, rec, *algo).await;
+                    s.handle(Event::Checksummed(r));
                 }
-            }
-            let Some(lease) = held.lease.as_mut() else {
-                return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
-            };
-            let deadline = s.poll_timeout();
-            let spin = self.poll_spin();
-            match wait(lease, &handle.cancel, deadline, spin, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status }))
-                .await
-            {
-                Wake::Completions => {}
-                Wake::Closed => s.handle(Event::ConnectionClosed),
-                Wake::Cancelled => s.handle(Event::Cancel),
-                Wake::Timeout => s.handle_timeout(Instant::now()),
+                Some(Command::Complete { checksum }) => {
+                    let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
+                    s.handle(Event::Completed(r));
+                }
+                Some(Command::Finish(r)) => {
+                    report(handle, s.bytes_done(), &mut reported, started);
+                    return r;
+                }
+                Some(other) => {
+                    return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));
+                }
+                None => return Err(Failure::new(FailureCode::Internal, "transfer session stopped before finishing")),
             }
         }
     }
@@ -502,19 +444,6 @@ impl Node {
         let h = self.transfers.get(id)?;
         h.cancel.cancel();
         Ok(h.snapshot())
-    }
-}
-
-/// Posts the WRs the session asked for (one doorbell per QP run) and feeds back any that failed.
-fn flush(held: &Held, s: &mut Session, pending: &mut Vec<(usize, WorkRequest)>) {
-    let failed = match held.lease.as_ref() {
-        Some(l) => post_runs(l.conn().as_ref(), pending),
-        None => Err((pending.drain(..).map(|(_, w)| w.wr_id).collect(), "no connection".to_string())),
-    };
-    if let Err((seqs, reason)) = failed {
-        for seq in seqs {
-            s.handle(Event::PostFailed { seq, reason: reason.clone() });
-        }
     }
 }
 

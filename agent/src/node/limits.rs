@@ -7,12 +7,25 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 use super::Node;
+use crate::fabric::Connection;
 use crate::fabric::FabricKind;
 use crate::metrics as m;
+use crate::peers::Lease;
 use crate::peers::PeerKey;
 use crate::tenants::Tenant;
-use crate::transfer::worker::{Done, Job, Worker};
+use crate::transfer::job::{Done, Job, Leased};
+use crate::transfer::worker::Worker;
 use crate::transfer::TransferError;
+
+/// The data path drives a pooled connection's lease.
+impl Leased for Lease {
+    fn conn(&self) -> &Arc<dyn Connection> {
+        Lease::conn(self)
+    }
+    fn completions(&mut self) -> &mut tokio::sync::mpsc::UnboundedReceiver<crate::fabric::Completion> {
+        Lease::completions(self)
+    }
+}
 
 /// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
 /// limit check until the transfer's record is in the registry (which then counts it).
@@ -125,7 +138,7 @@ impl Node {
     /// The device's data-path worker (`transfer::worker`), started on first use: verbs with
     /// `verbs.worker` only (a tcp connection cannot be handed off). `None` if it could not start
     /// (logged once); then every job runs on its caller's task.
-    pub(super) fn worker(&self) -> Option<&Worker> {
+    pub(super) fn worker(&self) -> Option<&Worker<Lease>> {
         if self.fabric.kind() != FabricKind::Verbs || !self.config.verbs.worker {
             return None;
         }
@@ -168,8 +181,9 @@ impl Node {
         }
     }
 
-    /// Runs `job` to its end on the data-path worker, or on this task without one.
-    pub async fn run_job(&self, job: Job) -> Result<Done, TransferError> {
+    /// Runs `job` to its end through the data path's one driver: on the data-path worker, or on
+    /// this task without one. Transfers, channel batches and benchmark phases all come here.
+    pub async fn run_job(&self, job: Job<Lease>) -> Result<Done<Lease>, TransferError> {
         crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(TransferError::Internal)
     }
 

@@ -84,7 +84,7 @@ pub struct Node {
     /// The scratch region of the benchmark running against this agent, and its owner.
     bench_region: Mutex<Option<(String, String)>>,
     /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
-    worker: std::sync::OnceLock<Option<Worker>>,
+    worker: std::sync::OnceLock<Option<Worker<Lease>>>,
 }
 
 /// Finished transfers remembered per direction. Every field of a record is bounded (ids 64
