@@ -5,8 +5,9 @@
 //! * this file — the `Node` itself, start-up (`new`, reapers) and drain;
 //! * [`lifetime`] — how a region ends (delete, lease) and what is kept per owner;
 //! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
+//! * [`inbound`] — notifications to this agent's subscribers (`WatchInbound`, rings), tag bounds;
 //! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
-//! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
+//! * [`limits`] — admission (transfer slots, the admin and sink slots) and the data path's knobs;
 //! * [`shares`] — the per-identity shares of regions, bytes and subscriptions;
 //! * [`channel`] — channels: one connection and one grant held, many batches posted;
 //! * [`scratch`] — the target side of a benchmark: its scratch region.
@@ -31,6 +32,7 @@ use crate::transfer::TransferRegistry;
 use xfer_rdma::memory::RegionMemory;
 
 mod channel;
+mod inbound;
 mod initiator;
 mod lifetime;
 mod limits;
@@ -39,10 +41,11 @@ mod scratch;
 mod shares;
 
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
+pub use inbound::InboundRing;
 pub use initiator::Held;
 pub use lifetime::StateCounts;
 use responder::AcceptedConn;
-pub use responder::{GrantParams, InboundRing, NotifyAsk};
+pub use responder::{GrantParams, NotifyAsk};
 pub use scratch::BENCH_REGION_TTL;
 
 pub struct Node {
