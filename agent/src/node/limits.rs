@@ -8,7 +8,6 @@ use tracing::{info, warn};
 
 use super::Node;
 use crate::fabric::Connection;
-use crate::fabric::FabricKind;
 use crate::metrics as m;
 use crate::peers::Lease;
 use crate::peers::PeerKey;
@@ -129,9 +128,10 @@ impl Node {
     /// How long a transfer polls its own connection before sleeping (`verbs.poll_spin`; only
     /// the verbs fabric has anything to poll).
     pub(super) fn poll_spin(&self) -> Duration {
-        match self.fabric.kind() {
-            FabricKind::Verbs => self.config.verbs.poll_spin.0,
-            FabricKind::Tcp => Duration::ZERO,
+        if self.fabric.polled() {
+            self.config.verbs.poll_spin.0
+        } else {
+            Duration::ZERO
         }
     }
 
@@ -139,7 +139,7 @@ impl Node {
     /// `verbs.worker` only (a tcp connection cannot be handed off). `None` if it could not start
     /// (logged once); then every job runs on its caller's task.
     pub(super) fn worker(&self) -> Option<&Worker<Lease>> {
-        if self.fabric.kind() != FabricKind::Verbs || !self.config.verbs.worker {
+        if !self.fabric.polled() || !self.config.verbs.worker {
             return None;
         }
         self.worker
@@ -190,9 +190,10 @@ impl Node {
     /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp
     /// fabric's frames need no split).
     pub fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
-        match self.fabric.kind() {
-            FabricKind::Verbs => crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0),
-            FabricKind::Tcp => chunk,
+        if self.fabric.polled() {
+            crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0)
+        } else {
+            chunk
         }
     }
 
