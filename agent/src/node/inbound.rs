@@ -2,9 +2,11 @@
 //! `WatchInboundRing`'s shared-memory rings) and the bound every notification tag keeps.
 use std::sync::Arc;
 
-use super::shares::MAX_SUBSCRIBERS;
 use super::Node;
 use crate::transfer::TransferError;
+
+/// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
+pub(super) const MAX_SUBSCRIBERS: usize = 256;
 
 /// Slots of a notification ring unless the caller asks otherwise.
 const DEFAULT_RING_SLOTS: u32 = 1024;

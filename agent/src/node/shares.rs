@@ -8,16 +8,14 @@
 //! back on every path by which that thing ends.
 use std::sync::Arc;
 
-use super::{InboundRing, Node};
+use super::inbound::{InboundRing, MAX_SUBSCRIBERS};
+use super::Node;
 use crate::config::LimitsConfig;
 use crate::metrics as m;
 use crate::notify::Subscription;
 use crate::regions::{Region, RegionError, RegionSpec};
 use crate::tenants::{Permit, Permits, Quota, ShareExceeded, Tenant};
 use crate::transfer::TransferError;
-
-/// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
-pub(super) const MAX_SUBSCRIBERS: usize = 256;
 
 /// `ReadRegion`/`WriteRegion` streams open at once on one agent. Each holds up to a 1 MiB piece
 /// (a read) or one decoded message (a write) while its client does not take or send the rest:
