@@ -184,7 +184,7 @@ impl Node {
         let qps = shape::qps(p.options.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(p.options.depth.unwrap_or(t.depth))?;
         let timeout = p.options.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&p.remote_agent).await?;
+        let peer = self.initiator.peers.peer(&p.remote_agent).await?;
         let slot = self.channel_slot(&peer.key, owner)?;
         let remote_op = match p.op {
             Op::Write => RemoteOp::Write,
@@ -216,7 +216,7 @@ impl Node {
             verify: false,
             timeout,
         });
-        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
             (Some(g), Some(l)) => (g.info.clone(), l.qps()),

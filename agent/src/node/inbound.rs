@@ -52,14 +52,14 @@ impl Node {
     pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        let sub = self.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
+        let sub = self.regions.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
             TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS))
         })?;
         // A region that ended since it was looked up has forgotten its channel already; this
         // subscription would have made it anew and never be told. Looked up again after joining:
         // an end from now on takes the channel out (and ends this stream).
         if let Some(id) = &id {
-            self.regions.get(id)?;
+            self.regions.registry.get(id)?;
         }
         Ok(sub)
     }
@@ -72,11 +72,11 @@ impl Node {
     pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
         let (slots, slot_size, length) = self.ring_shape(slots)?;
         let id = self.inbound_filter(region, tag)?;
-        let reservation = self.regions.reserve(length, "a notification ring")?;
+        let reservation = self.regions.registry.reserve(length, "a notification ring")?;
         let len = usize::try_from(length).map_err(|_| TransferError::Invalid("ring too large for this machine".into()))?;
         let (object, file) = self.create_ring_object(length)?;
         let remove = |e: String| {
-            self.regions.remove_private_shm(&object);
+            self.regions.registry.remove_private_shm(&object);
             TransferError::Internal(e)
         };
         let mem = match xfer_rdma::memory::RegionMemory::map_file(&file, len, true) {
@@ -88,12 +88,12 @@ impl Node {
             Err(e) => return Err(remove(format!("laying out notification ring {object}: {e}"))),
         };
         let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
-        let Some(slot) = self.grants.hub().add_ring(sub, MAX_SUBSCRIBERS) else {
-            self.regions.remove_private_shm(&object);
+        let Some(slot) = self.regions.grants.hub().add_ring(sub, MAX_SUBSCRIBERS) else {
+            self.regions.registry.remove_private_shm(&object);
             return Err(TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS)));
         };
         crate::metrics::inbound_rings(1);
-        let path = self.regions.shm_path(&object);
+        let path = self.regions.registry.shm_path(&object);
         Ok(InboundRing { object, length, slots, slot_size, slot: Some(slot), path, _reservation: reservation })
     }
 
@@ -117,7 +117,7 @@ impl Node {
         }
         Ok(match region {
             "" => None,
-            r => Some(self.regions.get(r)?.id.clone()),
+            r => Some(self.regions.registry.get(r)?.id.clone()),
         })
     }
 
@@ -125,8 +125,8 @@ impl Node {
     fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), TransferError> {
         let mut last = None;
         for _ in 0..4 {
-            let object = format!("{}{:016x}", self.ring_prefix, rand::random::<u64>());
-            match self.regions.create_private_shm(&object, length) {
+            let object = format!("{}{:016x}", self.responder.ring_prefix, rand::random::<u64>());
+            match self.regions.registry.create_private_shm(&object, length) {
                 Ok(f) => return Ok((object, f)),
                 Err(e @ crate::regions::RegionError::ShmExists { .. }) => last = Some(e),
                 Err(e) => return Err(e.into()),

@@ -3,8 +3,9 @@
 //! the data, the local check, verification and `Peer.Complete` in a task. What the transfer holds
 //! from its peer — the leased connection and the grant — lives in [`Held`] as RAII guards, so a
 //! path that forgets them, or a dropped future, still gives them back.
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, info, info_span, warn, Instrument};
@@ -14,7 +15,7 @@ use crate::checksum::{self, Algo};
 use crate::fabric::{RemoteOp, WrOp};
 use crate::metrics as m;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
-use crate::peers::{Lease, PeerEntry};
+use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::RegionUse;
 use crate::shape;
 use crate::tenants::Tenant;
@@ -23,7 +24,8 @@ use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::job::{Job, Progress, WrTemplate};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
-use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRequest, TransferState};
+use crate::transfer::worker::Worker;
+use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
 
 impl Node {
     // ------------------------------------------------------------------ Initiator side
@@ -94,7 +96,7 @@ impl Node {
         let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
         let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&req.remote_agent).await?;
+        let peer = self.initiator.peers.peer(&req.remote_agent).await?;
         let slot = self.reserve_slot(&peer.key, owner)?;
         let remote_op = match req.op {
             Op::Write => RemoteOp::Write,
@@ -139,7 +141,7 @@ impl Node {
             notify: req.notify.as_deref().map(|t| (t, 0)),
             channel: false,
         };
-        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
@@ -176,7 +178,7 @@ impl Node {
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
-        let handle = self.transfers.insert_owned(record, self.config.limits.tenant_share);
+        let handle = self.initiator.transfers.insert_owned(record, self.config.limits.tenant_share);
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
@@ -202,7 +204,7 @@ impl Node {
             let ev = match held.settle(s) {
                 Some(Command::Accept { length }) => return Ok(length),
                 Some(Command::Refuse(e)) => return Err(e),
-                Some(Command::Lease) => match self.peers.lease(&held.peer, qps, depth, &held.tenant).await {
+                Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
                         let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
                         held.lease = Some(l);
@@ -269,7 +271,7 @@ impl Node {
             verify: false,
             timeout: Duration::from_secs(600),
         });
-        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.initiator.pending_revokes.clone());
         self.acquire(&mut s, &mut held, ask, qps, depth).await?;
         Ok(held)
     }
@@ -426,22 +428,22 @@ impl Node {
     /// A transfer record by id: an outbound id, or `PEER/ID` for an inbound one.
     pub fn transfer(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
         if id.contains('/') {
-            self.inbound.get(id)
+            self.responder.inbound.get(id)
         } else {
-            self.transfers.get(id)
+            self.initiator.transfers.get(id)
         }
     }
 
     /// Outbound records, then inbound ones, each oldest first.
     pub fn list_transfers(&self) -> Vec<TransferRecord> {
-        let mut v = self.transfers.list();
-        v.extend(self.inbound.list());
+        let mut v = self.initiator.transfers.list();
+        v.extend(self.responder.inbound.list());
         v
     }
 
     /// Cancels a running transfer; no-op for finished ones.
     pub fn cancel(&self, id: &str) -> Result<TransferRecord, TransferError> {
-        let h = self.transfers.get(id)?;
+        let h = self.initiator.transfers.get(id)?;
         h.cancel.cancel();
         Ok(h.snapshot())
     }
@@ -455,6 +457,21 @@ fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Inst
             r.elapsed = started.elapsed();
         });
     }
+}
+
+/// The initiator side's state: what this agent runs against its peers.
+pub(super) struct Initiator {
+    /// Transfers this agent initiated.
+    pub(super) transfers: TransferRegistry,
+    pub(super) peers: PeerPool,
+    /// Submits past the limit check that have not inserted their record yet, and open
+    /// channels, by peer identity and owner. Counted with the active transfers so concurrent
+    /// submits cannot overshoot the limits.
+    pub(super) submitting: Mutex<HashMap<(String, Tenant), usize>>,
+    /// Background revocations of peer grants in flight; `drain` waits for them.
+    pub(super) pending_revokes: Arc<AtomicUsize>,
+    /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
+    pub(super) worker: OnceLock<Option<Worker<Lease>>>,
 }
 
 /// What a running transfer owns.

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
+use super::initiator::Initiator;
 use super::Node;
+use crate::config::LimitsConfig;
 use crate::fabric::Connection;
 use crate::metrics as m;
 use crate::peers::Lease;
@@ -35,7 +37,7 @@ pub(super) struct SubmitSlot<'a> {
 
 impl Drop for SubmitSlot<'_> {
     fn drop(&mut self) {
-        self.node.release_slot(&self.key);
+        self.node.initiator.release_slot(&self.key);
     }
 }
 
@@ -48,29 +50,17 @@ pub(super) struct ChannelSlot {
 
 impl Drop for ChannelSlot {
     fn drop(&mut self) {
-        self.node.release_slot(&self.key);
+        self.node.initiator.release_slot(&self.key);
     }
 }
 
-impl Node {
+impl Initiator {
+    /// Slots taken and not yet counted by a record (submits in flight, open channels).
     pub(super) fn submitting_count(&self) -> usize {
         self.submitting.lock().map(|m| m.values().sum()).unwrap_or(0)
     }
 
-    /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
-    /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
-    /// inserted, so concurrent submits cannot overshoot.
-    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
-        let key = self.take_slot(peer, tenant)?;
-        Ok(SubmitSlot { node: self, key })
-    }
-
-    /// [`Node::reserve_slot`] for a channel's whole life.
-    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
-        let key = self.take_slot(peer, tenant)?;
-        Ok(ChannelSlot { node: Arc::clone(self), key })
-    }
-
+    /// Gives back a slot [`Initiator::take_slot`] took.
     fn release_slot(&self, key: &(String, Tenant)) {
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = m.get_mut(key) {
@@ -81,8 +71,9 @@ impl Node {
         }
     }
 
-    fn take_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
-        let limits = &self.config.limits;
+    /// Takes a slot under `limits.max_transfers`, `limits.max_transfers_per_peer` and `tenant`'s
+    /// share of both, counting the running transfers and the slots already taken.
+    fn take_slot(&self, limits: &LimitsConfig, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
         let peer = peer.to_string();
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         let active = self.transfers.active(None);
@@ -124,6 +115,22 @@ impl Node {
         *m.entry(key.clone()).or_insert(0) += 1;
         Ok(key)
     }
+}
+
+impl Node {
+    /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
+    /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
+    /// inserted, so concurrent submits cannot overshoot.
+    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
+        let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
+        Ok(SubmitSlot { node: self, key })
+    }
+
+    /// [`Node::reserve_slot`] for a channel's whole life.
+    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
+        let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
+        Ok(ChannelSlot { node: Arc::clone(self), key })
+    }
 
     /// How long a transfer polls its own connection before sleeping (`verbs.poll_spin`; only
     /// the verbs fabric has anything to poll).
@@ -142,7 +149,8 @@ impl Node {
         if !self.fabric.polled() || !self.config.verbs.worker {
             return None;
         }
-        self.worker
+        self.initiator
+            .worker
             .get_or_init(|| {
                 let rt = tokio::runtime::Handle::try_current().ok()?;
                 Worker::start("xfer-data-path", self.config.verbs.poll_spin.0, rt, self.worker_cpu())

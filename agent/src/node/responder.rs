@@ -1,8 +1,9 @@
 //! The target side of the Peer service: accepting a peer's connection (and bounding how many it
 //! keeps), grants on this agent's regions, their revocation, channel announcements and
 //! `Peer.Complete`. What local subscribers are told is [`super::inbound`]'s.
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{info, warn};
@@ -13,7 +14,7 @@ use crate::fabric::{Accepted, Endpoint, ExposeRequest, FabricError, FabricKind, 
 use crate::grants::{Grant, GrantError};
 use crate::ids::ConnectionId;
 use crate::metrics as m;
-use crate::transfer::{Op, TransferError, TransferRecord, TransferState};
+use crate::transfer::{Op, TransferError, TransferRecord, TransferRegistry, TransferState};
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
@@ -56,6 +57,28 @@ impl NotifyAsk {
 /// An accepted connection: its owner (the caller's identity), the responder half, and when it was
 /// accepted (a sequence number: lower is older).
 pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
+
+/// The target side's state: the connections peers made here and the transfers they completed.
+pub(super) struct Responder {
+    /// Transfers peers completed into this agent (`Peer.Complete`), by `PEER/ID`.
+    pub(super) inbound: TransferRegistry,
+    /// Responder halves of connections, by connection id (peer node, keepalive).
+    pub(super) accepted: Mutex<HashMap<ConnectionId, AcceptedConn>>,
+    /// Orders `accepted` by age (eviction takes the oldest).
+    pub(super) accept_seq: AtomicU64,
+    /// Names of this agent's notification rings start with this: the private prefix and a tag of
+    /// the state dir, so a restart on the same state dir finds (and removes) what a killed run
+    /// left, and never another agent's.
+    pub(super) ring_prefix: String,
+}
+
+impl Responder {
+    /// The accepted connection `id`, if `peer` made it.
+    fn accepted_by(&self, id: Option<&ConnectionId>, peer: &str) -> Option<Arc<dyn Accepted>> {
+        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        acc.get(id?).filter(|(owner, _, _)| owner == peer).map(|(_, conn, _)| conn.clone())
+    }
+}
 
 /// Markers of `grant`'s notification (a channel grant: of its next batch) are due on `conn`,
 /// the connection it was granted on: the fabric watches for them closely (verbs: the marker
@@ -136,15 +159,15 @@ impl Node {
             detail: format!("connection {connection_id:?} already exists on this agent"),
         };
         // An id is never reused: another caller's connection must not be replaced by naming it.
-        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
+        if self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
             return Err(taken());
         }
         let t0 = Instant::now();
         let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
         m::accept_duration(t0.elapsed());
-        let seq = self.accept_seq.fetch_add(1, Ordering::Relaxed);
+        let seq = self.responder.accept_seq.fetch_add(1, Ordering::Relaxed);
         let (evicted, total) = {
-            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            let mut acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
             if acc.contains_key(connection_id) {
                 return Err(taken());
             }
@@ -156,7 +179,7 @@ impl Node {
             if from_peer >= self.config.limits.max_connections_per_peer {
                 let idle = acc
                     .iter()
-                    .filter(|(k, v)| v.0 == peer && !self.grants.has_connection(k))
+                    .filter(|(k, v)| v.0 == peer && !self.regions.grants.has_connection(k))
                     .min_by_key(|(_, v)| v.2)
                     .map(|(k, _)| k.clone());
                 match idle {
@@ -179,7 +202,7 @@ impl Node {
         };
         m::accepted_connections(total);
         if let Some((id, _)) = evicted {
-            let n = self.grants.revoke_connection(&id);
+            let n = self.regions.grants.revoke_connection(&id);
             warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limits.max_connections_per_peer = {})", self.config.limits.max_connections_per_peer);
         }
         Ok(mine)
@@ -189,7 +212,7 @@ impl Node {
     /// peer `owner` made it.
     pub fn disconnect(&self, connection_id: &ConnectionId, owner: &str) {
         let removed = {
-            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            let mut acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
             let removed = if acc.get(connection_id).is_some_and(|c| c.0 == owner) { acc.remove(connection_id) } else { None };
             m::accepted_connections(acc.len());
             removed
@@ -197,7 +220,7 @@ impl Node {
         // Dropped outside the lock: a tcp session closes its streams, verbs tears QPs down.
         let removed = removed.is_some();
         if removed {
-            let n = self.grants.revoke_connection(connection_id);
+            let n = self.regions.grants.revoke_connection(connection_id);
             if n > 0 {
                 info!(connection = %connection_id, grants = n, "peer disconnected; revoked its grants on that connection");
             }
@@ -219,7 +242,7 @@ impl Node {
             }
         }
         let notify = p.notify.clone();
-        let region = self.regions.get(&p.region)?;
+        let region = self.regions.registry.get(&p.region)?;
         if !region.access.allows(p.op) {
             return Err(TransferError::PermissionDenied(format!(
                 "region {:?} has access {:?}; remote {} is not allowed",
@@ -295,14 +318,13 @@ impl Node {
                 _ => None,
             },
         };
-        let grant = self.grants.insert(grant)?;
+        let grant = self.regions.grants.insert(grant)?;
         // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
         // grants before this one existed: re-check that the very same region is still live, or
         // the grant would outlive it (its token writing into a region nobody can see or delete).
-        let region_live =
-            matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
+        let region_live = matches!(self.regions.registry.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
         if !region_live {
-            self.grants.revoke(&grant.id);
+            self.regions.grants.revoke(&grant.id);
             return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
         }
         // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
@@ -311,13 +333,14 @@ impl Node {
         // whichever connection next takes that id (ids are chosen by callers).
         if let (Some(id), Some(conn)) = (grant.connection_id.as_ref(), bound_to.as_ref()) {
             let live = self
+                .responder
                 .accepted
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(id)
                 .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, conn));
             if !live {
-                self.grants.revoke(&grant.id);
+                self.regions.grants.revoke(&grant.id);
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
@@ -327,18 +350,12 @@ impl Node {
         Ok(grant)
     }
 
-    /// The accepted connection `id`, if `peer` made it.
-    fn accepted_by(&self, id: Option<&ConnectionId>, peer: &str) -> Option<Arc<dyn Accepted>> {
-        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
-        acc.get(id?).filter(|(owner, _, _)| owner == peer).map(|(_, conn, _)| conn.clone())
-    }
-
     /// The accepted connection a grant names. It must have been made by the grant's peer
     /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
     /// connection (`mw` on verbs); other modes do not use it.
     fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
         let Some(id) = p.connection_id.as_ref() else { return Ok(None) };
-        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        let acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
@@ -350,18 +367,18 @@ impl Node {
     }
 
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
-        let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
-        self.grants.revoke(&g.id);
+        let g = self.regions.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
+        self.regions.grants.revoke(&g.id);
         Ok(())
     }
 
     /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
     pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
         self.check_notify_tag(&tag)?;
-        let g = self.grants.announce(grant_id, peer, seq, tag)?;
+        let g = self.regions.grants.announce(grant_id, peer, seq, tag)?;
         // Its markers may still be on their way (an announcement usually comes first).
         if g.channel.as_ref().is_some_and(|c| c.unpublished() > 0) {
-            if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+            if let Some(conn) = self.responder.accepted_by(g.connection_id.as_ref(), peer) {
                 expect_markers(&g, conn.as_ref());
             }
         }
@@ -379,11 +396,11 @@ impl Node {
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
-        let g = self.grants.get(grant_id, peer, SystemTime::now())?;
+        let g = self.regions.grants.get(grant_id, peer, SystemTime::now())?;
         // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
         // never name an outbound transfer (whose ids have no '/') or another peer's record.
         let record_id = format!("{peer}/{transfer_id}");
-        if self.inbound.get(&record_id).is_ok() {
+        if self.responder.inbound.get(&record_id).is_ok() {
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
         // A checksum covers the first `bytes` of the grant. Without one, `bytes` is the peer's
@@ -437,7 +454,7 @@ impl Node {
         let history = super::TRANSFER_HISTORY as u64;
         let share =
             if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
-        if self.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
+        if self.responder.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
@@ -448,13 +465,13 @@ impl Node {
             // Markers already acknowledged to the initiator count first (their receive task may
             // simply not have run yet), so `via` says what really carried the notification.
             if g.notify.is_some() {
-                if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+                if let Some(conn) = self.responder.accepted_by(g.connection_id.as_ref(), peer) {
                     conn.drain_markers();
                 }
             }
-            self.grants.publish_on_complete(&g);
+            self.regions.grants.publish_on_complete(&g);
         }
-        self.grants.revoke(&g.id);
+        self.regions.grants.revoke(&g.id);
         Ok(verdict)
     }
 }

@@ -17,14 +17,14 @@ impl Node {
     /// never closes it.
     pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
         crate::shape::bench_region(length)?;
-        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((name, _)) = slot.as_ref() {
-            if self.regions.get(name).is_ok() {
+            if self.regions.registry.get(name).is_ok() {
                 return Err(TransferError::Limit("a benchmark against this agent is already running (one at a time)".into()));
             }
         }
         let name = format!("xfer-bench-{}", new_id());
-        let budget = self.regions.reserve_bench(length, "a benchmark scratch region")?;
+        let budget = self.regions.registry.reserve_bench(length, "a benchmark scratch region")?;
         let mut labels: std::collections::BTreeMap<String, String> = [("xfer.io/scratch".to_string(), "bench".to_string())].into();
         // A NAME can be longer than a label value (or an address, in plaintext): shown only
         // when it is one.
@@ -36,14 +36,14 @@ impl Node {
             labels,
             ..crate::regions::RegionSpec::anonymous(&name, length, crate::fabric::Access::ReadWrite)
         };
-        self.regions.create_scratch(spec, budget)?;
+        self.regions.registry.create_scratch(spec, budget)?;
         *slot = Some((name.clone(), owner.to_string()));
         Ok(name)
     }
 
     /// `Peer.CloseBenchRegion`: deletes the caller's scratch region (no-op for anything else).
     pub fn close_bench_region(&self, owner: &str, name: &str) -> Result<(), TransferError> {
-        let mut slot = self.bench_region.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some((n, o)) if n == name && o == owner => {
                 let n = n.clone();
