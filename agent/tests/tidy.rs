@@ -351,6 +351,7 @@ fn modules_respect_the_layering() {
         &["notify", "grants", "regions"],   // notifications, what peers may touch, and the memory itself
         &["transfer", "peer_api", "peers"], // transfer records and machine, peer calls and pool
         &["node"],                          // the operations, in domain types
+        &["bench"],                         // benchmarks, above the core (Node's public calls)
         &["service"],                       // the protobuf boundary: gRPC servers and client
         &["app"],                           // start-up
     ];

@@ -1,6 +1,7 @@
 //! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
-//! the check until the transfer's record counts), and the one-at-a-time admin slot; and the
-//! data path's knobs: the poll spin, the device's worker thread, the WR length.
+//! the check until the transfer's record counts), and the one-at-a-time admin and sink slots;
+//! and the data path: the poll spin, the device's worker thread, the WR length (as the fabric
+//! reports what applies to it), and the one entry every job takes ([`Node::run_job`]).
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +12,7 @@ use super::Node;
 use crate::config::LimitsConfig;
 use crate::fabric::Connection;
 use crate::metrics as m;
-use crate::peers::Lease;
-use crate::peers::PeerKey;
+use crate::peers::{Lease, PeerKey};
 use crate::tenants::Tenant;
 use crate::transfer::job::{Done, Job, Leased};
 use crate::transfer::worker::Worker;
