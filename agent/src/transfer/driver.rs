@@ -13,7 +13,7 @@ use super::machine::Machine;
 use super::worker::{Refused, Worker};
 use crate::fabric::Completion;
 
-/// What woke a transfer that was waiting.
+/// What woke the driver while it waited.
 enum Wake {
     /// One or more completions, each already handed to `on_completion` (the first, then whatever
     /// else was queued: a batch, with no allocation on this hot path).
