@@ -324,7 +324,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     };
     let metrics_listener = bind("metrics_listen", cfg.metrics_listen).await?;
     let metrics_addr = local_addr("metrics_listen", cfg.metrics_listen, &metrics_listener)?;
-    crate::metrics::install(metrics_listener).map_err(StartError::Metrics)?;
+    let exposition = crate::metrics::install().map_err(StartError::Metrics)?;
+    crate::admin::spawn(metrics_listener, exposition);
     crate::metrics::set_peer_label_limit(cfg.limits.max_peer_labels);
     let grants = Arc::new(GrantTable::new(cfg.limits.max_grants_per_peer));
     let (fabric, reason) = open_fabric(&cfg, &grants, tls.as_deref()).await?;

@@ -10,7 +10,7 @@ use std::time::SystemTime;
 use crate::fabric::tcp::{AccessCheck, Checked, GrantLease};
 use crate::fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 use crate::metrics as m;
-use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
+use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, PendingNote, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
 use crate::regions::Region;
 use tracing::debug;
 
@@ -47,7 +47,7 @@ pub struct Grant {
     pub lease: Arc<GrantLease>,
     /// The notification the grantee asked for (`GrantRequest.notify`); its slot is set by
     /// [`GrantTable::insert`].
-    pub notify: Option<Pending>,
+    pub notify: Option<PendingNote>,
     /// A channel's per-batch notifications (`NotifyRequest.channel`) instead; its slot base is
     /// set by [`GrantTable::insert`].
     pub channel: Option<ChannelNotes>,

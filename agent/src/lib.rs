@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! * [`app`] — start-up and shutdown (the binary calls [`app::run`]).
+//! * [`admin`] — the admin HTTP server: /metrics (the [`metrics`] registry's exposition) and /health.
 //! * [`config`] — defaults < file < env < flags, validated.
 //! * [`node`] — the core: the operations both gRPC services expose, in domain types.
 //! * [`service`] — the only protobuf boundary: tonic services, the peer client, conversions and
@@ -23,6 +24,7 @@
 //! * [`labels`] — the rules region labels and selectors follow; [`deadline`] — deadlines that never overflow.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
 pub mod bench;
 pub mod checksum;
@@ -32,7 +34,7 @@ pub mod deadline;
 pub mod fabric;
 pub mod grants;
 pub mod identity;
-pub mod ids;
+pub use xfer_engine::ids;
 pub mod labels;
 pub mod metrics;
 pub mod node;
@@ -43,7 +45,7 @@ pub mod peers;
 pub mod regions;
 pub mod safe_file;
 pub mod service;
-pub mod shape;
+pub use xfer_engine::shape;
 pub mod sys;
 pub mod tenants;
 pub mod transfer;

@@ -1,4 +1,4 @@
-//! Metric names, help texts and recording helpers (DESIGN §10). Every metric the agent exports is
+//! Metric names, help texts and recording helpers: the registry. Every metric the agent exports is
 //! described here, so the names live in one place; other modules call the helpers below.
 //!
 //! Label cardinality is bounded: `peer` is an authenticated identity (a certificate's NAME, or
@@ -59,11 +59,10 @@ pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 pub const CHANNELS_OPEN: &str = "xfer_channels_open";
 pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
 
-/// Installs the Prometheus recorder, serves it over HTTP on `listener` (GET /metrics, or any
-/// path; `/health` answers `OK`), and describes every metric. The caller binds the listener, so
-/// `metrics_listen` may name port 0 and the agent reports the port it got. Must run inside a
-/// tokio runtime.
-pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
+/// Installs the Prometheus recorder, keeps its histograms drained, and describes every metric.
+/// Returns the handle that renders the exposition; the admin server ([`crate::admin`]) serves it,
+/// so this registry knows nothing of sockets. Must run inside a tokio runtime.
+pub fn install() -> Result<PrometheusHandle, InstallError> {
     // Buckets from 50 µs to ~15 min: fits microsecond RDMA ops and minute-long checkpoints.
     let duration_buckets: Vec<f64> = (0..22).map(|i| 50e-6 * 2f64.powi(i)).collect();
     let recorder = PrometheusBuilder::new()
@@ -81,48 +80,8 @@ pub fn install(listener: tokio::net::TcpListener) -> Result<(), InstallError> {
             upkeep.run_upkeep();
         }
     });
-    // process_* (CPU, RSS, open and max fds, threads, start time), the names every Prometheus
-    // client exports and dashboards expect; refreshed on each scrape.
-    let process = metrics_process::Collector::default();
-    process.describe();
-    tokio::spawn(serve(listener, handle, process));
     describe();
-    Ok(())
-}
-
-/// The HTTP/1 scrape endpoint: every accepted connection gets the text exposition format.
-async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle, process: metrics_process::Collector) {
-    use futures::StreamExt;
-    let cap = crate::sys::probe_cap(crate::sys::nofile());
-    let limit = crate::sys::ConnLimit::new("metrics", cap);
-    let mut incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "metrics", limit));
-    while let Some(Ok(stream)) = incoming.next().await {
-        let (handle, process) = (handle.clone(), process.clone());
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let (handle, process) = (handle.clone(), process.clone());
-                async move {
-                    let (body, content_type) = if req.uri().path() == "/health" {
-                        ("OK".to_string(), "text/plain")
-                    } else {
-                        // Reading /proc/self is file IO: on the blocking pool, with the render.
-                        let render = move || {
-                            process.collect();
-                            handle.render()
-                        };
-                        (tokio::task::spawn_blocking(render).await.unwrap_or_default(), "text/plain")
-                    };
-                    let mut response = hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from(body)));
-                    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
-                    Ok::<_, std::convert::Infallible>(response)
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await {
-                tracing::debug!(error = %e, "metrics connection ended with an error");
-            }
-        });
-    }
+    Ok(handle)
 }
 
 /// Why the recorder could not be installed (e.g. one is installed already in this process).

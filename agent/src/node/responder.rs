@@ -310,7 +310,7 @@ impl Node {
             connection_id: p.connection_id.clone(),
             lease: crate::fabric::tcp::GrantLease::new(expires_at),
             notify: match &notify {
-                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::Pending::new(tag.clone(), *markers)),
+                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::PendingNote::new(tag.clone(), *markers)),
                 _ => None,
             },
             channel: match notify {

@@ -1,4 +1,4 @@
-//! Who is calling, and may they (DESIGN §8, SECURITY.md).
+//! Who is calling, and may they (SECURITY.md).
 //!
 //! A caller's **role** and **name** come from its client certificate, never from a field it sends:
 //! a SPIFFE-style URI SAN `spiffe://TRUST_DOMAIN/xfer/{node,client,admin}/NAME`, or, for CAs that
@@ -120,22 +120,28 @@ pub fn caller<T>(req: &tonic::Request<T>) -> Option<&Caller> {
     req.extensions().get::<Caller>()
 }
 
-/// Tower layer: authorizes every request by [`required`] and hands the [`Caller`] to handlers.
+/// How a refusal becomes the answer's status: the service's error → status mapping, handed in
+/// so that statuses are built in one place and this module depends on none of it.
+pub type Refuse = fn(AuthError) -> tonic::Status;
+
+/// Tower layer: authorizes every request by [`required`] and hands the [`Caller`] to handlers;
+/// a refused request is answered with `refuse`'s status before any handler runs.
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
     auth: Authenticator,
+    refuse: Refuse,
 }
 
 impl AuthLayer {
-    pub fn new(auth: Authenticator) -> AuthLayer {
-        AuthLayer { auth }
+    pub fn new(auth: Authenticator, refuse: Refuse) -> AuthLayer {
+        AuthLayer { auth, refuse }
     }
 }
 
 impl<S> tower::Layer<S> for AuthLayer {
     type Service = AuthService<S>;
     fn layer(&self, inner: S) -> AuthService<S> {
-        AuthService { inner, auth: self.auth.clone() }
+        AuthService { inner, auth: self.auth.clone(), refuse: self.refuse }
     }
 }
 
@@ -143,6 +149,7 @@ impl<S> tower::Layer<S> for AuthLayer {
 pub struct AuthService<S> {
     inner: S,
     auth: Authenticator,
+    refuse: Refuse,
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for AuthService<S>
@@ -166,7 +173,7 @@ where
             }
             Err(e) => {
                 tracing::debug!(path = req.uri().path(), error = %e, "request refused");
-                futures::future::Either::Left(futures::future::ready(Ok(super::convert::auth_status(e).into_http())))
+                futures::future::Either::Left(futures::future::ready(Ok((self.refuse)(e).into_http())))
             }
         }
     }

@@ -4,16 +4,12 @@
 //! tonic bounds a whole message (`limits.max_message_size`); this bounds each field to what it
 //! can mean: a region name is a region name's length, an id an id's, a tag at most
 //! `transfer.max_notify_bytes`, labels by [`crate::labels`]. A field over its bound is
-//! INVALID_ARGUMENT naming the field ([`BoundError`], mapped in `convert`), so what a caller sent never reaches a log, a record, a
-//! notification or another caller at a size nobody planned for. Every request type of the proto
-//! has an impl here (a test compares them with `xfer.proto`), and every handler takes its
-//! request through [`Services::checked`] (a test reads `service/mod.rs`).
-use tonic::{Request, Status};
+//! INVALID_ARGUMENT naming the field ([`BoundError`], mapped to a status in `convert`), so what
+//! a caller sent never reaches a log, a record, a notification or another caller at a size
+//! nobody planned for. Every request type of the proto has an impl here (a test compares them
+//! with `xfer.proto`), and every handler takes its request through `Services::checked` (a test
+//! reads `service/agent.rs` and `service/peer.rs`).
 use xfer_proto::v1 as pb;
-
-use super::convert::bound_status;
-
-use super::Services;
 
 /// Longest `host:port` a request may name (a 253-character DNS name, brackets, a port).
 pub const MAX_ADDRESS: usize = 300;
@@ -217,37 +213,10 @@ bounded! {
     PingRequest => |r, b| { Ok(()) }
 }
 
-impl Services {
-    /// The bounds this agent applies.
-    pub(super) fn bounds(&self) -> Bounds {
-        Bounds { max_tag: self.node.max_notify_bytes(), max_segments: self.node.max_segments() }
-    }
-
-    /// The request's message, once every field is within its bound.
-    pub(super) fn checked<T: Bounded>(&self, req: Request<T>) -> Result<T, Status> {
-        let m = req.into_inner();
-        m.check(&self.bounds()).map_err(bound_status)?;
-        Ok(m)
-    }
-
-    /// One message of a request stream, once every field is within its bound.
-    pub(super) fn checked_msg<T: Bounded>(&self, m: T) -> Result<T, Status> {
-        m.check(&self.bounds()).map_err(bound_status)?;
-        Ok(m)
-    }
-
-    /// [`Services::checked`] for a request whose metadata the handler still needs.
-    pub(super) fn checked_ref<'a, T: Bounded>(&self, req: &'a Request<T>) -> Result<&'a T, Status> {
-        req.get_ref().check(&self.bounds()).map_err(bound_status)?;
-        Ok(req.get_ref())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
-    use tonic::Code;
 
     const B: Bounds = Bounds { max_tag: 1024, max_segments: 16 };
 
@@ -353,13 +322,9 @@ mod tests {
         ];
         for (field, make, max) in &cases {
             make(*max).check(&B).unwrap_or_else(|e| panic!("{field} at its bound {max}: {e:?}"));
-            let e = make(max + 1)
-                .check(&B)
-                .map_err(bound_status)
-                .err()
-                .unwrap_or_else(|| panic!("{field} one past its bound {max} was accepted"));
-            assert_eq!(e.code(), Code::InvalidArgument, "{field}: {e:?}");
-            assert!(e.message().starts_with(&format!("{field}: ")), "{field}: {}", e.message());
+            let e = make(max + 1).check(&B).err().unwrap_or_else(|| panic!("{field} one past its bound {max} was accepted"));
+            assert!(matches!(e, BoundError::Invalid(_)), "{field}: {e:?}");
+            assert!(e.to_string().starts_with(&format!("{field}: ")), "{field}: {e}");
         }
     }
 
@@ -369,29 +334,29 @@ mod tests {
         let ok = pb::CreateRegionRequest { name: "r".into(), labels: one("app.example.com/tier", "db"), ..Default::default() };
         assert!(ok.check(&B).is_ok());
         let bad = pb::CreateRegionRequest { name: "r".into(), labels: one("k", "\u{1b}[2J"), ..Default::default() };
-        let e = bound_status(bad.check(&B).unwrap_err());
-        assert_eq!(e.code(), Code::InvalidArgument);
-        assert!(e.message().starts_with("labels: label \"k\""), "{}", e.message());
+        let e = bad.check(&B).unwrap_err();
+        assert!(matches!(e, BoundError::Invalid(_)), "{e:?}");
+        assert!(e.to_string().starts_with("labels: label \"k\""), "{e}");
         let many: HashMap<String, String> = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
-        let e = bound_status(pb::ListRegionsRequest { label_selector: many }.check(&B).unwrap_err());
-        assert!(e.message().starts_with("label_selector: 65 entries"), "{}", e.message());
-        let e = bound_status(pb::ListRegionsRequest { label_selector: one("bad key", "v") }.check(&B).unwrap_err());
-        assert!(e.message().contains("bad key"), "{}", e.message());
+        let e = pb::ListRegionsRequest { label_selector: many }.check(&B).unwrap_err();
+        assert!(e.to_string().starts_with("label_selector: 65 entries"), "{e}");
+        let e = pb::ListRegionsRequest { label_selector: one("bad key", "v") }.check(&B).unwrap_err();
+        assert!(e.to_string().contains("bad key"), "{e}");
     }
 
     #[test]
     fn too_many_segments_are_refused_before_they_are_converted() {
         let seg = pb::Segment { local_offset: 0, remote_offset: 0, length: 1 };
         assert!(pb::SubmitTransferRequest { segments: vec![seg; 16], ..Default::default() }.check(&B).is_ok());
-        let e = bound_status(pb::SubmitTransferRequest { segments: vec![seg; 17], ..Default::default() }.check(&B).unwrap_err());
-        assert_eq!(e.code(), Code::ResourceExhausted);
-        assert!(e.message().starts_with("segments: 17 segments"), "{}", e.message());
+        let e = pb::SubmitTransferRequest { segments: vec![seg; 17], ..Default::default() }.check(&B).unwrap_err();
+        assert!(matches!(e, BoundError::TooMany(_)), "{e:?}");
+        assert!(e.to_string().starts_with("segments: 17 segments"), "{e}");
     }
 
     #[test]
     fn too_many_endpoints_are_refused_before_any_is_looked_at() {
         let r = pb::PeerConnectRequest { endpoints: vec![pb::Endpoint::default(); MAX_ENDPOINTS + 1], ..Default::default() };
-        assert_eq!(bound_status(r.check(&B).unwrap_err()).code(), Code::ResourceExhausted);
+        assert!(matches!(r.check(&B), Err(BoundError::TooMany(_))));
     }
 
     /// Every request type of xfer.proto has a check (a new RPC cannot be added without one).
@@ -413,9 +378,9 @@ mod tests {
     /// `checked_ref` or `checked_msg` before using it.
     #[test]
     fn every_handler_checks_its_request() {
-        let src = include_str!("mod.rs");
+        let src = [include_str!("agent.rs"), include_str!("peer.rs")].concat();
         let mut unchecked = Vec::new();
-        let mut rest = src;
+        let mut rest = src.as_str();
         while let Some(at) = rest.find("async fn ") {
             rest = &rest[at + 9..];
             let name = rest.split('(').next().unwrap_or_default().to_string();

@@ -1,5 +1,5 @@
-//! The agent's gRPC client to other agents: domain calls in, protobuf on the wire. Together with
-//! `service::mod` this is the only code that sees protobuf types.
+//! The agent's gRPC client to other agents: domain calls in, protobuf on the wire (the messages
+//! are built and read in `convert`). What a peer answers is checked before it is kept.
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -8,9 +8,12 @@ use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use xfer_proto::v1 as pb;
 
 use super::auth::Role;
-use super::convert;
+use super::convert::{
+    announce_request_to_pb, bench_region_request_to_pb, close_bench_region_request_to_pb, complete_request_to_pb, disconnect_request_to_pb,
+    grant_info_from_pb, grant_request_to_pb, handshake_reply_from_pb, peer_connect_request_to_pb, revoke_request_to_pb, sink_request_to_pb,
+};
 use super::tls::TlsMaterial;
-use crate::fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
+use crate::fabric::{Endpoint, FabricKind};
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 
 #[derive(Clone)]
@@ -29,8 +32,6 @@ struct Identity {
     pinned: Option<String>,
 }
 
-/// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).
-const MAX_QP_RKEYS: usize = 256;
 /// Time to establish the HTTP/2 connection to a peer: an unreachable peer fails fast.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bound on any single peer RPC (the peer's work per call is small and local).
@@ -169,124 +170,65 @@ impl PeerApi for PeerClient {
         endpoints: Vec<Endpoint>,
         connection_id: &crate::ids::ConnectionId,
     ) -> Result<HandshakeReply, PeerError> {
-        let req = pb::PeerConnectRequest {
-            version: 1,
-            node_name: node_name.to_string(),
-            fabric: convert::fabric_to_pb(fabric) as i32,
-            endpoints: endpoints.iter().map(convert::endpoint_to_pb).collect(),
-            connection_id: connection_id.to_string(),
-        };
+        let req = peer_connect_request_to_pb(node_name, fabric, &endpoints, connection_id);
         let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
-        let endpoints = r.endpoints.iter().map(convert::endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(|e| self.bad(e))?;
-        let fabric = convert::fabric_from_pb(r.fabric).ok_or_else(|| self.bad("unknown fabric kind"))?;
-        let (node_name, instance_id) = self.identity(r.node_name, r.instance_id)?;
-        Ok(HandshakeReply { node_name, instance_id, fabric, endpoints, max_connections: r.max_connections, max_streams: r.max_streams })
+        let reply = handshake_reply_from_pb(r).map_err(|e| self.bad(e))?;
+        let (node_name, instance_id) = self.identity(reply.node_name, reply.instance_id)?;
+        Ok(HandshakeReply { node_name, instance_id, ..reply })
     }
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
     /// windows on that connection's QPs).
     async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &crate::ids::ConnectionId) -> Result<GrantInfo, PeerError> {
-        let req = pb::GrantRequest {
-            region: ask.region.to_string(),
-            offset: ask.offset,
-            length: ask.length,
-            op: match ask.op {
-                RemoteOp::Read => pb::Access::Read,
-                RemoteOp::Write => pb::Access::Write,
-            } as i32,
-            ttl: Some(convert::duration_to_pb(ask.ttl)),
-            node_name: node_name.to_string(),
-            connection_id: connection_id.to_string(),
-            notify: ask.notify.map(|(tag, markers)| pb::NotifyRequest { tag: tag.to_vec(), markers, channel: ask.channel }),
-        };
+        let req = grant_request_to_pb(ask, node_name, connection_id);
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
-        let key = if !r.token.is_empty() {
-            let t: [u8; 16] = r.token.as_slice().try_into().map_err(|_| self.bad("grant token is not 16 bytes"))?;
-            RemoteKey::Token(t)
-        } else if !r.qp_rkeys.is_empty() {
-            if r.qp_rkeys.len() > MAX_QP_RKEYS {
-                return Err(self.bad(format!("grant carries {} per-QP keys", r.qp_rkeys.len())));
-            }
-            RemoteKey::PerQp(r.qp_rkeys.into())
-        } else {
-            RemoteKey::Rkey(r.rkey)
-        };
-        let grant_id = crate::ids::GrantId::parse(&r.grant_id).map_err(|e| self.bad(e.to_string()))?;
-        // Work requests address `addr + offset` for offsets inside the granted length: a peer's
-        // range that wraps the address space is refused here, so those sums cannot overflow.
-        if r.addr.checked_add(r.length).is_none() {
-            return Err(self.bad(format!("grant range {:#x}+{} overflows the address space", r.addr, r.length)));
-        }
-        let (node_name, instance_id) = self.identity(r.node_name, r.instance_id)?;
-        Ok(GrantInfo {
-            grant_id,
-            addr: r.addr,
-            key,
-            length: r.length,
-            expires_at: r.expires_at.and_then(convert::time_from_pb),
-            node_name,
-            instance_id,
-            notify_slot: r.notify_slot,
-        })
+        let info = grant_info_from_pb(r).map_err(|e| self.bad(e))?;
+        let (node_name, instance_id) = self.identity(info.node_name, info.instance_id)?;
+        Ok(GrantInfo { node_name, instance_id, ..info })
     }
 
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
-        self.peer.clone().revoke(pb::RevokeRequest { grant_id: grant_id.to_string() }).await.map_err(|s| self.err(s))?;
+        self.peer.clone().revoke(revoke_request_to_pb(grant_id)).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 
     /// Returns whether the target's checksum matched (true when none was sent).
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError> {
-        let (has, algo, value) = match p.checksum {
-            Some((a, v)) => (true, convert::algo_to_pb(a), v),
-            None => (false, pb::ChecksumAlgo::Xxh3, 0),
-        };
-        let req = pb::CompleteRequest {
-            transfer_id: p.transfer_id.to_string(),
-            grant_id: p.grant_id.to_string(),
-            bytes: p.bytes,
-            op: if p.op_write { pb::Op::Write } else { pb::Op::Read } as i32,
-            node_name: p.node_name,
-            has_checksum: has,
-            checksum: value,
-            algo: algo as i32,
-            success: p.success,
-        };
-        let r = self.peer.clone().complete(req).await.map_err(|s| self.err(s))?.into_inner();
+        let has = p.checksum.is_some();
+        let r = self.peer.clone().complete(complete_request_to_pb(p)).await.map_err(|s| self.err(s))?.into_inner();
         Ok(!has || r.checksum_matched)
     }
 
     async fn announce(&self, grant_id: &crate::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
-        let req = pb::AnnounceRequest { grant_id: grant_id.to_string(), seq, tag: tag.to_vec() };
-        self.peer.clone().announce(req).await.map_err(|s| self.err(s))?;
+        self.peer.clone().announce(announce_request_to_pb(grant_id, seq, tag)).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 
     async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str) {
-        let req = pb::DisconnectRequest { connection_id: connection_id.to_string(), node_name: node_name.to_string() };
+        let req = disconnect_request_to_pb(connection_id, node_name);
         // Best effort: a dead peer has already dropped the connection's state.
         let _ = self.peer.clone().disconnect(req).await;
     }
 
     async fn open_sink(&self, connections: u32) -> Result<String, PeerError> {
-        let r = self.peer.clone().open_sink(pb::OpenSinkRequest { connections }).await.map_err(|s| self.err(s))?.into_inner();
+        let r = self.peer.clone().open_sink(sink_request_to_pb(connections)).await.map_err(|s| self.err(s))?.into_inner();
         Ok(r.address)
     }
 
     /// `Peer.OpenBenchRegion`: a scratch region on the peer for a benchmark; returns its name.
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
-        let r = self.peer.clone().open_bench_region(pb::OpenBenchRegionRequest { length }).await.map_err(|s| self.err(s))?.into_inner();
+        let r = self.peer.clone().open_bench_region(bench_region_request_to_pb(length)).await.map_err(|s| self.err(s))?.into_inner();
         crate::regions::validate_name(&r.region).map_err(|e| self.bad(e.to_string()))?;
         Ok(r.region)
     }
 
     async fn ping(&self) -> Result<(), PeerError> {
-        self.peer.clone().ping(pb::PingRequest {}).await.map_err(|s| self.err(s))?;
+        self.peer.clone().ping(pb::PingRequest::default()).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 
     async fn close_bench_region(&self, region: &str) -> Result<(), PeerError> {
-        self.peer.clone().close_bench_region(pb::CloseBenchRegionRequest { region: region.to_string() }).await.map_err(|s| self.err(s))?;
+        self.peer.clone().close_bench_region(close_bench_region_request_to_pb(region)).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 }

@@ -13,13 +13,19 @@ use crate::grants::GrantError;
 use crate::peer_api::PeerError;
 use crate::regions::RegionError;
 
-pub mod batch;
 pub mod driver;
-pub mod failure;
 pub mod job;
-pub mod machine;
-pub mod session;
 pub mod worker;
+pub use xfer_engine::{batch, failure, machine};
+
+/// The engine's session, carrying the agent's [`TransferError`] for the failures the driver
+/// feeds in (a lease or grant that failed) and the refusals it returns.
+pub mod session {
+    pub use xfer_engine::session::{failure_of, SessionConfig};
+    pub type Session = xfer_engine::session::Session<super::TransferError>;
+    pub type Command = xfer_engine::session::Command<super::TransferError>;
+    pub type Event = xfer_engine::session::Event<super::TransferError>;
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -155,6 +161,16 @@ pub enum TransferError {
     Aborted(String),
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<xfer_engine::Error> for TransferError {
+    fn from(e: xfer_engine::Error) -> TransferError {
+        match e {
+            xfer_engine::Error::Invalid(why) => TransferError::Invalid(why),
+            // A range outside the local region is the region's refusal, as from every other check.
+            xfer_engine::Error::Range(e) => TransferError::Region(e.into()),
+        }
+    }
 }
 
 /// A transfer's live record plus its cancel switch.

@@ -31,7 +31,7 @@ fn pattern(seed: u64, n: usize) -> Vec<u8> {
         .collect()
 }
 
-/// The KV flow of issue 12: producer fills its mapped pool in place, one batch of scattered
+/// The KV-cache flow: producer fills its mapped pool in place, one batch of scattered
 /// blocks with a notification, the consumer reads the exact bytes from its own mapped pool the
 /// moment it is told; then the same over a channel with a prepared list, twice.
 #[tokio::test]

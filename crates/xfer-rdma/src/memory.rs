@@ -96,7 +96,7 @@ pub struct RegionMemory {
 
 impl std::fmt::Debug for RegionMemory {
     // No address: on verbs it is the registered address peers would aim at, and it leaves the
-    // agent only in a grant (DESIGN §8). Registrations and work requests print through this.
+    // agent only in a grant, to the peer it is granted to. Registrations and work requests print through this.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegionMemory").field("len", &self.len).field("writable", &self.writable).finish()
     }

@@ -1,7 +1,6 @@
 //! `xferctl bench --pattern notify`: how long after a batch's last byte is visible in the
-//! target's memory the target's application receives the batch's notification (issue 11's
-//! "last byte visible → the application" target), measured end to end from the application's
-//! side.
+//! target's memory the target's application receives the batch's notification (the "last byte
+//! visible → the application" latency), measured end to end from the application's side.
 //!
 //! xferctl runs on the target's node. It creates a shared-memory pool on the peer (`--peer`) and
 //! maps it, so it sees the bytes as they land, and a source region on `--agent` filled once

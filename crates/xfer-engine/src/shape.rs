@@ -5,7 +5,7 @@ use std::ops::RangeInclusive;
 
 /// Largest chunk (one work request). The tcp fabric's frame payload bound; verbs uses the same
 /// ceiling so a transfer's shape is valid on either fabric.
-pub const MAX_CHUNK: u64 = crate::fabric::frame::MAX_PAYLOAD as u64;
+pub const MAX_CHUNK: u64 = crate::frame::MAX_PAYLOAD as u64;
 /// QPs (tcp: data streams) per connection a transfer may ask for.
 pub const QPS: RangeInclusive<usize> = 1..=64;
 /// Work requests outstanding per QP.

@@ -1,7 +1,7 @@
 //! Why a transfer did not succeed: one closed set of codes. The transfer record stores a
 //! [`FailureCode`], the `xfer_transfer_failures_total{code}` metric counts it, and the proto's
 //! `Transfer.error_code` carries [`FailureCode::as_str`] — the same value everywhere, written once.
-use crate::fabric::WcStatus;
+use crate::status::WcStatus;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FailureCode {

@@ -4,7 +4,25 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::*;
+use super::SessionConfig;
+use crate::error::Error;
+use crate::failure::{Failure, FailureCode};
+use crate::machine::Post;
+use crate::status::WcStatus;
+
+/// The driver's error in these tests: what the engine refused, or a failure from outside it (a
+/// lease or grant the fake peer fails) — the agent's `TransferError` plays this part in product.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+enum TestError {
+    #[error(transparent)]
+    Engine(#[from] Error),
+    #[error("{0}")]
+    Outside(&'static str),
+}
+
+type Session = super::Session<TestError>;
+type Command = super::Command<TestError>;
+type Event = super::Event<TestError>;
 
 const CHUNK: u64 = 10;
 
@@ -12,7 +30,7 @@ fn cfg(length: u64, verify: bool) -> SessionConfig {
     SessionConfig {
         length,
         batch: None,
-        markers: crate::transfer::machine::Markers::None,
+        markers: crate::machine::Markers::None,
         local_name: "src".into(),
         local_length: 1000,
         local_offset: 0,
@@ -113,7 +131,7 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
             if t.accepted.is_some() {
                 s.handle(Event::Cancel);
             } else {
-                s.handle(Event::Abort(TransferError::ShuttingDown));
+                s.handle(Event::Abort(TestError::Outside("agent is shutting down")));
             }
         }
         while let Some(c) = s.poll() {
@@ -122,7 +140,7 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                     let n = lease_attempts;
                     lease_attempts += 1;
                     if f.lease_fails == Some(n) {
-                        events.push_back(Event::LeaseFailed(TransferError::Internal("no connection".into())));
+                        events.push_back(Event::LeaseFailed(TestError::Outside("no connection")));
                     } else {
                         t.leases += 1;
                         events.push_back(Event::Leased { qps: 2, reused: f.pooled && n == 0 });
@@ -133,9 +151,9 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                     grant_attempts += 1;
                     let stale = f.pooled && n == 0;
                     if f.grant_fails {
-                        events.push_back(Event::GrantFailed(TransferError::NotFound("region".into())));
+                        events.push_back(Event::GrantFailed(TestError::Outside("region not found")));
                     } else if stale && f.peer_forgot_pooled {
-                        events.push_back(Event::GrantUnknownConnection(TransferError::FailedPrecondition("no connection".into())));
+                        events.push_back(Event::GrantUnknownConnection(TestError::Outside("unknown connection")));
                     } else {
                         t.grants += 1;
                         events.push_back(Event::Granted {
@@ -384,7 +402,7 @@ fn cancel_at_every_step_of_every_scenario() {
 fn events_after_the_end_are_ignored() {
     let mut s = Session::new(cfg(10, false));
     assert!(matches!(s.poll(), Some(Command::Lease)));
-    s.handle(Event::LeaseFailed(TransferError::Internal("x".into())));
+    s.handle(Event::LeaseFailed(TestError::Outside("x")));
     assert!(matches!(s.poll(), Some(Command::Refuse(_))));
     assert!(s.is_done());
     s.handle(Event::Cancel);
@@ -405,8 +423,8 @@ fn events_after_the_end_are_ignored() {
 /// places, and with markers every QP ends in one before the data counts as landed.
 #[test]
 fn a_batch_posts_its_segments_and_ends_every_qp_with_a_marker() {
-    use crate::transfer::batch::{Batch, Dest, SegmentSpec};
-    use crate::transfer::machine::Markers;
+    use crate::batch::{Batch, Dest, SegmentSpec};
+    use crate::machine::Markers;
     let specs = [
         SegmentSpec { local: 0, remote: 500, len: 25 },
         SegmentSpec { local: 100, remote: 300, len: 10 },

@@ -1,4 +1,4 @@
-//! Wire format of the TCP fabric (DESIGN §7): fixed 44-byte little-endian headers, optionally
+//! Wire format of the TCP fabric: fixed 44-byte little-endian headers, optionally
 //! followed by a payload whose length the header gives.
 //!
 //! ```text
@@ -74,7 +74,7 @@ impl Header {
     }
 
     /// A NAK of frame `id` with `status`.
-    pub fn nak(id: u64, status: crate::fabric::WcStatus) -> Self {
+    pub fn nak(id: u64, status: crate::status::WcStatus) -> Self {
         Header { status: status.code(), ..Header::new(Kind::Nak, id) }
     }
 

@@ -3,7 +3,7 @@
 //! it completions ([`Machine::handle_completion`]), cancellation and the current time, and asks it
 //! what to post next ([`Machine::poll_transmit`]) and when it times out
 //! ([`Machine::poll_timeout`]). The transfer's whole lifecycle around it (lease, grant, verify,
-//! complete, revoke, release) is the [`super::session::Session`].
+//! complete, revoke, release) is the [`crate::session::Session`].
 //!
 //! Chunks go to whichever QP has room, in *runs*: a run picks the QP with the most free window
 //! slots (ties round-robin), reserves up to `signal_every` of them (never more than the chunks
@@ -20,8 +20,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::batch::Seg;
-use crate::fabric::WcStatus;
+use crate::batch::Seg;
+use crate::status::WcStatus;
 
 /// Whether and when the machine posts one notification marker per QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

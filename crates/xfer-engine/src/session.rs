@@ -23,11 +23,12 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::batch::Batch;
-use super::failure::{Failure, FailureCode};
-use super::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
-use super::TransferError;
-use crate::fabric::WcStatus;
+use crate::batch::Batch;
+use crate::error::Error;
+use crate::failure::{Failure, FailureCode};
+use crate::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
+use crate::range::check_range;
+use crate::status::WcStatus;
 
 /// What the session needs to know up front.
 #[derive(Debug, Clone)]
@@ -55,7 +56,7 @@ pub struct SessionConfig {
 
 /// What the driver must do next.
 #[derive(Debug)]
-pub enum Command {
+pub enum Command<E> {
     /// Lease a connection to the peer → [`Event::Leased`] or [`Event::LeaseFailed`].
     Lease,
     /// Ask the peer for a grant bound to the leased connection → [`Event::Granted`],
@@ -71,7 +72,7 @@ pub enum Command {
     /// feed [`Event::Abort`] to refuse it after all, e.g. the agent started draining).
     Accept { length: u64 },
     /// The submit fails with this error (nothing is held any more).
-    Refuse(TransferError),
+    Refuse(E),
     /// Post this work request → completions, or [`Event::PostFailed`].
     Post(Post),
     /// Check that the local region's backing is intact → [`Event::LocalChecked`].
@@ -86,13 +87,13 @@ pub enum Command {
 
 /// What happened.
 #[derive(Debug)]
-pub enum Event {
+pub enum Event<E> {
     /// A connection with `qps` QPs; `reused` = from the idle pool (negotiated earlier).
     Leased {
         qps: usize,
         reused: bool,
     },
-    LeaseFailed(TransferError),
+    LeaseFailed(E),
     /// The peer's grant: its length, whether the peer is the same instance the connection was
     /// made with, and whether the connection broke meanwhile.
     Granted {
@@ -101,10 +102,10 @@ pub enum Event {
         conn_broken: bool,
     },
     /// The peer does not know the leased connection (it closed it, or restarted).
-    GrantUnknownConnection(TransferError),
-    GrantFailed(TransferError),
+    GrantUnknownConnection(E),
+    GrantFailed(E),
     /// Before `start`: give up with this error (the caller went away, the agent is draining).
-    Abort(TransferError),
+    Abort(E),
     Completion {
         qp: usize,
         seq: u64,
@@ -148,10 +149,10 @@ enum Phase {
 }
 
 #[derive(Debug)]
-pub struct Session {
+pub struct Session<E> {
     cfg: SessionConfig,
     phase: Phase,
-    out: VecDeque<Command>,
+    out: VecDeque<Command<E>>,
     leased: bool,
     granted: bool,
     reused: bool,
@@ -162,8 +163,8 @@ pub struct Session {
     bytes_done: u64,
 }
 
-impl Session {
-    pub fn new(cfg: SessionConfig) -> Session {
+impl<E: From<Error>> Session<E> {
+    pub fn new(cfg: SessionConfig) -> Session<E> {
         let mut s = Session {
             cfg,
             phase: Phase::Leasing { have_grant: false, retried: false },
@@ -181,7 +182,7 @@ impl Session {
     }
 
     /// The next command, if any. In the running phase this is the next WR the windows allow.
-    pub fn poll(&mut self) -> Option<Command> {
+    pub fn poll(&mut self) -> Option<Command<E>> {
         if let Some(c) = self.out.pop_front() {
             return Some(c);
         }
@@ -257,7 +258,7 @@ impl Session {
         }
     }
 
-    pub fn handle(&mut self, ev: Event) {
+    pub fn handle(&mut self, ev: Event<E>) {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         self.phase = match (phase, ev) {
             // A lease or grant that arrives after the end (the session was aborted while it was
@@ -400,7 +401,7 @@ impl Session {
             // The grant was asked over the batch's remote span; a peer that granted less
             // (its region is shorter) names the first segment it cannot take.
             if let Err(e) = b.check_grant(b.remote_base(), self.grant_len) {
-                return self.refuse(TransferError::Invalid(format!("peer granted {} bytes: {e}", self.grant_len)));
+                return self.refuse(Error::Invalid(format!("peer granted {} bytes: {e}", self.grant_len)).into());
             }
             let length = b.bytes();
             self.batch = Some(b.clone());
@@ -410,16 +411,16 @@ impl Session {
         let length = if self.cfg.length == 0 { self.grant_len } else { self.cfg.length };
         let c = &self.cfg;
         let refusal = if self.grant_len < length {
-            Some(TransferError::Invalid(format!("peer granted {} bytes, {} needed", self.grant_len, length)))
-        } else if let Err(e) = crate::regions::check_range(&c.local_name, c.local_length, c.local_offset, length) {
-            Some(e.into())
+            Some(Error::Invalid(format!("peer granted {} bytes, {} needed", self.grant_len, length)))
+        } else if let Err(e) = check_range(&c.local_name, c.local_length, c.local_offset, length) {
+            Some(Error::Range(e))
         } else if length == 0 {
-            Some(TransferError::Invalid("zero-length transfer: nothing to copy".into()))
+            Some(Error::Invalid("zero-length transfer: nothing to copy".into()))
         } else {
             None
         };
         if let Some(e) = refusal {
-            return self.refuse(e);
+            return self.refuse(e.into());
         }
         self.batch = Some(Batch::single(c.local_offset, 0, length));
         self.out.push_back(Command::Accept { length });
@@ -462,7 +463,7 @@ impl Session {
         }
     }
 
-    fn refuse(&mut self, e: TransferError) -> Phase {
+    fn refuse(&mut self, e: E) -> Phase {
         // Nothing was posted: the connection is as good as it was.
         self.release(true);
         self.revoke();

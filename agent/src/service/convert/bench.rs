@@ -1,0 +1,90 @@
+//! The benchmarks on the wire (admin-only): `Agent.Bench` into [`BenchParams`] and its result
+//! back, `Agent.TcpBaseline`'s answer, and the peer side's sink and scratch-region answers.
+use std::time::Duration;
+
+use tonic::Status;
+use xfer_proto::v1 as pb;
+
+use super::peers::peer_address;
+use super::scalars::{fabric_to_pb, op_from_pb};
+use super::status::{require, transfer_status};
+use crate::bench::{BenchParams, BenchResult};
+use crate::fabric::FabricKind;
+use crate::transfer::Op;
+
+/// `Agent.Bench`: the peer is required and must parse; qps and depth are 0 (the agent's default)
+/// or within the bounds `SubmitTransfer` applies; an unknown op benchmarks WRITE.
+pub fn bench_params_from_pb(r: pb::BenchRequest) -> Result<BenchParams, Status> {
+    require(!r.peer.is_empty(), "peer address is required")?;
+    peer_address(&r.peer)?;
+    if r.qps != 0 {
+        crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
+    }
+    if r.depth != 0 {
+        crate::shape::depth(r.depth as usize).map_err(|e| transfer_status(e.into()))?;
+    }
+    Ok(BenchParams {
+        peer: r.peer,
+        op: op_from_pb(r.op).unwrap_or(Op::Write),
+        size: r.size,
+        iters: r.iters,
+        qps: r.qps as usize,
+        depth: r.depth as usize,
+        blocks: r.blocks,
+        pool: r.pool,
+        channel: r.channel,
+        connections: r.connections,
+        hold: Duration::from_millis(u64::from(r.hold_ms)),
+        interval: Duration::from_millis(u64::from(r.interval_ms)),
+    })
+}
+
+/// Gbit/s of `bytes` in `seconds` (0 for a run that took no time).
+fn gbit_per_s(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 * 8.0 / seconds / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// `Agent.Bench`'s answer, for a run on a node whose fabric is `fabric`.
+pub fn bench_to_pb(b: &BenchResult, fabric: FabricKind) -> pb::BenchResponse {
+    pb::BenchResponse {
+        size: b.size,
+        iters: b.iters,
+        bytes: b.bytes,
+        seconds: b.seconds,
+        gbit_per_s: gbit_per_s(b.bytes, b.seconds),
+        lat_avg_us: b.lat_avg_us,
+        lat_p50_us: b.lat_p50_us,
+        lat_p99_us: b.lat_p99_us,
+        lat_iters: b.lat_iters,
+        fabric: fabric_to_pb(fabric) as i32,
+        blocks: b.blocks,
+        submit_p50_us: b.submit_p50_us,
+        prep_ns_per_segment: b.prep_ns_per_segment,
+        channel: b.channel,
+        repost_ns_per_segment: b.repost_ns_per_segment,
+        channel_open_us: b.channel_open_us,
+        connections: b.connections,
+        qps_held: b.qps_held,
+        rss_bytes_per_qp: b.rss_bytes_per_qp,
+        rpc_p50_us: b.rpc_p50_us,
+    }
+}
+
+/// `Agent.TcpBaseline`'s answer: `bytes` moved in `seconds`.
+pub fn tcp_baseline_to_pb(bytes: u64, seconds: f64) -> pb::TcpBaselineResponse {
+    pb::TcpBaselineResponse { bytes, seconds, gbit_per_s: gbit_per_s(bytes, seconds) }
+}
+
+/// `Peer.OpenSink`'s answer: where the sink listens.
+pub fn sink_to_pb(address: std::net::SocketAddr) -> pb::OpenSinkResponse {
+    pb::OpenSinkResponse { address: address.to_string() }
+}
+
+/// `Peer.OpenBenchRegion`'s answer: the scratch region's name.
+pub fn bench_region_to_pb(region: String) -> pb::OpenBenchRegionResponse {
+    pb::OpenBenchRegionResponse { region }
+}

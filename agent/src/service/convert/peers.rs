@@ -1,0 +1,206 @@
+//! Peers and grants on the wire: addresses and connection ids a caller names, the endpoints of
+//! `Peer.Connect` (every field a peer sent is checked, nothing is trusted), `Peer.Grant` both
+//! ways, `Peer.Complete`'s answer and the peer pool as `ListPeers` shows it.
+use tonic::Status;
+use xfer_proto::v1 as pb;
+
+use super::scalars::{duration_to_pb, fabric_from_pb, fabric_to_pb, request_duration, time_to_pb};
+use super::status::{invalid, peer_version_status, require, too_many_endpoints_status};
+use crate::fabric::{DataSecret, Endpoint, FabricKind, RemoteKey, RemoteOp, VerbsEndpoint};
+use crate::grants::Grant;
+use crate::ids::ConnectionId;
+use crate::node::{GrantParams, Node, NotifyAsk};
+use crate::peers::PeerEntry;
+
+/// Most endpoints (QPs) one `Peer.Connect` may carry.
+const MAX_QPS_PER_CONNECTION: usize = 64;
+
+/// A peer address as a caller sent it: refused here, before any region, slot or dial is looked
+/// at, unless it parses (`crate::peer_addr`); the pool canonicalizes it again when it keys.
+pub fn peer_address(addr: &str) -> Result<(), Status> {
+    crate::peer_addr::PeerAddr::parse(addr).map(|_| ()).map_err(|e| invalid(e.to_string()))
+}
+
+/// A connection id from a peer (INVALID_ARGUMENT unless 1-64 characters of `[A-Za-z0-9_.-]`).
+pub fn connection_id_from_pb(id: &str) -> Result<ConnectionId, Status> {
+    ConnectionId::parse(id).map_err(|e| invalid(e.to_string()))
+}
+
+pub fn endpoint_to_pb(e: &Endpoint) -> pb::Endpoint {
+    let kind = match e {
+        Endpoint::Tcp { address, secret } => pb::endpoint::Kind::Tcp(pb::TcpEndpoint {
+            address: address.to_string(),
+            secret: secret.map(|s| s.0.to_vec()).unwrap_or_default(),
+        }),
+        Endpoint::Verbs(v) => pb::endpoint::Kind::Verbs(pb::VerbsEndpoint {
+            qpn: v.qpn,
+            psn: v.psn,
+            gid: v.gid.to_vec(),
+            gid_index: v.gid_index,
+            lid: v.lid,
+            port: v.port,
+            mtu: v.mtu,
+            max_rd_atomic: v.max_rd_atomic,
+            gid_type: v.gid_type.clone(),
+            link_layer: v.link_layer.clone(),
+        }),
+    };
+    pb::Endpoint { kind: Some(kind) }
+}
+
+/// Validates what a peer sent: every field is checked, nothing is trusted.
+pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
+    match &e.kind {
+        Some(pb::endpoint::Kind::Tcp(t)) => {
+            let address = t.address.parse().map_err(|_| format!("invalid tcp data address {:?}", t.address))?;
+            let secret = match t.secret.len() {
+                0 => None,
+                32 => t.secret.as_slice().try_into().ok().map(DataSecret),
+                n => return Err(format!("tcp data secret must be 32 bytes, got {n}")),
+            };
+            Ok(Endpoint::Tcp { address, secret })
+        }
+        Some(pb::endpoint::Kind::Verbs(v)) => {
+            let gid: [u8; 16] = v.gid.as_slice().try_into().map_err(|_| format!("GID must be 16 bytes, got {}", v.gid.len()))?;
+            if v.qpn == 0 || v.qpn > 0x00ff_ffff {
+                return Err(format!("QPN {} is not a 24-bit non-zero value", v.qpn));
+            }
+            if v.psn > 0x00ff_ffff {
+                return Err(format!("PSN {} is not a 24-bit value", v.psn));
+            }
+            if !matches!(v.mtu, 256 | 512 | 1024 | 2048 | 4096) {
+                return Err(format!("MTU {} is not one of 256, 512, 1024, 2048, 4096", v.mtu));
+            }
+            Ok(Endpoint::Verbs(VerbsEndpoint {
+                qpn: v.qpn,
+                psn: v.psn,
+                gid,
+                gid_index: v.gid_index,
+                lid: v.lid,
+                port: v.port,
+                mtu: v.mtu,
+                max_rd_atomic: v.max_rd_atomic,
+                gid_type: v.gid_type.clone(),
+                link_layer: v.link_layer.clone(),
+            }))
+        }
+        None => Err("endpoint without a kind".into()),
+    }
+}
+
+/// `Peer.Connect`: protocol version, identity and every endpoint the peer sent.
+pub fn peer_connect_from_pb(r: &pb::PeerConnectRequest) -> Result<(ConnectionId, FabricKind, Vec<Endpoint>), Status> {
+    if r.version != 1 {
+        return Err(peer_version_status(r.version));
+    }
+    require(!r.node_name.is_empty(), "node_name is required")?;
+    let id = connection_id_from_pb(&r.connection_id)?;
+    let fabric = fabric_from_pb(r.fabric).ok_or_else(|| invalid("fabric kind is required"))?;
+    let eps = r.endpoints.iter().map(endpoint_from_pb).collect::<Result<Vec<_>, String>>().map_err(invalid)?;
+    if eps.len() > MAX_QPS_PER_CONNECTION {
+        return Err(too_many_endpoints_status(MAX_QPS_PER_CONNECTION));
+    }
+    Ok((id, fabric, eps))
+}
+
+/// `Peer.Connect`'s answer: this agent's endpoints (`mine`) and what the initiator must know of it.
+pub fn peer_connect_to_pb(node: &Node, mine: &[Endpoint]) -> pb::PeerConnectResponse {
+    pb::PeerConnectResponse {
+        version: 1,
+        node_name: node.node_name().to_string(),
+        fabric: fabric_to_pb(node.fabric_kind()) as i32,
+        endpoints: mine.iter().map(endpoint_to_pb).collect(),
+        instance_id: node.instance_id().to_string(),
+        max_connections: node.limits().max_connections_per_peer as u32,
+        max_streams: node.streams_per_peer() as u32,
+    }
+}
+
+/// `Peer.Grant`: required fields, the operation and the ttl.
+pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> {
+    require(!r.region.is_empty(), "region is required")?;
+    require(!r.node_name.is_empty(), "node_name is required")?;
+    let op = match pb::Access::try_from(r.op) {
+        Ok(pb::Access::Read) => RemoteOp::Read,
+        Ok(pb::Access::Write) => RemoteOp::Write,
+        _ => return Err(invalid("grant op must be ACCESS_READ or ACCESS_WRITE")),
+    };
+    let ttl = request_duration(r.ttl.as_ref(), "ttl")?;
+    let connection_id = match r.connection_id.as_str() {
+        "" => None,
+        id => Some(connection_id_from_pb(id)?),
+    };
+    let notify = r.notify.map(|n| match n.channel {
+        true => NotifyAsk::Channel { markers: n.markers },
+        false => NotifyAsk::Once { tag: n.tag, markers: n.markers },
+    });
+    Ok(GrantParams { region: r.region, offset: r.offset, length: r.length, op, ttl, peer: r.node_name, connection_id, notify })
+}
+
+/// `Peer.Grant`'s answer: the grant's key in the form its fabric uses (one rkey, one per QP, or
+/// a tcp token), and who issued it (`node`).
+pub fn grant_to_pb(g: &Grant, node: &Node) -> pb::GrantResponse {
+    let (rkey, token, qp_rkeys) = match &g.exposure.key {
+        RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new()),
+        RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec()),
+        RemoteKey::Token(t) => (0, t.to_vec(), Vec::new()),
+    };
+    pb::GrantResponse {
+        grant_id: g.id.to_string(),
+        addr: g.exposure.addr,
+        rkey,
+        token,
+        length: g.len,
+        expires_at: Some(time_to_pb(g.expires_at)),
+        region_id: g.region.id.clone(),
+        instance_id: node.instance_id().to_string(),
+        node_name: node.node_name().to_string(),
+        qp_rkeys,
+        notify_slot: g.notify.as_ref().map(|n| n.slot).or(g.channel.as_ref().map(|c| c.base_imm)).unwrap_or(0),
+    }
+}
+
+/// `Peer.Complete`'s answer: `verdict` is (matched, this side's checksum) when one was compared.
+pub fn complete_to_pb(verdict: Option<(bool, u64)>) -> pb::CompleteResponse {
+    pb::CompleteResponse { checksum_matched: verdict.is_some_and(|v| v.0), checksum: verdict.map(|v| v.1).unwrap_or(0) }
+}
+
+/// One entry of the peer pool, on a node whose fabric is `fabric`.
+pub fn peer_info_to_pb(p: &PeerEntry, fabric: FabricKind) -> pb::PeerInfo {
+    pb::PeerInfo {
+        address: p.addr.clone(),
+        node_name: p.node_name(),
+        fabric: fabric_to_pb(fabric) as i32,
+        qps: p.idle_count() as u32,
+        state: if p.node_name().is_empty() { "NEW".into() } else { "CONNECTED".into() },
+        connect_duration: p.last_connect.lock().ok().and_then(|l| *l).map(duration_to_pb),
+    }
+}
+
+/// `Agent.ListPeers`' answer.
+pub fn peer_list_to_pb(peers: &[std::sync::Arc<PeerEntry>], fabric: FabricKind) -> pb::ListPeersResponse {
+    pb::ListPeersResponse { peers: peers.iter().map(|p| peer_info_to_pb(p, fabric)).collect() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_endpoints_are_validated() {
+        let mut v = pb::VerbsEndpoint { qpn: 17, psn: 5, gid: vec![0; 16], mtu: 4096, ..Default::default() };
+        let ok = pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) };
+        assert!(endpoint_from_pb(&ok).is_ok());
+        v.gid = vec![0; 15];
+        assert!(endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) }).unwrap_err().contains("GID"));
+        v.gid = vec![0; 16];
+        v.psn = 1 << 24;
+        assert!(endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) }).unwrap_err().contains("PSN"));
+        v.psn = 1;
+        v.mtu = 1500;
+        assert!(endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v)) }).unwrap_err().contains("MTU"));
+        assert!(endpoint_from_pb(&pb::Endpoint { kind: None }).is_err());
+        let t = pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: "nope".into(), secret: Vec::new() })) };
+        assert!(endpoint_from_pb(&t).is_err());
+    }
+}

@@ -1,0 +1,29 @@
+//! xfer-engine: the sans-IO core of a transfer. Everything here is a value or a state machine that
+//! is told what happened and the time, and says what to do next; it does no IO, spawns nothing and
+//! never reads the clock, so every path (every fault at every step) runs in unit tests on virtual
+//! time. The agent's driver does the IO. Cargo keeps it that way: tokio, tonic and prost are not
+//! among this crate's dependencies.
+//!
+//! # Layout
+//! * [`session`] — one transfer's lifecycle (lease, grant, data, check, verify, complete, give back).
+//! * [`machine`] — the chunk machine inside a session: chunks, runs per QP, signalling, completions.
+//! * [`batch`] — checked segment lists (KV-cache batches) and their coalescing.
+//! * [`failure`] — the closed set of failure codes; [`status`] — work-completion statuses.
+//! * [`frame`] — the tcp fabric's wire codec.
+//! * [`shape`] — chunk size, QP count and depth bounds; [`range`] — byte ranges against a region.
+//! * [`ids`] — random and peer-chosen ids.
+//! * [`error`] — what the engine itself refuses.
+#![forbid(unsafe_code)]
+
+pub mod batch;
+pub mod error;
+pub mod failure;
+pub mod frame;
+pub mod ids;
+pub mod machine;
+pub mod range;
+pub mod session;
+pub mod shape;
+pub mod status;
+
+pub use error::Error;
