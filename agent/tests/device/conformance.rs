@@ -708,7 +708,7 @@ struct Held {
     rx: mpsc::UnboundedReceiver<Completion>,
 }
 
-impl xfer_agent::transfer::worker::Leased for Held {
+impl xfer_agent::transfer::job::Leased for Held {
     fn conn(&self) -> &Arc<dyn Connection> {
         &self.conn
     }
@@ -725,8 +725,9 @@ impl xfer_agent::transfer::worker::Leased for Held {
 /// mode (tcp) refuses the hand-off, touching nothing, and the job runs on the caller's task.
 async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
     use xfer_agent::transfer::batch::Seg;
+    use xfer_agent::transfer::job::{Job, WrTemplate};
     use xfer_agent::transfer::machine::{Machine, MachineConfig, Markers, State};
-    use xfer_agent::transfer::worker::{Job, MakeWr, Refused, Worker};
+    use xfer_agent::transfer::worker::{Refused, Worker};
     const LEN: u64 = 4 << 20;
     let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
     let src = region(&a, "src", LEN, Access::ReadWrite);
@@ -748,17 +749,8 @@ async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
             markers: Markers::None,
         });
         let (reg, addr, key) = (local.registration.clone(), g.exposure.addr, g.exposure.key.clone());
-        let make_wr: MakeWr = Box::new(move |p| WorkRequest {
-            wr_id: p.seq,
-            op,
-            local: reg.clone(),
-            local_offset: p.local,
-            len: p.len,
-            remote_addr: addr + p.remote,
-            remote_key: key.clone(),
-            signaled: p.signaled,
-        });
-        let job = Job { machine, lease: held, make_wr, probe: None, cancel: tokio_util::sync::CancellationToken::new() };
+        let wr = WrTemplate { op, notify_slot: 0, local: reg, remote_addr: addr, remote_key: key, wrap: None };
+        let job = Job { machine, lease: held, wr, probe: None, cancel: tokio_util::sync::CancellationToken::new(), progress: None };
         let done = match (k, worker.run(job).await) {
             (_, Ok(done)) => {
                 assert!(!matches!(k, Kind::Tcp), "tcp connections cannot be handed off");

@@ -8,8 +8,8 @@ use xfer_proto::v1 as pb;
 use super::peers::peer_address;
 use super::scalars::{fabric_to_pb, op_from_pb};
 use super::status::{require, transfer_status};
+use crate::bench::{BenchParams, BenchResult};
 use crate::fabric::FabricKind;
-use crate::node::{BenchParams, BenchResult};
 use crate::transfer::Op;
 
 /// `Agent.Bench`: the peer is required and must parse; qps and depth are 0 (the agent's default)
