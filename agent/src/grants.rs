@@ -5,10 +5,10 @@
 //! grant's [`GrantLease`] makes sure no payload byte lands under it once the revoking call returns.
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use crate::metrics as m;
-use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, Pending, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
+use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, PendingNote, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
 use crate::regions::Region;
 use tracing::debug;
 use xfer_fabric::grant::{AccessCheck, Checked, GrantLease};
@@ -47,7 +47,7 @@ pub struct Grant {
     pub lease: Arc<GrantLease>,
     /// The notification the grantee asked for (`GrantRequest.notify`); its slot is set by
     /// [`GrantTable::insert`].
-    pub notify: Option<Pending>,
+    pub notify: Option<PendingNote>,
     /// A channel's per-batch notifications (`NotifyRequest.channel`) instead; its slot base is
     /// set by [`GrantTable::insert`].
     pub channel: Option<ChannelNotes>,
@@ -300,7 +300,7 @@ impl GrantTable {
         // Counted and published under the grant's lease: a revocation either waits for this or
         // comes first (then the marker is refused), so nothing is published once it returned.
         let counted = grant.lease.while_live(|| {
-            if n.marker() {
+            if n.marker(Instant::now()) {
                 self.hub.publish(n, about(grant), Via::Fabric);
             }
         });
@@ -322,7 +322,7 @@ impl GrantTable {
         }
         // Under the lease, as for a grant's one notification.
         let r = grant.lease.while_live(|| {
-            let r = ch.marker(imm);
+            let r = ch.marker(imm, Instant::now());
             if let Ok(Some((tag, first))) = &r {
                 self.hub.send(tag.clone(), *first, about(grant), Via::Fabric);
             }

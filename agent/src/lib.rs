@@ -25,6 +25,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod bench;
 pub mod checksum;
 pub mod config;
 pub mod cpus;

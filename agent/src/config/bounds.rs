@@ -9,7 +9,10 @@
 //! one cannot be added without a ceiling.
 use std::time::Duration;
 
-use super::{bad, ByteSize, Config, ConfigError};
+use xfer_common::ByteSize;
+
+use super::error::{bad, ConfigError};
+use super::root::Config;
 
 const SECOND: Duration = Duration::from_secs(1);
 const HOUR: Duration = Duration::from_secs(3600);

@@ -17,14 +17,26 @@
 //! goes to the target in a `Peer.Announce` sent while the data is in flight. The target
 //! publishes once both arrived (`notify::ChannelNotes`), so the guarantee is the one a single
 //! transfer's notification gives: every byte of the batch is visible when it is published.
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use super::initiator::Held;
 use super::limits::ChannelSlot;
-#[allow(unused_imports)]
-use super::*;
+use super::Node;
+use crate::metrics as m;
+use crate::peer_api::{GrantAsk, GrantInfo};
+use crate::regions::RegionUse;
 use crate::shape;
-use crate::transfer::batch::BatchError;
+use crate::transfer::batch::{Batch, BatchError, Dest, SegmentSpec};
 use crate::transfer::failure::{Failure, FailureCode};
-use crate::transfer::session::failure_of;
-use crate::transfer::worker::Job;
+use crate::transfer::job::{Job, WrTemplate};
+use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
+use crate::transfer::session::{failure_of, Session, SessionConfig};
+use crate::transfer::{Op, TransferError};
+use xfer_fabric::{RemoteOp, WrOp};
 
 /// Prepared lists one channel keeps at most.
 pub const MAX_LISTS: usize = 64;
@@ -172,7 +184,7 @@ impl Node {
         let qps = shape::qps(p.options.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(p.options.depth.unwrap_or(t.depth))?;
         let timeout = p.options.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&p.remote_agent).await?;
+        let peer = self.initiator.peers.peer(&p.remote_agent).await?;
         let slot = self.channel_slot(&peer.key, owner)?;
         let remote_op = match p.op {
             Op::Write => RemoteOp::Write,
@@ -204,7 +216,7 @@ impl Node {
             verify: false,
             timeout,
         });
-        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
             (Some(g), Some(l)) => (g.info.clone(), l.qps()),
@@ -440,17 +452,8 @@ impl Channel {
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
         let imm = announce.as_ref().map_or(0, |(imm, _)| *imm);
-        let make_wr: crate::transfer::worker::MakeWr = Box::new(move |p| WorkRequest {
-            wr_id: p.seq,
-            op: if p.marker { WrOp::Notify { slot: imm } } else { wr_op },
-            local: registration.clone(),
-            local_offset: p.local,
-            len: p.len,
-            remote_addr: addr + p.remote,
-            remote_key: key.clone(),
-            signaled: p.signaled,
-        });
-        let done = match self.node.run_job(Job { machine, lease, make_wr, probe: None, cancel: cancel.clone() }).await {
+        let wr = WrTemplate { op: wr_op, notify_slot: imm, local: registration, remote_addr: addr, remote_key: key, wrap: None };
+        let done = match self.node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await {
             Ok(d) => d,
             Err(e) => return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e)),
         };

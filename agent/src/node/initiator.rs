@@ -3,15 +3,29 @@
 //! the data, the local check, verification and `Peer.Complete` in a task. What the transfer holds
 //! from its peer — the leased connection and the grant — lives in [`Held`] as RAII guards, so a
 //! path that forgets them, or a dropped future, still gives them back.
-#[allow(unused_imports)]
-use super::*;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use super::Node;
+use crate::checksum::{self, Algo};
+use crate::metrics as m;
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
+use crate::peers::{Lease, PeerEntry, PeerPool};
+use crate::regions::RegionUse;
 use crate::shape;
 use crate::tenants::Tenant;
 use crate::transfer::batch::{Batch, Dest};
-use crate::transfer::driver::{post_runs, wait, Wake};
 use crate::transfer::failure::{Failure, FailureCode};
+use crate::transfer::job::{Job, Progress, WrTemplate};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
+use crate::transfer::worker::Worker;
+use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use xfer_fabric::{RemoteOp, WrOp};
 
 impl Node {
     // ------------------------------------------------------------------ Initiator side
@@ -82,7 +96,7 @@ impl Node {
         let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
         let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
         let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
-        let peer = self.peers.peer(&req.remote_agent).await?;
+        let peer = self.initiator.peers.peer(&req.remote_agent).await?;
         let slot = self.reserve_slot(&peer.key, owner)?;
         let remote_op = match req.op {
             Op::Write => RemoteOp::Write,
@@ -127,7 +141,7 @@ impl Node {
             notify: req.notify.as_deref().map(|t| (t, 0)),
             channel: false,
         };
-        let mut held = Held::new(peer.clone(), owner.clone(), self.pending_revokes.clone());
+        let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
@@ -164,7 +178,7 @@ impl Node {
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
-        let handle = self.transfers.insert_owned(record, self.config.limits.tenant_share);
+        let handle = self.initiator.transfers.insert_owned(record, self.config.limits.tenant_share);
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
@@ -176,7 +190,7 @@ impl Node {
     }
 
     /// Drives `s` through lease and grant until it accepts (the transfer's length) or refuses.
-    /// Also used by the benchmark, which then moves the data itself.
+    /// Also used by channels and [`Node::acquire_exempt`], which then move the data themselves.
     pub(super) async fn acquire(
         &self,
         s: &mut Session,
@@ -190,7 +204,7 @@ impl Node {
             let ev = match held.settle(s) {
                 Some(Command::Accept { length }) => return Ok(length),
                 Some(Command::Refuse(e)) => return Err(e),
-                Some(Command::Lease) => match self.peers.lease(&held.peer, qps, depth, &held.tenant).await {
+                Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
                         let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
                         held.lease = Some(l);
@@ -238,6 +252,28 @@ impl Node {
             };
             s.handle(ev);
         }
+    }
+
+    /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
+    /// region), through the transfer session's acquire phase: the same stale-connection handling
+    /// as a transfer. Both are given back when the returned [`Held`] drops.
+    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, TransferError> {
+        let mut s = Session::new(SessionConfig {
+            length: ask.length,
+            batch: None,
+            markers: Markers::None,
+            local_name: "bench buffer".into(),
+            local_length: ask.length,
+            local_offset: 0,
+            chunk: ask.length,
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            verify: false,
+            timeout: Duration::from_secs(600),
+        });
+        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.initiator.pending_revokes.clone());
+        self.acquire(&mut s, &mut held, ask, qps, depth).await?;
+        Ok(held)
     }
 
     async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, mut plan: Plan) {
@@ -290,8 +326,10 @@ impl Node {
         }
     }
 
-    /// Runs the session from `start` to `Finish`: posts, completions, cancel, time, the local
-    /// check, the checksum and `Peer.Complete`.
+    /// Runs the session from `start` to `Finish`: its data phase is a job on the data path's one
+    /// driver ([`Node::run_job`]: posts, completions, cancel, time, progress into the record);
+    /// what comes after — the local check, the checksum and `Peer.Complete` — is done here, as
+    /// the session asks.
     async fn drive(
         &self,
         handle: &Arc<TransferHandle>,
@@ -302,112 +340,53 @@ impl Node {
         let Plan { session: s, held, local, algo, .. } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
-        let Some((remote_addr, key, notify_slot)) = held.grant.as_ref().map(|g| (g.info.addr, g.info.key.clone(), g.info.notify_slot))
-        else {
+        let Some(grant) = held.grant.as_ref().map(|g| &g.info) else {
             return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
-        let registration = local.0.registration.clone();
-        let op = if rec.op == Op::Write { WrOp::Write } else { WrOp::Read };
+        let wr = WrTemplate {
+            op: if rec.op == Op::Write { WrOp::Write } else { WrOp::Read },
+            notify_slot: grant.notify_slot,
+            local: local.0.registration.clone(),
+            remote_addr: grant.addr,
+            remote_key: grant.key.clone(),
+            wrap: None,
+        };
         let mut reported = 0;
-        // WRs the session asked for in one go, posted together (one doorbell per QP run) before
-        // anything else happens.
-        let mut pending: Vec<(usize, WorkRequest)> = Vec::new();
-        // The data phase goes to the device's data-path worker once (verbs with
-        // `verbs.worker`); if it cannot take it, this task drives it.
-        let mut worker = self.worker();
         loop {
-            loop {
-                let Some(cmd) = held.settle(s) else {
-                    if pending.is_empty() {
-                        break;
-                    }
-                    flush(held, s, &mut pending);
-                    continue;
+            // The data phase: the session lends its machine whenever it is moving data.
+            if let Some(machine) = s.lend_machine() {
+                let Some(lease) = held.lease.take() else {
+                    s.return_machine(machine);
+                    return Err(Failure::new(FailureCode::Internal, "transfer session runs without a connection"));
                 };
-                if !matches!(cmd, Command::Post(_)) && !pending.is_empty() {
-                    flush(held, s, &mut pending);
-                }
-                match cmd {
-                    Command::Post(p) => {
-                        let wr = WorkRequest {
-                            wr_id: p.seq,
-                            op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
-                            local: registration.clone(),
-                            local_offset: p.local,
-                            len: p.len,
-                            remote_addr: remote_addr + p.remote,
-                            remote_key: key.clone(),
-                            signaled: p.signaled,
-                        };
-                        pending.push((p.qp, wr));
-                    }
-                    Command::CheckLocal => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
-                    Command::Checksum => {
-                        let r = self.checksum(local, rec, *algo).await;
-                        s.handle(Event::Checksummed(r));
-                    }
-                    Command::Complete { checksum } => {
-                        let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
-                        s.handle(Event::Completed(r));
-                    }
-                    Command::Finish(r) => {
-                        report(handle, s.bytes_done(), &mut reported, started);
-                        return r;
-                    }
-                    other => {
-                        return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));
-                    }
-                }
+                let h = handle.clone();
+                let mut shown = reported;
+                let progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
+                let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
+                let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
+                held.lease = Some(done.lease);
+                reported = done.machine.bytes_done();
+                s.return_machine(done.machine);
+                continue;
             }
-            report(handle, s.bytes_done(), &mut reported, started);
-            if let Some(w) = worker.take() {
-                if let Some(machine) = s.lend_machine() {
-                    let Some(lease) = held.lease.take() else {
-                        s.return_machine(machine);
-                        return Err(Failure::new(FailureCode::Internal, "transfer session runs without a connection"));
-                    };
-                    let reg = registration.clone();
-                    let (key, h) = (key.clone(), handle.clone());
-                    let make_wr: MakeWr = Box::new(move |p| WorkRequest {
-                        wr_id: p.seq,
-                        op: if p.marker { WrOp::Notify { slot: notify_slot } } else { op },
-                        local: reg.clone(),
-                        local_offset: p.local,
-                        len: p.len,
-                        remote_addr: remote_addr + p.remote,
-                        remote_key: key.clone(),
-                        signaled: p.signaled,
-                    });
-                    let mut shown = reported;
-                    let on_progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
-                    let job = Job { machine, lease, make_wr, probe: None, cancel: handle.cancel.clone() };
-                    match w.run_with_progress(job, Some(on_progress)).await {
-                        Ok(done) => {
-                            m::data_path_job("worker");
-                            held.lease = Some(done.lease);
-                            s.return_machine(done.machine);
-                        }
-                        Err(Refused::Busy(job)) => {
-                            held.lease = Some(job.lease);
-                            s.return_machine(job.machine);
-                        }
-                        Err(Refused::Lost) => return Err(Failure::new(FailureCode::Internal, "the data-path worker thread stopped")),
-                    }
-                    continue;
+            match held.settle(s) {
+                Some(Command::CheckLocal) => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
+                Some(Command::Checksum) => {
+                    let r = self.checksum(local, rec, *algo).await;
+                    s.handle(Event::Checksummed(r));
                 }
-            }
-            let Some(lease) = held.lease.as_mut() else {
-                return Err(Failure::new(FailureCode::Internal, "transfer session waits without a connection"));
-            };
-            let deadline = s.poll_timeout();
-            let spin = self.poll_spin();
-            match wait(lease, &handle.cancel, deadline, spin, |c| s.handle(Event::Completion { qp: c.qp, seq: c.wr_id, status: c.status }))
-                .await
-            {
-                Wake::Completions => {}
-                Wake::Closed => s.handle(Event::ConnectionClosed),
-                Wake::Cancelled => s.handle(Event::Cancel),
-                Wake::Timeout => s.handle_timeout(Instant::now()),
+                Some(Command::Complete { checksum }) => {
+                    let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
+                    s.handle(Event::Completed(r));
+                }
+                Some(Command::Finish(r)) => {
+                    report(handle, s.bytes_done(), &mut reported, started);
+                    return r;
+                }
+                Some(other) => {
+                    return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));
+                }
+                None => return Err(Failure::new(FailureCode::Internal, "transfer session stopped before finishing")),
             }
         }
     }
@@ -449,37 +428,24 @@ impl Node {
     /// A transfer record by id: an outbound id, or `PEER/ID` for an inbound one.
     pub fn transfer(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
         if id.contains('/') {
-            self.inbound.get(id)
+            self.responder.inbound.get(id)
         } else {
-            self.transfers.get(id)
+            self.initiator.transfers.get(id)
         }
     }
 
     /// Outbound records, then inbound ones, each oldest first.
     pub fn list_transfers(&self) -> Vec<TransferRecord> {
-        let mut v = self.transfers.list();
-        v.extend(self.inbound.list());
+        let mut v = self.initiator.transfers.list();
+        v.extend(self.responder.inbound.list());
         v
     }
 
     /// Cancels a running transfer; no-op for finished ones.
     pub fn cancel(&self, id: &str) -> Result<TransferRecord, TransferError> {
-        let h = self.transfers.get(id)?;
+        let h = self.initiator.transfers.get(id)?;
         h.cancel.cancel();
         Ok(h.snapshot())
-    }
-}
-
-/// Posts the WRs the session asked for (one doorbell per QP run) and feeds back any that failed.
-fn flush(held: &Held, s: &mut Session, pending: &mut Vec<(usize, WorkRequest)>) {
-    let failed = match held.lease.as_ref() {
-        Some(l) => post_runs(l.conn().as_ref(), pending),
-        None => Err((pending.drain(..).map(|(_, w)| w.wr_id).collect(), "no connection".to_string())),
-    };
-    if let Err((seqs, reason)) = failed {
-        for seq in seqs {
-            s.handle(Event::PostFailed { seq, reason: reason.clone() });
-        }
     }
 }
 
@@ -491,6 +457,21 @@ fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Inst
             r.elapsed = started.elapsed();
         });
     }
+}
+
+/// The initiator side's state: what this agent runs against its peers.
+pub(super) struct Initiator {
+    /// Transfers this agent initiated.
+    pub(super) transfers: TransferRegistry,
+    pub(super) peers: PeerPool,
+    /// Submits past the limit check that have not inserted their record yet, and open
+    /// channels, by peer identity and owner. Counted with the active transfers so concurrent
+    /// submits cannot overshoot the limits.
+    pub(super) submitting: Mutex<HashMap<(String, Tenant), usize>>,
+    /// Background revocations of peer grants in flight; `drain` waits for them.
+    pub(super) pending_revokes: Arc<AtomicUsize>,
+    /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
+    pub(super) worker: OnceLock<Option<Worker<Lease>>>,
 }
 
 /// What a running transfer owns.
@@ -507,7 +488,7 @@ pub(super) struct Plan {
 /// the pool or discarded) and the grant ([`GrantGuard`]: revoked unless the peer consumed it).
 /// The session's `Release`/`Revoke`/`GrantConsumed` commands are applied here; anything still
 /// held when this drops is discarded and revoked.
-pub(super) struct Held {
+pub struct Held {
     pub(super) peer: Arc<PeerEntry>,
     /// Whose share of the connections to `peer` its lease is charged to.
     pub(super) tenant: Tenant,
@@ -528,6 +509,16 @@ impl Held {
     }
 
     /// The session's next command, after applying the resource ones (release, revoke, consumed).
+    /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
+    /// holds; the grant itself stays here, revoked when this drops.
+    pub fn take_parts(&mut self) -> Result<(Lease, GrantInfo), TransferError> {
+        let grant = self.grant.as_ref().map(|g| g.info.clone());
+        match (self.lease.take(), grant) {
+            (Some(l), Some(g)) => Ok((l, g)),
+            _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
+        }
+    }
+
     pub(super) fn settle(&mut self, s: &mut Session) -> Option<Command> {
         loop {
             match s.poll()? {

@@ -10,12 +10,26 @@
 //!
 //! [`Node::state_counts`] reports the size of every per-owner map the agent keeps, so tests can
 //! check that each returns to its baseline once its owners are gone.
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use tracing::info;
 
+use super::shares::Shares;
 use super::Node;
-use crate::regions::{Region, RegionError};
+use crate::grants::GrantTable;
+use crate::regions::{Region, RegionError, RegionRegistry};
+
+/// The state that belongs to regions: the registry, the grants peers hold on them, the
+/// per-identity shares of what clients create, and the benchmark scratch region a peer holds.
+pub(super) struct Regions {
+    pub(super) registry: RegionRegistry,
+    pub(super) grants: Arc<GrantTable>,
+    /// Per-identity shares of the region, registered-bytes and subscriber limits.
+    pub(super) shares: Shares,
+    /// The scratch region of the benchmark running against this agent, and its owner.
+    pub(super) bench_region: Mutex<Option<(String, String)>>,
+}
 
 /// Entries of the agent's per-owner maps (see the module docs). Maps bounded by design rather
 /// than by their owners' lifetime are reported as such: the transfer histories keep the last
@@ -55,11 +69,11 @@ pub struct StateCounts {
     pub bench_region: bool,
 }
 
-impl Node {
+impl Regions {
     /// `DeleteRegion`: the region ends (see the module docs) before this returns.
-    pub fn delete_region(&self, name: &str) -> Result<(), RegionError> {
+    pub(super) fn delete(&self, name: &str) -> Result<(), RegionError> {
         let mut revoked = 0;
-        let gone = self.regions.delete(name, |r| revoked = self.cut_off(r))?;
+        let gone = self.registry.delete(name, |r| revoked = self.cut_off(r))?;
         // None: an unavailable region, never registered, so nothing reached it.
         if let Some(r) = gone {
             self.forget(&r);
@@ -70,11 +84,11 @@ impl Node {
         Ok(())
     }
 
-    /// Ends the regions whose lease is over at `now` exactly as [`Node::delete_region`] does
+    /// Ends the regions whose lease is over at `now` exactly as [`Regions::delete`] does
     /// (the reaper calls it every 250 ms; tests call it with a `now` of their choosing).
     /// Blocking (the catalog is written): call it off the runtime's threads. Returns how many.
-    pub fn reap_regions(&self, now: SystemTime) -> usize {
-        let gone = self.regions.reap_expired(now, |r| {
+    pub(super) fn reap(&self, now: SystemTime) -> usize {
+        let gone = self.registry.reap_expired(now, |r| {
             let n = self.cut_off(r);
             if n > 0 {
                 info!(region = %r.name, grants = n, "region lease ended; revoked its grants");
@@ -100,13 +114,27 @@ impl Node {
             *slot = None;
         }
     }
+}
+
+impl Node {
+    /// `DeleteRegion`: the region ends (see the module docs) before this returns.
+    pub fn delete_region(&self, name: &str) -> Result<(), RegionError> {
+        self.regions.delete(name)
+    }
+
+    /// Ends the regions whose lease is over at `now` exactly as [`Node::delete_region`] does
+    /// (the reaper calls it every 250 ms; tests call it with a `now` of their choosing).
+    /// Blocking (the catalog is written): call it off the runtime's threads. Returns how many.
+    pub fn reap_regions(&self, now: SystemTime) -> usize {
+        self.regions.reap(now)
+    }
 
     /// The sizes of the agent's per-owner maps (tests and introspection).
     pub fn state_counts(&self) -> StateCounts {
-        let (grants, grant_tokens, grant_slots, grant_channels) = self.grants.counts();
-        let (notify_channels, rings, subscribers) = self.grants.hub().counts();
+        let (grants, grant_tokens, grant_slots, grant_channels) = self.regions.grants.counts();
+        let (notify_channels, rings, subscribers) = self.regions.grants.hub().counts();
         StateCounts {
-            regions: self.regions.totals().0,
+            regions: self.regions.registry.totals().0,
             grants,
             grant_tokens,
             grant_slots,
@@ -114,16 +142,16 @@ impl Node {
             notify_channels,
             rings,
             subscribers,
-            accepted: self.accepted.lock().unwrap_or_else(|e| e.into_inner()).len(),
-            submitting: self.submitting.lock().unwrap_or_else(|e| e.into_inner()).len(),
-            transfers_active: self.transfers.active(None).len(),
-            transfers_kept: self.transfers.len(),
-            inbound_kept: self.inbound.len(),
-            peers: self.peers.list().len(),
-            peer_aliases: self.peers.alias_count(),
+            accepted: self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            submitting: self.initiator.submitting.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            transfers_active: self.initiator.transfers.active(None).len(),
+            transfers_kept: self.initiator.transfers.len(),
+            inbound_kept: self.responder.inbound.len(),
+            peers: self.initiator.peers.list().len(),
+            peer_aliases: self.initiator.peers.alias_count(),
             tenants: self.tenants_holding(),
-            lease_tenants: self.peers.lease_tenants(),
-            bench_region: self.bench_region.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
+            lease_tenants: self.initiator.peers.lease_tenants(),
+            bench_region: self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner()).is_some(),
         }
     }
 }

@@ -1,10 +1,32 @@
 //! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
-//! the check until the transfer's record counts), and the one-at-a-time admin slot; and the
-//! data path's knobs: the poll spin, the device's worker thread, the WR length.
-#[allow(unused_imports)]
-use super::*;
-use crate::peers::PeerKey;
+//! the check until the transfer's record counts), and the one-at-a-time admin and sink slots;
+//! and the data path: the poll spin, the device's worker thread, the WR length (as the fabric
+//! reports what applies to it), and the one entry every job takes ([`Node::run_job`]).
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::initiator::Initiator;
+use super::Node;
+use crate::config::LimitsConfig;
+use crate::metrics as m;
+use crate::peers::{Lease, PeerKey};
 use crate::tenants::Tenant;
+use crate::transfer::job::{Done, Job, Leased};
+use crate::transfer::worker::Worker;
+use crate::transfer::TransferError;
+use xfer_fabric::Connection;
+
+/// The data path drives a pooled connection's lease.
+impl Leased for Lease {
+    fn conn(&self) -> &Arc<dyn Connection> {
+        Lease::conn(self)
+    }
+    fn completions(&mut self) -> &mut tokio::sync::mpsc::UnboundedReceiver<xfer_fabric::Completion> {
+        Lease::completions(self)
+    }
+}
 
 /// A submit's slot under `limits.max_transfers` and `max_transfers_per_peer`, held from the
 /// limit check until the transfer's record is in the registry (which then counts it).
@@ -15,7 +37,7 @@ pub(super) struct SubmitSlot<'a> {
 
 impl Drop for SubmitSlot<'_> {
     fn drop(&mut self) {
-        self.node.release_slot(&self.key);
+        self.node.initiator.release_slot(&self.key);
     }
 }
 
@@ -28,29 +50,17 @@ pub(super) struct ChannelSlot {
 
 impl Drop for ChannelSlot {
     fn drop(&mut self) {
-        self.node.release_slot(&self.key);
+        self.node.initiator.release_slot(&self.key);
     }
 }
 
-impl Node {
+impl Initiator {
+    /// Slots taken and not yet counted by a record (submits in flight, open channels).
     pub(super) fn submitting_count(&self) -> usize {
         self.submitting.lock().map(|m| m.values().sum()).unwrap_or(0)
     }
 
-    /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
-    /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
-    /// inserted, so concurrent submits cannot overshoot.
-    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
-        let key = self.take_slot(peer, tenant)?;
-        Ok(SubmitSlot { node: self, key })
-    }
-
-    /// [`Node::reserve_slot`] for a channel's whole life.
-    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
-        let key = self.take_slot(peer, tenant)?;
-        Ok(ChannelSlot { node: Arc::clone(self), key })
-    }
-
+    /// Gives back a slot [`Initiator::take_slot`] took.
     fn release_slot(&self, key: &(String, Tenant)) {
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(n) = m.get_mut(key) {
@@ -61,8 +71,9 @@ impl Node {
         }
     }
 
-    fn take_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
-        let limits = &self.config.limits;
+    /// Takes a slot under `limits.max_transfers`, `limits.max_transfers_per_peer` and `tenant`'s
+    /// share of both, counting the running transfers and the slots already taken.
+    fn take_slot(&self, limits: &LimitsConfig, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
         let peer = peer.to_string();
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         let active = self.transfers.active(None);
@@ -104,25 +115,42 @@ impl Node {
         *m.entry(key.clone()).or_insert(0) += 1;
         Ok(key)
     }
+}
 
-    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+impl Node {
+    /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
+    /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
+    /// inserted, so concurrent submits cannot overshoot.
+    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
+        let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
+        Ok(SubmitSlot { node: self, key })
+    }
+
+    /// [`Node::reserve_slot`] for a channel's whole life.
+    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
+        let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
+        Ok(ChannelSlot { node: Arc::clone(self), key })
+    }
+
     /// How long a transfer polls its own connection before sleeping (`verbs.poll_spin`; only
     /// the verbs fabric has anything to poll).
     pub(super) fn poll_spin(&self) -> Duration {
-        match self.fabric.kind() {
-            FabricKind::Verbs => self.config.verbs.poll_spin.0,
-            FabricKind::Tcp => Duration::ZERO,
+        if self.fabric.polled() {
+            self.config.verbs.poll_spin.0
+        } else {
+            Duration::ZERO
         }
     }
 
     /// The device's data-path worker (`transfer::worker`), started on first use: verbs with
     /// `verbs.worker` only (a tcp connection cannot be handed off). `None` if it could not start
     /// (logged once); then every job runs on its caller's task.
-    pub(super) fn worker(&self) -> Option<&Worker> {
-        if self.fabric.kind() != FabricKind::Verbs || !self.config.verbs.worker {
+    pub(super) fn worker(&self) -> Option<&Worker<Lease>> {
+        if !self.fabric.polled() || !self.config.verbs.worker {
             return None;
         }
-        self.worker
+        self.initiator
+            .worker
             .get_or_init(|| {
                 let rt = tokio::runtime::Handle::try_current().ok()?;
                 Worker::start("xfer-data-path", self.config.verbs.poll_spin.0, rt, self.worker_cpu())
@@ -161,24 +189,35 @@ impl Node {
         }
     }
 
-    /// Runs `job` to its end on the data-path worker, or on this task without one.
-    pub(super) async fn run_job(&self, job: Job) -> Result<Done, TransferError> {
+    /// Runs `job` to its end through the data path's one driver: on the data-path worker, or on
+    /// this task without one. Transfers, channel batches and benchmark phases all come here.
+    pub async fn run_job(&self, job: Job<Lease>) -> Result<Done<Lease>, TransferError> {
         crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(TransferError::Internal)
     }
 
     /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp
     /// fabric's frames need no split).
-    pub(super) fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
-        match self.fabric.kind() {
-            FabricKind::Verbs => crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0),
-            FabricKind::Tcp => chunk,
+    pub fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
+        if self.fabric.polled() {
+            crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0)
+        } else {
+            chunk
         }
     }
 
-    pub(super) fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+    /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
+    pub fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
         self.admin_slot
             .clone()
             .try_acquire_owned()
             .map_err(|_| TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)")))
+    }
+
+    /// One `Peer.OpenSink` at a time; the sink's task holds the permit until the sink closes.
+    pub fn sink_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+        self.sink_slot
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))
     }
 }

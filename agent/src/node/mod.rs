@@ -5,95 +5,71 @@
 //! * this file — the `Node` itself, start-up (`new`, reapers) and drain;
 //! * [`lifetime`] — how a region ends (delete, lease) and what is kept per owner;
 //! * [`responder`] — the target side: accepting connections, grants, revocation, `Peer.Complete`;
+//! * [`inbound`] — notifications to this agent's subscribers (`WatchInbound`, rings), tag bounds;
 //! * [`initiator`] — the initiator side: submit, the transfer's run, leases and grants from peers;
-//! * [`limits`] — admission: transfer slots and the one-at-a-time admin slot;
+//! * [`limits`] — admission (transfer slots, the admin and sink slots) and the data path's knobs;
 //! * [`shares`] — the per-identity shares of regions, bytes and subscriptions;
 //! * [`channel`] — channels: one connection and one grant held, many batches posted;
-//! * [`bench`] — benchmarks, the raw TCP baseline and its sink, bench scratch regions.
+//! * [`scratch`] — the target side of a benchmark: its scratch region.
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{info, warn};
 
-use crate::checksum::{self, Algo};
 use crate::config::Config;
-use crate::grants::{Grant, GrantError, GrantTable};
+use crate::grants::GrantTable;
 use crate::ids::new_id;
 use crate::metrics as m;
-use crate::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, PeerError, RemoteCode};
+use crate::peer_api::{Connector, PeerError};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
-use crate::transfer::batch::{Batch, Dest, Seg, SegmentSpec};
-use crate::transfer::driver::LatencyProbe;
-use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
-use crate::transfer::session::{Session, SessionConfig};
-use crate::transfer::worker::{Done, Job, MakeWr, Progress, Refused, Worker};
-use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
-use xfer_fabric::{Accepted, Endpoint, ExposeRequest, Fabric, FabricError, FabricKind, Registration, RemoteOp, WorkRequest, WrOp};
+use crate::transfer::TransferRegistry;
+use xfer_fabric::{Fabric, FabricKind};
 use xfer_rdma::memory::RegionMemory;
 
-mod bench;
 mod channel;
+mod inbound;
 mod initiator;
 mod lifetime;
 mod limits;
 mod responder;
-mod sample;
+mod scratch;
 mod shares;
 
-pub use bench::{BenchParams, BenchResult};
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
-use initiator::Held;
+pub use inbound::InboundRing;
+pub use initiator::Held;
+use initiator::Initiator;
+use lifetime::Regions;
 pub use lifetime::StateCounts;
-use responder::AcceptedConn;
-pub use responder::{GrantParams, InboundRing, NotifyAsk};
+use responder::Responder;
+pub use responder::{GrantParams, NotifyAsk};
+pub use scratch::BENCH_REGION_TTL;
 
+/// The agent's core, composed of parts that own their state — [`Regions`] (the registry, the
+/// grants on it, the shares, the benchmark scratch slot), [`Initiator`] (outbound transfers, the
+/// peer pool, admission, the data-path worker) and [`Responder`] (accepted connections,
+/// inbound records, notification rings) — and what every part reads: the configuration, the
+/// fabric and the drain switch. The service-facing calls stay on `Node`, delegating.
 pub struct Node {
-    /// Names of this agent's notification rings start with this: the private prefix and a tag of
-    /// the state dir, so a restart on the same state dir finds (and removes) what a killed run
-    /// left, and never another agent's.
-    ring_prefix: String,
     config: Config,
     fabric: Arc<dyn Fabric>,
     fabric_reason: String,
-    regions: RegionRegistry,
-    grants: Arc<GrantTable>,
-    /// Transfers this agent initiated.
-    transfers: TransferRegistry,
-    /// Transfers peers completed into this agent (`Peer.Complete`), by `PEER/ID`.
-    inbound: TransferRegistry,
-    peers: PeerPool,
+    regions: Regions,
+    initiator: Initiator,
+    responder: Responder,
     started: Instant,
     /// Random per start: peers use it to notice this agent restarted.
     instance_id: String,
-    /// Responder halves of connections, by connection id (peer node, keepalive).
-    accepted: Mutex<HashMap<crate::ids::ConnectionId, AcceptedConn>>,
-    /// Orders `accepted` by age (eviction takes the oldest).
-    accept_seq: std::sync::atomic::AtomicU64,
     /// Cancelled on SIGTERM: refuse new transfers.
     draining: CancellationToken,
-    /// Submits past the limit check that have not inserted their record yet, and open
-    /// channels, by peer identity and owner. Counted with the active transfers so concurrent
-    /// submits cannot overshoot the limits.
-    submitting: Mutex<HashMap<(String, crate::tenants::Tenant), usize>>,
-    /// Per-identity shares of the region, registered-bytes and subscriber limits.
-    shares: shares::Shares,
-    /// Background revocations of peer grants in flight; `drain` waits for them.
-    pending_revokes: Arc<AtomicUsize>,
     /// Admin calls (`Bench`, `TcpBaseline`) run one at a time.
     admin_slot: Arc<tokio::sync::Semaphore>,
     /// One `Peer.OpenSink` at a time; its task holds the permit until the sink closes.
     sink_slot: Arc<tokio::sync::Semaphore>,
-    /// The scratch region of the benchmark running against this agent, and its owner.
-    bench_region: Mutex<Option<(String, String)>>,
-    /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
-    worker: std::sync::OnceLock<Option<Worker>>,
 }
 
 /// Finished transfers remembered per direction. Every field of a record is bounded (ids 64
@@ -141,24 +117,25 @@ impl Node {
         let shares = shares::Shares::new(&config.limits);
         regions.set_charge(shares.charge());
         Arc::new(Node {
-            ring_prefix,
-            regions,
-            grants,
-            transfers: TransferRegistry::new(TRANSFER_HISTORY),
-            inbound: TransferRegistry::new(TRANSFER_HISTORY),
-            peers,
+            regions: Regions { registry: regions, grants, shares, bench_region: Mutex::new(None) },
+            initiator: Initiator {
+                transfers: TransferRegistry::new(TRANSFER_HISTORY),
+                peers,
+                submitting: Mutex::new(HashMap::new()),
+                pending_revokes: Arc::new(AtomicUsize::new(0)),
+                worker: std::sync::OnceLock::new(),
+            },
+            responder: Responder {
+                inbound: TransferRegistry::new(TRANSFER_HISTORY),
+                accepted: Mutex::new(HashMap::new()),
+                accept_seq: std::sync::atomic::AtomicU64::new(0),
+                ring_prefix,
+            },
             started: Instant::now(),
             instance_id: new_id(),
-            accepted: Mutex::new(HashMap::new()),
-            accept_seq: std::sync::atomic::AtomicU64::new(0),
             draining: CancellationToken::new(),
-            submitting: Mutex::new(HashMap::new()),
-            shares,
-            pending_revokes: Arc::new(AtomicUsize::new(0)),
             admin_slot: Arc::new(tokio::sync::Semaphore::new(1)),
             sink_slot: Arc::new(tokio::sync::Semaphore::new(1)),
-            bench_region: Mutex::new(None),
-            worker: std::sync::OnceLock::new(),
             fabric,
             fabric_reason,
             config,
@@ -177,9 +154,9 @@ impl Node {
                     _ = tick.tick() => {}
                 }
                 let now = SystemTime::now();
-                node.grants.reap(now);
+                node.regions.grants.reap(now);
                 // Catalog writes fsync: off the reactor (only when a lease ended).
-                if node.regions.housekeeping_due(Some(now)) {
+                if node.regions.registry.housekeeping_due(Some(now)) {
                     let n = node.clone();
                     let _ = tokio::task::spawn_blocking(move || n.reap_regions(now)).await;
                 }
@@ -196,13 +173,13 @@ impl Node {
                     _ = shutdown.cancelled() => return,
                     _ = tick.tick() => {}
                 }
-                if !node.regions.housekeeping_due(None) {
+                if !node.regions.registry.housekeeping_due(None) {
                     continue;
                 }
                 let n = node.clone();
                 let _ = tokio::task::spawn_blocking(move || {
-                    n.regions.retry_unavailable();
-                    n.regions.retry_dirty_catalog();
+                    n.regions.registry.retry_unavailable();
+                    n.regions.registry.retry_dirty_catalog();
                 })
                 .await;
             }
@@ -249,6 +226,11 @@ impl Node {
         self.config.transfer.max_segments
     }
 
+    /// The transfer defaults (`[transfer]`): what a request that says nothing gets.
+    pub fn transfer_defaults(&self) -> &crate::config::TransferConfig {
+        &self.config.transfer
+    }
+
     pub fn limits(&self) -> &crate::config::LimitsConfig {
         &self.config.limits
     }
@@ -257,44 +239,68 @@ impl Node {
 
     /// Re-creates file and shm regions from the catalog (at start); how many came back.
     pub fn restore_regions(&self) -> Result<usize, crate::regions::RegionError> {
-        self.regions.restore()
+        self.regions.registry.restore()
     }
 
     /// Maps (or allocates) and registers a region. Blocking: call it off the runtime's threads.
     pub fn create_region(&self, spec: crate::regions::RegionSpec) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
-        self.regions.create(spec)
+        self.regions.registry.create(spec)
     }
 
     pub fn list_regions(&self, selector: &std::collections::BTreeMap<String, String>) -> Vec<crate::regions::RegionView> {
-        self.regions.list(selector)
+        self.regions.registry.list(selector)
     }
 
     pub fn describe_region(&self, name: &str) -> Result<crate::regions::RegionView, crate::regions::RegionError> {
-        self.regions.describe(name)
+        self.regions.registry.describe(name)
     }
 
     /// A live region, marked in use until the returned guard drops (see `RegionRegistry::acquire`).
     pub fn use_region(&self, name: &str) -> Result<RegionUse, crate::regions::RegionError> {
-        self.regions.acquire_for_client(name)
+        self.regions.registry.acquire_for_client(name)
     }
 
     /// The local region of `owner`'s transfer or channel, marked in use: a tenant never holds a
     /// benchmark's scratch region (the agent's own benchmarks, exempt, do).
     pub(super) fn local_use(&self, name: &str, owner: &crate::tenants::Tenant) -> Result<RegionUse, crate::regions::RegionError> {
         match owner.key() {
-            Some(_) => self.regions.acquire_for_client(name),
-            None => self.regions.acquire(name),
+            Some(_) => self.regions.registry.acquire_for_client(name),
+            None => self.regions.registry.acquire(name),
         }
     }
 
     /// A live, intact region by name or id (not marked in use: see [`Node::use_region`]).
     pub fn region(&self, name: &str) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
-        self.regions.get(name)
+        self.regions.registry.get(name)
     }
 
     /// Number of regions (live and unavailable) and bytes registered by live ones.
     pub fn region_totals(&self) -> (usize, u64) {
-        self.regions.totals()
+        self.regions.registry.totals()
+    }
+
+    /// Counts `bytes` a benchmark is about to hold (for `what`) against `limits.max_bench_bytes`.
+    pub fn reserve_bench(&self, bytes: u64, what: &str) -> Result<crate::regions::Reservation, crate::regions::RegionError> {
+        self.regions.registry.reserve_bench(bytes, what)
+    }
+
+    /// A benchmark's scratch region, its bytes already in `budget` (see
+    /// `RegionRegistry::create_scratch`). Blocking: call it off the runtime's threads.
+    pub fn create_scratch(
+        &self,
+        spec: crate::regions::RegionSpec,
+        budget: crate::regions::Reservation,
+    ) -> Result<Arc<crate::regions::Region>, crate::regions::RegionError> {
+        self.regions.registry.create_scratch(spec, budget)
+    }
+
+    /// Registers memory that is no region (a benchmark's buffer) with the fabric.
+    pub fn register(
+        &self,
+        memory: Arc<RegionMemory>,
+        access: xfer_fabric::Access,
+    ) -> Result<Arc<dyn xfer_fabric::Registration>, xfer_fabric::FabricError> {
+        self.fabric.register(memory, access)
     }
 
     // ------------------------------------------------------------------ peers
@@ -302,15 +308,32 @@ impl Node {
     /// `Agent.Connect`: a healthy pooled connection with `qps` QPs (0 = the configured default)
     /// to the agent at `addr`, made now if there is none; returns the peer's pool entry.
     pub async fn connect_peer(&self, addr: &str, qps: usize, tenant: &crate::tenants::Tenant) -> Result<Arc<PeerEntry>, PeerError> {
-        let peer = self.peers.peer(addr).await?;
+        let peer = self.initiator.peers.peer(addr).await?;
         let qps = if qps == 0 { self.config.transfer.qps } else { qps };
-        self.peers.lease(&peer, qps, self.config.transfer.depth, tenant).await?.release(true);
+        self.initiator.peers.lease(&peer, qps, self.config.transfer.depth, tenant).await?.release(true);
         Ok(peer)
+    }
+
+    /// The peer pool's entry for `addr` (made if there is none).
+    pub async fn peer_entry(&self, addr: &str) -> Result<Arc<PeerEntry>, PeerError> {
+        self.initiator.peers.peer(addr).await
+    }
+
+    /// A connection to `peer` with `qps` QPs, charged to `tenant`'s share (from the idle pool or
+    /// negotiated now).
+    pub async fn lease(
+        &self,
+        peer: &Arc<PeerEntry>,
+        qps: usize,
+        depth: usize,
+        tenant: &crate::tenants::Tenant,
+    ) -> Result<Lease, PeerError> {
+        self.initiator.peers.lease(peer, qps, depth, tenant).await
     }
 
     /// The peer pool's entries, by address.
     pub fn peers(&self) -> Vec<Arc<PeerEntry>> {
-        self.peers.list()
+        self.initiator.peers.list()
     }
 
     /// SIGTERM: refuse new transfers, wait up to `grace` for running ones, cancel the rest
@@ -319,9 +342,9 @@ impl Node {
     pub async fn drain(&self, grace: Duration) {
         self.draining.cancel();
         let deadline = crate::deadline::instant_after(grace);
-        let mut submitting = self.submitting_count();
+        let mut submitting = self.initiator.submitting_count();
         loop {
-            let active = self.transfers.active(None);
+            let active = self.initiator.transfers.active(None);
             if active.is_empty() && submitting == 0 {
                 info!("no transfers running");
                 break;
@@ -333,7 +356,7 @@ impl Node {
                 }
                 // Give the drivers a moment to record CANCELLED.
                 for _ in 0..100 {
-                    if self.transfers.active(None).is_empty() {
+                    if self.initiator.transfers.active(None).is_empty() {
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -343,21 +366,21 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(50)).await;
             // Submits that passed the draining check before it was set insert their record or
             // give up (they re-check `draining` after the grant) within one peer call.
-            submitting = self.submitting_count();
+            submitting = self.initiator.submitting_count();
         }
         // Peer grants of transfers that did not succeed are revoked in the background: let those
         // calls finish (bounded), so the peers do not keep exposures until they expire.
         let until = Instant::now() + Duration::from_secs(3);
-        while self.pending_revokes.load(Ordering::Acquire) > 0 && Instant::now() < until {
+        while self.initiator.pending_revokes.load(Ordering::Acquire) > 0 && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let n = self.grants.revoke_all();
+        let n = self.regions.grants.revoke_all();
         info!(grants = n, "revoked all grants");
-        self.peers.close_all();
-        if let Ok(mut acc) = self.accepted.lock() {
+        self.initiator.peers.close_all();
+        if let Ok(mut acc) = self.responder.accepted.lock() {
             acc.clear();
             m::accepted_connections(0);
         }
-        self.regions.flush_all();
+        self.regions.registry.flush_all();
     }
 }

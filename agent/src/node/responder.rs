@@ -1,9 +1,20 @@
 //! The target side of the Peer service: accepting a peer's connection (and bounding how many it
-//! keeps), grants on this agent's regions, their revocation, and `Peer.Complete`.
-#[allow(unused_imports)]
-use super::*;
+//! keeps), grants on this agent's regions, their revocation, channel announcements and
+//! `Peer.Complete`. What local subscribers are told is [`super::inbound`]'s.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use tracing::{info, warn};
+
+use super::Node;
+use crate::checksum::{self, Algo};
+use crate::grants::{Grant, GrantError};
 use crate::ids::ConnectionId;
-use xfer_fabric::Readiness;
+use crate::metrics as m;
+use crate::transfer::{Op, TransferError, TransferRecord, TransferRegistry, TransferState};
+use xfer_fabric::{Accepted, Endpoint, ExposeRequest, FabricError, FabricKind, Readiness, RemoteOp};
 
 /// What `Peer.Grant` asks for, in domain terms.
 #[derive(Debug, Clone)]
@@ -47,40 +58,25 @@ impl NotifyAsk {
 /// accepted (a sequence number: lower is older).
 pub(super) type AcceptedConn = (String, Arc<dyn Accepted>, u64);
 
-/// Slots of a notification ring unless the caller asks otherwise.
-const DEFAULT_RING_SLOTS: u32 = 1024;
-
-/// A live `WatchInboundRing` subscription. Dropping it stops the writes, marks the ring closed
-/// (a sleeping reader wakes), removes the object and gives its bytes back.
-pub struct InboundRing {
-    pub object: String,
-    pub length: u64,
-    pub slots: u32,
-    pub slot_size: u32,
-    slot: Option<crate::notify::RingSlot>,
-    /// The object's path, removed on drop.
-    path: std::path::PathBuf,
-    _reservation: crate::regions::Reservation,
+/// The target side's state: the connections peers made here and the transfers they completed.
+pub(super) struct Responder {
+    /// Transfers peers completed into this agent (`Peer.Complete`), by `PEER/ID`.
+    pub(super) inbound: TransferRegistry,
+    /// Responder halves of connections, by connection id (peer node, keepalive).
+    pub(super) accepted: Mutex<HashMap<ConnectionId, AcceptedConn>>,
+    /// Orders `accepted` by age (eviction takes the oldest).
+    pub(super) accept_seq: AtomicU64,
+    /// Names of this agent's notification rings start with this: the private prefix and a tag of
+    /// the state dir, so a restart on the same state dir finds (and removes) what a killed run
+    /// left, and never another agent's.
+    pub(super) ring_prefix: String,
 }
 
-impl InboundRing {
-    /// Resolves with the reason once the agent cannot write the ring any more (the object was
-    /// cut short, or the shm filesystem filled up); the subscription should then end.
-    pub async fn failed(&self) -> String {
-        match &self.slot {
-            Some(s) => s.failed().await,
-            None => std::future::pending().await,
-        }
-    }
-}
-
-impl Drop for InboundRing {
-    fn drop(&mut self) {
-        drop(self.slot.take());
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            tracing::warn!(object = %self.object, error = %e, "could not remove a notification ring's shm object");
-        }
-        crate::metrics::inbound_rings(-1);
+impl Responder {
+    /// The accepted connection `id`, if `peer` made it.
+    fn accepted_by(&self, id: Option<&ConnectionId>, peer: &str) -> Option<Arc<dyn Accepted>> {
+        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        acc.get(id?).filter(|(owner, _, _)| owner == peer).map(|(_, conn, _)| conn.clone())
     }
 }
 
@@ -163,15 +159,15 @@ impl Node {
             detail: format!("connection {connection_id:?} already exists on this agent"),
         };
         // An id is never reused: another caller's connection must not be replaced by naming it.
-        if self.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
+        if self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner()).contains_key(connection_id) {
             return Err(taken());
         }
         let t0 = Instant::now();
         let (mine, keep) = self.fabric.accept(peer, connection_id, endpoints).await?;
         m::accept_duration(t0.elapsed());
-        let seq = self.accept_seq.fetch_add(1, Ordering::Relaxed);
+        let seq = self.responder.accept_seq.fetch_add(1, Ordering::Relaxed);
         let (evicted, total) = {
-            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            let mut acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
             if acc.contains_key(connection_id) {
                 return Err(taken());
             }
@@ -183,7 +179,7 @@ impl Node {
             if from_peer >= self.config.limits.max_connections_per_peer {
                 let idle = acc
                     .iter()
-                    .filter(|(k, v)| v.0 == peer && !self.grants.has_connection(k))
+                    .filter(|(k, v)| v.0 == peer && !self.regions.grants.has_connection(k))
                     .min_by_key(|(_, v)| v.2)
                     .map(|(k, _)| k.clone());
                 match idle {
@@ -206,7 +202,7 @@ impl Node {
         };
         m::accepted_connections(total);
         if let Some((id, _)) = evicted {
-            let n = self.grants.revoke_connection(&id);
+            let n = self.regions.grants.revoke_connection(&id);
             warn!(peer, connection = %id, grants = n, "evicted the oldest idle connection of a peer that never disconnected it (limits.max_connections_per_peer = {})", self.config.limits.max_connections_per_peer);
         }
         Ok(mine)
@@ -216,7 +212,7 @@ impl Node {
     /// peer `owner` made it.
     pub fn disconnect(&self, connection_id: &ConnectionId, owner: &str) {
         let removed = {
-            let mut acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            let mut acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
             let removed = if acc.get(connection_id).is_some_and(|c| c.0 == owner) { acc.remove(connection_id) } else { None };
             m::accepted_connections(acc.len());
             removed
@@ -224,7 +220,7 @@ impl Node {
         // Dropped outside the lock: a tcp session closes its streams, verbs tears QPs down.
         let removed = removed.is_some();
         if removed {
-            let n = self.grants.revoke_connection(connection_id);
+            let n = self.regions.grants.revoke_connection(connection_id);
             if n > 0 {
                 info!(connection = %connection_id, grants = n, "peer disconnected; revoked its grants on that connection");
             }
@@ -246,7 +242,7 @@ impl Node {
             }
         }
         let notify = p.notify.clone();
-        let region = self.regions.get(&p.region)?;
+        let region = self.regions.registry.get(&p.region)?;
         if !region.access.allows(p.op) {
             return Err(TransferError::PermissionDenied(format!(
                 "region {:?} has access {:?}; remote {} is not allowed",
@@ -314,7 +310,7 @@ impl Node {
             connection_id: p.connection_id.clone(),
             lease: xfer_fabric::grant::GrantLease::new(expires_at),
             notify: match &notify {
-                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::Pending::new(tag.clone(), *markers)),
+                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::PendingNote::new(tag.clone(), *markers)),
                 _ => None,
             },
             channel: match notify {
@@ -322,14 +318,13 @@ impl Node {
                 _ => None,
             },
         };
-        let grant = self.grants.insert(grant)?;
+        let grant = self.regions.grants.insert(grant)?;
         // A DeleteRegion (or lease expiry) that ran since the lookup above revoked the region's
         // grants before this one existed: re-check that the very same region is still live, or
         // the grant would outlive it (its token writing into a region nobody can see or delete).
-        let region_live =
-            matches!(self.regions.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
+        let region_live = matches!(self.regions.registry.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
         if !region_live {
-            self.grants.revoke(&grant.id);
+            self.regions.grants.revoke(&grant.id);
             return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
         }
         // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
@@ -338,13 +333,14 @@ impl Node {
         // whichever connection next takes that id (ids are chosen by callers).
         if let (Some(id), Some(conn)) = (grant.connection_id.as_ref(), bound_to.as_ref()) {
             let live = self
+                .responder
                 .accepted
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(id)
                 .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, conn));
             if !live {
-                self.grants.revoke(&grant.id);
+                self.regions.grants.revoke(&grant.id);
                 return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
@@ -354,18 +350,12 @@ impl Node {
         Ok(grant)
     }
 
-    /// The accepted connection `id`, if `peer` made it.
-    fn accepted_by(&self, id: Option<&ConnectionId>, peer: &str) -> Option<Arc<dyn Accepted>> {
-        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
-        acc.get(id?).filter(|(owner, _, _)| owner == peer).map(|(_, conn, _)| conn.clone())
-    }
-
     /// The accepted connection a grant names. It must have been made by the grant's peer
     /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
     /// connection (`mw` on verbs); other modes do not use it.
     fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
         let Some(id) = p.connection_id.as_ref() else { return Ok(None) };
-        let acc = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+        let acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
             Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
@@ -376,123 +366,19 @@ impl Node {
         }
     }
 
-    /// Subscribes to the notifications published on this agent (`WatchInbound`): those of
-    /// `region` (a name or id, resolved now to the region's id; empty = every region). Nothing
-    /// published once this returns is missed (short of falling 4,096 behind).
-    pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
-        let id = self.inbound_filter(region, tag)?;
-        // Per region: a subscriber falls behind only by its own region's notifications.
-        let sub = self.grants.hub().subscribe_bounded(id.as_deref(), super::shares::MAX_SUBSCRIBERS).ok_or_else(|| {
-            TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", super::shares::MAX_SUBSCRIBERS))
-        })?;
-        // A region that ended since it was looked up has forgotten its channel already; this
-        // subscription would have made it anew and never be told. Looked up again after joining:
-        // an end from now on takes the channel out (and ends this stream).
-        if let Some(id) = &id {
-            self.regions.get(id)?;
-        }
-        Ok(sub)
-    }
-
-    /// `WatchInboundRing`: a shared-memory ring (`xfer_rdma::ring`) that receives the
-    /// notifications `WatchInbound(region, tag)` would stream, written by whichever thread
-    /// publishes them. The object is private like an shm region's (`regions.shm_mode`,
-    /// `regions.shm_group`), named at random, counted against `max_registered_bytes`, and removed
-    /// when the returned handle is dropped (the caller's stream closed).
-    pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
-        let (slots, slot_size, length) = self.ring_shape(slots)?;
-        let id = self.inbound_filter(region, tag)?;
-        let reservation = self.regions.reserve(length, "a notification ring")?;
-        let len = usize::try_from(length).map_err(|_| TransferError::Invalid("ring too large for this machine".into()))?;
-        let (object, file) = self.create_ring_object(length)?;
-        let remove = |e: String| {
-            self.regions.remove_private_shm(&object);
-            TransferError::Internal(e)
-        };
-        let mem = match xfer_rdma::memory::RegionMemory::map_file(&file, len, true) {
-            Ok(m) => m,
-            Err(e) => return Err(remove(format!("mapping notification ring {object}: {e}"))),
-        };
-        let writer = match xfer_rdma::ring::RingWriter::create(mem, slots, slot_size) {
-            Ok(w) => w,
-            Err(e) => return Err(remove(format!("laying out notification ring {object}: {e}"))),
-        };
-        let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
-        let Some(slot) = self.grants.hub().add_ring(sub, super::shares::MAX_SUBSCRIBERS) else {
-            self.regions.remove_private_shm(&object);
-            return Err(TransferError::Limit(format!(
-                "{} WatchInbound subscribers are connected to this agent already",
-                super::shares::MAX_SUBSCRIBERS
-            )));
-        };
-        crate::metrics::inbound_rings(1);
-        let path = self.regions.shm_path(&object);
-        Ok(InboundRing { object, length, slots, slot_size, slot: Some(slot), path, _reservation: reservation })
-    }
-
-    /// The slots (0 = the default), slot size and byte length of a ring asked for with `slots`,
-    /// checked: what a ring costs is known before anything is reserved or created.
-    pub(super) fn ring_shape(&self, slots: u32) -> Result<(u32, u32, u64), TransferError> {
-        let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
-        xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
-        // Slots hold the largest tag, region name and peer identity this agent produces.
-        let max = self.config.transfer.max_notify_bytes;
-        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
-        Ok((slots, slot_size, xfer_rdma::ring::ring_len(slots, slot_size)))
-    }
-
-    /// A subscription's filter checked: the region (a name or id, resolved now to its id; empty =
-    /// every region) and a tag no longer than any this agent accepts.
-    fn inbound_filter(&self, region: &str, tag: Option<&[u8]>) -> Result<Option<String>, TransferError> {
-        let max = self.config.transfer.max_notify_bytes;
-        if tag.is_some_and(|t| t.len() > max) {
-            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
-        }
-        Ok(match region {
-            "" => None,
-            r => Some(self.regions.get(r)?.id.clone()),
-        })
-    }
-
-    /// A new, randomly named shm object for a ring (a name taken by someone else is skipped).
-    fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), TransferError> {
-        let mut last = None;
-        for _ in 0..4 {
-            let object = format!("{}{:016x}", self.ring_prefix, rand::random::<u64>());
-            match self.regions.create_private_shm(&object, length) {
-                Ok(f) => return Ok((object, f)),
-                Err(e @ crate::regions::RegionError::ShmExists { .. }) => last = Some(e),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(last.map_or_else(|| TransferError::Internal("no ring object".into()), TransferError::from))
-    }
-
-    /// A notification tag this agent sends or accepts: at most `transfer.max_notify_bytes`.
-    pub(super) fn check_notify_tag(&self, tag: &[u8]) -> Result<(), TransferError> {
-        let max = self.config.transfer.max_notify_bytes;
-        if tag.len() > max {
-            return Err(TransferError::Invalid(format!(
-                "notification tag of {} bytes; this agent takes at most {max} (transfer.max_notify_bytes)",
-                tag.len()
-            )));
-        }
-        Ok(())
-    }
-
     pub fn revoke(&self, grant_id: &str, peer: &str) -> Result<(), GrantError> {
-        let g = self.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
-        self.grants.revoke(&g.id);
+        let g = self.regions.grants.get(grant_id, peer, SystemTime::UNIX_EPOCH)?;
+        self.regions.grants.revoke(&g.id);
         Ok(())
     }
 
     /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
     pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
         self.check_notify_tag(&tag)?;
-        let g = self.grants.announce(grant_id, peer, seq, tag)?;
+        let g = self.regions.grants.announce(grant_id, peer, seq, tag)?;
         // Its markers may still be on their way (an announcement usually comes first).
         if g.channel.as_ref().is_some_and(|c| c.unpublished() > 0) {
-            if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+            if let Some(conn) = self.responder.accepted_by(g.connection_id.as_ref(), peer) {
                 expect_markers(&g, conn.as_ref());
             }
         }
@@ -510,11 +396,11 @@ impl Node {
         op_write: bool,
         checksum: Option<(Algo, u64)>,
     ) -> Result<Option<(bool, u64)>, TransferError> {
-        let g = self.grants.get(grant_id, peer, SystemTime::now())?;
+        let g = self.regions.grants.get(grant_id, peer, SystemTime::now())?;
         // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
         // never name an outbound transfer (whose ids have no '/') or another peer's record.
         let record_id = format!("{peer}/{transfer_id}");
-        if self.inbound.get(&record_id).is_ok() {
+        if self.responder.inbound.get(&record_id).is_ok() {
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
         // A checksum covers the first `bytes` of the grant. Without one, `bytes` is the peer's
@@ -568,7 +454,7 @@ impl Node {
         let history = super::TRANSFER_HISTORY as u64;
         let share =
             if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
-        if self.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
+        if self.responder.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
@@ -579,13 +465,13 @@ impl Node {
             // Markers already acknowledged to the initiator count first (their receive task may
             // simply not have run yet), so `via` says what really carried the notification.
             if g.notify.is_some() {
-                if let Some(conn) = self.accepted_by(g.connection_id.as_ref(), peer) {
+                if let Some(conn) = self.responder.accepted_by(g.connection_id.as_ref(), peer) {
                     conn.drain_markers();
                 }
             }
-            self.grants.publish_on_complete(&g);
+            self.regions.grants.publish_on_complete(&g);
         }
-        self.grants.revoke(&g.id);
+        self.regions.grants.revoke(&g.id);
         Ok(verdict)
     }
 }

@@ -8,16 +8,14 @@
 //! back on every path by which that thing ends.
 use std::sync::Arc;
 
-use super::{InboundRing, Node};
+use super::inbound::{InboundRing, MAX_SUBSCRIBERS};
+use super::Node;
 use crate::config::LimitsConfig;
 use crate::metrics as m;
 use crate::notify::Subscription;
 use crate::regions::{Region, RegionError, RegionSpec};
 use crate::tenants::{Permit, Permits, Quota, ShareExceeded, Tenant};
 use crate::transfer::TransferError;
-
-/// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
-pub(super) const MAX_SUBSCRIBERS: usize = 256;
 
 /// `ReadRegion`/`WriteRegion` streams open at once on one agent. Each holds up to a 1 MiB piece
 /// (a read) or one decoded message (a write) while its client does not take or send the rest:
@@ -76,8 +74,8 @@ impl Node {
     /// `max_registered_bytes` is taken first, then held by the region until it is gone.
     pub fn create_region_as(&self, mut spec: RegionSpec, tenant: &Tenant) -> Result<Arc<Region>, RegionError> {
         let limit = |e: ShareExceeded| RegionError::Limit(e.to_string());
-        let count = take(&self.shares.regions, tenant, 1, "regions").map_err(limit)?;
-        let bytes = take(&self.shares.bytes, tenant, spec.length, "registered_bytes").map_err(limit)?;
+        let count = take(&self.regions.shares.regions, tenant, 1, "regions").map_err(limit)?;
+        let bytes = take(&self.regions.shares.bytes, tenant, spec.length, "registered_bytes").map_err(limit)?;
         spec.shares = Some(Arc::new(Permits(vec![count, bytes])));
         self.create_region(spec)
     }
@@ -101,25 +99,25 @@ impl Node {
     ) -> Result<(InboundRing, Permits), TransferError> {
         let (_, _, length) = self.ring_shape(slots)?;
         let watcher = self.watcher_permit(tenant)?;
-        let bytes = take(&self.shares.bytes, tenant, length, "registered_bytes").map_err(exhausted)?;
+        let bytes = take(&self.regions.shares.bytes, tenant, length, "registered_bytes").map_err(exhausted)?;
         Ok((self.watch_inbound_ring(region, tag, slots)?, Permits(vec![watcher, bytes])))
     }
 
     /// A place for one `ReadRegion`/`WriteRegion` stream of `tenant`, or RESOURCE_EXHAUSTED.
     pub fn byte_stream_slot(&self, tenant: &Tenant) -> Result<StreamSlot, TransferError> {
-        let share = take(&self.shares.byte_streams, tenant, 1, "byte_streams").map_err(exhausted)?;
-        let all = self.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
+        let share = take(&self.regions.shares.byte_streams, tenant, 1, "byte_streams").map_err(exhausted)?;
+        let all = self.regions.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
             TransferError::Limit(format!("{MAX_BYTE_STREAMS} ReadRegion/WriteRegion streams are open on this agent already"))
         })?;
         Ok(StreamSlot { _share: share, _all: all })
     }
 
     fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {
-        take(&self.shares.watchers, tenant, 1, "watchers").map_err(exhausted)
+        take(&self.regions.shares.watchers, tenant, 1, "watchers").map_err(exhausted)
     }
 
     /// Identities holding a share of anything (entries live only while something is held).
     pub fn tenants_holding(&self) -> usize {
-        self.shares.regions.tenants() + self.shares.bytes.tenants() + self.shares.watchers.tenants()
+        self.regions.shares.regions.tenants() + self.regions.shares.bytes.tenants() + self.regions.shares.watchers.tenants()
     }
 }

@@ -356,7 +356,7 @@ impl Agent for Services {
 
     async fn bench(&self, req: Request<pb::BenchRequest>) -> Result<Response<pb::BenchResponse>, Status> {
         let p = bench_params_from_pb(self.checked(req)?)?;
-        let b = self.node.bench(p).await.map_err(transfer_status)?;
+        let b = crate::bench::run(&self.node, p).await.map_err(transfer_status)?;
         Ok(Response::new(bench_to_pb(&b, self.node.fabric_kind())))
     }
 
@@ -365,11 +365,10 @@ impl Agent for Services {
         require(!r.peer.is_empty(), "peer address is required")?;
         peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
-        let (bytes, seconds) = self
-            .node
-            .tcp_baseline(&r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
-            .await
-            .map_err(transfer_status)?;
+        let (bytes, seconds) =
+            crate::bench::tcp_baseline(&self.node, &r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
+                .await
+                .map_err(transfer_status)?;
         Ok(Response::new(tcp_baseline_to_pb(bytes, seconds)))
     }
 }

@@ -1,31 +1,20 @@
-//! The tokio driver of the transfer [`Machine`]: posts what the machine asks for, feeds it
-//! completions (in batches), cancellation and time, and reports progress. Used by transfers and
-//! by the data-path benchmark alike.
-use std::collections::HashMap;
+//! The one driver of the data path: runs a [`Job`] — a transfer's data phase, a channel batch
+//! or a benchmark phase — to a terminal state, on the device's data-path worker when there is
+//! one and it takes the job, else on the calling task ([`pump`]: posts what the machine asks
+//! for, feeds it completions in batches, cancellation and time, and reports progress).
+//! Whatever is specific to the caller comes in the job: its WR template, its probe, its cancel
+//! switch and its progress callback.
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Machine, Post};
-use super::worker::{Done, Job, Leased, Refused, Worker};
-use xfer_fabric::{Completion, Connection, WorkRequest};
+use super::job::{complete, post_runs, Done, Job, LatencyProbe, Leased, WrTemplate};
+use super::machine::Machine;
+use super::worker::{Refused, Worker};
+use xfer_fabric::Completion;
 
-/// Per-WR round-trip times, for the latency benchmark.
-#[derive(Default)]
-pub struct LatencyProbe {
-    posted: HashMap<u64, Instant>,
-    pub samples: Vec<Duration>,
-}
-
-impl LatencyProbe {
-    /// WR `seq` is being posted now.
-    pub fn posted(&mut self, seq: u64) {
-        self.posted.insert(seq, Instant::now());
-    }
-}
-
-/// What woke a transfer that was waiting.
-pub enum Wake {
+/// What woke the driver while it waited.
+enum Wake {
     /// One or more completions, each already handed to `on_completion` (the first, then whatever
     /// else was queued: a batch, with no allocation on this hot path).
     Completions,
@@ -40,7 +29,7 @@ pub enum Wake {
 /// `deadline`. With a `spin` budget it first polls the connection itself
 /// ([`Connection::progress`]) for up to that long, so a completion that arrives within it is
 /// handled without a wake-up through the fabric's completion task (`verbs.poll_spin`).
-pub async fn wait<L: Leased>(
+async fn wait<L: Leased>(
     lease: &mut L,
     cancel: &CancellationToken,
     deadline: Option<Instant>,
@@ -86,36 +75,6 @@ pub async fn wait<L: Leased>(
     }
 }
 
-/// Posts `pending` in order, one doorbell per run of consecutive WRs on the same QP
-/// ([`Connection::post_batch`]), and empties it. On a failure: the seqs (`wr_id`s) of every WR
-/// from the one that failed on — none of them counts as posted — and the reason.
-pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>) -> Result<(), (Vec<u64>, String)> {
-    let mut items = pending.drain(..).peekable();
-    while let Some((qp, first)) = items.next() {
-        let mut run = vec![first];
-        while let Some((_, wr)) = items.next_if(|(q, _)| *q == qp) {
-            run.push(wr);
-        }
-        let ids: Vec<u64> = run.iter().map(|w| w.wr_id).collect();
-        let mut ops = [0u64; 3];
-        for w in &run {
-            ops[match w.op {
-                xfer_fabric::WrOp::Write => 0,
-                xfer_fabric::WrOp::Read => 1,
-                xfer_fabric::WrOp::Notify { .. } => 2,
-            }] += 1;
-        }
-        if let Err((id, e)) = conn.post_batch(qp, run) {
-            let from = ids.iter().position(|&x| x == id).unwrap_or(0);
-            let mut failed: Vec<u64> = ids[from..].to_vec();
-            failed.extend(items.map(|(_, w)| w.wr_id));
-            return Err((failed, e.to_string()));
-        }
-        crate::metrics::work_requests(ops[0], ops[1], ops[2]);
-    }
-    Ok(())
-}
-
 /// Runs `job` to a terminal state: on the device's data-path `worker` when there is one and it
 /// takes the job, else on the calling task ([`pump`], polling for up to `spin` before each
 /// sleep). Err only if the worker thread died holding the job.
@@ -130,23 +89,27 @@ pub async fn drive<L: Leased>(mut job: Job<L>, worker: Option<&Worker<L>>, spin:
             Err(Refused::Lost) => return Err("the data-path worker thread stopped".into()),
         };
     }
-    let Job { mut machine, mut lease, mut make_wr, mut probe, cancel } = job;
+    let Job { mut machine, mut lease, wr, mut probe, cancel, mut progress } = job;
     let mut first_post = None;
-    let make = |p: &Post| {
-        first_post.get_or_insert_with(Instant::now);
-        make_wr(p)
+    let report = |bytes| {
+        if let Some(p) = progress.as_mut() {
+            p(bytes)
+        }
     };
-    pump(&mut machine, &mut lease, &cancel, make, |_| {}, probe.as_mut(), spin).await;
+    pump(&mut machine, &mut lease, &cancel, &wr, &mut first_post, report, probe.as_mut(), spin).await;
     crate::metrics::data_path_job("task");
     Ok(Done { machine, lease, probe, first_post })
 }
 
-/// Runs `machine` to a terminal state over `lease`.
-pub async fn pump<L: Leased>(
+/// Runs `machine` to a terminal state over `lease`, its WRs built from `wr`; `first_post` is set
+/// when the first goes out.
+#[allow(clippy::too_many_arguments)]
+async fn pump<L: Leased>(
     machine: &mut Machine,
     lease: &mut L,
     cancel: &CancellationToken,
-    mut make_wr: impl FnMut(&Post) -> WorkRequest,
+    wr: &WrTemplate,
+    first_post: &mut Option<Instant>,
     mut on_progress: impl FnMut(u64),
     mut probe: Option<&mut LatencyProbe>,
     spin: Duration,
@@ -158,7 +121,8 @@ pub async fn pump<L: Leased>(
             if let Some(pr) = probe.as_deref_mut() {
                 pr.posted(p.seq);
             }
-            pending.push((p.qp, make_wr(&p)));
+            first_post.get_or_insert_with(Instant::now);
+            pending.push((p.qp, wr.wr(&p)));
         }
         if let Err((seqs, reason)) = post_runs(lease.conn().as_ref(), &mut pending) {
             for seq in seqs {
@@ -183,13 +147,4 @@ pub async fn pump<L: Leased>(
     if machine.bytes_done() != reported {
         on_progress(machine.bytes_done());
     }
-}
-
-pub(super) fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp: usize, seq: u64, status: xfer_fabric::WcStatus) {
-    if let Some(pr) = probe.as_deref_mut() {
-        if let Some(t) = pr.posted.remove(&seq) {
-            pr.samples.push(t.elapsed());
-        }
-    }
-    machine.handle_completion(qp, seq, status);
 }

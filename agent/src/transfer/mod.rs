@@ -1,5 +1,6 @@
 //! Transfers: domain types, the registry that `WatchTransfer` observes, and the engine that runs
-//! them ([`driver`], over the sans-IO [`machine`]).
+//! them: the sans-IO [`session`] and [`machine`], the [`job`] the data path runs and its one
+//! [`driver`] (which hands jobs to the device's [`worker`] thread when there is one).
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -13,6 +14,7 @@ use crate::peer_api::PeerError;
 use crate::regions::RegionError;
 
 pub mod driver;
+pub mod job;
 pub mod worker;
 pub use xfer_engine::{batch, failure, machine};
 

@@ -16,7 +16,7 @@
 //! - **Hand-off.** A job's connection is handed to the worker ([`xfer_fabric::Connection::hand_off`]) for the
 //!   job's life: only the worker polls it, and the fabric's completion task stands down. A
 //!   fabric without that mode (tcp, whose completions come from its stream readers) refuses, and
-//!   the job runs on the caller's task instead ([`driver::pump`]), as it does when the queue is
+//!   the job runs on the caller's task instead (the driver's own loop), as it does when the queue is
 //!   full or the worker is off (`verbs.worker = false`).
 //! - **Bounded.** The queue holds [`QUEUE`] jobs; a full queue is not an error, the caller drives
 //!   the job itself. Jobs are stepped round-robin, so one large batch does not starve a small
@@ -32,28 +32,9 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
 
-use super::driver::{self, LatencyProbe};
-use super::machine::{Machine, Post};
-use crate::peers::Lease;
-use xfer_fabric::{Completion, Connection, WorkRequest};
-
-/// What a job needs of its lease: the connection, and its completions (the job is their only
-/// reader). [`Lease`] in the agent; a bare connection in the worker's tests.
-pub trait Leased: Send + 'static {
-    fn conn(&self) -> &Arc<dyn Connection>;
-    fn completions(&mut self) -> &mut tokio::sync::mpsc::UnboundedReceiver<Completion>;
-}
-
-impl Leased for Lease {
-    fn conn(&self) -> &Arc<dyn Connection> {
-        Lease::conn(self)
-    }
-    fn completions(&mut self) -> &mut tokio::sync::mpsc::UnboundedReceiver<Completion> {
-        Lease::completions(self)
-    }
-}
+use super::job::{complete, post_runs, Done, Job, Leased};
+use xfer_fabric::WorkRequest;
 
 /// Jobs waiting for the worker; past this the caller drives its own.
 pub const QUEUE: usize = 256;
@@ -63,34 +44,9 @@ const PARK_ARMED: Duration = Duration::from_millis(100);
 /// Longest park when a connection could not be armed (it is polled again after this).
 const PARK_UNARMED: Duration = Duration::from_micros(200);
 
-/// Builds the WR for one [`Post`] of a job's machine.
-pub type MakeWr = Box<dyn FnMut(&Post) -> WorkRequest + Send>;
-/// Told the machine's bytes done whenever they changed (on the worker thread: it must not
-/// block).
-pub type Progress = Box<dyn FnMut(u64) + Send>;
-
-/// What a job hands back: its machine in a terminal state, the lease, the latency probe, and
-/// when the first WR was posted.
-pub struct Done<L = Lease> {
-    pub machine: Machine,
-    pub lease: L,
-    pub probe: Option<LatencyProbe>,
-    pub first_post: Option<Instant>,
-}
-
-/// One machine to run to a terminal state over one leased connection.
-pub struct Job<L = Lease> {
-    pub machine: Machine,
-    pub lease: L,
-    pub make_wr: MakeWr,
-    pub probe: Option<LatencyProbe>,
-    pub cancel: CancellationToken,
-}
-
 struct Running<L> {
     job: Job<L>,
     reply: oneshot::Sender<Done<L>>,
-    on_progress: Option<Progress>,
     reported: u64,
     pending: Vec<(usize, WorkRequest)>,
     first_post: Option<Instant>,
@@ -98,7 +54,7 @@ struct Running<L> {
 }
 
 /// The worker thread of one device. Dropping it stops the thread once its jobs are done.
-pub struct Worker<L: Leased = Lease> {
+pub struct Worker<L: Leased> {
     tx: Option<SyncSender<Running<L>>>,
     /// Longest park with every connection armed ([`PARK_ARMED`]; tests raise it so that a lost
     /// wake-up hangs instead of being covered by the cap).
@@ -141,19 +97,15 @@ impl<L: Leased> Worker<L> {
     /// Runs `job` on the worker and returns it done; [`Refused::Busy`] hands it back untouched
     /// when the worker cannot take it (queue full, thread gone, or a connection that cannot be
     /// handed off), for the caller to drive itself.
+    /// The job's progress callback is told the bytes done as they change (on this thread).
     pub async fn run(&self, job: Job<L>) -> Result<Done<L>, Refused<L>> {
-        self.run_with_progress(job, None).await
-    }
-
-    /// [`Worker::run`], telling `on_progress` the bytes done as they change.
-    pub async fn run_with_progress(&self, job: Job<L>, on_progress: Option<Progress>) -> Result<Done<L>, Refused<L>> {
         let Some(tx) = &self.tx else { return Err(Refused::Busy(Box::new(job))) };
         if !job.lease.conn().hand_off(Some(self.thread.clone())) {
             return Err(Refused::Busy(Box::new(job)));
         }
         let cancel = job.cancel.clone();
         let (reply, mut done) = oneshot::channel();
-        let mut running = Running { job, reply, on_progress, reported: 0, pending: Vec::new(), first_post: None, cancelled: false };
+        let mut running = Running { job, reply, reported: 0, pending: Vec::new(), first_post: None, cancelled: false };
         // The first WRs go out from here, so the batch's start does not wait for the worker
         // thread to be scheduled (milliseconds on a busy 2-vCPU VM); the worker takes over from
         // their completions on (handed off already, so they wait in the CQ for its first poll).
@@ -172,7 +124,7 @@ impl<L: Leased> Worker<L> {
 }
 
 /// Why [`Worker::run`] did not run a job.
-pub enum Refused<L = Lease> {
+pub enum Refused<L> {
     /// Not taken: drive it yourself.
     Busy(Box<Job<L>>),
     /// Taken, and the worker thread died with it (a bug: the thread does not panic on purpose).
@@ -268,12 +220,12 @@ impl<L: Leased> Running<L> {
                 pr.posted(p.seq);
             }
             self.first_post.get_or_insert_with(Instant::now);
-            self.pending.push((p.qp, (self.job.make_wr)(&p)));
+            self.pending.push((p.qp, self.job.wr.wr(&p)));
         }
         if self.pending.is_empty() {
             return false;
         }
-        if let Err((seqs, reason)) = driver::post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
+        if let Err((seqs, reason)) = post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
             for seq in seqs {
                 machine.handle_post_error(seq, reason.clone());
             }
@@ -297,7 +249,7 @@ impl<L: Leased> Running<L> {
         loop {
             match self.job.lease.completions().try_recv() {
                 Ok(c) => {
-                    driver::complete(machine, &mut self.job.probe.as_mut(), c.qp, c.wr_id, c.status);
+                    complete(machine, &mut self.job.probe.as_mut(), c.qp, c.wr_id, c.status);
                     moved = true;
                 }
                 Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
@@ -312,7 +264,7 @@ impl<L: Leased> Running<L> {
             machine.handle_timeout(now);
             moved = true;
         }
-        if let Some(report) = self.on_progress.as_mut() {
+        if let Some(report) = self.job.progress.as_mut() {
             if machine.bytes_done() != self.reported {
                 self.reported = machine.bytes_done();
                 report(self.reported);
@@ -323,7 +275,7 @@ impl<L: Leased> Running<L> {
 
     /// Gives the connection back to its fabric and the job back to its caller.
     fn finish(mut self) {
-        if let Some(report) = self.on_progress.as_mut() {
+        if let Some(report) = self.job.progress.as_mut() {
             if self.job.machine.bytes_done() != self.reported {
                 report(self.job.machine.bytes_done());
             }

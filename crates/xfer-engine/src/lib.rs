@@ -9,6 +9,7 @@
 //! * [`machine`] — the chunk machine inside a session: chunks, runs per QP, signalling, completions.
 //! * [`batch`] — checked segment lists (KV-cache batches) and their coalescing.
 //! * [`failure`] — the closed set of failure codes; [`status`] — work-completion statuses.
+//! * [`notes`] — a grant's notification bookkeeping (markers counted, batches announced).
 //! * [`frame`] — the tcp fabric's wire codec.
 //! * [`shape`] — chunk size, QP count and depth bounds; [`range`] — byte ranges against a region.
 //! * [`ids`] — random and peer-chosen ids.
@@ -21,6 +22,7 @@ pub mod failure;
 pub mod frame;
 pub mod ids;
 pub mod machine;
+pub mod notes;
 pub mod range;
 pub mod session;
 pub mod shape;

@@ -458,6 +458,14 @@ pub trait Fabric: Send + Sync + 'static {
     fn grants_need_connection(&self) -> bool;
     fn info(&self) -> FabricInfo;
 
+    /// Whether this process polls the fabric's completions itself (a device's completion queue:
+    /// verbs), so that spinning before a sleep (`verbs.poll_spin`), a data-path worker thread and
+    /// splitting long READs (`verbs.max_read_wr`) apply to it. False for a fabric whose
+    /// completions come from its own readers (tcp) and whose frames need no split.
+    fn polled(&self) -> bool {
+        false
+    }
+
     /// The device this fabric drives, by name (verbs); `None` for a fabric without one (tcp).
     /// Cheap, unlike [`Fabric::info`], which queries the device.
     fn device_name(&self) -> Option<&str> {

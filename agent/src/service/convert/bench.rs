@@ -8,7 +8,7 @@ use xfer_proto::v1 as pb;
 use super::peers::peer_address;
 use super::scalars::{fabric_to_pb, op_from_pb};
 use super::status::{require, transfer_status};
-use crate::node::{BenchParams, BenchResult};
+use crate::bench::{BenchParams, BenchResult};
 use crate::transfer::Op;
 use xfer_fabric::FabricKind;
 

@@ -8,10 +8,13 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
 
+use tokio_util::sync::CancellationToken;
+
 use super::*;
 use crate::transfer::batch::Seg;
-use crate::transfer::machine::{Fault, MachineConfig, Markers, State};
-use xfer_fabric::{Access, FabricError, Registration, RemoteKey, WcStatus, WrOp};
+use crate::transfer::job::{LatencyProbe, WrTemplate};
+use crate::transfer::machine::{Fault, Machine, MachineConfig, Markers, State};
+use xfer_fabric::{Access, Completion, Connection, FabricError, Registration, RemoteKey, WcStatus, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
 #[derive(Debug)]
@@ -198,18 +201,9 @@ fn job(conn: &Arc<FakeConn>, completions: mpsc::UnboundedReceiver<Completion>, c
         markers: Markers::None,
     });
     let buf: Arc<dyn Registration> = Arc::new(Buf(Arc::new(RegionMemory::anonymous(4096, false).unwrap())));
-    let make_wr: MakeWr = Box::new(move |p| WorkRequest {
-        wr_id: p.seq,
-        op: WrOp::Write,
-        local: buf.clone(),
-        local_offset: 0,
-        len: p.len,
-        remote_addr: p.remote,
-        remote_key: RemoteKey::Rkey(1),
-        signaled: p.signaled,
-    });
+    let wr = WrTemplate { op: WrOp::Write, notify_slot: 0, local: buf, remote_addr: 0, remote_key: RemoteKey::Rkey(1), wrap: None };
     let lease = FakeLease { conn: conn.clone() as Arc<dyn Connection>, completions, dropped: None };
-    Job { machine, lease, make_wr, probe: Some(LatencyProbe::default()), cancel: CancellationToken::new() }
+    Job { machine, lease, wr, probe: Some(LatencyProbe::default()), cancel: CancellationToken::new(), progress: None }
 }
 
 fn posted(conn: &FakeConn) -> Vec<u64> {

@@ -243,6 +243,10 @@ impl Fabric for VerbsFabric {
         FabricKind::Verbs
     }
 
+    fn polled(&self) -> bool {
+        true
+    }
+
     fn device_name(&self) -> Option<&str> {
         Some(VerbsFabric::device_name(self))
     }

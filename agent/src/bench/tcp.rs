@@ -1,0 +1,158 @@
+//! The raw TCP baseline (`Agent.TcpBaseline`: what `--baseline tcp` compares against) and its
+//! one-shot sink on the peer (`Peer.OpenSink`), which reads and discards.
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, warn};
+
+use crate::node::Node;
+use crate::peer_api::PeerError;
+use crate::transfer::TransferError;
+
+/// Each sink connection's read buffer.
+const SINK_BUFFER: usize = 256 << 10;
+/// A sink waits this long for each baseline connection.
+const SINK_ACCEPT_WITHIN: Duration = Duration::from_secs(10);
+/// A sink closes after this, whatever its state.
+const SINK_LIFETIME: Duration = Duration::from_secs(120);
+/// The longest a sink can take bytes: the baseline's senders give up after this.
+const SINK_SPAN: Duration = SINK_ACCEPT_WITHIN.saturating_add(SINK_LIFETIME);
+/// Largest TCP baseline send buffer.
+const BASELINE_MAX_BLOCK: u64 = 16 << 20;
+
+/// `Peer.OpenSink`: a one-shot listener that reads and discards, for the raw TCP baseline.
+/// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
+/// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
+/// [`SINK_LIFETIME`] in all.
+pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
+    let n = connections.clamp(1, 64);
+    let slot = node.sink_slot()?;
+    let reservation = node.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
+    let listener =
+        TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+    tokio::spawn(async move {
+        let _held = (slot, reservation);
+        match run_sink(listener, n, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
+            Err(SinkEnd::Lifetime) => warn!("tcp baseline sink reached its lifetime; closed"),
+            Err(SinkEnd::Io(e)) => debug!(error = %e, "tcp baseline sink closed"),
+            Ok(()) => {}
+        }
+    });
+    Ok(addr)
+}
+
+/// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
+/// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
+/// `limits.max_bench_bytes`.
+pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
+    let _admin = node.admin_slot("TcpBaseline")?;
+    let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
+    let _memory = node.reserve_bench(block as u64, "the TCP baseline buffer")?;
+    let peer = node.peer_entry(peer_addr).await?;
+    let n = connections.clamp(1, 64);
+    let sink = peer.call(|| peer.client.open_sink(n)).await?;
+    let per = bytes.div_ceil(n as u64);
+    let buf: Arc<[u8]> = vec![0xa5u8; block].into();
+    let t0 = Instant::now();
+    // The senders are aborted if this call is dropped (its caller went away) or when the
+    // sink's lifetime has passed: a sink that stops reading holds neither them nor the
+    // admin slot for ever.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let sink = sink.clone();
+        let buf = buf.clone();
+        tasks.spawn(async move {
+            let mut s = TcpStream::connect(&sink).await?;
+            s.set_nodelay(true)?;
+            let mut left = per;
+            while left > 0 {
+                let k = (left as usize).min(buf.len());
+                s.write_all(&buf[..k]).await?;
+                left -= k as u64;
+            }
+            s.shutdown().await?;
+            // Wait for the sink to close: all bytes were read on the far side.
+            let mut one = [0u8; 1];
+            let _ = s.read(&mut one).await;
+            Ok::<u64, std::io::Error>(per)
+        });
+    }
+    let unreachable = |detail: String| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail });
+    let collect = async {
+        let mut total = 0;
+        while let Some(t) = tasks.join_next().await {
+            total += t.map_err(|e| TransferError::Internal(e.to_string()))?.map_err(|e| unreachable(e.to_string()))?;
+        }
+        Ok::<u64, TransferError>(total)
+    };
+    let total = tokio::time::timeout(SINK_SPAN, collect)
+        .await
+        .map_err(|_| unreachable(format!("the sink took no more bytes within {SINK_SPAN:?}")))??;
+    Ok((total, t0.elapsed().as_secs_f64()))
+}
+
+/// Why a TCP baseline sink ended early.
+#[derive(Debug)]
+enum SinkEnd {
+    Lifetime,
+    Io(std::io::Error),
+}
+
+/// A sink's work: accepts `n` connections, each within `accept_within`, and reads each to its
+/// end, discarding the bytes; all within `lifetime`. The reading tasks live in a `JoinSet`, so
+/// when the lifetime ends (or the sink fails) every connection still open is closed with them:
+/// a peer that keeps trickling bytes cannot keep a sink's tasks and buffers past its lifetime
+/// and the slot it gave back.
+async fn run_sink(listener: TcpListener, n: u32, accept_within: Duration, lifetime: Duration) -> Result<(), SinkEnd> {
+    let mut readers = tokio::task::JoinSet::new();
+    let work = async {
+        for _ in 0..n {
+            let (mut s, _) = tokio::time::timeout(accept_within, listener.accept())
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
+            readers.spawn(async move {
+                let mut buf = vec![0u8; SINK_BUFFER];
+                while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+                let _ = s.shutdown().await;
+            });
+        }
+        drop(listener);
+        while readers.join_next().await.is_some() {}
+        Ok::<(), std::io::Error>(())
+    };
+    match tokio::time::timeout(lifetime, work).await {
+        Err(_) => Err(SinkEnd::Lifetime),
+        Ok(r) => r.map_err(SinkEnd::Io),
+    }
+    // `readers` drops here: whatever still runs is aborted.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that connects to a sink and keeps its connection open past the sink's lifetime:
+    /// the sink closes it then (the peer reads the end of the stream) and ends with
+    /// `Lifetime`. Its reading tasks used to be detached, so they outlived the lifetime and the
+    /// slot and buffers it gave back. Virtual time: the lifetime passes without waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_sink_closes_connections_still_open_at_its_lifetime() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let lifetime = Duration::from_secs(120);
+        let sink = tokio::spawn(run_sink(listener, 1, Duration::from_secs(10), lifetime));
+        let mut peer = TcpStream::connect(addr).await.expect("connect");
+        peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
+        let start = tokio::time::Instant::now();
+        let mut one = [0u8; 1];
+        let closed = tokio::time::timeout(lifetime * 10, peer.read(&mut one)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the connection outlived the sink: {closed:?}");
+        assert!(start.elapsed() >= lifetime - Duration::from_secs(1), "closed before its lifetime: {:?}", start.elapsed());
+        let ended = sink.await.expect("the sink task");
+        assert!(matches!(ended, Err(SinkEnd::Lifetime)), "{ended:?}");
+    }
+}

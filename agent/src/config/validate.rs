@@ -1,0 +1,295 @@
+//! What a loaded configuration must satisfy beyond its types: the ranges of each key, that the
+//! verbs options are ones the fabric accepts, that mTLS files exist, and that plaintext is only
+//! served on loopback unless the operator says otherwise.
+
+use xfer_common::ByteSize;
+
+use super::bounds;
+use super::error::{bad, ConfigError};
+use super::root::Config;
+
+/// Upper bounds of `transfer.max_segments` and `transfer.max_notify_bytes`. A segment costs at
+/// most ~35 bytes of a SubmitTransfer message, so the default 65,536 fit gRPC's 4 MiB message
+/// limit; the ceiling only keeps a typo from disabling the bound. A tag is metadata, not data.
+const MAX_SEGMENTS_CEILING: usize = 1 << 20;
+const MAX_NOTIFY_CEILING: usize = 64 << 10;
+
+impl Config {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        // Every duration and size first: nothing accepted may overflow a deadline or a sum later.
+        bounds::check(self)?;
+        let t = &self.transfer;
+        crate::shape::chunk(t.chunk_size.0)
+            .map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
+        crate::shape::depth(t.depth).map_err(|e| bad("transfer.depth", e.to_string()))?;
+        crate::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
+        if !(1..=MAX_SEGMENTS_CEILING).contains(&t.max_segments) {
+            return Err(bad("transfer.max_segments", format!("must be between 1 and {MAX_SEGMENTS_CEILING}")));
+        }
+        if t.max_notify_bytes > MAX_NOTIFY_CEILING {
+            return Err(bad("transfer.max_notify_bytes", format!("must be at most {MAX_NOTIFY_CEILING}")));
+        }
+        // The verbs fabric's own checks (one place for the retry and timeout bounds).
+        self.verbs_options().validate().map_err(|e| match e {
+            xfer_fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
+            other => bad("verbs", other.to_string()),
+        })?;
+        if !(4096..=crate::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {
+            return Err(bad("verbs.max_read_wr", format!("must be between 4KiB and {}", ByteSize(crate::shape::MAX_CHUNK))));
+        }
+        if let crate::cpus::WorkerCpu::Cpus(_) = self.verbs.worker_cpu {
+            // Only CPUs this process may run on (its affinity mask, which a cpuset narrows).
+            let allowed = crate::cpus::allowed().map_err(|e| bad("verbs.worker_cpu", e))?;
+            crate::cpus::choose(&self.verbs.worker_cpu, &allowed, None).map_err(|e| bad("verbs.worker_cpu", e))?;
+        }
+        if self.verbs.gid_index < -1 {
+            return Err(bad("verbs.gid_index", "must be -1 (auto) or a GID table index"));
+        }
+        if !self.insecure {
+            for (key, path) in [("tls.cert", &self.tls.cert), ("tls.key", &self.tls.key), ("tls.ca", &self.tls.ca)] {
+                if path.is_empty() {
+                    return Err(bad(key, "is required when insecure = false (mTLS)"));
+                }
+                if !std::path::Path::new(path).is_file() {
+                    return Err(bad(key, format!("file {path} does not exist")));
+                }
+            }
+        }
+        if self.node_name.is_empty() || self.node_name.len() > 253 {
+            return Err(bad("node_name", "must be 1-253 characters"));
+        }
+        if self.limits.max_peer_labels == 0 {
+            return Err(bad("limits.max_peer_labels", "must be at least 1"));
+        }
+        for (key, v) in [
+            ("limits.max_data_connections", self.limits.max_data_connections),
+            ("limits.max_data_connections_per_peer", self.limits.max_data_connections_per_peer),
+            ("limits.max_pending_data_connections", self.limits.max_pending_data_connections),
+            ("limits.max_grpc_connections", self.limits.max_grpc_connections),
+            ("limits.max_peers", self.limits.max_peers),
+            ("limits.max_connections_per_peer", self.limits.max_connections_per_peer),
+        ] {
+            if v == 0 {
+                return Err(bad(key, "must be at least 1"));
+            }
+        }
+        if self.limits.max_connections_per_peer > 4096 {
+            return Err(bad("limits.max_connections_per_peer", "must be at most 4096"));
+        }
+        let share = self.limits.tenant_share;
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(bad("limits.tenant_share", format!("must be a fraction in (0, 1], not {share}")));
+        }
+        for (key, v) in [
+            ("limits.data_handshake_timeout", self.limits.data_handshake_timeout.0),
+            ("limits.data_idle_timeout", self.limits.data_idle_timeout.0),
+            ("limits.data_payload_timeout", self.limits.data_payload_timeout.0),
+        ] {
+            if v.is_zero() {
+                return Err(bad(key, "must be longer than 0"));
+            }
+        }
+        for (i, r) in self.tls.dns_roles.iter().enumerate() {
+            crate::identity::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
+        }
+        if !self.tls.trust_domain.is_empty() {
+            crate::identity::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
+        }
+        self.regions.validate()?;
+        if self.unix_mode.0 & !0o777 != 0 {
+            return Err(bad("unix_mode", format!("{:o} has bits beyond 0777 (setuid, setgid, sticky)", self.unix_mode.0)));
+        }
+        self.unix_gid()?;
+        self.check_plaintext()
+    }
+
+    /// Secure by default: plaintext only where nobody else can connect (loopback), unless the
+    /// operator opts in with `allow_plaintext_network`. Metrics and the health listener serve
+    /// nothing that changes state or reveals data and are not checked.
+    fn check_plaintext(&self) -> Result<(), ConfigError> {
+        if !self.insecure || self.allow_plaintext_network {
+            return Ok(());
+        }
+        for (key, a) in [("listen", self.listen), ("data_listen", self.data_listen_addr())] {
+            if !a.ip().is_loopback() {
+                return Err(bad(
+                    "allow_plaintext_network",
+                    format!(
+                        "plaintext gRPC (insecure = true) with {key} = {a}, which is not a loopback address: \
+                         anyone who reaches it could read and write this node's memory. Turn on mTLS \
+                         (insecure = false with tls.cert, tls.key, tls.ca), listen on 127.0.0.1, or set \
+                         allow_plaintext_network = true (env XFER_ALLOW_PLAINTEXT_NETWORK=true) to accept that"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use super::super::{ByteSize, Config, FileMode, Overrides};
+
+    #[test]
+    fn worker_cpu_is_auto_off_or_cpus_this_process_may_run_on() {
+        use crate::cpus::WorkerCpu;
+        let one = |c: usize| WorkerCpu::Cpus([c].into_iter().collect());
+        let env = |v: &str| vec![("XFER_VERBS__WORKER_CPU".to_string(), v.to_string())];
+        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().verbs.worker_cpu, WorkerCpu::Auto, "default");
+        assert_eq!(Config::load(None, env("off"), &Overrides::default()).unwrap().verbs.worker_cpu, WorkerCpu::Off);
+        let &cpu = crate::cpus::allowed().unwrap().last().unwrap();
+        assert_eq!(Config::load(None, env(&cpu.to_string()), &Overrides::default()).unwrap().verbs.worker_cpu, one(cpu));
+        // A file's integer, as TOML writes it, and the printed form loads back.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, format!("[verbs]\nworker_cpu = {cpu}\n")).unwrap();
+        let c = Config::load(Some(&f), vec![], &Overrides::default()).unwrap();
+        assert_eq!(c.verbs.worker_cpu, one(cpu));
+        assert!(c.to_toml().contains(&format!("worker_cpu = \"{cpu}\"")), "{}", c.to_toml());
+        // Not a setting, past the mask type, or a CPU outside this process's mask: refused,
+        // naming the key.
+        for v in ["fast", "-1", "1024", "3-1", ""] {
+            let e = Config::load(None, env(v), &Overrides::default()).unwrap_err();
+            assert!(e.to_string().contains("worker_cpu"), "{v}: {e}");
+        }
+        if !crate::cpus::allowed().unwrap().contains(&crate::cpus::MAX_CPU) {
+            let e = Config::load(None, env(&crate::cpus::MAX_CPU.to_string()), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.worker_cpu");
+            assert!(e.problem.contains("may run on"), "{e}");
+            // One CPU outside the mask spoils a list.
+            let e = Config::load(None, env(&format!("{cpu},{}", crate::cpus::MAX_CPU)), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.worker_cpu");
+        }
+    }
+
+    #[test]
+    fn exhaustion_limits_load_from_env_and_refuse_zero() {
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.limits.max_data_connections, 4096);
+        assert_eq!(c.limits.max_data_connections_per_peer, 256);
+        assert_eq!(c.limits.max_pending_data_connections, 128);
+        assert_eq!(c.limits.max_grpc_connections, 1024);
+        assert_eq!(c.limits.data_handshake_timeout.0, Duration::from_secs(10));
+        assert_eq!(c.limits.data_idle_timeout.0, Duration::from_secs(300));
+        assert_eq!(c.limits.data_payload_timeout.0, Duration::from_secs(30));
+        assert_eq!(c.limits.grpc_keepalive(), Some(Duration::from_secs(30)));
+        assert_eq!(c.limits.max_peers, 1024);
+        let c = Config::load(
+            None,
+            env(&[
+                ("XFER_LIMITS__DATA_IDLE_TIMEOUT", "200ms"),
+                ("XFER_LIMITS__DATA_PAYLOAD_TIMEOUT", "300ms"),
+                ("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4"),
+            ]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.limits.data_idle_timeout.0, Duration::from_millis(200));
+        assert_eq!(c.limits.data_payload_timeout.0, Duration::from_millis(300));
+        assert_eq!(c.limits.max_data_connections_per_peer, 4);
+        for key in ["MAX_DATA_CONNECTIONS", "MAX_DATA_CONNECTIONS_PER_PEER", "MAX_PEERS"] {
+            let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0")]), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
+        }
+        for key in ["DATA_HANDSHAKE_TIMEOUT", "DATA_IDLE_TIMEOUT", "DATA_PAYLOAD_TIMEOUT"] {
+            let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0s")]), &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
+        }
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let env = vec![("XFER_TRANSFER__CHUNK_SIZE".to_string(), "lots".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("chunk_size"), "{e}");
+        let env = vec![("XFER_VERBS__RETRY_CNT".to_string(), "7".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "verbs.retry_cnt");
+        for v in ["1KiB", "1GiB"] {
+            let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), v.to_string())];
+            let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+            assert_eq!(e.key, "verbs.max_read_wr", "{v}");
+        }
+        let env = vec![("XFER_VERBS__MAX_READ_WR".to_string(), "256KiB".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs.max_read_wr, ByteSize(256 << 10));
+        assert_eq!(
+            Config::load(None, vec![], &Overrides::default()).unwrap().verbs_options().max_rd_atomic,
+            0,
+            "default: the device's maximum"
+        );
+        let env = vec![("XFER_VERBS__MAX_RD_ATOMIC".to_string(), "8".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().max_rd_atomic, 8);
+        let env = vec![("XFER_VERBS__PREBUILT".to_string(), "17".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "verbs.prebuilt");
+        for (v, want) in [("0", 0), ("16", 16)] {
+            let env = vec![("XFER_VERBS__PREBUILT".to_string(), v.to_string())];
+            assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().prebuilt, want);
+        }
+    }
+
+    #[test]
+    fn regions_keys() {
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert_eq!(c.regions.shm_mode, FileMode(0o600));
+        assert_eq!(c.regions.effective_file_roots(std::path::Path::new("/s")), vec![PathBuf::from("/s/files")]);
+        assert_eq!(c.regions.shm_gid().unwrap(), None);
+        let c = Config::load(
+            None,
+            env(&[("XFER_REGIONS__FILE_ROOTS", "/data/a,/data/b"), ("XFER_REGIONS__SHM_MODE", "0660"), ("XFER_REGIONS__SHM_GROUP", "0")]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.regions.file_roots, vec![PathBuf::from("/data/a"), PathBuf::from("/data/b")]);
+        assert_eq!(c.regions.shm_mode, FileMode(0o660));
+        assert_eq!(c.regions.shm_gid().unwrap(), Some(0));
+        assert!(c.to_toml().contains("shm_mode = \"0660\""), "{}", c.to_toml());
+        let e = Config::load(None, env(&[("XFER_REGIONS__FILE_ROOTS", "relative/dir")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.file_roots[0]");
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_MODE", "4755")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_mode");
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_GROUP", "no-such-group-xfer")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_group");
+        // (gid_t)-1 would be chown's "no change": refused, not silently ignored.
+        let e = Config::load(None, env(&[("XFER_REGIONS__SHM_GROUP", "4294967295")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "regions.shm_group");
+    }
+
+    #[test]
+    fn tls_requires_all_three_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let c = Config::load(None, env(&[]), &Overrides::default()).unwrap();
+        assert!(c.insecure, "plaintext stays the default");
+        let e = Config::load(None, env(&[("XFER_INSECURE", "false")]), &Overrides::default()).unwrap_err();
+        assert_eq!(e.key, "tls.cert");
+        let f = |n: &str| {
+            let p = dir.path().join(n);
+            std::fs::write(&p, "x").unwrap();
+            p.display().to_string()
+        };
+        let (cert, key) = (f("a.crt"), f("a.key"));
+        let e = Config::load(
+            None,
+            env(&[("XFER_INSECURE", "false"), ("XFER_TLS__CERT", &cert), ("XFER_TLS__KEY", &key), ("XFER_TLS__CA", "/nonexistent/ca.crt")]),
+            &Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "tls.ca");
+        assert!(e.to_string().contains("/nonexistent/ca.crt"), "{e}");
+        let ca = f("ca.crt");
+        let c = Config::load(
+            None,
+            env(&[("XFER_INSECURE", "false"), ("XFER_TLS__CERT", &cert), ("XFER_TLS__KEY", &key), ("XFER_TLS__CA", &ca)]),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert!(!c.insecure);
+    }
+}
