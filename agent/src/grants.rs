@@ -2,7 +2,7 @@
 //! when. Grants are revoked explicitly (`Peer.Revoke`), on expiry (the reaper), on region deletion
 //! and on peer disconnect. Dropping a grant drops its fabric [`Exposure`], which deregisters a
 //! dedicated MR or invalidates a window on verbs; on tcp the token stops resolving, and revoking the
-//! grant's [`GrantLease`] makes sure no payload byte lands under it once the revoking call returns.
+//! grant's [`GrantGate`] makes sure no payload byte lands under it once the revoking call returns.
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Instant, SystemTime};
@@ -11,7 +11,7 @@ use crate::metrics as m;
 use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, PendingNote, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
 use crate::regions::Region;
 use tracing::debug;
-use xfer_fabric::grant::{AccessCheck, Checked, GrantLease};
+use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
 use xfer_fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +44,7 @@ pub struct Grant {
     pub connection_id: Option<crate::ids::ConnectionId>,
     /// Held by every tcp WRITE payload being stored under this grant; revoked when the grant
     /// leaves the table, which waits for a chunk being copied and closes streams mid-payload.
-    pub lease: Arc<GrantLease>,
+    pub gate: Arc<GrantGate>,
     /// The notification the grantee asked for (`GrantRequest.notify`); its slot is set by
     /// [`GrantTable::insert`].
     pub notify: Option<PendingNote>,
@@ -264,7 +264,7 @@ impl GrantTable {
         // Outside the table lock: once this returns, no payload byte lands under these grants
         // (a chunk being copied finishes first; streams mid-payload are closed).
         for grant in &out {
-            grant.lease.revoke();
+            grant.gate.revoke();
         }
         out
     }
@@ -277,7 +277,7 @@ impl GrantTable {
     /// grant was revoked (DeleteRegion, a disconnect, expiry) publishes nothing.
     pub fn publish_on_complete(&self, grant: &Grant) -> bool {
         let Some(n) = grant.notify.as_ref() else { return false };
-        grant.lease.while_live(|| self.hub.publish(n, about(grant), Via::Complete)).unwrap_or(false)
+        grant.gate.while_live(|| self.hub.publish(n, about(grant), Via::Complete)).unwrap_or(false)
     }
 
     /// Counts a marker with immediate `imm` for `grant` that arrived on `connection`: a channel
@@ -289,7 +289,7 @@ impl GrantTable {
         }
         // A marker counts only on the connection the grant was asked on, and only while the
         // grant is live (a revoked grant's batch was cancelled or failed).
-        if grant.connection_id.as_ref() != Some(connection) || !grant.lease.is_live() {
+        if grant.connection_id.as_ref() != Some(connection) || !grant.gate.is_live() {
             m::notify_marker("refused");
             return Err(WcStatus::RemAccessErr);
         }
@@ -297,9 +297,9 @@ impl GrantTable {
             m::notify_marker("no_notification");
             return Err(WcStatus::RemInvReqErr);
         };
-        // Counted and published under the grant's lease: a revocation either waits for this or
+        // Counted and published under the grant's gate: a revocation either waits for this or
         // comes first (then the marker is refused), so nothing is published once it returned.
-        let counted = grant.lease.while_live(|| {
+        let counted = grant.gate.while_live(|| {
             if n.marker(Instant::now()) {
                 self.hub.publish(n, about(grant), Via::Fabric);
             }
@@ -320,8 +320,8 @@ impl GrantTable {
             m::notify_marker("refused");
             return Err(WcStatus::RemAccessErr);
         }
-        // Under the lease, as for a grant's one notification.
-        let r = grant.lease.while_live(|| {
+        // Under the gate, as for a grant's one notification.
+        let r = grant.gate.while_live(|| {
             let r = ch.marker(imm, Instant::now());
             if let Ok(Some((tag, first))) = &r {
                 self.hub.send(tag.clone(), *first, about(grant), Via::Fabric);
@@ -352,7 +352,7 @@ impl GrantTable {
         let Some(ch) = &grant.channel else {
             return Err(GrantError::Invalid(format!("grant {grant_id} was not asked for a channel's notifications")));
         };
-        let r = grant.lease.while_live(|| {
+        let r = grant.gate.while_live(|| {
             let r = ch.announce(seq, tag);
             if let Ok(Some((tag, first))) = &r {
                 self.hub.send(tag.clone(), *first, about(grant.as_ref()), Via::Fabric);
@@ -421,7 +421,7 @@ impl AccessCheck for GrantTable {
         if grant.connection_id.as_ref() != Some(connection) {
             return Err(WcStatus::RemAccessErr);
         }
-        if grant.op != op || !grant.lease.is_live() {
+        if grant.op != op || !grant.gate.is_live() {
             return Err(WcStatus::RemAccessErr);
         }
         let start = grant.exposure.addr;
@@ -433,6 +433,6 @@ impl AccessCheck for GrantTable {
         let mem = grant.region.memory.clone();
         let offset = addr - mem.addr();
         mem.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok(Checked { memory: mem, offset, lease: grant.lease.clone() })
+        Ok(Checked { memory: mem, offset, gate: grant.gate.clone() })
     }
 }

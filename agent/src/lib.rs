@@ -29,6 +29,7 @@ pub mod bench;
 pub mod checksum;
 pub mod config;
 pub mod cpus;
+pub mod error;
 pub use xfer_common::deadline;
 pub mod grants;
 pub use xfer_engine::ids;

@@ -11,10 +11,10 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use xfer_fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_fabric::grant::{AccessCheck, Checked, GrantLease};
-use xfer_fabric::tcp::{read_hello, serve_frames};
 use xfer_agent::ids::ConnectionId;
+use xfer_fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
+use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
+use xfer_fabric::tcp::{read_hello, serve_frames};
 
 /// The data connection the fuzzed stream belongs to.
 const CONNECTION: &str = "fuzz-conn";
@@ -45,7 +45,7 @@ struct FuzzGrants {
     memory: Arc<RegionMemory>,
     windows: Vec<Window>,
     /// Never revoked nor expired.
-    lease: Arc<GrantLease>,
+    gate: Arc<GrantGate>,
 }
 
 impl AccessCheck for FuzzGrants {
@@ -66,7 +66,7 @@ impl AccessCheck for FuzzGrants {
         }
         let offset = addr - BASE;
         self.memory.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok(Checked { memory: self.memory.clone(), offset, lease: self.lease.clone() })
+        Ok(Checked { memory: self.memory.clone(), offset, gate: self.gate.clone() })
     }
 
     fn marker(&self, connection: &ConnectionId, token: &[u8; 16], _imm: u32) -> Result<(), WcStatus> {
@@ -87,7 +87,7 @@ fn grants() -> &'static FuzzGrants {
             // A window that ends past the region: the memory bounds check must still refuse.
             Window { token: [0x33; 16], op: RemoteOp::Write, offset: 60 << 10, len: 8 << 10 },
         ],
-        lease: GrantLease::new(std::time::SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400)),
+        gate: GrantGate::new(std::time::SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400)),
     })
 }
 

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant, SystemTime};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use xfer_agent::config::{parse_size, ByteSize};
-use xfer_fabric::{Endpoint, FabricKind, RemoteOp};
 use xfer_agent::regions::validate_name;
 use xfer_agent::service::bounds::{Bounded, Bounds};
 use xfer_agent::service::convert as c;
+use xfer_fabric::{Endpoint, FabricKind, RemoteOp};
 use xfer_proto::v1 as pb;
 
 /// An accepted duration must be usable as a deadline from now: the agent adds ttls to

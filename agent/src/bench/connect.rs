@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::params::{percentile, BenchParams, BenchResult, BENCH_MAX_HOLD, BENCH_MAX_INTERVAL};
+use crate::error::NodeError;
 use crate::node::Node;
-use crate::transfer::TransferError;
 
 /// Most connections the connection benchmark holds: what a peer keeps per identity.
 const BENCH_MAX_CONNECTIONS: u32 = 256;
@@ -24,15 +24,15 @@ fn rss_bytes() -> Option<u64> {
 /// one after another (each `Peer.Connect` to RTS timed), holds them all, measures this
 /// process's resident memory growth per QP and times [`BENCH_PINGS`] `Peer.Ping` round trips
 /// to the same peer (the baseline), then discards them (the peer forgets them).
-pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, TransferError> {
+pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
     if p.connections > BENCH_MAX_CONNECTIONS {
-        return Err(TransferError::Invalid(format!("at most {BENCH_MAX_CONNECTIONS} connections (what a peer keeps per identity)")));
+        return Err(NodeError::Invalid(format!("at most {BENCH_MAX_CONNECTIONS} connections (what a peer keeps per identity)")));
     }
     if p.hold > BENCH_MAX_HOLD {
-        return Err(TransferError::Invalid(format!("connections are held at most {BENCH_MAX_HOLD:?}")));
+        return Err(NodeError::Invalid(format!("connections are held at most {BENCH_MAX_HOLD:?}")));
     }
     if p.interval > BENCH_MAX_INTERVAL {
-        return Err(TransferError::Invalid(format!("the pause between connections is at most {BENCH_MAX_INTERVAL:?}")));
+        return Err(NodeError::Invalid(format!("the pause between connections is at most {BENCH_MAX_INTERVAL:?}")));
     }
     let _admin = node.admin_slot("Bench")?;
     let qps = crate::shape::or_default(p.qps, node.transfer_defaults().qps, crate::shape::qps)?;

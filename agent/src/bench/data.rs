@@ -8,20 +8,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::params::{percentile, BenchParams, BenchResult};
+use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
 use crate::transfer::batch::Seg;
 use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
-use crate::transfer::{Op, TransferError};
+use crate::transfer::Op;
 use xfer_fabric::{Registration, RemoteOp, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
 /// perftest-style messages: `iters` WRITEs (or READs) of `p.size` bytes for bandwidth, then one
 /// at a time for latency. Its buffer counts against `limits.max_bench_bytes` here and the
 /// target's scratch region against the target's.
-pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, TransferError> {
+pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
     crate::shape::bench_size(p.size)?;
     let _admin = node.admin_slot("Bench")?;
     let _memory = node.reserve_bench(p.size, "the benchmark buffer")?;
@@ -36,7 +37,7 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
 }
 
 /// The bandwidth phase, then the latency phase, each on its own connection and grant.
-async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, TransferError> {
+async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, NodeError> {
     let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
     let ask = GrantAsk {
         region: scratch,
@@ -47,15 +48,15 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         notify: None,
         channel: false,
     };
-    let len = usize::try_from(p.size).map_err(|_| TransferError::Invalid("size too large".into()))?;
+    let len = usize::try_from(p.size).map_err(|_| NodeError::Invalid("size too large".into()))?;
     // Mapping and pinning the buffer (up to 256 MiB) on the blocking pool.
     let n = Arc::clone(node);
     let local = tokio::task::spawn_blocking(move || {
-        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| TransferError::Internal(e.to_string()))?);
-        n.register(mem, xfer_fabric::Access::ReadWrite).map_err(|e| TransferError::Internal(e.to_string()))
+        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| NodeError::Internal(e.to_string()))?);
+        n.register(mem, xfer_fabric::Access::ReadWrite).map_err(|e| NodeError::Internal(e.to_string()))
     })
     .await
-    .map_err(|e| TransferError::Internal(e.to_string()))??;
+    .map_err(|e| NodeError::Internal(e.to_string()))??;
     let cancel = CancellationToken::new();
     let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
     let qps = crate::shape::or_default(p.qps, node.transfer_defaults().qps, crate::shape::qps)?;
@@ -92,7 +93,7 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     done.lease.release(bw_state == State::Succeeded);
     drop(held);
     if let State::Failed(f) = bw_state {
-        return Err(TransferError::Internal(format!("bench bandwidth phase failed: {f:?}")));
+        return Err(NodeError::Internal(format!("bench bandwidth phase failed: {f:?}")));
     }
 
     // Latency: one WR at a time on one QP.
@@ -116,7 +117,7 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     done.lease.release(lat_ok);
     drop(held);
     if !lat_ok {
-        return Err(TransferError::Internal(format!("bench latency phase failed: {:?}", done.machine.state())));
+        return Err(NodeError::Internal(format!("bench latency phase failed: {:?}", done.machine.state())));
     }
     let samples = done.probe.map(|p| p.samples).unwrap_or_default();
     let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();

@@ -9,25 +9,26 @@ use tracing::warn;
 
 use super::params::{kv_result, percentile, BenchParams, BenchResult};
 use super::sample::distinct_slots;
+use crate::error::NodeError;
 use crate::ids::new_id;
 use crate::node::{ChannelInput, ChannelOutput, ChannelParams, Node, BENCH_REGION_TTL};
 use crate::transfer::batch::{Batch, Dest, SegmentSpec};
-use crate::transfer::{Op, TransferError, TransferRequest, TransferState};
+use crate::transfer::{Op, TransferRequest, TransferState};
 
 /// The KV-cache pattern through the product path: `iters` batches, each `blocks` blocks of
 /// `size` bytes at random distinct places of a local pool written (or read) to random
 /// distinct places of the peer's pool, each with a notification, one after the other
 /// (`SubmitTransfer` with segments, followed to SUCCEEDED). Both pools are scratch regions,
 /// deleted at the end.
-pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, TransferError> {
+pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
     let block = crate::shape::bench_size(p.size)?;
     let blocks = u64::from(p.blocks);
     let pool = crate::shape::bench_region(if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool })?;
     if pool / block < blocks {
-        return Err(TransferError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
+        return Err(NodeError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
     }
     if blocks as usize > node.transfer_defaults().max_segments {
-        return Err(TransferError::Limit(format!(
+        return Err(NodeError::Limit(format!(
             "{blocks} blocks; a batch takes at most {} (transfer.max_segments)",
             node.transfer_defaults().max_segments
         )));
@@ -47,7 +48,7 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
         },
     );
     let budget = node.reserve_bench(pool, "the benchmark's local pool")?;
-    tokio::task::spawn_blocking(move || n.create_scratch(spec, budget)).await.map_err(|e| TransferError::Internal(e.to_string()))??;
+    tokio::task::spawn_blocking(move || n.create_scratch(spec, budget)).await.map_err(|e| NodeError::Internal(e.to_string()))??;
     let res = match peer.call(|| peer.client.open_bench_region(pool)).await {
         Ok(remote) => {
             let res = with(node, &p, &local, &remote, block, blocks, pool, iters).await;
@@ -79,7 +80,7 @@ async fn with(
     blocks: u64,
     pool: u64,
     iters: u32,
-) -> Result<BenchResult, TransferError> {
+) -> Result<BenchResult, NodeError> {
     // Distinct random slots on each side, in memory for `blocks` (at most
     // transfer.max_segments), never for the pool's slots (which the caller chooses).
     let slots = pool / block;
@@ -131,7 +132,7 @@ async fn with(
         };
         let took = t0.elapsed();
         if end.state != TransferState::Succeeded {
-            return Err(TransferError::Internal(format!("bench batch {i} ended {:?}: {}", end.state, end.error.unwrap_or_default())));
+            return Err(NodeError::Internal(format!("bench batch {i} ended {:?}: {}", end.state, end.error.unwrap_or_default())));
         }
         busy += took;
         batch_us.push(took.as_secs_f64() * 1e6);
@@ -151,7 +152,7 @@ async fn over_channel(
     blocks: u64,
     iters: u32,
     specs: Vec<SegmentSpec>,
-) -> Result<BenchResult, TransferError> {
+) -> Result<BenchResult, NodeError> {
     let t = Instant::now();
     let ch = node
         .open_channel(ChannelParams {
@@ -176,12 +177,12 @@ async fn over_channel(
     let cancel = CancellationToken::new();
     let _stop = cancel.clone().drop_guard();
     let task = tokio::spawn(ch.run(in_rx, out_tx, cancel));
-    let lost = || TransferError::Internal("the bench channel ended early".into());
+    let lost = || NodeError::Internal("the bench channel ended early".into());
     let t = Instant::now();
     in_tx.send(ChannelInput::Prepare { list: 1, segments: specs }).await.map_err(|_| lost())?;
     match out_rx.recv().await {
         Some(ChannelOutput::Prepared { .. }) => {}
-        Some(ChannelOutput::Done(d)) => return Err(TransferError::Invalid(d.error.map(|e| e.1).unwrap_or_default())),
+        Some(ChannelOutput::Done(d)) => return Err(NodeError::Invalid(d.error.map(|e| e.1).unwrap_or_default())),
         None => return Err(lost()),
     }
     let prep_ns = t.elapsed().as_nanos() as f64 / blocks.max(1) as f64;
@@ -199,7 +200,7 @@ async fn over_channel(
         let took = t0.elapsed();
         if !d.ok {
             let (code, msg) = d.error.unwrap_or_default();
-            return Err(TransferError::Internal(format!("bench batch {i} failed ({code}): {msg}")));
+            return Err(NodeError::Internal(format!("bench batch {i} failed ({code}): {msg}")));
         }
         busy += took;
         batch_us.push(took.as_secs_f64() * 1e6);

@@ -12,8 +12,8 @@
 //! * [`sample`] — distinct random slots for the KV pattern.
 use std::sync::Arc;
 
+use crate::error::NodeError;
 use crate::node::Node;
-use crate::transfer::TransferError;
 
 mod connect;
 mod data;
@@ -27,7 +27,7 @@ pub use tcp::{open_sink, tcp_baseline};
 
 /// `Agent.Bench`: the pattern `p` asks for (connection setup, the KV pattern, or perftest-style
 /// messages) against `p.peer`. Admin-only; one at a time.
-pub async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, TransferError> {
+pub async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
     if p.connections > 0 {
         return connect::run(node, p).await;
     }

@@ -8,9 +8,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
+use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::PeerError;
-use crate::transfer::TransferError;
 
 /// Each sink connection's read buffer.
 const SINK_BUFFER: usize = 256 << 10;
@@ -27,13 +27,12 @@ const BASELINE_MAX_BLOCK: u64 = 16 << 20;
 /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
 /// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
 /// [`SINK_LIFETIME`] in all.
-pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, TransferError> {
+pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, NodeError> {
     let n = connections.clamp(1, 64);
     let slot = node.sink_slot()?;
     let reservation = node.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
-    let listener =
-        TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
-    let addr = listener.local_addr().map_err(|e| TransferError::Internal(format!("opening sink: {e}")))?;
+    let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     tokio::spawn(async move {
         let _held = (slot, reservation);
         match run_sink(listener, n, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
@@ -48,7 +47,7 @@ pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32
 /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
 /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
 /// `limits.max_bench_bytes`.
-pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), TransferError> {
+pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), NodeError> {
     let _admin = node.admin_slot("TcpBaseline")?;
     let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
     let _memory = node.reserve_bench(block as u64, "the TCP baseline buffer")?;
@@ -81,13 +80,13 @@ pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections:
             Ok::<u64, std::io::Error>(per)
         });
     }
-    let unreachable = |detail: String| TransferError::Peer(PeerError::Unreachable { addr: sink.clone(), detail });
+    let unreachable = |detail: String| NodeError::Peer(PeerError::Unreachable { addr: sink.clone(), detail });
     let collect = async {
         let mut total = 0;
         while let Some(t) = tasks.join_next().await {
-            total += t.map_err(|e| TransferError::Internal(e.to_string()))?.map_err(|e| unreachable(e.to_string()))?;
+            total += t.map_err(|e| NodeError::Internal(e.to_string()))?.map_err(|e| unreachable(e.to_string()))?;
         }
-        Ok::<u64, TransferError>(total)
+        Ok::<u64, NodeError>(total)
     };
     let total = tokio::time::timeout(SINK_SPAN, collect)
         .await

@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::initiator::Held;
 use super::limits::ChannelSlot;
 use super::Node;
+use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::regions::RegionUse;
@@ -35,7 +36,7 @@ use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::job::{Job, WrTemplate};
 use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
-use crate::transfer::{Op, TransferError};
+use crate::transfer::Op;
 use xfer_fabric::{RemoteOp, WrOp};
 
 /// Prepared lists one channel keeps at most.
@@ -157,24 +158,24 @@ impl Drop for Channel {
 impl Node {
     /// Opens a channel: checks the ask, leases a connection and asks the peer's grant over the
     /// channel's range (one round trip), as a transfer does before its first byte.
-    pub async fn open_channel(self: &Arc<Self>, p: ChannelParams) -> Result<Channel, TransferError> {
+    pub async fn open_channel(self: &Arc<Self>, p: ChannelParams) -> Result<Channel, NodeError> {
         self.open_channel_as(p, &crate::tenants::Tenant::exempt()).await
     }
 
     /// `OpenChannel` on behalf of `owner`: the channel counts as a transfer against its share of
     /// `limits.max_transfers` for its whole life.
-    pub async fn open_channel_as(self: &Arc<Self>, p: ChannelParams, owner: &crate::tenants::Tenant) -> Result<Channel, TransferError> {
+    pub async fn open_channel_as(self: &Arc<Self>, p: ChannelParams, owner: &crate::tenants::Tenant) -> Result<Channel, NodeError> {
         if self.draining.is_cancelled() {
-            return Err(TransferError::ShuttingDown);
+            return Err(NodeError::ShuttingDown);
         }
         if p.options.verify {
-            return Err(TransferError::Invalid(
+            return Err(NodeError::Invalid(
                 "verify checks one contiguous range; on a channel, compare ranges with Agent.Checksum on both agents".into(),
             ));
         }
         let local = self.local_use(&p.local_region, owner)?;
         if p.op == Op::Read && !local.0.memory.writable() {
-            return Err(TransferError::PermissionDenied(format!(
+            return Err(NodeError::PermissionDenied(format!(
                 "local region {:?} is mapped read-only and cannot receive a READ",
                 local.0.name
             )));
@@ -220,10 +221,10 @@ impl Node {
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
             (Some(g), Some(l)) => (g.info.clone(), l.qps()),
-            _ => return Err(TransferError::Internal("channel accepted without a connection and a grant".into())),
+            _ => return Err(NodeError::Internal("channel accepted without a connection and a grant".into())),
         };
         if p.notify && grant.notify_slot & crate::notify::CHANNEL_BIT == 0 {
-            return Err(TransferError::FailedPrecondition(format!(
+            return Err(NodeError::FailedPrecondition(format!(
                 "peer {} does not support channel notifications (its grant carries no channel slot)",
                 peer.addr
             )));
@@ -262,7 +263,7 @@ pub enum ChannelEnd {
     /// The caller closed it (or went away): clean.
     Closed,
     /// A batch failed on the fabric, the grant expired or the agent is shutting down.
-    Failed(TransferError),
+    Failed(NodeError),
 }
 
 impl Channel {
@@ -301,8 +302,8 @@ impl Channel {
             let input = tokio::select! {
                 i = inputs.recv() => i,
                 _ = cancel.cancelled() => break ChannelEnd::Closed,
-                _ = self.node.draining.cancelled() => break ChannelEnd::Failed(TransferError::ShuttingDown),
-                _ = &mut expired => break ChannelEnd::Failed(TransferError::FailedPrecondition(
+                _ = self.node.draining.cancelled() => break ChannelEnd::Failed(NodeError::ShuttingDown),
+                _ = &mut expired => break ChannelEnd::Failed(NodeError::FailedPrecondition(
                     "the channel's grant expired; open a new channel".into(),
                 )),
             };
@@ -382,7 +383,7 @@ impl Channel {
         list: u32,
         notify: Option<Vec<u8>>,
         cancel: &CancellationToken,
-    ) -> (BatchOutcome, Option<TransferError>) {
+    ) -> (BatchOutcome, Option<NodeError>) {
         let t0 = Instant::now();
         let op = self.op.as_str();
         let refused = |code: &str, msg: String| {
@@ -416,14 +417,14 @@ impl Channel {
         // instead of a remote access error.
         if self.info.expires_at.is_some_and(|e| SystemTime::now() >= e) {
             m::channel_batch(op, "refused");
-            let e = TransferError::FailedPrecondition("the channel's grant expired; open a new channel".into());
+            let e = NodeError::FailedPrecondition("the channel's grant expired; open a new channel".into());
             return (BatchOutcome::refused(seq, "FAILED_PRECONDITION", e.to_string()), Some(e));
         }
         let (segs, shift, bytes, count) =
             (batch.segs().clone(), batch.remote_base() - self.info.remote_offset, batch.bytes(), batch.len() as u64);
         m::batch_submitted(op, batch.asked(), batch.len());
         let Some(lease) = self.held.lease.take() else {
-            let e = TransferError::Internal("channel without its connection".into());
+            let e = NodeError::Internal("channel without its connection".into());
             return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e));
         };
         let markers = match (&notify, self.op) {
@@ -492,8 +493,7 @@ impl Channel {
                 m::channel_batch(op, "failed");
                 out.error = Some((f.code.as_str().to_string(), f.message.clone()));
                 // A fabric failure leaves the QPs in error: the channel is over.
-                let fatal =
-                    TransferError::Aborted(format!("batch {seq} failed ({}): {}; the channel is closed", f.code.as_str(), f.message));
+                let fatal = NodeError::Aborted(format!("batch {seq} failed ({}): {}; the channel is closed", f.code.as_str(), f.message));
                 (out, Some(fatal))
             }
         }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::Node;
-use crate::transfer::TransferError;
+use crate::error::NodeError;
 
 /// `WatchInbound` subscriptions (streams and rings) alive at once on one agent.
 pub(super) const MAX_SUBSCRIBERS: usize = 256;
@@ -49,12 +49,13 @@ impl Node {
     /// Subscribes to the notifications published on this agent (`WatchInbound`): those of
     /// `region` (a name or id, resolved now to the region's id; empty = every region). Nothing
     /// published once this returns is missed (short of falling 4,096 behind).
-    pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, TransferError> {
+    pub fn watch_inbound(&self, region: &str, tag: Option<&[u8]>) -> Result<crate::notify::Subscription, NodeError> {
         let id = self.inbound_filter(region, tag)?;
         // Per region: a subscriber falls behind only by its own region's notifications.
-        let sub = self.regions.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
-            TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS))
-        })?;
+        let sub =
+            self.regions.grants.hub().subscribe_bounded(id.as_deref(), MAX_SUBSCRIBERS).ok_or_else(|| {
+                NodeError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS))
+            })?;
         // A region that ended since it was looked up has forgotten its channel already; this
         // subscription would have made it anew and never be told. Looked up again after joining:
         // an end from now on takes the channel out (and ends this stream).
@@ -69,15 +70,15 @@ impl Node {
     /// publishes them. The object is private like an shm region's (`regions.shm_mode`,
     /// `regions.shm_group`), named at random, counted against `max_registered_bytes`, and removed
     /// when the returned handle is dropped (the caller's stream closed).
-    pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, TransferError> {
+    pub fn watch_inbound_ring(&self, region: &str, tag: Option<&[u8]>, slots: u32) -> Result<InboundRing, NodeError> {
         let (slots, slot_size, length) = self.ring_shape(slots)?;
         let id = self.inbound_filter(region, tag)?;
         let reservation = self.regions.registry.reserve(length, "a notification ring")?;
-        let len = usize::try_from(length).map_err(|_| TransferError::Invalid("ring too large for this machine".into()))?;
+        let len = usize::try_from(length).map_err(|_| NodeError::Invalid("ring too large for this machine".into()))?;
         let (object, file) = self.create_ring_object(length)?;
         let remove = |e: String| {
             self.regions.registry.remove_private_shm(&object);
-            TransferError::Internal(e)
+            NodeError::Internal(e)
         };
         let mem = match xfer_rdma::memory::RegionMemory::map_file(&file, len, true) {
             Ok(m) => m,
@@ -90,7 +91,7 @@ impl Node {
         let sub = Arc::new(crate::notify::RingSub::new(id, tag.map(<[u8]>::to_vec), writer));
         let Some(slot) = self.regions.grants.hub().add_ring(sub, MAX_SUBSCRIBERS) else {
             self.regions.registry.remove_private_shm(&object);
-            return Err(TransferError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS)));
+            return Err(NodeError::Limit(format!("{} WatchInbound subscribers are connected to this agent already", MAX_SUBSCRIBERS)));
         };
         crate::metrics::inbound_rings(1);
         let path = self.regions.registry.shm_path(&object);
@@ -99,9 +100,9 @@ impl Node {
 
     /// The slots (0 = the default), slot size and byte length of a ring asked for with `slots`,
     /// checked: what a ring costs is known before anything is reserved or created.
-    pub(super) fn ring_shape(&self, slots: u32) -> Result<(u32, u32, u64), TransferError> {
+    pub(super) fn ring_shape(&self, slots: u32) -> Result<(u32, u32, u64), NodeError> {
         let slots = if slots == 0 { DEFAULT_RING_SLOTS } else { slots };
-        xfer_rdma::ring::check_slots(slots).map_err(TransferError::Invalid)?;
+        xfer_rdma::ring::check_slots(slots).map_err(NodeError::Invalid)?;
         // Slots hold the largest tag, region name and peer identity this agent produces.
         let max = self.config.transfer.max_notify_bytes;
         let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
@@ -110,10 +111,10 @@ impl Node {
 
     /// A subscription's filter checked: the region (a name or id, resolved now to its id; empty =
     /// every region) and a tag no longer than any this agent accepts.
-    fn inbound_filter(&self, region: &str, tag: Option<&[u8]>) -> Result<Option<String>, TransferError> {
+    fn inbound_filter(&self, region: &str, tag: Option<&[u8]>) -> Result<Option<String>, NodeError> {
         let max = self.config.transfer.max_notify_bytes;
         if tag.is_some_and(|t| t.len() > max) {
-            return Err(TransferError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
+            return Err(NodeError::Invalid(format!("tag filter longer than any tag this agent accepts ({max} bytes)")));
         }
         Ok(match region {
             "" => None,
@@ -122,7 +123,7 @@ impl Node {
     }
 
     /// A new, randomly named shm object for a ring (a name taken by someone else is skipped).
-    fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), TransferError> {
+    fn create_ring_object(&self, length: u64) -> Result<(String, std::fs::File), NodeError> {
         let mut last = None;
         for _ in 0..4 {
             let object = format!("{}{:016x}", self.responder.ring_prefix, rand::random::<u64>());
@@ -132,14 +133,14 @@ impl Node {
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(last.map_or_else(|| TransferError::Internal("no ring object".into()), TransferError::from))
+        Err(last.map_or_else(|| NodeError::Internal("no ring object".into()), NodeError::from))
     }
 
     /// A notification tag this agent sends or accepts: at most `transfer.max_notify_bytes`.
-    pub(super) fn check_notify_tag(&self, tag: &[u8]) -> Result<(), TransferError> {
+    pub(super) fn check_notify_tag(&self, tag: &[u8]) -> Result<(), NodeError> {
         let max = self.config.transfer.max_notify_bytes;
         if tag.len() > max {
-            return Err(TransferError::Invalid(format!(
+            return Err(NodeError::Invalid(format!(
                 "notification tag of {} bytes; this agent takes at most {max} (transfer.max_notify_bytes)",
                 tag.len()
             )));

@@ -12,6 +12,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use super::Node;
 use crate::checksum::{self, Algo};
+use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry, PeerPool};
@@ -24,7 +25,7 @@ use crate::transfer::job::{Job, Progress, WrTemplate};
 use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 use crate::transfer::worker::Worker;
-use crate::transfer::{Op, TransferError, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use crate::transfer::{Op, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
 use xfer_fabric::{RemoteOp, WrOp};
 
 impl Node {
@@ -32,27 +33,27 @@ impl Node {
 
     /// Validates a transfer, obtains the peer's grant and starts it. Bad input fails here with a
     /// clear error; failures after this point are reported in the transfer record.
-    pub async fn submit(self: &Arc<Self>, req: TransferRequest) -> Result<TransferRecord, TransferError> {
+    pub async fn submit(self: &Arc<Self>, req: TransferRequest) -> Result<TransferRecord, NodeError> {
         self.submit_as(req, &Tenant::exempt()).await
     }
 
     /// `SubmitTransfer` on behalf of `owner`: it counts against `owner`'s shares until it ends.
-    pub async fn submit_as(self: &Arc<Self>, req: TransferRequest, owner: &Tenant) -> Result<TransferRecord, TransferError> {
+    pub async fn submit_as(self: &Arc<Self>, req: TransferRequest, owner: &Tenant) -> Result<TransferRecord, NodeError> {
         if self.draining.is_cancelled() {
-            return Err(TransferError::ShuttingDown);
+            return Err(NodeError::ShuttingDown);
         }
         // In use from the lookup on (under the registry lock): a DeleteRegion meanwhile is
         // refused as busy instead of deleting a region this transfer is about to move bytes in.
         let local_use = self.local_use(&req.local_region, owner)?;
         let local = Arc::clone(&local_use.0);
         if req.local_offset > local.length {
-            return Err(TransferError::Invalid(format!(
+            return Err(NodeError::Invalid(format!(
                 "offset {} is beyond the end of region {:?} ({} bytes)",
                 req.local_offset, local.name, local.length
             )));
         }
         if req.op == Op::Read && !local.memory.writable() {
-            return Err(TransferError::PermissionDenied(format!(
+            return Err(NodeError::PermissionDenied(format!(
                 "local region {:?} is mapped read-only and cannot receive a READ",
                 local.name
             )));
@@ -66,12 +67,12 @@ impl Node {
             None
         } else {
             if req.local_offset != 0 || req.remote_offset != 0 || req.length != 0 {
-                return Err(TransferError::Invalid(
+                return Err(NodeError::Invalid(
                     "with segments, the local and remote offsets and the length come from the segments and must be 0".into(),
                 ));
             }
             if req.options.verify {
-                return Err(TransferError::Invalid(
+                return Err(NodeError::Invalid(
                     "verify checks one contiguous range; for a batch, compare ranges with Agent.Checksum on both agents".into(),
                 ));
             }
@@ -84,7 +85,7 @@ impl Node {
         };
         if batch.is_none() {
             if req.op == Op::Write && length == 0 {
-                return Err(TransferError::Invalid("zero-length transfer: nothing to copy".into()));
+                return Err(NodeError::Invalid("zero-length transfer: nothing to copy".into()));
             }
             if req.length != 0 || req.op == Op::Write {
                 local.check_range(req.local_offset, length)?;
@@ -145,10 +146,10 @@ impl Node {
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
-            session.handle(Event::Abort(TransferError::ShuttingDown));
+            session.handle(Event::Abort(NodeError::ShuttingDown));
             return Err(match held.settle(&mut session) {
                 Some(Command::Refuse(e)) => e,
-                _ => TransferError::ShuttingDown,
+                _ => NodeError::ShuttingDown,
             });
         }
         let now = SystemTime::now();
@@ -198,7 +199,7 @@ impl Node {
         ask: &GrantAsk<'_>,
         qps: usize,
         depth: usize,
-    ) -> Result<u64, TransferError> {
+    ) -> Result<u64, NodeError> {
         let me = &self.config.node_name;
         loop {
             let ev = match held.settle(s) {
@@ -214,7 +215,7 @@ impl Node {
                 },
                 Some(Command::AskGrant) => {
                     let Some(lease) = held.lease.as_ref() else {
-                        return Err(TransferError::Internal("grant asked without a connection".into()));
+                        return Err(NodeError::Internal("grant asked without a connection".into()));
                     };
                     let peer = held.peer.clone();
                     let cid = lease.connection_id().clone();
@@ -225,7 +226,7 @@ impl Node {
                             // An agent that predates notifications ignores the ask: refuse
                             // rather than move bytes nobody will be told about.
                             held.hold_grant(g);
-                            Event::GrantFailed(TransferError::FailedPrecondition(format!(
+                            Event::GrantFailed(NodeError::FailedPrecondition(format!(
                                 "peer {} does not support notifications (its grant carries no notification slot)",
                                 peer.addr
                             )))
@@ -247,8 +248,8 @@ impl Node {
                         Err(e) => Event::GrantFailed(e.into()),
                     }
                 }
-                Some(other) => return Err(TransferError::Internal(format!("unexpected {other:?} before the transfer started"))),
-                None => return Err(TransferError::Internal("transfer session stopped before accepting".into())),
+                Some(other) => return Err(NodeError::Internal(format!("unexpected {other:?} before the transfer started"))),
+                None => return Err(NodeError::Internal("transfer session stopped before accepting".into())),
             };
             s.handle(ev);
         }
@@ -257,7 +258,7 @@ impl Node {
     /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
     /// region), through the transfer session's acquire phase: the same stale-connection handling
     /// as a transfer. Both are given back when the returned [`Held`] drops.
-    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, TransferError> {
+    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, NodeError> {
         let mut s = Session::new(SessionConfig {
             length: ask.length,
             batch: None,
@@ -426,7 +427,7 @@ impl Node {
     }
 
     /// A transfer record by id: an outbound id, or `PEER/ID` for an inbound one.
-    pub fn transfer(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
+    pub fn transfer(&self, id: &str) -> Result<Arc<TransferHandle>, NodeError> {
         if id.contains('/') {
             self.responder.inbound.get(id)
         } else {
@@ -442,7 +443,7 @@ impl Node {
     }
 
     /// Cancels a running transfer; no-op for finished ones.
-    pub fn cancel(&self, id: &str) -> Result<TransferRecord, TransferError> {
+    pub fn cancel(&self, id: &str) -> Result<TransferRecord, NodeError> {
         let h = self.initiator.transfers.get(id)?;
         h.cancel.cancel();
         Ok(h.snapshot())
@@ -511,11 +512,11 @@ impl Held {
     /// The session's next command, after applying the resource ones (release, revoke, consumed).
     /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
     /// holds; the grant itself stays here, revoked when this drops.
-    pub fn take_parts(&mut self) -> Result<(Lease, GrantInfo), TransferError> {
+    pub fn take_parts(&mut self) -> Result<(Lease, GrantInfo), NodeError> {
         let grant = self.grant.as_ref().map(|g| g.info.clone());
         match (self.lease.take(), grant) {
             (Some(l), Some(g)) => Ok((l, g)),
-            _ => Err(TransferError::Internal("accepted without a connection and a grant".into())),
+            _ => Err(NodeError::Internal("accepted without a connection and a grant".into())),
         }
     }
 

@@ -10,12 +10,12 @@ use tracing::{info, warn};
 use super::initiator::Initiator;
 use super::Node;
 use crate::config::LimitsConfig;
+use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peers::{Lease, PeerKey};
 use crate::tenants::Tenant;
 use crate::transfer::job::{Done, Job, Leased};
 use crate::transfer::worker::Worker;
-use crate::transfer::TransferError;
 use xfer_fabric::Connection;
 
 /// The data path drives a pooled connection's lease.
@@ -73,18 +73,18 @@ impl Initiator {
 
     /// Takes a slot under `limits.max_transfers`, `limits.max_transfers_per_peer` and `tenant`'s
     /// share of both, counting the running transfers and the slots already taken.
-    fn take_slot(&self, limits: &LimitsConfig, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), TransferError> {
+    fn take_slot(&self, limits: &LimitsConfig, peer: &PeerKey, tenant: &Tenant) -> Result<(String, Tenant), NodeError> {
         let peer = peer.to_string();
         let mut m = self.submitting.lock().unwrap_or_else(|p| p.into_inner());
         let active = self.transfers.active(None);
         let total = active.len() + m.values().sum::<usize>();
         if total >= limits.max_transfers {
-            return Err(TransferError::Limit(format!("max_transfers = {} ({total} running)", limits.max_transfers)));
+            return Err(NodeError::Limit(format!("max_transfers = {} ({total} running)", limits.max_transfers)));
         }
         let pending = |f: &dyn Fn(&(String, Tenant)) -> bool| m.iter().filter(|(k, _)| f(k)).map(|(_, n)| *n).sum::<usize>();
         let to_peer = active.iter().filter(|h| h.record.borrow().peer_key == peer).count() + pending(&|k| k.0 == peer);
         if to_peer >= limits.max_transfers_per_peer {
-            return Err(TransferError::Limit(format!(
+            return Err(NodeError::Limit(format!(
                 "max_transfers_per_peer = {} ({to_peer} running to {peer})",
                 limits.max_transfers_per_peer
             )));
@@ -104,7 +104,7 @@ impl Initiator {
                 let cap = share(max);
                 if held >= cap {
                     m::share_refused("transfers");
-                    return Err(TransferError::Limit(format!(
+                    return Err(NodeError::Limit(format!(
                         "{tenant} holds {held} transfers and channels: its share ({cap} of {key} = {max}, limits.tenant_share); \
                          other identities keep the rest"
                     )));
@@ -121,13 +121,13 @@ impl Node {
     /// Checks `limits.max_transfers`, `limits.max_transfers_per_peer` (per peer identity, the
     /// pool entry's key) and the caller's share, and holds a slot until the transfer's record is
     /// inserted, so concurrent submits cannot overshoot.
-    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, TransferError> {
+    pub(super) fn reserve_slot(&self, peer: &PeerKey, tenant: &Tenant) -> Result<SubmitSlot<'_>, NodeError> {
         let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
         Ok(SubmitSlot { node: self, key })
     }
 
     /// [`Node::reserve_slot`] for a channel's whole life.
-    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, TransferError> {
+    pub(super) fn channel_slot(self: &Arc<Self>, peer: &PeerKey, tenant: &Tenant) -> Result<ChannelSlot, NodeError> {
         let key = self.initiator.take_slot(&self.config.limits, peer, tenant)?;
         Ok(ChannelSlot { node: Arc::clone(self), key })
     }
@@ -191,8 +191,8 @@ impl Node {
 
     /// Runs `job` to its end through the data path's one driver: on the data-path worker, or on
     /// this task without one. Transfers, channel batches and benchmark phases all come here.
-    pub async fn run_job(&self, job: Job<Lease>) -> Result<Done<Lease>, TransferError> {
-        crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(TransferError::Internal)
+    pub async fn run_job(&self, job: Job<Lease>) -> Result<Done<Lease>, NodeError> {
+        crate::transfer::driver::drive(job, self.worker(), self.poll_spin()).await.map_err(NodeError::Internal)
     }
 
     /// The WR length for a transfer's chunks (`verbs.max_read_wr` splits long READs; the tcp
@@ -206,18 +206,18 @@ impl Node {
     }
 
     /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
-    pub fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+    pub fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, NodeError> {
         self.admin_slot
             .clone()
             .try_acquire_owned()
-            .map_err(|_| TransferError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)")))
+            .map_err(|_| NodeError::Limit(format!("another benchmark is running on this agent ({what} runs one at a time)")))
     }
 
     /// One `Peer.OpenSink` at a time; the sink's task holds the permit until the sink closes.
-    pub fn sink_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, TransferError> {
+    pub fn sink_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, NodeError> {
         self.sink_slot
             .clone()
             .try_acquire_owned()
-            .map_err(|_| TransferError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))
+            .map_err(|_| NodeError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))
     }
 }

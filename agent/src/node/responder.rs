@@ -10,10 +10,11 @@ use tracing::{info, warn};
 
 use super::Node;
 use crate::checksum::{self, Algo};
+use crate::error::NodeError;
 use crate::grants::{Grant, GrantError};
 use crate::ids::ConnectionId;
 use crate::metrics as m;
-use crate::transfer::{Op, TransferError, TransferRecord, TransferRegistry, TransferState};
+use crate::transfer::{Op, TransferRecord, TransferRegistry, TransferState};
 use xfer_fabric::{Accepted, Endpoint, ExposeRequest, FabricError, FabricKind, Readiness, RemoteOp};
 
 /// What `Peer.Grant` asks for, in domain terms.
@@ -91,7 +92,7 @@ fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
         crate::deadline::instant_after(ttl),
         Box::new(move || {
             weak.upgrade().is_some_and(|g| {
-                g.lease.is_live()
+                g.gate.is_live()
                     && (g.notify.as_ref().is_some_and(|p| !p.is_published()) || g.channel.as_ref().is_some_and(|c| c.expecting()))
             })
         }),
@@ -106,12 +107,12 @@ const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// moved to RTS after `Peer.Connect` was answered ([`Accepted::readiness`]). A half that failed
 /// to get there is refused as an unknown connection (the initiator negotiates a fresh one if it
 /// took this one from its pool), with the device's reason.
-async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), TransferError> {
+async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), NodeError> {
     let Some(mut rx) = conn.readiness() else { return Ok(()) };
     if *rx.borrow_and_update() == Readiness::Pending {
         m::grant_ready_wait();
     }
-    let failed = |why: &str| TransferError::UnknownConnection(format!("connection {id} could not be made ready on this agent: {why}"));
+    let failed = |why: &str| NodeError::UnknownConnection(format!("connection {id} could not be made ready on this agent: {why}"));
     let settled = tokio::time::timeout(READY_TIMEOUT, rx.wait_for(|r| *r != Readiness::Pending)).await;
     match settled {
         // `wait_for` hands back a settled state only: `Ready` or `Failed`.
@@ -121,7 +122,7 @@ async fn wait_ready(conn: &dyn Accepted, id: &ConnectionId) -> Result<(), Transf
         },
         // The task that moves the QPs ended without a word (it always sends one).
         Ok(Err(_)) => Err(failed("its set-up ended without a result")),
-        Err(_) => Err(TransferError::FailedPrecondition(format!(
+        Err(_) => Err(NodeError::FailedPrecondition(format!(
             "connection {id} is not ready on this agent after {READY_TIMEOUT:?} (its QPs are still being moved to RTS)"
         ))),
     }
@@ -227,7 +228,7 @@ impl Node {
         }
     }
 
-    pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, TransferError> {
+    pub async fn grant(&self, p: &GrantParams) -> Result<Arc<Grant>, NodeError> {
         // A peer's notification ask is checked before anything is looked up or exposed.
         if let Some(ask) = &p.notify {
             if let NotifyAsk::Once { tag, .. } = ask {
@@ -235,7 +236,7 @@ impl Node {
             }
             let markers = ask.markers();
             if markers == 0 || markers as usize > *crate::shape::QPS.end() {
-                return Err(TransferError::Invalid(format!(
+                return Err(NodeError::Invalid(format!(
                     "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
                     *crate::shape::QPS.end()
                 )));
@@ -244,20 +245,20 @@ impl Node {
         let notify = p.notify.clone();
         let region = self.regions.registry.get(&p.region)?;
         if !region.access.allows(p.op) {
-            return Err(TransferError::PermissionDenied(format!(
+            return Err(NodeError::PermissionDenied(format!(
                 "region {:?} has access {:?}; remote {} is not allowed",
                 region.name, region.access, p.op
             )));
         }
         if p.offset > region.length {
-            return Err(TransferError::Invalid(format!(
+            return Err(NodeError::Invalid(format!(
                 "offset {} is beyond the end of region {:?} ({} bytes)",
                 p.offset, region.name, region.length
             )));
         }
         let length = if p.length == 0 { region.length - p.offset } else { p.length };
         if length == 0 {
-            return Err(TransferError::Invalid(format!("nothing to grant: offset {} is the end of region {:?}", p.offset, region.name)));
+            return Err(NodeError::Invalid(format!("nothing to grant: offset {} is the end of region {:?}", p.offset, region.name)));
         }
         region.check_range(p.offset, length)?;
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
@@ -273,12 +274,12 @@ impl Node {
             const WHY: &str = "a notification is counted on the grantee's connection: the grant request must name a \
                                connection the caller made with Peer.Connect (connection_id)";
             return Err(match p.connection_id {
-                None => TransferError::FailedPrecondition(WHY.into()),
-                Some(_) => TransferError::UnknownConnection(WHY.into()),
+                None => NodeError::FailedPrecondition(WHY.into()),
+                Some(_) => NodeError::UnknownConnection(WHY.into()),
             });
         }
         if self.fabric.grants_need_connection() && connection.is_none() {
-            return Err(TransferError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
+            return Err(NodeError::FailedPrecondition(if self.fabric.kind() == FabricKind::Tcp {
                 "tcp grants are bound to a data connection: the grant request must name a connection the \
                  caller made with Peer.Connect (connection_id)"
                     .into()
@@ -297,7 +298,7 @@ impl Node {
             .fabric
             .expose(&region.registration, &req)
             .await
-            .map_err(|e| TransferError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
+            .map_err(|e| NodeError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
         let grant = Grant {
             id: crate::ids::GrantId::random(),
             region,
@@ -308,7 +309,7 @@ impl Node {
             expires_at,
             exposure,
             connection_id: p.connection_id.clone(),
-            lease: xfer_fabric::grant::GrantLease::new(expires_at),
+            gate: xfer_fabric::grant::GrantGate::new(expires_at),
             notify: match &notify {
                 Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::PendingNote::new(tag.clone(), *markers)),
                 _ => None,
@@ -325,7 +326,7 @@ impl Node {
         let region_live = matches!(self.regions.registry.describe(&grant.region.name), Ok(crate::regions::RegionView::Live(r)) if Arc::ptr_eq(&r, &grant.region));
         if !region_live {
             self.regions.grants.revoke(&grant.id);
-            return Err(TransferError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
+            return Err(NodeError::Region(crate::regions::RegionError::NotFound(grant.region.name.clone())));
         }
         // A Disconnect (or an eviction) that ran since `grant_connection` looked the connection up
         // revoked the connection's grants before this one existed: re-check that the very same
@@ -341,7 +342,7 @@ impl Node {
                 .is_some_and(|(owner, c, _)| *owner == p.peer && Arc::ptr_eq(c, conn));
             if !live {
                 self.regions.grants.revoke(&grant.id);
-                return Err(TransferError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
+                return Err(NodeError::FailedPrecondition(format!("connection {id:?} was closed while the grant was made")));
             }
         }
         if let Some(conn) = bound_to.filter(|_| grant.notify.is_some() || grant.channel.is_some()) {
@@ -353,13 +354,13 @@ impl Node {
     /// The accepted connection a grant names. It must have been made by the grant's peer
     /// (PERMISSION_DENIED otherwise). An unknown id is an error only where the grant needs the
     /// connection (`mw` on verbs); other modes do not use it.
-    fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, TransferError> {
+    fn grant_connection(&self, p: &GrantParams) -> Result<Option<Arc<dyn Accepted>>, NodeError> {
         let Some(id) = p.connection_id.as_ref() else { return Ok(None) };
         let acc = self.responder.accepted.lock().unwrap_or_else(|e| e.into_inner());
         match acc.get(id) {
             Some((owner, conn, _)) if *owner == p.peer => Ok(Some(conn.clone())),
-            Some(_) => Err(TransferError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
-            None if self.fabric.grants_need_connection() => Err(TransferError::UnknownConnection(format!(
+            Some(_) => Err(NodeError::PermissionDenied(format!("connection {id:?} was made by another peer"))),
+            None if self.fabric.grants_need_connection() => Err(NodeError::UnknownConnection(format!(
                 "no connection {id:?} from this peer (closed, or made with an earlier instance of this agent)"
             ))),
             None => Ok(None),
@@ -373,7 +374,7 @@ impl Node {
     }
 
     /// `Peer.Announce`: the tag of batch `seq` of a channel whose grant `grant_id` `peer` holds.
-    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), TransferError> {
+    pub fn announce(&self, grant_id: &str, peer: &str, seq: u64, tag: Vec<u8>) -> Result<(), NodeError> {
         self.check_notify_tag(&tag)?;
         let g = self.regions.grants.announce(grant_id, peer, seq, tag)?;
         // Its markers may still be on their way (an announcement usually comes first).
@@ -395,18 +396,18 @@ impl Node {
         bytes: u64,
         op_write: bool,
         checksum: Option<(Algo, u64)>,
-    ) -> Result<Option<(bool, u64)>, TransferError> {
+    ) -> Result<Option<(bool, u64)>, NodeError> {
         let g = self.regions.grants.get(grant_id, peer, SystemTime::now())?;
         // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
         // never name an outbound transfer (whose ids have no '/') or another peer's record.
         let record_id = format!("{peer}/{transfer_id}");
         if self.responder.inbound.get(&record_id).is_ok() {
-            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+            return Err(NodeError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
         // A checksum covers the first `bytes` of the grant. Without one, `bytes` is the peer's
         // count of what it moved, which a batch READing one block twice may put above the span.
         if checksum.is_some() && bytes > g.len {
-            return Err(TransferError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
+            return Err(NodeError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
         }
         let verdict = match checksum {
             Some((algo, expected)) => {
@@ -414,8 +415,8 @@ impl Node {
                 let off = g.offset;
                 let got = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, bytes, algo))
                     .await
-                    .map_err(|e| TransferError::Internal(e.to_string()))?
-                    .map_err(|e| TransferError::Region(g.region.mem_error(e)))?;
+                    .map_err(|e| NodeError::Internal(e.to_string()))?
+                    .map_err(|e| NodeError::Region(g.region.mem_error(e)))?;
                 Some((got == expected, got))
             }
             None => None,
@@ -456,7 +457,7 @@ impl Node {
             if self.config.insecure { history } else { crate::tenants::share_of(history, self.config.limits.tenant_share) } as usize;
         if self.responder.inbound.insert_new_within(rec, share, |r| r.peer_key == peer).is_none() {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
-            return Err(TransferError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
+            return Err(NodeError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
         m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
         // Every WR of the batch completed at the initiator: if its markers have not all been
@@ -520,7 +521,7 @@ mod tests {
         tx.send_replace(Readiness::Failed("moving QP 0 to RTR: dgid unreachable".into()));
         let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
         match e {
-            TransferError::UnknownConnection(m) => {
+            NodeError::UnknownConnection(m) => {
                 assert!(m.contains("conn-ready") && m.contains("dgid unreachable"), "{m}");
             }
             other => panic!("{other:?}"),
@@ -533,7 +534,7 @@ mod tests {
         let (tx, rx) = watch::channel(Readiness::Pending);
         drop(tx);
         let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
-        assert!(matches!(&e, TransferError::UnknownConnection(m) if m.contains("without a result")), "{e:?}");
+        assert!(matches!(&e, NodeError::UnknownConnection(m) if m.contains("without a result")), "{e:?}");
     }
 
     /// QPs that never reach RTS: the grant gives up after READY_TIMEOUT (virtual time here).
@@ -542,7 +543,7 @@ mod tests {
         let (_tx, rx) = watch::channel(Readiness::Pending);
         let t0 = tokio::time::Instant::now();
         let e = wait_ready(&Half(Some(rx)), &id()).await.unwrap_err();
-        assert!(matches!(&e, TransferError::FailedPrecondition(m) if m.contains("not ready")), "{e:?}");
+        assert!(matches!(&e, NodeError::FailedPrecondition(m) if m.contains("not ready")), "{e:?}");
         assert_eq!(t0.elapsed(), READY_TIMEOUT);
     }
 }

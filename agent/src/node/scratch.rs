@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use super::Node;
+use crate::error::NodeError;
 use crate::ids::new_id;
-use crate::transfer::TransferError;
 
 /// A benchmark's scratch region on the target is reaped after this at the latest.
 pub const BENCH_REGION_TTL: Duration = Duration::from_secs(600);
@@ -15,12 +15,12 @@ impl Node {
     /// at a time per agent; the region's bytes come from `limits.max_bench_bytes` (not from the
     /// clients' region limits) and its lease ends after [`BENCH_REGION_TTL`] even if the caller
     /// never closes it.
-    pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, TransferError> {
+    pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, NodeError> {
         crate::shape::bench_region(length)?;
         let mut slot = self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((name, _)) = slot.as_ref() {
             if self.regions.registry.get(name).is_ok() {
-                return Err(TransferError::Limit("a benchmark against this agent is already running (one at a time)".into()));
+                return Err(NodeError::Limit("a benchmark against this agent is already running (one at a time)".into()));
             }
         }
         let name = format!("xfer-bench-{}", new_id());
@@ -42,7 +42,7 @@ impl Node {
     }
 
     /// `Peer.CloseBenchRegion`: deletes the caller's scratch region (no-op for anything else).
-    pub fn close_bench_region(&self, owner: &str, name: &str) -> Result<(), TransferError> {
+    pub fn close_bench_region(&self, owner: &str, name: &str) -> Result<(), NodeError> {
         let mut slot = self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some((n, o)) if n == name && o == owner => {

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use super::inbound::{InboundRing, MAX_SUBSCRIBERS};
 use super::Node;
 use crate::config::LimitsConfig;
+use crate::error::NodeError;
 use crate::metrics as m;
 use crate::notify::Subscription;
 use crate::regions::{Region, RegionError, RegionSpec};
 use crate::tenants::{Permit, Permits, Quota, ShareExceeded, Tenant};
-use crate::transfer::TransferError;
 
 /// `ReadRegion`/`WriteRegion` streams open at once on one agent. Each holds up to a 1 MiB piece
 /// (a read) or one decoded message (a write) while its client does not take or send the rest:
@@ -65,8 +65,8 @@ fn take(q: &Quota, tenant: &Tenant, n: u64, limit: &'static str) -> Result<Permi
     q.take(tenant, n).inspect_err(|_| m::share_refused(limit))
 }
 
-fn exhausted(e: ShareExceeded) -> TransferError {
-    TransferError::Limit(e.to_string())
+fn exhausted(e: ShareExceeded) -> NodeError {
+    NodeError::Limit(e.to_string())
 }
 
 impl Node {
@@ -81,7 +81,7 @@ impl Node {
     }
 
     /// `WatchInbound` on behalf of `tenant`; the permit must live as long as the subscription.
-    pub fn watch_inbound_as(&self, region: &str, tag: Option<&[u8]>, tenant: &Tenant) -> Result<(Subscription, Permit), TransferError> {
+    pub fn watch_inbound_as(&self, region: &str, tag: Option<&[u8]>, tenant: &Tenant) -> Result<(Subscription, Permit), NodeError> {
         let permit = self.watcher_permit(tenant)?;
         Ok((self.watch_inbound(region, tag)?, permit))
     }
@@ -96,7 +96,7 @@ impl Node {
         tag: Option<&[u8]>,
         slots: u32,
         tenant: &Tenant,
-    ) -> Result<(InboundRing, Permits), TransferError> {
+    ) -> Result<(InboundRing, Permits), NodeError> {
         let (_, _, length) = self.ring_shape(slots)?;
         let watcher = self.watcher_permit(tenant)?;
         let bytes = take(&self.regions.shares.bytes, tenant, length, "registered_bytes").map_err(exhausted)?;
@@ -104,15 +104,16 @@ impl Node {
     }
 
     /// A place for one `ReadRegion`/`WriteRegion` stream of `tenant`, or RESOURCE_EXHAUSTED.
-    pub fn byte_stream_slot(&self, tenant: &Tenant) -> Result<StreamSlot, TransferError> {
+    pub fn byte_stream_slot(&self, tenant: &Tenant) -> Result<StreamSlot, NodeError> {
         let share = take(&self.regions.shares.byte_streams, tenant, 1, "byte_streams").map_err(exhausted)?;
-        let all = self.regions.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
-            TransferError::Limit(format!("{MAX_BYTE_STREAMS} ReadRegion/WriteRegion streams are open on this agent already"))
-        })?;
+        let all =
+            self.regions.shares.byte_streams_all.clone().try_acquire_owned().map_err(|_| {
+                NodeError::Limit(format!("{MAX_BYTE_STREAMS} ReadRegion/WriteRegion streams are open on this agent already"))
+            })?;
         Ok(StreamSlot { _share: share, _all: all })
     }
 
-    fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, TransferError> {
+    fn watcher_permit(&self, tenant: &Tenant) -> Result<Permit, NodeError> {
         take(&self.regions.shares.watchers, tenant, 1, "watchers").map_err(exhausted)
     }
 

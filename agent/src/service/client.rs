@@ -272,8 +272,8 @@ fn transport_detail(s: &tonic::Status) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::NodeError;
     use crate::peer_api::RemoteCode;
-    use crate::transfer::TransferError;
 
     /// The responder's "unknown connection" refusal reaches the initiator as its own code (the
     /// marker survives the status), while any other FAILED_PRECONDITION stays what it is: only
@@ -281,12 +281,12 @@ mod tests {
     #[tokio::test]
     async fn unknown_connection_is_told_apart_from_other_preconditions() {
         let c = PeerClient::new("127.0.0.1:1", None).unwrap();
-        let code = |e: TransferError| match c.err(super::super::convert::transfer_status(e)) {
+        let code = |e: NodeError| match c.err(super::super::convert::transfer_status(e)) {
             PeerError::Remote { code, .. } => code,
             other => panic!("{other:?}"),
         };
-        assert_eq!(code(TransferError::UnknownConnection("no connection \"x\"".into())), RemoteCode::UnknownConnection);
-        assert_eq!(code(TransferError::FailedPrecondition("region is draining".into())), RemoteCode::FailedPrecondition);
+        assert_eq!(code(NodeError::UnknownConnection("no connection \"x\"".into())), RemoteCode::UnknownConnection);
+        assert_eq!(code(NodeError::FailedPrecondition("region is draining".into())), RemoteCode::FailedPrecondition);
         // A status that merely says the words is not the marker.
         let s = tonic::Status::failed_precondition("unknown-connection");
         assert!(matches!(c.err(s), PeerError::Remote { code: RemoteCode::FailedPrecondition, .. }));

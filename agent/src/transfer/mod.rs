@@ -9,22 +9,20 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::checksum::Algo;
-use crate::grants::GrantError;
-use crate::peer_api::PeerError;
-use crate::regions::RegionError;
+use crate::error::NodeError;
 
 pub mod driver;
 pub mod job;
 pub mod worker;
 pub use xfer_engine::{batch, failure, machine};
 
-/// The engine's session, carrying the agent's [`TransferError`] for the failures the driver
+/// The engine's session, carrying the agent's [`NodeError`] for the failures the driver
 /// feeds in (a lease or grant that failed) and the refusals it returns.
 pub mod session {
     pub use xfer_engine::session::{failure_of, SessionConfig};
-    pub type Session = xfer_engine::session::Session<super::TransferError>;
-    pub type Command = xfer_engine::session::Command<super::TransferError>;
-    pub type Event = xfer_engine::session::Event<super::TransferError>;
+    pub type Session = xfer_engine::session::Session<crate::error::NodeError>;
+    pub type Command = xfer_engine::session::Command<crate::error::NodeError>;
+    pub type Event = xfer_engine::session::Event<crate::error::NodeError>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -121,56 +119,6 @@ pub struct TransferRecord {
     pub peer_key: String,
     /// Who submitted it (the share of `limits.max_transfers` it counts against).
     pub owner: crate::tenants::Tenant,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TransferError {
-    #[error(transparent)]
-    Region(#[from] RegionError),
-    #[error(transparent)]
-    Peer(#[from] PeerError),
-    #[error(transparent)]
-    Grant(#[from] GrantError),
-    #[error("{0}")]
-    Invalid(String),
-    /// A chunk size, QP count or depth out of bounds (INVALID_ARGUMENT).
-    #[error("{0}")]
-    Shape(#[from] crate::shape::ShapeError),
-    /// A bad segment list (INVALID_ARGUMENT; too many segments: RESOURCE_EXHAUSTED).
-    #[error("{0}")]
-    Batch(#[from] batch::BatchError),
-    #[error("{0}")]
-    PermissionDenied(String),
-    /// A peer named a connection this agent does not have (closed, or made with an earlier
-    /// instance): FAILED_PRECONDITION, marked so the peer can tell it from other preconditions.
-    #[error("{0}")]
-    UnknownConnection(String),
-    /// The request is valid but the system is not in a state to serve it (FAILED_PRECONDITION).
-    #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("transfer {0:?} not found")]
-    NotFound(String),
-    #[error("limit reached: {0}")]
-    Limit(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("agent is shutting down")]
-    ShuttingDown,
-    /// Work in progress was given up: a channel whose batch failed on the fabric (ABORTED).
-    #[error("{0}")]
-    Aborted(String),
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl From<xfer_engine::Error> for TransferError {
-    fn from(e: xfer_engine::Error) -> TransferError {
-        match e {
-            xfer_engine::Error::Invalid(why) => TransferError::Invalid(why),
-            // A range outside the local region is the region's refusal, as from every other check.
-            xfer_engine::Error::Range(e) => TransferError::Region(e.into()),
-        }
-    }
 }
 
 /// A transfer's live record plus its cancel switch.
@@ -299,8 +247,8 @@ impl TransferRegistry {
         handle
     }
 
-    pub fn get(&self, id: &str) -> Result<Arc<TransferHandle>, TransferError> {
-        self.lock().by_id.get(id).cloned().ok_or_else(|| TransferError::NotFound(id.to_string()))
+    pub fn get(&self, id: &str) -> Result<Arc<TransferHandle>, NodeError> {
+        self.lock().by_id.get(id).cloned().ok_or_else(|| NodeError::NotFound(id.to_string()))
     }
 
     /// Records kept: running transfers and the finished ones of the history.

@@ -14,10 +14,10 @@ use xfer_agent::ids::ConnectionId;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
+use xfer_agent::error::NodeError;
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::regions::{Region, RegionSpec};
-use xfer_agent::transfer::TransferError;
 use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
 
@@ -303,7 +303,7 @@ async fn a_grant_may_name_only_the_callers_own_connection(k: Kind) {
         connection_id: Some(cid("conn-1")),
     };
     let e = b.node.grant(&p).await.unwrap_err();
-    assert!(matches!(e, TransferError::PermissionDenied(_)), "another peer's connection: {e:?}");
+    assert!(matches!(e, NodeError::PermissionDenied(_)), "another peer's connection: {e:?}");
     p.peer = "a".into();
     assert!(b.node.grant(&p).await.is_ok());
 }

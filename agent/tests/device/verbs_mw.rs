@@ -19,10 +19,10 @@ use xfer_fabric::verbs::GrantMode;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
+use xfer_agent::error::NodeError;
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionSpec};
-use xfer_agent::transfer::TransferError;
 use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 
 struct Side {
@@ -224,23 +224,20 @@ async fn mw_grant_needs_the_callers_own_connection() {
     let (_conn, _rx) = connect(&a, &b, "conn-1", 1).await;
     let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, None)).await.unwrap_err();
     println!("mw grant without a connection: {e}");
-    assert!(matches!(e, TransferError::FailedPrecondition(_)), "{e:?}");
+    assert!(matches!(e, NodeError::FailedPrecondition(_)), "{e:?}");
     let e = b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("nope"))).await.unwrap_err();
     println!("mw grant naming an unknown connection: {e}");
     // Its own variant (a marked FAILED_PRECONDITION on the wire): the initiator retries a stale
     // pooled connection only for this.
-    assert!(matches!(e, TransferError::UnknownConnection(_)), "{e:?}");
+    assert!(matches!(e, NodeError::UnknownConnection(_)), "{e:?}");
     let mut p = params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"));
     p.peer = "z".into();
     let e = b.node.grant(&p).await.unwrap_err();
     println!("mw grant naming another peer's connection: {e}");
-    assert!(matches!(e, TransferError::PermissionDenied(_)), "{e:?}");
+    assert!(matches!(e, NodeError::PermissionDenied(_)), "{e:?}");
     // After the peer disconnects, its connection is gone.
     b.node.disconnect(&cid("conn-1"), "a");
-    assert!(matches!(
-        b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await,
-        Err(TransferError::UnknownConnection(_))
-    ));
+    assert!(matches!(b.node.grant(&params("dst", 0, 4096, RemoteOp::Write, Some("conn-1"))).await, Err(NodeError::UnknownConnection(_))));
 }
 
 #[tokio::test]

@@ -290,7 +290,7 @@ async fn region_mode_region_keys_are_the_access() {
 #[tokio::test]
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn an_endpoint_the_responder_cannot_route_to_fails_the_grant_with_the_reason() {
-    use xfer_agent::transfer::TransferError;
+    use xfer_agent::error::NodeError;
     use xfer_fabric::Endpoint;
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let (a, b) = (side("a", 'A', GrantMode::Mr), side("b", 'B', GrantMode::Mr));
@@ -319,7 +319,7 @@ async fn an_endpoint_the_responder_cannot_route_to_fails_the_grant_with_the_reas
         connection_id: Some(cid("unroutable")),
     };
     match b.node.grant(&params).await {
-        Err(TransferError::UnknownConnection(m)) => {
+        Err(NodeError::UnknownConnection(m)) => {
             assert!(m.contains("could not be made ready") && m.contains("RTR"), "the reason names the step: {m}");
             println!("  grant on a connection B could not route: refused: {m}");
         }

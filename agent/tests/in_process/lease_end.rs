@@ -13,11 +13,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, oneshot};
 use xfer_agent::config::Config;
+use xfer_agent::error::NodeError;
 use xfer_agent::grants::{Grant, GrantTable};
 use xfer_agent::ids::ConnectionId;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionError, RegionKind, RegionSpec};
-use xfer_agent::transfer::TransferError;
 use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Completion, Connection, Fabric, FabricKind, RemoteOp, WcStatus, WorkRequest, WrOp};
 
@@ -186,7 +186,7 @@ async fn a_lease_that_ends_stops_every_byte_before_the_region_is_gone() {
     let late: Vec<_> = leased.iter().filter(|(_, o)| o.posted_after_gone && o.succeeded).collect();
     assert!(late.is_empty(), "writes posted after NOT_FOUND succeeded: {late:?}");
     let err = b.node.grant(&write_grant("leased", "conn-1")).await.unwrap_err();
-    assert!(matches!(err, TransferError::Region(RegionError::NotFound(_))), "{err}");
+    assert!(matches!(err, NodeError::Region(RegionError::NotFound(_))), "{err}");
 
     // Nothing else changed: the other region's writer lost no write, before or after, and its
     // last 16 writes are its bytes now.
@@ -237,12 +237,12 @@ async fn a_region_stays_visible_until_its_grants_are_revoked() {
         .unwrap();
     let (_conn, _rx) = connect(&a, &b, "conn-1").await;
     let g = b.node.grant(&write_grant("leased", "conn-1")).await.unwrap();
-    // A chunk being copied: holds the lease until released.
+    // A chunk being copied: holds the grant's gate open until released.
     let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
     let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-    let lease = g.lease.clone();
+    let gate = g.gate.clone();
     let copier = std::thread::spawn(move || {
-        lease.while_live(|| {
+        gate.while_live(|| {
             held_tx.send(()).unwrap();
             release_rx.recv().unwrap();
         })
@@ -260,10 +260,10 @@ async fn a_region_stays_visible_until_its_grants_are_revoked() {
     let err = b.node.grant(&write_grant("leased", "conn-1")).await.unwrap_err();
     assert!(err.to_string().contains("not found"), "no new grant on an ending region: {err}");
     release_tx.send(()).unwrap();
-    assert_eq!(copier.join().unwrap(), Some(()), "the chunk that held the lease was copied");
+    assert_eq!(copier.join().unwrap(), Some(()), "the chunk that held the gate open was copied");
     assert_eq!(reaper.await.unwrap(), 1);
     assert!(matches!(b.node.describe_region("leased"), Err(RegionError::NotFound(_))));
-    assert!(!g.lease.is_live(), "its grant was revoked");
+    assert!(!g.gate.is_live(), "its grant was revoked");
     assert_eq!(b.grants.len(), 0);
 }
 

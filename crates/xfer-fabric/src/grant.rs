@@ -1,8 +1,8 @@
 //! Grant checking on the data plane: the fabric asks the agent's grant table whether a one-sided
 //! operation that arrived from a peer may touch memory ([`AccessCheck`]), and holds the grant's
-//! [`GrantLease`] while it copies the bytes in, so a revocation is immediate.
+//! [`GrantGate`] while it copies the bytes in, so a revocation is immediate.
 //!
-//! The tcp fabric checks every frame here; on verbs the device checks keys, and the lease only
+//! The tcp fabric checks every frame here; on verbs the device checks keys, and the gate only
 //! orders a grant's notifications against its revocation.
 use std::sync::Arc;
 
@@ -15,7 +15,7 @@ use xfer_engine::ids::ConnectionId;
 /// The target's grant table as the data plane sees it (the tcp fabric checks every frame with it): resolves a frame's token and range to
 /// region memory, or the status to NAK with.
 pub trait AccessCheck: Send + Sync + 'static {
-    /// Returns the memory, the offset inside it and the grant's [`GrantLease`] for `len` bytes at
+    /// Returns the memory, the offset inside it and the grant's [`GrantGate`] for `len` bytes at
     /// remote address `addr`, for a frame that arrived on a data stream of connection
     /// `connection`.
     fn check(&self, connection: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus>;
@@ -25,61 +25,61 @@ pub trait AccessCheck: Send + Sync + 'static {
     fn marker(&self, connection: &ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus>;
 }
 
-/// A frame that passed [`AccessCheck::check`]: where its bytes go, and the lease of the grant
+/// A frame that passed [`AccessCheck::check`]: where its bytes go, and the gate of the grant
 /// that allowed it.
 pub struct Checked {
     pub memory: Arc<RegionMemory>,
     pub offset: u64,
-    pub lease: Arc<GrantLease>,
+    pub gate: Arc<GrantGate>,
 }
 
 /// A grant's liveness as the data plane sees it. A WRITE payload is copied into region memory in
-/// chunks of at most [`PAYLOAD_CHUNK`], each under a read lock of `live` and only while the lease
-/// is live and unexpired; [`GrantLease::revoke`] takes the write lock, so once it returns no byte
-/// lands under this lease any more. It also cancels `revoked`, which closes a stream waiting for
+/// chunks of at most [`PAYLOAD_CHUNK`], each under a read lock of `live` and only while the gate
+/// is live and unexpired; [`GrantGate::revoke`] takes the write lock, so once it returns no byte
+/// lands under this gate any more. It also cancels `revoked`, which closes a stream waiting for
 /// the rest of such a payload at once.
 #[derive(Debug)]
-pub struct GrantLease {
+pub struct GrantGate {
     live: std::sync::RwLock<bool>,
     revoked: CancellationToken,
     expires_at: std::time::SystemTime,
 }
 
-/// Most bytes copied into region memory per check of a [`GrantLease`].
+/// Most bytes copied into region memory per check of a [`GrantGate`].
 pub const PAYLOAD_CHUNK: usize = 64 << 10;
 
-impl GrantLease {
-    pub fn new(expires_at: std::time::SystemTime) -> Arc<GrantLease> {
-        Arc::new(GrantLease { live: std::sync::RwLock::new(true), revoked: CancellationToken::new(), expires_at })
+impl GrantGate {
+    pub fn new(expires_at: std::time::SystemTime) -> Arc<GrantGate> {
+        Arc::new(GrantGate { live: std::sync::RwLock::new(true), revoked: CancellationToken::new(), expires_at })
     }
 
-    /// Ends the lease. Waits for a chunk being copied under it (never for the network: chunks
+    /// Ends the gate. Waits for a chunk being copied under it (never for the network: chunks
     /// are copied from bytes already received); after it returns, no byte is written under it.
     pub fn revoke(&self) {
         *self.live.write().unwrap_or_else(|p| p.into_inner()) = false;
         self.revoked.cancel();
     }
 
-    /// Whether the lease is neither revoked nor expired (a snapshot).
+    /// Whether the gate is neither revoked nor expired (a snapshot).
     pub fn is_live(&self) -> bool {
         self.hold().is_some()
     }
 
-    /// Runs `f` with the lease held live (None, without running it, once revoked or expired):
-    /// a [`GrantLease::revoke`] waits for `f`, so once it returns `f` has run or never will.
+    /// Runs `f` with the gate held live (None, without running it, once revoked or expired):
+    /// a [`GrantGate::revoke`] waits for `f`, so once it returns `f` has run or never will.
     /// `f` must not block or revoke.
     pub fn while_live<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
         let _live = self.hold()?;
         Some(f())
     }
 
-    /// Resolves once the lease is revoked: a stream waiting for the rest of a payload under it
+    /// Resolves once the gate is revoked: a stream waiting for the rest of a payload under it
     /// is closed at once instead of at its payload deadline.
     pub(crate) async fn revoked(&self) {
         self.revoked.cancelled().await
     }
 
-    /// Holds the lease live while the guard lives (revocation waits for it); None once revoked
+    /// Holds the gate live while the guard lives (revocation waits for it); None once revoked
     /// or expired.
     pub(crate) fn hold(&self) -> Option<std::sync::RwLockReadGuard<'_, bool>> {
         let g = self.live.read().unwrap_or_else(|p| p.into_inner());

@@ -15,7 +15,7 @@
 //! * [`tcp`] — the tcp fabric: initiator, target, limits; [`stall`] — its write-stall guard.
 //! * [`verbs`] — the verbs fabric by role: device, negotiation, connection and CQ, initiator,
 //!   responder, markers.
-//! * [`grant`] — grant checks on the data plane: what the grant table answers, the grant's lease.
+//! * [`grant`] — grant checks on the data plane: what the grant table answers, the grant's gate.
 //! * [`identity`] — who a peer is, from its certificate (the data streams' TLS is checked with it).
 //! * [`accept`] — socket caps and accept back-off; [`metrics`] — the metrics the data plane records.
 //!

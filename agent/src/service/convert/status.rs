@@ -5,13 +5,13 @@
 //! imports them, and nothing it imports imports it back.
 use tonic::Status;
 
+use crate::error::NodeError;
 use crate::grants::GrantError;
 use crate::identity::AuthError;
 use crate::peer_api::{PeerError, RemoteCode};
 use crate::regions::RegionError;
 use crate::service::bounds::BoundError;
 use crate::transfer::batch::BatchError;
-use crate::transfer::TransferError;
 use xfer_fabric::FabricError;
 
 /// INVALID_ARGUMENT unless `cond` holds.
@@ -138,18 +138,18 @@ pub fn peer_status(e: PeerError) -> Status {
     }
 }
 
-pub fn transfer_status(e: TransferError) -> Status {
+pub fn transfer_status(e: NodeError) -> Status {
     match e {
-        TransferError::Region(r) => region_status(r),
-        TransferError::Peer(p) => peer_status(p),
-        TransferError::Grant(g) => grant_status(g),
-        TransferError::Invalid(m) => Status::invalid_argument(m),
-        e @ TransferError::Shape(_) => Status::invalid_argument(e.to_string()),
-        e @ TransferError::Batch(BatchError::TooMany { .. }) => Status::resource_exhausted(e.to_string()),
-        e @ TransferError::Batch(_) => Status::invalid_argument(e.to_string()),
-        TransferError::PermissionDenied(m) => Status::permission_denied(m),
-        TransferError::FailedPrecondition(m) => Status::failed_precondition(m),
-        TransferError::UnknownConnection(m) => {
+        NodeError::Region(r) => region_status(r),
+        NodeError::Peer(p) => peer_status(p),
+        NodeError::Grant(g) => grant_status(g),
+        NodeError::Invalid(m) => Status::invalid_argument(m),
+        e @ NodeError::Shape(_) => Status::invalid_argument(e.to_string()),
+        e @ NodeError::Batch(BatchError::TooMany { .. }) => Status::resource_exhausted(e.to_string()),
+        e @ NodeError::Batch(_) => Status::invalid_argument(e.to_string()),
+        NodeError::PermissionDenied(m) => Status::permission_denied(m),
+        NodeError::FailedPrecondition(m) => Status::failed_precondition(m),
+        NodeError::UnknownConnection(m) => {
             let mut s = Status::failed_precondition(m);
             s.metadata_mut().insert(
                 crate::peer_api::ERROR_REASON_KEY,
@@ -157,12 +157,12 @@ pub fn transfer_status(e: TransferError) -> Status {
             );
             s
         }
-        e @ TransferError::NotFound(_) => Status::not_found(e.to_string()),
-        e @ TransferError::Limit(_) => Status::resource_exhausted(e.to_string()),
-        TransferError::AlreadyExists(m) => Status::already_exists(m),
-        e @ TransferError::ShuttingDown => Status::unavailable(e.to_string()),
-        TransferError::Aborted(m) => Status::aborted(m),
-        TransferError::Internal(m) => Status::internal(m),
+        e @ NodeError::NotFound(_) => Status::not_found(e.to_string()),
+        e @ NodeError::Limit(_) => Status::resource_exhausted(e.to_string()),
+        NodeError::AlreadyExists(m) => Status::already_exists(m),
+        e @ NodeError::ShuttingDown => Status::unavailable(e.to_string()),
+        NodeError::Aborted(m) => Status::aborted(m),
+        NodeError::Internal(m) => Status::internal(m),
     }
 }
 
@@ -185,7 +185,7 @@ mod tests {
         assert!(unavailable.message().contains("file missing"), "{}", unavailable.message());
         assert_eq!(grant_status(GrantError::Expired("g".into())).code(), Code::FailedPrecondition);
         assert_eq!(peer_status(PeerError::Unreachable { addr: "a".into(), detail: "refused".into() }).code(), Code::Unavailable);
-        assert_eq!(transfer_status(TransferError::PermissionDenied("ro".into())).code(), Code::PermissionDenied);
+        assert_eq!(transfer_status(NodeError::PermissionDenied("ro".into())).code(), Code::PermissionDenied);
     }
 
     /// A field that cannot mean anything at its size is INVALID_ARGUMENT; more items than a

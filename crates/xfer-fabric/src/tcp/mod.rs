@@ -35,7 +35,7 @@
 //! ([`crate::accept::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
-//! [`GrantLease`](crate::grant::GrantLease), so once a grant is revoked (explicitly, by expiry,
+//! [`GrantGate`](crate::grant::GrantGate), so once a grant is revoked (explicitly, by expiry,
 //! with its region or its connection) no further byte lands, and a stream mid-payload on it is
 //! closed without an ACK.
 //!
@@ -249,7 +249,7 @@ mod tests {
     use super::serve::serve_frames_idle;
     use super::{registration, run_initiator_stream, serve_frames, ServeError};
     use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
-    use crate::grant::{AccessCheck, Checked, GrantLease};
+    use crate::grant::{AccessCheck, Checked, GrantGate};
     use crate::{Access, Completion, Registration, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
     use xfer_engine::ids::ConnectionId;
 
@@ -259,7 +259,7 @@ mod tests {
     /// One READ grant over a whole 64 KiB region at address 0, with the region's bytes 0, 1, 2, …
     struct ReadAll {
         memory: Arc<RegionMemory>,
-        lease: Arc<GrantLease>,
+        gate: Arc<GrantGate>,
     }
 
     impl ReadAll {
@@ -267,8 +267,8 @@ mod tests {
             let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
             let pattern: Vec<u8> = (0..LEN).map(|i| i as u8).collect();
             memory.write_at(0, &pattern).expect("fill");
-            let lease = GrantLease::new(std::time::SystemTime::now() + Duration::from_secs(3600));
-            ReadAll { memory, lease }
+            let gate = GrantGate::new(std::time::SystemTime::now() + Duration::from_secs(3600));
+            ReadAll { memory, gate }
         }
     }
 
@@ -277,7 +277,7 @@ mod tests {
             if token != &TOKEN || op != RemoteOp::Read || addr.checked_add(len).is_none_or(|end| end > LEN as u64) {
                 return Err(WcStatus::RemAccessErr);
             }
-            Ok(Checked { memory: self.memory.clone(), offset: addr, lease: self.lease.clone() })
+            Ok(Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone() })
         }
 
         fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {

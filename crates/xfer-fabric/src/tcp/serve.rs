@@ -1,12 +1,12 @@
 //! The target's frame loop: the frames of one admitted data stream, each checked against the
 //! grant table before it touches region memory, answered with ACK, NAK or READ_RESP; WRITE
-//! payloads land chunk by chunk under the grant's lease.
+//! payloads land chunk by chunk under the grant's gate.
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
-use crate::grant::{AccessCheck, Checked, GrantLease, PAYLOAD_CHUNK};
+use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
 use crate::stall::{is_stall, StallGuard};
 use crate::{RemoteOp, WcStatus};
 use xfer_engine::ids::ConnectionId;
@@ -146,7 +146,7 @@ where
                     Ok(t) => {
                         // Revoked (or expired) before the payload is in: the stream is closed
                         // rather than resynchronised, and no further byte lands.
-                        let stored = within(deadline, Some(&t.lease), store_payload(rd, &t, h.len as usize)).await?;
+                        let stored = within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?;
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
@@ -229,15 +229,15 @@ where
     }
 }
 
-/// Runs a payload read until `deadline` ([`ServeError::PayloadTimeout`]) or until `lease` (if
+/// Runs a payload read until `deadline` ([`ServeError::PayloadTimeout`]) or until `gate` (if
 /// any) is revoked ([`ServeError::Revoked`]), whichever comes first.
 async fn within<T>(
     deadline: Option<tokio::time::Instant>,
-    lease: Option<&GrantLease>,
+    gate: Option<&GrantGate>,
     read: impl std::future::Future<Output = Result<T, ServeError>>,
 ) -> Result<T, ServeError> {
     let revoked = async {
-        match lease {
+        match gate {
             Some(l) => l.revoked().await,
             None => std::future::pending().await,
         }
@@ -256,9 +256,9 @@ async fn within<T>(
 }
 
 /// Reads a WRITE payload of `len` bytes into the checked target, chunk by chunk, each chunk
-/// copied into region memory only while the grant's lease is held live (see [`GrantLease`]).
+/// copied into region memory only while the grant's gate is held live (see [`GrantGate`]).
 /// `Ok(false)`: every byte was read but some did not land (a shrunk file: NAK, the stream stays in
-/// sync). [`ServeError::Revoked`] once the lease is revoked or expired mid-payload.
+/// sync). [`ServeError::Revoked`] once the gate is revoked or expired mid-payload.
 async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize) -> Result<bool, ServeError> {
     let mem = &t.memory;
     if mem.can_shrink() {
@@ -274,19 +274,19 @@ async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize
             if n == 0 {
                 return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
             }
-            let Some(_live) = t.lease.hold() else { return Err(ServeError::Revoked) };
+            let Some(_live) = t.gate.hold() else { return Err(ServeError::Revoked) };
             landed &= mem.write_at(t.offset + done as u64, &buf[..n]).is_ok();
             done += n;
         }
         return Ok(landed);
     }
     // Straight from the socket into region memory: no bounce buffer. Each read into the region
-    // happens inside one poll, under the lease.
+    // happens inside one poll, under the gate.
     let mut done = 0usize;
     while done < len {
         let want = (len - done).min(PAYLOAD_CHUNK);
         let n = std::future::poll_fn(|cx| {
-            let Some(live) = t.lease.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
+            let Some(live) = t.gate.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
             let r = mem.poll_read_into(std::pin::Pin::new(&mut *rd), cx, t.offset + done as u64, want);
             drop(live);
             r.map(|r| r.map_err(ServeError::from))
