@@ -2,7 +2,7 @@
 //! an attacker would, against real agents on loopback. Each test asserts the refusal *and* that
 //! nothing else changed (regions, bytes, grants, metrics). Host-safety attacks (paths, shm,
 //! SIGBUS, exhaustion) are the host-safety issue's; the region-rkey-over-a-QP attack needs a
-//! device and runs in the Soft-RoCE VM (`tests/verbs_security.rs`).
+//! device and runs in the Soft-RoCE VM (`tests/device/verbs_security.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};

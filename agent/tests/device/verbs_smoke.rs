@@ -221,7 +221,7 @@ async fn verbs_smoke() {
 
     // ---- B runs grant mode mr (the default): its region MR has local access only. The grant
     // mode is the fabric's (`VerbsOptions::grant_mode`), so a grant cannot ask for another mode;
-    // agent/tests/verbs_security.rs attacks the region MR's own keys in every mode.
+    // agent/tests/device/verbs_security.rs attacks the region MR's own keys in every mode.
     assert!(!rb.remote_key_exposed());
 
     // Local range checks happen before anything is posted.

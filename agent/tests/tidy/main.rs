@@ -486,3 +486,24 @@ fn after() -> &'static str { "DESIGN §3" }
     let edges = imports::edges(&[s, parent]);
     assert_eq!(edges["agent/src/a/b.rs"].keys().collect::<Vec<_>>(), vec!["agent/src/a.rs"], "use super::* names a.rs");
 }
+
+/// One way to post: a transfer's, a channel batch's and a benchmark phase's `Post`s become
+/// `WorkRequest`s only in `agent/src/transfer/job.rs` (`WrTemplate::wr`), so what a work request
+/// carries (its keys, offsets, signalling, notification slot) is decided in one place. The
+/// fabrics' own tests build requests to test the fabrics; product code elsewhere does not.
+#[test]
+fn work_requests_are_built_in_one_place() {
+    let mut bad = Vec::new();
+    for src in product_sources() {
+        let p = src.path.to_string_lossy().into_owned();
+        if p == "agent/src/transfer/job.rs" || !(p.starts_with("agent/src/") || p.starts_with("ctl/src/")) {
+            continue;
+        }
+        for (n, line) in src.product_code() {
+            if line.contains("WorkRequest {") {
+                bad.push(format!("{p}:{n}: {}", line.trim()));
+            }
+        }
+    }
+    fail_if_any("a WorkRequest built outside transfer/job.rs", bad);
+}

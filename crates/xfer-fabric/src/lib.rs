@@ -8,7 +8,7 @@
 //!
 //! Two implementations: [`tcp`] (software one-sided ops over TCP) and [`verbs`] (RC QPs over
 //! sideway, feature `verbs`). The transfer engine only sees this trait, so both behave alike; one
-//! conformance suite (`agent/tests/conformance.rs`) runs against both.
+//! conformance suite (`agent/tests/device/conformance.rs`) runs against both.
 //!
 //! # Layout
 //! * this file — the [`Fabric`] trait and the types it speaks.
