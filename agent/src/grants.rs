@@ -8,9 +8,10 @@ use std::sync::{Arc, RwLock};
 use std::time::{Instant, SystemTime};
 
 use crate::metrics as m;
-use crate::notify::{About, ChannelNotes, ChannelRefusal, Hub, PendingNote, Via, CHANNEL_BIT, MAX_CHANNEL_SLOT};
+use crate::notify::{About, Hub, Via};
 use crate::regions::Region;
 use tracing::debug;
+use xfer_engine::notes::{ChannelNotes, ChannelRefusal, PendingNote, CHANNEL_BIT, MAX_CHANNEL_SLOT};
 use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
 use xfer_fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 
@@ -31,7 +32,7 @@ pub enum GrantError {
 }
 
 pub struct Grant {
-    pub id: crate::ids::GrantId,
+    pub id: xfer_engine::ids::GrantId,
     pub region: Arc<Region>,
     pub peer: String,
     /// Offset of the granted range inside the region.
@@ -41,7 +42,7 @@ pub struct Grant {
     pub expires_at: SystemTime,
     pub exposure: Exposure,
     /// The grantee's connection the grant was asked on; the grant dies with it.
-    pub connection_id: Option<crate::ids::ConnectionId>,
+    pub connection_id: Option<xfer_engine::ids::ConnectionId>,
     /// Held by every tcp WRITE payload being stored under this grant; revoked when the grant
     /// leaves the table, which waits for a chunk being copied and closes streams mid-payload.
     pub gate: Arc<GrantGate>,
@@ -68,7 +69,7 @@ impl std::fmt::Debug for Grant {
 
 #[derive(Default)]
 struct Inner {
-    by_id: HashMap<crate::ids::GrantId, Arc<Grant>>,
+    by_id: HashMap<xfer_engine::ids::GrantId, Arc<Grant>>,
     by_token: HashMap<[u8; 16], Arc<Grant>>,
     /// Grants with a notification, by its slot (what a verbs marker's immediate names).
     by_slot: HashMap<u32, Arc<Grant>>,
@@ -78,7 +79,7 @@ struct Inner {
     next_channel: u32,
     /// Ids of grants the reaper removed, so a late `Complete`/`Revoke` hears "expired" rather
     /// than "not found". Bounded (oldest forgotten first).
-    expired: std::collections::VecDeque<crate::ids::GrantId>,
+    expired: std::collections::VecDeque<xfer_engine::ids::GrantId>,
 }
 
 const EXPIRED_MEMORY: usize = 4096;
@@ -195,12 +196,12 @@ impl GrantTable {
     }
 
     /// Revokes the grants asked for on one connection (the peer disconnected it).
-    pub fn revoke_connection(&self, connection_id: &crate::ids::ConnectionId) -> usize {
+    pub fn revoke_connection(&self, connection_id: &xfer_engine::ids::ConnectionId) -> usize {
         self.remove_where(|g| g.connection_id.as_ref() == Some(connection_id)).len()
     }
 
     /// Whether any grant is bound to `connection_id`.
-    pub fn has_connection(&self, connection_id: &crate::ids::ConnectionId) -> bool {
+    pub fn has_connection(&self, connection_id: &xfer_engine::ids::ConnectionId) -> bool {
         self.read().by_id.values().any(|g| g.connection_id.as_ref() == Some(connection_id))
     }
 
@@ -243,7 +244,7 @@ impl GrantTable {
 
     fn remove_where(&self, pred: impl Fn(&Grant) -> bool) -> Vec<Arc<Grant>> {
         let mut g = self.write();
-        let ids: Vec<crate::ids::GrantId> = g.by_id.values().filter(|x| pred(x)).map(|x| x.id.clone()).collect();
+        let ids: Vec<xfer_engine::ids::GrantId> = g.by_id.values().filter(|x| pred(x)).map(|x| x.id.clone()).collect();
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(grant) = g.by_id.remove(&id) {
@@ -283,7 +284,7 @@ impl GrantTable {
     /// Counts a marker with immediate `imm` for `grant` that arrived on `connection`: a channel
     /// grant's marker names its batch in `imm`; any other grant's counts towards its one
     /// notification. Publishes when it was the batch's last.
-    fn count_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
+    fn count_marker(&self, grant: &Grant, connection: &xfer_engine::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
         if grant.channel.is_some() {
             return self.count_channel_marker(grant, connection, imm);
         }
@@ -314,7 +315,7 @@ impl GrantTable {
 
     /// A channel grant's marker: counted towards the batch `imm` names, which is published once
     /// its tag was announced too.
-    fn count_channel_marker(&self, grant: &Grant, connection: &crate::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
+    fn count_channel_marker(&self, grant: &Grant, connection: &xfer_engine::ids::ConnectionId, imm: u32) -> Result<(), WcStatus> {
         let Some(ch) = &grant.channel else { return Err(WcStatus::RemInvReqErr) };
         if grant.connection_id.as_ref() != Some(connection) {
             m::notify_marker("refused");
@@ -368,7 +369,7 @@ impl GrantTable {
     }
 
     /// A tcp NOTIFY frame: the marker names its grant by token (and a channel's batch by `imm`).
-    pub fn marker_by_token(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+    pub fn marker_by_token(&self, connection: &xfer_engine::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
         let Some(grant) = self.read().by_token.get(token).cloned() else {
             m::notify_marker("refused");
             return Err(WcStatus::RemAccessErr);
@@ -388,7 +389,7 @@ fn about(g: &Grant) -> About<'_> {
 
 impl xfer_fabric::MarkerSink for GrantTable {
     /// A verbs marker: the immediate of a zero-length WRITE WITH IMMEDIATE names the slot.
-    fn marker(&self, connection: &crate::ids::ConnectionId, imm: u32) {
+    fn marker(&self, connection: &xfer_engine::ids::ConnectionId, imm: u32) {
         let grant = if imm & CHANNEL_BIT != 0 {
             self.read().by_channel.get(&channel_slot(imm)).cloned()
         } else {
@@ -404,13 +405,13 @@ impl xfer_fabric::MarkerSink for GrantTable {
 }
 
 impl AccessCheck for GrantTable {
-    fn marker(&self, connection: &crate::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+    fn marker(&self, connection: &xfer_engine::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
         self.marker_by_token(connection, token, imm)
     }
 
     fn check(
         &self,
-        connection: &crate::ids::ConnectionId,
+        connection: &xfer_engine::ids::ConnectionId,
         token: &[u8; 16],
         addr: u64,
         len: u64,

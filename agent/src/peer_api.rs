@@ -13,7 +13,7 @@ use xfer_fabric::{Endpoint, FabricError, FabricKind, RemoteKey, RemoteOp};
 /// What `Peer.Grant` returns.
 #[derive(Clone)]
 pub struct GrantInfo {
-    pub grant_id: crate::ids::GrantId,
+    pub grant_id: xfer_engine::ids::GrantId,
     pub addr: u64,
     pub key: RemoteKey,
     pub length: u64,
@@ -54,8 +54,8 @@ pub struct GrantAsk<'a> {
 
 #[derive(Debug, Clone)]
 pub struct CompleteParams {
-    pub transfer_id: crate::ids::TransferId,
-    pub grant_id: crate::ids::GrantId,
+    pub transfer_id: xfer_engine::ids::TransferId,
+    pub grant_id: xfer_engine::ids::GrantId,
     pub bytes: u64,
     pub op_write: bool,
     pub node_name: String,
@@ -142,19 +142,24 @@ pub trait PeerApi: Send + Sync {
         node_name: &str,
         fabric: FabricKind,
         endpoints: Vec<Endpoint>,
-        connection_id: &crate::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
     ) -> Result<HandshakeReply, PeerError>;
     /// `Peer.Grant`, bound to connection `connection_id`.
-    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &crate::ids::ConnectionId) -> Result<GrantInfo, PeerError>;
+    async fn grant(
+        &self,
+        ask: &GrantAsk<'_>,
+        node_name: &str,
+        connection_id: &xfer_engine::ids::ConnectionId,
+    ) -> Result<GrantInfo, PeerError>;
     /// `Peer.Revoke`.
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError>;
     /// `Peer.Complete`: the data landed (or was read); with a checksum the peer verifies it.
     /// Returns whether the peer's checksum matched (true without one).
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError>;
     /// `Peer.Announce`: the tag of batch `seq` on a channel grant.
-    async fn announce(&self, grant_id: &crate::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError>;
+    async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError>;
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
-    async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str);
+    async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP baseline: the sink's address.
     async fn open_sink(&self, connections: u32) -> Result<String, PeerError>;
     /// `Peer.OpenBenchRegion`: a scratch region's name.

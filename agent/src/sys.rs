@@ -1,5 +1,6 @@
 //! Facts about the process the agent runs in: locked-memory and open-file limits, capabilities,
 //! and the back-off of accept loops that run out of file descriptors.
+use xfer_fabric::accept::{AcceptBackoff, Slot, Slots};
 
 /// Raises the soft RLIMIT_NOFILE to the hard limit. Returns (soft before, soft after, hard); the
 /// error says why the raise failed (the limits are then unchanged).
@@ -26,8 +27,6 @@ pub fn clamp_connections(configured: usize, nofile: u64) -> Option<usize> {
     let half = share(nofile, 2);
     (configured > half).then_some(half)
 }
-
-pub use xfer_fabric::accept::{AcceptBackoff, Slot, Slots, ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
 
 /// Open connections of one listener (gRPC, health, metrics), at most `max`: a [`Counted`] socket
 /// holds a slot until it is dropped. A socket accepted at the cap is closed at once and counted

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use crate::identity::{Caller, Role};
+use xfer_fabric::identity::{Caller, Role};
 
 /// Who a share is charged to. `None` inside: exempt (plaintext mode).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
@@ -168,7 +168,7 @@ impl Drop for Permit {
 #[cfg(test)]
 mod tests {
     use super::{share_of, Quota, Tenant};
-    use crate::identity::{Caller, Role};
+    use xfer_fabric::identity::{Caller, Role};
 
     fn tenant(name: &str) -> Tenant {
         Tenant::of(&Caller { role: Role::Client, name: name.into() })

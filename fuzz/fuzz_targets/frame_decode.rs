@@ -11,7 +11,7 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use xfer_agent::ids::ConnectionId;
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
 use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
 use xfer_fabric::tcp::{read_hello, serve_frames};

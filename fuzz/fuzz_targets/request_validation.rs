@@ -134,7 +134,7 @@ fuzz_target!(|data: &[u8]| {
                     assert_eq!(r.version, 1);
                     // An accepted id is the one sent, and a valid wire id.
                     assert_eq!(id.as_str(), r.connection_id);
-                    assert!(xfer_agent::ids::valid_wire_id(id.as_str()));
+                    assert!(xfer_engine::ids::valid_wire_id(id.as_str()));
                     assert!(matches!(fabric, FabricKind::Tcp | FabricKind::Verbs));
                     assert!(eps.len() <= 64);
                     assert_eq!(eps.len(), r.endpoints.len());

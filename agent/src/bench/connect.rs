@@ -35,8 +35,8 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
         return Err(NodeError::Invalid(format!("the pause between connections is at most {BENCH_MAX_INTERVAL:?}")));
     }
     let _admin = node.admin_slot("Bench")?;
-    let qps = crate::shape::or_default(p.qps, node.transfer_defaults().qps, crate::shape::qps)?;
-    let depth = crate::shape::or_default(p.depth, node.transfer_defaults().depth, crate::shape::depth)?;
+    let qps = xfer_engine::shape::or_default(p.qps, node.transfer_defaults().qps, xfer_engine::shape::qps)?;
+    let depth = xfer_engine::shape::or_default(p.depth, node.transfer_defaults().depth, xfer_engine::shape::depth)?;
     let peer = node.peer_entry(&p.peer).await?;
     let before = rss_bytes();
     let mut held = Vec::with_capacity(p.connections as usize);

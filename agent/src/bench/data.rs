@@ -12,10 +12,10 @@ use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
-use crate::transfer::batch::Seg;
 use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
-use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::Op;
+use xfer_engine::batch::Seg;
+use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
 use xfer_fabric::{Registration, RemoteOp, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
@@ -23,7 +23,7 @@ use xfer_rdma::memory::RegionMemory;
 /// at a time for latency. Its buffer counts against `limits.max_bench_bytes` here and the
 /// target's scratch region against the target's.
 pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
-    crate::shape::bench_size(p.size)?;
+    xfer_engine::shape::bench_size(p.size)?;
     let _admin = node.admin_slot("Bench")?;
     let _memory = node.reserve_bench(p.size, "the benchmark buffer")?;
     let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
@@ -59,8 +59,8 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     .map_err(|e| NodeError::Internal(e.to_string()))??;
     let cancel = CancellationToken::new();
     let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
-    let qps = crate::shape::or_default(p.qps, node.transfer_defaults().qps, crate::shape::qps)?;
-    let depth = crate::shape::or_default(p.depth, node.transfer_defaults().depth, crate::shape::depth)?;
+    let qps = xfer_engine::shape::or_default(p.qps, node.transfer_defaults().qps, xfer_engine::shape::qps)?;
+    let depth = xfer_engine::shape::or_default(p.depth, node.transfer_defaults().depth, xfer_engine::shape::depth)?;
 
     // Bandwidth: iters messages of `size`, `depth` WRs outstanding per QP: one WR per message,
     // except that READs longer than `verbs.max_read_wr` are split as a transfer's are (each

@@ -10,10 +10,10 @@ use tracing::warn;
 use super::params::{kv_result, percentile, BenchParams, BenchResult};
 use super::sample::distinct_slots;
 use crate::error::NodeError;
-use crate::ids::new_id;
 use crate::node::{ChannelInput, ChannelOutput, ChannelParams, Node, BENCH_REGION_TTL};
-use crate::transfer::batch::{Batch, Dest, SegmentSpec};
 use crate::transfer::{Op, TransferRequest, TransferState};
+use xfer_engine::batch::{Batch, Dest, SegmentSpec};
+use xfer_engine::ids::new_id;
 
 /// The KV-cache pattern through the product path: `iters` batches, each `blocks` blocks of
 /// `size` bytes at random distinct places of a local pool written (or read) to random
@@ -21,9 +21,9 @@ use crate::transfer::{Op, TransferRequest, TransferState};
 /// (`SubmitTransfer` with segments, followed to SUCCEEDED). Both pools are scratch regions,
 /// deleted at the end.
 pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult, NodeError> {
-    let block = crate::shape::bench_size(p.size)?;
+    let block = xfer_engine::shape::bench_size(p.size)?;
     let blocks = u64::from(p.blocks);
-    let pool = crate::shape::bench_region(if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool })?;
+    let pool = xfer_engine::shape::bench_region(if p.pool == 0 { blocks.saturating_mul(block).saturating_mul(4) } else { p.pool })?;
     if pool / block < blocks {
         return Err(NodeError::Invalid(format!("a pool of {pool} bytes holds fewer than {blocks} blocks of {block}")));
     }

@@ -42,8 +42,8 @@ fn durations(c: &Config) -> [(&'static str, Duration, Duration); 11] {
 /// Every size key, its value and its range.
 fn sizes(c: &Config) -> [(&'static str, u64, u64, u64); 5] {
     [
-        ("transfer.chunk_size", c.transfer.chunk_size.0, 1, crate::shape::MAX_CHUNK),
-        ("verbs.max_read_wr", c.verbs.max_read_wr.0, 4096, crate::shape::MAX_CHUNK),
+        ("transfer.chunk_size", c.transfer.chunk_size.0, 1, xfer_engine::shape::MAX_CHUNK),
+        ("verbs.max_read_wr", c.verbs.max_read_wr.0, 4096, xfer_engine::shape::MAX_CHUNK),
         ("limits.max_registered_bytes", c.limits.max_registered_bytes.0, 0, PIB),
         ("limits.max_bench_bytes", c.limits.max_bench_bytes.0, 0, PIB),
         // tonic takes a usize, gRPC frames a message with a 32-bit length; a message of a GiB

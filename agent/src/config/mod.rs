@@ -28,6 +28,6 @@ pub use root::Config;
 pub use sections::{FabricChoice, GrantsConfig, LogConfig, LogFormat, ShutdownConfig, TlsConfig, TransferConfig};
 pub use verbs::VerbsConfig;
 
-pub use crate::identity::{DnsRole, RoleName};
 /// Sizes (`4KiB`, `1.5GiB`, `16Gi`) and durations (`30s`) in the grammar xferctl's flags use too.
 pub use xfer_common::{parse_size, ByteSize, HumanDuration};
+pub use xfer_fabric::identity::{DnsRole, RoleName};

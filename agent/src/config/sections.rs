@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use xfer_common::{one_of, ByteSize, HumanDuration};
 
-use crate::identity::DnsRole;
+use xfer_fabric::identity::DnsRole;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase", try_from = "String")]

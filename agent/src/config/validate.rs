@@ -19,10 +19,10 @@ impl Config {
         // Every duration and size first: nothing accepted may overflow a deadline or a sum later.
         bounds::check(self)?;
         let t = &self.transfer;
-        crate::shape::chunk(t.chunk_size.0)
-            .map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(crate::shape::MAX_CHUNK))))?;
-        crate::shape::depth(t.depth).map_err(|e| bad("transfer.depth", e.to_string()))?;
-        crate::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
+        xfer_engine::shape::chunk(t.chunk_size.0)
+            .map_err(|_| bad("transfer.chunk_size", format!("must be between 1 and {}", ByteSize(xfer_engine::shape::MAX_CHUNK))))?;
+        xfer_engine::shape::depth(t.depth).map_err(|e| bad("transfer.depth", e.to_string()))?;
+        xfer_engine::shape::qps(t.qps).map_err(|e| bad("transfer.qps", e.to_string()))?;
         if !(1..=MAX_SEGMENTS_CEILING).contains(&t.max_segments) {
             return Err(bad("transfer.max_segments", format!("must be between 1 and {MAX_SEGMENTS_CEILING}")));
         }
@@ -34,8 +34,8 @@ impl Config {
             xfer_fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
             other => bad("verbs", other.to_string()),
         })?;
-        if !(4096..=crate::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {
-            return Err(bad("verbs.max_read_wr", format!("must be between 4KiB and {}", ByteSize(crate::shape::MAX_CHUNK))));
+        if !(4096..=xfer_engine::shape::MAX_CHUNK).contains(&self.verbs.max_read_wr.0) {
+            return Err(bad("verbs.max_read_wr", format!("must be between 4KiB and {}", ByteSize(xfer_engine::shape::MAX_CHUNK))));
         }
         if let crate::cpus::WorkerCpu::Cpus(_) = self.verbs.worker_cpu {
             // Only CPUs this process may run on (its affinity mask, which a cpuset narrows).
@@ -90,10 +90,10 @@ impl Config {
             }
         }
         for (i, r) in self.tls.dns_roles.iter().enumerate() {
-            crate::identity::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
+            xfer_fabric::identity::check_dns_pattern(&r.pattern).map_err(|e| bad(&format!("tls.dns_roles[{i}].pattern"), e))?;
         }
         if !self.tls.trust_domain.is_empty() {
-            crate::identity::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
+            xfer_fabric::identity::check_trust_domain(&self.tls.trust_domain).map_err(|e| bad("tls.trust_domain", e))?;
         }
         self.regions.validate()?;
         if self.unix_mode.0 & !0o777 != 0 {

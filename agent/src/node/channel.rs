@@ -13,9 +13,9 @@
 //!
 //! Notifications: a channel opened with `notify` holds a *channel* grant (`NotifyAsk::Channel`).
 //! Each notified batch gets the next number of the channel's notification sequence; its
-//! markers carry that number in their immediate ([`crate::notify::channel_imm`]) and its tag
+//! markers carry that number in their immediate ([`xfer_engine::notes::channel_imm`]) and its tag
 //! goes to the target in a `Peer.Announce` sent while the data is in flight. The target
-//! publishes once both arrived (`notify::ChannelNotes`), so the guarantee is the one a single
+//! publishes once both arrived (`xfer_engine::notes::ChannelNotes`), so the guarantee is the one a single
 //! transfer's notification gives: every byte of the batch is visible when it is published.
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,13 +30,13 @@ use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::regions::RegionUse;
-use crate::shape;
-use crate::transfer::batch::{Batch, BatchError, Dest, SegmentSpec};
-use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::job::{Job, WrTemplate};
-use crate::transfer::machine::{Machine, MachineConfig, Markers, State};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
 use crate::transfer::Op;
+use xfer_engine::batch::{Batch, BatchError, Dest, SegmentSpec};
+use xfer_engine::failure::{Failure, FailureCode};
+use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
+use xfer_engine::shape;
 use xfer_fabric::{RemoteOp, WrOp};
 
 /// Prepared lists one channel keeps at most.
@@ -223,7 +223,7 @@ impl Node {
             (Some(g), Some(l)) => (g.info.clone(), l.qps()),
             _ => return Err(NodeError::Internal("channel accepted without a connection and a grant".into())),
         };
-        if p.notify && grant.notify_slot & crate::notify::CHANNEL_BIT == 0 {
+        if p.notify && grant.notify_slot & xfer_engine::notes::CHANNEL_BIT == 0 {
             return Err(NodeError::FailedPrecondition(format!(
                 "peer {} does not support channel notifications (its grant carries no channel slot)",
                 peer.addr
@@ -231,7 +231,7 @@ impl Node {
         }
         m::channels_open(1.0);
         let info = ChannelInfo {
-            id: crate::ids::TransferId::random().to_string(),
+            id: xfer_engine::ids::TransferId::random().to_string(),
             peer: peer.node_name(),
             remote_offset: p.remote_offset,
             remote_length: granted,
@@ -438,7 +438,7 @@ impl Channel {
             self.next_note += 1;
             let peer = self.held.peer.clone();
             let id = self.grant.grant_id.clone();
-            let imm = crate::notify::channel_imm(self.grant.notify_slot, note);
+            let imm = xfer_engine::notes::channel_imm(self.grant.notify_slot, note);
             (imm, tokio::spawn(async move { peer.call(|| peer.client.announce(&id, note, &tag)).await }))
         });
         let machine = Machine::new(MachineConfig {
@@ -447,7 +447,7 @@ impl Channel {
             qps: lease.qps(),
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
-            deadline: Some(crate::deadline::instant_after(self.timeout)),
+            deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };

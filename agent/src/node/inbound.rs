@@ -105,7 +105,7 @@ impl Node {
         xfer_rdma::ring::check_slots(slots).map_err(NodeError::Invalid)?;
         // Slots hold the largest tag, region name and peer identity this agent produces.
         let max = self.config.transfer.max_notify_bytes;
-        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, crate::identity::MAX_NAME_LEN);
+        let slot_size = xfer_rdma::ring::slot_size(max, crate::regions::MAX_NAME_LEN, xfer_fabric::identity::MAX_NAME_LEN);
         Ok((slots, slot_size, xfer_rdma::ring::ring_len(slots, slot_size)))
     }
 

@@ -17,15 +17,15 @@ use crate::metrics as m;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::RegionUse;
-use crate::shape;
 use crate::tenants::Tenant;
-use crate::transfer::batch::{Batch, Dest};
-use crate::transfer::failure::{Failure, FailureCode};
 use crate::transfer::job::{Job, Progress, WrTemplate};
-use crate::transfer::machine::Markers;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
 use crate::transfer::worker::Worker;
 use crate::transfer::{Op, TransferHandle, TransferRecord, TransferRegistry, TransferRequest, TransferState};
+use xfer_engine::batch::{Batch, Dest};
+use xfer_engine::failure::{Failure, FailureCode};
+use xfer_engine::machine::Markers;
+use xfer_engine::shape;
 use xfer_fabric::{RemoteOp, WrOp};
 
 impl Node {
@@ -154,7 +154,7 @@ impl Node {
         }
         let now = SystemTime::now();
         let record = TransferRecord {
-            id: crate::ids::TransferId::random().to_string(),
+            id: xfer_engine::ids::TransferId::random().to_string(),
             op: req.op,
             local_region: local.name.clone(),
             local_offset: local_lo,
@@ -409,7 +409,7 @@ impl Node {
         let Some(grant) = held.grant.as_ref() else { return Err("no grant to complete".into()) };
         // Invariant of outbound records: their ids are made by `TransferId::random` (the
         // registry re-draws one on a collision), so they parse.
-        let transfer_id = crate::ids::TransferId::parse(&rec.id).map_err(|e| format!("transfer id: {e}"))?;
+        let transfer_id = xfer_engine::ids::TransferId::parse(&rec.id).map_err(|e| format!("transfer id: {e}"))?;
         let params = CompleteParams {
             transfer_id,
             grant_id: grant.info.grant_id.clone(),

@@ -199,7 +199,7 @@ impl Node {
     /// fabric's frames need no split).
     pub fn wr_chunk(&self, read: bool, chunk: u64) -> u64 {
         if self.fabric.polled() {
-            crate::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0)
+            xfer_engine::shape::wr_chunk(read, chunk, self.config.verbs.max_read_wr.0)
         } else {
             chunk
         }

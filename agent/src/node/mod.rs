@@ -21,12 +21,12 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::grants::GrantTable;
-use crate::ids::new_id;
 use crate::metrics as m;
 use crate::peer_api::{Connector, PeerError};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::{RegionPolicy, RegionRegistry, RegionUse};
 use crate::transfer::TransferRegistry;
+use xfer_engine::ids::new_id;
 use xfer_fabric::{Fabric, FabricKind};
 use xfer_rdma::memory::RegionMemory;
 
@@ -341,7 +341,7 @@ impl Node {
     /// and close connections.
     pub async fn drain(&self, grace: Duration) {
         self.draining.cancel();
-        let deadline = crate::deadline::instant_after(grace);
+        let deadline = xfer_common::deadline::instant_after(grace);
         let mut submitting = self.initiator.submitting_count();
         loop {
             let active = self.initiator.transfers.active(None);

@@ -12,9 +12,9 @@ use super::Node;
 use crate::checksum::{self, Algo};
 use crate::error::NodeError;
 use crate::grants::{Grant, GrantError};
-use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::transfer::{Op, TransferRecord, TransferRegistry, TransferState};
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::{Accepted, Endpoint, ExposeRequest, FabricError, FabricKind, Readiness, RemoteOp};
 
 /// What `Peer.Grant` asks for, in domain terms.
@@ -89,7 +89,7 @@ fn expect_markers(grant: &Arc<Grant>, conn: &dyn Accepted) {
     let ttl = grant.expires_at.duration_since(SystemTime::now()).unwrap_or_default();
     let weak = Arc::downgrade(grant);
     conn.expect_markers(
-        crate::deadline::instant_after(ttl),
+        xfer_common::deadline::instant_after(ttl),
         Box::new(move || {
             weak.upgrade().is_some_and(|g| {
                 g.gate.is_live()
@@ -235,10 +235,10 @@ impl Node {
                 self.check_notify_tag(tag)?;
             }
             let markers = ask.markers();
-            if markers == 0 || markers as usize > *crate::shape::QPS.end() {
+            if markers == 0 || markers as usize > *xfer_engine::shape::QPS.end() {
                 return Err(NodeError::Invalid(format!(
                     "a notification waits for one marker per QP: {markers} markers asked, 1..={} allowed",
-                    *crate::shape::QPS.end()
+                    *xfer_engine::shape::QPS.end()
                 )));
             }
         }
@@ -262,7 +262,7 @@ impl Node {
         }
         region.check_range(p.offset, length)?;
         let ttl = p.ttl.filter(|t| !t.is_zero()).unwrap_or(self.config.grants.default_ttl.0).min(self.config.grants.max_ttl.0);
-        let expires_at = crate::deadline::system_after(ttl);
+        let expires_at = xfer_common::deadline::system_after(ttl);
         let connection = self.grant_connection(p)?;
         if let (Some(conn), Some(id)) = (&connection, &p.connection_id) {
             wait_ready(conn.as_ref(), id).await?;
@@ -300,7 +300,7 @@ impl Node {
             .await
             .map_err(|e| NodeError::Internal(format!("exposing region {:?}: {e}", region.name)))?;
         let grant = Grant {
-            id: crate::ids::GrantId::random(),
+            id: xfer_engine::ids::GrantId::random(),
             region,
             peer: p.peer.clone(),
             offset: p.offset,
@@ -311,11 +311,11 @@ impl Node {
             connection_id: p.connection_id.clone(),
             gate: xfer_fabric::grant::GrantGate::new(expires_at),
             notify: match &notify {
-                Some(NotifyAsk::Once { tag, markers }) => Some(crate::notify::PendingNote::new(tag.clone(), *markers)),
+                Some(NotifyAsk::Once { tag, markers }) => Some(xfer_engine::notes::PendingNote::new(tag.clone(), *markers)),
                 _ => None,
             },
             channel: match notify {
-                Some(NotifyAsk::Channel { markers }) => Some(crate::notify::ChannelNotes::new(markers)),
+                Some(NotifyAsk::Channel { markers }) => Some(xfer_engine::notes::ChannelNotes::new(markers)),
                 _ => None,
             },
         };
@@ -390,7 +390,7 @@ impl Node {
     /// when one is sent, records an inbound transfer, and revokes the grant.
     pub async fn complete_inbound(
         &self,
-        transfer_id: &crate::ids::TransferId,
+        transfer_id: &xfer_engine::ids::TransferId,
         grant_id: &str,
         peer: &str,
         bytes: u64,
@@ -436,7 +436,7 @@ impl Node {
             state: if ok { TransferState::Succeeded } else { TransferState::Failed },
             bytes_done: bytes,
             error: (!ok).then(|| "checksum mismatch".to_string()),
-            error_code: (!ok).then_some(crate::transfer::failure::FailureCode::ChecksumMismatch),
+            error_code: (!ok).then_some(xfer_engine::failure::FailureCode::ChecksumMismatch),
             created_at: now,
             started_at: Some(now),
             finished_at: Some(now),

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::Node;
 use crate::error::NodeError;
-use crate::ids::new_id;
+use xfer_engine::ids::new_id;
 
 /// A benchmark's scratch region on the target is reaped after this at the latest.
 pub const BENCH_REGION_TTL: Duration = Duration::from_secs(600);
@@ -16,7 +16,7 @@ impl Node {
     /// clients' region limits) and its lease ends after [`BENCH_REGION_TTL`] even if the caller
     /// never closes it.
     pub fn open_bench_region(&self, owner: &str, length: u64) -> Result<String, NodeError> {
-        crate::shape::bench_region(length)?;
+        xfer_engine::shape::bench_region(length)?;
         let mut slot = self.regions.bench_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((name, _)) = slot.as_ref() {
             if self.regions.registry.get(name).is_ok() {

@@ -17,12 +17,8 @@
 //! missed, never blocks the data path. `WatchInboundRing` subscribers ([`RingSub`]) get them
 //! written into their shared-memory ring (`xfer_rdma::ring`) on the publishing thread itself.
 //!
-//! The bookkeeping of markers and announcements is sans-IO, in `notes.rs`; this file is the
-//! tokio side: the hub, its subscriptions and rings.
-
-pub use xfer_engine::notes::{
-    channel_imm, ChannelNotes, ChannelRefusal, PendingNote, Ready, CHANNEL_BIT, CHANNEL_TAG_BYTES, CHANNEL_WINDOW, MAX_CHANNEL_SLOT,
-};
+//! The bookkeeping of markers and announcements is sans-IO, in `xfer_engine::notes`; this module
+//! is the tokio side: the hub, its subscriptions and rings.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,6 +28,7 @@ use std::time::{Instant, SystemTime};
 use tokio::sync::broadcast;
 
 use crate::metrics as m;
+use xfer_engine::notes::PendingNote;
 use xfer_fabric::RemoteOp;
 
 /// How a notification was known to be due.

@@ -43,12 +43,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
-use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::peer_api::{PeerApi, PeerError};
 use health::Health;
 pub use health::{BACKOFF_AFTER, BACKOFF_BASE, BACKOFF_CAP};
 pub use pool::{PeerKey, PeerPool};
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::{Completion, Connection};
 
 /// Attempts of one call whose connection was refused (the request never reached the peer, so a

@@ -25,11 +25,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, info_span, Instrument};
 
 use super::{discard, update_gauge, HeldConn, Home, Lease, PeerEntry, PooledConn};
-use crate::ids::ConnectionId;
 use crate::metrics as m;
 use crate::peer_addr::{canonical, PeerAddr};
 use crate::peer_api::{Connector, PeerError};
 use crate::tenants::Tenant;
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::{Fabric, FabricError};
 
 /// How long a host name's resolution is trusted before the next lookup resolves it again.

@@ -14,7 +14,7 @@ use super::error::{io_err, RegionError};
 use super::names::{validate_name, validate_object_name, PRIVATE_SHM_PREFIX};
 use super::region::{Region, RegionKind, RegionSpec, Reservation};
 use super::registry::RegionRegistry;
-use crate::ids::new_id;
+use xfer_engine::ids::new_id;
 use xfer_fabric::Access;
 
 /// A mapped file or shm object, before registration.

@@ -344,7 +344,7 @@ impl Agent for Services {
         // Same bound as SubmitTransfer: the fabric allocates per QP (an unchecked 2^32-1 made the
         // tcp fabric's stream vector abort the agent). 0 = the configured default.
         if r.qps != 0 {
-            crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
+            xfer_engine::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
         }
         let peer = self.node.connect_peer(&r.peer, r.qps as usize, &tenant).await.map_err(peer_status)?;
         Ok(Response::new(peer_info_to_pb(&peer, self.node.fabric_kind())))

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
-pub use crate::identity::{check_dns_pattern, check_trust_domain, plaintext_name, AuthError, Caller, Role, RolePolicy};
+pub use xfer_fabric::identity::{check_dns_pattern, check_trust_domain, plaintext_name, AuthError, Caller, Role, RolePolicy};
 
 /// Which role a method needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,8 +183,8 @@ where
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::identity::{DnsRole, RoleName};
     use std::net::SocketAddr;
+    use xfer_fabric::identity::{DnsRole, RoleName};
 
     fn cert_with(sans: Vec<rcgen::SanType>) -> Vec<u8> {
         let key = rcgen::KeyPair::generate().unwrap();

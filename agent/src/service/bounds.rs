@@ -15,7 +15,7 @@ use xfer_proto::v1 as pb;
 pub const MAX_ADDRESS: usize = 300;
 /// Longest file path (Linux PATH_MAX).
 pub const MAX_PATH: usize = 4096;
-/// Longest id (transfer, grant, connection; [`crate::ids`]).
+/// Longest id (transfer, grant, connection; [`xfer_engine::ids`]).
 pub const MAX_ID: usize = 64;
 /// Longest descriptive string a peer's endpoint carries (`gid_type`, `link_layer`).
 pub const MAX_ENDPOINT_WORD: usize = 32;
@@ -24,7 +24,7 @@ pub const MAX_ENDPOINTS: usize = 64;
 /// A region is named by its name or its id: the longer of the two.
 const MAX_REGION_REF: usize = crate::regions::MAX_NAME_LEN;
 /// A node's name (a certificate's NAME).
-const MAX_NODE_NAME: usize = crate::identity::MAX_NAME_LEN;
+const MAX_NODE_NAME: usize = xfer_fabric::identity::MAX_NAME_LEN;
 
 /// The configured bounds a check needs.
 #[derive(Debug, Clone, Copy)]

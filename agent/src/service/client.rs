@@ -105,10 +105,10 @@ impl PeerClient {
 /// transfer records): a node name is at most 253 bytes without control characters, an instance
 /// id an id (or empty).
 fn check_identity(node_name: &str, instance_id: &str) -> Result<(), String> {
-    if node_name.len() > crate::identity::MAX_NAME_LEN || node_name.chars().any(char::is_control) {
+    if node_name.len() > xfer_fabric::identity::MAX_NAME_LEN || node_name.chars().any(char::is_control) {
         return Err(format!("peer node name of {} bytes, or with control characters", node_name.len()));
     }
-    if !instance_id.is_empty() && !crate::ids::valid_wire_id(instance_id) {
+    if !instance_id.is_empty() && !xfer_engine::ids::valid_wire_id(instance_id) {
         return Err("peer instance id is not 1-64 characters of [A-Za-z0-9_.-]".into());
     }
     Ok(())
@@ -168,7 +168,7 @@ impl PeerApi for PeerClient {
         node_name: &str,
         fabric: FabricKind,
         endpoints: Vec<Endpoint>,
-        connection_id: &crate::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
     ) -> Result<HandshakeReply, PeerError> {
         let req = peer_connect_request_to_pb(node_name, fabric, &endpoints, connection_id);
         let r = self.peer.clone().connect(req).await.map_err(|s| self.err(s))?.into_inner();
@@ -179,7 +179,12 @@ impl PeerApi for PeerClient {
 
     /// `Peer.Grant`, bound to the caller's connection `connection_id` (grant mode mw binds its
     /// windows on that connection's QPs).
-    async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &crate::ids::ConnectionId) -> Result<GrantInfo, PeerError> {
+    async fn grant(
+        &self,
+        ask: &GrantAsk<'_>,
+        node_name: &str,
+        connection_id: &xfer_engine::ids::ConnectionId,
+    ) -> Result<GrantInfo, PeerError> {
         let req = grant_request_to_pb(ask, node_name, connection_id);
         let r = self.peer.clone().grant(req).await.map_err(|s| self.err(s))?.into_inner();
         let info = grant_info_from_pb(r).map_err(|e| self.bad(e))?;
@@ -199,12 +204,12 @@ impl PeerApi for PeerClient {
         Ok(!has || r.checksum_matched)
     }
 
-    async fn announce(&self, grant_id: &crate::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
+    async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
         self.peer.clone().announce(announce_request_to_pb(grant_id, seq, tag)).await.map_err(|s| self.err(s))?;
         Ok(())
     }
 
-    async fn disconnect(&self, connection_id: &crate::ids::ConnectionId, node_name: &str) {
+    async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str) {
         let req = disconnect_request_to_pb(connection_id, node_name);
         // Best effort: a dead peer has already dropped the connection's state.
         let _ = self.peer.clone().disconnect(req).await;

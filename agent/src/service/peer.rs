@@ -12,8 +12,8 @@ use super::convert::{
     op_from_pb, peer_connect_from_pb, peer_connect_to_pb, require, sink_to_pb, transfer_status,
 };
 use super::{caller_of, Services};
-use crate::ids::{ConnectionId, TransferId};
 use crate::transfer::Op;
+use xfer_engine::ids::{ConnectionId, TransferId};
 
 #[tonic::async_trait]
 impl Peer for Services {

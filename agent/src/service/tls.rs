@@ -18,7 +18,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server,
 
 use super::auth::{Caller, Role, RolePolicy};
 use crate::config::TlsConfig;
-pub use crate::identity::tls::{data_tls, host_of, DataTls};
+pub use xfer_fabric::identity::tls::{data_tls, host_of, DataTls};
 
 /// A slow or silent client cannot hold a connection slot in the handshake longer than this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

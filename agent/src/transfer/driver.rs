@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::job::{complete, post_runs, Done, Job, LatencyProbe, Leased, WrTemplate};
-use super::machine::Machine;
 use super::worker::{Refused, Worker};
+use xfer_engine::machine::Machine;
 use xfer_fabric::Completion;
 
 /// What woke the driver while it waited.
@@ -37,7 +37,7 @@ async fn wait<L: Leased>(
     mut on_completion: impl FnMut(Completion),
 ) -> Wake {
     if !spin.is_zero() {
-        let until = crate::deadline::instant_after(spin);
+        let until = xfer_common::deadline::instant_after(spin);
         loop {
             lease.conn().progress();
             if let Ok(c) = lease.completions().try_recv() {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Machine, Post};
+use xfer_engine::machine::{Machine, Post};
 use xfer_fabric::{Completion, Connection, Registration, RemoteKey, WcStatus, WorkRequest, WrOp};
 
 /// What a job needs of its lease: the connection, and its completions (the job is their only

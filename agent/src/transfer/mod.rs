@@ -14,7 +14,6 @@ use crate::error::NodeError;
 pub mod driver;
 pub mod job;
 pub mod worker;
-pub use xfer_engine::{batch, failure, machine};
 
 /// The engine's session, carrying the agent's [`NodeError`] for the failures the driver
 /// feeds in (a lease or grant that failed) and the refusals it returns.
@@ -82,7 +81,7 @@ pub struct TransferRequest {
     pub length: u64,
     pub options: TransferOptions,
     /// A batch (then the offsets and `length` above are 0); empty = one range.
-    pub segments: Vec<batch::SegmentSpec>,
+    pub segments: Vec<xfer_engine::batch::SegmentSpec>,
     /// Notify the target's `WatchInbound` subscribers with this tag once every byte landed.
     pub notify: Option<Vec<u8>>,
 }
@@ -100,7 +99,7 @@ pub struct TransferRecord {
     pub state: TransferState,
     pub bytes_done: u64,
     pub error: Option<String>,
-    pub error_code: Option<failure::FailureCode>,
+    pub error_code: Option<xfer_engine::failure::FailureCode>,
     pub created_at: SystemTime,
     pub started_at: Option<SystemTime>,
     pub finished_at: Option<SystemTime>,
@@ -166,7 +165,7 @@ impl TransferRegistry {
     pub fn insert(&self, mut record: TransferRecord) -> Arc<TransferHandle> {
         let mut g = self.lock();
         while g.by_id.contains_key(&record.id) {
-            record.id = crate::ids::new_id();
+            record.id = xfer_engine::ids::new_id();
         }
         Self::insert_locked(&mut g, record, self.history)
     }
@@ -204,7 +203,7 @@ impl TransferRegistry {
     pub fn insert_owned(&self, mut record: TransferRecord, share: f64) -> Arc<TransferHandle> {
         let mut g = self.lock();
         while g.by_id.contains_key(&record.id) {
-            record.id = crate::ids::new_id();
+            record.id = xfer_engine::ids::new_id();
         }
         if record.owner.key().is_some() {
             let owner = record.owner.clone();

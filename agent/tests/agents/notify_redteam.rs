@@ -392,9 +392,9 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
     use std::sync::Arc;
     use xfer_agent::config::Config;
     use xfer_agent::grants::GrantTable;
-    use xfer_agent::ids::{ConnectionId, TransferId};
     use xfer_agent::node::{GrantParams, Node};
     use xfer_agent::regions::RegionSpec;
+    use xfer_engine::ids::{ConnectionId, TransferId};
     use xfer_fabric::tcp::TcpFabric;
     use xfer_fabric::{Access, Fabric, FabricKind, RemoteOp};
 

@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use std::sync::Arc;
 use std::time::Duration;
-use xfer_agent::ids::ConnectionId;
+use xfer_engine::ids::ConnectionId;
 
 use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
@@ -627,7 +627,7 @@ async fn markers_acknowledged_before_complete_publish_the_notification(k: Kind) 
         for _ in 0..2 {
             assert_eq!(next(&mut rx).await.status, WcStatus::Success);
         }
-        let tid = xfer_agent::ids::TransferId::random();
+        let tid = xfer_engine::ids::TransferId::random();
         b.node.complete_inbound(&tid, &g.id, "a", 1 << 20, true, None).await.unwrap();
         let n = notes.try_recv().expect("published by the time Complete returns");
         assert_eq!((n.tag.as_slice(), n.via), (tag.as_bytes(), xfer_agent::notify::Via::Fabric), "round {round}");
@@ -659,7 +659,7 @@ async fn a_channel_grant_notifies_each_batch_after_its_bytes(k: Kind) {
     };
     let g = b.node.grant(&p).await.unwrap();
     let base = g.channel.as_ref().unwrap().base_imm;
-    assert_ne!(base & xfer_agent::notify::CHANNEL_BIT, 0);
+    assert_ne!(base & xfer_engine::notes::CHANNEL_BIT, 0);
     let mut notes = b.grants.hub().subscribe();
     for seq in 0..4u64 {
         let data = fill(&src, seq as u8 + 40);
@@ -677,7 +677,7 @@ async fn a_channel_grant_notifies_each_batch_after_its_bytes(k: Kind) {
         };
         for qp in 0..2u64 {
             conn.post(qp as usize, wr(qp, WrOp::Write, &src, qp * LEN / 2, (LEN / 2) as u32, &g, qp * LEN / 2, false)).unwrap();
-            let imm = xfer_agent::notify::channel_imm(base, seq);
+            let imm = xfer_engine::notes::channel_imm(base, seq);
             conn.post(
                 qp as usize,
                 WorkRequest { len: 0, op: WrOp::Notify { slot: imm }, ..wr(100 + qp, WrOp::Write, &src, 0, 0, &g, 0, true) },
@@ -724,10 +724,10 @@ impl xfer_agent::transfer::job::Leased for Held {
 /// handed back the connection delivers completions to its sink again. A fabric without the
 /// mode (tcp) refuses the hand-off, touching nothing, and the job runs on the caller's task.
 async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
-    use xfer_agent::transfer::batch::Seg;
     use xfer_agent::transfer::job::{Job, WrTemplate};
-    use xfer_agent::transfer::machine::{Machine, MachineConfig, Markers, State};
     use xfer_agent::transfer::worker::{Refused, Worker};
+    use xfer_engine::batch::Seg;
+    use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
     const LEN: u64 = 4 << 20;
     let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
     let src = region(&a, "src", LEN, Access::ReadWrite);

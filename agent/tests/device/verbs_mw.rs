@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use xfer_agent::ids::ConnectionId;
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::verbs::GrantMode;
 
 use tokio::sync::mpsc;

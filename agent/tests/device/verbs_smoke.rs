@@ -105,9 +105,9 @@ async fn connect_qpns(
     depth: usize,
 ) -> (Arc<dyn Connection>, Box<dyn xfer_fabric::Accepted>, mpsc::UnboundedReceiver<Completion>, Vec<u32>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
+    let pending = a.prepare("b", &xfer_engine::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
-    let (b_eps, accepted) = b.accept("a", &xfer_agent::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
+    let (b_eps, accepted) = b.accept("a", &xfer_engine::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
     let qpns = eps
         .iter()
         .chain(&b_eps)
@@ -336,7 +336,7 @@ async fn prebuilt_connections_negotiate_and_move_data() {
 
     // A shape the device cannot hold: refused with the attribute, the pools untouched.
     let (tx, _rx) = mpsc::unbounded_channel();
-    let huge = a.prepare("b", &xfer_agent::ids::ConnectionId::parse("conn-huge").unwrap(), 2, 1 << 30, tx).await;
+    let huge = a.prepare("b", &xfer_engine::ids::ConnectionId::parse("conn-huge").unwrap(), 2, 1 << 30, tx).await;
     match huge {
         Err(FabricError::Negotiation { attr, .. }) => assert_eq!(attr, "max_send_wr"),
         Err(e) => panic!("unexpected error {e}"),

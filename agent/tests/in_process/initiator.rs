@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
-use xfer_agent::ids::ConnectionId;
+use xfer_engine::ids::ConnectionId;
 
 use async_trait::async_trait;
 use tokio::sync::Notify;
@@ -124,7 +124,7 @@ impl PeerApi for LocalPeer {
         Ok(p.checksum.is_none() || v.is_some_and(|v| v.0))
     }
 
-    async fn announce(&self, grant_id: &xfer_agent::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
+    async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
         self.target.announce(grant_id, A, seq, tag.to_vec()).map_err(remote)
     }
 

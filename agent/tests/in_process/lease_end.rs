@@ -15,9 +15,9 @@ use tokio::sync::{mpsc, oneshot};
 use xfer_agent::config::Config;
 use xfer_agent::error::NodeError;
 use xfer_agent::grants::{Grant, GrantTable};
-use xfer_agent::ids::ConnectionId;
 use xfer_agent::node::{GrantParams, Node};
 use xfer_agent::regions::{Region, RegionError, RegionKind, RegionSpec};
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Completion, Connection, Fabric, FabricKind, RemoteOp, WcStatus, WorkRequest, WrOp};
 

@@ -15,9 +15,9 @@ use crate::common::*;
 use tokio::sync::mpsc;
 use xfer_agent::config::Config;
 use xfer_agent::grants::GrantTable;
-use xfer_agent::ids::ConnectionId;
 use xfer_agent::node::{GrantParams, Node, NotifyAsk};
 use xfer_agent::regions::RegionSpec;
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Fabric, FabricKind, RemoteOp};
 use xfer_proto::v1 as pb;
@@ -50,7 +50,7 @@ async fn every_cycle_leaves_the_agents_maps_at_their_baseline() {
 
     // WatchInbound(region), cancel, DeleteRegion, on behalf of one tenant (its shares come and go).
     let tenant =
-        xfer_agent::tenants::Tenant::of(&xfer_agent::identity::Caller { role: xfer_agent::identity::Role::Client, name: "churn".into() });
+        xfer_agent::tenants::Tenant::of(&xfer_fabric::identity::Caller { role: xfer_fabric::identity::Role::Client, name: "churn".into() });
     for i in 0..CYCLES {
         b.create_region_as(labelled_region(i), &tenant).unwrap();
         let (sub, permit) = b.watch_inbound_as("churn", None, &tenant).unwrap();

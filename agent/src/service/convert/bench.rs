@@ -18,10 +18,10 @@ pub fn bench_params_from_pb(r: pb::BenchRequest) -> Result<BenchParams, Status> 
     require(!r.peer.is_empty(), "peer address is required")?;
     peer_address(&r.peer)?;
     if r.qps != 0 {
-        crate::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
+        xfer_engine::shape::qps(r.qps as usize).map_err(|e| transfer_status(e.into()))?;
     }
     if r.depth != 0 {
-        crate::shape::depth(r.depth as usize).map_err(|e| transfer_status(e.into()))?;
+        xfer_engine::shape::depth(r.depth as usize).map_err(|e| transfer_status(e.into()))?;
     }
     Ok(BenchParams {
         peer: r.peer,

@@ -6,8 +6,8 @@ use xfer_proto::v1 as pb;
 
 use super::peers::{endpoint_from_pb, endpoint_to_pb};
 use super::scalars::{algo_to_pb, duration_to_pb, fabric_from_pb, fabric_to_pb, time_from_pb};
-use crate::ids::{ConnectionId, GrantId};
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply};
+use xfer_engine::ids::{ConnectionId, GrantId};
 use xfer_fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 
 /// Most per-QP keys accepted in a grant (a connection has at most 256 QPs).

@@ -7,9 +7,9 @@ use xfer_proto::v1 as pb;
 use super::scalars::{duration_to_pb, fabric_from_pb, fabric_to_pb, request_duration, time_to_pb};
 use super::status::{invalid, peer_version_status, require, too_many_endpoints_status};
 use crate::grants::Grant;
-use crate::ids::ConnectionId;
 use crate::node::{GrantParams, Node, NotifyAsk};
 use crate::peers::PeerEntry;
+use xfer_engine::ids::ConnectionId;
 use xfer_fabric::{DataSecret, Endpoint, FabricKind, RemoteKey, RemoteOp, VerbsEndpoint};
 
 /// Most endpoints (QPs) one `Peer.Connect` may carry.

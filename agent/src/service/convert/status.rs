@@ -1,17 +1,17 @@
 //! Every gRPC status the agent answers with is built here: each domain error (regions, grants,
 //! peers, transfers, the fabric), the role check's refusals and the request bounds map to one
 //! code, so the same failure gets the same code whichever handler meets it. The error types are
-//! defined where they arise ([`crate::identity::AuthError`], [`BoundError`], ...); this module
+//! defined where they arise ([`xfer_fabric::identity::AuthError`], [`BoundError`], ...); this module
 //! imports them, and nothing it imports imports it back.
 use tonic::Status;
 
 use crate::error::NodeError;
 use crate::grants::GrantError;
-use crate::identity::AuthError;
 use crate::peer_api::{PeerError, RemoteCode};
 use crate::regions::RegionError;
 use crate::service::bounds::BoundError;
-use crate::transfer::batch::BatchError;
+use xfer_engine::batch::BatchError;
+use xfer_fabric::identity::AuthError;
 use xfer_fabric::FabricError;
 
 /// INVALID_ARGUMENT unless `cond` holds.

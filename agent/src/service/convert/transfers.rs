@@ -9,8 +9,8 @@ use super::scalars::{algo_from_pb, op_from_pb, op_to_pb, request_duration, time_
 use super::status::{invalid, require};
 use crate::node::{ChannelInfo, ChannelInput, ChannelOutput, ChannelParams, InboundRing};
 use crate::notify::Notification;
-use crate::transfer::batch::SegmentSpec;
 use crate::transfer::{TransferOptions, TransferRecord, TransferRequest, TransferState};
+use xfer_engine::batch::SegmentSpec;
 use xfer_fabric::RemoteOp;
 
 fn state_to_pb(s: TransferState) -> pb::TransferState {

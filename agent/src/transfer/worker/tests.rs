@@ -11,9 +11,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
-use crate::transfer::batch::Seg;
 use crate::transfer::job::{LatencyProbe, WrTemplate};
-use crate::transfer::machine::{Fault, Machine, MachineConfig, Markers, State};
+use xfer_engine::batch::Seg;
+use xfer_engine::machine::{Fault, Machine, MachineConfig, Markers, State};
 use xfer_fabric::{Access, Completion, Connection, FabricError, Registration, RemoteKey, WcStatus, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
