@@ -2,25 +2,25 @@
 //! grants peers scoped access to them, and moves data with one-sided WRITE and READ.
 //!
 //! # Layout
-//! * [`app`] — start-up and shutdown (the binary calls [`app::run`]).
-//! * [`admin`] — the admin HTTP server: /metrics (the [`metrics`] registry's exposition) and /health.
-//! * [`config`] — defaults < file < env < flags, validated.
-//! * [`node`] — the core: the operations both gRPC services expose, in domain types.
+//! * [`app`] — start-up and shutdown (the binary calls [`app::run`]); [`config`] — defaults < file
+//!   < env < flags, validated.
 //! * [`service`] — the only protobuf boundary: tonic services, the peer client, conversions and
 //!   the error → status mapping.
-//! * [`regions`] — region registry, leases, catalog persistence.
-//! * [`grants`] — grant table, expiry, revocation; the TCP fabric's access check.
-//! * [`transfer`] — transfer records, the sans-IO [`transfer::machine`] and its tokio driver.
-//! * [`peer_api`] — the calls made on a peer agent ([`peer_api::PeerApi`]), in domain types.
-//! * [`peer_addr`] — peer addresses parsed into one canonical spelling.
-//! * [`peers`] — connection pool per peer identity (lease, reuse, recreate, bounds).
-//! * [`tenants`] — per-identity shares of the global limits.
-//! * The data plane is the `xfer-fabric` crate: the `Fabric` trait, the tcp fabric and the verbs
-//!   fabric (safe code over the `xfer-rdma` crate, which holds every `unsafe`).
-//! * [`metrics`], [`checksum`], [`sys`], [`ids`] — metric names, checksums, process limits, ids.
-//! * [`safe_file`] — files written without following planted links; the hard-link check of file regions.
-//! * [`cpus`] — which CPU the data-path worker thread is pinned to (`verbs.worker_cpu`).
-//! * [`labels`] — the rules region labels and selectors follow; [`deadline`] — deadlines that never overflow.
+//! * [`node`] — the core: the operations both gRPC services expose, in domain types, on a `Node`
+//!   made of parts (regions, initiator, responder); [`error`] — its one error.
+//! * [`bench`] — benchmarks, above the core.
+//! * [`transfer`] — transfer records, the data path's jobs and its one driver (the sans-IO
+//!   session and machine are the `xfer-engine` crate's).
+//! * [`regions`] — region registry, leases, catalog; [`grants`] — grant table, expiry,
+//!   revocation, the data plane's access check; [`notify`] — notifications to local subscribers.
+//! * [`peers`] — connection pool per peer identity; [`peer_api`] — the calls made on a peer;
+//!   [`peer_addr`] — addresses in one spelling; [`tenants`] — per-identity shares.
+//! * [`admin`] — /metrics and /health; [`metrics`] — every metric name and help text.
+//! * [`checksum`], [`sys`], [`cpus`], [`safe_file`], [`labels`] — checksums, process limits, the
+//!   worker's CPU, files written without following planted links, label rules.
+//!
+//! The data plane is the `xfer-fabric` crate (the `Fabric` trait, tcp and verbs), the sans-IO
+//! core is `xfer-engine`, and every `unsafe` is in `xfer-rdma`.
 #![forbid(unsafe_code)]
 
 pub mod admin;
