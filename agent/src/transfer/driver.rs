@@ -129,6 +129,12 @@ async fn pump<L: Leased>(
                 machine.handle_post_error(seq, reason.clone());
             }
         }
+        // Progress is told only once the window is refilled: telling it wakes the record's
+        // watchers, and the WRs that completions made room for must not wait behind that.
+        if machine.bytes_done() != reported {
+            reported = machine.bytes_done();
+            on_progress(reported);
+        }
         if machine.is_done() {
             break;
         }
@@ -138,10 +144,6 @@ async fn pump<L: Leased>(
             Wake::Closed => machine.handle_post_error(u64::MAX, "connection closed".into()),
             Wake::Cancelled => machine.handle_cancel(),
             Wake::Timeout => machine.handle_timeout(Instant::now()),
-        }
-        if machine.bytes_done() != reported {
-            reported = machine.bytes_done();
-            on_progress(reported);
         }
     }
     if machine.bytes_done() != reported {
