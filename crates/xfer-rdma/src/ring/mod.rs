@@ -38,6 +38,8 @@
 
 mod layout;
 mod reader;
+#[cfg(test)]
+mod test_pair;
 mod writer;
 
 pub use layout::{

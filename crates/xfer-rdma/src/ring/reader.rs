@@ -217,22 +217,12 @@ fn parse(n: u64, f: &[u8; SLOT_FIXED as usize - 8], var: &[u8]) -> Result<RingNo
 /// the mapping; what the format cannot carry must be refused.
 #[cfg(test)]
 mod redteam_tests {
-    use std::io::Write;
 
     use super::super::layout::slot_size;
     use super::super::writer::RingWriter;
     use super::*;
     use crate::memory::MemError;
-
-    /// A writer and a reader over two mappings of one file, as the agent and an application.
-    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        let len = ring_len(slots, slot_size);
-        f.write_all(&vec![0u8; len as usize]).unwrap();
-        let w = RingWriter::create(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap(), slots, slot_size).unwrap();
-        let r = RingReader::open(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap()).unwrap();
-        (w, r, f)
-    }
+    use crate::ring::test_pair::pair;
 
     fn scribbler(f: &tempfile::NamedTempFile) -> RegionMemory {
         let len = f.as_file().metadata().unwrap().len() as usize;

@@ -114,17 +114,7 @@ mod tests {
     use super::super::layout::{slot_size, RingOp, RingVia};
     use super::super::reader::RingReader;
     use super::*;
-    use std::io::Write;
-
-    /// A writer and a reader over two mappings of one file, as the agent and an application.
-    fn pair(slots: u32, slot_size: u32) -> (RingWriter, RingReader, tempfile::NamedTempFile) {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        let len = ring_len(slots, slot_size);
-        f.write_all(&vec![0u8; len as usize]).unwrap();
-        let w = RingWriter::create(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap(), slots, slot_size).unwrap();
-        let r = RingReader::open(RegionMemory::map_file(f.as_file(), len as usize, true).unwrap()).unwrap();
-        (w, r, f)
-    }
+    use crate::ring::test_pair::pair;
 
     fn note(i: u64) -> RingNote {
         RingNote {
