@@ -108,11 +108,7 @@ async fn with(
             remote_region: remote.to_string(),
             remote_offset: 0,
             length: 0,
-            options: crate::transfer::TransferOptions {
-                qps: (p.qps > 0).then_some(p.qps),
-                depth: (p.depth > 0).then_some(p.depth),
-                ..Default::default()
-            },
+            options: p.transfer_options(),
             segments: specs.clone(),
             notify: Some(format!("bench-kv-{i}").into_bytes()),
         };
@@ -162,11 +158,7 @@ async fn over_channel(
             remote_region: remote.to_string(),
             remote_offset: 0,
             length: 0,
-            options: crate::transfer::TransferOptions {
-                qps: (p.qps > 0).then_some(p.qps),
-                depth: (p.depth > 0).then_some(p.depth),
-                ..Default::default()
-            },
+            options: p.transfer_options(),
             ttl: None,
             notify: true,
         })

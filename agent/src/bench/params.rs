@@ -2,7 +2,7 @@
 //! statistics over its samples.
 use std::time::Duration;
 
-use crate::transfer::Op;
+use crate::transfer::{Op, TransferOptions};
 
 #[derive(Debug, Clone)]
 pub struct BenchParams {
@@ -26,6 +26,13 @@ pub struct BenchParams {
     /// Connection setup: untimed wait before each connection after the first (at most
     /// [`BENCH_MAX_INTERVAL`]); zero = back to back.
     pub interval: Duration,
+}
+
+impl BenchParams {
+    /// The transfer options the asked shape gives (0 QPs or depth: the agent's defaults).
+    pub fn transfer_options(&self) -> TransferOptions {
+        TransferOptions { qps: (self.qps > 0).then_some(self.qps), depth: (self.depth > 0).then_some(self.depth), ..Default::default() }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
