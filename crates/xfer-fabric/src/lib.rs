@@ -402,9 +402,31 @@ pub enum Readiness {
     Failed(String),
 }
 
+/// One path of a connection: a local device, the peer's device it reaches, and the QPs between
+/// them. A path fails as a whole (a link or port goes down, a device dies) while the others go on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathInfo {
+    /// The local device's name; empty for a fabric without devices (tcp).
+    pub local_device: String,
+    /// The peer's device on the other end, as the peer named it; empty for tcp.
+    pub remote_device: String,
+    /// The connection's QPs on this path (QP indices are the connection's, in `0..qps()`).
+    pub qps: std::ops::Range<usize>,
+}
+
 /// An established connection: `qps()` ordered, reliable queues to one peer.
 pub trait Connection: Send + Sync {
     fn qps(&self) -> usize;
+    /// The connection's paths, in QP order: together their `qps` ranges cover `0..qps()` without
+    /// overlap. The default is one path over every QP (a single-device or tcp connection).
+    fn paths(&self) -> Vec<PathInfo> {
+        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps() }]
+    }
+    /// True when the pool should replace this connection once it is idle: it is broken, or a path
+    /// it lacks (a device that was down when it was made) is usable again. Default: broken.
+    fn wants_reconnect(&self) -> bool {
+        self.is_broken()
+    }
     /// Posts a work request on QP `qp`. Non-blocking: the caller bounds the number of
     /// outstanding WRs per QP (`depth`), and the fabric sizes its queues from the same setting.
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError>;
