@@ -54,6 +54,9 @@ pub const INBOUND_SUBSCRIBERS: &str = "xfer_inbound_subscribers";
 pub const NOTIFICATION_DELAY: &str = "xfer_notification_delay_seconds";
 pub const CHANNELS_OPEN: &str = "xfer_channels_open";
 pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
+pub const PATH_FAILOVERS: &str = "xfer_path_failovers_total";
+pub const PATH_REQUEUED: &str = "xfer_path_requeued_work_requests_total";
+pub const PATH_BYTES: &str = "xfer_path_bytes_total";
 
 /// Installs the Prometheus recorder, keeps its histograms drained, and describes every metric.
 /// Returns the handle that renders the exposition; the admin server ([`crate::admin`]) serves it,
@@ -96,6 +99,9 @@ pub fn describe() {
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
+    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event).");
+    describe_counter!(PATH_REQUEUED, Unit::Count, "Work requests taken back from a lost path and posted again on another, by local device.");
+    describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
     describe_histogram!(
@@ -340,6 +346,19 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
         if n > 0 {
             counter!(WORK_REQUESTS, "op" => op).increment(n);
         }
+    }
+}
+
+/// A path was lost mid-job; `requeued` WRs went to the other paths.
+pub fn path_failover(local: &str, remote: &str, reason: &'static str, requeued: u32) {
+    counter!(PATH_FAILOVERS, "local_device" => local.to_string(), "remote_device" => remote.to_string(), "reason" => reason).increment(1);
+    counter!(PATH_REQUEUED, "local_device" => local.to_string()).increment(u64::from(requeued));
+}
+
+/// Bytes a job moved over one path.
+pub fn path_bytes(local: &str, remote: &str, bytes: u64) {
+    if bytes > 0 {
+        counter!(PATH_BYTES, "local_device" => local.to_string(), "remote_device" => remote.to_string()).increment(bytes);
     }
 }
 

@@ -12,7 +12,7 @@ use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
-use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
+use crate::transfer::job::{qp_map, Job, LatencyProbe, WrTemplate};
 use crate::transfer::Op;
 use xfer_engine::batch::Seg;
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
@@ -83,6 +83,8 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         depth,
         signal_every: node.transfer_defaults().signal_every,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
+        path_of: qp_map(&lease.conn().paths(), lease.qps()),
+        weights: Vec::new(),
     });
     let (buf, size) = (local.clone(), p.size);
     let wr = bench_wr(op, buf, size, grant);
@@ -108,6 +110,8 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         depth: 1,
         signal_every: 1,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
+        path_of: Arc::from([]),
+        weights: Vec::new(),
     });
     let size = p.size;
     let wr = bench_wr(op, local, size, grant);

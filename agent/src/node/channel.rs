@@ -30,7 +30,7 @@ use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::regions::RegionUse;
-use crate::transfer::job::{Job, WrTemplate};
+use crate::transfer::job::{qp_map, Job, WrTemplate};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
 use crate::transfer::Op;
 use xfer_engine::batch::{Batch, BatchError, Dest, SegmentSpec};
@@ -449,6 +449,8 @@ impl Channel {
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
+            path_of: qp_map(&lease.conn().paths(), lease.qps()),
+            weights: Vec::new(),
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());

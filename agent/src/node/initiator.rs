@@ -207,6 +207,9 @@ impl Node {
                 Some(Command::Refuse(e)) => return Err(e),
                 Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
+                        let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                        s.set_paths(plan.path_of.clone(), plan.weights.clone());
+                        held.paths = Some(plan);
                         let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
                         held.lease = Some(l);
                         ev
@@ -364,7 +367,11 @@ impl Node {
                 let mut shown = reported;
                 let progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
                 let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
+                let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
+                if let Some(plan) = held.paths.take() {
+                    self.initiator.paths.learn(&held.peer.addr, done.lease.conn().as_ref(), &plan, &done.machine, ran.elapsed());
+                }
                 held.lease = Some(done.lease);
                 reported = done.machine.bytes_done();
                 s.return_machine(done.machine);
@@ -473,6 +480,8 @@ pub(super) struct Initiator {
     pub(super) pending_revokes: Arc<AtomicUsize>,
     /// The device's data-path worker thread (verbs with `verbs.worker`), started on first use.
     pub(super) worker: OnceLock<Option<Worker<Lease>>>,
+    /// What each path to each peer carries, for the weights a job stripes by.
+    pub(super) paths: super::paths::PathBook,
 }
 
 /// What a running transfer owns.
@@ -483,103 +492,6 @@ pub(super) struct Plan {
     local: RegionUse,
     /// The checksum algorithm when verifying.
     algo: Algo,
-}
-
-/// What a transfer holds from its peer, as RAII guards: the leased connection ([`Lease`]: back to
-/// the pool or discarded) and the grant ([`GrantGuard`]: revoked unless the peer consumed it).
-/// The session's `Release`/`Revoke`/`GrantConsumed` commands are applied here; anything still
-/// held when this drops is discarded and revoked.
-pub struct Held {
-    pub(super) peer: Arc<PeerEntry>,
-    /// Whose share of the connections to `peer` its lease is charged to.
-    pub(super) tenant: Tenant,
-    pub(super) lease: Option<Lease>,
-    pub(super) grant: Option<GrantGuard>,
-    pending_revokes: Arc<AtomicUsize>,
-}
-
-impl Held {
-    pub(super) fn new(peer: Arc<PeerEntry>, tenant: Tenant, pending_revokes: Arc<AtomicUsize>) -> Held {
-        Held { peer, tenant, lease: None, grant: None, pending_revokes }
-    }
-
-    fn hold_grant(&mut self, info: GrantInfo) {
-        let g = GrantGuard { info, peer: self.peer.clone(), pending: self.pending_revokes.clone(), armed: true };
-        // A grant still held here would be revoked by its guard's drop.
-        self.grant = Some(g);
-    }
-
-    /// The session's next command, after applying the resource ones (release, revoke, consumed).
-    /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
-    /// holds; the grant itself stays here, revoked when this drops.
-    pub fn take_parts(&mut self) -> Result<(Lease, GrantInfo), NodeError> {
-        let grant = self.grant.as_ref().map(|g| g.info.clone());
-        match (self.lease.take(), grant) {
-            (Some(l), Some(g)) => Ok((l, g)),
-            _ => Err(NodeError::Internal("accepted without a connection and a grant".into())),
-        }
-    }
-
-    pub(super) fn settle(&mut self, s: &mut Session) -> Option<Command> {
-        loop {
-            match s.poll()? {
-                Command::Release { clean } => {
-                    if let Some(l) = self.lease.take() {
-                        l.release(clean);
-                    }
-                }
-                Command::Revoke => {
-                    if let Some(g) = self.grant.take() {
-                        g.revoke();
-                    }
-                }
-                Command::GrantConsumed => {
-                    if let Some(mut g) = self.grant.take() {
-                        g.armed = false;
-                    }
-                }
-                other => return Some(other),
-            }
-        }
-    }
-}
-
-/// A grant a peer gave this agent: revoked in the background when dropped, unless the peer
-/// consumed it (its `Peer.Complete` revokes it there).
-pub(super) struct GrantGuard {
-    pub(super) info: GrantInfo,
-    peer: Arc<PeerEntry>,
-    pending: Arc<AtomicUsize>,
-    armed: bool,
-}
-
-impl GrantGuard {
-    pub(super) fn revoke(mut self) {
-        self.armed = false;
-        revoke_later(&self.peer, &self.info.grant_id, &self.pending);
-    }
-}
-
-impl Drop for GrantGuard {
-    fn drop(&mut self) {
-        if self.armed {
-            revoke_later(&self.peer, &self.info.grant_id, &self.pending);
-        }
-    }
-}
-
-/// Revokes a peer's grant in the background (best effort; `drain` waits for these). Skipped
-/// when no runtime is left (at exit): the grant then ends with its TTL.
-fn revoke_later(peer: &Arc<PeerEntry>, grant_id: &str, pending: &Arc<AtomicUsize>) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-    let peer = peer.clone();
-    let id = grant_id.to_string();
-    let pending = pending.clone();
-    pending.fetch_add(1, Ordering::AcqRel);
-    rt.spawn(async move {
-        let _ = peer.call(|| peer.client.revoke(&id)).await;
-        pending.fetch_sub(1, Ordering::AcqRel);
-    });
 }
 
 fn peer_label(peer: &PeerEntry) -> String {

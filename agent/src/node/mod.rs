@@ -31,17 +31,19 @@ use xfer_fabric::{Fabric, FabricKind};
 use xfer_rdma::memory::RegionMemory;
 
 mod channel;
+mod held;
 mod inbound;
 mod initiator;
 mod lifetime;
 mod limits;
+mod paths;
 mod responder;
 mod scratch;
 mod shares;
 
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 pub use inbound::InboundRing;
-pub use initiator::Held;
+pub use held::Held;
 use initiator::Initiator;
 use lifetime::Regions;
 pub use lifetime::StateCounts;
@@ -124,6 +126,7 @@ impl Node {
                 submitting: Mutex::new(HashMap::new()),
                 pending_revokes: Arc::new(AtomicUsize::new(0)),
                 worker: std::sync::OnceLock::new(),
+                paths: paths::PathBook::new(&fabric.info().devices),
             },
             responder: Responder {
                 inbound: TransferRegistry::new(TRANSFER_HISTORY),

@@ -165,7 +165,7 @@ impl Lease {
         let Some(mut c) = self.inner.take() else { return };
         // Completions that arrived after the transfer stopped listening belong to no one.
         while c.completions.try_recv().is_ok() {}
-        if clean && !c.conn.is_broken() {
+        if clean && !c.conn.wants_reconnect() {
             if let Ok(mut idle) = self.peer.idle.lock() {
                 if idle.len() < self.home.max_idle_per_peer {
                     idle.push(c);
@@ -365,7 +365,7 @@ impl PeerEntry {
     /// Idle connections that can still be lent (a broken one, e.g. closed by the peer's
     /// `limits.data_idle_timeout`, is not counted: `lease` discards it).
     pub fn idle_count(&self) -> usize {
-        self.idle.lock().map(|i| i.iter().filter(|l| !l.conn.is_broken()).count()).unwrap_or(0)
+        self.idle.lock().map(|i| i.iter().filter(|l| !l.conn.wants_reconnect()).count()).unwrap_or(0)
     }
 }
 

@@ -301,10 +301,11 @@ impl PeerPool {
         let mut stale = Vec::new();
         let mut found = None;
         if let Ok(mut idle) = peer.idle.lock() {
-            // A broken connection (e.g. the target closed its idle streams: the readers saw EOF)
-            // or one to an earlier instance of the peer is never lent again.
+            // A broken connection (e.g. the target closed its idle streams: the readers saw EOF),
+            // one that lacks a path which is usable again (a device that was down when it was
+            // made), or one to an earlier instance of the peer is never lent again.
             let (keep, drop): (Vec<PooledConn>, Vec<PooledConn>) =
-                idle.drain(..).partition(|l| !l.conn.is_broken() && l.instance_id == current);
+                idle.drain(..).partition(|l| !l.conn.wants_reconnect() && l.instance_id == current);
             *idle = keep;
             stale = drop;
             if let Some(pos) = idle.iter().position(|l| l.qps == qps && l.depth >= depth) {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::job::{complete, post_runs, Done, Job, LatencyProbe, Leased, WrTemplate};
+use super::job::{complete, path_bytes, path_events, post_runs, Done, Job, LatencyProbe, Leased, WrTemplate};
 use super::worker::{Refused, Worker};
 use xfer_engine::machine::Machine;
 use xfer_fabric::Completion;
@@ -83,6 +83,7 @@ pub async fn drive<L: Leased>(mut job: Job<L>, worker: Option<&Worker<L>>, spin:
         job = match w.run(job).await {
             Ok(done) => {
                 crate::metrics::data_path_job("worker");
+                path_bytes(&done.machine, done.lease.conn().as_ref());
                 return Ok(done);
             }
             Err(Refused::Busy(job)) => *job,
@@ -97,6 +98,8 @@ pub async fn drive<L: Leased>(mut job: Job<L>, worker: Option<&Worker<L>>, spin:
         }
     };
     pump(&mut machine, &mut lease, &cancel, &wr, &mut first_post, report, probe.as_mut(), spin).await;
+    path_events(&mut machine, lease.conn().as_ref());
+    path_bytes(&machine, lease.conn().as_ref());
     crate::metrics::data_path_job("task");
     Ok(Done { machine, lease, probe, first_post })
 }
@@ -124,11 +127,10 @@ async fn pump<L: Leased>(
             first_post.get_or_insert_with(Instant::now);
             pending.push((p.qp, wr.wr(&p)));
         }
-        if let Err((seqs, reason)) = post_runs(lease.conn().as_ref(), &mut pending) {
-            for seq in seqs {
-                machine.handle_post_error(seq, reason.clone());
-            }
+        if let Err(f) = post_runs(lease.conn().as_ref(), &mut pending) {
+            f.tell(machine);
         }
+        path_events(machine, lease.conn().as_ref());
         // Progress is told only once the window is refilled: telling it wakes the record's
         // watchers, and the WRs that completions made room for must not wait behind that.
         if machine.bytes_done() != reported {

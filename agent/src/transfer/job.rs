@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use xfer_engine::machine::{Machine, Post};
-use xfer_fabric::{Completion, Connection, Registration, RemoteKey, WcStatus, WorkRequest, WrOp};
+use xfer_engine::machine::{Machine, PathDown, PathEvent, Post};
+use xfer_fabric::{Completion, Connection, FabricError, PathInfo, Registration, RemoteKey, WcStatus, WorkRequest, WrOp};
 
 /// What a job needs of its lease: the connection, and its completions (the job is their only
 /// reader). The peer pool's lease in the agent; a bare connection in the worker's tests.
@@ -95,10 +95,39 @@ pub struct Done<L> {
     pub first_post: Option<Instant>,
 }
 
+/// WRs the fabric did not take: the QP of the refused run, the seqs (`wr_id`s) of every WR of it
+/// from the one that failed on, and why. `path_failure`: the QP is broken
+/// ([`FabricError::QpBroken`]), so its path is gone and its WRs may go on another path; `rest` are
+/// the WRs queued after the refused run (for other QPs), none of them posted.
+pub struct PostFailure {
+    pub qp: usize,
+    pub seqs: Vec<u64>,
+    pub reason: String,
+    pub path_failure: bool,
+    pub rest: Vec<(usize, u64)>,
+}
+
+impl PostFailure {
+    /// Tells `machine`: a broken QP takes its path down (its chunks move to the others) and the
+    /// WRs after it are taken back unposted; any other refusal fails the job.
+    pub fn tell(self, machine: &mut Machine) {
+        for seq in self.seqs {
+            machine.handle_post_error_on(self.qp, seq, self.reason.clone(), self.path_failure);
+        }
+        for (qp, seq) in self.rest {
+            if self.path_failure {
+                machine.handle_unposted(qp, seq);
+            } else {
+                machine.handle_post_error_on(qp, seq, self.reason.clone(), false);
+            }
+        }
+    }
+}
+
 /// Posts `pending` in order, one doorbell per run of consecutive WRs on the same QP
-/// ([`Connection::post_batch`]), and empties it. On a failure: the seqs (`wr_id`s) of every WR
-/// from the one that failed on — none of them counts as posted — and the reason.
-pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>) -> Result<(), (Vec<u64>, String)> {
+/// ([`Connection::post_batch`]), and empties it. Stops at the first refusal; what was not posted
+/// is in the [`PostFailure`].
+pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>) -> Result<(), PostFailure> {
     let mut items = pending.drain(..).peekable();
     while let Some((qp, first)) = items.next() {
         let mut run = vec![first];
@@ -116,13 +145,49 @@ pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>)
         }
         if let Err((id, e)) = conn.post_batch(qp, run) {
             let from = ids.iter().position(|&x| x == id).unwrap_or(0);
-            let mut failed: Vec<u64> = ids[from..].to_vec();
-            failed.extend(items.map(|(_, w)| w.wr_id));
-            return Err((failed, e.to_string()));
+            let seqs: Vec<u64> = ids[from..].to_vec();
+            let rest = items.map(|(q, w)| (q, w.wr_id)).collect();
+            return Err(PostFailure { qp, seqs, reason: e.to_string(), path_failure: matches!(e, FabricError::QpBroken), rest });
         }
         crate::metrics::work_requests(ops[0], ops[1], ops[2]);
     }
     Ok(())
+}
+
+/// Drains what happened to `machine`'s paths (a path lost mid-job, its WRs re-posted on the
+/// others) into the log and the metrics, naming the paths as `conn` does.
+pub fn path_events(machine: &mut Machine, conn: &dyn Connection) {
+    while let Some(PathEvent::Down { path, reason, requeued }) = machine.poll_event() {
+        let paths = conn.paths();
+        let (local, remote) = paths.get(path).map(|p| (p.local_device.as_str(), p.remote_device.as_str())).unwrap_or(("", ""));
+        let class = match &reason {
+            PathDown::Completion(_) => "completion",
+            PathDown::Post(_) => "post",
+            PathDown::Event(_) => "event",
+        };
+        tracing::warn!(path, local_device = local, remote_device = remote, reason = ?reason, requeued, paths_up = machine.paths_up(), "path lost mid-transfer: its work requests go on the other paths");
+        crate::metrics::path_failover(local, remote, class, requeued);
+    }
+}
+
+/// Counts the bytes each path of `conn` carried for a job that ended.
+pub fn path_bytes(machine: &Machine, conn: &dyn Connection) {
+    for (p, bytes) in conn.paths().iter().zip(machine.path_bytes()) {
+        crate::metrics::path_bytes(&p.local_device, &p.remote_device, *bytes);
+    }
+}
+
+/// QP index → path index, from the paths' QP ranges (a QP no range covers goes to path 0).
+pub fn qp_map(paths: &[PathInfo], qps: usize) -> Arc<[usize]> {
+    let mut map = vec![0usize; qps];
+    for (i, p) in paths.iter().enumerate() {
+        for q in p.qps.clone() {
+            if let Some(slot) = map.get_mut(q) {
+                *slot = i;
+            }
+        }
+    }
+    map.into()
 }
 
 /// Feeds one completion to `machine`, timing it on `probe` if there is one.
@@ -133,4 +198,23 @@ pub fn complete(machine: &mut Machine, probe: &mut Option<&mut LatencyProbe>, qp
         }
     }
     machine.handle_completion(qp, seq, status);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qp_map;
+    use xfer_fabric::PathInfo;
+
+    fn path(qps: std::ops::Range<usize>) -> PathInfo {
+        PathInfo { local_device: String::new(), remote_device: String::new(), qps }
+    }
+
+    #[test]
+    fn qps_map_to_the_path_whose_range_holds_them() {
+        let m = qp_map(&[path(0..2), path(2..5)], 5);
+        assert_eq!(&m[..], &[0, 0, 1, 1, 1]);
+        assert_eq!(&qp_map(&[path(0..3)], 3)[..], &[0, 0, 0]);
+        // Ranges past the connection's QPs are ignored, never indexed.
+        assert_eq!(&qp_map(&[path(0..1), path(1..9)], 2)[..], &[0, 1]);
+    }
 }

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::job::{complete, post_runs, Done, Job, Leased};
+use super::job::{complete, path_events, post_runs, Done, Job, Leased};
 use xfer_fabric::WorkRequest;
 
 /// Jobs waiting for the worker; past this the caller drives its own.
@@ -225,10 +225,8 @@ impl<L: Leased> Running<L> {
         if self.pending.is_empty() {
             return false;
         }
-        if let Err((seqs, reason)) = post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
-            for seq in seqs {
-                machine.handle_post_error(seq, reason.clone());
-            }
+        if let Err(f) = post_runs(self.job.lease.conn().as_ref(), &mut self.pending) {
+            f.tell(machine);
         }
         true
     }
@@ -264,6 +262,7 @@ impl<L: Leased> Running<L> {
             machine.handle_timeout(now);
             moved = true;
         }
+        path_events(machine, self.job.lease.conn().as_ref());
         if let Some(report) = self.job.progress.as_mut() {
             if machine.bytes_done() != self.reported {
                 self.reported = machine.bytes_done();

@@ -157,6 +157,9 @@ pub struct Session<E> {
     granted: bool,
     reused: bool,
     qps: usize,
+    /// The leased connection's paths: QP → path, and each path's weight (see [`MachineConfig`]).
+    path_of: std::sync::Arc<[usize]>,
+    weights: Vec<u32>,
     grant_len: u64,
     /// Set on accept: what the machine moves.
     batch: Option<Batch>,
@@ -173,6 +176,8 @@ impl<E: From<Error>> Session<E> {
             granted: false,
             reused: false,
             qps: 1,
+            path_of: std::sync::Arc::from([]),
+            weights: Vec::new(),
             grant_len: 0,
             batch: None,
             bytes_done: 0,
@@ -200,6 +205,13 @@ impl<E: From<Error>> Session<E> {
         matches!(self.phase, Phase::Done) && self.out.is_empty()
     }
 
+    /// The paths of the connection [`Event::Leased`] brought (QP → path index, one weight per
+    /// path): the machine stripes over them and fails over between them. Unset: one path.
+    pub fn set_paths(&mut self, path_of: std::sync::Arc<[usize]>, weights: Vec<u32>) {
+        self.path_of = path_of;
+        self.weights = weights;
+    }
+
     /// Starts moving data (after `Accept`); the deadline is `now + timeout`.
     pub fn start(&mut self, now: Instant) {
         if !matches!(self.phase, Phase::Accepted) {
@@ -214,6 +226,8 @@ impl<E: From<Error>> Session<E> {
             depth: self.cfg.depth,
             signal_every: self.cfg.signal_every,
             deadline: now.checked_add(self.cfg.timeout),
+            path_of: self.path_of.clone(),
+            weights: self.weights.clone(),
         });
         self.phase = Phase::Running(m);
         self.after_machine();

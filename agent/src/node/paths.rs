@@ -1,0 +1,114 @@
+//! Which paths of a leased connection a job uses, and how much each carries. A connection to a
+//! peer has one path per pair of devices that reach each other ([`Connection::paths`]); the
+//! [`PathBook`] remembers what each path moved (an EWMA of its rate, by peer and device pair) and
+//! how many bytes each local device has in flight, and asks the placement policy
+//! ([`xfer_engine::placement::place`]) for the weights the machine stripes a job's chunks by.
+//! The policy is pure; this module only gathers its inputs and learns from each job's outcome.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use xfer_engine::machine::Machine;
+use xfer_engine::paths::Rate;
+use xfer_engine::placement::{place, DeviceFacts, PathView};
+use crate::transfer::job::qp_map;
+use xfer_fabric::{Connection, DeviceInfo};
+
+/// The QP → path map and the per-path weights of one job (what `Session::set_paths` takes).
+pub struct PathPlan {
+    pub path_of: Arc<[usize]>,
+    pub weights: Vec<u32>,
+    /// Bytes charged to each path's local device until [`PathBook::learn`] gives them back.
+    charged: Vec<(String, u64)>,
+}
+
+/// Path rates and device load, shared by every job of this agent.
+pub struct PathBook {
+    /// This agent's devices as the placement policy sees them (NUMA node, nominal speed).
+    devices: Vec<DeviceFacts>,
+    state: Mutex<BookState>,
+}
+
+#[derive(Default)]
+struct BookState {
+    /// Measured rate per (peer, local device, remote device).
+    rates: HashMap<(String, String, String), Rate>,
+    /// Bytes of running jobs per local device.
+    in_flight: HashMap<String, u64>,
+}
+
+impl PathBook {
+    /// A book for the devices the fabric reports (empty for tcp: one path, no placement).
+    pub fn new(devices: &[DeviceInfo]) -> PathBook {
+        let devices = devices
+            .iter()
+            .map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.speed_mbps })
+            .collect();
+        PathBook { devices, state: Mutex::default() }
+    }
+
+    /// The plan for a job of `bytes` over `conn` to `peer`, from memory on NUMA node
+    /// `region_numa`. A single-path connection gets the machine's defaults (one path).
+    pub fn plan(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> PathPlan {
+        let paths = conn.paths();
+        let path_of = qp_map(&paths, conn.qps());
+        if paths.len() <= 1 {
+            return PathPlan { path_of, weights: Vec::new(), charged: Vec::new() };
+        }
+        let Ok(mut st) = self.state.lock() else {
+            return PathPlan { path_of, weights: vec![1; paths.len()], charged: Vec::new() };
+        };
+        let mut devices = self.devices.clone();
+        let views: Vec<PathView> = paths
+            .iter()
+            .map(|p| {
+                let device = match devices.iter().position(|d| d.name == p.local_device) {
+                    Some(i) => i,
+                    None => {
+                        devices.push(DeviceFacts { name: p.local_device.clone(), numa: None, speed_mbps: None });
+                        devices.len() - 1
+                    }
+                };
+                let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
+                PathView {
+                    device,
+                    usable: true,
+                    rate: st.rates.get(&key).and_then(Rate::bytes_per_sec),
+                    in_flight: st.in_flight.get(&p.local_device).copied().unwrap_or(0),
+                }
+            })
+            .collect();
+        let weights = place(region_numa, &devices, &views, bytes);
+        let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
+        let charged: Vec<(String, u64)> = paths
+            .iter()
+            .zip(&weights)
+            .map(|(p, &w)| (p.local_device.clone(), (u128::from(bytes) * u128::from(w) / u128::from(total)) as u64))
+            .collect();
+        for (dev, b) in &charged {
+            *st.in_flight.entry(dev.clone()).or_default() += b;
+        }
+        PathPlan { path_of, weights, charged }
+    }
+
+    /// Learns from a job that ran `elapsed` under `plan`: each path's rate from the bytes it
+    /// carried, and the job's bytes leave the devices' in-flight count.
+    pub fn learn(&self, peer: &str, conn: &dyn Connection, plan: &PathPlan, machine: &Machine, elapsed: Duration) {
+        let Ok(mut st) = self.state.lock() else { return };
+        for (dev, b) in &plan.charged {
+            if let Some(n) = st.in_flight.get_mut(dev) {
+                *n = n.saturating_sub(*b);
+            }
+        }
+        if plan.weights.is_empty() || elapsed.is_zero() {
+            return;
+        }
+        for (p, &bytes) in conn.paths().iter().zip(machine.path_bytes()) {
+            if bytes == 0 {
+                continue;
+            }
+            let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
+            st.rates.entry(key).or_insert_with(Rate::default).update(bytes, elapsed);
+        }
+    }
+}
