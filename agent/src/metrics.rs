@@ -100,7 +100,11 @@ pub fn describe() {
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
     describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event).");
-    describe_counter!(PATH_REQUEUED, Unit::Count, "Work requests taken back from a lost path and posted again on another, by local device.");
+    describe_counter!(
+        PATH_REQUEUED,
+        Unit::Count,
+        "Work requests taken back from a lost path and posted again on another, by local device."
+    );
     describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");

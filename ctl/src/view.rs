@@ -117,6 +117,8 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "inbound": t.inbound,
         "segments": t.segments,
         "notify": t.notify.as_deref().map(tag_json),
+        "paths": t.paths,
+        "failovers": t.failovers,
     })
 }
 
@@ -378,6 +380,13 @@ pub fn transfer_detail(t: &Transfer) -> String {
     kv("created:", rfc3339(&t.created_at).unwrap_or_else(|| "-".into()));
     kv("started:", rfc3339(&t.started_at).unwrap_or_else(|| "-".into()));
     kv("finished:", rfc3339(&t.finished_at).unwrap_or_else(|| "-".into()));
+    if t.paths > 1 || t.failovers > 0 {
+        let lost = match t.failovers {
+            0 => String::new(),
+            n => format!(" ({n} lost mid-transfer: it ran degraded, every byte landed on the others)"),
+        };
+        kv("paths:", format!("{}{lost}", t.paths));
+    }
     if t.verified {
         kv("verified:", format!("yes (checksum {:#018x})", t.checksum));
     }

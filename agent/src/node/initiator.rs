@@ -176,6 +176,8 @@ impl Node {
             inbound: false,
             segments,
             notify: req.notify.clone(),
+            paths: 0,
+            failovers: 0,
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
@@ -369,6 +371,11 @@ impl Node {
                 let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
                 let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
+                let (paths, lost) = (done.lease.conn().paths().len() as u32, done.machine.failovers());
+                handle.record.send_modify(|r| {
+                    r.paths = paths;
+                    r.failovers += lost;
+                });
                 if let Some(plan) = held.paths.take() {
                     self.initiator.paths.learn(&held.peer.addr, done.lease.conn().as_ref(), &plan, &done.machine, ran.elapsed());
                 }

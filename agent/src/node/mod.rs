@@ -42,8 +42,8 @@ mod scratch;
 mod shares;
 
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
-pub use inbound::InboundRing;
 pub use held::Held;
+pub use inbound::InboundRing;
 use initiator::Initiator;
 use lifetime::Regions;
 pub use lifetime::StateCounts;

@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::transfer::job::qp_map;
 use xfer_engine::machine::Machine;
 use xfer_engine::paths::Rate;
 use xfer_engine::placement::{place, DeviceFacts, PathView};
-use crate::transfer::job::qp_map;
 use xfer_fabric::{Connection, DeviceInfo};
 
 /// The QP → path map and the per-path weights of one job (what `Session::set_paths` takes).
@@ -40,10 +40,7 @@ struct BookState {
 impl PathBook {
     /// A book for the devices the fabric reports (empty for tcp: one path, no placement).
     pub fn new(devices: &[DeviceInfo]) -> PathBook {
-        let devices = devices
-            .iter()
-            .map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.speed_mbps })
-            .collect();
+        let devices = devices.iter().map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.speed_mbps }).collect();
         PathBook { devices, state: Mutex::default() }
     }
 

@@ -447,6 +447,8 @@ impl Node {
             inbound: true,
             segments: 1,
             notify: g.notify.as_ref().map(|n| n.tag.clone()),
+            paths: 0,
+            failovers: 0,
             peer_key: peer.to_string(),
             owner: crate::tenants::Tenant::exempt(),
         };

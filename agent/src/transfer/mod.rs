@@ -113,6 +113,10 @@ pub struct TransferRecord {
     pub segments: u64,
     /// The notification tag asked for.
     pub notify: Option<Vec<u8>>,
+    /// Paths of the connection the transfer ran on (0 before it had one).
+    pub paths: u32,
+    /// Paths lost mid-transfer whose work went on the others (it ran degraded).
+    pub failovers: u32,
     /// The peer's identity (its pool key; for an inbound record, its certificate name): what
     /// `limits.max_transfers_per_peer` counts by, whatever spelling of its address was used.
     pub peer_key: String,

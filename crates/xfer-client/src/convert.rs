@@ -191,6 +191,8 @@ impl Transfer {
             inbound: t.inbound,
             segments: t.segments,
             notify: t.notify,
+            paths: t.paths,
+            failovers: t.failovers,
         }
     }
 }

@@ -395,6 +395,10 @@ pub struct Transfer {
     /// Segments after coalescing (1 for a single range).
     pub segments: u64,
     pub notify: Option<Vec<u8>>,
+    /// Paths (device pairs) of the connection it ran on; 0 before it had one.
+    pub paths: u32,
+    /// Paths lost mid-transfer whose work went on the others: it ran degraded.
+    pub failovers: u32,
 }
 
 impl Transfer {

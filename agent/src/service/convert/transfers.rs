@@ -45,6 +45,8 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
         inbound: t.inbound,
         segments: t.segments,
         notify: t.notify.clone(),
+        paths: t.paths,
+        failovers: t.failovers,
     }
 }
 
