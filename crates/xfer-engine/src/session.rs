@@ -21,6 +21,7 @@
 //! Cancellation counts until the data has landed. After the last completion the bytes are at
 //! the destination and the session finishes its bookkeeping (check, verify, complete) regardless.
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::batch::Batch;
@@ -157,6 +158,9 @@ pub struct Session<E> {
     granted: bool,
     reused: bool,
     qps: usize,
+    /// The leased connection's path per QP and the paths' weights (empty: one path).
+    path_of: Arc<[usize]>,
+    weights: Vec<u32>,
     grant_len: u64,
     /// Set on accept: what the machine moves.
     batch: Option<Batch>,
@@ -173,6 +177,8 @@ impl<E: From<Error>> Session<E> {
             granted: false,
             reused: false,
             qps: 1,
+            path_of: Arc::from([]),
+            weights: Vec::new(),
             grant_len: 0,
             batch: None,
             bytes_done: 0,
@@ -200,6 +206,14 @@ impl<E: From<Error>> Session<E> {
         matches!(self.phase, Phase::Done) && self.out.is_empty()
     }
 
+    /// The leased connection's paths: the path of each QP and each path's weight (see
+    /// [`MachineConfig::path_of`], [`MachineConfig::weights`]), for the machine `start` makes.
+    /// Not called: one path.
+    pub fn set_paths(&mut self, path_of: Arc<[usize]>, weights: Vec<u32>) {
+        self.path_of = path_of;
+        self.weights = weights;
+    }
+
     /// Starts moving data (after `Accept`); the deadline is `now + timeout`.
     pub fn start(&mut self, now: Instant) {
         if !matches!(self.phase, Phase::Accepted) {
@@ -214,6 +228,8 @@ impl<E: From<Error>> Session<E> {
             depth: self.cfg.depth,
             signal_every: self.cfg.signal_every,
             deadline: now.checked_add(self.cfg.timeout),
+            path_of: self.path_of.clone(),
+            weights: self.weights.clone(),
         });
         self.phase = Phase::Running(m);
         self.after_machine();
@@ -486,6 +502,7 @@ pub fn failure_of(fault: Fault) -> Failure {
         }
         Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
         Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
+        Fault::NoPath { last } => Failure::new(FailureCode::NoPath, format!("every path to the peer is down (the last: {last})")),
     }
 }
 
