@@ -13,6 +13,8 @@ pub enum FailureCode {
     Completion(WcStatus),
     /// The fabric refused to post a work request (the connection broke or closed).
     PostFailed,
+    /// Every path to the peer went down during the transfer (each of its devices' links).
+    NoPath,
     /// The target's checksum of the destination range differs from the source's.
     ChecksumMismatch,
     /// Verification was asked for, but `Peer.Complete` (which carries the checksum) failed.
@@ -31,6 +33,7 @@ impl FailureCode {
             FailureCode::DeadlineExceeded => "DEADLINE_EXCEEDED",
             FailureCode::Completion(s) => s.name(),
             FailureCode::PostFailed => "POST_FAILED",
+            FailureCode::NoPath => "NO_PATH",
             FailureCode::ChecksumMismatch => "CHECKSUM_MISMATCH",
             FailureCode::VerifyFailed => "VERIFY_FAILED",
             FailureCode::RegionPoisoned => "REGION_POISONED",

@@ -6,7 +6,10 @@
 //!
 //! # Layout
 //! * [`session`] — one transfer's lifecycle (lease, grant, data, check, verify, complete, give back).
-//! * [`machine`] — the chunk machine inside a session: chunks, runs per QP, signalling, completions.
+//! * [`machine`] — the chunk machine inside a session: chunks, runs per QP, signalling, completions,
+//!   striping over paths by weight and failover when one goes down.
+//! * [`paths`] — a path's health across transfers (flap-damped back-off) and its measured rate.
+//! * [`placement`] — which paths a transfer uses, by NUMA node, capacity and load (pure).
 //! * [`batch`] — checked segment lists (KV-cache batches) and their coalescing.
 //! * [`failure`] — the closed set of failure codes; [`status`] — work-completion statuses.
 //! * [`notes`] — a grant's notification bookkeeping (markers counted, batches announced).
@@ -23,6 +26,8 @@ pub mod frame;
 pub mod ids;
 pub mod machine;
 pub mod notes;
+pub mod paths;
+pub mod placement;
 pub mod range;
 pub mod session;
 pub mod shape;

@@ -1,27 +1,38 @@
 //! Sans-IO data movement of one transfer: chunking, the per-QP window, selective signalling,
-//! progress, failure and cancellation. It does no IO and never reads the clock: the driver feeds
-//! it completions ([`Machine::handle_completion`]), cancellation and the current time, and asks it
-//! what to post next ([`Machine::poll_transmit`]) and when it times out
-//! ([`Machine::poll_timeout`]). The transfer's whole lifecycle around it (lease, grant, verify,
-//! complete, revoke, release) is the [`crate::session::Session`].
+//! progress, striping over paths, failover, failure and cancellation. It does no IO and never
+//! reads the clock: the driver feeds it completions ([`Machine::handle_completion`]), lost paths
+//! ([`Machine::handle_path_down`]), cancellation and the current time, and asks it what to post
+//! next ([`Machine::poll_transmit`]) and when it times out ([`Machine::poll_timeout`]). The
+//! transfer's whole lifecycle around it (lease, grant, verify, complete, revoke, release) is the
+//! [`crate::session::Session`].
 //!
-//! Chunks go to whichever QP has room, in *runs*: a run picks the QP with the most free window
-//! slots (ties round-robin), reserves up to `signal_every` of them (never more than the chunks
-//! left) and posts that many consecutive chunks there, signalling only the run's last WR. So one
-//! slow or full QP never holds back the others, and every QP's window ends in a signaled WR
-//! whenever no run is open — the machine never waits on silent WRs. A successful signaled
-//! completion retires every earlier WR on its QP (RC ordering).
+//! Chunks go out in *runs*: a run picks a path by weight (`stripe`), then the QP of that path
+//! with the most free window slots (ties round-robin), reserves up to `signal_every` slots (never
+//! more than the chunks left) and posts that many consecutive chunks there, signalling only the
+//! run's last WR. So one slow or full QP never holds back the others, and every QP's window ends
+//! in a signaled WR whenever no run is open — the machine never waits on silent WRs. A
+//! successful signaled completion retires every earlier WR on its QP (RC ordering).
 //!
 //! A batch's segments are walked in order, each cut into chunks of at most `chunk` bytes (a
 //! segment never shares a WR with another: their addresses are not contiguous). With
 //! [`Markers`], the machine ends every QP with one zero-length *marker* WR that carries the
 //! batch's notification to the target; the transfer succeeds once the markers completed too.
+//!
+//! A path that fails (a completion error another path could succeed at, a post the fabric says
+//! broke the QP, or the driver's word) is dropped for the rest of the transfer (`failover`):
+//! every WR on its QPs that no successful completion retired goes back to be posted again, on the
+//! paths left, before any new chunk; later completions from its QPs are ignored. A chunk keeps
+//! its `seq` and is counted in [`Machine::bytes_done`] once, when some path retires it.
 use std::collections::VecDeque;
+use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::batch::Seg;
 use crate::status::WcStatus;
+
+mod failover;
+mod stripe;
 
 /// Whether and when the machine posts one notification marker per QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +57,12 @@ pub struct MachineConfig {
     /// Absolute deadline for the whole transfer.
     pub deadline: Option<Instant>,
     pub markers: Markers,
+    /// The path of each QP (`Connection::paths`). Empty: every QP is on path 0. A QP past its
+    /// end, or naming a path past `max(qps, weights.len())`, is on path 0.
+    pub path_of: Arc<[usize]>,
+    /// Per path, its share of the runs. Empty: all 1; a path past its end: 1. Weight 0 is a
+    /// standby path: used only while no path of positive weight is up.
+    pub weights: Vec<u32>,
 }
 
 /// A work request to post.
@@ -53,7 +70,7 @@ pub struct MachineConfig {
 pub struct Post {
     pub qp: usize,
     /// Per-transfer sequence number (the chunk index; markers follow the chunks); the driver
-    /// uses it as `wr_id`.
+    /// uses it as `wr_id`. A chunk posted again after its path failed keeps it.
     pub seq: u64,
     /// Absolute offset in the local region.
     pub local: u64,
@@ -79,12 +96,64 @@ pub enum Fault {
     Completion { status: WcStatus, seq: u64 },
     Post(String),
     Timeout,
+    /// Every path went down; `last` is why the last one did.
+    NoPath { last: PathDown },
+}
+
+/// Why a path went down.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathDown {
+    /// A work completion failed with a status another path could succeed at
+    /// ([`WcStatus::is_path_failure`]).
+    Completion(WcStatus),
+    /// Posting failed because the fabric found the QP broken.
+    Post(String),
+    /// The driver learnt it otherwise (a port-down or device-fatal async event).
+    Event(String),
+}
+
+impl fmt::Display for PathDown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PathDown::Completion(s) => write!(f, "work request failed with {s}"),
+            PathDown::Post(e) => write!(f, "post failed: {e}"),
+            PathDown::Event(e) => f.write_str(e),
+        }
+    }
+}
+
+/// What happened to a path during the transfer ([`Machine::poll_event`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathEvent {
+    /// `path` went down; `requeued` of its WRs (chunks and markers) were not known to have
+    /// landed and go out again on the paths left.
+    Down { path: usize, reason: PathDown, requeued: u32 },
+}
+
+/// One chunk's place: where it comes from and goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Chunk {
+    seq: u64,
+    local: u64,
+    remote: u64,
+    len: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Outstanding {
-    seq: u64,
-    len: u32,
+    chunk: Chunk,
+    marker: bool,
+}
+
+/// One path's standing in this transfer.
+#[derive(Debug, Clone)]
+struct PathSlot {
+    /// Up, and it has QPs.
+    up: bool,
+    weight: u32,
+    /// Bytes of the runs it was given (the striping's account).
+    assigned: u64,
+    qps: Vec<usize>,
 }
 
 #[derive(Debug)]
@@ -95,13 +164,25 @@ pub struct Machine {
     /// Where the next chunk starts: a segment index and the offset inside it.
     seg: usize,
     seg_off: u64,
-    /// Per QP: its marker was posted.
+    /// Per QP: its own marker was posted, or handed to `owed` when its path went down.
     marker_sent: Vec<bool>,
+    /// Markers that must go out on any live QP once every chunk is retired: those of a down
+    /// path that no successful completion confirmed.
+    owed: u32,
+    /// Owed markers posted so far (their seqs follow the QPs' own markers').
+    resent: u64,
     windows: Vec<VecDeque<Outstanding>>,
+    /// Chunks of down paths, to post again before any new chunk (in seq order).
+    retry: VecDeque<Chunk>,
     /// The open run: its QP and the chunks still to post in it (slots already reserved).
     run: Option<(usize, usize)>,
     /// Where the next QP search starts (ties go round-robin).
     next_qp: usize,
+    path_of: Vec<usize>,
+    paths: Vec<PathSlot>,
+    path_bytes: Vec<u64>,
+    events: VecDeque<PathEvent>,
+    failovers: u32,
     bytes_done: u64,
     state: State,
 }
@@ -120,15 +201,34 @@ impl Machine {
         let chunks = cfg.segs.iter().map(|s| s.len.div_ceil(chunk)).fold(0u64, u64::saturating_add);
         let marker_sent = vec![cfg.markers == Markers::None; cfg.qps];
         let done = chunks == 0 && cfg.markers == Markers::None;
+        // Path indices are bounded by what the config can mean, so a bad map cannot make a
+        // huge table.
+        let limit = cfg.qps.max(cfg.weights.len());
+        let path_of: Vec<usize> = (0..cfg.qps).map(|q| cfg.path_of.get(q).copied().filter(|&p| p < limit).unwrap_or(0)).collect();
+        let npaths = path_of.iter().map(|&p| p + 1).max().unwrap_or(1).max(cfg.weights.len());
+        let paths: Vec<PathSlot> = (0..npaths)
+            .map(|p| {
+                let qps: Vec<usize> = (0..cfg.qps).filter(|&q| path_of[q] == p).collect();
+                PathSlot { up: !qps.is_empty(), weight: cfg.weights.get(p).copied().unwrap_or(1), assigned: 0, qps }
+            })
+            .collect();
         Machine {
             chunks,
             next_chunk: 0,
             seg: 0,
             seg_off: 0,
             marker_sent,
+            owed: 0,
+            resent: 0,
             windows: vec![VecDeque::new(); cfg.qps],
+            retry: VecDeque::new(),
             run: None,
             next_qp: 0,
+            path_of,
+            path_bytes: vec![0; npaths],
+            paths,
+            events: VecDeque::new(),
+            failovers: 0,
             bytes_done: 0,
             state: if done { State::Succeeded } else { State::Running },
             cfg,
@@ -147,9 +247,30 @@ impl Machine {
         self.bytes_done
     }
 
-    /// WRs posted and not yet retired.
+    /// WRs posted and not yet retired, on paths that are up.
     pub fn outstanding(&self) -> usize {
         self.windows.iter().map(|w| w.len()).sum()
+    }
+
+    /// Bytes retired per path (a chunk counts on the path that retired it).
+    pub fn path_bytes(&self) -> &[u64] {
+        &self.path_bytes
+    }
+
+    /// Paths still up.
+    pub fn paths_up(&self) -> usize {
+        self.paths.iter().filter(|p| p.up).count()
+    }
+
+    /// Paths lost while the transfer ran whose WRs were posted again on the others.
+    pub fn failovers(&self) -> u32 {
+        self.failovers
+    }
+
+    /// What happened to paths since the last call (for logs and metrics); at most one event per
+    /// path.
+    pub fn poll_event(&mut self) -> Option<PathEvent> {
+        self.events.pop_front()
     }
 
     /// The next WR to post, if a window has room.
@@ -157,100 +278,133 @@ impl Machine {
         if self.state != State::Running {
             return None;
         }
-        if self.next_chunk >= self.chunks {
+        let left = self.data_left();
+        if left == 0 {
             return self.poll_marker();
         }
-        let (qp, left) = match self.run {
+        let (qp, in_run) = match self.run {
             Some(run) => run,
             None => {
-                let (qp, room) = self.roomiest()?;
+                let (qp, room) = self.pick()?;
                 self.next_qp = (qp + 1) % self.cfg.qps;
-                let chunks_left = usize::try_from(self.chunks - self.next_chunk).unwrap_or(usize::MAX);
-                (qp, self.cfg.signal_every.min(room).min(chunks_left))
+                (qp, self.cfg.signal_every.min(room).min(usize::try_from(left).unwrap_or(usize::MAX)))
             }
         };
-        // The run's last WR is signaled; the slots were reserved when it opened.
-        let signaled = left <= 1;
-        self.run = (!signaled).then_some((qp, left - 1));
-        let c = self.next_chunk;
+        // The run's last WR is signaled; the slots were reserved when it opened, and the chunks
+        // left only grow while it is open (a failed path adds its chunks back).
+        let signaled = in_run <= 1;
+        self.run = (!signaled).then_some((qp, in_run - 1));
+        let c = match self.retry.pop_front() {
+            Some(c) => c,
+            None => self.fresh()?,
+        };
+        let path = self.path_of[qp];
+        self.paths[path].assigned += c.len as u64;
+        self.windows[qp].push_back(Outstanding { chunk: c, marker: false });
+        Some(Post { qp, seq: c.seq, local: c.local, remote: c.remote, len: c.len, signaled, marker: false })
+    }
+
+    /// The next chunk never posted before.
+    fn fresh(&mut self) -> Option<Chunk> {
         // `next_chunk < chunks` means a segment with bytes left remains at `seg`.
         let s = *self.cfg.segs.get(self.seg)?;
         let len = (s.len - self.seg_off).min(self.cfg.chunk);
-        let post =
-            Post { qp, seq: c, local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: len as u32, signaled, marker: false };
+        let c = Chunk { seq: self.next_chunk, local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: len as u32 };
         self.seg_off += len;
         if self.seg_off >= s.len {
             self.seg += 1;
             self.seg_off = 0;
         }
-        self.windows[qp].push_back(Outstanding { seq: c, len: post.len });
         self.next_chunk += 1;
-        Some(post)
+        Some(c)
+    }
+
+    /// Chunks still to post: new ones and those of failed paths.
+    fn data_left(&self) -> u64 {
+        (self.retry.len() as u64).saturating_add(self.chunks - self.next_chunk)
+    }
+
+    /// Every chunk posted and retired by a successful completion on some path.
+    fn data_retired(&self) -> bool {
+        self.data_left() == 0 && self.windows.iter().flatten().all(|o| o.marker)
     }
 
     /// The next marker, once every chunk is posted (and, for [`Markers::AfterData`], retired).
+    /// A QP's own marker goes on that QP; an owed one (its path went down before it was
+    /// confirmed) on any live QP, and only once every chunk is retired: so whichever N markers
+    /// the target counts first, either each is a QP's own (behind every chunk's first posting on
+    /// that QP) or one of them left after every chunk had landed.
     fn poll_marker(&mut self) -> Option<Post> {
-        // After-data markers wait for every data WR to retire (once one marker is out, they
-        // have: what is outstanding then is markers).
-        let started = self.marker_sent.iter().any(|&m| m);
-        if self.cfg.markers == Markers::AfterData && !started && self.outstanding() > 0 {
+        let retired = self.data_retired();
+        if self.cfg.markers == Markers::AfterData && !retired {
             return None;
         }
-        let qp = (0..self.cfg.qps).find(|&q| !self.marker_sent[q] && self.windows[q].len() < self.cfg.depth)?;
-        self.marker_sent[qp] = true;
-        let seq = self.chunks.saturating_add(qp as u64);
-        self.windows[qp].push_back(Outstanding { seq, len: 0 });
+        let own = (0..self.cfg.qps).find(|&q| !self.marker_sent[q] && self.paths[self.path_of[q]].up && self.room(q) > 0);
+        let (qp, seq) = if let Some(q) = own {
+            self.marker_sent[q] = true;
+            (q, self.chunks.saturating_add(q as u64))
+        } else if self.owed > 0 && retired {
+            let (q, _) = self.pick()?;
+            self.owed -= 1;
+            let seq = self.chunks.saturating_add(self.cfg.qps as u64).saturating_add(self.resent);
+            self.resent += 1;
+            (q, seq)
+        } else {
+            return None;
+        };
+        self.windows[qp].push_back(Outstanding { chunk: Chunk { seq, local: 0, remote: 0, len: 0 }, marker: true });
         Some(Post { qp, seq, local: 0, remote: 0, len: 0, signaled: true, marker: true })
     }
 
-    /// Every chunk and marker posted.
-    fn all_posted(&self) -> bool {
-        self.next_chunk >= self.chunks && self.marker_sent.iter().all(|&m| m)
+    /// Free window slots of `qp`.
+    fn room(&self, qp: usize) -> usize {
+        self.cfg.depth.saturating_sub(self.windows[qp].len())
     }
 
-    /// The QP with the most free window slots (ties: the first from `next_qp` on), if any has one.
-    fn roomiest(&self) -> Option<(usize, usize)> {
-        let n = self.cfg.qps;
-        let mut best: Option<(usize, usize)> = None;
-        for i in 0..n {
-            let q = (self.next_qp + i) % n;
-            let room = self.cfg.depth - self.windows[q].len();
-            if room > 0 && best.is_none_or(|(_, r)| room > r) {
-                best = Some((q, room));
-            }
+    /// Succeeds once every chunk is retired and every marker confirmed.
+    fn check_done(&mut self) {
+        if self.state == State::Running
+            && self.data_left() == 0
+            && self.owed == 0
+            && self.marker_sent.iter().all(|&m| m)
+            && self.outstanding() == 0
+        {
+            self.state = State::Succeeded;
         }
-        best
     }
 
     /// Feeds one work completion.
     pub fn handle_completion(&mut self, qp: usize, seq: u64, status: WcStatus) {
-        let Some(window) = self.windows.get_mut(qp) else { return };
-        let Some(pos) = window.iter().position(|o| o.seq == seq) else {
+        let Some(&path) = self.path_of.get(qp) else { return };
+        if !self.paths[path].up {
+            return; // its WRs went back to be posted again when it went down
+        }
+        let Some(pos) = self.windows[qp].iter().position(|o| o.chunk.seq == seq) else {
             return; // stale or duplicate
         };
-        // Everything before `pos` completed successfully (in-order QP), silently if unsignaled.
-        for o in window.drain(..pos) {
-            self.bytes_done += o.len as u64;
-        }
-        let Some(o) = window.pop_front() else { return };
         if status.is_success() {
-            self.bytes_done += o.len as u64;
-            if self.state == State::Running && self.all_posted() && self.outstanding() == 0 {
-                self.state = State::Succeeded;
+            // Everything up to `pos` completed successfully (in-order QP), silently if unsignaled.
+            for o in self.windows[qp].drain(..=pos) {
+                if !o.marker {
+                    self.bytes_done += o.chunk.len as u64;
+                    self.path_bytes[path] += o.chunk.len as u64;
+                }
             }
-        } else if self.state == State::Running {
-            // Flushes after the first error are expected and not separate failures.
-            self.state = State::Failed(Fault::Completion { status, seq });
-        }
-    }
-
-    /// Posting failed (e.g. the QP broke): fail with the fabric's reason.
-    pub fn handle_post_error(&mut self, seq: u64, reason: String) {
-        for w in &mut self.windows {
-            w.retain(|o| o.seq != seq);
-        }
-        if self.state == State::Running {
-            self.state = State::Failed(Fault::Post(reason));
+            self.check_done();
+        } else if self.state == State::Running && status.is_path_failure() {
+            // Nothing on the path counts as landed, not even the WRs before this one: after a
+            // link failure a flush may be the first completion a silent WR gets.
+            self.path_down(path, PathDown::Completion(status));
+        } else {
+            for o in self.windows[qp].drain(..pos) {
+                self.bytes_done += o.chunk.len as u64;
+                self.path_bytes[path] += o.chunk.len as u64;
+            }
+            self.windows[qp].pop_front();
+            if self.state == State::Running {
+                // Flushes after the first error are expected and not separate failures.
+                self.state = State::Failed(Fault::Completion { status, seq });
+            }
         }
     }
 
@@ -276,292 +430,7 @@ impl Machine {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
+mod tests;
 
-    fn cfg(total: u64, chunk: u64, qps: usize, depth: usize, signal_every: usize) -> MachineConfig {
-        let segs: Arc<[Seg]> = if total == 0 { Arc::from([]) } else { Arc::from([Seg { local: 0, remote: 0, len: total }]) };
-        MachineConfig { segs, chunk, qps, depth, signal_every, deadline: None, markers: Markers::None }
-    }
-
-    /// Drives a machine against a perfect in-order fabric: completes the signaled WRs in order.
-    fn run_perfect(m: &mut Machine) -> Vec<Post> {
-        let mut posted = Vec::new();
-        let mut inflight: Vec<VecDeque<Post>> = vec![VecDeque::new(); m.cfg.qps];
-        while !m.is_done() {
-            let mut progressed = false;
-            while let Some(p) = m.poll_transmit() {
-                inflight[p.qp].push_back(p);
-                posted.push(p);
-                progressed = true;
-            }
-            for q in inflight.iter_mut() {
-                while let Some(p) = q.pop_front() {
-                    if p.signaled {
-                        m.handle_completion(p.qp, p.seq, WcStatus::Success);
-                        progressed = true;
-                        break;
-                    }
-                }
-            }
-            assert!(progressed, "machine stalled: {m:?}");
-        }
-        posted
-    }
-
-    #[test]
-    fn chunks_cover_the_range_exactly_once() {
-        let mut m = Machine::new(cfg(10 * 1000 + 7, 1000, 3, 4, 2));
-        let posts = run_perfect(&mut m);
-        assert_eq!(m.state(), &State::Succeeded);
-        assert_eq!(m.bytes_done(), 10_007);
-        let mut next = 0;
-        for p in &posts {
-            assert_eq!((p.local, p.remote), (next, next));
-            next += p.len as u64;
-        }
-        assert_eq!(next, 10_007);
-        assert_eq!(posts.last().map(|p| p.len), Some(7));
-        assert!(posts.last().is_some_and(|p| p.signaled));
-        let used: std::collections::BTreeSet<usize> = posts.iter().map(|p| p.qp).collect();
-        assert_eq!(used.len(), 3, "every QP carried chunks");
-    }
-
-    /// Whenever no run is open, the newest WR of every non-empty window is signaled: the machine
-    /// can always make progress from completions alone. Checked over many shapes.
-    #[test]
-    fn no_window_ever_ends_in_a_silent_wr() {
-        for qps in 1..=4 {
-            for depth in 1..=6 {
-                for every in 1..=7 {
-                    for total in [1u64, 2, 5, 13, 40] {
-                        let mut m = Machine::new(cfg(total, 1, qps, depth, every));
-                        let mut tails: Vec<Option<Post>> = vec![None; qps];
-                        let mut rounds = 0;
-                        while !m.is_done() {
-                            while let Some(p) = m.poll_transmit() {
-                                tails[p.qp] = Some(p);
-                            }
-                            assert!(m.run.is_none(), "poll_transmit returned None inside a run");
-                            for (q, t) in tails.iter().enumerate() {
-                                if !m.windows[q].is_empty() {
-                                    assert!(t.is_some_and(|p| p.signaled), "qps {qps} depth {depth} every {every}: QP {q} ends silent");
-                                }
-                            }
-                            // Complete the oldest signaled WR of the fullest window.
-                            let q = (0..qps).max_by_key(|&q| m.windows[q].len()).unwrap();
-                            let tail = tails[q].unwrap();
-                            m.handle_completion(q, tail.seq, WcStatus::Success);
-                            rounds += 1;
-                            assert!(rounds < 1000, "no progress");
-                        }
-                        assert_eq!(m.bytes_done(), total);
-                    }
-                }
-            }
-        }
-    }
-
-    /// A QP whose completions do not come (a slow path) does not hold back the others: chunks
-    /// keep flowing to whichever QP has room.
-    #[test]
-    fn a_stalled_qp_does_not_stall_the_others() {
-        let mut m = Machine::new(cfg(1000, 1, 2, 4, 2));
-        let mut stalled = 0;
-        let mut done_elsewhere = 0;
-        for _ in 0..100 {
-            let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-            for p in posts {
-                if p.qp == 0 {
-                    stalled += 1; // never completed
-                } else if p.signaled {
-                    m.handle_completion(p.qp, p.seq, WcStatus::Success);
-                }
-            }
-            done_elsewhere = m.bytes_done();
-        }
-        assert_eq!(stalled, 4, "QP 0 got one window and then no more");
-        assert!(done_elsewhere >= 190, "QP 1 kept moving: {done_elsewhere}");
-    }
-
-    fn segs(v: &[(u64, u64, u64)]) -> Arc<[Seg]> {
-        v.iter().map(|&(local, remote, len)| Seg { local, remote, len }).collect()
-    }
-
-    /// Every byte of every segment is posted once, to the right place, and no WR crosses a
-    /// segment boundary.
-    #[test]
-    fn segments_are_walked_in_chunks_that_never_cross_them() {
-        let list = segs(&[(0, 500, 25), (100, 0, 1), (40, 30, 10)]);
-        let mut c = cfg(0, 10, 2, 3, 2);
-        c.segs = list.clone();
-        let mut m = Machine::new(c);
-        let posts = run_perfect(&mut m);
-        assert_eq!(m.state(), &State::Succeeded);
-        assert_eq!(m.bytes_done(), 36);
-        let got: Vec<(u64, u64, u32)> = posts.iter().map(|p| (p.local, p.remote, p.len)).collect();
-        assert_eq!(got, vec![(0, 500, 10), (10, 510, 10), (20, 520, 5), (100, 0, 1), (40, 30, 10)]);
-        assert!(posts.iter().all(|p| !p.marker));
-    }
-
-    /// Pipelined markers: one per QP (also a QP that carried no data), each behind that QP's
-    /// last data WR, and the transfer succeeds only once they completed.
-    #[test]
-    fn pipelined_markers_end_every_qp_and_gate_success() {
-        let mut c = cfg(3, 1, 4, 8, 1);
-        c.markers = Markers::Pipelined;
-        let mut m = Machine::new(c);
-        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(posts.iter().filter(|p| !p.marker).count(), 3);
-        let markers: Vec<&Post> = posts.iter().filter(|p| p.marker).collect();
-        assert_eq!(markers.iter().map(|p| p.qp).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
-        assert!(markers.iter().all(|p| p.signaled && p.len == 0));
-        for q in 0..4 {
-            let on_q: Vec<&Post> = posts.iter().filter(|p| p.qp == q).collect();
-            assert!(on_q.last().is_some_and(|p| p.marker), "QP {q} does not end in its marker");
-        }
-        // Data completes first: still running until every marker is back.
-        for p in posts.iter().filter(|p| !p.marker) {
-            m.handle_completion(p.qp, p.seq, WcStatus::Success);
-        }
-        assert_eq!(m.state(), &State::Running);
-        for p in &markers[..3] {
-            m.handle_completion(p.qp, p.seq, WcStatus::Success);
-        }
-        assert_eq!(m.state(), &State::Running);
-        m.handle_completion(markers[3].qp, markers[3].seq, WcStatus::Success);
-        assert_eq!(m.state(), &State::Succeeded);
-        assert_eq!(m.bytes_done(), 3);
-    }
-
-    /// After-data markers (READs) wait until every data WR is retired, and a failed marker
-    /// fails the transfer.
-    #[test]
-    fn after_data_markers_wait_for_the_data_and_can_fail() {
-        let mut c = cfg(4, 1, 2, 4, 2);
-        c.markers = Markers::AfterData;
-        let mut m = Machine::new(c);
-        let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(data.len(), 4);
-        assert!(data.iter().all(|p| !p.marker));
-        let signaled: Vec<&Post> = data.iter().filter(|p| p.signaled).collect();
-        m.handle_completion(signaled[0].qp, signaled[0].seq, WcStatus::Success);
-        assert_eq!(m.poll_transmit(), None, "a marker before the data is back");
-        m.handle_completion(signaled[1].qp, signaled[1].seq, WcStatus::Success);
-        let markers: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(markers.len(), 2);
-        assert!(markers.iter().all(|p| p.marker));
-        m.handle_completion(markers[0].qp, markers[0].seq, WcStatus::RemAccessErr);
-        assert!(matches!(m.state(), State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, .. })));
-    }
-
-    /// A full QP delays its marker; it goes out once the window has room.
-    #[test]
-    fn a_marker_waits_for_room_on_its_qp() {
-        let mut c = cfg(2, 1, 1, 2, 2);
-        c.markers = Markers::Pipelined;
-        let mut m = Machine::new(c);
-        let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(data.len(), 2, "window of 2 full of data");
-        m.handle_completion(0, data[1].seq, WcStatus::Success);
-        let marker = m.poll_transmit().expect("marker once there is room");
-        assert!(marker.marker);
-        m.handle_completion(0, marker.seq, WcStatus::Success);
-        assert_eq!(m.state(), &State::Succeeded);
-    }
-
-    #[test]
-    fn signal_every_zero_signals_four_times_per_window() {
-        let mut m = Machine::new(cfg(64, 1, 1, 16, 0));
-        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(posts.len(), 16);
-        assert_eq!(posts.iter().filter(|p| p.signaled).count(), 4, "depth 16 / 4");
-        let mut m = Machine::new(cfg(8, 1, 1, 2, 0));
-        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert!(posts.iter().all(|p| p.signaled), "depth 2: every WR (at least 1)");
-    }
-
-    #[test]
-    fn window_bounds_outstanding_per_qp() {
-        let mut m = Machine::new(cfg(100, 1, 2, 3, 8));
-        let mut n = 0;
-        while m.poll_transmit().is_some() {
-            n += 1;
-        }
-        assert_eq!(n, 6, "2 QPs x depth 3");
-        assert_eq!(m.outstanding(), 6);
-    }
-
-    #[test]
-    fn every_full_window_ends_with_a_signaled_wr() {
-        let mut m = Machine::new(cfg(64, 1, 1, 4, 100));
-        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(posts.len(), 4);
-        assert!(posts[3].signaled && !posts[0].signaled && !posts[1].signaled);
-    }
-
-    #[test]
-    fn signaled_completion_retires_earlier_unsignaled_wrs() {
-        let mut m = Machine::new(cfg(4, 1, 1, 4, 4));
-        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-        assert_eq!(posts.iter().filter(|p| p.signaled).count(), 1);
-        m.handle_completion(0, 3, WcStatus::Success);
-        assert_eq!(m.bytes_done(), 4);
-        assert_eq!(m.state(), &State::Succeeded);
-    }
-
-    #[test]
-    fn first_error_wins_and_flushes_are_not_failures() {
-        let mut m = Machine::new(cfg(8, 1, 1, 8, 1));
-        while m.poll_transmit().is_some() {}
-        m.handle_completion(0, 0, WcStatus::Success);
-        m.handle_completion(0, 1, WcStatus::RemAccessErr);
-        m.handle_completion(0, 2, WcStatus::WrFlushErr);
-        assert_eq!(m.state(), &State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, seq: 1 }));
-        assert_eq!(m.bytes_done(), 1);
-        assert_eq!(m.poll_transmit(), None);
-    }
-
-    #[test]
-    fn cancel_stops_posting_and_is_terminal() {
-        let mut m = Machine::new(cfg(100, 10, 1, 2, 1));
-        assert!(m.poll_transmit().is_some());
-        m.handle_cancel();
-        assert_eq!(m.state(), &State::Cancelled);
-        assert_eq!(m.poll_transmit(), None);
-        m.handle_completion(0, 0, WcStatus::RetryExcErr);
-        assert_eq!(m.state(), &State::Cancelled);
-    }
-
-    #[test]
-    fn deadline_fails_with_timeout_on_virtual_time() {
-        let t0 = Instant::now();
-        let mut c = cfg(100, 10, 1, 2, 1);
-        c.deadline = Some(t0 + Duration::from_secs(5));
-        let mut m = Machine::new(c);
-        m.poll_transmit();
-        assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
-        m.handle_timeout(t0 + Duration::from_secs(4));
-        assert_eq!(m.state(), &State::Running);
-        m.handle_timeout(t0 + Duration::from_secs(5));
-        assert_eq!(m.state(), &State::Failed(Fault::Timeout));
-        assert_eq!(m.poll_timeout(), None);
-    }
-
-    #[test]
-    fn zero_length_is_immediately_done() {
-        let mut m = Machine::new(cfg(0, 10, 1, 2, 1));
-        assert_eq!(m.state(), &State::Succeeded);
-        assert_eq!(m.poll_transmit(), None);
-    }
-
-    #[test]
-    fn stale_completions_are_ignored() {
-        let mut m = Machine::new(cfg(10, 5, 1, 2, 1));
-        m.poll_transmit();
-        m.handle_completion(0, 42, WcStatus::RemAccessErr);
-        m.handle_completion(7, 0, WcStatus::RemAccessErr);
-        assert_eq!(m.state(), &State::Running);
-    }
-}
+#[cfg(test)]
+mod fake;

@@ -21,6 +21,7 @@
 //! Cancellation counts until the data has landed. After the last completion the bytes are at
 //! the destination and the session finishes its bookkeeping (check, verify, complete) regardless.
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::batch::Batch;
@@ -157,8 +158,8 @@ pub struct Session<E> {
     granted: bool,
     reused: bool,
     qps: usize,
-    /// The leased connection's paths: QP → path, and each path's weight (see [`MachineConfig`]).
-    path_of: std::sync::Arc<[usize]>,
+    /// The leased connection's path per QP and the paths' weights (empty: one path).
+    path_of: Arc<[usize]>,
     weights: Vec<u32>,
     grant_len: u64,
     /// Set on accept: what the machine moves.
@@ -176,7 +177,7 @@ impl<E: From<Error>> Session<E> {
             granted: false,
             reused: false,
             qps: 1,
-            path_of: std::sync::Arc::from([]),
+            path_of: Arc::from([]),
             weights: Vec::new(),
             grant_len: 0,
             batch: None,
@@ -205,9 +206,10 @@ impl<E: From<Error>> Session<E> {
         matches!(self.phase, Phase::Done) && self.out.is_empty()
     }
 
-    /// The paths of the connection [`Event::Leased`] brought (QP → path index, one weight per
-    /// path): the machine stripes over them and fails over between them. Unset: one path.
-    pub fn set_paths(&mut self, path_of: std::sync::Arc<[usize]>, weights: Vec<u32>) {
+    /// The leased connection's paths: the path of each QP and each path's weight (see
+    /// [`MachineConfig::path_of`], [`MachineConfig::weights`]), for the machine `start` makes.
+    /// Not called: one path.
+    pub fn set_paths(&mut self, path_of: Arc<[usize]>, weights: Vec<u32>) {
         self.path_of = path_of;
         self.weights = weights;
     }
@@ -500,6 +502,7 @@ pub fn failure_of(fault: Fault) -> Failure {
         }
         Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
         Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
+        Fault::NoPath { last } => Failure::new(FailureCode::NoPath, format!("every path to the peer is down (the last: {last})")),
     }
 }
 

@@ -77,10 +77,68 @@ impl WcStatus {
     pub fn is_success(self) -> bool {
         self == WcStatus::Success
     }
+
+    /// True when the error says the *path* failed, so the same work request could succeed on
+    /// another path (another QP pair, through other devices): the peer did not answer
+    /// (`RETRY_EXC_ERR`, and the unnamed `RESP_TIMEOUT_ERR`), the QP was moved to error under it
+    /// (`WR_FLUSH_ERR`), the local QP or device broke (`LOC_QP_OP_ERR`, `GENERAL_ERR`, the
+    /// unnamed `FATAL_ERR`) or a response came back garbled (`BAD_RESP_ERR`). False for what any
+    /// path would meet again: access, protection, length and operation errors name the grant or
+    /// the request, not the link; and `RNR_RETRY_EXC_ERR` says the peer posted no receive, which
+    /// is the peer's, not the path's. A status this build does not know is not a path failure:
+    /// failing the transfer with its code says more than re-posting it everywhere.
+    pub fn is_path_failure(self) -> bool {
+        match self {
+            WcStatus::RetryExcErr | WcStatus::WrFlushErr | WcStatus::LocQpOpErr | WcStatus::GeneralErr => true,
+            // ibv_wc_status: 7 BAD_RESP_ERR, 19 FATAL_ERR, 20 RESP_TIMEOUT_ERR.
+            WcStatus::Other(7 | 19 | 20) => true,
+            WcStatus::Success
+            | WcStatus::LocLenErr
+            | WcStatus::LocProtErr
+            | WcStatus::RemInvReqErr
+            | WcStatus::RemAccessErr
+            | WcStatus::RemOpErr
+            | WcStatus::RnrRetryExcErr
+            | WcStatus::Other(_) => false,
+        }
+    }
 }
 
 impl fmt::Display for WcStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which completion errors another path could succeed at, status by status (the whole
+    /// `ibv_wc_status` numbering, so a status added to the enum later is decided here too).
+    #[test]
+    fn path_failures_are_the_link_and_qp_errors_only() {
+        let path: Vec<u32> = (0..=32).filter(|&c| WcStatus::from_code(c).is_path_failure()).collect();
+        // RETRY_EXC, WR_FLUSH, LOC_QP_OP, GENERAL; BAD_RESP, FATAL, RESP_TIMEOUT.
+        assert_eq!(path, vec![2, 5, 7, 12, 19, 20, 21]);
+        for s in [WcStatus::RetryExcErr, WcStatus::WrFlushErr, WcStatus::LocQpOpErr, WcStatus::GeneralErr] {
+            assert!(s.is_path_failure(), "{s}");
+        }
+        for s in [
+            WcStatus::Success,
+            WcStatus::LocLenErr,
+            WcStatus::LocProtErr,
+            WcStatus::RemInvReqErr,
+            WcStatus::RemAccessErr,
+            WcStatus::RemOpErr,
+            WcStatus::RnrRetryExcErr,
+            WcStatus::Other(6),  // MW_BIND_ERR
+            WcStatus::Other(8),  // LOC_ACCESS_ERR
+            WcStatus::Other(15), // REM_INV_RD_REQ_ERR
+            WcStatus::Other(16), // REM_ABORT_ERR
+            WcStatus::Other(999),
+        ] {
+            assert!(!s.is_path_failure(), "{s}");
+        }
     }
 }

@@ -1,0 +1,288 @@
+//! The chunk machine on one path: chunking, windows, signalling, markers, faults.
+use super::*;
+use std::time::Duration;
+
+fn cfg(total: u64, chunk: u64, qps: usize, depth: usize, signal_every: usize) -> MachineConfig {
+    let segs: Arc<[Seg]> = if total == 0 { Arc::from([]) } else { Arc::from([Seg { local: 0, remote: 0, len: total }]) };
+    MachineConfig { segs, chunk, qps, depth, signal_every, deadline: None, markers: Markers::None, path_of: Arc::from([]), weights: Vec::new() }
+}
+
+/// Drives a machine against a perfect in-order fabric: completes the signaled WRs in order.
+fn run_perfect(m: &mut Machine) -> Vec<Post> {
+    let mut posted = Vec::new();
+    let mut inflight: Vec<VecDeque<Post>> = vec![VecDeque::new(); m.cfg.qps];
+    while !m.is_done() {
+        let mut progressed = false;
+        while let Some(p) = m.poll_transmit() {
+            inflight[p.qp].push_back(p);
+            posted.push(p);
+            progressed = true;
+        }
+        for q in inflight.iter_mut() {
+            while let Some(p) = q.pop_front() {
+                if p.signaled {
+                    m.handle_completion(p.qp, p.seq, WcStatus::Success);
+                    progressed = true;
+                    break;
+                }
+            }
+        }
+        assert!(progressed, "machine stalled: {m:?}");
+    }
+    posted
+}
+
+#[test]
+fn chunks_cover_the_range_exactly_once() {
+    let mut m = Machine::new(cfg(10 * 1000 + 7, 1000, 3, 4, 2));
+    let posts = run_perfect(&mut m);
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.bytes_done(), 10_007);
+    let mut next = 0;
+    for p in &posts {
+        assert_eq!((p.local, p.remote), (next, next));
+        next += p.len as u64;
+    }
+    assert_eq!(next, 10_007);
+    assert_eq!(posts.last().map(|p| p.len), Some(7));
+    assert!(posts.last().is_some_and(|p| p.signaled));
+    let used: std::collections::BTreeSet<usize> = posts.iter().map(|p| p.qp).collect();
+    assert_eq!(used.len(), 3, "every QP carried chunks");
+}
+
+/// Whenever no run is open, the newest WR of every non-empty window is signaled: the machine
+/// can always make progress from completions alone. Checked over many shapes.
+#[test]
+fn no_window_ever_ends_in_a_silent_wr() {
+    for qps in 1..=4 {
+        for depth in 1..=6 {
+            for every in 1..=7 {
+                for total in [1u64, 2, 5, 13, 40] {
+                    let mut m = Machine::new(cfg(total, 1, qps, depth, every));
+                    let mut tails: Vec<Option<Post>> = vec![None; qps];
+                    let mut rounds = 0;
+                    while !m.is_done() {
+                        while let Some(p) = m.poll_transmit() {
+                            tails[p.qp] = Some(p);
+                        }
+                        assert!(m.run.is_none(), "poll_transmit returned None inside a run");
+                        for (q, t) in tails.iter().enumerate() {
+                            if !m.windows[q].is_empty() {
+                                assert!(t.is_some_and(|p| p.signaled), "qps {qps} depth {depth} every {every}: QP {q} ends silent");
+                            }
+                        }
+                        // Complete the oldest signaled WR of the fullest window.
+                        let q = (0..qps).max_by_key(|&q| m.windows[q].len()).unwrap();
+                        let tail = tails[q].unwrap();
+                        m.handle_completion(q, tail.seq, WcStatus::Success);
+                        rounds += 1;
+                        assert!(rounds < 1000, "no progress");
+                    }
+                    assert_eq!(m.bytes_done(), total);
+                }
+            }
+        }
+    }
+}
+
+/// A QP whose completions do not come (a slow path) does not hold back the others: chunks
+/// keep flowing to whichever QP has room.
+#[test]
+fn a_stalled_qp_does_not_stall_the_others() {
+    let mut m = Machine::new(cfg(1000, 1, 2, 4, 2));
+    let mut stalled = 0;
+    let mut done_elsewhere = 0;
+    for _ in 0..100 {
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        for p in posts {
+            if p.qp == 0 {
+                stalled += 1; // never completed
+            } else if p.signaled {
+                m.handle_completion(p.qp, p.seq, WcStatus::Success);
+            }
+        }
+        done_elsewhere = m.bytes_done();
+    }
+    assert_eq!(stalled, 4, "QP 0 got one window and then no more");
+    assert!(done_elsewhere >= 190, "QP 1 kept moving: {done_elsewhere}");
+}
+
+fn segs(v: &[(u64, u64, u64)]) -> Arc<[Seg]> {
+    v.iter().map(|&(local, remote, len)| Seg { local, remote, len }).collect()
+}
+
+/// Every byte of every segment is posted once, to the right place, and no WR crosses a
+/// segment boundary.
+#[test]
+fn segments_are_walked_in_chunks_that_never_cross_them() {
+    let list = segs(&[(0, 500, 25), (100, 0, 1), (40, 30, 10)]);
+    let mut c = cfg(0, 10, 2, 3, 2);
+    c.segs = list.clone();
+    let mut m = Machine::new(c);
+    let posts = run_perfect(&mut m);
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.bytes_done(), 36);
+    let got: Vec<(u64, u64, u32)> = posts.iter().map(|p| (p.local, p.remote, p.len)).collect();
+    assert_eq!(got, vec![(0, 500, 10), (10, 510, 10), (20, 520, 5), (100, 0, 1), (40, 30, 10)]);
+    assert!(posts.iter().all(|p| !p.marker));
+}
+
+/// Pipelined markers: one per QP (also a QP that carried no data), each behind that QP's
+/// last data WR, and the transfer succeeds only once they completed.
+#[test]
+fn pipelined_markers_end_every_qp_and_gate_success() {
+    let mut c = cfg(3, 1, 4, 8, 1);
+    c.markers = Markers::Pipelined;
+    let mut m = Machine::new(c);
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.iter().filter(|p| !p.marker).count(), 3);
+    let markers: Vec<&Post> = posts.iter().filter(|p| p.marker).collect();
+    assert_eq!(markers.iter().map(|p| p.qp).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert!(markers.iter().all(|p| p.signaled && p.len == 0));
+    for q in 0..4 {
+        let on_q: Vec<&Post> = posts.iter().filter(|p| p.qp == q).collect();
+        assert!(on_q.last().is_some_and(|p| p.marker), "QP {q} does not end in its marker");
+    }
+    // Data completes first: still running until every marker is back.
+    for p in posts.iter().filter(|p| !p.marker) {
+        m.handle_completion(p.qp, p.seq, WcStatus::Success);
+    }
+    assert_eq!(m.state(), &State::Running);
+    for p in &markers[..3] {
+        m.handle_completion(p.qp, p.seq, WcStatus::Success);
+    }
+    assert_eq!(m.state(), &State::Running);
+    m.handle_completion(markers[3].qp, markers[3].seq, WcStatus::Success);
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.bytes_done(), 3);
+}
+
+/// After-data markers (READs) wait until every data WR is retired, and a failed marker
+/// fails the transfer.
+#[test]
+fn after_data_markers_wait_for_the_data_and_can_fail() {
+    let mut c = cfg(4, 1, 2, 4, 2);
+    c.markers = Markers::AfterData;
+    let mut m = Machine::new(c);
+    let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(data.len(), 4);
+    assert!(data.iter().all(|p| !p.marker));
+    let signaled: Vec<&Post> = data.iter().filter(|p| p.signaled).collect();
+    m.handle_completion(signaled[0].qp, signaled[0].seq, WcStatus::Success);
+    assert_eq!(m.poll_transmit(), None, "a marker before the data is back");
+    m.handle_completion(signaled[1].qp, signaled[1].seq, WcStatus::Success);
+    let markers: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(markers.len(), 2);
+    assert!(markers.iter().all(|p| p.marker));
+    m.handle_completion(markers[0].qp, markers[0].seq, WcStatus::RemAccessErr);
+    assert!(matches!(m.state(), State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, .. })));
+}
+
+/// A full QP delays its marker; it goes out once the window has room.
+#[test]
+fn a_marker_waits_for_room_on_its_qp() {
+    let mut c = cfg(2, 1, 1, 2, 2);
+    c.markers = Markers::Pipelined;
+    let mut m = Machine::new(c);
+    let data: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(data.len(), 2, "window of 2 full of data");
+    m.handle_completion(0, data[1].seq, WcStatus::Success);
+    let marker = m.poll_transmit().expect("marker once there is room");
+    assert!(marker.marker);
+    m.handle_completion(0, marker.seq, WcStatus::Success);
+    assert_eq!(m.state(), &State::Succeeded);
+}
+
+#[test]
+fn signal_every_zero_signals_four_times_per_window() {
+    let mut m = Machine::new(cfg(64, 1, 1, 16, 0));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.len(), 16);
+    assert_eq!(posts.iter().filter(|p| p.signaled).count(), 4, "depth 16 / 4");
+    let mut m = Machine::new(cfg(8, 1, 1, 2, 0));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert!(posts.iter().all(|p| p.signaled), "depth 2: every WR (at least 1)");
+}
+
+#[test]
+fn window_bounds_outstanding_per_qp() {
+    let mut m = Machine::new(cfg(100, 1, 2, 3, 8));
+    let mut n = 0;
+    while m.poll_transmit().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 6, "2 QPs x depth 3");
+    assert_eq!(m.outstanding(), 6);
+}
+
+#[test]
+fn every_full_window_ends_with_a_signaled_wr() {
+    let mut m = Machine::new(cfg(64, 1, 1, 4, 100));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.len(), 4);
+    assert!(posts[3].signaled && !posts[0].signaled && !posts[1].signaled);
+}
+
+#[test]
+fn signaled_completion_retires_earlier_unsignaled_wrs() {
+    let mut m = Machine::new(cfg(4, 1, 1, 4, 4));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.iter().filter(|p| p.signaled).count(), 1);
+    m.handle_completion(0, 3, WcStatus::Success);
+    assert_eq!(m.bytes_done(), 4);
+    assert_eq!(m.state(), &State::Succeeded);
+}
+
+#[test]
+fn first_error_wins_and_flushes_are_not_failures() {
+    let mut m = Machine::new(cfg(8, 1, 1, 8, 1));
+    while m.poll_transmit().is_some() {}
+    m.handle_completion(0, 0, WcStatus::Success);
+    m.handle_completion(0, 1, WcStatus::RemAccessErr);
+    m.handle_completion(0, 2, WcStatus::WrFlushErr);
+    assert_eq!(m.state(), &State::Failed(Fault::Completion { status: WcStatus::RemAccessErr, seq: 1 }));
+    assert_eq!(m.bytes_done(), 1);
+    assert_eq!(m.poll_transmit(), None);
+}
+
+#[test]
+fn cancel_stops_posting_and_is_terminal() {
+    let mut m = Machine::new(cfg(100, 10, 1, 2, 1));
+    assert!(m.poll_transmit().is_some());
+    m.handle_cancel();
+    assert_eq!(m.state(), &State::Cancelled);
+    assert_eq!(m.poll_transmit(), None);
+    m.handle_completion(0, 0, WcStatus::RetryExcErr);
+    assert_eq!(m.state(), &State::Cancelled);
+}
+
+#[test]
+fn deadline_fails_with_timeout_on_virtual_time() {
+    let t0 = Instant::now();
+    let mut c = cfg(100, 10, 1, 2, 1);
+    c.deadline = Some(t0 + Duration::from_secs(5));
+    let mut m = Machine::new(c);
+    m.poll_transmit();
+    assert_eq!(m.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+    m.handle_timeout(t0 + Duration::from_secs(4));
+    assert_eq!(m.state(), &State::Running);
+    m.handle_timeout(t0 + Duration::from_secs(5));
+    assert_eq!(m.state(), &State::Failed(Fault::Timeout));
+    assert_eq!(m.poll_timeout(), None);
+}
+
+#[test]
+fn zero_length_is_immediately_done() {
+    let mut m = Machine::new(cfg(0, 10, 1, 2, 1));
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.poll_transmit(), None);
+}
+
+#[test]
+fn stale_completions_are_ignored() {
+    let mut m = Machine::new(cfg(10, 5, 1, 2, 1));
+    m.poll_transmit();
+    m.handle_completion(0, 42, WcStatus::RemAccessErr);
+    m.handle_completion(7, 0, WcStatus::RemAccessErr);
+    assert_eq!(m.state(), &State::Running);
+}
