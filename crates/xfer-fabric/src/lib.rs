@@ -18,6 +18,7 @@
 //! * [`grant`] — grant checks on the data plane: what the grant table answers, the grant's gate.
 //! * [`identity`] — who a peer is, from its certificate (the data streams' TLS is checked with it).
 //! * [`accept`] — socket caps and accept back-off; [`metrics`] — the metrics the data plane records.
+//! * [`topology`] — where devices sit (sysfs, NUMA of regions) and local IPv4 subnets.
 //!
 //! Semantics every implementation keeps:
 //! * Work requests on one QP complete in order. A successful completion of a signaled WR implies
@@ -48,6 +49,7 @@ pub mod identity;
 pub mod metrics;
 pub mod stall;
 pub mod tcp;
+pub mod topology;
 pub mod verbs;
 
 /// Which data plane an agent runs.

@@ -1,0 +1,10 @@
+//! Where the node's RDMA devices sit: facts read from plain files (sysfs, `/proc/self/numa_maps`)
+//! and the local interfaces' IPv4 subnets.
+//!
+//! Nothing here needs an RDMA device or the `verbs` feature: every reader takes its root or text
+//! as a parameter, so the tests build fake trees and run on any host.
+//!
+//! * [`net`] — prefix length of a local IPv4 address, and whether two addresses share a subnet
+//!   (how reachability between devices is decided).
+
+pub mod net;
