@@ -4,7 +4,15 @@
 //! Nothing here needs an RDMA device or the `verbs` feature: every reader takes its root or text
 //! as a parameter, so the tests build fake trees and run on any host.
 //!
+//! * [`sysfs`] — each device's NUMA node and PCI address, each port's state, link layer, rate and
+//!   netdevs.
 //! * [`net`] — prefix length of a local IPv4 address, and whether two addresses share a subnet
 //!   (how reachability between devices is decided).
 
 pub mod net;
+pub mod sysfs;
+
+#[cfg(test)]
+mod fake_sysfs;
+#[cfg(test)]
+mod sysfs_tests;
