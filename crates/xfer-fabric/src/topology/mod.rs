@@ -6,10 +6,12 @@
 //!
 //! * [`sysfs`] — each device's NUMA node and PCI address, each port's state, link layer, rate and
 //!   netdevs.
+//! * [`numa_maps`] — the NUMA node holding most of a region's pages.
 //! * [`net`] — prefix length of a local IPv4 address, and whether two addresses share a subnet
 //!   (how reachability between devices is decided).
 
 pub mod net;
+pub mod numa_maps;
 pub mod sysfs;
 
 #[cfg(test)]
