@@ -182,6 +182,12 @@ fn device_json(d: &Device) -> Value {
         "gids": d.gids.iter().map(gid_json).collect::<Vec<_>>(),
         // -1 when none (the schema's value before it was an Option).
         "selected_gid_index": d.selected_gid_index.map_or(-1, i64::from),
+        // null when unknown: software devices have no NUMA node or PCI address.
+        "numa_node": d.numa_node,
+        "pci_address": d.pci_address,
+        "speed_mbps": d.speed_mbps,
+        "netdev": d.netdev,
+        "ipv4_prefix": d.ipv4_prefix,
     })
 }
 
@@ -265,6 +271,68 @@ impl Table {
         }
         out
     }
+}
+
+/// `200 Gb/s`, `2.5 Gb/s`, `100 Mb/s`; `-` when unknown.
+pub fn speed_text(mbps: Option<u64>) -> String {
+    match mbps {
+        None => "-".into(),
+        Some(m) if m < 1000 => format!("{m} Mb/s"),
+        Some(m) if m % 1000 == 0 => format!("{} Gb/s", m / 1000),
+        Some(m) => format!("{} Gb/s", (format!("{}.{:03}", m / 1000, m % 1000)).trim_end_matches('0')),
+    }
+}
+
+/// The selected GID's IPv4 address with its prefix (`10.0.0.1/24`, or without `/N` when the
+/// prefix is unknown); `None` when the selected GID is not IPv4.
+pub fn selected_ipv4_text(d: &Device) -> Option<String> {
+    let gid = d.gids.iter().find(|g| Some(g.index) == d.selected_gid_index)?;
+    let v4 = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(gid.raw.as_slice()).ok()?).to_ipv4_mapped()?;
+    Some(match d.ipv4_prefix {
+        Some(p) => format!("{v4}/{p}"),
+        None => v4.to_string(),
+    })
+}
+
+/// Where a device port sits, on one line: speed, NUMA node, PCI address, netdev and subnet.
+pub fn device_placement(d: &Device) -> String {
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    let mut netdev = opt(d.netdev.clone());
+    if let Some(ip) = selected_ipv4_text(d) {
+        netdev.push_str(&format!(" ({ip})"));
+    }
+    format!(
+        "speed {}, NUMA node {}, PCI {}, netdev {netdev}",
+        speed_text(d.speed_mbps),
+        opt(d.numa_node.map(|n| n.to_string())),
+        opt(d.pci_address.clone())
+    )
+}
+
+/// One row per device port: what `info` and `doctor` show when the agent has several.
+pub fn device_table(devices: &[Device]) -> String {
+    let mut t = Table::new(&["DEVICE", "PORT", "STATE", "LINK", "MTU", "SPEED", "NUMA", "PCI", "NETDEV", "GID"]);
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    for d in devices {
+        let gid = match (d.selected_gid_index, selected_ipv4_text(d)) {
+            (None, _) => "none".to_string(),
+            (Some(i), None) => i.to_string(),
+            (Some(i), Some(ip)) => format!("{i} {ip}"),
+        };
+        t.row(vec![
+            d.name.clone(),
+            d.port.to_string(),
+            d.state.clone(),
+            d.link_layer.clone(),
+            d.active_mtu.to_string(),
+            speed_text(d.speed_mbps),
+            opt(d.numa_node.map(|n| n.to_string())),
+            opt(d.pci_address.clone()),
+            opt(d.netdev.clone()),
+            gid,
+        ]);
+    }
+    t.render()
 }
 
 pub fn region_table(regions: &[Region]) -> String {

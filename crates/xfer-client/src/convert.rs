@@ -241,6 +241,12 @@ impl Device {
         Device {
             gids: d.gids.into_iter().map(|g| Gid { index: g.index, raw: g.raw, kind: g.r#type, netdev: g.netdev }).collect(),
             selected_gid_index: u32::try_from(d.selected_gid_index).ok(),
+            numa_node: u32::try_from(d.numa_node).ok(),
+            pci_address: Some(d.pci_address).filter(|a| !a.is_empty()),
+            speed_mbps: Some(d.speed_mbps).filter(|s| *s > 0),
+            netdev: Some(d.netdev).filter(|n| !n.is_empty()),
+            // 0 is unknown and anything above 32 is not an IPv4 prefix.
+            ipv4_prefix: u8::try_from(d.ipv4_prefix).ok().filter(|p| (1..=32).contains(p)),
             name: d.name,
             port: d.port,
             state: d.state,
@@ -363,5 +369,24 @@ mod tests {
         assert_eq!(d.selected_gid_index, None);
         let d = Device::from_pb(pb::DeviceInfo { selected_gid_index: 3, ..Default::default() });
         assert_eq!(d.selected_gid_index, Some(3));
+    }
+
+    #[test]
+    fn a_devices_placement_unknowns_are_none() {
+        let d = Device::from_pb(pb::DeviceInfo {
+            numa_node: 1,
+            pci_address: "0000:af:00.0".into(),
+            speed_mbps: 200_000,
+            netdev: "ens1np0".into(),
+            ipv4_prefix: 24,
+            ..Default::default()
+        });
+        assert_eq!((d.numa_node, d.pci_address.as_deref(), d.speed_mbps), (Some(1), Some("0000:af:00.0"), Some(200_000)));
+        assert_eq!((d.netdev.as_deref(), d.ipv4_prefix), (Some("ens1np0"), Some(24)));
+        let d = Device::from_pb(pb::DeviceInfo { numa_node: -1, ..Default::default() });
+        assert_eq!((d.numa_node, d.pci_address, d.speed_mbps, d.netdev, d.ipv4_prefix), (None, None, None, None, None));
+        for bad in [33, 256, u32::MAX] {
+            assert_eq!(Device::from_pb(pb::DeviceInfo { ipv4_prefix: bad, ..Default::default() }).ipv4_prefix, None, "{bad}");
+        }
     }
 }

@@ -135,6 +135,17 @@ pub struct Device {
     pub gids: Vec<Gid>,
     /// The GID the agent uses; `None` when it uses none.
     pub selected_gid_index: Option<u32>,
+    /// The NUMA node of the device's PCI function; `None` when unknown (software devices such as
+    /// rxe, hosts without NUMA).
+    pub numa_node: Option<u32>,
+    /// `dddd:bb:dd.f`; `None` without a PCI parent.
+    pub pci_address: Option<String>,
+    /// The port's signalling rate in Mb/s; `None` when unknown.
+    pub speed_mbps: Option<u64>,
+    /// The netdev of the selected GID (else the port's first); `None` on InfiniBand.
+    pub netdev: Option<String>,
+    /// The prefix length of the selected GID's IPv4 address on its interface; `None` when unknown.
+    pub ipv4_prefix: Option<u8>,
 }
 
 /// The agent's resource limits.

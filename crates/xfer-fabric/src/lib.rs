@@ -18,6 +18,7 @@
 //! * [`grant`] — grant checks on the data plane: what the grant table answers, the grant's gate.
 //! * [`identity`] — who a peer is, from its certificate (the data streams' TLS is checked with it).
 //! * [`accept`] — socket caps and accept back-off; [`metrics`] — the metrics the data plane records.
+//! * [`topology`] — where devices sit (sysfs, NUMA of regions) and local IPv4 subnets.
 //!
 //! Semantics every implementation keeps:
 //! * Work requests on one QP complete in order. A successful completion of a signaled WR implies
@@ -48,6 +49,7 @@ pub mod identity;
 pub mod metrics;
 pub mod stall;
 pub mod tcp;
+pub mod topology;
 pub mod verbs;
 
 /// Which data plane an agent runs.
@@ -241,6 +243,18 @@ pub struct DeviceInfo {
     pub lid: u32,
     pub gids: Vec<GidInfo>,
     pub selected_gid_index: Option<u32>,
+    /// The NUMA node of the device's PCI function; `None` for software devices (rxe) and hosts
+    /// without NUMA.
+    pub numa_node: Option<u32>,
+    /// `dddd:bb:dd.f`; `None` without a PCI parent.
+    pub pci_address: Option<String>,
+    /// The port's signalling rate; `None` when sysfs does not say.
+    pub speed_mbps: Option<u64>,
+    /// The netdev of the selected GID (else the port's first); `None` on InfiniBand.
+    pub netdev: Option<String>,
+    /// The prefix length of the selected GID's IPv4 address on its interface (the subnet peers
+    /// are matched by); `None` without an IPv4 GID.
+    pub ipv4_prefix: Option<u8>,
 }
 
 #[derive(Debug, Clone, Default)]

@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::json;
 use xfer_client::{AgentInfo, Fabric};
 
-use crate::view::limit_bytes;
+use crate::view::{device_placement, device_table, limit_bytes};
 use crate::Ctx;
 
 /// Below this a verbs agent cannot register useful regions (containerd's default is 8 MiB).
@@ -115,7 +115,15 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             })).collect::<Vec<_>>(),
         }))?;
     } else {
-        ctx.print(&render(&checks))?;
+        let mut text = render(&checks);
+        // Several devices: where each sits, side by side (the checks above say what is wrong).
+        if let Some(devices) = info.as_ref().map(|i| &i.devices).filter(|d| d.len() > 1) {
+            text.push_str("\nagent devices:\n");
+            for line in device_table(devices).lines() {
+                text.push_str(&format!("  {line}\n"));
+            }
+        }
+        ctx.print(&text)?;
     }
     if let Some(e) = connect_error {
         return Err(e);
@@ -197,11 +205,12 @@ pub fn agent_checks(info: &AgentInfo, addr: &str) -> Vec<Check> {
         let active = d.state.eq_ignore_ascii_case("ACTIVE") || d.state.ends_with("ACTIVE");
         let gid_ok = d.selected_gid_index.is_some() || d.link_layer.eq_ignore_ascii_case("InfiniBand");
         let detail = format!(
-            "{} {} MTU {} selected GID {}",
+            "{} {} MTU {} selected GID {}; {}",
             d.state,
             d.link_layer,
             d.active_mtu,
-            d.selected_gid_index.map_or_else(|| "none".to_string(), |i| i.to_string())
+            d.selected_gid_index.map_or_else(|| "none".to_string(), |i| i.to_string()),
+            device_placement(d)
         );
         out.push(match (active, gid_ok) {
             (false, _) => check(
@@ -476,6 +485,14 @@ mod tests {
         assert!(checks.iter().all(|c| c.verdict == Verdict::Ok), "{checks:?}");
         let text = render(&checks);
         assert!(text.lines().all(|l| l.starts_with("OK ")), "{text}");
+
+        let mut placed = fine.clone();
+        let d = &mut placed.devices[0];
+        (d.numa_node, d.pci_address, d.speed_mbps, d.netdev) =
+            (Some(1), Some("0000:af:00.0".into()), Some(100_000), Some("ens1np0".into()));
+        let checks = agent_checks(&placed, "h:1");
+        let dev = checks.iter().find(|c| c.name == "agent rxe0/1").unwrap();
+        assert_eq!(dev.detail, "ACTIVE Ethernet MTU 1024 selected GID 1; speed 100 Gb/s, NUMA node 1, PCI 0000:af:00.0, netdev ens1np0");
     }
 
     #[test]

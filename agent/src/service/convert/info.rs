@@ -42,9 +42,43 @@ fn device_to_pb(d: &DeviceInfo) -> pb::DeviceInfo {
         lid: d.lid,
         gids: d.gids.iter().map(gid_to_pb).collect(),
         selected_gid_index: d.selected_gid_index.map(|i| i as i32).unwrap_or(-1),
+        // Node numbers beyond i32 do not exist; one that did would read as unknown, not wrap.
+        numa_node: d.numa_node.and_then(|n| i32::try_from(n).ok()).unwrap_or(-1),
+        pci_address: d.pci_address.clone().unwrap_or_default(),
+        speed_mbps: d.speed_mbps.unwrap_or(0),
+        netdev: d.netdev.clone().unwrap_or_default(),
+        ipv4_prefix: d.ipv4_prefix.map_or(0, u32::from),
     }
 }
 
 fn gid_to_pb(g: &GidInfo) -> pb::Gid {
     pb::Gid { index: g.index, raw: g.raw.to_vec(), r#type: g.gid_type.clone(), netdev: g.netdev.clone() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_placement_crosses_the_boundary_with_unknowns_as_the_schema_says() {
+        let known = DeviceInfo {
+            name: "mlx5_1".into(),
+            port: 1,
+            numa_node: Some(1),
+            pci_address: Some("0000:af:00.0".into()),
+            speed_mbps: Some(200_000),
+            netdev: Some("ens1np0".into()),
+            ipv4_prefix: Some(24),
+            selected_gid_index: Some(3),
+            ..Default::default()
+        };
+        let pb = device_to_pb(&known);
+        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (1, "0000:af:00.0", 200_000));
+        assert_eq!((pb.netdev.as_str(), pb.ipv4_prefix, pb.selected_gid_index), ("ens1np0", 24, 3));
+        let pb = device_to_pb(&DeviceInfo { name: "rxe0".into(), ..Default::default() });
+        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (-1, "", 0));
+        assert_eq!((pb.netdev.as_str(), pb.ipv4_prefix, pb.selected_gid_index), ("", 0, -1));
+        let pb = device_to_pb(&DeviceInfo { numa_node: Some(u32::MAX), ..Default::default() });
+        assert_eq!(pb.numa_node, -1, "a node beyond i32 reads as unknown");
+    }
 }

@@ -5,6 +5,7 @@
 //! `query_device` attributes and `query_gid`. sideway's `PortAttr::active_mtu()`,
 //! `link_layer()`, `port_state()`, `Device::transport_type()` and `query_gid_table()` all `panic!`
 //! (or `unwrap`) on values this build does not know, so the raw fields are converted here.
+use std::path::Path;
 use std::sync::Arc;
 
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
@@ -13,9 +14,13 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::negotiate::{self, GidChoice, LocalPort, LINK_ETHERNET};
 use super::options::VerbsOptions;
+use crate::topology::device_info::add_topology;
+use crate::topology::sysfs::read_devices;
 use crate::{DeviceInfo, FabricError, GidInfo};
 
 const PORT_ACTIVE: u32 = 4;
+/// Where the kernel's device tree is mounted.
+const SYSFS: &str = "/sys";
 
 /// Facts about one port, converted from `ibv_port_attr` without panicking.
 #[derive(Debug, Clone)]
@@ -82,6 +87,7 @@ fn port_info(ctx: &DeviceContext, name: &str, port: u8, opts: &VerbsOptions) -> 
         lid: facts.lid as u32,
         gids,
         selected_gid_index: selected,
+        ..Default::default()
     })
 }
 
@@ -111,6 +117,8 @@ pub fn probe(opts: &VerbsOptions) -> Result<Vec<DeviceInfo>, FabricError> {
             }
         }
     }
+    let topology = read_devices(Path::new(SYSFS));
+    out.iter_mut().for_each(|info| add_topology(info, &topology));
     Ok(out)
 }
 
@@ -252,6 +260,7 @@ impl Device {
                 lid: facts.lid as u32,
                 gids: read_gids(&self.ctx, &self.name, self.port, &facts),
                 selected_gid_index: None,
+                ..Default::default()
             },
             Err(e) => DeviceInfo {
                 name: self.name.clone(),
@@ -262,6 +271,7 @@ impl Device {
             },
         };
         info.selected_gid_index = Some(self.gid_index);
+        add_topology(&mut info, &read_devices(Path::new(SYSFS)));
         info
     }
 }
