@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
-use super::initiator::Held;
+use super::held::Held;
 use super::limits::ChannelSlot;
 use super::Node;
 use crate::error::NodeError;

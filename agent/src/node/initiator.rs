@@ -4,17 +4,18 @@
 //! from its peer — the leased connection and the grant — lives in [`Held`] as RAII guards, so a
 //! path that forgets them, or a dropped future, still gives them back.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, info, info_span, warn, Instrument};
 
+use super::held::Held;
 use super::Node;
 use crate::checksum::{self, Algo};
 use crate::error::NodeError;
 use crate::metrics as m;
-use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, PeerError, RemoteCode};
+use crate::peer_api::{CompleteParams, GrantAsk, PeerError, RemoteCode};
 use crate::peers::{Lease, PeerEntry, PeerPool};
 use crate::regions::RegionUse;
 use crate::tenants::Tenant;

@@ -111,15 +111,8 @@ impl PostFailure {
     /// Tells `machine`: a broken QP takes its path down (its chunks move to the others) and the
     /// WRs after it are taken back unposted; any other refusal fails the job.
     pub fn tell(self, machine: &mut Machine) {
-        for seq in self.seqs {
+        for seq in self.seqs.into_iter().chain(self.rest.into_iter().map(|(_, seq)| seq)) {
             machine.handle_post_error_on(self.qp, seq, self.reason.clone(), self.path_failure);
-        }
-        for (qp, seq) in self.rest {
-            if self.path_failure {
-                machine.handle_unposted(qp, seq);
-            } else {
-                machine.handle_post_error_on(qp, seq, self.reason.clone(), false);
-            }
         }
     }
 }
