@@ -83,6 +83,8 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         depth,
         signal_every: node.transfer_defaults().signal_every,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
+        path_of: Default::default(),
+        weights: Vec::new(),
     });
     let (buf, size) = (local.clone(), p.size);
     let wr = bench_wr(op, buf, size, grant);
@@ -108,6 +110,8 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         depth: 1,
         signal_every: 1,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
+        path_of: Default::default(),
+        weights: Vec::new(),
     });
     let size = p.size;
     let wr = bench_wr(op, local, size, grant);

@@ -747,6 +747,8 @@ async fn a_connection_handed_to_the_data_path_worker_is_driven_by_it(k: Kind) {
             signal_every: 4,
             deadline: None,
             markers: Markers::None,
+            path_of: Default::default(),
+            weights: Vec::new(),
         });
         let (reg, addr, key) = (local.registration.clone(), g.exposure.addr, g.exposure.key.clone());
         let wr = WrTemplate { op, notify_slot: 0, local: reg, remote_addr: addr, remote_key: key, wrap: None };

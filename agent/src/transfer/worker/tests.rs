@@ -199,6 +199,8 @@ fn job(conn: &Arc<FakeConn>, completions: mpsc::UnboundedReceiver<Completion>, c
         signal_every: 4,
         deadline,
         markers: Markers::None,
+        path_of: Default::default(),
+        weights: Vec::new(),
     });
     let buf: Arc<dyn Registration> = Arc::new(Buf(Arc::new(RegionMemory::anonymous(4096, false).unwrap())));
     let wr = WrTemplate { op: WrOp::Write, notify_slot: 0, local: buf, remote_addr: 0, remote_key: RemoteKey::Rkey(1), wrap: None };
