@@ -13,7 +13,8 @@ pub enum FailureCode {
     Completion(WcStatus),
     /// The fabric refused to post a work request (the connection broke or closed).
     PostFailed,
-    /// Every path to the peer went down during the transfer (each of its devices' links).
+    /// Every path to the peer went down during the transfer, the last one by an event (a port
+    /// or device failure) rather than a failed work request, whose status is the code then.
     NoPath,
     /// The target's checksum of the destination range differs from the source's.
     ChecksumMismatch,

@@ -93,11 +93,16 @@ pub enum State {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
-    Completion { status: WcStatus, seq: u64 },
+    Completion {
+        status: WcStatus,
+        seq: u64,
+    },
     Post(String),
     Timeout,
     /// Every path went down; `last` is why the last one did.
-    NoPath { last: PathDown },
+    NoPath {
+        last: PathDown,
+    },
 }
 
 /// Why a path went down.

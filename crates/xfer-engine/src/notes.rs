@@ -93,8 +93,6 @@ pub enum ChannelRefusal {
     AlreadyPublished(u64),
     #[error("batch {0} was already announced")]
     AlreadyAnnounced(u64),
-    #[error("more markers than the {0} the channel's batches carry")]
-    TooManyMarkers(u32),
     #[error("batch {0}: the channel already keeps {CHANNEL_TAG_BYTES} bytes of tags of batches announced and not yet notified")]
     TagBudget(u64),
 }
@@ -145,6 +143,12 @@ impl ChannelNotes {
     }
 
     /// One marker with immediate `imm`, arrived at `now`. `Ok(Some(..))` when it completed its batch.
+    ///
+    /// A marker beyond a batch's count — for a batch that has all its markers, or was already
+    /// published, even one the window has moved past — is taken and ignored (`Ok(None)`): an
+    /// initiator that lost a path re-sends the markers no completion confirmed, and the original
+    /// may have landed anyway. It counts toward nothing (the count stays at `markers`), and
+    /// refusing it would fail the initiator's batch after its notification was right.
     pub fn marker(&self, imm: u32, now: Instant) -> Result<Option<Ready>, ChannelRefusal> {
         if imm & 0xffff_0000 != self.base_imm {
             return Err(ChannelRefusal::WrongChannel);
@@ -153,15 +157,20 @@ impl ChannelNotes {
         // The one batch in the window whose number ends in these 16 bits.
         let off = (imm as u16).wrapping_sub(w.base as u16) as u64;
         if off >= CHANNEL_WINDOW {
+            // Or one of the window's width behind it: those were all published.
+            let behind = (1u64 << 16) - off;
+            if behind <= CHANNEL_WINDOW && behind <= w.base {
+                return Ok(None);
+            }
             return Err(ChannelRefusal::OutOfWindow(w.base + off));
         }
         let seq = w.base + off;
         if w.published.contains(&seq) {
-            return Err(ChannelRefusal::AlreadyPublished(seq));
+            return Ok(None);
         }
         let e = w.entries.entry(seq).or_default();
         if e.seen >= self.markers {
-            return Err(ChannelRefusal::TooManyMarkers(self.markers));
+            return Ok(None);
         }
         e.seen += 1;
         e.first.get_or_insert(now);
@@ -280,7 +289,8 @@ mod tests {
             assert_eq!(c.marker(imm(seq), Instant::now()), Ok(None));
         }
         assert_eq!(c.unpublished(), CHANNEL_WINDOW as usize);
-        assert_eq!(c.marker(imm(3), Instant::now()), Err(ChannelRefusal::TooManyMarkers(1)));
+        assert_eq!(c.marker(imm(3), Instant::now()), Ok(None), "an extra marker is ignored, not kept");
+        assert_eq!(c.unpublished(), CHANNEL_WINDOW as usize);
         assert_eq!(c.announce(3, b"t".to_vec()).unwrap().map(|r| r.0), Some(b"t".to_vec()));
         assert_eq!(c.announce(3, b"t".to_vec()), Err(ChannelRefusal::AlreadyPublished(3)));
         assert_eq!(c.announce(4, b"a".to_vec()).unwrap().map(|r| r.0), Some(b"a".to_vec()));
@@ -313,5 +323,50 @@ mod tests {
         let c = chan(1);
         assert_eq!(c.announce(0, vec![0; CHANNEL_TAG_BYTES + 1]), Ok(None));
         assert_eq!(c.announce(1, vec![1]), Err(ChannelRefusal::TagBudget(1)));
+    }
+
+    /// Markers beyond a batch's count (an initiator re-sent those a dead path did not confirm,
+    /// and the originals landed too) are taken and ignored: before the announce, after the
+    /// publish, and once the window moved past the batch. They never count toward another batch.
+    #[test]
+    fn extra_markers_of_a_batch_are_harmless() {
+        let c = chan(2);
+        let imm = |seq| channel_imm(c.base_imm, seq);
+        // Three markers for batch 0 before its tag: the third is ignored.
+        for _ in 0..3 {
+            assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        }
+        assert_eq!(c.announce(0, b"b0".to_vec()).unwrap().map(|r| r.0), Some(b"b0".to_vec()));
+        // After its publish, with batch 1 in flight: ignored, and batch 1 still needs two.
+        assert_eq!(c.announce(1, b"b1".to_vec()), Ok(None));
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        assert_eq!(c.marker(imm(1), Instant::now()), Ok(None), "batch 1's first of two");
+        assert_eq!(c.marker(imm(1), Instant::now()).unwrap().map(|r| r.0), Some(b"b1".to_vec()));
+        // The window has moved past 0 and 1: their late markers are ignored too, and batch 2
+        // still needs both of its own.
+        assert_eq!(c.lock().base, 2);
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        assert_eq!(c.marker(imm(1), Instant::now()), Ok(None));
+        assert_eq!(c.announce(2, b"b2".to_vec()), Ok(None));
+        assert_eq!(c.marker(imm(2), Instant::now()), Ok(None));
+        assert_eq!(c.unpublished(), 1);
+        assert_eq!(c.marker(imm(2), Instant::now()).unwrap().map(|r| r.0), Some(b"b2".to_vec()));
+        // Far behind (more than a window) is still outside.
+        for seq in 3..3 + CHANNEL_WINDOW + 10 {
+            assert_eq!(c.announce(seq, vec![]), Ok(None));
+            assert_eq!(c.marker(imm(seq), Instant::now()), Ok(None));
+            assert!(c.marker(imm(seq), Instant::now()).unwrap().is_some());
+        }
+        assert!(matches!(c.marker(imm(0), Instant::now()), Err(ChannelRefusal::OutOfWindow(_))));
+    }
+
+    /// A one-shot grant's count fires once, at its N-th marker; extras change nothing.
+    #[test]
+    fn a_pending_note_fires_at_its_last_marker_only() {
+        let n = PendingNote::new(b"t".to_vec(), 2);
+        assert!(!n.marker(Instant::now()));
+        assert!(n.marker(Instant::now()));
+        assert!(!n.marker(Instant::now()), "an extra marker does not fire it again");
+        assert!(n.claim() && !n.claim());
     }
 }

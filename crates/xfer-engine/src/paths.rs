@@ -32,7 +32,9 @@ impl Default for Backoff {
 pub enum PathState {
     Up,
     /// Failed; not to be tried before `until`.
-    Down { until: Instant },
+    Down {
+        until: Instant,
+    },
 }
 
 /// A path's health across transfers, with flap damping.

@@ -114,9 +114,7 @@ mod tests {
     /// A two-socket server with eight 200 Gb/s NICs, four per socket: mlx5_0..3 on node 0,
     /// mlx5_4..7 on node 1; one idle usable path per device.
     fn server() -> (Vec<DeviceFacts>, Vec<PathView>) {
-        let devices = (0..8)
-            .map(|i| DeviceFacts { name: format!("mlx5_{i}"), numa: Some(i / 4), speed_mbps: Some(200_000) })
-            .collect();
+        let devices = (0..8).map(|i| DeviceFacts { name: format!("mlx5_{i}"), numa: Some(i / 4), speed_mbps: Some(200_000) }).collect();
         let paths = (0..8).map(|i| PathView { device: i, usable: true, rate: None, in_flight: 0 }).collect();
         (devices, paths)
     }
@@ -182,9 +180,11 @@ mod tests {
     #[test]
     fn paths_without_facts_get_equal_or_slowest_shares() {
         let d = vec![DeviceFacts::default(), DeviceFacts { speed_mbps: Some(100_000), ..Default::default() }];
-        let p = vec![PathView { device: 0, usable: true, ..Default::default() }, PathView { device: 1, usable: true, ..Default::default() }];
+        let p =
+            vec![PathView { device: 0, usable: true, ..Default::default() }, PathView { device: 1, usable: true, ..Default::default() }];
         assert_eq!(place(None, &d, &p, MIB), vec![1000, 1000], "the unknown one counts as the slowest known");
-        let p2 = vec![PathView { device: 7, usable: true, ..Default::default() }, PathView { device: 0, usable: true, ..Default::default() }];
+        let p2 =
+            vec![PathView { device: 7, usable: true, ..Default::default() }, PathView { device: 0, usable: true, ..Default::default() }];
         assert_eq!(place(Some(0), &d, &p2, MIB), vec![1000, 1000], "no facts at all (or a device index out of range)");
     }
 }

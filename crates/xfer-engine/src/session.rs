@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::batch::Batch;
 use crate::error::Error;
 use crate::failure::{Failure, FailureCode};
-use crate::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
+use crate::machine::{Fault, Machine, MachineConfig, Markers, PathDown, Post, State};
 use crate::range::check_range;
 use crate::status::WcStatus;
 
@@ -137,7 +137,8 @@ enum Phase {
         retried: bool,
     },
     Accepted,
-    Running(Machine),
+    /// Boxed: the machine is large beside the other phases.
+    Running(Box<Machine>),
     /// The machine is on loan to a driver that runs it to its end ([`Session::lend_machine`]).
     Lent,
     /// `CheckLocal` sent; then the machine's result applies.
@@ -231,7 +232,7 @@ impl<E: From<Error>> Session<E> {
             path_of: self.path_of.clone(),
             weights: self.weights.clone(),
         });
-        self.phase = Phase::Running(m);
+        self.phase = Phase::Running(Box::new(m));
         self.after_machine();
     }
 
@@ -244,7 +245,7 @@ impl<E: From<Error>> Session<E> {
             return None;
         }
         match std::mem::replace(&mut self.phase, Phase::Lent) {
-            Phase::Running(m) => Some(m),
+            Phase::Running(m) => Some(*m),
             other => {
                 self.phase = other;
                 None
@@ -255,7 +256,7 @@ impl<E: From<Error>> Session<E> {
     /// Takes the lent machine back and moves on from its state (as after any event).
     pub fn return_machine(&mut self, m: Machine) {
         if matches!(self.phase, Phase::Lent) {
-            self.phase = Phase::Running(m);
+            self.phase = Phase::Running(Box::new(m));
             self.after_machine();
         }
     }
@@ -502,7 +503,16 @@ pub fn failure_of(fault: Fault) -> Failure {
         }
         Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
         Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
-        Fault::NoPath { last } => Failure::new(FailureCode::NoPath, format!("every path to the peer is down (the last: {last})")),
+        // The code is the last path's cause where it has one, as with a single path (a dead peer
+        // is RETRY_EXC_ERR however many paths led to it); the message says every path went.
+        Fault::NoPath { last } => {
+            let code = match last {
+                PathDown::Completion(status) => FailureCode::Completion(status),
+                PathDown::Post(_) => FailureCode::PostFailed,
+                PathDown::Event(_) => FailureCode::NoPath,
+            };
+            Failure::new(code, format!("every path to the peer is down; the last: {last}{}", code.hint()))
+        }
     }
 }
 

@@ -137,7 +137,11 @@ impl Fake {
             // Landed or not, no ack came: the first fails, the rest are flushed. Only signaled
             // WRs report (a provider may skip unsignaled flushes), so the first error may come
             // after silent WRs that never ran.
-            let errs = queued.iter().filter(|p| p.signaled).enumerate().map(|(i, p)| (q, p.seq, if i == 0 { WcStatus::RetryExcErr } else { WcStatus::WrFlushErr }));
+            let errs = queued
+                .iter()
+                .filter(|p| p.signaled)
+                .enumerate()
+                .map(|(i, p)| (q, p.seq, if i == 0 { WcStatus::RetryExcErr } else { WcStatus::WrFlushErr }));
             match self.mode {
                 Kill::Post => self.withheld.extend(errs),
                 _ => self.cq.extend(errs),
@@ -151,7 +155,8 @@ impl Fake {
 
 /// A batch of four segments in 15 chunks of at most 4 bytes.
 fn config(paths: usize, qps_per_path: usize, markers: Markers) -> MachineConfig {
-    let segs: Arc<[Seg]> = [(0, 100, 25), (30, 0, 1), (50, 30, 10), (70, 60, 13)].iter().map(|&(local, remote, len)| Seg { local, remote, len }).collect();
+    let segs: Arc<[Seg]> =
+        [(0, 100, 25), (30, 0, 1), (50, 30, 10), (70, 60, 13)].iter().map(|&(local, remote, len)| Seg { local, remote, len }).collect();
     let qps = paths * qps_per_path;
     MachineConfig {
         segs,
@@ -224,7 +229,10 @@ fn a_path_killed_at_any_step_fails_over_without_losing_or_repeating_a_chunk() {
                             assert_whole(&m, &f, markers, &what);
                             // The machine heard of the death at most once, as the victim's.
                             let events: Vec<PathEvent> = std::iter::from_fn(|| m.poll_event()).collect();
-                            assert!(events.len() <= 1 && events.iter().all(|PathEvent::Down { path, .. }| *path == victim), "{what}: {events:?}");
+                            assert!(
+                                events.len() <= 1 && events.iter().all(|PathEvent::Down { path, .. }| *path == victim),
+                                "{what}: {events:?}"
+                            );
                             assert_eq!(m.paths_up(), paths - events.len(), "{what}");
                             assert!(m.failovers() as usize <= events.len(), "{what}");
                             runs += 1;
@@ -238,7 +246,10 @@ fn a_path_killed_at_any_step_fails_over_without_losing_or_repeating_a_chunk() {
     }
     // The enumeration reached what it is for: chunks re-posted, and markers that landed on a
     // dying path and were sent again (the target saw more than N).
-    assert!(runs > 1000 && failed_over > 500 && extra_markers > 50, "{runs} runs, {failed_over} failovers, {extra_markers} with extra markers");
+    assert!(
+        runs > 1000 && failed_over > 500 && extra_markers > 50,
+        "{runs} runs, {failed_over} failovers, {extra_markers} with extra markers"
+    );
 }
 
 /// Two of three paths, killed at every pair of nearby steps: the third carries it.
@@ -293,4 +304,126 @@ fn every_path_killed_fails_with_no_path_and_no_hang() {
     let (m, f, _) = run(config(2, 2, Markers::Pipelined), &[(0, 0), (0, 1)], Land::None, Kill::Event);
     assert_eq!(m.state(), &State::Failed(Fault::NoPath { last: PathDown::Event("port down".into()) }));
     assert_eq!(f.fired, 0);
+}
+
+fn one_seg(total: u64, qps: usize, path_of: &[usize], weights: Vec<u32>) -> MachineConfig {
+    MachineConfig {
+        segs: Arc::from([Seg { local: 0, remote: 0, len: total }]),
+        chunk: 1,
+        qps,
+        depth: 1000,
+        signal_every: 4,
+        deadline: None,
+        markers: Markers::None,
+        path_of: path_of.into(),
+        weights,
+    }
+}
+
+/// Weights 3:1 with room everywhere: path 0 gets 75% of the bytes, within one run.
+#[test]
+fn weighted_striping_sends_proportional_bytes() {
+    for (weights, share) in [(vec![3, 1], 300), (vec![1, 1], 200), (vec![1, 3], 100)] {
+        let mut m = Machine::new(one_seg(400, 4, &[0, 0, 1, 1], weights.clone()));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert_eq!(posts.len(), 400, "all posted: the windows are deep");
+        let on0 = posts.iter().filter(|p| p.qp < 2).map(|p| p.len as u64).sum::<u64>();
+        assert!(on0.abs_diff(share) <= 4, "{weights:?}: {on0} of 400 on path 0");
+        // Both QPs of a path share its runs.
+        assert!(posts.iter().any(|p| p.qp == 0) && posts.iter().any(|p| p.qp == 1), "{weights:?}");
+        for p in posts.iter().filter(|p| p.signaled) {
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        assert_eq!(m.state(), &State::Succeeded);
+        assert!(m.path_bytes()[0].abs_diff(share) <= 4, "{weights:?}: {:?}", m.path_bytes());
+        assert_eq!(m.path_bytes().iter().sum::<u64>(), 400);
+    }
+}
+
+/// A weight-0 path is standby: nothing goes there while a positive-weight path is up, and it
+/// takes over when that one goes.
+#[test]
+fn a_standby_path_carries_only_once_the_others_are_down() {
+    let c = || MachineConfig { weights: vec![1, 0], ..config(2, 2, Markers::Pipelined) };
+    let (m, f, clean) = run(c(), &[], Land::All, Kill::Completion);
+    assert_whole(&m, &f, Markers::Pipelined, "no kill");
+    assert_eq!(m.path_bytes(), &[TOTAL, 0]);
+    for k in 0..clean {
+        let (m, f, _) = run(c(), &[(k, 0)], Land::Half, Kill::Event);
+        assert_whole(&m, &f, Markers::Pipelined, &format!("path 0 at step {k}"));
+        assert!(m.path_bytes()[1] > 0 || m.path_bytes()[0] == TOTAL, "{k}: {:?}", m.path_bytes());
+    }
+}
+
+/// A post that failed without breaking the QP fails the transfer; one that broke it takes its
+/// path down, and the WRs the same failure left unposted on other QPs go out again.
+#[test]
+fn post_errors_fail_the_transfer_or_the_path() {
+    let mut m = Machine::new(one_seg(16, 4, &[0, 0, 1, 1], vec![]));
+    let p = m.poll_transmit().unwrap();
+    m.handle_post_error_on(p.qp, p.seq, "out of memory".into(), false);
+    assert_eq!(m.state(), &State::Failed(Fault::Post("out of memory".into())));
+
+    let mut m = Machine::new(one_seg(16, 4, &[0, 0, 1, 1], vec![]));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.len(), 16);
+    // Runs go to path 0, 1, 0, 1: the second run on path 0 (on QP 1) failed to post (QP
+    // broken), so it and every later WR (path 1's second run) were not posted.
+    assert_eq!(posts.iter().map(|p| p.qp).step_by(4).collect::<Vec<_>>(), vec![0, 2, 1, 3]);
+    let at = posts.iter().position(|p| p.qp == 1).unwrap();
+    let (failed, unposted) = (posts[at], &posts[at..]);
+    for p in unposted {
+        m.handle_post_error_on(failed.qp, p.seq, "QP broken".into(), true);
+    }
+    assert_eq!(m.paths_up(), 1);
+    assert_eq!(
+        m.poll_event(),
+        Some(PathEvent::Down { path: 0, reason: PathDown::Post("QP broken".into()), requeued: 8 }),
+        "posted or not, none of path 0's was retired"
+    );
+    assert_eq!(m.poll_event(), None);
+    // Completions of what did get posted, then of the re-posts: all on path 1, each chunk once.
+    let mut seqs: Vec<u64> = posts[..at].iter().filter(|p| p.qp >= 2).map(|p| p.seq).collect();
+    let mut guard = 0;
+    while !m.is_done() {
+        for p in posts[..at].iter().filter(|p| p.qp >= 2 && p.signaled) {
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        let again: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        assert!(again.iter().all(|p| p.qp >= 2), "{again:?}");
+        seqs.extend(again.iter().map(|p| p.seq));
+        for p in again.iter().filter(|p| p.signaled) {
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        guard += 1;
+        assert!(guard < 100);
+    }
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.bytes_done(), 16);
+    assert_eq!(m.path_bytes(), &[0, 16]);
+    seqs.sort_unstable();
+    assert_eq!(seqs, (0..16).collect::<Vec<u64>>(), "every chunk posted once more, with its seq");
+}
+
+/// A path reported down while nothing of the transfer was on it: an event, no failover. A map
+/// naming paths that cannot exist puts those QPs on path 0 instead of growing a table.
+#[test]
+fn an_idle_path_going_down_is_an_event_only_and_bad_maps_are_bounded() {
+    let mut m = Machine::new(one_seg(4, 2, &[0, 1], vec![1, 0]));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert!(posts.iter().all(|p| p.qp == 0));
+    m.handle_path_down(1, PathDown::Event("port 1 down".into()));
+    m.handle_path_down(1, PathDown::Event("again".into()));
+    m.handle_path_down(7, PathDown::Event("no such path".into()));
+    assert_eq!(m.poll_event(), Some(PathEvent::Down { path: 1, reason: PathDown::Event("port 1 down".into()), requeued: 0 }));
+    assert_eq!(m.poll_event(), None);
+    assert_eq!((m.paths_up(), m.failovers()), (1, 0));
+    for p in posts.iter().filter(|p| p.signaled) {
+        m.handle_completion(p.qp, p.seq, WcStatus::Success);
+    }
+    assert_eq!(m.state(), &State::Succeeded);
+
+    let m = Machine::new(one_seg(4, 3, &[usize::MAX, 2, 1 << 40], vec![]));
+    assert_eq!(m.paths_up(), 2, "QPs 0 and 2 on path 0, QP 1 on path 2");
+    assert_eq!(m.path_bytes().len(), 3);
 }

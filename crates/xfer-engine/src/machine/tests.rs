@@ -4,7 +4,17 @@ use std::time::Duration;
 
 fn cfg(total: u64, chunk: u64, qps: usize, depth: usize, signal_every: usize) -> MachineConfig {
     let segs: Arc<[Seg]> = if total == 0 { Arc::from([]) } else { Arc::from([Seg { local: 0, remote: 0, len: total }]) };
-    MachineConfig { segs, chunk, qps, depth, signal_every, deadline: None, markers: Markers::None, path_of: Arc::from([]), weights: Vec::new() }
+    MachineConfig {
+        segs,
+        chunk,
+        qps,
+        depth,
+        signal_every,
+        deadline: None,
+        markers: Markers::None,
+        path_of: Arc::from([]),
+        weights: Vec::new(),
+    }
 }
 
 /// Drives a machine against a perfect in-order fabric: completes the signaled WRs in order.
