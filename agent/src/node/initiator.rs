@@ -144,6 +144,7 @@ impl Node {
             channel: false,
         };
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
+        held.numa = local.numa;
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.

@@ -204,6 +204,9 @@ impl RegionRegistry {
             }
         };
         let now = SystemTime::now();
+        // Registration faulted the pages in, so they sit where they will stay. Only a fabric
+        // with devices places transfers by NUMA node; tcp reads nothing.
+        let numa = if self.fabric.polled() { xfer_fabric::topology::numa_maps::region_node(memory.addr(), spec.length) } else { None };
         Ok(Arc::new(Region {
             id: restored.map(|e| e.id.clone()).unwrap_or_else(new_id),
             name: spec.name.clone(),
@@ -218,6 +221,7 @@ impl RegionRegistry {
             expires_at: restored.and_then(|e| e.expires_at).or_else(|| spec.ttl.and_then(|t| now.checked_add(t))),
             memory,
             registration,
+            numa,
             in_use: AtomicU32::new(0),
             retiring: AtomicBool::new(false),
             created_object: opened.created_object,

@@ -74,6 +74,9 @@ pub struct Region {
     pub expires_at: Option<SystemTime>,
     pub memory: Arc<RegionMemory>,
     pub registration: Arc<dyn Registration>,
+    /// The NUMA node holding most of its pages once registered (`None`: unknown, or a fabric
+    /// with no devices to place on); transfers prefer devices on it.
+    pub numa: Option<u32>,
     /// Running transfers that use this region (delete is refused while non-zero).
     pub(super) in_use: AtomicU32,
     /// Set under the registry lock when the region starts to end (delete, lease, ...): from then

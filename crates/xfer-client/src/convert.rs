@@ -241,7 +241,7 @@ impl Device {
         Device {
             gids: d.gids.into_iter().map(|g| Gid { index: g.index, raw: g.raw, kind: g.r#type, netdev: g.netdev }).collect(),
             selected_gid_index: u32::try_from(d.selected_gid_index).ok(),
-            numa_node: u32::try_from(d.numa_node).ok(),
+            numa_node: d.numa_node,
             pci_address: Some(d.pci_address).filter(|a| !a.is_empty()),
             speed_mbps: Some(d.speed_mbps).filter(|s| *s > 0),
             netdev: Some(d.netdev).filter(|n| !n.is_empty()),
@@ -374,7 +374,7 @@ mod tests {
     #[test]
     fn a_devices_placement_unknowns_are_none() {
         let d = Device::from_pb(pb::DeviceInfo {
-            numa_node: 1,
+            numa_node: Some(1),
             pci_address: "0000:af:00.0".into(),
             speed_mbps: 200_000,
             netdev: "ens1np0".into(),

@@ -43,7 +43,7 @@ fn device_to_pb(d: &DeviceInfo) -> pb::DeviceInfo {
         gids: d.gids.iter().map(gid_to_pb).collect(),
         selected_gid_index: d.selected_gid_index.map(|i| i as i32).unwrap_or(-1),
         // Node numbers beyond i32 do not exist; one that did would read as unknown, not wrap.
-        numa_node: d.numa_node.and_then(|n| i32::try_from(n).ok()).unwrap_or(-1),
+        numa_node: d.numa_node,
         pci_address: d.pci_address.clone().unwrap_or_default(),
         speed_mbps: d.speed_mbps.unwrap_or(0),
         netdev: d.netdev.clone().unwrap_or_default(),
@@ -73,12 +73,10 @@ mod tests {
             ..Default::default()
         };
         let pb = device_to_pb(&known);
-        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (1, "0000:af:00.0", 200_000));
+        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (Some(1), "0000:af:00.0", 200_000));
         assert_eq!((pb.netdev.as_str(), pb.ipv4_prefix, pb.selected_gid_index), ("ens1np0", 24, 3));
         let pb = device_to_pb(&DeviceInfo { name: "rxe0".into(), ..Default::default() });
-        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (-1, "", 0));
+        assert_eq!((pb.numa_node, pb.pci_address.as_str(), pb.speed_mbps), (None, "", 0));
         assert_eq!((pb.netdev.as_str(), pb.ipv4_prefix, pb.selected_gid_index), ("", 0, -1));
-        let pb = device_to_pb(&DeviceInfo { numa_node: Some(u32::MAX), ..Default::default() });
-        assert_eq!(pb.numa_node, -1, "a node beyond i32 reads as unknown");
     }
 }

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::*;
 use crate::transfer::job::{LatencyProbe, WrTemplate};
 use xfer_engine::batch::Seg;
-use xfer_engine::machine::{Fault, Machine, MachineConfig, Markers, State};
+use xfer_engine::machine::{Fault, Machine, MachineConfig, Markers, PathDown, State};
 use xfer_fabric::{Access, Completion, Connection, FabricError, Registration, RemoteKey, WcStatus, WrOp};
 use xfer_rdma::memory::RegionMemory;
 
@@ -300,7 +300,8 @@ async fn failed_posts_a_closed_connection_and_a_passed_deadline_fail_the_job() {
     let w = worker(Duration::ZERO);
     let (conn, rx) = FakeConn::start(Behaviour::RefusePosts, true);
     let m = w.run(job(&conn, rx, 10, None)).await.ok().unwrap().machine;
-    assert!(matches!(m.state(), State::Failed(Fault::Post(_))), "{:?}", m.state());
+    // A broken QP takes its path down; with no other path the job fails, the post's reason kept.
+    assert!(matches!(m.state(), State::Failed(Fault::NoPath { last: PathDown::Post(_) })), "{:?}", m.state());
     assert!(posted(&conn).is_empty());
 
     let (conn, rx) = FakeConn::start(Behaviour::CloseAtFirstPost, true);
