@@ -25,11 +25,13 @@
 //!    immediate (same connection and another connection), a plain slot, 0, an immediate wider
 //!    than 32 bits, a seq outside the window (1024, 0x8000, behind the base), the channel's
 //!    token on another connection's stream (plain and, under mTLS, another identity's stream),
-//!    another connection's channel token, more markers than a batch carries, a marker for an
-//!    already published batch, a revoked channel grant's token → NAKed; a channel immediate under
-//!    a plain notification grant's token counts for that plain grant (the token names the grant
-//!    on tcp) and never reaches the channel. No batch publishes before all of its markers and its
-//!    announce arrived.
+//!    another connection's channel token, a revoked channel grant's token → NAKed; more markers
+//!    than a batch carries and a marker for an already published batch → taken and ignored (an
+//!    initiator that lost a path re-sends the markers no completion confirmed, and the originals
+//!    may have landed: a NAK would fail its batch after the notification was right); a channel
+//!    immediate under a plain notification grant's token counts for that plain grant (the token
+//!    names the grant on tcp) and never reaches the channel. No batch publishes before all of its
+//!    markers and its announce arrived.
 //! 3. The client stream: ChannelOpen twice and a message with no oneof (mid-stream and first) →
 //!    INVALID_ARGUMENT after the answers to what came before, grant given back; 2,000 posts sent
 //!    without waiting → answered in order, agent alive; posts of oversized segment lists queued
@@ -345,7 +347,7 @@ async fn bad_announces_are_refused_and_change_nothing() {
     let e = announce(&b, &g.grant_id, 0, b"again").await.expect_err("already published");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("already notified"), "{e:?}");
-    nak(notify(&mut s, token_of(&g), imm(&g, 0), 3), REM_INV_REQ_ERR, 3, "a marker of a published batch");
+    ok_ack(notify(&mut s, token_of(&g), imm(&g, 0), 3), 3, "a marker of a published batch: taken, ignored");
     // The window moved: 1024 is inside now, 1025 is not.
     let e = announce(&b, &g.grant_id, 1025, b"x").await.expect_err("past the moved window");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -361,7 +363,8 @@ async fn bad_announces_are_refused_and_change_nothing() {
     assert_eq!(next_note(&mut notes).await.tag, b"probe", "nothing published between t0 and the probe");
     assert!(b.read("dst", 0, MIB).await == before, "no byte changed");
     assert_eq!(gauge(&b, "xfer_grants_active"), 3.0, "g, once and plain");
-    assert_eq!(notify_markers(&b, "counted"), 1.0);
+    // Batch 0's marker and the extra one after its publish (taken, ignored: it published nothing).
+    assert_eq!(notify_markers(&b, "counted"), 2.0);
 }
 
 /// A peer that announces batches and never marks them: the tags a channel grant keeps are
@@ -414,9 +417,9 @@ async fn announced_tags_are_bounded_per_channel() {
 // 2. Forged markers
 
 /// Markers that name the wrong channel, a plain slot, no channel, a seq outside the window, the
-/// channel's token on another connection, another connection's channel, one marker too many or
-/// a batch already published: each NAKed, none publishes anything, none lets a batch publish
-/// before all of its markers and its announce. The legitimate batches around them publish once,
+/// channel's token on another connection or another connection's channel: each NAKed; one marker
+/// too many or one of a batch already published: taken and ignored. None publishes anything,
+/// none lets a batch publish before all of its markers and its announce. The legitimate batches around them publish once,
 /// in the order their last piece arrives.
 #[tokio::test]
 async fn forged_channel_markers_publish_nothing_and_nothing_early() {
@@ -483,7 +486,7 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     // A third marker for batch 2 (more than the batch carries), and the sibling's and far's
     // markers for their batch 0 without announces.
     let i = next();
-    nak(notify(&mut s1, tg, imm(&g, 2), i), REM_INV_REQ_ERR, i, "a third marker of a 2-marker batch");
+    ok_ack(notify(&mut s1, tg, imm(&g, 2), i), i, "a third marker of a 2-marker batch: taken, ignored");
     let i = next();
     ok_ack(notify(&mut s1, token_of(&sibling), imm(&sibling, 0), i), i, "the sibling's own marker");
     probe(&b, "dst", "c1", b"probe-1").await;
@@ -498,10 +501,10 @@ async fn forged_channel_markers_publish_nothing_and_nothing_early() {
     let i = next();
     ok_ack(notify(&mut s1, tg, imm(&g, 0), i), i, "batch 0, marker 2 of 2");
     assert_eq!(next_note(&mut notes).await.tag, b"b0");
-    // Published batches take no more markers; the window base moved past them.
+    // Published batches count no more markers (taken and ignored); the window base moved past them.
     for seq in [0u64, 1, 2] {
         let i = next();
-        nak(notify(&mut s1, tg, imm(&g, seq), i), REM_INV_REQ_ERR, i, "a marker of a published batch");
+        ok_ack(notify(&mut s1, tg, imm(&g, seq), i), i, "a marker of a published batch: taken, ignored");
     }
     let e = announce(&b, &g.grant_id, 2, b"again").await.expect_err("published");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");

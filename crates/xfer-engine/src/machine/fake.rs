@@ -38,6 +38,9 @@ struct Fake {
     n: u32,
     fired: u32,
     next: usize,
+    /// 0: QPs take turns and every completion is delivered at once; else the seed of a
+    /// generator that picks which QP executes and holds completions back.
+    rng: u64,
 }
 
 impl Fake {
@@ -60,6 +63,7 @@ impl Fake {
             n: c.qps as u32,
             fired: 0,
             next: 0,
+            rng: 0,
         }
     }
 
@@ -104,8 +108,9 @@ impl Fake {
     /// One WR of the next live QP that has one lands; its completion goes to the CQ.
     fn execute_one(&mut self) -> bool {
         let n = self.queues.len();
+        let start = if self.rng == 0 { self.next } else { self.roll() as usize % n };
         for i in 0..n {
-            let q = (self.next + i) % n;
+            let q = (start + i) % n;
             if self.dead[self.path_of[q]] {
                 continue;
             }
@@ -119,6 +124,14 @@ impl Fake {
             }
         }
         false
+    }
+
+    /// xorshift64: a reproducible schedule per seed.
+    fn roll(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
     }
 
     fn kill(&mut self, m: &mut Machine, path: usize, land: Land) {
@@ -175,9 +188,15 @@ const TOTAL: u64 = 49;
 
 /// Runs `c` to its end, killing `kills` (step, path); the steps it took.
 fn run(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill) -> (Machine, Fake, usize) {
+    run_seeded(c, kills, land, mode, 0)
+}
+
+/// [`run`] with the schedule of `seed` (0: QPs in turn, completions at once).
+fn run_seeded(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill, seed: u64) -> (Machine, Fake, usize) {
     let npaths = c.path_of.iter().max().map_or(1, |p| p + 1);
     let path_of = c.path_of.to_vec();
     let mut f = Fake::new(&c, &path_of, npaths, mode);
+    f.rng = seed;
     let mut m = Machine::new(c);
     let mut step = 0;
     while !m.is_done() {
@@ -188,8 +207,11 @@ fn run(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill) -> (M
             }
         }
         let moved = f.execute_one();
-        let delivered = !f.cq.is_empty();
-        while let Some((q, seq, status)) = f.cq.pop_front() {
+        // A seeded schedule delivers a random prefix of the CQ (all of it when nothing moved).
+        let deliver = if f.rng == 0 || !moved { f.cq.len() } else { f.roll() as usize % (f.cq.len() + 1) };
+        let delivered = deliver > 0;
+        for _ in 0..deliver {
+            let Some((q, seq, status)) = f.cq.pop_front() else { break };
             m.handle_completion(q, seq, status);
         }
         if !(posted || moved || delivered) {
@@ -426,4 +448,34 @@ fn an_idle_path_going_down_is_an_event_only_and_bad_maps_are_bounded() {
     let m = Machine::new(one_seg(4, 3, &[usize::MAX, 2, 1 << 40], vec![]));
     assert_eq!(m.paths_up(), 2, "QPs 0 and 2 on path 0, QP 1 on path 2");
     assert_eq!(m.path_bytes().len(), 3);
+}
+
+/// Random schedules: which QP executes next and how long completions wait are drawn per seed,
+/// and so are the killed path, the step, how it dies and what of it landed. The same
+/// guarantees hold.
+#[test]
+fn random_schedules_and_kills_keep_every_guarantee() {
+    let modes = [Kill::Completion, Kill::Event, Kill::Post];
+    let lands = [Land::None, Land::Half, Land::All];
+    let markers = [Markers::None, Markers::Pipelined, Markers::AfterData];
+    let (mut failovers, mut extra_markers) = (0, 0);
+    for seed in 1..=3000u64 {
+        let mut r = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut draw = |n: usize| {
+            r ^= r << 13;
+            r ^= r >> 7;
+            r ^= r << 17;
+            (r % n as u64) as usize
+        };
+        let paths = 2 + draw(2);
+        let mk = markers[draw(3)];
+        let (mode, land) = (modes[draw(3)], lands[draw(3)]);
+        let kills: Vec<(usize, usize)> = (0..1 + draw(paths - 1)).map(|_| (draw(40), draw(paths))).collect();
+        let what = format!("seed {seed}: {paths} paths, {mk:?}, {mode:?}, {land:?}, kills {kills:?}");
+        let (m, f, _) = run_seeded(config(paths, 1 + draw(2), mk), &kills, land, mode, seed);
+        assert_whole(&m, &f, mk, &what);
+        failovers += m.failovers();
+        extra_markers += u32::from(f.markers > f.n);
+    }
+    assert!(failovers > 1000 && extra_markers > 50, "{failovers} failovers, {extra_markers} runs with extra markers");
 }

@@ -544,3 +544,37 @@ fn a_lent_machine_comes_back_and_the_session_moves_on() {
         }
     }
 }
+
+/// The connection's paths reach the machine the session starts: a standby path gets nothing
+/// while the other is up. Every path lost ends the transfer with the last path's code, or
+/// NO_PATH when an event took it.
+#[test]
+fn the_leased_paths_reach_the_machine_and_losing_all_of_them_is_reported() {
+    use crate::machine::{Fault, PathDown};
+    let started = |path_of: &[usize], weights: Vec<u32>| {
+        let mut s = Session::new(cfg(40, false));
+        assert!(matches!(s.poll(), Some(Command::Lease)));
+        s.handle(Event::Leased { qps: 2, reused: false });
+        s.set_paths(path_of.into(), weights);
+        assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+        s.start(Instant::now());
+        s
+    };
+    let mut s = started(&[0, 1], vec![1, 0]);
+    let mut m = s.lend_machine().expect("running");
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert!(!posts.is_empty() && posts.iter().all(|p| p.qp == 0), "{posts:?}");
+    assert_eq!(m.paths_up(), 2);
+
+    for (reason, code) in [
+        (PathDown::Completion(WcStatus::RetryExcErr), FailureCode::Completion(WcStatus::RetryExcErr)),
+        (PathDown::Post("QP broken".into()), FailureCode::PostFailed),
+        (PathDown::Event("port down".into()), FailureCode::NoPath),
+    ] {
+        let f = super::failure_of(Fault::NoPath { last: reason });
+        assert_eq!(f.code, code);
+        assert!(f.message.contains("every path to the peer is down"), "{f:?}");
+    }
+}
