@@ -95,6 +95,7 @@ mod tests {
             FailureCode::VerifyFailed,
             FailureCode::RegionPoisoned,
             FailureCode::Internal,
+            FailureCode::NoPath,
             FailureCode::Completion(WcStatus::RemAccessErr),
             FailureCode::Completion(WcStatus::RetryExcErr),
         ] {
