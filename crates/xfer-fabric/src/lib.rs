@@ -297,6 +297,15 @@ pub struct VerbsEndpoint {
     pub max_rd_atomic: u32,
     pub gid_type: String,
     pub link_layer: String,
+    /// The initiator's index of this QP's local device within the connection (a connection over
+    /// several devices offers one group of QPs per device); the responder answers each group it
+    /// matched with the same number. 0 on a single-device connection.
+    pub rail: u32,
+    /// The sender's device name (for logs, paths and the responder's refusal); empty if unknown.
+    pub device: String,
+    /// Prefix length of the GID's IPv4 address on its netdev (RoCE), so the other side can tell
+    /// which of its devices share the subnet; 0 if unknown.
+    pub ipv4_prefix: u32,
 }
 
 /// The operation of a work request, from the initiator's side.

@@ -43,6 +43,9 @@ pub fn endpoint_to_pb(e: &Endpoint) -> pb::Endpoint {
             max_rd_atomic: v.max_rd_atomic,
             gid_type: v.gid_type.clone(),
             link_layer: v.link_layer.clone(),
+            rail: v.rail,
+            device: v.device.clone(),
+            ipv4_prefix: v.ipv4_prefix,
         }),
     };
     pb::Endpoint { kind: Some(kind) }
@@ -71,6 +74,12 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
             if !matches!(v.mtu, 256 | 512 | 1024 | 2048 | 4096) {
                 return Err(format!("MTU {} is not one of 256, 512, 1024, 2048, 4096", v.mtu));
             }
+            if v.ipv4_prefix > 32 {
+                return Err(format!("IPv4 prefix length {} is over 32", v.ipv4_prefix));
+            }
+            if v.rail as usize >= MAX_QPS_PER_CONNECTION {
+                return Err(format!("rail {} is out of range (at most {} per connection)", v.rail, MAX_QPS_PER_CONNECTION));
+            }
             Ok(Endpoint::Verbs(VerbsEndpoint {
                 qpn: v.qpn,
                 psn: v.psn,
@@ -82,6 +91,9 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
                 max_rd_atomic: v.max_rd_atomic,
                 gid_type: v.gid_type.clone(),
                 link_layer: v.link_layer.clone(),
+                rail: v.rail,
+                device: v.device.clone(),
+                ipv4_prefix: v.ipv4_prefix,
             }))
         }
         None => Err("endpoint without a kind".into()),

@@ -224,6 +224,18 @@ impl VerbsFabric {
         self.dev.gid_index
     }
 
+    /// The opened device (its facts, context and port), for a fabric over several devices.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// The initiator's half of a connection on this device, concretely: a fabric over several
+    /// devices prepares one per device and finishes each with its own QP numbering.
+    pub(crate) fn prepare_part(&self, peer: &str, qps: usize, depth: usize, sink: CompletionSink) -> Result<VerbsPrepared, FabricError> {
+        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
+        Ok(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink })
+    }
+
     /// Finds our own registration behind a trait object (grant MRs are over its memory, windows
     /// are bound to its MR).
     fn ours(reg: &Arc<dyn Registration>) -> Result<&VerbsRegistration, FabricError> {
@@ -280,8 +292,7 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
-        Ok(Box::new(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
+        Ok(Box::new(self.prepare_part(peer, qps, depth, sink)?))
     }
 
     async fn accept(
