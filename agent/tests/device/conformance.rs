@@ -6,7 +6,10 @@
 //! `XFER_RXE_B_DEV` with addresses `XFER_RXE_A`/`XFER_RXE_B` (set by `scripts/rxe-vm` inside the
 //! Soft-RoCE VM). The verbs cases are `#[ignore = "needs Soft-RoCE"]`: on the host `cargo test`
 //! reports them as ignored, never as passed; `scripts/rxe-guest-test` runs this binary with
-//! `--include-ignored` and fails unless every case of both fabrics ran and passed.
+//! `--include-ignored` and fails unless every case of both fabrics ran and passed. `rails::<case>`
+//! runs the verbs cases on a fabric over two devices per side (`XFER_RXE_A_DEV` and
+//! `XFER_RXE_A2_DEV` <-> `XFER_RXE_B_DEV` and `XFER_RXE_B2_DEV`, two links on two subnets), so
+//! every connection has two paths and every grant one key per QP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +38,9 @@ enum Kind {
     Tcp,
     #[cfg(feature = "verbs")]
     Verbs,
+    /// verbs over two devices per side
+    #[cfg(feature = "verbs")]
+    Rails,
 }
 
 async fn side(name: &str, which: char, kind: Kind) -> Side {
@@ -51,6 +57,17 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
             xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
+        }
+        #[cfg(feature = "verbs")]
+        Kind::Rails => {
+            let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));
+            cfg.fabric = FabricChoice::Verbs;
+            cfg.verbs.devices = vec![var("_DEV"), var("2_DEV")];
+            cfg.listen = format!("{}:7470", var("")).parse().unwrap();
+            cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
+            let f = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
+            assert_eq!(f.info().devices.len(), 2, "a fabric over both devices");
+            f
         }
     };
     Side {
@@ -794,6 +811,16 @@ macro_rules! per_fabric {
                 }
             )*
         }
+        #[cfg(feature = "verbs")]
+        mod rails {
+            $(
+                #[tokio::test]
+                #[ignore = "needs Soft-RoCE (make test-rxe)"]
+                async fn $case() {
+                    super::$case(super::Kind::Rails).await
+                }
+            )*
+        }
     };
 }
 
@@ -818,3 +845,47 @@ per_fabric!(
     a_channel_grant_notifies_each_batch_after_its_bytes,
     a_connection_handed_to_the_data_path_worker_is_driven_by_it,
 );
+
+/// A fabric over two devices per side: one path per link, QPs numbered path after path, and a
+/// grant with one key per QP; bytes written on every QP of both paths land and read back.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_two_links_make_two_paths_with_a_key_per_qp() {
+    let dev = |k: &str| std::env::var(format!("XFER_RXE_{k}_DEV")).unwrap();
+    let (a, b) = (side("a", 'A', Kind::Rails).await, side("b", 'B', Kind::Rails).await);
+    let src = region(&a, "src", 1 << 20, Access::ReadWrite);
+    let back = region(&a, "back", 1 << 20, Access::ReadWrite);
+    let _dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let data = fill(&src, 3);
+    let (conn, mut rx) = connect(&a, &b, 2, 16).await;
+    assert_eq!(conn.qps(), 4, "two QPs on each of two paths");
+    let paths: Vec<(String, String, std::ops::Range<usize>)> =
+        conn.paths().into_iter().map(|p| (p.local_device, p.remote_device, p.qps)).collect();
+    assert_eq!(paths, vec![(dev("A"), dev("B"), 0..2), (dev("A2"), dev("B2"), 2..4)]);
+    let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None).await;
+    match &gw.exposure.key {
+        xfer_fabric::RemoteKey::PerQp(keys) => assert_eq!(keys.len(), 4),
+        other => panic!("a multi-device grant has one key per QP, not {other:?}"),
+    }
+    for i in 0..16u64 {
+        conn.post((i % 4) as usize, wr(i, WrOp::Write, &src, i << 16, 1 << 16, &gw, i << 16, true)).unwrap();
+    }
+    let mut qps = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let c = next(&mut rx).await;
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        assert_eq!(c.qp as u64, c.wr_id % 4, "a completion names the connection's QP it was posted on");
+        qps.insert(c.qp);
+    }
+    assert_eq!(qps.len(), 4);
+    let gr = grant(&b, "dst", 0, 1 << 20, RemoteOp::Read, None).await;
+    for i in 0..16u64 {
+        conn.post((i % 4) as usize, wr(100 + i, WrOp::Read, &back, i << 16, 1 << 16, &gr, i << 16, true)).unwrap();
+    }
+    for _ in 0..16 {
+        assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+    }
+    assert_eq!(bytes(&back), data, "every byte went out on one path and came back on another");
+    assert!(!conn.is_broken());
+}
