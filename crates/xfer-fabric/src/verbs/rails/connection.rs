@@ -38,14 +38,6 @@ impl RailsConnection {
     fn rail_of(&self, qp: usize) -> Option<(&Rail, usize)> {
         self.rails.iter().find(|r| (r.base..r.base + r.qps).contains(&qp)).map(|r| (r, qp - r.base))
     }
-
-    /// Moves the QPs on device `device` (the fabric's index) to ERR: it went down, and what is
-    /// outstanding there should flush now rather than after the transport's retries.
-    pub fn fail_device(&self, device: usize) {
-        for r in self.rails.iter().filter(|r| r.device == device) {
-            r.conn.fail();
-        }
-    }
 }
 
 /// `wr` as the rail's part takes it: the device's own registration of the local memory, and of

@@ -13,12 +13,13 @@
 //! A device takes part in a connection at most once, so each part can use the parent's
 //! connection id in its own device's fabric: markers and window binds need no mapping.
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use async_trait::async_trait;
 use xfer_rdma::memory::RegionMemory;
 
 use super::device::query_port;
+use super::initiator::VerbsConnection;
 use super::options::VerbsOptions;
 use super::VerbsFabric;
 use crate::{
@@ -28,6 +29,7 @@ use crate::{
 
 mod accept;
 mod connection;
+mod events;
 mod pending;
 pub mod reach;
 mod register;
@@ -41,6 +43,10 @@ pub(crate) struct RailDevice {
     /// Cleared when the device reports its port or itself down, set again when the port is
     /// ACTIVE; a device that is not up is not offered to new connections.
     up: AtomicBool,
+    /// The initiator's connection parts on this device, moved to ERR when it goes down.
+    parts: Mutex<Vec<Weak<VerbsConnection>>>,
+    /// Counts the fabric's device state changes (shared by its devices).
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl RailDevice {
@@ -59,9 +65,40 @@ impl RailDevice {
         self.up.load(Ordering::Acquire) && self.port_active()
     }
 
-    /// Records what the device reported about itself (its async events).
-    pub fn set_up(&self, up: bool) {
-        self.up.store(up, Ordering::Release);
+    /// Remembers a connection part on this device, to fail it if the device goes down.
+    pub fn track(&self, part: &Arc<VerbsConnection>) {
+        let mut parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
+        parts.retain(|p| p.strong_count() > 0);
+        parts.push(Arc::downgrade(part));
+    }
+
+    /// Handles one of the device's asynchronous events.
+    fn on_event(&self, ev: events::AsyncEvent) {
+        let name = self.name();
+        crate::metrics::device_event(name, events::label(&ev));
+        match events::up_after(&ev, self.fabric.device().port) {
+            Some(true) => {
+                self.up.store(true, Ordering::Release);
+                crate::metrics::device_port_up(name, true);
+                tracing::info!(device = %name, "RDMA port is ACTIVE again: offered to new connections");
+            }
+            Some(false) => {
+                self.up.store(false, Ordering::Release);
+                crate::metrics::device_port_up(name, false);
+                let parts: Vec<Arc<VerbsConnection>> =
+                    self.parts.lock().unwrap_or_else(|e| e.into_inner()).drain(..).filter_map(|p| p.upgrade()).collect();
+                tracing::warn!(device = %name, event = ?ev, connections = parts.len(),
+                    "RDMA device down: not offered to new connections; its connections' work requests are flushed to move to other paths");
+                for p in parts {
+                    p.fail();
+                }
+            }
+            None => {
+                tracing::debug!(device = %name, event = ?ev, "RDMA device event");
+                return;
+            }
+        }
+        self.changes.send_modify(|n| *n += 1);
     }
 
     /// What the peer matches this device by.
@@ -83,6 +120,9 @@ pub struct DeviceState {
 pub struct RailsFabric {
     devices: Arc<[Arc<RailDevice>]>,
     accepted: Arc<accept::AcceptedIndex>,
+    /// One asynchronous-event thread per device, stopped when the fabric is dropped.
+    _events: Vec<events::EventThread>,
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl std::fmt::Debug for RailsFabric {
@@ -100,11 +140,33 @@ impl RailsFabric {
             return Err(FabricError::NoDevice("no devices to open".into()));
         }
         let mut devices = Vec::with_capacity(per_device.len());
+        let changes = Arc::new(tokio::sync::watch::Sender::new(0));
         for o in per_device {
             let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers));
-            devices.push(Arc::new(RailDevice { fabric, up: AtomicBool::new(true) }));
+            devices.push(Arc::new(RailDevice {
+                fabric,
+                up: AtomicBool::new(true),
+                parts: Mutex::default(),
+                changes: Arc::clone(&changes),
+            }));
         }
-        Ok(RailsFabric { devices: devices.into(), accepted: Arc::default() })
+        let mut threads = Vec::with_capacity(devices.len());
+        for d in &devices {
+            crate::metrics::device_port_up(d.name(), d.port_active());
+            let weak = Arc::downgrade(d);
+            let on_event = move |ev| {
+                if let Some(d) = weak.upgrade() {
+                    d.on_event(ev);
+                }
+            };
+            match events::spawn(d.name(), &d.fabric.device().ctx, on_event) {
+                Ok(t) => threads.push(t),
+                // Without events a device that goes down is still left out of new connections
+                // (its port is queried then); only the early flush of its work requests is lost.
+                Err(e) => tracing::warn!(device = %d.name(), error = %e, "cannot watch the device's asynchronous events"),
+            }
+        }
+        Ok(RailsFabric { devices: devices.into(), accepted: Arc::default(), _events: threads, changes })
     }
 
     /// Builds connections of `qps` QPs per device and `depth` ahead of need on every device.
@@ -117,6 +179,12 @@ impl RailsFabric {
     /// Every device, in order, and whether new connections use it.
     pub fn device_states(&self) -> Vec<DeviceState> {
         self.devices.iter().map(|d| DeviceState { name: d.name().to_string(), up: d.offered() }).collect()
+    }
+
+    /// Changes whenever a device goes down or comes back (its value counts the changes): wait on
+    /// it, then read [`Self::device_states`].
+    pub fn state_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     /// The devices' names, in order.

@@ -113,6 +113,7 @@ impl PendingConnection for RailsPending {
             let qps = part.prepared.qps();
             let conn = part.prepared.complete_at(&eps, base)?;
             let device = &self.devices[part.device];
+            device.track(&conn);
             rails.push(Rail { conn, device: part.device, name: device.name().to_string(), remote_device, base, qps });
             base += qps;
         }
