@@ -301,6 +301,16 @@ impl Fabric for VerbsFabric {
         connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+        // An initiator over several devices offers one group of QPs per device (a rail): this
+        // one device answers the group it reaches, tagged with its number.
+        let facts = super::rails::reach::RailFacts {
+            device: self.dev.name.clone(),
+            link_layer: self.dev.link_layer.clone(),
+            gid: self.dev.gid,
+            ipv4_prefix: self.dev.ipv4_prefix,
+        };
+        let (chosen, rail) = super::rails::one_rail(facts, remote)?;
+        let remote = &chosen[..];
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
@@ -308,7 +318,14 @@ impl Fabric for VerbsFabric {
         // receives (notification markers) complete on a CQ of their own.
         let started = std::time::Instant::now();
         let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
-        let eps = inner.endpoints(&self.dev);
+        let mut eps = inner.endpoints(&self.dev);
+        if let Some(rail) = rail {
+            for e in &mut eps {
+                if let Endpoint::Verbs(v) = e {
+                    v.rail = rail;
+                }
+            }
+        }
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
         // The agent refuses an id that is in use, so an entry here under the same id is one
         // whose handle is being dropped: the new connection takes the id.

@@ -85,6 +85,39 @@ pub(crate) async fn accept(
     Ok((answer, Box::new(AcceptedHandle { acc, index: Arc::clone(index), id: id.clone() })))
 }
 
+/// A single-device responder's answer to an initiator that offered several rails: the rail our
+/// one device (`ours`) reaches best, with its endpoints, or the offer as it is when it has one
+/// rail. The refusal names both sides when our device reaches none of them.
+pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Option<u32>), FabricError> {
+    let rails = by_rail(remote)?;
+    if rails.len() <= 1 {
+        return Ok((remote.to_vec(), None));
+    }
+    let facts: Vec<RailFacts> = rails
+        .values()
+        .map(|eps| match eps.first() {
+            Some(Endpoint::Verbs(v)) => RailFacts::from_endpoint(v),
+            _ => RailFacts::default(),
+        })
+        .collect();
+    let local = [ours];
+    let Some(&(r, _)) = match_rails(&local, &facts).first() else {
+        let theirs: Vec<String> = facts.iter().map(RailFacts::describe).collect();
+        return Err(FabricError::Negotiation {
+            step: "negotiate",
+            attr: "devices",
+            detail: format!(
+                "our device {} reaches none of the peer's [{}]: a pair needs the same link layer and, on RoCE, addresses in \
+                 one IPv4 subnet",
+                local[0].describe(),
+                theirs.join(", ")
+            ),
+        });
+    };
+    let Some((&number, eps)) = rails.iter().nth(r) else { return Ok((remote.to_vec(), None)) };
+    Ok((eps.clone(), Some(number)))
+}
+
 /// The refusal when no device of ours reaches any of the initiator's: both sides' devices and
 /// subnets, and what would fix it.
 fn unmatched(devices: &[Arc<RailDevice>], offered: &[usize], remote: &[RailFacts]) -> FabricError {
@@ -204,6 +237,38 @@ pub(crate) fn expand_key(key: &RemoteKey, qps: usize, keys: &mut Vec<u32>) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::VerbsEndpoint;
+
+    fn ep(rail: u32, ip: [u8; 4], qpn: u32) -> Endpoint {
+        let mut gid = [0u8; 16];
+        gid[10] = 0xff;
+        gid[11] = 0xff;
+        gid[12..].copy_from_slice(&ip);
+        Endpoint::Verbs(VerbsEndpoint { qpn, gid, rail, ipv4_prefix: 24, link_layer: "Ethernet".into(), ..Default::default() })
+    }
+
+    #[test]
+    fn one_device_answers_the_rail_it_reaches() {
+        let ours = RailFacts {
+            device: "mlx5_0".into(),
+            link_layer: "Ethernet".into(),
+            gid: match ep(0, [10, 0, 1, 9], 1) {
+                Endpoint::Verbs(v) => v.gid,
+                Endpoint::Tcp { .. } => unreachable!(),
+            },
+            ipv4_prefix: 24,
+        };
+        let offer = [ep(0, [10, 0, 0, 1], 1), ep(0, [10, 0, 0, 1], 2), ep(1, [10, 0, 1, 1], 3), ep(1, [10, 0, 1, 1], 4)];
+        let (eps, rail) = one_rail(ours.clone(), &offer).unwrap();
+        assert_eq!(rail, Some(1));
+        assert_eq!(eps, offer[2..].to_vec());
+        // One rail: as it is, unchecked (what a single-device initiator sends).
+        let (eps, rail) = one_rail(ours.clone(), &offer[..2]).unwrap();
+        assert_eq!((eps.len(), rail), (2, None));
+        let far = [ep(0, [10, 0, 5, 1], 1), ep(1, [10, 0, 6, 1], 2)];
+        let e = one_rail(ours, &far).unwrap_err().to_string();
+        assert!(e.contains("reaches none") && e.contains("10.0.5.1/24"), "{e}");
+    }
 
     #[test]
     fn keys_expand_to_one_per_qp_in_rail_order() {

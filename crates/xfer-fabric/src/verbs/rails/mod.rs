@@ -29,6 +29,7 @@ use crate::{
 
 mod accept;
 mod connection;
+pub(crate) use accept::one_rail;
 mod events;
 mod pending;
 pub mod reach;
