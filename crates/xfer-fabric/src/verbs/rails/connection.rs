@@ -36,8 +36,15 @@ impl RailsConnection {
 
     /// The rail QP `qp` is on, and its index there.
     fn rail_of(&self, qp: usize) -> Option<(&Rail, usize)> {
-        self.rails.iter().find(|r| (r.base..r.base + r.qps).contains(&qp)).map(|r| (r, qp - r.base))
+        let (i, local) = locate(self.rails.iter().map(|r| (r.base, r.qps)), qp)?;
+        Some((&self.rails[i], local))
     }
+}
+
+/// Which of the rails (`(base, qps)` each, in order) connection QP `qp` is on, and its index
+/// on that rail.
+pub(crate) fn locate(rails: impl Iterator<Item = (usize, usize)>, qp: usize) -> Option<(usize, usize)> {
+    rails.enumerate().find(|(_, (base, qps))| (*base..*base + *qps).contains(&qp)).map(|(i, (base, _))| (i, qp - base))
 }
 
 /// `wr` as the rail's part takes it: the device's own registration of the local memory, and of
@@ -148,6 +155,66 @@ impl Connection for RailsConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use xfer_rdma::memory::RegionMemory;
+
+    #[test]
+    fn connection_qps_map_to_their_rail_and_its_own_index() {
+        let rails = [(0, 2), (2, 3)];
+        assert_eq!(locate(rails.into_iter(), 0), Some((0, 0)));
+        assert_eq!(locate(rails.into_iter(), 1), Some((0, 1)));
+        assert_eq!(locate(rails.into_iter(), 2), Some((1, 0)));
+        assert_eq!(locate(rails.into_iter(), 4), Some((1, 2)));
+        assert_eq!(locate(rails.into_iter(), 5), None);
+    }
+
+    #[derive(Debug)]
+    struct Plain(Arc<RegionMemory>);
+
+    impl Registration for Plain {
+        fn memory(&self) -> &Arc<RegionMemory> {
+            &self.0
+        }
+        fn lkey(&self) -> u32 {
+            0
+        }
+        fn rkey(&self) -> u32 {
+            0
+        }
+        fn access(&self) -> crate::Access {
+            crate::Access::ReadWrite
+        }
+        fn remote_key_exposed(&self) -> bool {
+            false
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    fn wr(key: RemoteKey) -> WorkRequest {
+        let memory = Arc::new(RegionMemory::anonymous(4096, false).unwrap());
+        WorkRequest {
+            wr_id: 1,
+            op: WrOp::Write,
+            local: Arc::new(Plain(memory)),
+            local_offset: 0,
+            len: 8,
+            remote_addr: 0,
+            remote_key: key,
+            signaled: true,
+        }
+    }
+
+    #[test]
+    fn a_per_qp_key_becomes_the_key_of_the_connection_qp() {
+        let keys: Arc<[u32]> = vec![10, 11, 20, 21].into();
+        // Connection QP 3 is QP 1 of the second rail: the grant's fourth key, not its second.
+        let t = translate(wr(RemoteKey::PerQp(Arc::clone(&keys))), 1, 3).unwrap();
+        assert!(t.remote_key == RemoteKey::Rkey(21));
+        assert!(translate(wr(RemoteKey::PerQp(keys)), 1, 4).is_err(), "no key for a QP past the grant's");
+        // A single rkey (a single-device responder's grant) passes as it is.
+        assert!(translate(wr(RemoteKey::Rkey(5)), 0, 1).unwrap().remote_key == RemoteKey::Rkey(5));
+    }
 
     #[test]
     fn op_names_are_the_metric_labels() {
