@@ -44,6 +44,9 @@ enum Kind {
     /// verbs on the second device only (`XFER_RXE_A2_DEV`, `XFER_RXE_B2_DEV`)
     #[cfg(feature = "verbs")]
     Second,
+    /// `Rails` in grant mode `mw` (a window per QP, bound on each device's part)
+    #[cfg(feature = "verbs")]
+    RailsMw,
 }
 
 async fn side(name: &str, which: char, kind: Kind) -> Side {
@@ -71,9 +74,12 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
         }
         #[cfg(feature = "verbs")]
-        Kind::Rails => {
+        Kind::Rails | Kind::RailsMw => {
             let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));
             cfg.fabric = FabricChoice::Verbs;
+            if matches!(kind, Kind::RailsMw) {
+                cfg.verbs.grant_mode = xfer_fabric::verbs::GrantMode::Mw;
+            }
             cfg.verbs.devices = vec![var("_DEV"), var("2_DEV")];
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
@@ -864,8 +870,21 @@ per_fabric!(
 #[tokio::test]
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
 async fn rails_two_links_make_two_paths_with_a_key_per_qp() {
+    two_paths_with_a_key_per_qp(Kind::Rails).await
+}
+
+/// The same in grant mode `mw`: each device binds a window on each of its QPs of the connection.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_two_links_in_grant_mode_mw_bind_a_window_per_qp() {
+    two_paths_with_a_key_per_qp(Kind::RailsMw).await
+}
+
+#[cfg(feature = "verbs")]
+async fn two_paths_with_a_key_per_qp(k: Kind) {
     let dev = |k: &str| std::env::var(format!("XFER_RXE_{k}_DEV")).unwrap();
-    let (a, b) = (side("a", 'A', Kind::Rails).await, side("b", 'B', Kind::Rails).await);
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
     let src = region(&a, "src", 1 << 20, Access::ReadWrite);
     let back = region(&a, "back", 1 << 20, Access::ReadWrite);
     let _dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
@@ -877,7 +896,13 @@ async fn rails_two_links_make_two_paths_with_a_key_per_qp() {
     assert_eq!(paths, vec![(dev("A"), dev("B"), 0..2), (dev("A2"), dev("B2"), 2..4)]);
     let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None).await;
     match &gw.exposure.key {
-        xfer_fabric::RemoteKey::PerQp(keys) => assert_eq!(keys.len(), 4),
+        xfer_fabric::RemoteKey::PerQp(keys) => {
+            assert_eq!(keys.len(), 4);
+            if matches!(k, Kind::RailsMw) {
+                let distinct: std::collections::BTreeSet<u32> = keys.iter().copied().collect();
+                assert_eq!(distinct.len(), 4, "one window per QP");
+            }
+        }
         other => panic!("a multi-device grant has one key per QP, not {other:?}"),
     }
     for i in 0..16u64 {
