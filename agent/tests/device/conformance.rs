@@ -1084,4 +1084,15 @@ async fn rails_a_link_that_goes_down_leaves_new_connections_and_comes_back() {
     drop(down);
     device_becomes(&rails, &second, true).await;
     assert!(one.wants_reconnect(), "a device it lacks is up again: the pool should replace it");
+    // Held back by the agent, an up device is left out as well; released, it is used again.
+    assert!(a.fabric.hold_back(&second, true));
+    assert!(a.fabric.device_states().iter().any(|s| s.name == second && s.up && s.held_back && !s.offered()));
+    let (held, _rx2) = connect(&a, &b, 2, 8).await;
+    assert_eq!(held.paths().len(), 1);
+    assert!(!held.wants_reconnect());
+    assert!(a.fabric.hold_back(&second, false));
+    assert!(held.wants_reconnect());
+    let (again, _rx3) = connect(&a, &b, 2, 8).await;
+    assert_eq!(again.paths().len(), 2, "both links again once the link is back and not held");
+    assert!(!a.fabric.hold_back("no-such-device", true));
 }

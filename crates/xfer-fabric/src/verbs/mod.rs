@@ -54,7 +54,7 @@ pub use device::probe;
 pub use fabric::VerbsFabric;
 pub use options::{DeviceSpec, GrantMode, VerbsOptions, MAX_PREBUILT};
 #[cfg(feature = "verbs")]
-pub use rails::{DeviceState, RailsFabric};
+pub use rails::RailsFabric;
 
 #[cfg(feature = "verbs")]
 impl From<xfer_rdma::VerbsError> for FabricError {

@@ -23,8 +23,8 @@ use super::initiator::VerbsConnection;
 use super::options::VerbsOptions;
 use super::VerbsFabric;
 use crate::{
-    Accepted, Access, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind, PendingConnection,
-    Registration,
+    Accepted, Access, CompletionSink, DeviceState, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind,
+    PendingConnection, Registration,
 };
 
 mod accept;
@@ -48,6 +48,8 @@ pub(crate) struct RailDevice {
     parts: Mutex<Vec<Weak<VerbsConnection>>>,
     /// Counts the fabric's device state changes (shared by its devices).
     changes: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Left out of new connections by the agent ([`Fabric::hold_back`]), whatever its port says.
+    held_back: AtomicBool,
 }
 
 impl RailDevice {
@@ -61,9 +63,18 @@ impl RailDevice {
         query_port(&dev.ctx, dev.port).is_ok_and(|f| f.state == PORT_ACTIVE)
     }
 
-    /// Whether new connections may use this device: not reported down, and its port ACTIVE now.
-    pub fn offered(&self) -> bool {
+    /// Whether the device is up: not reported down, and its port ACTIVE now.
+    pub fn up(&self) -> bool {
         self.up.load(Ordering::Acquire) && self.port_active()
+    }
+
+    /// Whether new connections may use this device: up, and not held back.
+    pub fn offered(&self) -> bool {
+        !self.held_back.load(Ordering::Acquire) && self.up()
+    }
+
+    fn state(&self) -> DeviceState {
+        DeviceState { name: self.name().to_string(), up: self.up(), held_back: self.held_back.load(Ordering::Acquire) }
     }
 
     /// Remembers a connection part on this device, to fail it if the device goes down.
@@ -109,14 +120,6 @@ impl RailDevice {
     }
 }
 
-/// One device's state as [`RailsFabric::device_states`] reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceState {
-    pub name: String,
-    /// New connections use it: not reported down, and its port ACTIVE.
-    pub up: bool,
-}
-
 /// The verbs data plane over several devices. See the module docs.
 pub struct RailsFabric {
     devices: Arc<[Arc<RailDevice>]>,
@@ -149,6 +152,7 @@ impl RailsFabric {
                 up: AtomicBool::new(true),
                 parts: Mutex::default(),
                 changes: Arc::clone(&changes),
+                held_back: AtomicBool::new(false),
             }));
         }
         let mut threads = Vec::with_capacity(devices.len());
@@ -179,7 +183,17 @@ impl RailsFabric {
 
     /// Every device, in order, and whether new connections use it.
     pub fn device_states(&self) -> Vec<DeviceState> {
-        self.devices.iter().map(|d| DeviceState { name: d.name().to_string(), up: d.offered() }).collect()
+        self.devices.iter().map(|d| d.state()).collect()
+    }
+
+    /// Leaves `device` out of new connections, or offers it again; false if there is none.
+    pub fn hold_back(&self, device: &str, held: bool) -> bool {
+        let Some(d) = self.devices.iter().find(|d| d.name() == device) else { return false };
+        if d.held_back.swap(held, Ordering::AcqRel) != held {
+            tracing::info!(%device, held, "RDMA device {} new connections", if held { "held back from" } else { "offered to" });
+            self.changes.send_modify(|n| *n += 1);
+        }
+        true
     }
 
     /// Changes whenever a device goes down or comes back (its value counts the changes): wait on
@@ -216,6 +230,18 @@ impl Fabric for RailsFabric {
     /// The first device: where the data-path worker thread is placed.
     fn device_name(&self) -> Option<&str> {
         self.devices.first().map(|d| d.name())
+    }
+
+    fn device_states(&self) -> Vec<DeviceState> {
+        RailsFabric::device_states(self)
+    }
+
+    fn device_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.state_changes())
+    }
+
+    fn hold_back(&self, device: &str, held: bool) -> bool {
+        RailsFabric::hold_back(self, device, held)
     }
 
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError> {
