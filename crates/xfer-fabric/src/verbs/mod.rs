@@ -106,24 +106,49 @@ pub fn resolve_devices(opts: &VerbsOptions) -> Result<Vec<VerbsOptions>, FabricE
     if let Some(d) = &opts.device {
         return Ok(vec![one(d.clone(), opts.port, opts.gid_index)]);
     }
-    if let Some(list) = &opts.devices {
-        return Ok(list.iter().map(|s| one(s.name.clone(), s.port.unwrap_or(opts.port), s.gid_index.or(opts.gid_index))).collect());
-    }
-    let mut found = probe(opts)?;
-    found.sort_by(|a, b| a.name.cmp(&b.name).then(a.port.cmp(&b.port)));
-    let mut out: Vec<VerbsOptions> = Vec::new();
-    for d in found.iter().filter(|d| usable(d) && d.port == u32::from(opts.port)) {
-        if !out.iter().any(|o| o.device.as_deref() == Some(d.name.as_str())) {
-            out.push(one(d.name.clone(), opts.port, opts.gid_index));
+    let (mut out, found) = match &opts.devices {
+        Some(list) => {
+            (list.iter().map(|s| one(s.name.clone(), s.port.unwrap_or(opts.port), s.gid_index.or(opts.gid_index))).collect(), None)
         }
-    }
-    if out.is_empty() {
-        let seen: Vec<String> = found.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
-        return Err(FabricError::NoDevice(if seen.is_empty() {
-            "no RDMA devices (is ib_uverbs loaded and /dev/infiniband visible?)".into()
-        } else {
-            format!("no RDMA device with an ACTIVE port {} and a usable GID ({})", opts.port, seen.join(", "))
-        }));
+        None => {
+            let mut found = probe(opts)?;
+            found.sort_by(|a, b| a.name.cmp(&b.name).then(a.port.cmp(&b.port)));
+            let mut out: Vec<VerbsOptions> = Vec::new();
+            for d in found.iter().filter(|d| usable(d) && d.port == u32::from(opts.port)) {
+                if !out.iter().any(|o| o.device.as_deref() == Some(d.name.as_str())) {
+                    out.push(one(d.name.clone(), opts.port, opts.gid_index));
+                }
+            }
+            if out.is_empty() {
+                let seen: Vec<String> = found.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
+                return Err(FabricError::NoDevice(if seen.is_empty() {
+                    "no RDMA devices (is ib_uverbs loaded and /dev/infiniband visible?)".into()
+                } else {
+                    format!("no RDMA device with an ACTIVE port {} and a usable GID ({})", opts.port, seen.join(", "))
+                }));
+            }
+            (out, Some(found))
+        }
+    };
+    // The agent's address is on one device at most: the others pick their GID without it, as
+    // they should, rather than each warning that none of its GIDs carries it.
+    if let (Some(ip), true) = (opts.bind_ip, out.len() > 1) {
+        let found = match found {
+            Some(f) => f,
+            None => probe(&VerbsOptions { device: None, devices: None, ..opts.clone() })?,
+        };
+        for o in &mut out {
+            let carries = found.iter().any(|d| {
+                Some(d.name.as_str()) == o.device.as_deref()
+                    && d.gids.iter().any(|g| match ip {
+                        std::net::IpAddr::V4(v4) => negotiate::gid_ipv4(&g.raw) == Some(v4),
+                        std::net::IpAddr::V6(v6) => v6.octets() == g.raw,
+                    })
+            });
+            if !carries {
+                o.bind_ip = None;
+            }
+        }
     }
     Ok(out)
 }
