@@ -215,4 +215,17 @@ mod tests {
         let t = pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: "nope".into(), secret: Vec::new() })) };
         assert!(endpoint_from_pb(&t).is_err());
     }
+
+    #[test]
+    fn an_endpoints_rail_device_and_prefix_cross_the_wire() {
+        let e =
+            Endpoint::Verbs(VerbsEndpoint { qpn: 9, mtu: 1024, rail: 1, device: "mlx5_1".into(), ipv4_prefix: 24, ..Default::default() });
+        assert_eq!(endpoint_from_pb(&endpoint_to_pb(&e)).unwrap(), e);
+        let mut v = pb::VerbsEndpoint { qpn: 17, gid: vec![0; 16], mtu: 4096, ipv4_prefix: 33, ..Default::default() };
+        let bad = |v: &pb::VerbsEndpoint| endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) }).unwrap_err();
+        assert!(bad(&v).contains("prefix"));
+        v.ipv4_prefix = 0;
+        v.rail = MAX_QPS_PER_CONNECTION as u32;
+        assert!(bad(&v).contains("rail"));
+    }
 }
