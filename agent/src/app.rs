@@ -332,7 +332,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let info = fabric.info();
     let device = info.devices.first().map(|d| d.name.clone()).unwrap_or_default();
     crate::metrics::fabric_info(&fabric.kind().to_string(), &device);
-    info!(fabric = %fabric.kind(), %reason, data = ?info.data_address, "fabric ready");
+    let devices: Vec<String> = info.devices.iter().map(|d| format!("{}:{}", d.name, d.port)).collect();
+    info!(fabric = %fabric.kind(), %reason, devices = %devices.join(","), data = ?info.data_address, "fabric ready");
     crate::metrics::limit("max_peers", cfg.limits.max_peers as u64);
     let node = Node::new(cfg.clone(), fabric, reason, grants, crate::service::client::connector(tls.clone()));
     let restored = node.restore_regions().map_err(StartError::Catalog)?;

@@ -16,7 +16,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub use xfer_fabric::metrics::{
     accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
     notify_marker, prebuilt_qps, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS,
-    DATA_CONNECTIONS_CLOSED, DATA_CONNECTIONS_REFUSED, MARKER_SPINS, NOTIFY_MARKERS, PREBUILT_QPS, WORK_COMPLETIONS,
+    DATA_CONNECTIONS_CLOSED, DATA_CONNECTIONS_REFUSED, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS,
+    NOTIFY_MARKERS, PREBUILT_QPS, WORK_COMPLETIONS,
 };
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
@@ -210,6 +211,26 @@ pub fn describe() {
         INBOUND_SUBSCRIBERS,
         Unit::Count,
         "WatchInbound and WatchInboundRing subscriptions alive (at most 256); one that ended is no longer counted once everything kept for it is freed."
+    );
+    describe_gauge!(
+        DEVICE_PORT_UP,
+        Unit::Count,
+        "Whether each RDMA device of a multi-device verbs fabric is up (1) or down (0), by device, as its port state and asynchronous events last said; a device that is down is not offered to new connections."
+    );
+    describe_counter!(
+        DEVICE_EVENTS,
+        Unit::Count,
+        "Asynchronous events each RDMA device of a multi-device verbs fabric reported, by device and event (port_active, port_err, device_fatal, qp_fatal, other)."
+    );
+    describe_counter!(
+        DEVICE_WORK_REQUESTS,
+        Unit::Count,
+        "Work requests the initiator posted on each device of a multi-device verbs fabric, by device and op (read, write, notify)."
+    );
+    describe_counter!(
+        DEVICE_BYTES,
+        Unit::Bytes,
+        "Bytes of the work requests the initiator posted on each device of a multi-device verbs fabric, by device and op: how the transfers' data spread over the paths."
     );
     describe_counter!(
         MARKER_SPINS,

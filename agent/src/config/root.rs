@@ -100,6 +100,8 @@ impl Config {
         let ip = self.listen.ip();
         xfer_fabric::verbs::VerbsOptions {
             device: Some(self.verbs.device.clone()).filter(|d| !d.is_empty()),
+            // Validated at load: an entry that does not parse was refused there.
+            devices: self.verbs.device_specs().ok().flatten(),
             port: self.verbs.port,
             gid_index: u32::try_from(self.verbs.gid_index).ok(),
             // Neither an unspecified nor a loopback listener (the default) names a RoCE netdev.

@@ -29,6 +29,9 @@ impl Config {
         if t.max_notify_bytes > MAX_NOTIFY_CEILING {
             return Err(bad("transfer.max_notify_bytes", format!("must be at most {MAX_NOTIFY_CEILING}")));
         }
+        if let Err((i, e)) = self.verbs.device_specs() {
+            return Err(bad(&format!("verbs.devices[{i}]"), e));
+        }
         // The verbs fabric's own checks (one place for the retry and timeout bounds).
         self.verbs_options().validate().map_err(|e| match e {
             xfer_fabric::FabricError::Negotiation { attr, detail, .. } => bad(&format!("verbs.{attr}"), detail),
@@ -231,6 +234,34 @@ mod tests {
             let env = vec![("XFER_VERBS__PREBUILT".to_string(), v.to_string())];
             assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().verbs_options().prebuilt, want);
         }
+    }
+
+    #[test]
+    fn verbs_devices_parse_from_env_and_file_and_refuse_device_with_them() {
+        let load = |pairs: &[(&str, &str)]| {
+            Config::load(None, pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>(), &Overrides::default())
+        };
+        let c = load(&[]).unwrap();
+        assert!(c.verbs.devices.is_empty(), "default: auto");
+        assert_eq!(c.verbs_options().devices, None);
+        assert!(c.to_toml().contains("devices = \"auto\""), "{}", c.to_toml());
+        assert_eq!(load(&[("XFER_VERBS__DEVICES", "auto")]).unwrap().verbs_options().devices, None);
+        let o = load(&[("XFER_VERBS__DEVICES", "rxe0, rxe2:1:3")]).unwrap().verbs_options();
+        let names: Vec<String> = o.devices.unwrap().iter().map(ToString::to_string).collect();
+        assert_eq!(names, vec!["rxe0", "rxe2:1:3"]);
+        let e = load(&[("XFER_VERBS__DEVICES", "rxe0,rxe2:0")]).unwrap_err();
+        assert_eq!(e.key, "verbs.devices[1]");
+        let e = load(&[("XFER_VERBS__DEVICES", "rxe0,rxe0")]).unwrap_err();
+        assert_eq!(e.key, "verbs.devices");
+        let e = load(&[("XFER_VERBS__DEVICES", "rxe0,rxe2"), ("XFER_VERBS__DEVICE", "rxe1")]).unwrap_err();
+        assert_eq!(e.key, "verbs.devices");
+        assert!(e.to_string().contains("both verbs.device (rxe1) and verbs.devices (rxe0,rxe2)"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("agent.toml");
+        std::fs::write(&file, "[verbs]\ndevices = [\"mlx5_0\", \"mlx5_1:1\"]\n").unwrap();
+        let c = Config::load(Some(&file), Vec::<(String, String)>::new(), &Overrides::default()).unwrap();
+        assert_eq!(c.verbs.devices, vec!["mlx5_0", "mlx5_1:1"]);
+        assert_eq!(c.verbs_options().devices.unwrap()[1].port, Some(1));
     }
 
     #[test]

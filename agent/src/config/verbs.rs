@@ -3,16 +3,41 @@
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 use xfer_common::{ByteSize, HumanDuration};
 
 use xfer_fabric::verbs::GrantMode;
 
+/// A list of device entries, or one string: `auto`, or comma-separated entries (how the
+/// environment carries a list: `XFER_VERBS__DEVICES=rxe0,rxe2`). `auto` (alone) is the empty list.
+fn devices_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        List(Vec<String>),
+        Csv(String),
+    }
+    let list = match Raw::deserialize(d)? {
+        Raw::List(v) => v,
+        Raw::Csv(s) => s.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect(),
+    };
+    Ok(if list.len() == 1 && list[0].eq_ignore_ascii_case(AUTO) { Vec::new() } else { list })
+}
+
+/// `verbs.devices` meaning every usable device.
+const AUTO: &str = "auto";
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct VerbsConfig {
-    /// empty = first device with an active port
+    /// One device by name; empty = as `devices` says. Refused together with `devices`.
     pub device: String,
+    /// The devices to use, each `name`, `name:port` or `name:port:gid_index` (`mlx5_0`,
+    /// `mlx5_1:1`, `rxe0:1:1`); `auto` or empty = every device with an ACTIVE port and a usable
+    /// GID, in name order. With more than one, a connection has one path per local device that
+    /// reaches one of the peer's. Env: comma-separated.
+    #[serde(deserialize_with = "devices_or_csv", serialize_with = "devices_to_toml")]
+    pub devices: Vec<String>,
     pub port: u8,
     /// -1 = automatic RoCEv2 IPv4-mapped GID on the netdev that carries the agent's address
     pub gid_index: i32,
@@ -63,6 +88,7 @@ impl Default for VerbsConfig {
         // timeout 16 ≈ 268 ms per try; × (1 + retry_cnt 6) ≈ 1.9 s to declare a peer dead.
         VerbsConfig {
             device: String::new(),
+            devices: Vec::new(),
             port: 1,
             gid_index: -1,
             grant_mode: GrantMode::Mr,
@@ -78,5 +104,24 @@ impl Default for VerbsConfig {
             max_rd_atomic: 0,
             marker_spin: HumanDuration(Duration::from_millis(50)),
         }
+    }
+}
+
+/// The empty list prints as `auto`, so the printed configuration reads as it is meant.
+fn devices_to_toml<S: serde::Serializer>(v: &[String], s: S) -> Result<S::Ok, S::Error> {
+    if v.is_empty() {
+        s.serialize_str(AUTO)
+    } else {
+        v.serialize(s)
+    }
+}
+
+impl VerbsConfig {
+    /// `devices` parsed (`None` = auto); the first entry that does not parse, with its index.
+    pub fn device_specs(&self) -> Result<Option<Vec<xfer_fabric::verbs::DeviceSpec>>, (usize, String)> {
+        if self.devices.is_empty() {
+            return Ok(None);
+        }
+        self.devices.iter().enumerate().map(|(i, d)| d.parse().map_err(|e| (i, e))).collect::<Result<Vec<_>, _>>().map(Some)
     }
 }

@@ -101,7 +101,8 @@ fn endpoint(i: usize, e: &pb::Endpoint) -> Result<(), BoundError> {
         Some(pb::endpoint::Kind::Verbs(v)) => {
             at_most(&format!("endpoints[{i}].verbs.gid"), v.gid.len(), 16)?;
             at_most(&format!("endpoints[{i}].verbs.gid_type"), v.gid_type.len(), MAX_ENDPOINT_WORD)?;
-            at_most(&format!("endpoints[{i}].verbs.link_layer"), v.link_layer.len(), MAX_ENDPOINT_WORD)
+            at_most(&format!("endpoints[{i}].verbs.link_layer"), v.link_layer.len(), MAX_ENDPOINT_WORD)?;
+            at_most(&format!("endpoints[{i}].verbs.device"), v.device.len(), MAX_ENDPOINT_WORD)
         }
         None => Ok(()),
     }

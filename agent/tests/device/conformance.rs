@@ -6,7 +6,10 @@
 //! `XFER_RXE_B_DEV` with addresses `XFER_RXE_A`/`XFER_RXE_B` (set by `scripts/rxe-vm` inside the
 //! Soft-RoCE VM). The verbs cases are `#[ignore = "needs Soft-RoCE"]`: on the host `cargo test`
 //! reports them as ignored, never as passed; `scripts/rxe-guest-test` runs this binary with
-//! `--include-ignored` and fails unless every case of both fabrics ran and passed.
+//! `--include-ignored` and fails unless every case of both fabrics ran and passed. `rails::<case>`
+//! runs the verbs cases on a fabric over two devices per side (`XFER_RXE_A_DEV` and
+//! `XFER_RXE_A2_DEV` <-> `XFER_RXE_B_DEV` and `XFER_RXE_B2_DEV`, two links on two subnets), so
+//! every connection has two paths and every grant one key per QP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +38,15 @@ enum Kind {
     Tcp,
     #[cfg(feature = "verbs")]
     Verbs,
+    /// verbs over two devices per side
+    #[cfg(feature = "verbs")]
+    Rails,
+    /// verbs on the second device only (`XFER_RXE_A2_DEV`, `XFER_RXE_B2_DEV`)
+    #[cfg(feature = "verbs")]
+    Second,
+    /// `Rails` in grant mode `mw` (a window per QP, bound on each device's part)
+    #[cfg(feature = "verbs")]
+    RailsMw,
 }
 
 async fn side(name: &str, which: char, kind: Kind) -> Side {
@@ -51,6 +63,29 @@ async fn side(name: &str, which: char, kind: Kind) -> Side {
             cfg.listen = format!("{}:7470", var("")).parse().unwrap();
             cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
             xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
+        }
+        #[cfg(feature = "verbs")]
+        Kind::Second => {
+            let var = |k: &str| std::env::var(format!("XFER_RXE_{which}2{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}2{k} not set"));
+            cfg.fabric = FabricChoice::Verbs;
+            cfg.verbs.device = var("_DEV");
+            cfg.listen = format!("{}:7470", var("")).parse().unwrap();
+            cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
+            xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap()
+        }
+        #[cfg(feature = "verbs")]
+        Kind::Rails | Kind::RailsMw => {
+            let var = |k: &str| std::env::var(format!("XFER_RXE_{which}{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{which}{k} not set"));
+            cfg.fabric = FabricChoice::Verbs;
+            if matches!(kind, Kind::RailsMw) {
+                cfg.verbs.grant_mode = xfer_fabric::verbs::GrantMode::Mw;
+            }
+            cfg.verbs.devices = vec![var("_DEV"), var("2_DEV")];
+            cfg.listen = format!("{}:7470", var("")).parse().unwrap();
+            cfg.data_listen = Some(format!("{}:7471", var("")).parse().unwrap());
+            let f = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).unwrap();
+            assert_eq!(f.info().devices.len(), 2, "a fabric over both devices");
+            f
         }
     };
     Side {
@@ -796,6 +831,16 @@ macro_rules! per_fabric {
                 }
             )*
         }
+        #[cfg(feature = "verbs")]
+        mod rails {
+            $(
+                #[tokio::test]
+                #[ignore = "needs Soft-RoCE (make test-rxe)"]
+                async fn $case() {
+                    super::$case(super::Kind::Rails).await
+                }
+            )*
+        }
     };
 }
 
@@ -820,3 +865,236 @@ per_fabric!(
     a_channel_grant_notifies_each_batch_after_its_bytes,
     a_connection_handed_to_the_data_path_worker_is_driven_by_it,
 );
+
+/// A fabric over two devices per side: one path per link, QPs numbered path after path, and a
+/// grant with one key per QP; bytes written on every QP of both paths land and read back.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_two_links_make_two_paths_with_a_key_per_qp() {
+    two_paths_with_a_key_per_qp(Kind::Rails).await
+}
+
+/// The same in grant mode `mw`: each device binds a window on each of its QPs of the connection.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_two_links_in_grant_mode_mw_bind_a_window_per_qp() {
+    two_paths_with_a_key_per_qp(Kind::RailsMw).await
+}
+
+#[cfg(feature = "verbs")]
+async fn two_paths_with_a_key_per_qp(k: Kind) {
+    let dev = |k: &str| std::env::var(format!("XFER_RXE_{k}_DEV")).unwrap();
+    let (a, b) = (side("a", 'A', k).await, side("b", 'B', k).await);
+    let src = region(&a, "src", 1 << 20, Access::ReadWrite);
+    let back = region(&a, "back", 1 << 20, Access::ReadWrite);
+    let _dst = region(&b, "dst", 1 << 20, Access::ReadWrite);
+    let data = fill(&src, 3);
+    let (conn, mut rx) = connect(&a, &b, 2, 16).await;
+    assert_eq!(conn.qps(), 4, "two QPs on each of two paths");
+    let paths: Vec<(String, String, std::ops::Range<usize>)> =
+        conn.paths().into_iter().map(|p| (p.local_device, p.remote_device, p.qps)).collect();
+    assert_eq!(paths, vec![(dev("A"), dev("B"), 0..2), (dev("A2"), dev("B2"), 2..4)]);
+    let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None).await;
+    match &gw.exposure.key {
+        xfer_fabric::RemoteKey::PerQp(keys) => {
+            assert_eq!(keys.len(), 4);
+            if matches!(k, Kind::RailsMw) {
+                let distinct: std::collections::BTreeSet<u32> = keys.iter().copied().collect();
+                assert_eq!(distinct.len(), 4, "one window per QP");
+            }
+        }
+        other => panic!("a multi-device grant has one key per QP, not {other:?}"),
+    }
+    for i in 0..16u64 {
+        conn.post((i % 4) as usize, wr(i, WrOp::Write, &src, i << 16, 1 << 16, &gw, i << 16, true)).unwrap();
+    }
+    let mut qps = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let c = next(&mut rx).await;
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        assert_eq!(c.qp as u64, c.wr_id % 4, "a completion names the connection's QP it was posted on");
+        qps.insert(c.qp);
+    }
+    assert_eq!(qps.len(), 4);
+    let gr = grant(&b, "dst", 0, 1 << 20, RemoteOp::Read, None).await;
+    for i in 0..16u64 {
+        conn.post((i % 4) as usize, wr(100 + i, WrOp::Read, &back, i << 16, 1 << 16, &gr, i << 16, true)).unwrap();
+    }
+    for _ in 0..16 {
+        assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+    }
+    assert_eq!(bytes(&back), data, "every byte went out on one path and came back on another");
+    assert!(!conn.is_broken());
+}
+
+/// A fabric over two devices and a single-device one work together either way round: the
+/// single device answers (or is answered on) the one rail it reaches, and grants from a
+/// multi-device responder carry a key per QP a plain connection can use.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_and_a_single_device_fabric_connect_over_the_link_they_share() {
+    let dev = |k: &str| std::env::var(format!("XFER_RXE_{k}_DEV")).unwrap();
+    for (ka, kb, path) in [(Kind::Rails, Kind::Second, Some((dev("A2"), dev("B2")))), (Kind::Verbs, Kind::Rails, None)] {
+        let (a, b) = (side("a", 'A', ka).await, side("b", 'B', kb).await);
+        let src = region(&a, "src", 1 << 18, Access::ReadWrite);
+        let back = region(&a, "back", 1 << 18, Access::ReadWrite);
+        let _dst = region(&b, "dst", 1 << 18, Access::ReadWrite);
+        let data = fill(&src, 9);
+        let (conn, mut rx) = connect(&a, &b, 2, 8).await;
+        assert_eq!(conn.qps(), 2, "one path of two QPs");
+        if let Some((local, remote)) = &path {
+            let paths: Vec<(String, String)> = conn.paths().into_iter().map(|p| (p.local_device, p.remote_device)).collect();
+            assert_eq!(paths, vec![(local.clone(), remote.clone())]);
+        }
+        let gw = grant(&b, "dst", 0, 1 << 18, RemoteOp::Write, None).await;
+        let gr = grant(&b, "dst", 0, 1 << 18, RemoteOp::Read, None).await;
+        for i in 0..4u64 {
+            conn.post((i % 2) as usize, wr(i, WrOp::Write, &src, i << 16, 1 << 16, &gw, i << 16, true)).unwrap();
+        }
+        for _ in 0..4 {
+            assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+        }
+        for i in 0..4u64 {
+            conn.post((i % 2) as usize, wr(10 + i, WrOp::Read, &back, i << 16, 1 << 16, &gr, i << 16, true)).unwrap();
+        }
+        for _ in 0..4 {
+            assert_eq!(next(&mut rx).await.status, WcStatus::Success);
+        }
+        assert_eq!(bytes(&back), data);
+    }
+}
+
+/// Runs `ip` with `args` in the VM; panics with its stderr if it fails.
+#[cfg(feature = "verbs")]
+fn ip(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip").args(args).output().expect("run ip");
+    assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Takes a netdev down and, when dropped (also on a failed assertion), up again with the
+/// policy routes and permanent neighbour entries that going down deleted, so later tests in
+/// the same boot find the link as the VM set it up.
+#[cfg(feature = "verbs")]
+struct LinkDown {
+    netdev: String,
+    routes: Vec<String>,
+    neighbours: Vec<String>,
+}
+
+#[cfg(feature = "verbs")]
+impl LinkDown {
+    fn new(netdev: &str) -> LinkDown {
+        let routes = ip(&["route", "show", "table", "all", "dev", netdev])
+            .lines()
+            .filter(|l| !l.contains("proto kernel") && !l.starts_with("local") && !l.starts_with("broadcast") && !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        let neighbours = ip(&["neigh", "show", "dev", netdev, "nud", "permanent"])
+            .lines()
+            .filter(|l| l.contains("lladdr"))
+            // `ADDR lladdr MAC PERMANENT`: the address and the link-layer address.
+            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+            .collect();
+        ip(&["link", "set", netdev, "down"]);
+        LinkDown { netdev: netdev.to_string(), routes, neighbours }
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl Drop for LinkDown {
+    fn drop(&mut self) {
+        ip(&["link", "set", &self.netdev, "up"]);
+        for r in &self.routes {
+            let mut args: Vec<&str> = vec!["route", "replace"];
+            args.extend(r.split_whitespace());
+            args.extend(["dev", &self.netdev]);
+            ip(&args);
+        }
+        for n in &self.neighbours {
+            let mut args: Vec<&str> = vec!["neigh", "replace"];
+            args.extend(n.split_whitespace());
+            args.extend(["dev", &self.netdev, "nud", "permanent"]);
+            ip(&args);
+        }
+    }
+}
+
+/// Waits (bounded, to fail rather than hang) until `states` says `device` is `up`.
+#[cfg(feature = "verbs")]
+async fn device_becomes(fabric: &xfer_fabric::verbs::RailsFabric, device: &str, up: bool) {
+    let mut changes = fabric.state_changes();
+    let seen = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if fabric.device_states().iter().any(|s| s.name == device && s.up == up) {
+                return;
+            }
+            changes.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(seen.is_ok(), "{device} did not go {} (states {:?})", if up { "up" } else { "down" }, fabric.device_states());
+}
+
+/// A link that goes down: its device's asynchronous event takes it out of new connections and
+/// fails its connection parts (the other path still carries work requests); when the link comes
+/// back the device is offered again and a connection made meanwhile asks to be replaced.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn rails_a_link_that_goes_down_leaves_new_connections_and_comes_back() {
+    let var = |k: &str| std::env::var(format!("XFER_RXE_{k}")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config { node_name: "a".into(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    cfg.fabric = FabricChoice::Verbs;
+    cfg.verbs.devices = vec![var("A_DEV"), var("A2_DEV")];
+    cfg.listen = format!("{}:7470", var("A")).parse().unwrap();
+    let grants = Arc::new(GrantTable::new(1024));
+    let per_device = xfer_fabric::verbs::resolve_devices(&cfg.verbs_options()).unwrap();
+    let rails = Arc::new(xfer_fabric::verbs::RailsFabric::open(per_device, grants.clone()).unwrap());
+    let fabric: Arc<dyn Fabric> = rails.clone();
+    let a = Side {
+        node: Node::new(cfg, fabric.clone(), "test".into(), grants.clone(), xfer_agent::service::client::connector(None)),
+        fabric,
+        grants,
+        _dir: dir,
+    };
+    let b = side("b", 'B', Kind::Rails).await;
+    let src = region(&a, "src", 1 << 18, Access::ReadWrite);
+    let _dst = region(&b, "dst", 1 << 18, Access::ReadWrite);
+    fill(&src, 5);
+    let (both, mut rx) = connect(&a, &b, 2, 8).await;
+    assert_eq!(both.paths().len(), 2);
+    let gw = grant(&b, "dst", 0, 1 << 18, RemoteOp::Write, None).await;
+    let second = var("A2_DEV");
+    let down = LinkDown::new(&var("A2_NETDEV"));
+    device_becomes(&rails, &second, false).await;
+    // The down device's part was moved to ERR: posting there is refused, the other path works.
+    assert!(both.is_broken(), "a connection with a failed path reports it");
+    assert!(both.post(2, wr(1, WrOp::Write, &src, 0, 4096, &gw, 0, true)).is_err());
+    both.post(0, wr(2, WrOp::Write, &src, 0, 4096, &gw, 0, true)).unwrap();
+    let c = next(&mut rx).await;
+    assert_eq!((c.wr_id, c.status), (2, WcStatus::Success));
+    // A new connection offers only the device that is up.
+    let (one, _rx1) = connect(&a, &b, 2, 8).await;
+    let paths: Vec<(String, String)> = one.paths().into_iter().map(|p| (p.local_device, p.remote_device)).collect();
+    assert_eq!(paths, vec![(var("A_DEV"), var("B_DEV"))]);
+    assert!(!one.wants_reconnect(), "nothing better is available while the link is down");
+    drop(down);
+    device_becomes(&rails, &second, true).await;
+    assert!(one.wants_reconnect(), "a device it lacks is up again: the pool should replace it");
+    // Held back by the agent, an up device is left out as well; released, it is used again.
+    assert!(a.fabric.hold_back(&second, true));
+    assert!(a.fabric.device_states().iter().any(|s| s.name == second && s.up && s.held_back && !s.offered()));
+    let (held, _rx2) = connect(&a, &b, 2, 8).await;
+    assert_eq!(held.paths().len(), 1);
+    assert!(!held.wants_reconnect());
+    assert!(a.fabric.hold_back(&second, false));
+    assert!(held.wants_reconnect());
+    let (again, _rx3) = connect(&a, &b, 2, 8).await;
+    assert_eq!(again.paths().len(), 2, "both links again once the link is back and not held");
+    assert!(!a.fabric.hold_back("no-such-device", true));
+}

@@ -257,6 +257,23 @@ pub struct DeviceInfo {
     pub ipv4_prefix: Option<u8>,
 }
 
+/// One device of a fabric over several, as [`Fabric::device_states`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceState {
+    pub name: String,
+    /// Its port is ACTIVE and no event said it went down since.
+    pub up: bool,
+    /// Left out of new connections by [`Fabric::hold_back`].
+    pub held_back: bool,
+}
+
+impl DeviceState {
+    /// New connections use it.
+    pub fn offered(&self) -> bool {
+        self.up && !self.held_back
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct GidInfo {
     pub index: u32,
@@ -309,6 +326,15 @@ pub struct VerbsEndpoint {
     pub max_rd_atomic: u32,
     pub gid_type: String,
     pub link_layer: String,
+    /// The initiator's index of this QP's local device within the connection (a connection over
+    /// several devices offers one group of QPs per device); the responder answers each group it
+    /// matched with the same number. 0 on a single-device connection.
+    pub rail: u32,
+    /// The sender's device name (for logs, paths and the responder's refusal); empty if unknown.
+    pub device: String,
+    /// Prefix length of the GID's IPv4 address on its netdev (RoCE), so the other side can tell
+    /// which of its devices share the subnet; 0 if unknown.
+    pub ipv4_prefix: u32,
 }
 
 /// The operation of a work request, from the initiator's side.
@@ -506,6 +532,26 @@ pub trait Fabric: Send + Sync + 'static {
     /// Cheap, unlike [`Fabric::info`], which queries the device.
     fn device_name(&self) -> Option<&str> {
         None
+    }
+
+    /// The devices of a fabric over several (verbs `RailsFabric`), in order, and whether new
+    /// connections use them; empty for a fabric that has one device or none.
+    fn device_states(&self) -> Vec<DeviceState> {
+        Vec::new()
+    }
+
+    /// Changes whenever a device of a fabric over several goes down, comes back or is held back
+    /// (then read [`Fabric::device_states`]); `None` for other fabrics.
+    fn device_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+
+    /// Leaves `device` out of new connections (`held`) or offers it again, whatever its port
+    /// says: the agent holds back a device whose paths keep failing. False if the fabric has no
+    /// device of that name (or only one device, which is never left out).
+    fn hold_back(&self, device: &str, held: bool) -> bool {
+        let _ = (device, held);
+        false
     }
 
     /// Registers region memory. `access` is the region's ceiling for remote peers; local

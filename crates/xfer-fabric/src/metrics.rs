@@ -15,6 +15,10 @@ pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
 pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
+pub const DEVICE_PORT_UP: &str = "xfer_device_port_up";
+pub const DEVICE_EVENTS: &str = "xfer_device_events_total";
+pub const DEVICE_WORK_REQUESTS: &str = "xfer_device_work_requests_total";
+pub const DEVICE_BYTES: &str = "xfer_device_bytes_total";
 
 pub fn work_completion(status: &'static str) {
     counter!(WORK_COMPLETIONS, "status" => status).increment(1);
@@ -61,4 +65,22 @@ pub fn notify_marker(result: &'static str) {
 /// The marker poller took a connection or let it go (`event` is a closed set).
 pub fn marker_spin(event: &'static str) {
     counter!(MARKER_SPINS, "event" => event).increment(1);
+}
+
+/// Whether `device`'s port is up (1) or down (0), as its events last said.
+pub fn device_port_up(device: &str, up: bool) {
+    gauge!(DEVICE_PORT_UP, "device" => device.to_string()).set(if up { 1.0 } else { 0.0 });
+}
+
+/// `device` reported an asynchronous event (`event` is a closed set: `port_active`, `port_err`,
+/// `device_fatal`, `qp_fatal`, `other`).
+pub fn device_event(device: &str, event: &'static str) {
+    counter!(DEVICE_EVENTS, "device" => device.to_string(), "event" => event).increment(1);
+}
+
+/// The initiator posted `count` work requests of `op` (`read`, `write`, `notify`) moving `bytes`
+/// on `device` (a fabric over several devices counts per device).
+pub fn device_posted(device: &str, op: &'static str, count: u64, bytes: u64) {
+    counter!(DEVICE_WORK_REQUESTS, "device" => device.to_string(), "op" => op).increment(count);
+    counter!(DEVICE_BYTES, "device" => device.to_string(), "op" => op).increment(bytes);
 }

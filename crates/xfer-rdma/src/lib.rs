@@ -24,6 +24,7 @@
 //!     ([`qp::RcQp::post_rdma`], [`qp::RcQp::post_bind_mw`]) with the in-flight list.
 //!   * [`mr`]: [`mr::Mr`], a memory registration that owns its memory.
 //!   * [`mw`]: [`mw::Mw`], type-2 memory windows.
+//!   * [`events`]: [`events::AsyncEvents`], a device's asynchronous events (ports, QPs, device).
 //!   * [`error`]: [`error::VerbsError`], what these objects report.
 //!
 //! The fabric logic built on top (device selection, negotiation, connections, grants) is safe code
@@ -44,6 +45,8 @@ pub mod thread;
 pub mod cq;
 #[cfg(feature = "verbs")]
 pub mod error;
+#[cfg(feature = "verbs")]
+pub mod events;
 #[cfg(feature = "verbs")]
 pub mod mr;
 #[cfg(feature = "verbs")]

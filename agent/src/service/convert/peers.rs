@@ -43,6 +43,9 @@ pub fn endpoint_to_pb(e: &Endpoint) -> pb::Endpoint {
             max_rd_atomic: v.max_rd_atomic,
             gid_type: v.gid_type.clone(),
             link_layer: v.link_layer.clone(),
+            rail: v.rail,
+            device: v.device.clone(),
+            ipv4_prefix: v.ipv4_prefix,
         }),
     };
     pb::Endpoint { kind: Some(kind) }
@@ -71,6 +74,12 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
             if !matches!(v.mtu, 256 | 512 | 1024 | 2048 | 4096) {
                 return Err(format!("MTU {} is not one of 256, 512, 1024, 2048, 4096", v.mtu));
             }
+            if v.ipv4_prefix > 32 {
+                return Err(format!("IPv4 prefix length {} is over 32", v.ipv4_prefix));
+            }
+            if v.rail as usize >= MAX_QPS_PER_CONNECTION {
+                return Err(format!("rail {} is out of range (at most {} per connection)", v.rail, MAX_QPS_PER_CONNECTION));
+            }
             Ok(Endpoint::Verbs(VerbsEndpoint {
                 qpn: v.qpn,
                 psn: v.psn,
@@ -82,6 +91,9 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
                 max_rd_atomic: v.max_rd_atomic,
                 gid_type: v.gid_type.clone(),
                 link_layer: v.link_layer.clone(),
+                rail: v.rail,
+                device: v.device.clone(),
+                ipv4_prefix: v.ipv4_prefix,
             }))
         }
         None => Err("endpoint without a kind".into()),
@@ -202,5 +214,18 @@ mod tests {
         assert!(endpoint_from_pb(&pb::Endpoint { kind: None }).is_err());
         let t = pb::Endpoint { kind: Some(pb::endpoint::Kind::Tcp(pb::TcpEndpoint { address: "nope".into(), secret: Vec::new() })) };
         assert!(endpoint_from_pb(&t).is_err());
+    }
+
+    #[test]
+    fn an_endpoints_rail_device_and_prefix_cross_the_wire() {
+        let e =
+            Endpoint::Verbs(VerbsEndpoint { qpn: 9, mtu: 1024, rail: 1, device: "mlx5_1".into(), ipv4_prefix: 24, ..Default::default() });
+        assert_eq!(endpoint_from_pb(&endpoint_to_pb(&e)).unwrap(), e);
+        let mut v = pb::VerbsEndpoint { qpn: 17, gid: vec![0; 16], mtu: 4096, ipv4_prefix: 33, ..Default::default() };
+        let bad = |v: &pb::VerbsEndpoint| endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) }).unwrap_err();
+        assert!(bad(&v).contains("prefix"));
+        v.ipv4_prefix = 0;
+        v.rail = MAX_QPS_PER_CONNECTION as u32;
+        assert!(bad(&v).contains("rail"));
     }
 }

@@ -82,6 +82,9 @@ pub(crate) struct ConnInner {
     pub(super) worker: Mutex<Option<std::thread::Thread>>,
     /// True while `worker` is set (read by the CQ task on every turn without the lock).
     pub(super) handed_off: AtomicBool,
+    /// Added to the QP index of every completion delivered: the index of this connection's first
+    /// QP in a connection over several devices, whose parts share one sink (0 otherwise).
+    pub(super) qp_base: usize,
 }
 
 /// `ibv_modify_qp`'s error in `step` as a negotiation error.
@@ -186,6 +189,7 @@ impl ConnInner {
             marker_lock: Mutex::new(()),
             worker: Mutex::new(None),
             handed_off: AtomicBool::new(false),
+            qp_base: 0,
         })
     }
 
@@ -214,6 +218,9 @@ impl ConnInner {
                     max_rd_atomic: dev.max_rd_atomic as u32,
                     gid_type: dev.gid_type.clone(),
                     link_layer: dev.link_layer.clone(),
+                    rail: 0,
+                    device: dev.name.clone(),
+                    ipv4_prefix: dev.ipv4_prefix,
                 })
             })
             .collect()
@@ -333,7 +340,7 @@ impl ConnInner {
             return;
         };
         // A dropped receiver only means nobody waits for this connection any more.
-        let _ = sink.send(Completion { wr_id, qp, status, byte_len });
+        let _ = sink.send(Completion { wr_id, qp: qp + self.qp_base, status, byte_len });
     }
 
     /// Reports every WR still in flight as flushed (the CQ task gives up waiting for the device).
@@ -342,7 +349,7 @@ impl ConnInner {
     pub(super) fn report_unflushed(&self, sink: &CompletionSink) {
         for (qp, slot) in self.slots.iter().enumerate() {
             slot.qp.for_each_in_flight(|e| {
-                let _ = sink.send(Completion { wr_id: e.wr_id, qp, status: WcStatus::WrFlushErr, byte_len: 0 });
+                let _ = sink.send(Completion { wr_id: e.wr_id, qp: qp + self.qp_base, status: WcStatus::WrFlushErr, byte_len: 0 });
             });
         }
     }

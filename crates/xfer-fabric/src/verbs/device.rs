@@ -142,6 +142,9 @@ pub(crate) struct Device {
     pub max_cqe: u32,
     /// Memory windows the device supports (0 = none).
     pub max_mw: u32,
+    /// Prefix length of the GID's IPv4 address on its netdev, 0 if unknown (not IPv4-mapped, or
+    /// no interface holds it): peers match devices by subnet with it.
+    pub ipv4_prefix: u32,
 }
 
 impl std::fmt::Debug for Device {
@@ -232,6 +235,7 @@ impl Device {
             max_qp_wr: a.max_qp_wr.max(1) as u32,
             max_cqe: a.max_cqe.max(1) as u32,
             max_mw: a.max_mw.max(0) as u32,
+            ipv4_prefix: negotiate::gid_ipv4(&gid).and_then(crate::topology::net::ipv4_prefix).map_or(0, u32::from),
             ctx,
         };
         tracing::info!(device = %dev.name, port, gid_index, gid = %negotiate::gid_string(&dev.gid),

@@ -224,6 +224,18 @@ impl VerbsFabric {
         self.dev.gid_index
     }
 
+    /// The opened device (its facts, context and port), for a fabric over several devices.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// The initiator's half of a connection on this device, concretely: a fabric over several
+    /// devices prepares one per device and finishes each with its own QP numbering.
+    pub(crate) fn prepare_part(&self, peer: &str, qps: usize, depth: usize, sink: CompletionSink) -> Result<VerbsPrepared, FabricError> {
+        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
+        Ok(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink })
+    }
+
     /// Finds our own registration behind a trait object (grant MRs are over its memory, windows
     /// are bound to its MR).
     fn ours(reg: &Arc<dyn Registration>) -> Result<&VerbsRegistration, FabricError> {
@@ -280,8 +292,7 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
-        Ok(Box::new(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink }))
+        Ok(Box::new(self.prepare_part(peer, qps, depth, sink)?))
     }
 
     async fn accept(
@@ -290,6 +301,16 @@ impl Fabric for VerbsFabric {
         connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+        // An initiator over several devices offers one group of QPs per device (a rail): this
+        // one device answers the group it reaches, tagged with its number.
+        let facts = super::rails::reach::RailFacts {
+            device: self.dev.name.clone(),
+            link_layer: self.dev.link_layer.clone(),
+            gid: self.dev.gid,
+            ipv4_prefix: self.dev.ipv4_prefix,
+        };
+        let (chosen, rail) = super::rails::one_rail(facts, remote)?;
+        let remote = &chosen[..];
         // Validate before allocating anything for the peer.
         negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
         // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
@@ -297,7 +318,14 @@ impl Fabric for VerbsFabric {
         // receives (notification markers) complete on a CQ of their own.
         let started = std::time::Instant::now();
         let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
-        let eps = inner.endpoints(&self.dev);
+        let mut eps = inner.endpoints(&self.dev);
+        if let Some(rail) = rail {
+            for e in &mut eps {
+                if let Endpoint::Verbs(v) = e {
+                    v.rail = rail;
+                }
+            }
+        }
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
         // The agent refuses an id that is in use, so an entry here under the same id is one
         // whose handle is being dropped: the new connection takes the id.

@@ -30,9 +30,21 @@ impl PendingConnection for VerbsPrepared {
     }
 
     async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
-        let me = *self;
-        me.inner.connect(&me.dev, &me.opts, remote)?;
-        Ok(VerbsConnection::start(me.inner, me.sink, me.opts.busy_poll))
+        Ok((*self).complete_at(remote, 0)?)
+    }
+}
+
+impl VerbsPrepared {
+    /// Finishes as one part of a connection over several devices: its QPs are that connection's
+    /// `base..base + qps`, and the completions it delivers say so.
+    pub(crate) fn complete_at(mut self, remote: &[Endpoint], base: usize) -> Result<Arc<VerbsConnection>, FabricError> {
+        self.inner.connect(&self.dev, &self.opts, remote)?;
+        self.inner.qp_base = base;
+        Ok(VerbsConnection::start_concrete(self.inner, self.sink, self.opts.busy_poll))
+    }
+
+    pub(crate) fn qps(&self) -> usize {
+        self.inner.slots.len()
     }
 }
 
@@ -46,10 +58,17 @@ pub(crate) struct VerbsConnection {
 }
 
 impl VerbsConnection {
-    pub fn start(inner: ConnInner, sink: CompletionSink, busy_poll: bool) -> Arc<dyn Connection> {
+    fn start_concrete(inner: ConnInner, sink: CompletionSink, busy_poll: bool) -> Arc<VerbsConnection> {
         let inner = Arc::new(inner);
         tokio::spawn(run_cq(Arc::clone(&inner), sink.clone(), busy_poll));
         Arc::new(VerbsConnection { inner, sink, buf: Mutex::new(Vec::with_capacity(POLL_BATCH)) })
+    }
+
+    /// Moves every QP to ERR, so the WRs outstanding on them flush now instead of after the
+    /// transport's retries (the device under them went down); the connection counts as broken.
+    pub(crate) fn fail(&self) {
+        self.inner.broken.store(true, Ordering::Release);
+        self.inner.set_err_all();
     }
 }
 

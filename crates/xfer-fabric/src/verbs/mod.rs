@@ -18,6 +18,7 @@
 //! * [`options`]: the fabric's settings ([`VerbsOptions`], [`GrantMode`]), validated.
 //! * [`prebuilt`]: the bookkeeping of connections built ahead of need (generic, no verbs).
 //! * `fabric`: [`VerbsFabric`], the `Fabric` implementation tying it together.
+//! * [`rails`]: [`RailsFabric`], one fabric over several devices, each a `VerbsFabric`.
 //!
 //! sideway's safe API is used here for the device list, device context and PD.
 use std::sync::Arc;
@@ -43,13 +44,17 @@ pub mod negotiate;
 pub mod options;
 pub mod prebuilt;
 #[cfg(feature = "verbs")]
+pub mod rails;
+#[cfg(feature = "verbs")]
 mod responder;
 
 #[cfg(feature = "verbs")]
 pub use device::probe;
 #[cfg(feature = "verbs")]
 pub use fabric::VerbsFabric;
-pub use options::{GrantMode, VerbsOptions, MAX_PREBUILT};
+pub use options::{DeviceSpec, GrantMode, VerbsOptions, MAX_PREBUILT};
+#[cfg(feature = "verbs")]
+pub use rails::RailsFabric;
 
 #[cfg(feature = "verbs")]
 impl From<xfer_rdma::VerbsError> for FabricError {
@@ -72,23 +77,98 @@ pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
     if devices.is_empty() {
         return Err("no RDMA devices found".into());
     }
-    devices
-        .iter()
-        .find(|d| {
-            let ib = d.link_layer.eq_ignore_ascii_case("InfiniBand");
-            d.state.eq_ignore_ascii_case("ACTIVE") && (ib || d.selected_gid_index.is_some())
-        })
-        .map(|d| format!("{} port {}", d.name, d.port))
-        .ok_or_else(|| {
-            let seen: Vec<String> = devices.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
-            format!("no RDMA device with an active port and a usable GID ({})", seen.join(", "))
-        })
+    devices.iter().find(|d| usable(d)).map(|d| format!("{} port {}", d.name, d.port)).ok_or_else(|| {
+        let seen: Vec<String> = devices.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
+        format!("no RDMA device with an active port and a usable GID ({})", seen.join(", "))
+    })
 }
 
+/// Whether a probed port can carry a connection: ACTIVE, and a usable GID unless InfiniBand.
+#[cfg(feature = "verbs")]
+fn usable(d: &crate::DeviceInfo) -> bool {
+    let ib = d.link_layer.eq_ignore_ascii_case("InfiniBand");
+    d.state.eq_ignore_ascii_case("ACTIVE") && (ib || d.selected_gid_index.is_some())
+}
+
+/// The options of each device the fabric opens: `verbs.device` (one), `verbs.devices` (those,
+/// in order) or, with neither, every device with a usable port (in name order; per device its
+/// first such port unless `verbs.port` names one).
+#[cfg(feature = "verbs")]
+pub fn resolve_devices(opts: &VerbsOptions) -> Result<Vec<VerbsOptions>, FabricError> {
+    opts.validate()?;
+    let one = |name: String, port: u8, gid_index: Option<u32>| VerbsOptions {
+        device: Some(name),
+        devices: None,
+        port,
+        gid_index,
+        ..opts.clone()
+    };
+    if let Some(d) = &opts.device {
+        return Ok(vec![one(d.clone(), opts.port, opts.gid_index)]);
+    }
+    let (mut out, found) = match &opts.devices {
+        Some(list) => {
+            (list.iter().map(|s| one(s.name.clone(), s.port.unwrap_or(opts.port), s.gid_index.or(opts.gid_index))).collect(), None)
+        }
+        None => {
+            let mut found = probe(opts)?;
+            found.sort_by(|a, b| a.name.cmp(&b.name).then(a.port.cmp(&b.port)));
+            let mut out: Vec<VerbsOptions> = Vec::new();
+            for d in found.iter().filter(|d| usable(d) && d.port == u32::from(opts.port)) {
+                if !out.iter().any(|o| o.device.as_deref() == Some(d.name.as_str())) {
+                    out.push(one(d.name.clone(), opts.port, opts.gid_index));
+                }
+            }
+            if out.is_empty() {
+                let seen: Vec<String> = found.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
+                return Err(FabricError::NoDevice(if seen.is_empty() {
+                    "no RDMA devices (is ib_uverbs loaded and /dev/infiniband visible?)".into()
+                } else {
+                    format!("no RDMA device with an ACTIVE port {} and a usable GID ({})", opts.port, seen.join(", "))
+                }));
+            }
+            (out, Some(found))
+        }
+    };
+    // The agent's address is on one device at most: the others pick their GID without it, as
+    // they should, rather than each warning that none of its GIDs carries it.
+    if let (Some(ip), true) = (opts.bind_ip, out.len() > 1) {
+        let found = match found {
+            Some(f) => f,
+            None => probe(&VerbsOptions { device: None, devices: None, ..opts.clone() })?,
+        };
+        for o in &mut out {
+            let carries = found.iter().any(|d| {
+                Some(d.name.as_str()) == o.device.as_deref()
+                    && d.gids.iter().any(|g| match ip {
+                        std::net::IpAddr::V4(v4) => negotiate::gid_ipv4(&g.raw) == Some(v4),
+                        std::net::IpAddr::V6(v6) => v6.octets() == g.raw,
+                    })
+            });
+            if !carries {
+                o.bind_ip = None;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Opens the verbs fabric over the devices [`resolve_devices`] finds: one device is a plain
+/// [`VerbsFabric`], several a [`RailsFabric`].
 #[cfg(feature = "verbs")]
 pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
     let expected = opts.expected_shape;
-    let f = VerbsFabric::open(opts)?.with_markers(markers);
+    let mut per_device = resolve_devices(&opts)?;
+    if per_device.len() == 1 {
+        let Some(one) = per_device.pop() else { return Err(FabricError::NoDevice("no device resolved".into())) };
+        let f = VerbsFabric::open(one)?.with_markers(markers);
+        if let Some((qps, depth)) = expected {
+            f.prebuild(qps, depth);
+        }
+        return Ok(Arc::new(f));
+    }
+    let f = RailsFabric::open(per_device, markers)?;
+    tracing::info!(devices = ?f.device_names(), "verbs fabric over several devices");
     if let Some((qps, depth)) = expected {
         f.prebuild(qps, depth);
     }

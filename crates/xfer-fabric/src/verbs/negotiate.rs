@@ -247,6 +247,7 @@ mod tests {
             max_rd_atomic: 8,
             gid_type: GID_ROCE_V2.into(),
             link_layer: LINK_ETHERNET.into(),
+            ..Default::default()
         }
     }
 

@@ -1,4 +1,4 @@
-//! The verbs fabric's settings (`verbs.*` in the configuration): device and port, GID, QP
+//! The verbs fabric's settings (`verbs.*` in the configuration): devices and port, GID, QP
 //! timeouts and retries, CQ size, grant mode, prebuilt connections, marker spin.
 use crate::FabricError;
 
@@ -24,14 +24,67 @@ impl TryFrom<String> for GrantMode {
     }
 }
 
+/// One entry of `verbs.devices`: `name`, `name:port` or `name:port:gid_index` (`mlx5_1:1`,
+/// `rxe0:1:1`). What it leaves out comes from `verbs.port` and `verbs.gid_index`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub name: String,
+    pub port: Option<u8>,
+    pub gid_index: Option<u32>,
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DeviceSpec, String> {
+        let mut parts = s.trim().split(':');
+        let name = parts.next().unwrap_or_default().trim();
+        if name.is_empty() {
+            return Err(format!("{s:?}: a device name is required (`mlx5_0`, `mlx5_0:1`, `rxe0:1:1`)"));
+        }
+        if name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+            return Err(format!("{name:?} is not a device name (letters, digits, `_`, `-`, `.`; at most 64)"));
+        }
+        let port = match parts.next() {
+            None => None,
+            Some(p) => match p.trim().parse::<u8>() {
+                Ok(p) if p >= 1 => Some(p),
+                _ => return Err(format!("{s:?}: port {p:?} is not a port number (1-255)")),
+            },
+        };
+        let gid_index = match parts.next() {
+            None => None,
+            Some(g) => Some(g.trim().parse::<u32>().map_err(|_| format!("{s:?}: GID index {g:?} is not a number"))?),
+        };
+        if parts.next().is_some() {
+            return Err(format!("{s:?}: expected name[:port[:gid_index]]"));
+        }
+        Ok(DeviceSpec { name: name.to_string(), port, gid_index })
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)?;
+        match (self.port, self.gid_index) {
+            (Some(p), Some(g)) => write!(f, ":{p}:{g}"),
+            (Some(p), None) => write!(f, ":{p}"),
+            (None, Some(g)) => write!(f, "::{g}"),
+            (None, None) => Ok(()),
+        }
+    }
+}
+
 /// Most connections per shape `verbs.prebuilt` may ask for.
 pub const MAX_PREBUILT: usize = 16;
 
 /// Settings of the verbs fabric.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsOptions {
-    /// Device name (`mlx5_0`, `rxe0`); `None` = the first device whose `port` is ACTIVE.
+    /// One device by name (`mlx5_0`, `rxe0`, `verbs.device`); `None` = as `devices` says.
     pub device: Option<String>,
+    /// The devices to use (`verbs.devices`); `None` = every device with an ACTIVE port and a
+    /// usable GID (`auto`). Refused together with `device`.
+    pub devices: Option<Vec<DeviceSpec>>,
     /// Port number (1-based).
     pub port: u8,
     /// GID index; `None` = the RoCEv2 IPv4-mapped GID of `bind_ip`, else the first RoCEv2
@@ -75,6 +128,7 @@ impl Default for VerbsOptions {
     fn default() -> Self {
         VerbsOptions {
             device: None,
+            devices: None,
             port: 1,
             gid_index: None,
             bind_ip: None,
@@ -99,6 +153,26 @@ impl VerbsOptions {
         if self.port == 0 {
             return Err(bad("port", "ports are numbered from 1".into()));
         }
+        if let (Some(one), Some(list)) = (&self.device, &self.devices) {
+            let names: Vec<String> = list.iter().map(ToString::to_string).collect();
+            return Err(bad(
+                "devices",
+                format!(
+                    "both verbs.device ({one}) and verbs.devices ({}) are set: keep one (verbs.devices = [\"{one}\"] for one device)",
+                    names.join(",")
+                ),
+            ));
+        }
+        if let Some(list) = &self.devices {
+            if list.is_empty() {
+                return Err(bad("devices", "the list is empty (leave it out, or `auto`, for every usable device)".into()));
+            }
+            for (i, d) in list.iter().enumerate() {
+                if list[..i].iter().any(|e| e.name == d.name) {
+                    return Err(bad("devices", format!("device {} is listed twice (each device carries at most one path)", d.name)));
+                }
+            }
+        }
         if self.timeout == 0 || self.timeout > 31 {
             return Err(bad("timeout", format!("{} is outside 1..=31 (0 would wait forever)", self.timeout)));
         }
@@ -117,5 +191,32 @@ impl VerbsOptions {
     /// Grant mode `mw`: region MRs allow window binding and responder QPs can post binds.
     pub fn mw_grants(&self) -> bool {
         self.grant_mode == GrantMode::Mw
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse_name_port_and_gid() {
+        let d: DeviceSpec = "mlx5_0".parse().unwrap();
+        assert_eq!(d, DeviceSpec { name: "mlx5_0".into(), port: None, gid_index: None });
+        let d: DeviceSpec = "rxe0:1:3".parse().unwrap();
+        assert_eq!(d, DeviceSpec { name: "rxe0".into(), port: Some(1), gid_index: Some(3) });
+        assert_eq!(d.to_string(), "rxe0:1:3");
+        assert_eq!("mlx5_1:2".parse::<DeviceSpec>().unwrap().port, Some(2));
+        for bad in ["", ":1", "rxe0:0", "rxe0:x", "rxe0:1:y", "rxe0:1:1:1", "a b"] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn device_and_devices_together_are_refused() {
+        let opts = VerbsOptions { device: Some("rxe0".into()), devices: Some(vec!["rxe1".parse().unwrap()]), ..VerbsOptions::default() };
+        let e = opts.validate().unwrap_err().to_string();
+        assert!(e.contains("both verbs.device (rxe0) and verbs.devices (rxe1)"), "{e}");
+        let twice = VerbsOptions { devices: Some(vec!["rxe0".parse().unwrap(), "rxe0:1".parse().unwrap()]), ..VerbsOptions::default() };
+        assert!(twice.validate().unwrap_err().to_string().contains("listed twice"));
     }
 }
