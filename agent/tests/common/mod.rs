@@ -611,3 +611,35 @@ pub async fn subscribe(a: &Agent, region: &str, tag: Option<&[u8]>) -> tonic::St
 pub async fn next_note(s: &mut tonic::Streaming<pb::Notification>) -> pb::Notification {
     tokio::time::timeout(Duration::from_secs(30), s.message()).await.expect("a notification within 30 s").unwrap().expect("stream open")
 }
+
+impl Agent {
+    /// Starts an agent on `fabric` (`tcp`, `verbs`) with extra environment variables, listening on
+    /// 127.0.0.1 like [`Agent::start_env`] (a loopback listener names no RoCE netdev, so a verbs
+    /// agent picks each device's GID itself). For the device tests in the Soft-RoCE VM, where
+    /// agents run the verbs fabric on the devices the environment names.
+    pub fn start_fabric(name: &str, fabric: &str, env: &[(&str, &str)]) -> Agent {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        let log = state.with_extension(format!("{name}.log"));
+        let ready = state.with_extension(format!("{name}.ready"));
+        let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let child = Command::new(agent_bin())
+            .args(["--node-name", name, "--fabric", fabric, "--state-dir"])
+            .arg(&state)
+            .arg("--ready-file")
+            .arg(&ready)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .unwrap();
+        let mut a = Agent { name: name.into(), child: Some(child), ports: Ports::new(), state_dir: state, log, _tmp: Some(tmp) };
+        if let Err(logs) = a.wait_ready(&ready) {
+            panic!("agent {name} exited early: {logs}");
+        }
+        a
+    }
+}
