@@ -1,16 +1,18 @@
 //! Which paths of a leased connection a job uses, and how much each carries. A connection to a
 //! peer has one path per pair of devices that reach each other ([`Connection::paths`]); the
 //! [`PathBook`] remembers what each path moved (an EWMA of its rate, by peer and device pair) and
-//! how many bytes each local device has in flight, and asks the placement policy
+//! how many bytes each local device has in flight, which paths failed lately (a
+//! [`PathHealth`] each: one that keeps failing waits out a growing back-off as a standby, used
+//! only when no other path is up), and asks the placement policy
 //! ([`xfer_engine::placement::place`]) for the weights the machine stripes a job's chunks by.
 //! The policy is pure; this module only gathers its inputs and learns from each job's outcome.
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::transfer::job::qp_map;
 use xfer_engine::machine::Machine;
-use xfer_engine::paths::Rate;
+use xfer_engine::paths::{Backoff, PathHealth, Rate};
 use xfer_engine::placement::{place, DeviceFacts, PathView};
 use xfer_fabric::{Connection, DeviceInfo};
 
@@ -33,6 +35,8 @@ pub struct PathBook {
 struct BookState {
     /// Measured rate per (peer, local device, remote device).
     rates: HashMap<(String, String, String), Rate>,
+    /// Failures and back-off per (peer, local device, remote device).
+    health: HashMap<(String, String, String), PathHealth>,
     /// Bytes of running jobs per local device.
     in_flight: HashMap<String, u64>,
 }
@@ -47,6 +51,7 @@ impl PathBook {
     /// The plan for a job of `bytes` over `conn` to `peer`, from memory on NUMA node
     /// `region_numa`. A single-path connection gets the machine's defaults (one path).
     pub fn plan(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> PathPlan {
+        let now = Instant::now();
         let paths = conn.paths();
         let path_of = qp_map(&paths, conn.qps());
         if paths.len() <= 1 {
@@ -69,7 +74,7 @@ impl PathBook {
                 let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
                 PathView {
                     device,
-                    usable: true,
+                    usable: st.health.get(&key).is_none_or(|h| h.usable(now)),
                     rate: st.rates.get(&key).and_then(Rate::bytes_per_sec),
                     in_flight: st.in_flight.get(&p.local_device).copied().unwrap_or(0),
                 }
@@ -97,14 +102,23 @@ impl PathBook {
                 *n = n.saturating_sub(*b);
             }
         }
-        if plan.weights.is_empty() || elapsed.is_zero() {
+        if plan.weights.is_empty() {
             return;
         }
-        for (p, &bytes) in conn.paths().iter().zip(machine.path_bytes()) {
-            if bytes == 0 {
+        let now = Instant::now();
+        for (i, p) in conn.paths().iter().enumerate() {
+            let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
+            let bytes = machine.path_bytes().get(i).copied().unwrap_or(0);
+            if !machine.path_is_up(i) {
+                st.health.entry(key).or_insert_with(|| PathHealth::new(Backoff::default())).down(now);
                 continue;
             }
-            let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
+            if bytes == 0 || elapsed.is_zero() {
+                continue;
+            }
+            if let Some(h) = st.health.get_mut(&key) {
+                h.up(now);
+            }
             st.rates.entry(key).or_insert_with(Rate::default).update(bytes, elapsed);
         }
     }

@@ -49,7 +49,9 @@ impl FailureCode {
             FailureCode::Completion(RemAccessErr) => " (the peer refused access: outside the grant, wrong operation, expired or revoked)",
             FailureCode::Completion(RetryExcErr) => " (the peer stopped answering: dead agent, broken link or closed connection)",
             FailureCode::Completion(RnrRetryExcErr) => " (the peer's receive queue was not ready)",
-            FailureCode::NoPath => " (every path to the peer is down: a port or device failed on each of them; xferctl doctor shows the devices)",
+            FailureCode::NoPath => {
+                " (every path to the peer is down: a port or device failed on each of them; xferctl doctor shows the devices)"
+            }
             FailureCode::Completion(RemInvReqErr) => " (the peer rejected the request as invalid)",
             _ => "",
         }

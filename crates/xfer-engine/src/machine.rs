@@ -262,6 +262,11 @@ impl Machine {
         &self.path_bytes
     }
 
+    /// Whether `path` is still up (false for a path it does not have).
+    pub fn path_is_up(&self, path: usize) -> bool {
+        self.paths.get(path).is_some_and(|p| p.up)
+    }
+
     /// Paths still up.
     pub fn paths_up(&self) -> usize {
         self.paths.iter().filter(|p| p.up).count()
