@@ -58,6 +58,7 @@ pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
 pub const PATH_FAILOVERS: &str = "xfer_path_failovers_total";
 pub const PATH_REQUEUED: &str = "xfer_path_requeued_work_requests_total";
 pub const PATH_BYTES: &str = "xfer_path_bytes_total";
+pub const PATH_UP: &str = "xfer_path_up";
 
 /// Installs the Prometheus recorder, keeps its histograms drained, and describes every metric.
 /// Returns the handle that renders the exposition; the admin server ([`crate::admin`]) serves it,
@@ -106,6 +107,7 @@ pub fn describe() {
         Unit::Count,
         "Work requests taken back from a lost path and posted again on another, by local device."
     );
+    describe_gauge!(PATH_UP, Unit::Count, "Whether each path to each peer (local and remote device) is in use: 1 up, 0 lost lately and waiting out its back-off as a standby (used only when no other path is up); set after every job that used it.");
     describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
@@ -378,6 +380,15 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
 pub fn path_failover(local: &str, remote: &str, reason: &'static str, requeued: u32) {
     counter!(PATH_FAILOVERS, "local_device" => local.to_string(), "remote_device" => remote.to_string(), "reason" => reason).increment(1);
     counter!(PATH_REQUEUED, "local_device" => local.to_string()).increment(u64::from(requeued));
+}
+
+/// Whether a path to `peer` is up (1) or in its back-off (0).
+pub fn path_up(peer: &str, local: &str, remote: &str, up: bool) {
+    gauge!(PATH_UP, "peer" => peer_label(peer), "local_device" => local.to_string(), "remote_device" => remote.to_string()).set(if up {
+        1.0
+    } else {
+        0.0
+    });
 }
 
 /// Bytes a job moved over one path.

@@ -119,6 +119,7 @@ impl PathBook {
             let bytes = machine.path_bytes().get(i).copied().unwrap_or(0);
             if !machine.path_is_up(i) {
                 st.health.entry(key).or_insert_with(|| PathHealth::new(Backoff::default())).down(now);
+                crate::metrics::path_up(peer, &p.local_device, &p.remote_device, false);
                 continue;
             }
             if bytes == 0 || elapsed.is_zero() {
@@ -127,6 +128,7 @@ impl PathBook {
             if let Some(h) = st.health.get_mut(&key) {
                 h.up(now);
             }
+            crate::metrics::path_up(peer, &p.local_device, &p.remote_device, true);
             if machine.bytes_done() >= LEARN_MIN_BYTES {
                 st.rates.entry(key).or_insert_with(Rate::default).update(bytes, elapsed);
             }

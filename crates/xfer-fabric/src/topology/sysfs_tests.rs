@@ -208,3 +208,36 @@ fn fifos_and_directories_are_never_read() {
     let p = &read_devices(sys.root())[0].ports[0];
     assert_eq!((p.state.as_str(), p.link_layer.as_str(), p.rate_mbps), ("", "", Some(200_000)));
 }
+
+/// The placement policy over what a real two-socket, eight-NIC server's sysfs says: the devices'
+/// NUMA nodes and speeds come from the tree, a down port makes its path unusable, and a region's
+/// node picks the socket.
+#[test]
+fn placement_over_a_two_socket_eight_nic_tree() {
+    use xfer_engine::placement::{place, DeviceFacts, PathView};
+    let sys = FakeSysfs::new();
+    for i in 0..8u32 {
+        let dev = sys.pci_device(&format!("mlx5_{i}"), &format!("0000:{:02x}:00.0", 0x10 + i), if i < 4 { 0 } else { 1 });
+        let state = if i == 6 { "1: DOWN" } else { "4: ACTIVE" };
+        sys.port(&dev, 1, &PortSpec::roce(state, HDR, &format!("ens{i}np0")));
+    }
+    let topo = read_devices(sys.root());
+    let facts: Vec<DeviceFacts> = topo
+        .iter()
+        .map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.ports.first().and_then(|p| p.rate_mbps) })
+        .collect();
+    let paths: Vec<PathView> = topo
+        .iter()
+        .enumerate()
+        .map(|(i, d)| PathView { device: i, usable: d.ports.iter().any(|p| p.state == "ACTIVE"), rate: None, in_flight: 0 })
+        .collect();
+    // A 64 MiB job from socket 1's memory stays on socket 1's three live NICs.
+    let w = place(Some(1), &facts, &paths, 64 << 20);
+    assert_eq!(w, vec![0, 0, 0, 0, 1000, 1000, 0, 1000]);
+    // From socket 0: its four NICs.
+    assert_eq!(place(Some(0), &facts, &paths, 64 << 20), vec![1000, 1000, 1000, 1000, 0, 0, 0, 0]);
+    // 8 GiB from socket 1 would take 3 NICs' time alone: it spills to socket 0, whose NICs weigh
+    // 1/1.5 of a local one; the down NIC carries nothing.
+    let w = place(Some(1), &facts, &paths, 8 << 30);
+    assert_eq!(w, vec![667, 667, 667, 667, 1000, 1000, 0, 1000]);
+}
