@@ -145,8 +145,10 @@ impl Lease {
         &self.inner().connection_id
     }
 
+    /// The connection's QPs: on a fabric over several devices, the shape asked for on each path
+    /// times its paths (the pool matches idle connections by the shape asked, `PooledConn::qps`).
     pub fn qps(&self) -> usize {
-        self.inner().qps
+        self.inner().conn.qps()
     }
 
     /// The peer's instance id when the connection was negotiated.
