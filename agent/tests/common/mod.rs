@@ -637,6 +637,17 @@ impl Agent {
             .spawn()
             .unwrap();
         let mut a = Agent { name: name.into(), child: Some(child), ports: Ports::new(), state_dir: state, log, _tmp: Some(tmp) };
+        // A verbs agent on several emulated devices builds its prebuilt QPs on each before it
+        // serves: under TCG on a busy host that took over a minute, past `wait_ready`'s guard.
+        // The ready file is the synchronisation; this only bounds a hang.
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while !ready.exists() {
+            if let Some(Ok(Some(st))) = a.child.as_mut().map(|c| c.try_wait()) {
+                panic!("agent {name} exited early: {st}: {}", a.logs());
+            }
+            assert!(Instant::now() < deadline, "agent {name} not ready after 600 s: {}", a.logs());
+            std::thread::sleep(Duration::from_millis(10));
+        }
         if let Err(logs) = a.wait_ready(&ready) {
             panic!("agent {name} exited early: {logs}");
         }

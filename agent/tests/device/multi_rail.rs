@@ -251,9 +251,11 @@ async fn survives_link_down(op: pb::Op) {
     let rb = region(&b, "remote", BLOCKS, read.then_some(23)).await;
     let ra = region(&a, "local", BLOCKS, (!read).then_some(29)).await;
     let mut downed = Downed::new();
-    let before = tx_bytes(&l.a_net[1]);
+    // The data leaves through the source's end of the link: B's for a READ.
+    let data_net = if read { &l.b_net[1] } else { &l.a_net[1] };
+    let before = tx_bytes(data_net);
     let id = submit(&a, req(op, "local", &b, "remote", BLOCKS * MIB)).await;
-    let at = wait_moving_on(&a, &id, &l.a_net[1], before).await;
+    let at = wait_moving_on(&a, &id, data_net, before).await;
     downed.down(&l.a_net[1]);
     let first_dev = device_bytes(&a, &l.a[0]);
     let t = finish(&a, &id).await;
