@@ -12,7 +12,7 @@ use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
-use crate::transfer::job::{qp_map, Job, LatencyProbe, WrTemplate};
+use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
 use crate::transfer::Op;
 use xfer_engine::batch::Seg;
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
@@ -79,11 +79,11 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         segs,
         markers: Markers::None,
         chunk: piece,
-        qps: lease.qps(),
+        qps: lease.job_paths(op == WrOp::Read).0,
         depth,
         signal_every: node.transfer_defaults().signal_every,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
-        path_of: qp_map(&lease.conn().paths(), lease.qps()),
+        path_of: lease.job_paths(op == WrOp::Read).1,
         weights: Vec::new(),
     });
     let (buf, size) = (local.clone(), p.size);

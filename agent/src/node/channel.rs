@@ -30,7 +30,7 @@ use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::regions::RegionUse;
-use crate::transfer::job::{qp_map, Job, WrTemplate};
+use crate::transfer::job::{Job, WrTemplate};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
 use crate::transfer::Op;
 use xfer_engine::batch::{Batch, BatchError, Dest, SegmentSpec};
@@ -220,7 +220,7 @@ impl Node {
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
-            (Some(g), Some(l)) => (g.info.clone(), l.qps()),
+            (Some(g), Some(l)) => (g.info.clone(), l.job_paths(ask.op == RemoteOp::Read).0),
             _ => return Err(NodeError::Internal("channel accepted without a connection and a grant".into())),
         };
         if p.notify && grant.notify_slot & xfer_engine::notes::CHANNEL_BIT == 0 {
@@ -444,12 +444,12 @@ impl Channel {
         let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,
-            qps: lease.qps(),
+            qps: lease.job_paths(self.op == Op::Read).0,
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
-            path_of: qp_map(&lease.conn().paths(), lease.qps()),
+            path_of: lease.job_paths(self.op == Op::Read).1,
             weights: Vec::new(),
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };

@@ -211,10 +211,14 @@ impl Node {
                 Some(Command::Refuse(e)) => return Err(e),
                 Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
-                        let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
-                        s.set_paths(plan.path_of.clone(), plan.weights.clone());
-                        held.paths = Some(plan);
-                        let ev = Event::Leased { qps: l.qps(), reused: l.reused() };
+                        let read = ask.op == RemoteOp::Read;
+                        let (qps, _) = l.job_paths(read);
+                        if !read {
+                            let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                            s.set_paths(plan.path_of.clone(), plan.weights.clone());
+                            held.paths = Some(plan);
+                        }
+                        let ev = Event::Leased { qps, reused: l.reused() };
                         held.lease = Some(l);
                         ev
                     }
@@ -227,7 +231,8 @@ impl Node {
                     let peer = held.peer.clone();
                     let cid = lease.connection_id().clone();
                     // A notification waits for one marker per QP of this connection.
-                    let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, lease.qps() as u32)), ..*ask };
+                    let qps = lease.job_paths(ask.op == RemoteOp::Read).0;
+                    let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
                     match peer.call(|| peer.client.grant(&ask, me, &cid)).await {
                         Ok(g) if ask.notify.is_some() && g.notify_slot == 0 => {
                             // An agent that predates notifications ignores the ask: refuse

@@ -151,6 +151,19 @@ impl Lease {
         self.inner().conn.qps()
     }
 
+    /// The QPs a job uses and their paths (QP → path; empty: one path): every path's for a
+    /// WRITE, only the first path's for a READ. READs stay on one path until striping and
+    /// failing over READs is proven: on two Soft-RoCE links a READ over both lost a path with no
+    /// link down, and one that failed over to tcp reported success with a MiB that differed.
+    pub fn job_paths(&self, read: bool) -> (usize, std::sync::Arc<[usize]>) {
+        let conn = &self.inner().conn;
+        let paths = conn.paths();
+        match paths.first() {
+            Some(first) if read && paths.len() > 1 => (first.qps.len().max(1), std::sync::Arc::from([])),
+            _ => (conn.qps(), crate::transfer::job::qp_map(&paths, conn.qps())),
+        }
+    }
+
     /// The peer's instance id when the connection was negotiated.
     pub fn instance_id(&self) -> &str {
         &self.inner().instance_id
