@@ -153,7 +153,7 @@ impl GrantTable {
             c.base_imm = CHANNEL_BIT | slot << 16;
         }
         let grant = Arc::new(grant);
-        if let RemoteKey::Token(t) = grant.exposure.key {
+        for t in tokens(&grant.exposure.key) {
             g.by_token.insert(t, grant.clone());
         }
         if let Some(n) = &grant.notify {
@@ -248,7 +248,7 @@ impl GrantTable {
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(grant) = g.by_id.remove(&id) {
-                if let RemoteKey::Token(t) = grant.exposure.key {
+                for t in tokens(&grant.exposure.key) {
                     g.by_token.remove(&t);
                 }
                 if let Some(n) = &grant.notify {
@@ -268,6 +268,15 @@ impl GrantTable {
             grant.gate.revoke();
         }
         out
+    }
+}
+
+/// The tcp tokens in a grant's key: its token, or a verbs grant's tcp fallback token.
+fn tokens(key: &RemoteKey) -> Vec<[u8; 16]> {
+    match key {
+        RemoteKey::Token(t) => vec![*t],
+        RemoteKey::Each(keys) => keys.iter().flat_map(tokens).collect(),
+        RemoteKey::Rkey(_) | RemoteKey::PerQp(_) => Vec::new(),
     }
 }
 

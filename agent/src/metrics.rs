@@ -58,6 +58,7 @@ pub const CHANNEL_BATCHES: &str = "xfer_channel_batches_total";
 pub const PATH_FAILOVERS: &str = "xfer_path_failovers_total";
 pub const PATH_REQUEUED: &str = "xfer_path_requeued_work_requests_total";
 pub const PATH_BYTES: &str = "xfer_path_bytes_total";
+pub const TRANSFER_FALLBACKS: &str = "xfer_transfer_fallbacks_total";
 
 /// Installs the Prometheus recorder, keeps its histograms drained, and describes every metric.
 /// Returns the handle that renders the exposition; the admin server ([`crate::admin`]) serves it,
@@ -106,6 +107,7 @@ pub fn describe() {
         Unit::Count,
         "Work requests taken back from a lost path and posted again on another, by local device."
     );
+    describe_counter!(TRANSFER_FALLBACKS, Unit::Count, "Transfers whose bytes went over the tcp fallback path (transfer.fallback = tcp) because every RDMA path of their connection was lost.");
     describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
@@ -378,6 +380,11 @@ pub fn work_requests(writes: u64, reads: u64, notifies: u64) {
 pub fn path_failover(local: &str, remote: &str, reason: &'static str, requeued: u32) {
     counter!(PATH_FAILOVERS, "local_device" => local.to_string(), "remote_device" => remote.to_string(), "reason" => reason).increment(1);
     counter!(PATH_REQUEUED, "local_device" => local.to_string()).increment(u64::from(requeued));
+}
+
+/// A transfer fell back to tcp (its standby path carried bytes).
+pub fn transfer_fallback() {
+    counter!(TRANSFER_FALLBACKS).increment(1);
 }
 
 /// Bytes a job moved over one path.

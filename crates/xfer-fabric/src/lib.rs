@@ -170,6 +170,10 @@ pub enum RemoteKey {
     PerQp(Arc<[u32]>),
     /// tcp: unguessable 128-bit grant token, checked on every frame
     Token([u8; 16]),
+    /// A verbs fabric with a tcp fallback rail: one key per QP of the grantee's connection, each
+    /// in its own path's form (an rkey for a device's QPs, the tcp token for the fallback's).
+    /// Only made when the connection has a tcp rail; otherwise `PerQp` says the same in less.
+    Each(Arc<[RemoteKey]>),
 }
 
 impl fmt::Debug for RemoteKey {
@@ -179,6 +183,7 @@ impl fmt::Debug for RemoteKey {
             RemoteKey::Rkey(_) => f.write_str("Rkey(..)"),
             RemoteKey::PerQp(k) => write!(f, "PerQp({} keys)", k.len()),
             RemoteKey::Token(_) => f.write_str("Token(..)"),
+            RemoteKey::Each(k) => write!(f, "Each({} keys)", k.len()),
         }
     }
 }
@@ -299,6 +304,21 @@ pub enum Endpoint {
         address: SocketAddr,
         secret: Option<DataSecret>,
     },
+}
+
+impl Endpoint {
+    /// What an initiator with a tcp fallback adds to its verbs endpoints in `Peer.Connect`: "open
+    /// a tcp rail too". A tcp endpoint without address or secret, which no tcp responder ever
+    /// answers with; a responder that has a fallback accepts it on its tcp fabric under the same
+    /// connection id and answers its own tcp endpoint, one without leaves it out.
+    pub fn tcp_fallback_request() -> Endpoint {
+        Endpoint::Tcp { address: SocketAddr::from(([0, 0, 0, 0], 0)), secret: None }
+    }
+
+    /// Whether this is [`Endpoint::tcp_fallback_request`].
+    pub fn is_tcp_fallback_request(&self) -> bool {
+        matches!(self, Endpoint::Tcp { address, secret: None } if address.port() == 0 && address.ip().is_unspecified())
+    }
 }
 
 /// The per-connection secret of a tcp data connection (handed out by an authenticated
@@ -452,6 +472,9 @@ pub struct PathInfo {
     pub remote_device: String,
     /// The connection's QPs on this path (QP indices are the connection's, in `0..qps()`).
     pub qps: std::ops::Range<usize>,
+    /// A fallback path (the tcp rail of a verbs connection): never given a weight, used only
+    /// when no other path is up.
+    pub standby: bool,
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
@@ -460,7 +483,7 @@ pub trait Connection: Send + Sync {
     /// The connection's paths, in QP order: together their `qps` ranges cover `0..qps()` without
     /// overlap. The default is one path over every QP (a single-device or tcp connection).
     fn paths(&self) -> Vec<PathInfo> {
-        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps() }]
+        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false }]
     }
     /// True when the pool should replace this connection once it is idle: it is broken, or a path
     /// it lacks (a device that was down when it was made) is usable again. Default: broken.
