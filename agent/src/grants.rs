@@ -446,3 +446,17 @@ impl AccessCheck for GrantTable {
         Ok(Checked { memory: mem, offset, gate: grant.gate.clone() })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fallback_token_inside_a_per_qp_key_is_looked_up_like_a_tcp_grant() {
+        let each = RemoteKey::Each(vec![RemoteKey::Rkey(1), RemoteKey::Rkey(2), RemoteKey::Token([3; 16])].into());
+        assert_eq!(tokens(&each), vec![[3; 16]]);
+        assert_eq!(tokens(&RemoteKey::Token([4; 16])), vec![[4; 16]]);
+        assert!(tokens(&RemoteKey::PerQp(vec![1, 2].into())).is_empty());
+        assert!(tokens(&RemoteKey::Rkey(1)).is_empty());
+    }
+}

@@ -15,6 +15,7 @@
 mod common;
 
 mod conformance;
+mod fallback;
 mod multi_rail;
 mod verbs_mw;
 mod verbs_security;

@@ -248,4 +248,28 @@ mod tests {
         v.rail = MAX_QPS_PER_CONNECTION as u32;
         assert!(bad(&v).contains("rail"));
     }
+
+    #[test]
+    fn a_tcp_fallback_request_crosses_the_wire_as_itself() {
+        let req = Endpoint::tcp_fallback_request();
+        let back = endpoint_from_pb(&endpoint_to_pb(&req)).unwrap();
+        assert!(back.is_tcp_fallback_request(), "{back:?}");
+    }
+
+    #[test]
+    fn a_key_with_a_fallback_token_crosses_the_wire_whole() {
+        let each: Vec<RemoteKey> = vec![RemoteKey::Rkey(5), RemoteKey::Rkey(6), RemoteKey::Token([9; 16])];
+        let (qp_rkeys, fallback_token) = each_to_pb(&each);
+        assert_eq!((qp_rkeys.clone(), fallback_token.len()), (vec![5, 6], 16));
+        let r = pb::GrantResponse { grant_id: "g-1".into(), qp_rkeys, fallback_token, length: 4096, ..Default::default() };
+        let back = super::super::calls::grant_info_from_pb(r.clone()).unwrap();
+        assert!(back.key == RemoteKey::Each(each.into()));
+        // A token without the devices' keys, or of the wrong size, is refused.
+        let mut bad = r.clone();
+        bad.qp_rkeys.clear();
+        assert!(super::super::calls::grant_info_from_pb(bad).is_err());
+        let mut bad = r;
+        bad.fallback_token = vec![1; 15];
+        assert!(super::super::calls::grant_info_from_pb(bad).is_err());
+    }
 }

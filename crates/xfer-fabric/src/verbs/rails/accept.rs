@@ -303,6 +303,12 @@ mod tests {
         // One rail: as it is, unchecked (what a single-device initiator sends).
         let (eps, rail) = one_rail(ours.clone(), &offer[..2]).unwrap();
         assert_eq!((eps.len(), rail), (2, None));
+        // A tcp fallback request is left out: a single device has no fallback to answer it with.
+        let with_tcp = [offer[0].clone(), offer[1].clone(), Endpoint::tcp_fallback_request()];
+        let (eps, rail) = one_rail(ours.clone(), &with_tcp).unwrap();
+        assert_eq!((eps, rail), (offer[..2].to_vec(), None));
+        let (eps, rail) = one_rail(ours.clone(), &[offer.to_vec(), vec![Endpoint::tcp_fallback_request()]].concat()).unwrap();
+        assert_eq!((eps, rail), (offer[2..].to_vec(), Some(1)));
         let far = [ep(0, [10, 0, 5, 1], 1), ep(1, [10, 0, 6, 1], 2)];
         let e = one_rail(ours, &far).unwrap_err().to_string();
         assert!(e.contains("reaches none") && e.contains("10.0.5.1/24"), "{e}");
