@@ -17,6 +17,12 @@ use xfer_engine::paths::{Backoff, PathHealth, Rate};
 use xfer_engine::placement::{place, DeviceFacts, PathView};
 use xfer_fabric::{Connection, DeviceInfo};
 
+/// Jobs smaller than this teach no rate. A small job is latency-bound: its split between paths
+/// follows the weights it was given, so learning from it would feed the weights back into
+/// themselves and starve a path that once got less. A large one keeps every path's window full,
+/// where each path carries what its own completions allow, which is what it can carry.
+pub const LEARN_MIN_BYTES: u64 = 16 << 20;
+
 /// The QP → path map and the per-path weights of one job (what `Session::set_paths` takes).
 pub struct PathPlan {
     pub path_of: Arc<[usize]>,
@@ -113,8 +119,10 @@ impl PathBook {
         PathPlan { path_of, weights: spread(&weights), charged }
     }
 
-    /// Learns from a job that ran `elapsed` under `plan`: each path's rate from the bytes it
-    /// carried, and the job's bytes leave the devices' in-flight count.
+    /// Learns from a job that ran `elapsed` under `plan`: which paths it lost (their health goes
+    /// down, a back-off starts) and which carried bytes (up again), each path's rate from the
+    /// bytes it carried in a job of at least [`LEARN_MIN_BYTES`], and the job's bytes leave the
+    /// devices' in-flight count.
     pub fn learn(&self, peer: &str, conn: &dyn Connection, plan: &PathPlan, machine: &Machine, elapsed: Duration) {
         let Ok(mut st) = self.state.lock() else { return };
         for (dev, b) in &plan.charged {
@@ -143,13 +151,112 @@ impl PathBook {
             if let Some(h) = st.health.get_mut(&key) {
                 h.up(now);
             }
-            st.rates.entry(key).or_insert_with(Rate::default).update(bytes, elapsed);
+            if machine.bytes_done() >= LEARN_MIN_BYTES {
+                st.rates.entry(key).or_insert_with(Rate::default).update(bytes, elapsed);
+            }
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{PathBook, LEARN_MIN_BYTES};
+    use xfer_engine::batch::Seg;
+    use xfer_engine::machine::{Machine, MachineConfig, Markers};
+    use xfer_engine::status::WcStatus;
+    use xfer_fabric::{Connection, DeviceInfo, FabricError, PathInfo, WorkRequest};
+
+    /// Two paths of two QPs each, rxe0→rxe1 and rxe2→rxe3; nothing is ever posted.
+    struct TwoPaths;
+
+    impl Connection for TwoPaths {
+        fn qps(&self) -> usize {
+            4
+        }
+        fn paths(&self) -> Vec<PathInfo> {
+            vec![
+                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2, standby: false },
+                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4, standby: false },
+            ]
+        }
+        fn post(&self, _qp: usize, _wr: WorkRequest) -> Result<(), FabricError> {
+            Err(FabricError::QpBroken)
+        }
+        fn is_broken(&self) -> bool {
+            false
+        }
+        fn close(&self) {}
+    }
+
+    fn book() -> PathBook {
+        PathBook::new(&[DeviceInfo { name: "rxe0".into(), ..Default::default() }, DeviceInfo { name: "rxe2".into(), ..Default::default() }])
+    }
+
+    /// Runs a machine of `bytes` over the plan's paths; `kill` fails path 1's first completion.
+    fn run(book: &PathBook, bytes: u64, kill: bool) -> Machine {
+        let plan = book.plan("peer", &TwoPaths, None, bytes);
+        let mut m = Machine::new(MachineConfig {
+            segs: Arc::from([Seg { local: 0, remote: 0, len: bytes }]),
+            chunk: 1 << 20,
+            qps: 4,
+            depth: 4,
+            signal_every: 1,
+            deadline: None,
+            markers: Markers::None,
+            path_of: plan.path_of.clone(),
+            weights: plan.weights.clone(),
+        });
+        let mut killed = false;
+        while !m.is_done() {
+            let posts: Vec<_> = std::iter::from_fn(|| m.poll_transmit()).collect();
+            assert!(!posts.is_empty() || m.outstanding() > 0, "stalled");
+            for p in posts {
+                let fail = kill && !killed && p.qp >= 2;
+                killed |= fail;
+                m.handle_completion(p.qp, p.seq, if fail { WcStatus::RetryExcErr } else { WcStatus::Success });
+            }
+        }
+        book.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(100));
+        m
+    }
+
+    #[test]
+    fn both_paths_carry_a_large_job_and_a_lost_one_waits_as_a_standby() {
+        let b = book();
+        let plan = b.plan("peer", &TwoPaths, None, 64 << 20);
+        assert_eq!(&plan.path_of[..], &[0, 0, 1, 1]);
+        assert!(plan.weights.iter().all(|&w| w > 0), "both paths chosen: {:?}", plan.weights);
+        b.learn("peer", &TwoPaths, &plan, &run(&b, 0, false), Duration::ZERO);
+
+        let m = run(&b, LEARN_MIN_BYTES, true);
+        assert_eq!(m.bytes_done(), LEARN_MIN_BYTES, "the job completed on the path left");
+        assert!(!m.path_is_up(1));
+        // The lost path is in its back-off: a standby (weight 0) for the next job, never chosen.
+        let next = b.plan("peer", &TwoPaths, None, 64 << 20);
+        assert!(next.weights[0] > 0 && next.weights[1] == 0, "{:?}", next.weights);
+        // Another peer's paths over the same devices are not held against it.
+        let other = b.plan("other", &TwoPaths, None, 64 << 20);
+        assert!(other.weights.iter().all(|&w| w > 0), "{:?}", other.weights);
+    }
+
+    #[test]
+    fn in_flight_bytes_are_charged_per_device_and_given_back() {
+        let b = book();
+        let plan = b.plan("peer", &TwoPaths, None, 1 << 30);
+        let charged: u64 = b.state.lock().unwrap().in_flight.values().sum();
+        assert!(charged > (1 << 30) - 2 && charged <= 1 << 30, "{charged}");
+        let m = run(&b, 1 << 20, false);
+        b.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(10));
+        assert_eq!(b.state.lock().unwrap().in_flight.values().sum::<u64>(), 0);
+    }
+}
+
+/// A standby path (the tcp fallback) beside RDMA paths.
+#[cfg(test)]
+mod standby_tests {
     use super::*;
     use xfer_fabric::{FabricError, PathInfo, WorkRequest};
 

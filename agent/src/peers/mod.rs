@@ -145,8 +145,11 @@ impl Lease {
         &self.inner().connection_id
     }
 
+    /// The connection's QPs, every path's: what the machine posts on and sends markers over. A
+    /// connection over several devices (and a tcp fallback) has more than were asked for
+    /// (`transfer.qps` per device), and the pool matches idle ones by the number asked.
     pub fn qps(&self) -> usize {
-        self.inner().qps
+        self.inner().conn.qps()
     }
 
     /// The peer's instance id when the connection was negotiated.

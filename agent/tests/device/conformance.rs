@@ -1023,16 +1023,18 @@ impl Drop for LinkDown {
     }
 }
 
-/// Waits (bounded, to fail rather than hang) until `states` says `device` is `up`.
+/// Waits (bounded, to fail rather than hang) until the fabric reports a device change after
+/// `changes` was taken and then says `device` is `up`. The change is what the event handler
+/// publishes once it has acted on the event (failed the connection parts); the port state alone
+/// may say "down" before the handler has run.
 #[cfg(feature = "verbs")]
-async fn device_becomes(fabric: &xfer_fabric::verbs::RailsFabric, device: &str, up: bool) {
-    let mut changes = fabric.state_changes();
+async fn device_becomes(fabric: &xfer_fabric::verbs::RailsFabric, changes: &mut tokio::sync::watch::Receiver<u64>, device: &str, up: bool) {
     let seen = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
+            changes.changed().await.unwrap();
             if fabric.device_states().iter().any(|s| s.name == device && s.up == up) {
                 return;
             }
-            changes.changed().await.unwrap();
         }
     })
     .await;
@@ -1070,8 +1072,10 @@ async fn rails_a_link_that_goes_down_leaves_new_connections_and_comes_back() {
     assert_eq!(both.paths().len(), 2);
     let gw = grant(&b, "dst", 0, 1 << 18, RemoteOp::Write, None).await;
     let second = var("A2_DEV");
+    // Taken before the link changes, so the change it makes is seen however soon it comes.
+    let mut changes = rails.state_changes();
     let down = LinkDown::new(&var("A2_NETDEV"));
-    device_becomes(&rails, &second, false).await;
+    device_becomes(&rails, &mut changes, &second, false).await;
     // The down device's part was moved to ERR: posting there is refused, the other path works.
     assert!(both.is_broken(), "a connection with a failed path reports it");
     assert!(both.post(2, wr(1, WrOp::Write, &src, 0, 4096, &gw, 0, true)).is_err());
@@ -1083,8 +1087,9 @@ async fn rails_a_link_that_goes_down_leaves_new_connections_and_comes_back() {
     let paths: Vec<(String, String)> = one.paths().into_iter().map(|p| (p.local_device, p.remote_device)).collect();
     assert_eq!(paths, vec![(var("A_DEV"), var("B_DEV"))]);
     assert!(!one.wants_reconnect(), "nothing better is available while the link is down");
+    let mut changes = rails.state_changes();
     drop(down);
-    device_becomes(&rails, &second, true).await;
+    device_becomes(&rails, &mut changes, &second, true).await;
     assert!(one.wants_reconnect(), "a device it lacks is up again: the pool should replace it");
     // Held back by the agent, an up device is left out as well; released, it is used again.
     assert!(a.fabric.hold_back(&second, true));

@@ -11,7 +11,9 @@
 use xfer_proto::v1 as pb;
 
 use crate::common::{labelled, metric, scrape, Agent};
-use crate::multi_rail::{assert_verified, device_bytes, finish, links, region, req, submit, wait_moving_on, Downed, Links, MIB};
+use crate::multi_rail::{
+    assert_blocks, assert_succeeded, device_bytes, finish, links, region, req, submit, tx_bytes, wait_moving_on, Downed, Links, MIB,
+};
 
 /// Agents A and B on both of their devices, each with the tcp fallback on.
 fn agents_with_fallback(l: &Links) -> (Agent, Agent) {
@@ -31,12 +33,13 @@ fn tcp_path_bytes(a: &Agent) -> f64 {
 async fn with_links_up_nothing_goes_over_the_tcp_fallback() {
     let l = links();
     let (a, b) = agents_with_fallback(&l);
-    region(&a, "src", 64, Some(51)).await;
+    let base = region(&a, "src", 64, Some(51)).await;
     region(&b, "dst", 64, None).await;
     let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.fallback, "tcp", "{info:?}");
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 64 * MIB)).await).await;
-    assert_verified(&t, &a);
+    assert_succeeded(&t, &a);
+    assert_blocks(&b, "dst", &base, 64).await;
     assert!(!t.fallback, "a transfer with its RDMA paths up fell back: {t:?}");
     assert_eq!(tcp_path_bytes(&a), 0.0, "bytes over tcp while RDMA was up: {}", scrape(&a));
     for d in &l.a {
@@ -50,16 +53,21 @@ async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let (a, b) = agents_with_fallback(&l);
     const BLOCKS: u64 = 512;
     let read = op == pb::Op::Read;
-    region(&b, "remote", BLOCKS, read.then_some(53)).await;
-    region(&a, "local", BLOCKS, (!read).then_some(59)).await;
+    let rb = region(&b, "remote", BLOCKS, read.then_some(53)).await;
+    let ra = region(&a, "local", BLOCKS, (!read).then_some(59)).await;
     let mut downed = Downed::new();
-    let before = device_bytes(&a, &l.a[1]);
+    let before = tx_bytes(&l.a_net[1]);
     let id = submit(&a, req(op, "local", &b, "remote", BLOCKS * MIB)).await;
-    let at = wait_moving_on(&a, &id, &l.a[1], before).await;
+    let at = wait_moving_on(&a, &id, &l.a_net[1], before).await;
     downed.down(&l.a_net[0]);
     downed.down(&l.a_net[1]);
     let t = finish(&a, &id).await;
-    assert_verified(&t, &a);
+    assert_succeeded(&t, &a);
+    if read {
+        assert_blocks(&a, "local", &rb, BLOCKS).await;
+    } else {
+        assert_blocks(&b, "remote", &ra, BLOCKS).await;
+    }
     let (tcp, counted) = (tcp_path_bytes(&a), metric(&scrape(&a), "xfer_transfer_fallbacks_total"));
     println!(
         "{op:?} {BLOCKS} MiB: both links down at {} MiB; completed in {:.1} s, {tcp} bytes over tcp",

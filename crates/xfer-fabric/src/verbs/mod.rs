@@ -74,6 +74,19 @@ impl From<xfer_rdma::VerbsError> for FabricError {
 #[cfg(feature = "verbs")]
 pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
     let devices = probe(opts).map_err(|e| e.to_string())?;
+    if let Some(list) = &opts.devices {
+        // The fabric opens every listed device or none.
+        let port = |s: &DeviceSpec| u32::from(s.port.unwrap_or(opts.port));
+        let unusable: Vec<String> = list
+            .iter()
+            .filter(|s| !devices.iter().any(|d| d.name == s.name && d.port == port(s) && usable(d)))
+            .map(|s| format!("{} port {}", s.name, port(s)))
+            .collect();
+        if !unusable.is_empty() {
+            return Err(format!("listed RDMA devices without an active port and a usable GID: {}", unusable.join(", ")));
+        }
+        return Ok(list.iter().map(|s| format!("{} port {}", s.name, port(s))).collect::<Vec<_>>().join(", "));
+    }
     if devices.is_empty() {
         return Err("no RDMA devices found".into());
     }

@@ -1,12 +1,12 @@
 //! [`RailsFabric`]: one verbs fabric over every device of the node. Each device keeps its own
 //! single-device [`VerbsFabric`] (context, PD, prebuilt pool, accepted index); this fabric
 //! composes them:
-//! * a registration is one MR per device ([`register`]);
+//! * a registration is one MR per device (`register`);
 //! * a connection is one part per *rail*, a local device matched one to one with a peer's device
 //!   it reaches ([`reach`]): the initiator offers one group of QPs per device whose port is up
-//!   ([`pending`]), the responder answers the groups its devices reach ([`accept`]), and the
+//!   (`pending`), the responder answers the groups its devices reach (`accept`), and the
 //!   initiator's connection numbers the QPs rail after rail and routes each post to its device
-//!   ([`connection`]), telling the transfer machine which QPs share a path (`Connection::paths`);
+//!   (`connection`), telling the transfer machine which QPs share a path (`Connection::paths`);
 //! * a grant is exposed on every device that carries a rail of the grantee's connection, with
 //!   one key per QP (`RemoteKey::PerQp`), so grants always need the connection.
 //!
