@@ -51,14 +51,16 @@ async fn with_links_up_nothing_goes_over_the_tcp_fallback() {
 async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let l = links();
     let (a, b) = agents_with_fallback(&l);
-    const BLOCKS: u64 = 512;
+    const BLOCKS: u64 = 256;
     let read = op == pb::Op::Read;
     let rb = region(&b, "remote", BLOCKS, read.then_some(53)).await;
     let ra = region(&a, "local", BLOCKS, (!read).then_some(59)).await;
     let mut downed = Downed::new();
-    let before = tx_bytes(&l.a_net[1]);
+    // The data leaves from the source's end of the second link: B's for a READ.
+    let carrier = if read { &l.b_net[1] } else { &l.a_net[1] };
+    let before = tx_bytes(carrier);
     let id = submit(&a, req(op, "local", &b, "remote", BLOCKS * MIB)).await;
-    let at = wait_moving_on(&a, &id, &l.a_net[1], before).await;
+    let at = wait_moving_on(&a, &id, carrier, before).await;
     downed.down(&l.a_net[0]);
     downed.down(&l.a_net[1]);
     let t = finish(&a, &id).await;
