@@ -178,6 +178,9 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
             }
             Err(why) => {
                 info!(reason = %why, "auto: no usable RDMA device; using the tcp fabric");
+                if cfg.transfer.fallback == Fallback::Tcp {
+                    info!("transfer.fallback = tcp means nothing on the tcp fabric (every path is tcp already); ignored");
+                }
                 return Ok((open_tcp(cfg, grants, tls).await?, format!("auto: {why}; using tcp")));
             }
         },
@@ -248,7 +251,8 @@ fn local_addr(key: &'static str, configured: SocketAddr, l: &TcpListener) -> Res
 
 /// What the agent bound, as written to `ready_file`: JSON
 /// `{"grpc": "IP:PORT", "data": "IP:PORT" | null, "metrics": "IP:PORT", "health": "IP:PORT" | null,
-/// "unix": "PATH" | null}` (`data`: the tcp fabric's data listener; null on verbs. `health`: null
+/// "unix": "PATH" | null}` (`data`: the tcp fabric's data listener, also a verbs agent's with
+/// `transfer.fallback = tcp`; null on verbs otherwise. `health`: null
 /// unless `health_listen`; `unix`: null unless `unix_listen`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Bound {
