@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::{Config, FabricChoice};
+use crate::config::{Config, FabricChoice, Fallback};
 use crate::grants::GrantTable;
 use crate::node::Node;
 use crate::service::tls::TlsMaterial;
@@ -178,14 +178,28 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
             }
             Err(why) => {
                 info!(reason = %why, "auto: no usable RDMA device; using the tcp fabric");
+                if cfg.transfer.fallback == Fallback::Tcp {
+                    info!("transfer.fallback = tcp means nothing on the tcp fabric (every path is tcp already); ignored");
+                }
                 return Ok((open_tcp(cfg, grants, tls).await?, format!("auto: {why}; using tcp")));
             }
         },
     };
     if want_verbs {
-        let f = xfer_fabric::verbs::open_fabric(cfg.verbs_options(), grants.clone()).map_err(StartError::Fabric)?;
+        // The fallback's data listener serves like a tcp agent's (same limits, same TLS); on a
+        // real node it binds the node's primary network (`data_listen`), not an RDMA link.
+        let fallback = match cfg.transfer.fallback {
+            Fallback::Never => None,
+            Fallback::Tcp => Some(open_tcp(cfg, grants, tls).await?),
+        };
+        let with_tcp = fallback.is_some();
+        let f = xfer_fabric::verbs::open_fabric_with_fallback(cfg.verbs_options(), grants.clone(), fallback).map_err(StartError::Fabric)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
-        return Ok((f, reason.to_string()));
+        let reason = if with_tcp { format!("{reason}, tcp fallback") } else { reason.to_string() };
+        return Ok((f, reason));
+    }
+    if cfg.transfer.fallback == Fallback::Tcp {
+        info!("transfer.fallback = tcp means nothing on the tcp fabric (every path is tcp already); ignored");
     }
     Ok((open_tcp(cfg, grants, tls).await?, "configured: tcp".to_string()))
 }
@@ -237,7 +251,8 @@ fn local_addr(key: &'static str, configured: SocketAddr, l: &TcpListener) -> Res
 
 /// What the agent bound, as written to `ready_file`: JSON
 /// `{"grpc": "IP:PORT", "data": "IP:PORT" | null, "metrics": "IP:PORT", "health": "IP:PORT" | null,
-/// "unix": "PATH" | null}` (`data`: the tcp fabric's data listener; null on verbs. `health`: null
+/// "unix": "PATH" | null}` (`data`: the tcp fabric's data listener, also a verbs agent's with
+/// `transfer.fallback = tcp`; null on verbs otherwise. `health`: null
 /// unless `health_listen`; `unix`: null unless `unix_listen`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Bound {

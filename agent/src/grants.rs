@@ -153,7 +153,7 @@ impl GrantTable {
             c.base_imm = CHANNEL_BIT | slot << 16;
         }
         let grant = Arc::new(grant);
-        if let RemoteKey::Token(t) = grant.exposure.key {
+        for t in tokens(&grant.exposure.key) {
             g.by_token.insert(t, grant.clone());
         }
         if let Some(n) = &grant.notify {
@@ -248,7 +248,7 @@ impl GrantTable {
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(grant) = g.by_id.remove(&id) {
-                if let RemoteKey::Token(t) = grant.exposure.key {
+                for t in tokens(&grant.exposure.key) {
                     g.by_token.remove(&t);
                 }
                 if let Some(n) = &grant.notify {
@@ -268,6 +268,15 @@ impl GrantTable {
             grant.gate.revoke();
         }
         out
+    }
+}
+
+/// The tcp tokens in a grant's key: its token, or a verbs grant's tcp fallback token.
+fn tokens(key: &RemoteKey) -> Vec<[u8; 16]> {
+    match key {
+        RemoteKey::Token(t) => vec![*t],
+        RemoteKey::Each(keys) => keys.iter().flat_map(tokens).collect(),
+        RemoteKey::Rkey(_) | RemoteKey::PerQp(_) => Vec::new(),
     }
 }
 
@@ -435,5 +444,19 @@ impl AccessCheck for GrantTable {
         let offset = addr - mem.addr();
         mem.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
         Ok(Checked { memory: mem, offset, gate: grant.gate.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fallback_token_inside_a_per_qp_key_is_looked_up_like_a_tcp_grant() {
+        let each = RemoteKey::Each(vec![RemoteKey::Rkey(1), RemoteKey::Rkey(2), RemoteKey::Token([3; 16])].into());
+        assert_eq!(tokens(&each), vec![[3; 16]]);
+        assert_eq!(tokens(&RemoteKey::Token([4; 16])), vec![[4; 16]]);
+        assert!(tokens(&RemoteKey::PerQp(vec![1, 2].into())).is_empty());
+        assert!(tokens(&RemoteKey::Rkey(1)).is_empty());
     }
 }

@@ -119,6 +119,7 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "notify": t.notify.as_deref().map(tag_json),
         "paths": t.paths,
         "failovers": t.failovers,
+        "fallback": t.fallback,
     })
 }
 
@@ -210,6 +211,7 @@ pub fn info_json(i: &AgentInfo) -> Value {
         "data_address": i.data_address,
         "regions": i.regions,
         "registered_bytes": i.registered_bytes,
+        "fallback": i.fallback,
     })
 }
 
@@ -454,6 +456,9 @@ pub fn transfer_detail(t: &Transfer) -> String {
             n => format!(" ({n} lost mid-transfer: it ran degraded, every byte landed on the others)"),
         };
         kv("paths:", format!("{}{lost}", t.paths));
+    }
+    if t.fallback {
+        kv("fallback:", "fell back to tcp (every RDMA path was lost)".into());
     }
     if t.verified {
         kv("verified:", format!("yes (checksum {:#018x})", t.checksum));

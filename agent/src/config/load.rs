@@ -275,6 +275,21 @@ mod tests {
     }
 
     #[test]
+    fn transfer_fallback_is_never_by_default_and_tcp_from_file_or_env() {
+        use crate::config::Fallback;
+        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().transfer.fallback, Fallback::Never);
+        let env = vec![("XFER_TRANSFER__FALLBACK".to_string(), "tcp".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().transfer.fallback, Fallback::Tcp);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "[transfer]\nfallback = \"tcp\"\n").unwrap();
+        assert_eq!(Config::load(Some(&f), vec![], &Overrides::default()).unwrap().transfer.fallback, Fallback::Tcp);
+        let env = vec![("XFER_TRANSFER__FALLBACK".to_string(), "rdma".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("fallback") && e.problem.contains("never, tcp"), "{e}");
+    }
+
+    #[test]
     fn printed_config_loads_back_unchanged() {
         let c = Config::load(None, Vec::new(), &Overrides { node_name: Some("n1".into()), ..Default::default() }).unwrap();
         let dir = tempfile::tempdir().unwrap();

@@ -25,7 +25,7 @@ pub use load::Overrides;
 pub use perms::FileMode;
 pub use regions::RegionsConfig;
 pub use root::Config;
-pub use sections::{FabricChoice, GrantsConfig, LogConfig, LogFormat, ShutdownConfig, TlsConfig, TransferConfig};
+pub use sections::{FabricChoice, Fallback, GrantsConfig, LogConfig, LogFormat, ShutdownConfig, TlsConfig, TransferConfig};
 pub use verbs::VerbsConfig;
 
 /// Sizes (`4KiB`, `1.5GiB`, `16Gi`) and durations (`30s`) in the grammar xferctl's flags use too.

@@ -30,6 +30,34 @@ impl TryFrom<String> for FabricChoice {
     }
 }
 
+/// What a verbs agent does when every RDMA path of a connection is lost (`transfer.fallback`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase", try_from = "String")]
+pub enum Fallback {
+    /// The transfer fails: nothing silently moves to TCP.
+    #[default]
+    Never,
+    /// The agent also serves its tcp data listener, and every verbs connection carries a tcp
+    /// path as a standby, used only when no RDMA path is up.
+    Tcp,
+}
+
+impl TryFrom<String> for Fallback {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        one_of(&s, &[("never", Fallback::Never), ("tcp", Fallback::Tcp)])
+    }
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Fallback::Never => "never",
+            Fallback::Tcp => "tcp",
+        })
+    }
+}
+
 impl TryFrom<String> for LogFormat {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
@@ -59,6 +87,8 @@ pub struct TransferConfig {
     pub max_segments: usize,
     /// Largest notification tag this agent sends or accepts, in bytes.
     pub max_notify_bytes: usize,
+    /// `never` (default) or `tcp`: a verbs agent's tcp standby path (see [`Fallback`]).
+    pub fallback: Fallback,
 }
 
 impl Default for LogConfig {
@@ -77,6 +107,7 @@ impl Default for TransferConfig {
             timeout: HumanDuration(Duration::from_secs(300)),
             max_segments: 65_536,
             max_notify_bytes: 1024,
+            fallback: Fallback::Never,
         }
     }
 }

@@ -180,6 +180,7 @@ impl Node {
             notify: req.notify.clone(),
             paths: 0,
             failovers: 0,
+            fallback: false,
             peer_key: peer.key.to_string(),
             owner: owner.clone(),
         };
@@ -379,10 +380,18 @@ impl Node {
                 let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
                 let (paths, lost) = (done.lease.conn().paths().len() as u32, done.machine.failovers());
+                let fell_back = crate::transfer::job::fell_back(&done.machine, done.lease.conn().as_ref());
+                let mut first_fallback = false;
                 handle.record.send_modify(|r| {
                     r.paths = paths;
                     r.failovers += lost;
+                    first_fallback = fell_back && !r.fallback;
+                    r.fallback |= fell_back;
                 });
+                if first_fallback {
+                    crate::metrics::transfer_fallback();
+                    tracing::warn!(transfer = %rec.id, peer = %held.peer.addr, "every RDMA path to the peer was lost: the transfer fell back to tcp");
+                }
                 if let Some(plan) = held.paths.take() {
                     self.initiator.paths.learn(&held.peer.addr, done.lease.conn().as_ref(), &plan, &done.machine, ran.elapsed());
                 }

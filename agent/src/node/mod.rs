@@ -209,6 +209,15 @@ impl Node {
         self.fabric.info()
     }
 
+    /// `transfer.fallback` as it is in effect: `tcp` only on the verbs fabric (on tcp every path
+    /// is tcp already, and the setting is ignored).
+    pub fn fallback(&self) -> crate::config::Fallback {
+        match self.fabric.kind() {
+            xfer_fabric::FabricKind::Verbs => self.config.transfer.fallback,
+            xfer_fabric::FabricKind::Tcp => crate::config::Fallback::Never,
+        }
+    }
+
     /// Why this fabric was chosen (`fabric = auto` explains itself).
     pub fn fabric_reason(&self) -> &str {
         &self.fabric_reason

@@ -6,6 +6,7 @@
 //! only when no other path is up), and asks the placement policy
 //! ([`xfer_engine::placement::place`]) for the weights the machine stripes a job's chunks by.
 //! The policy is pure; this module only gathers its inputs and learns from each job's outcome.
+//! A standby path (`PathInfo::standby`: the tcp fallback) is never placed: weight 0 always.
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,14 +59,28 @@ impl PathBook {
     /// `region_numa`. A single-path connection gets the machine's defaults (one path).
     pub fn plan(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> PathPlan {
         let now = Instant::now();
-        let paths = conn.paths();
-        let path_of = qp_map(&paths, conn.qps());
-        if paths.len() <= 1 {
+        let all = conn.paths();
+        let path_of = qp_map(&all, conn.qps());
+        if all.len() <= 1 {
             return PathPlan { path_of, weights: Vec::new(), charged: Vec::new() };
         }
-        let Ok(mut st) = self.state.lock() else {
-            return PathPlan { path_of, weights: vec![1; paths.len()], charged: Vec::new() };
+        // Standby paths (the tcp fallback) are never placed: weight 0, used only when no other
+        // path is up. The policy weighs the others.
+        let active: Vec<usize> = (0..all.len()).filter(|&i| !all[i].standby).collect();
+        let spread = |w: &[u32]| -> Vec<u32> {
+            let mut out = vec![0; all.len()];
+            for (&i, &w) in active.iter().zip(w) {
+                out[i] = w;
+            }
+            out
         };
+        if active.len() <= 1 {
+            return PathPlan { path_of, weights: spread(&[1]), charged: Vec::new() };
+        }
+        let Ok(mut st) = self.state.lock() else {
+            return PathPlan { path_of, weights: spread(&vec![1; active.len()]), charged: Vec::new() };
+        };
+        let paths: Vec<&xfer_fabric::PathInfo> = active.iter().map(|&i| &all[i]).collect();
         let mut devices = self.devices.clone();
         let views: Vec<PathView> = paths
             .iter()
@@ -86,7 +101,12 @@ impl PathBook {
                 }
             })
             .collect();
-        let weights = place(region_numa, &devices, &views, bytes);
+        let mut weights = place(region_numa, &devices, &views, bytes);
+        if all.len() != active.len() && weights.iter().all(|&w| w == 0) {
+            // Every RDMA path is backing off: they still carry the job (at weight 0 the standby
+            // would share it), since nothing moves to the fallback while one is up.
+            weights.iter_mut().for_each(|w| *w = 1);
+        }
         let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
         let charged: Vec<(String, u64)> = paths
             .iter()
@@ -96,7 +116,7 @@ impl PathBook {
         for (dev, b) in &charged {
             *st.in_flight.entry(dev.clone()).or_default() += b;
         }
-        PathPlan { path_of, weights, charged }
+        PathPlan { path_of, weights: spread(&weights), charged }
     }
 
     /// Learns from a job that ran `elapsed` under `plan`: which paths it lost (their health goes
@@ -115,6 +135,10 @@ impl PathBook {
         }
         let now = Instant::now();
         for (i, p) in conn.paths().iter().enumerate() {
+            if p.standby {
+                // Never placed: neither its rate nor its health steers anything.
+                continue;
+            }
             let key = (peer.to_string(), p.local_device.clone(), p.remote_device.clone());
             let bytes = machine.path_bytes().get(i).copied().unwrap_or(0);
             if !machine.path_is_up(i) {
@@ -156,8 +180,8 @@ mod tests {
         }
         fn paths(&self) -> Vec<PathInfo> {
             vec![
-                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2 },
-                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4 },
+                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2, standby: false },
+                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4, standby: false },
             ]
         }
         fn post(&self, _qp: usize, _wr: WorkRequest) -> Result<(), FabricError> {
@@ -229,5 +253,91 @@ mod tests {
         let m = run(&b, 1 << 20, false);
         b.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(10));
         assert_eq!(b.state.lock().unwrap().in_flight.values().sum::<u64>(), 0);
+    }
+}
+
+/// A standby path (the tcp fallback) beside RDMA paths.
+#[cfg(test)]
+mod standby_tests {
+    use super::*;
+    use xfer_fabric::{FabricError, PathInfo, WorkRequest};
+
+    /// A connection of two RDMA paths of one QP each, and a tcp standby of two.
+    struct TwoRailsAndTcp;
+
+    impl Connection for TwoRailsAndTcp {
+        fn qps(&self) -> usize {
+            4
+        }
+        fn paths(&self) -> Vec<PathInfo> {
+            let p = |l: &str, r: &str, qps, standby| PathInfo { local_device: l.into(), remote_device: r.into(), qps, standby };
+            vec![p("rxe0", "rxe1", 0..1, false), p("rxe2", "rxe3", 1..2, false), p("tcp", "tcp", 2..4, true)]
+        }
+        fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {
+            Err(FabricError::QpBroken)
+        }
+        fn is_broken(&self) -> bool {
+            false
+        }
+        fn close(&self) {}
+    }
+
+    fn device(name: &str) -> DeviceInfo {
+        DeviceInfo { name: name.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn a_standby_path_gets_weight_zero_and_the_rdma_paths_share_the_job() {
+        let book = PathBook::new(&[device("rxe0"), device("rxe2")]);
+        let plan = book.plan("peer", &TwoRailsAndTcp, None, 1 << 30);
+        assert_eq!(plan.weights.len(), 3);
+        assert_eq!(plan.weights[2], 0, "the tcp fallback is never given a weight");
+        assert!(plan.weights[0] > 0 && plan.weights[1] > 0, "{:?}", plan.weights);
+        assert_eq!(&plan.path_of[..], &[0, 1, 2, 2]);
+        // Nothing is charged to the standby.
+        assert!(plan.charged.iter().all(|(dev, _)| dev != "tcp"));
+    }
+
+    #[test]
+    fn backing_off_rdma_paths_still_carry_the_job_before_the_standby() {
+        let book = PathBook::new(&[device("rxe0"), device("rxe2")]);
+        {
+            let mut st = book.state.lock().unwrap();
+            let now = Instant::now();
+            for dev in [("rxe0", "rxe1"), ("rxe2", "rxe3")] {
+                let key = ("peer".to_string(), dev.0.to_string(), dev.1.to_string());
+                st.health.entry(key).or_insert_with(|| PathHealth::new(Backoff::default())).down(now);
+            }
+        }
+        let plan = book.plan("peer", &TwoRailsAndTcp, None, 1 << 20);
+        assert_eq!(plan.weights, vec![1, 1, 0]);
+    }
+
+    /// One RDMA path and the standby: the RDMA path takes everything.
+    struct OneRailAndTcp;
+
+    impl Connection for OneRailAndTcp {
+        fn qps(&self) -> usize {
+            2
+        }
+        fn paths(&self) -> Vec<PathInfo> {
+            vec![
+                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..1, standby: false },
+                PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: 1..2, standby: true },
+            ]
+        }
+        fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {
+            Err(FabricError::QpBroken)
+        }
+        fn is_broken(&self) -> bool {
+            false
+        }
+        fn close(&self) {}
+    }
+
+    #[test]
+    fn one_rdma_path_and_a_standby_weigh_one_and_zero() {
+        let plan = PathBook::new(&[device("rxe0")]).plan("peer", &OneRailAndTcp, None, 1 << 20);
+        assert_eq!(plan.weights, vec![1, 0]);
     }
 }

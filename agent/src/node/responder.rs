@@ -449,6 +449,7 @@ impl Node {
             notify: g.notify.as_ref().map(|n| n.tag.clone()),
             paths: 0,
             failovers: 0,
+            fallback: false,
             peer_key: peer.to_string(),
             owner: crate::tenants::Tenant::exempt(),
         };

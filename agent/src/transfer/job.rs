@@ -170,6 +170,11 @@ pub fn path_bytes(machine: &Machine, conn: &dyn Connection) {
     }
 }
 
+/// Whether a standby path of `conn` (the tcp fallback) carried bytes in `machine`'s job.
+pub fn fell_back(machine: &Machine, conn: &dyn Connection) -> bool {
+    conn.paths().iter().zip(machine.path_bytes()).any(|(p, &bytes)| p.standby && bytes > 0)
+}
+
 /// QP index → path index, from the paths' QP ranges (a QP no range covers goes to path 0).
 pub fn qp_map(paths: &[PathInfo], qps: usize) -> Arc<[usize]> {
     let mut map = vec![0usize; qps];
@@ -199,7 +204,7 @@ mod tests {
     use xfer_fabric::PathInfo;
 
     fn path(qps: std::ops::Range<usize>) -> PathInfo {
-        PathInfo { local_device: String::new(), remote_device: String::new(), qps }
+        PathInfo { local_device: String::new(), remote_device: String::new(), qps, standby: false }
     }
 
     #[test]

@@ -117,6 +117,8 @@ pub struct TransferRecord {
     pub paths: u32,
     /// Paths lost mid-transfer whose work went on the others (it ran degraded).
     pub failovers: u32,
+    /// Every RDMA path was lost and the tcp fallback path carried bytes.
+    pub fallback: bool,
     /// The peer's identity (its pool key; for an inbound record, its certificate name): what
     /// `limits.max_transfers_per_peer` counts by, whatever spelling of its address was used.
     pub peer_key: String,

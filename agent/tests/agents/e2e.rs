@@ -477,3 +477,15 @@ async fn every_listener_on_port_0_is_reported_in_the_ready_file_and_the_log() {
     assert!(ready["unix"].is_null(), "{ready}");
     assert_eq!(ready["grpc"], format!("127.0.0.1:{}", p.grpc));
 }
+
+/// `transfer.fallback = tcp` on a tcp agent means nothing: accepted, logged, and GetInfo says the
+/// fallback in effect is `never` (every path is tcp already).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_agent_accepts_and_ignores_a_tcp_fallback() {
+    let a = Agent::start_fabric("fallback-tcp", "tcp", &[("XFER_TRANSFER__FALLBACK", "tcp")]);
+    let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.fallback, "never", "{info:?}");
+    assert!(a.logs().contains("transfer.fallback = tcp means nothing on the tcp fabric"), "{}", a.logs());
+    let o = a.ctl(&["info"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("fallback:"), "{}", String::from_utf8_lossy(&o.stdout));
+}

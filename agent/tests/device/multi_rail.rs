@@ -24,20 +24,20 @@ use xfer_proto::v1 as pb;
 
 use crate::common::{labelled, metric, next_note, random_bytes, scrape, subscribe, Agent};
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 /// A hang guard for one transfer under TCG (two emulated links share two vCPUs: tens of MiB/s),
 /// not a performance bound.
 const TRANSFER_GUARD: Duration = Duration::from_secs(900);
 
 /// The devices and netdevs of both links, from the VM's environment.
-struct Links {
-    a: [String; 2],
-    b: [String; 2],
-    a_net: [String; 2],
-    b_net: [String; 2],
+pub(crate) struct Links {
+    pub a: [String; 2],
+    pub b: [String; 2],
+    pub a_net: [String; 2],
+    pub b_net: [String; 2],
 }
 
-fn links() -> Links {
+pub(crate) fn links() -> Links {
     let var = |k: &str| std::env::var(format!("XFER_RXE_{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{k} not set: run in scripts/rxe-vm"));
     Links {
         a: [var("A_DEV"), var("A2_DEV")],
@@ -63,20 +63,20 @@ fn rxe_link(cmd: &str, netdev: &str) {
 }
 
 /// Links taken down by a test; every one is brought back up when this is dropped.
-struct Downed(Vec<String>);
+pub(crate) struct Downed(Vec<String>);
 
 impl Downed {
-    fn new() -> Downed {
+    pub(crate) fn new() -> Downed {
         Downed(Vec::new())
     }
 
-    fn down(&mut self, netdev: &str) {
+    pub(crate) fn down(&mut self, netdev: &str) {
         self.0.push(netdev.to_string());
         rxe_link("down", netdev);
     }
 
     /// Brings every downed link back and waits until its ports are ACTIVE.
-    fn restore(&mut self) {
+    pub(crate) fn restore(&mut self) {
         for n in std::mem::take(&mut self.0) {
             rxe_link("up", &n);
         }
@@ -95,12 +95,12 @@ impl Drop for Downed {
     }
 }
 
-fn tx_bytes(netdev: &str) -> u64 {
+pub(crate) fn tx_bytes(netdev: &str) -> u64 {
     std::fs::read_to_string(format!("/sys/class/net/{netdev}/statistics/tx_bytes")).unwrap().trim().parse().unwrap()
 }
 
 /// Bytes agent `a` moved through `device` (`xfer_device_bytes_total{device}`).
-fn device_bytes(a: &Agent, device: &str) -> f64 {
+pub(crate) fn device_bytes(a: &Agent, device: &str) -> f64 {
     labelled(&scrape(a), "xfer_device_bytes_total", &[("device", device)])
 }
 
@@ -121,7 +121,7 @@ fn block(base: &[u8], i: u64) -> Vec<u8> {
 /// Creates region `name` of `blocks` MiB on `a`; with `seed`, fills it with [`block`]s of a
 /// random MiB made from `seed` (streamed one MiB at a time). Returns that MiB, the `base` of
 /// [`assert_blocks`].
-async fn region(a: &Agent, name: &str, blocks: u64, seed: Option<u64>) -> Arc<Vec<u8>> {
+pub(crate) async fn region(a: &Agent, name: &str, blocks: u64, seed: Option<u64>) -> Arc<Vec<u8>> {
     a.create(name, blocks * MIB, pb::Access::ReadWrite).await;
     let base = Arc::new(random_bytes(MIB as usize, seed.unwrap_or(1)));
     if seed.is_some() {
@@ -136,7 +136,7 @@ async fn region(a: &Agent, name: &str, blocks: u64, seed: Option<u64>) -> Arc<Ve
     base
 }
 
-fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
+pub(crate) fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
     pb::SubmitTransferRequest {
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
@@ -147,7 +147,7 @@ fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::Sub
     }
 }
 
-async fn submit(a: &Agent, r: pb::SubmitTransferRequest) -> String {
+pub(crate) async fn submit(a: &Agent, r: pb::SubmitTransferRequest) -> String {
     a.client().await.submit_transfer(r).await.unwrap_or_else(|s| panic!("submit: {s}")).into_inner().id
 }
 
@@ -158,7 +158,7 @@ async fn get(a: &Agent, id: &str) -> pb::Transfer {
 /// Waits until transfer `id` on `a` moves bytes over `netdev` (its tx counter more than a MiB
 /// above `before`: data, not control traffic), and asserts it still has bytes left: the moment
 /// to take that link down "mid-transfer".
-async fn wait_moving_on(a: &Agent, id: &str, netdev: &str, before: u64) -> pb::Transfer {
+pub(crate) async fn wait_moving_on(a: &Agent, id: &str, netdev: &str, before: u64) -> pb::Transfer {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let t = get(a, id).await;
@@ -174,7 +174,7 @@ async fn wait_moving_on(a: &Agent, id: &str, netdev: &str, before: u64) -> pb::T
 }
 
 /// The terminal record of transfer `id` (a hang guard of [`TRANSFER_GUARD`]).
-async fn finish(a: &Agent, id: &str) -> pb::Transfer {
+pub(crate) async fn finish(a: &Agent, id: &str) -> pb::Transfer {
     let watch = async {
         let mut w = a.client().await.watch_transfer(pb::WatchTransferRequest { id: id.into() }).await.unwrap().into_inner();
         let mut last = None;
@@ -186,7 +186,7 @@ async fn finish(a: &Agent, id: &str) -> pb::Transfer {
     tokio::time::timeout(TRANSFER_GUARD, watch).await.unwrap_or_else(|_| panic!("transfer {id} hung: {:?}\n{}", a.logs(), scrape(a)))
 }
 
-fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
+pub(crate) fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "transfer failed: {t:?}\n{}", a.logs());
     assert_eq!(t.bytes_done, t.length, "{t:?}");
 }
@@ -194,7 +194,7 @@ fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
 /// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`, read back
 /// 16 MiB at a time. The bytes themselves are compared (not the agents' checksums: those take
 /// minutes per GiB in a debug build under TCG, past the peers' RPC timeout).
-async fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
+pub(crate) async fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
     const STEP: u64 = 16;
     for first in (0..blocks).step_by(STEP as usize) {
         let n = STEP.min(blocks - first);

@@ -193,6 +193,7 @@ impl Transfer {
             notify: t.notify,
             paths: t.paths,
             failovers: t.failovers,
+            fallback: t.fallback,
         }
     }
 }
@@ -232,6 +233,7 @@ impl AgentInfo {
             data_address: i.data_address,
             regions: i.regions,
             registered_bytes: i.registered_bytes,
+            fallback: i.fallback,
         }
     }
 }

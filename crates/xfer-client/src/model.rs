@@ -175,6 +175,9 @@ pub struct AgentInfo {
     pub data_address: String,
     pub regions: u32,
     pub registered_bytes: u64,
+    /// `transfer.fallback` in effect: `never` or `tcp` (a verbs agent's tcp standby path); empty
+    /// from an older agent.
+    pub fallback: String,
 }
 
 /// A peer agent this agent holds a connection to.
@@ -410,6 +413,8 @@ pub struct Transfer {
     pub paths: u32,
     /// Paths lost mid-transfer whose work went on the others: it ran degraded.
     pub failovers: u32,
+    /// Every RDMA path was lost and the tcp fallback path carried bytes.
+    pub fallback: bool,
 }
 
 impl Transfer {

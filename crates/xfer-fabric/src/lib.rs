@@ -170,6 +170,10 @@ pub enum RemoteKey {
     PerQp(Arc<[u32]>),
     /// tcp: unguessable 128-bit grant token, checked on every frame
     Token([u8; 16]),
+    /// A verbs fabric with a tcp fallback rail: one key per QP of the grantee's connection, each
+    /// in its own path's form (an rkey for a device's QPs, the tcp token for the fallback's).
+    /// Only made when the connection has a tcp rail; otherwise `PerQp` says the same in less.
+    Each(Arc<[RemoteKey]>),
 }
 
 impl fmt::Debug for RemoteKey {
@@ -179,6 +183,7 @@ impl fmt::Debug for RemoteKey {
             RemoteKey::Rkey(_) => f.write_str("Rkey(..)"),
             RemoteKey::PerQp(k) => write!(f, "PerQp({} keys)", k.len()),
             RemoteKey::Token(_) => f.write_str("Token(..)"),
+            RemoteKey::Each(k) => write!(f, "Each({} keys)", k.len()),
         }
     }
 }
@@ -452,6 +457,9 @@ pub struct PathInfo {
     pub remote_device: String,
     /// The connection's QPs on this path (QP indices are the connection's, in `0..qps()`).
     pub qps: std::ops::Range<usize>,
+    /// A fallback path (the tcp rail of a verbs connection): never given a weight, used only
+    /// when no other path is up.
+    pub standby: bool,
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
@@ -460,7 +468,7 @@ pub trait Connection: Send + Sync {
     /// The connection's paths, in QP order: together their `qps` ranges cover `0..qps()` without
     /// overlap. The default is one path over every QP (a single-device or tcp connection).
     fn paths(&self) -> Vec<PathInfo> {
-        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps() }]
+        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false }]
     }
     /// True when the pool should replace this connection once it is idle: it is broken, or a path
     /// it lacks (a device that was down when it was made) is usable again. Default: broken.

@@ -33,6 +33,9 @@ pub fn render(info: &AgentInfo, addr: &str) -> String {
     if !info.data_address.is_empty() {
         kv("data address:", info.data_address.clone());
     }
+    if !info.fallback.is_empty() {
+        kv("fallback:", info.fallback.clone());
+    }
     kv("uptime:", info.uptime.map(human_duration).unwrap_or_else(|| "-".into()));
     kv("regions:", format!("{} ({} registered)", info.regions, format_bytes(info.registered_bytes)));
     if let Some(l) = &info.limits {

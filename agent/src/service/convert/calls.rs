@@ -64,7 +64,15 @@ pub fn grant_request_to_pb(ask: &GrantAsk<'_>, node_name: &str, connection_id: &
 /// `Peer.Grant`'s answer: the key in the form the peer's fabric uses, the grant id, and a range
 /// that cannot wrap the address space.
 pub fn grant_info_from_pb(r: pb::GrantResponse) -> Result<GrantInfo, String> {
-    let key = if !r.token.is_empty() {
+    let key = if !r.fallback_token.is_empty() {
+        let t: [u8; 16] = r.fallback_token.as_slice().try_into().map_err(|_| "grant fallback token is not 16 bytes")?;
+        if r.qp_rkeys.is_empty() || r.qp_rkeys.len() > MAX_QP_RKEYS {
+            return Err(format!("grant with a fallback token carries {} per-QP keys", r.qp_rkeys.len()));
+        }
+        let mut keys: Vec<RemoteKey> = r.qp_rkeys.iter().map(|&k| RemoteKey::Rkey(k)).collect();
+        keys.push(RemoteKey::Token(t));
+        RemoteKey::Each(keys.into())
+    } else if !r.token.is_empty() {
         let t: [u8; 16] = r.token.as_slice().try_into().map_err(|_| "grant token is not 16 bytes")?;
         RemoteKey::Token(t)
     } else if !r.qp_rkeys.is_empty() {

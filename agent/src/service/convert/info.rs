@@ -29,6 +29,7 @@ pub fn agent_info_to_pb(n: &Node, memlock: (u64, u64), cap_ipc_lock: bool) -> pb
         data_address: info.data_address.map(|a| a.to_string()).unwrap_or_default(),
         regions: regions as u32,
         registered_bytes: registered,
+        fallback: n.fallback().to_string(),
     }
 }
 

@@ -152,10 +152,14 @@ pub fn grant_params_from_pb(r: pb::GrantRequest) -> Result<GrantParams, Status> 
 /// `Peer.Grant`'s answer: the grant's key in the form its fabric uses (one rkey, one per QP, or
 /// a tcp token), and who issued it (`node`).
 pub fn grant_to_pb(g: &Grant, node: &Node) -> pb::GrantResponse {
-    let (rkey, token, qp_rkeys) = match &g.exposure.key {
-        RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new()),
-        RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec()),
-        RemoteKey::Token(t) => (0, t.to_vec(), Vec::new()),
+    let (rkey, token, qp_rkeys, fallback_token) = match &g.exposure.key {
+        RemoteKey::Rkey(k) => (*k, Vec::new(), Vec::new(), Vec::new()),
+        RemoteKey::PerQp(k) => (0, Vec::new(), k.to_vec(), Vec::new()),
+        RemoteKey::Token(t) => (0, t.to_vec(), Vec::new(), Vec::new()),
+        RemoteKey::Each(keys) => {
+            let (rkeys, token) = each_to_pb(keys);
+            (0, Vec::new(), rkeys, token)
+        }
     };
     pb::GrantResponse {
         grant_id: g.id.to_string(),
@@ -168,8 +172,24 @@ pub fn grant_to_pb(g: &Grant, node: &Node) -> pb::GrantResponse {
         instance_id: node.instance_id().to_string(),
         node_name: node.node_name().to_string(),
         qp_rkeys,
+        fallback_token,
         notify_slot: g.notify.as_ref().map(|n| n.slot).or(g.channel.as_ref().map(|c| c.base_imm)).unwrap_or(0),
     }
+}
+
+/// A key per QP with a tcp fallback token (what the rails fabric makes: the devices' rkeys, then
+/// the token) as `qp_rkeys` and `fallback_token`.
+pub fn each_to_pb(keys: &[RemoteKey]) -> (Vec<u32>, Vec<u8>) {
+    let mut rkeys = Vec::with_capacity(keys.len());
+    let mut token = Vec::new();
+    for k in keys {
+        match k {
+            RemoteKey::Rkey(r) => rkeys.push(*r),
+            RemoteKey::Token(t) => token = t.to_vec(),
+            RemoteKey::PerQp(_) | RemoteKey::Each(_) => {}
+        }
+    }
+    (rkeys, token)
 }
 
 /// `Peer.Complete`'s answer: `verdict` is (matched, this side's checksum) when one was compared.
@@ -227,5 +247,29 @@ mod tests {
         v.ipv4_prefix = 0;
         v.rail = MAX_QPS_PER_CONNECTION as u32;
         assert!(bad(&v).contains("rail"));
+    }
+
+    #[test]
+    fn a_tcp_fallback_request_crosses_the_wire_as_itself() {
+        let req = Endpoint::tcp_fallback_request();
+        let back = endpoint_from_pb(&endpoint_to_pb(&req)).unwrap();
+        assert!(back.is_tcp_fallback_request(), "{back:?}");
+    }
+
+    #[test]
+    fn a_key_with_a_fallback_token_crosses_the_wire_whole() {
+        let each: Vec<RemoteKey> = vec![RemoteKey::Rkey(5), RemoteKey::Rkey(6), RemoteKey::Token([9; 16])];
+        let (qp_rkeys, fallback_token) = each_to_pb(&each);
+        assert_eq!((qp_rkeys.clone(), fallback_token.len()), (vec![5, 6], 16));
+        let r = pb::GrantResponse { grant_id: "g-1".into(), qp_rkeys, fallback_token, length: 4096, ..Default::default() };
+        let back = super::super::calls::grant_info_from_pb(r.clone()).unwrap();
+        assert!(back.key == RemoteKey::Each(each.into()));
+        // A token without the devices' keys, or of the wrong size, is refused.
+        let mut bad = r.clone();
+        bad.qp_rkeys.clear();
+        assert!(super::super::calls::grant_info_from_pb(bad).is_err());
+        let mut bad = r;
+        bad.fallback_token = vec![1; 15];
+        assert!(super::super::calls::grant_info_from_pb(bad).is_err());
     }
 }

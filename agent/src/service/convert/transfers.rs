@@ -47,6 +47,7 @@ pub fn transfer_to_pb(t: &TransferRecord) -> pb::Transfer {
         notify: t.notify.clone(),
         paths: t.paths,
         failovers: t.failovers,
+        fallback: t.fallback,
     }
 }
 

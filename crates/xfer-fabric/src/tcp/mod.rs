@@ -225,6 +225,22 @@ impl Fabric for TcpFabric {
     }
 }
 
+// The tcp fallback of a verbs fabric asks for its tcp rail with a tcp endpoint of its own kind.
+impl Endpoint {
+    /// What an initiator with a tcp fallback adds to its verbs endpoints in `Peer.Connect`: "open
+    /// a tcp rail too". A tcp endpoint without address or secret, which no tcp responder ever
+    /// answers with; a responder that has a fallback accepts it on its tcp fabric under the same
+    /// connection id and answers its own tcp endpoint, one without leaves it out.
+    pub fn tcp_fallback_request() -> Endpoint {
+        Endpoint::Tcp { address: SocketAddr::from(([0, 0, 0, 0], 0)), secret: None }
+    }
+
+    /// Whether this is [`Endpoint::tcp_fallback_request`].
+    pub fn is_tcp_fallback_request(&self) -> bool {
+        matches!(self, Endpoint::Tcp { address, secret: None } if address.port() == 0 && address.ip().is_unspecified())
+    }
+}
+
 /// A registration of `memory` as the tcp fabric makes one (no keys), for
 /// [`run_initiator_stream`]'s callers.
 #[doc(hidden)]

@@ -112,7 +112,7 @@ impl Connection for VerbsConnection {
                         return Err((first, FabricError::Other(format!("the grant has {} per-QP keys and none for QP {qp}", keys.len()))));
                     }
                 },
-                RemoteKey::Token(_) => return Err((first, FabricError::BadRemoteKey)),
+                RemoteKey::Token(_) | RemoteKey::Each(_) => return Err((first, FabricError::BadRemoteKey)),
             };
             let posting = match wr.op {
                 WrOp::Notify { slot: imm } => Posting::WriteImm { rkey, remote_addr: wr.remote_addr, imm, signaled: wr.signaled },

@@ -170,9 +170,20 @@ pub fn resolve_devices(opts: &VerbsOptions) -> Result<Vec<VerbsOptions>, FabricE
 /// [`VerbsFabric`], several a [`RailsFabric`].
 #[cfg(feature = "verbs")]
 pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
+    open_fabric_with_fallback(opts, markers, None)
+}
+
+/// [`open_fabric`], with `fallback` (the agent's tcp fabric) carried as every connection's last,
+/// standby rail: then even one device is a [`RailsFabric`].
+#[cfg(feature = "verbs")]
+pub fn open_fabric_with_fallback(
+    opts: VerbsOptions,
+    markers: Arc<dyn crate::MarkerSink>,
+    fallback: Option<Arc<dyn Fabric>>,
+) -> Result<Arc<dyn Fabric>, FabricError> {
     let expected = opts.expected_shape;
     let mut per_device = resolve_devices(&opts)?;
-    if per_device.len() == 1 {
+    if per_device.len() == 1 && fallback.is_none() {
         let Some(one) = per_device.pop() else { return Err(FabricError::NoDevice("no device resolved".into())) };
         let f = VerbsFabric::open(one)?.with_markers(markers);
         if let Some((qps, depth)) = expected {
@@ -180,8 +191,11 @@ pub fn open_fabric(opts: VerbsOptions, markers: Arc<dyn crate::MarkerSink>) -> R
         }
         return Ok(Arc::new(f));
     }
-    let f = RailsFabric::open(per_device, markers)?;
-    tracing::info!(devices = ?f.device_names(), "verbs fabric over several devices");
+    let mut f = RailsFabric::open(per_device, markers)?;
+    if let Some(tcp) = fallback {
+        f = f.with_fallback(tcp);
+    }
+    tracing::info!(devices = ?f.device_names(), fallback = f.has_fallback(), "verbs fabric over its devices");
     if let Some((qps, depth)) = expected {
         f.prebuild(qps, depth);
     }
@@ -195,5 +209,14 @@ pub fn usable_device(_opts: &VerbsOptions) -> Result<String, String> {
 
 #[cfg(not(feature = "verbs"))]
 pub fn open_fabric(_opts: VerbsOptions, _markers: Arc<dyn crate::MarkerSink>) -> Result<Arc<dyn Fabric>, FabricError> {
+    Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
+}
+
+#[cfg(not(feature = "verbs"))]
+pub fn open_fabric_with_fallback(
+    _opts: VerbsOptions,
+    _markers: Arc<dyn crate::MarkerSink>,
+    _fallback: Option<Arc<dyn Fabric>>,
+) -> Result<Arc<dyn Fabric>, FabricError> {
     Err(FabricError::NoDevice("this agent was built without the verbs feature".into()))
 }

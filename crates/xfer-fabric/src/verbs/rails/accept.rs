@@ -1,12 +1,14 @@
 //! The responder's side of a multi-device fabric: matching the initiator's rails to our devices
 //! in `Peer.Connect` (one device per rail, [`super::reach`]), the accepted connection's parts, and
 //! exposing a grant on every device that carries one of its rails, with one key per QP in the
-//! initiator's QP order.
+//! initiator's QP order. With a tcp fallback, an initiator's tcp request is accepted on the tcp
+//! fabric under the same connection id, and grants add its token after the devices' keys.
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use xfer_engine::ids::ConnectionId;
 
+use super::fallback::{split, Fallback};
 use super::pending::by_rail;
 use super::reach::{match_rails, RailFacts};
 use super::register::RailsRegistration;
@@ -25,6 +27,8 @@ struct AcceptedPart {
 /// connection's QP order).
 pub(crate) struct RailsAccepted {
     parts: Vec<AcceptedPart>,
+    /// The tcp fallback's session for this connection (the tcp fabric's accepted handle).
+    tcp: Option<Box<dyn Accepted>>,
     ready: tokio::sync::watch::Receiver<Readiness>,
 }
 
@@ -43,12 +47,21 @@ struct AcceptedHandle {
 /// numbers and our devices' names.
 pub(crate) async fn accept(
     devices: &Arc<[Arc<RailDevice>]>,
+    fallback: Option<&Fallback>,
     index: &Arc<AcceptedIndex>,
     peer: &str,
     id: &ConnectionId,
     remote: &[Endpoint],
 ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
-    let rails = by_rail(remote)?;
+    let (remote, tcp_request) = split(remote);
+    if tcp_request.as_ref().is_some_and(|e| !e.is_tcp_fallback_request()) {
+        return Err(FabricError::Negotiation {
+            step: "negotiate",
+            attr: "endpoint",
+            detail: "the peer sent a tcp endpoint that is not a fallback request".into(),
+        });
+    }
+    let rails = by_rail(&remote)?;
     let remote_facts: Vec<RailFacts> = rails
         .values()
         .map(|eps| match eps.first() {
@@ -78,9 +91,18 @@ pub(crate) async fn accept(
             answer.push(e);
         }
     }
-    tracing::debug!(%peer, connection = %id, rails = parts.len(), offered = remote_facts.len(), "accepted a multi-device connection");
+    // Only with at least one device rail: the fallback is a standby, never the connection.
+    let tcp = match (fallback, tcp_request) {
+        (Some(f), Some(_)) => {
+            let (eps, handle) = f.fabric.accept(peer, id, &[]).await?;
+            answer.extend(eps);
+            Some(handle)
+        }
+        _ => None,
+    };
+    tracing::debug!(%peer, connection = %id, rails = parts.len(), offered = remote_facts.len(), tcp = tcp.is_some(), "accepted a multi-device connection");
     let ready = combined_readiness(&parts);
-    let acc = Arc::new(RailsAccepted { parts, ready });
+    let acc = Arc::new(RailsAccepted { parts, tcp, ready });
     index.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), Arc::downgrade(&acc));
     Ok((answer, Box::new(AcceptedHandle { acc, index: Arc::clone(index), id: id.clone() })))
 }
@@ -88,7 +110,10 @@ pub(crate) async fn accept(
 /// A single-device responder's answer to an initiator that offered several rails: the rail our
 /// one device (`ours`) reaches best, with its endpoints, or the offer as it is when it has one
 /// rail. The refusal names both sides when our device reaches none of them.
+/// An initiator's tcp fallback request is left out: a single device has no fallback.
 pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Option<u32>), FabricError> {
+    let verbs: Vec<Endpoint> = remote.iter().filter(|e| !e.is_tcp_fallback_request()).cloned().collect();
+    let remote = &verbs[..];
     let rails = by_rail(remote)?;
     if rails.len() <= 1 {
         return Ok((remote.to_vec(), None));
@@ -191,6 +216,7 @@ impl Drop for AcceptedHandle {
 /// entry per QP of that connection, in the initiator's QP order.
 pub(crate) async fn expose(
     devices: &[Arc<RailDevice>],
+    fallback: Option<&Fallback>,
     index: &AcceptedIndex,
     reg: &Arc<dyn Registration>,
     req: &ExposeRequest,
@@ -219,7 +245,19 @@ pub(crate) async fn expose(
         keep.push(e);
     }
     let addr = addr.ok_or_else(|| FabricError::Other(format!("connection {id} has no device part")))?;
-    Ok(Exposure { addr, key: RemoteKey::PerQp(keys.into()), keepalive: Some(Box::new(keep)) })
+    let (Some(f), Some(_)) = (fallback, &acc.tcp) else {
+        return Ok(Exposure { addr, key: RemoteKey::PerQp(keys.into()), keepalive: Some(Box::new(keep)) });
+    };
+    // The tcp rail: the same memory, the same address space (the VA), one token for its QPs.
+    let part = ours.tcp_part().ok_or_else(|| FabricError::Registration("the registration has no part on the tcp fallback".into()))?;
+    let e = f.fabric.expose(part, req).await?;
+    if e.addr != addr {
+        return Err(FabricError::Other("the tcp fallback exposes the range at another address than the devices".into()));
+    }
+    let mut each: Vec<RemoteKey> = keys.into_iter().map(RemoteKey::Rkey).collect();
+    each.push(e.key.clone());
+    keep.push(e);
+    Ok(Exposure { addr, key: RemoteKey::Each(each.into()), keepalive: Some(Box::new(keep)) })
 }
 
 /// Appends one device's grant key for its `qps` QPs to `keys`: an rkey serves every QP of the
@@ -229,7 +267,7 @@ pub(crate) fn expand_key(key: &RemoteKey, qps: usize, keys: &mut Vec<u32>) -> Re
         RemoteKey::Rkey(k) => keys.extend(std::iter::repeat_n(*k, qps)),
         RemoteKey::PerQp(ks) if ks.len() == qps => keys.extend(ks.iter().copied()),
         RemoteKey::PerQp(ks) => return Err(format!("{} per-QP keys for {qps} QPs", ks.len())),
-        RemoteKey::Token(_) => return Err("a token key on a verbs device".into()),
+        RemoteKey::Token(_) | RemoteKey::Each(_) => return Err("a token key on a verbs device".into()),
     }
     Ok(())
 }
@@ -265,6 +303,12 @@ mod tests {
         // One rail: as it is, unchecked (what a single-device initiator sends).
         let (eps, rail) = one_rail(ours.clone(), &offer[..2]).unwrap();
         assert_eq!((eps.len(), rail), (2, None));
+        // A tcp fallback request is left out: a single device has no fallback to answer it with.
+        let with_tcp = [offer[0].clone(), offer[1].clone(), Endpoint::tcp_fallback_request()];
+        let (eps, rail) = one_rail(ours.clone(), &with_tcp).unwrap();
+        assert_eq!((eps, rail), (offer[..2].to_vec(), None));
+        let (eps, rail) = one_rail(ours.clone(), &[offer.to_vec(), vec![Endpoint::tcp_fallback_request()]].concat()).unwrap();
+        assert_eq!((eps, rail), (offer[2..].to_vec(), Some(1)));
         let far = [ep(0, [10, 0, 5, 1], 1), ep(1, [10, 0, 6, 1], 2)];
         let e = one_rail(ours, &far).unwrap_err().to_string();
         assert!(e.contains("reaches none") && e.contains("10.0.5.1/24"), "{e}");

@@ -1,8 +1,10 @@
 //! The initiator's established multi-device connection: its QPs numbered rail after rail, each
 //! post routed to the rail's device part (QP index, local MR and per-QP key translated), and the
-//! parts polled, handed off and closed together.
+//! parts polled, handed off and closed together. A tcp fallback rail, when there is one, comes
+//! last: a standby path whose posts go to the tcp child with its registration and token.
 use std::sync::Arc;
 
+use super::fallback::{key_for, TcpRail};
 use super::register::RailsRegistration;
 use super::RailDevice;
 use crate::verbs::initiator::VerbsConnection;
@@ -26,12 +28,23 @@ pub(crate) struct RailsConnection {
     devices: Arc<[Arc<RailDevice>]>,
     /// Devices that were down when the connection was made.
     down: Vec<usize>,
+    /// The tcp fallback rail, after every device's.
+    tcp: Option<TcpRail>,
 }
 
 impl RailsConnection {
     pub fn new(rails: Vec<Rail>, devices: Arc<[Arc<RailDevice>]>, down: Vec<usize>) -> RailsConnection {
         let qps = rails.iter().map(|r| r.qps).sum();
-        RailsConnection { rails, qps, devices, down }
+        RailsConnection { rails, qps, devices, down, tcp: None }
+    }
+
+    /// Adds the tcp fallback rail (its QPs numbered after every device's).
+    pub fn with_fallback(mut self, tcp: Option<TcpRail>) -> RailsConnection {
+        if let Some(t) = &tcp {
+            self.qps = t.base + t.qps;
+        }
+        self.tcp = tcp;
+        self
     }
 
     /// The rail QP `qp` is on, and its index there.
@@ -57,10 +70,8 @@ pub(crate) fn translate(mut wr: WorkRequest, device: usize, qp: usize) -> Result
             .ok_or_else(|| FabricError::Registration(format!("the registration has no part on device {device}")))?;
         wr.local = part;
     }
-    if let RemoteKey::PerQp(keys) = &wr.remote_key {
-        let key =
-            *keys.get(qp).ok_or_else(|| FabricError::Other(format!("the grant has {} per-QP keys and none for QP {qp}", keys.len())))?;
-        wr.remote_key = RemoteKey::Rkey(key);
+    if matches!(wr.remote_key, RemoteKey::PerQp(_) | RemoteKey::Each(_)) {
+        wr.remote_key = key_for(&wr.remote_key, qp)?;
     }
     Ok(wr)
 }
@@ -79,14 +90,28 @@ impl Connection for RailsConnection {
     }
 
     fn paths(&self) -> Vec<PathInfo> {
-        self.rails
+        let mut paths: Vec<PathInfo> = self
+            .rails
             .iter()
-            .map(|r| PathInfo { local_device: r.name.clone(), remote_device: r.remote_device.clone(), qps: r.base..r.base + r.qps })
-            .collect()
+            .map(|r| PathInfo {
+                local_device: r.name.clone(),
+                remote_device: r.remote_device.clone(),
+                qps: r.base..r.base + r.qps,
+                standby: false,
+            })
+            .collect();
+        if let Some(t) = &self.tcp {
+            paths.push(PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: t.base..t.base + t.qps, standby: true });
+        }
+        paths
     }
 
+    /// Also when the tcp rail broke (an idle data stream is closed by the peer after its
+    /// `limits.data_idle_timeout`): a fresh connection has a fresh standby.
     fn wants_reconnect(&self) -> bool {
-        self.is_broken() || self.down.iter().any(|&d| self.devices.get(d).is_some_and(|d| d.offered()))
+        self.is_broken()
+            || self.tcp.as_ref().is_some_and(|t| t.conn.is_broken())
+            || self.down.iter().any(|&d| self.devices.get(d).is_some_and(|d| d.offered()))
     }
 
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {
@@ -95,6 +120,14 @@ impl Connection for RailsConnection {
 
     fn post_batch(&self, qp: usize, wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
         let Some(first) = wrs.first().map(|w| w.wr_id) else { return Ok(()) };
+        if let Some(t) = self.tcp.as_ref().filter(|t| (t.base..t.base + t.qps).contains(&qp)) {
+            let mut routed = Vec::with_capacity(wrs.len());
+            for wr in wrs {
+                let id = wr.wr_id;
+                routed.push(t.translate(wr, qp).map_err(|e| (id, e))?);
+            }
+            return t.conn.post_batch(qp - t.base, routed);
+        }
         let (rail, local_qp) = self.rail_of(qp).ok_or((first, FabricError::NoSuchQp(qp)))?;
         let mut routed = Vec::with_capacity(wrs.len());
         let mut bytes = [0u64; 3];
@@ -126,6 +159,10 @@ impl Connection for RailsConnection {
     fn hand_off(&self, to: Option<std::thread::Thread>) -> bool {
         // Every part is a verbs connection with a completion channel: each takes the same worker.
         let mut all = true;
+        if let Some(t) = &self.tcp {
+            // Its completions come from a forwarding task, which wakes the worker itself.
+            t.hand_off(to.clone());
+        }
         for r in &self.rails {
             all &= r.conn.hand_off(to.clone());
         }
@@ -148,6 +185,9 @@ impl Connection for RailsConnection {
     fn close(&self) {
         for r in &self.rails {
             r.conn.close();
+        }
+        if let Some(t) = &self.tcp {
+            t.conn.close();
         }
     }
 }

@@ -10,6 +10,10 @@
 //! * a grant is exposed on every device that carries a rail of the grantee's connection, with
 //!   one key per QP (`RemoteKey::PerQp`), so grants always need the connection.
 //!
+//! With a tcp fallback ([`RailsFabric::with_fallback`], `fallback`) every connection also
+//! offers the agent's tcp fabric as one last rail, a standby path used only when no device's
+//! path is up; its grants' keys are then `RemoteKey::Each` (an rkey per verbs QP, then a token).
+//!
 //! A device takes part in a connection at most once, so each part can use the parent's
 //! connection id in its own device's fabric: markers and window binds need no mapping.
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +35,7 @@ mod accept;
 mod connection;
 pub(crate) use accept::one_rail;
 mod events;
+mod fallback;
 mod pending;
 pub mod reach;
 mod register;
@@ -127,12 +132,14 @@ pub struct RailsFabric {
     /// One asynchronous-event thread per device, stopped when the fabric is dropped.
     _events: Vec<events::EventThread>,
     changes: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The tcp fabric carried as every connection's last, standby rail (`transfer.fallback = tcp`).
+    fallback: Option<Arc<fallback::Fallback>>,
 }
 
 impl std::fmt::Debug for RailsFabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let names: Vec<&str> = self.devices.iter().map(|d| d.name()).collect();
-        f.debug_struct("RailsFabric").field("devices", &names).finish()
+        f.debug_struct("RailsFabric").field("devices", &names).field("fallback", &self.fallback.is_some()).finish()
     }
 }
 
@@ -171,7 +178,19 @@ impl RailsFabric {
                 Err(e) => tracing::warn!(device = %d.name(), error = %e, "cannot watch the device's asynchronous events"),
             }
         }
-        Ok(RailsFabric { devices: devices.into(), accepted: Arc::default(), _events: threads, changes })
+        Ok(RailsFabric { devices: devices.into(), accepted: Arc::default(), _events: threads, changes, fallback: None })
+    }
+
+    /// Carries `tcp` (the agent's tcp fabric, serving its data listener) as every connection's
+    /// last rail: a standby path, used only when no device's path is up.
+    pub fn with_fallback(mut self, tcp: Arc<dyn Fabric>) -> RailsFabric {
+        self.fallback = Some(Arc::new(fallback::Fallback::new(tcp)));
+        self
+    }
+
+    /// Whether connections carry a tcp fallback rail.
+    pub fn has_fallback(&self) -> bool {
+        self.fallback.is_some()
     }
 
     /// Builds connections of `qps` QPs per device and `depth` ahead of need on every device.
@@ -220,7 +239,12 @@ impl Fabric for RailsFabric {
     }
 
     fn info(&self) -> FabricInfo {
-        FabricInfo { kind: FabricKind::Verbs, devices: self.devices.iter().map(|d| d.fabric.device().info()).collect(), data_address: None }
+        FabricInfo {
+            kind: FabricKind::Verbs,
+            devices: self.devices.iter().map(|d| d.fabric.device().info()).collect(),
+            // The fallback's data listener, where peers' tcp rails connect.
+            data_address: self.fallback.as_ref().and_then(|f| f.fabric.info().data_address),
+        }
     }
 
     fn polled(&self) -> bool {
@@ -245,22 +269,30 @@ impl Fabric for RailsFabric {
     }
 
     fn register(&self, memory: Arc<RegionMemory>, access: Access) -> Result<Arc<dyn Registration>, FabricError> {
-        Ok(Arc::new(register::RailsRegistration::register(&self.devices, memory, access)?))
+        Ok(Arc::new(register::RailsRegistration::register(&self.devices, self.fallback.as_ref().map(|f| &f.fabric), memory, access)?))
     }
 
     async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError> {
-        accept::expose(&self.devices, &self.accepted, reg, req).await
+        accept::expose(&self.devices, self.fallback.as_deref(), &self.accepted, reg, req).await
     }
 
     async fn prepare(
         &self,
         peer: &str,
-        _connection_id: &xfer_engine::ids::ConnectionId,
+        connection_id: &xfer_engine::ids::ConnectionId,
         qps: usize,
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        Ok(Box::new(pending::RailsPending::prepare(&self.devices, peer, qps, depth, sink)?))
+        let mut pending = pending::RailsPending::prepare(&self.devices, peer, qps, depth, sink)?;
+        if let Some(f) = &self.fallback {
+            // The fallback is a standby: a connection without it still moves data.
+            match fallback::PendingTcp::prepare(f, peer, connection_id, qps, depth).await {
+                Ok(tcp) => pending.with_fallback(tcp, Arc::clone(f)),
+                Err(e) => tracing::warn!(%peer, error = %e, "cannot prepare the tcp fallback rail; connecting without it"),
+            }
+        }
+        Ok(Box::new(pending))
     }
 
     async fn accept(
@@ -269,6 +301,6 @@ impl Fabric for RailsFabric {
         connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
-        accept::accept(&self.devices, &self.accepted, peer, connection_id, remote).await
+        accept::accept(&self.devices, self.fallback.as_deref(), &self.accepted, peer, connection_id, remote).await
     }
 }

@@ -1,13 +1,14 @@
 //! The initiator's multi-device connection between `prepare` and `Peer.Connect`'s answer: one
 //! part per device whose port is up, each offering its QPs as one *rail* (its endpoints tagged
 //! with the rail number and the device), and `complete`, which keeps the rails the responder
-//! answered and numbers their QPs rail after rail.
+//! answered and numbers their QPs rail after rail (the tcp fallback's last, when it has one).
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
 use super::connection::{Rail, RailsConnection};
+use super::fallback::{split, Fallback, PendingTcp};
 use super::RailDevice;
 use crate::verbs::initiator::VerbsPrepared;
 use crate::{CompletionSink, Connection, Endpoint, FabricError, PendingConnection};
@@ -23,6 +24,11 @@ pub(crate) struct RailsPending {
     devices: Arc<[Arc<RailDevice>]>,
     /// Devices left out because they were down: the connection wants replacing once one is up.
     down: Vec<usize>,
+    /// The tcp fallback rail, offered with a request endpoint after the devices' rails.
+    tcp: Option<(PendingTcp, Arc<Fallback>)>,
+    peer: String,
+    /// Where the tcp rail's completions are forwarded (the devices' parts have their clones).
+    sink: CompletionSink,
 }
 
 impl RailsPending {
@@ -57,14 +63,20 @@ impl RailsPending {
                 FabricError::NoDevice(format!("no device has an ACTIVE port now ({})", names.join(", ")))
             }));
         }
-        Ok(RailsPending { parts, devices: Arc::clone(devices), down })
+        Ok(RailsPending { parts, devices: Arc::clone(devices), down, tcp: None, peer: peer.to_string(), sink })
+    }
+
+    /// Offers the tcp fallback rail too.
+    pub fn with_fallback(&mut self, tcp: PendingTcp, fallback: Arc<Fallback>) {
+        self.tcp = Some((tcp, fallback));
     }
 }
 
 /// Groups `remote` by rail, in rail order, keeping each rail's endpoints in their order.
 pub(crate) fn by_rail(remote: &[Endpoint]) -> Result<BTreeMap<u32, Vec<Endpoint>>, FabricError> {
     let mut rails: BTreeMap<u32, Vec<Endpoint>> = BTreeMap::new();
-    for e in remote {
+    // A tcp fallback request is not a rail of devices: the fallback (if any) answers it.
+    for e in remote.iter().filter(|e| !e.is_tcp_fallback_request()) {
         let Endpoint::Verbs(v) = e else {
             return Err(FabricError::Negotiation {
                 step: "negotiate",
@@ -89,11 +101,15 @@ impl PendingConnection for RailsPending {
                 out.push(e);
             }
         }
+        if self.tcp.is_some() {
+            out.push(Endpoint::tcp_fallback_request());
+        }
         out
     }
 
     async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
-        let mut answered = by_rail(remote)?;
+        let (verbs, tcp_answer) = split(remote);
+        let mut answered = by_rail(&verbs)?;
         if let Some(&extra) = answered.keys().find(|&&r| r as usize >= self.parts.len()) {
             return Err(FabricError::Negotiation {
                 step: "negotiate",
@@ -124,6 +140,28 @@ impl PendingConnection for RailsPending {
                 detail: "the peer answered none of the offered devices".into(),
             });
         }
-        Ok(Arc::new(RailsConnection::new(rails, Arc::clone(&self.devices), self.down)))
+        let tcp = match (self.tcp, tcp_answer) {
+            (Some((pending, _)), Some(answer)) => match pending.complete(&answer, base, self.sink).await {
+                Ok(rail) => Some(rail),
+                // A standby that cannot be opened leaves the devices' rails as they are.
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer, error = %e, "cannot open the tcp fallback rail; this connection has none");
+                    None
+                }
+            },
+            (Some((_, fallback)), None) => {
+                fallback.peer_has_none(&self.peer);
+                None
+            }
+            (None, Some(_)) => {
+                return Err(FabricError::Negotiation {
+                    step: "negotiate",
+                    attr: "fallback",
+                    detail: "the peer answered a tcp rail that was not asked for".into(),
+                })
+            }
+            (None, None) => None,
+        };
+        Ok(Arc::new(RailsConnection::new(rails, Arc::clone(&self.devices), self.down).with_fallback(tcp)))
     }
 }

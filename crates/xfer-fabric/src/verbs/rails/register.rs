@@ -1,6 +1,7 @@
 //! A region registered with every device of a [`super::RailsFabric`]: one MR per device (each
 //! device has its own keys), behind one [`Registration`]. Posting picks the MR of the device a
-//! QP is on; exposing a grant exposes each device's MR.
+//! QP is on; exposing a grant exposes each device's MR. With a tcp fallback the memory is
+//! registered with the tcp fabric too (no keys: its grants are tokens), for the tcp rail's posts.
 use std::sync::Arc;
 
 use xfer_rdma::memory::RegionMemory;
@@ -11,6 +12,8 @@ use crate::{Access, Fabric, FabricError, Registration};
 /// One registration per device, in the fabric's device order.
 pub(crate) struct RailsRegistration {
     parts: Vec<Arc<dyn Registration>>,
+    /// The tcp fallback's registration of the same memory.
+    tcp: Option<Arc<dyn Registration>>,
     memory: Arc<RegionMemory>,
     access: Access,
 }
@@ -24,7 +27,12 @@ impl std::fmt::Debug for RailsRegistration {
 impl RailsRegistration {
     /// Registers `memory` on every device (a port that is down still registers: the MR is ready
     /// when the port comes back).
-    pub fn register(devices: &[Arc<RailDevice>], memory: Arc<RegionMemory>, access: Access) -> Result<RailsRegistration, FabricError> {
+    pub fn register(
+        devices: &[Arc<RailDevice>],
+        fallback: Option<&Arc<dyn Fabric>>,
+        memory: Arc<RegionMemory>,
+        access: Access,
+    ) -> Result<RailsRegistration, FabricError> {
         let mut parts = Vec::with_capacity(devices.len());
         for d in devices {
             let reg = d.fabric.register(Arc::clone(&memory), access).map_err(|e| match e {
@@ -33,7 +41,13 @@ impl RailsRegistration {
             })?;
             parts.push(reg);
         }
-        Ok(RailsRegistration { parts, memory, access })
+        let tcp = fallback.map(|f| f.register(Arc::clone(&memory), access)).transpose()?;
+        Ok(RailsRegistration { parts, tcp, memory, access })
+    }
+
+    /// The tcp fallback's registration, if the fabric has one.
+    pub fn tcp_part(&self) -> Option<&Arc<dyn Registration>> {
+        self.tcp.as_ref()
     }
 
     /// The registration on device `device` (the fabric's index).
