@@ -286,10 +286,30 @@ async fn a_write_survives_a_link_going_down() {
     survives_link_down(pb::Op::Write).await;
 }
 
+/// A READ stays on the connection's first path (READs are not striped nor failed over yet): the
+/// second link going down under it changes nothing, nothing is posted on the second device, and
+/// every byte lands.
 #[tokio::test]
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
-async fn a_read_survives_a_link_going_down() {
-    survives_link_down(pb::Op::Read).await;
+async fn a_read_stays_on_the_first_link_when_the_second_goes_down() {
+    let l = links();
+    let (a, b) = agents(&l);
+    const BLOCKS: u64 = FAILOVER_BLOCKS;
+    let rb = region(&b, "remote", BLOCKS, Some(23)).await;
+    region(&a, "local", BLOCKS, None).await;
+    let mut downed = Downed::new();
+    let second = device_bytes(&a, &l.a[1]);
+    // The data leaves through B's end of the first link.
+    let before = tx_bytes(&l.b_net[0]);
+    let id = submit(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB)).await;
+    wait_moving_on(&a, &id, &l.b_net[0], before).await;
+    downed.down(&l.a_net[1]);
+    let t = finish(&a, &id).await;
+    assert_succeeded(&t, &a);
+    assert_blocks(&a, "local", &rb, BLOCKS).await;
+    assert_eq!(failovers(&a), 0.0, "a READ lost a path: {}", scrape(&a));
+    assert_eq!(device_bytes(&a, &l.a[1]), second, "a READ posted on {}: {}", l.a[1], scrape(&a));
+    downed.restore();
 }
 
 /// A notified batch across a failover: the target hears of it exactly once, and by then every
