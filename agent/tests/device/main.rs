@@ -16,6 +16,7 @@ mod common;
 
 mod conformance;
 mod multi_rail;
+mod rails_redteam;
 mod verbs_mw;
 mod verbs_security;
 mod verbs_smoke;
