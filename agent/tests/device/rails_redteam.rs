@@ -46,12 +46,12 @@ fn ep(rail: u32, ip: [u8; 4], prefix: u32, link_layer: &str) -> pb::Endpoint {
             lid: 1,
             port: 1,
             mtu: 1024,
+            max_rd_atomic: 16,
             gid_type: "RoCEv2".into(),
             link_layer: link_layer.into(),
             rail,
             device: format!("fake{rail}"),
             ipv4_prefix: prefix,
-            ..Default::default()
         })),
     }
 }
