@@ -30,6 +30,7 @@ mod limits;
 mod notify_redteam;
 mod peer_identity;
 mod prometheus;
+mod rails_redteam;
 mod revocation;
 mod ring_redteam;
 mod security;

@@ -1,8 +1,9 @@
 //! Tests that need RDMA devices (Soft-RoCE: rxe0 and rxe1; multi_rail also rxe2 and rxe3): the fabric conformance suite (its tcp
 //! cases run everywhere, its verbs cases only on the devices), the verbs smoke test, grant mode
-//! `mw`, remote keys only through grants, and two real agents on two links each (`multi_rail`:
-//! striping and failover; it starts agents through the `common` harness), and the same agents with
-//! `transfer.fallback = tcp` (`fallback`: both links down, the transfer completes over tcp). Every case that needs a device is
+//! `mw`, remote keys only through grants, two real agents on two links each (`multi_rail`:
+//! striping and failover; it starts agents through the `common` harness), the same agents with
+//! `transfer.fallback = tcp` (`fallback`: both links down, a WRITE completes over tcp), and hostile
+//! rail offers to a two-device responder (`rails_redteam`). Every case that needs a device is
 //! `#[ignore = "needs Soft-RoCE (make test-rxe)"]`, so on a host without one `cargo test` reports
 //! it as ignored, never as passed; `make test-rxe` runs this binary in the Soft-RoCE VM with
 //! `--include-ignored` and fails unless every test in it ran and passed.
@@ -18,6 +19,7 @@ mod common;
 mod conformance;
 mod fallback;
 mod multi_rail;
+mod rails_redteam;
 mod verbs_mw;
 mod verbs_security;
 mod verbs_smoke;

@@ -360,6 +360,46 @@ mod tests {
         assert!(matches!(c.marker(imm(0), Instant::now()), Err(ChannelRefusal::OutOfWindow(_))));
     }
 
+    /// A hostile initiator with markers now taken when extra: thousands of repeats of one
+    /// batch's marker, on any QP of any path, neither publish it before its announce, nor
+    /// publish it twice, nor count toward the next batch, nor keep more than one entry.
+    #[test]
+    fn repeated_markers_never_fire_early_twice_or_for_another_batch() {
+        let c = chan(4);
+        let imm = |seq| channel_imm(c.base_imm, seq);
+        for _ in 0..10_000 {
+            assert_eq!(c.marker(imm(0), Instant::now()), Ok(None), "no tag: never published");
+        }
+        assert_eq!(c.unpublished(), 1, "one entry however many markers");
+        assert_eq!(c.lock().entries.get(&0).map(|e| e.seen), Some(4), "the count stops at the batch's markers");
+        // Batch 1 announced with none of its markers: batch 0's extras do not complete it.
+        assert_eq!(c.announce(1, b"b1".to_vec()), Ok(None));
+        for _ in 0..100 {
+            assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        }
+        assert_eq!(c.lock().entries.get(&1).map(|e| e.seen), Some(0));
+        // Batch 0 is published once, at its announce, and its extras after that change nothing.
+        assert_eq!(c.announce(0, b"b0".to_vec()).unwrap().map(|r| r.0), Some(b"b0".to_vec()));
+        for _ in 0..100 {
+            assert_eq!(c.marker(imm(0), Instant::now()), Ok(None));
+        }
+        assert_eq!(c.announce(0, b"b0".to_vec()), Err(ChannelRefusal::AlreadyPublished(0)));
+        assert_eq!(c.unpublished(), 1, "only batch 1 waits");
+        // Markers naming batches up to the window's edge are bounded by the window.
+        for seq in 2..CHANNEL_WINDOW + 1 {
+            for _ in 0..5 {
+                assert_eq!(c.marker(imm(seq), Instant::now()), Ok(None));
+            }
+        }
+        assert_eq!(c.unpublished(), CHANNEL_WINDOW as usize);
+        assert!(c.marker(imm(CHANNEL_WINDOW + 1), Instant::now()).is_err(), "past the window");
+        // A one-shot note: extras after its N-th marker never fire it again.
+        let n = PendingNote::new(b"t".to_vec(), 2);
+        assert!(!n.marker(Instant::now()));
+        assert!(n.marker(Instant::now()));
+        assert!((0..10_000).all(|_| !n.marker(Instant::now())));
+    }
+
     /// A one-shot grant's count fires once, at its N-th marker; extras change nothing.
     #[test]
     fn a_pending_note_fires_at_its_last_marker_only() {

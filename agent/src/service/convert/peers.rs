@@ -5,6 +5,8 @@ use tonic::Status;
 use xfer_proto::v1 as pb;
 
 use super::scalars::{duration_to_pb, fabric_from_pb, fabric_to_pb, request_duration, time_to_pb};
+use crate::service::bounds::MAX_ENDPOINT_WORD;
+
 use super::status::{invalid, peer_version_status, require, too_many_endpoints_status};
 use crate::grants::Grant;
 use crate::node::{GrantParams, Node, NotifyAsk};
@@ -77,6 +79,9 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
             if v.ipv4_prefix > 32 {
                 return Err(format!("IPv4 prefix length {} is over 32", v.ipv4_prefix));
             }
+            for (field, value) in [("device", &v.device), ("link_layer", &v.link_layer), ("gid_type", &v.gid_type)] {
+                endpoint_word(field, value)?;
+            }
             if v.rail as usize >= MAX_QPS_PER_CONNECTION {
                 return Err(format!("rail {} is out of range (at most {} per connection)", v.rail, MAX_QPS_PER_CONNECTION));
             }
@@ -98,6 +103,19 @@ pub fn endpoint_from_pb(e: &pb::Endpoint) -> Result<Endpoint, String> {
         }
         None => Err("endpoint without a kind".into()),
     }
+}
+
+/// A word of an endpoint (device name, link layer, GID type): these end up in refusals, logs
+/// and `paths()`, so a peer may not put control characters or kilobytes there. Empty is
+/// allowed: an older peer sends none.
+fn endpoint_word(field: &str, value: &str) -> Result<(), String> {
+    if value.len() > MAX_ENDPOINT_WORD {
+        return Err(format!("{field} is {} bytes long; at most {MAX_ENDPOINT_WORD}", value.len()));
+    }
+    if let Some(c) = value.chars().find(|&c| !(c.is_ascii_graphic() || c == ' ')) {
+        return Err(format!("{field} {value:?} has the character {c:?}; only printable ASCII"));
+    }
+    Ok(())
 }
 
 /// `Peer.Connect`: protocol version, identity and every endpoint the peer sent.
@@ -271,5 +289,41 @@ mod tests {
         let mut bad = r;
         bad.fallback_token = vec![1; 15];
         assert!(super::super::calls::grant_info_from_pb(bad).is_err());
+    }
+
+    /// Every endpoint field a hostile initiator picks for several devices is refused with the
+    /// field's name, and what the conversion lets through is exactly what was sent.
+    #[test]
+    fn hostile_rail_device_and_prefix_fields_are_refused() {
+        let base = pb::VerbsEndpoint { qpn: 17, gid: vec![0; 16], mtu: 4096, ..Default::default() };
+        let conv = |v: &pb::VerbsEndpoint| endpoint_from_pb(&pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v.clone())) });
+        for rail in [64, 65, 1000, u32::MAX] {
+            let e = conv(&pb::VerbsEndpoint { rail, ..base.clone() }).unwrap_err();
+            assert!(e.contains(&format!("rail {rail} is out of range")), "{e}");
+        }
+        for prefix in [33, 64, 255, u32::MAX] {
+            assert!(conv(&pb::VerbsEndpoint { ipv4_prefix: prefix, ..base.clone() }).unwrap_err().contains("prefix"), "{prefix}");
+        }
+        for (device, why) in [
+            ("rxe0\nERROR forged log line", "character"),
+            ("rxe0\u{1b}[31m", "character"),
+            ("rxé0", "character"),
+            (&"x".repeat(33), "bytes long"),
+        ] {
+            let e = conv(&pb::VerbsEndpoint { device: device.to_string(), ..base.clone() }).unwrap_err();
+            assert!(e.contains("device") && e.contains(why), "{device:?}: {e}");
+        }
+        let e = conv(&pb::VerbsEndpoint { link_layer: "E".repeat(10 << 10), ..base.clone() }).unwrap_err();
+        assert!(e.contains("link_layer is 10240 bytes long"), "{e}");
+        let e = conv(&pb::VerbsEndpoint { gid_type: "RoCE\tv2".into(), ..base.clone() }).unwrap_err();
+        assert!(e.contains("gid_type"), "{e}");
+        // At the bounds: rail 63, prefix 0 and 32, an empty device and a 32-byte one pass as sent.
+        for v in [
+            pb::VerbsEndpoint { rail: 63, ipv4_prefix: 32, device: "d".repeat(32), ..base.clone() },
+            pb::VerbsEndpoint { rail: 0, ipv4_prefix: 0, device: String::new(), link_layer: "InfiniBand".into(), ..base.clone() },
+        ] {
+            let e = conv(&v).unwrap();
+            assert_eq!(endpoint_to_pb(&e), pb::Endpoint { kind: Some(pb::endpoint::Kind::Verbs(v)) });
+        }
     }
 }

@@ -327,9 +327,21 @@ impl Fabric for VerbsFabric {
             }
         }
         let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
-        // The agent refuses an id that is in use, so an entry here under the same id is one
-        // whose handle is being dropped: the new connection takes the id.
-        self.accepted.lock().unwrap_or_else(|e| e.into_inner()).insert(connection_id.clone(), Arc::downgrade(&acc));
+        // The agent refuses an id it holds, but only once the fabric answered: two offers under
+        // one id racing each other both get here, and the later must not take the earlier's
+        // place in the index (grants would bind windows on its QPs). An entry whose handle was
+        // dropped has left the index already, so a live one is a connection still open.
+        {
+            let mut index = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            if index.get(connection_id).is_some_and(|w| w.strong_count() > 0) {
+                return Err(FabricError::Negotiation {
+                    step: "connect",
+                    attr: "connection_id",
+                    detail: format!("connection {connection_id} is already open on this agent"),
+                });
+            }
+            index.insert(connection_id.clone(), Arc::downgrade(&acc));
+        }
         // The initiator needs only our QP numbers and PSNs to move its own QPs to RTS: answer
         // with them now and move ours to RTR and RTS while the answer travels (a third of the
         // handshake in the VM; see `Accepted::readiness` for why no byte can arrive early).

@@ -74,6 +74,10 @@ impl std::fmt::Display for DeviceSpec {
     }
 }
 
+/// Most devices `verbs.devices` may list: each offers a rail of its own, and a peer refuses
+/// rail numbers of 64 and above (a connection carries at most 64 QPs).
+pub const MAX_DEVICES: usize = 64;
+
 /// Most connections per shape `verbs.prebuilt` may ask for.
 pub const MAX_PREBUILT: usize = 16;
 
@@ -167,6 +171,16 @@ impl VerbsOptions {
             if list.is_empty() {
                 return Err(bad("devices", "the list is empty (leave it out, or `auto`, for every usable device)".into()));
             }
+            if list.len() > MAX_DEVICES {
+                return Err(bad(
+                    "devices",
+                    format!(
+                        "{} devices listed, at most {MAX_DEVICES} (one rail each, and a peer takes rails 0-{})",
+                        list.len(),
+                        MAX_DEVICES - 1
+                    ),
+                ));
+            }
             for (i, d) in list.iter().enumerate() {
                 if list[..i].iter().any(|e| e.name == d.name) {
                     return Err(bad("devices", format!("device {} is listed twice (each device carries at most one path)", d.name)));
@@ -218,5 +232,41 @@ mod tests {
         assert!(e.contains("both verbs.device (rxe0) and verbs.devices (rxe1)"), "{e}");
         let twice = VerbsOptions { devices: Some(vec!["rxe0".parse().unwrap(), "rxe0:1".parse().unwrap()]), ..VerbsOptions::default() };
         assert!(twice.validate().unwrap_err().to_string().contains("listed twice"));
+    }
+
+    /// What a careless operator (or a hostile environment variable) can put in `verbs.devices`:
+    /// each entry is refused with what is wrong in it, before any device is opened.
+    #[test]
+    fn hostile_device_lists_are_refused_with_the_entry() {
+        for (entry, why) in [
+            ("../x", "is not a device name"),
+            ("/dev/infiniband/uverbs0", "is not a device name"),
+            ("rxe\n0", "is not a device name"),
+            ("rxe0:0", "is not a port number"),
+            ("rxe0:256", "is not a port number"),
+            ("rxe0:-1", "is not a port number"),
+            ("rxe0:1:99999999999", "is not a number"),
+            ("rxe0:1:-1", "is not a number"),
+            ("rxe0::", "is not a port number"),
+            ("rxe0:1:2:3", "expected name[:port[:gid_index]]"),
+            ("", "a device name is required"),
+            (":1", "a device name is required"),
+        ] {
+            let e = entry.parse::<DeviceSpec>().unwrap_err();
+            assert!(e.contains(why), "{entry:?}: {e}");
+        }
+        let long = "d".repeat(65);
+        assert!(long.parse::<DeviceSpec>().unwrap_err().contains("at most 64"));
+        assert_eq!("d".repeat(64).parse::<DeviceSpec>().unwrap().name.len(), 64);
+        let with = |list: Vec<DeviceSpec>| VerbsOptions { devices: Some(list), ..VerbsOptions::default() }.validate();
+        assert!(with(Vec::new()).unwrap_err().to_string().contains("the list is empty"));
+        let many: Vec<DeviceSpec> = (0..10_000).map(|i| format!("rxe{i}").parse().unwrap()).collect();
+        let e = with(many.clone()).unwrap_err().to_string();
+        assert!(e.contains("10000 devices listed, at most 64"), "{e}");
+        assert!(with(many[..MAX_DEVICES].to_vec()).is_ok());
+        assert!(with(many[..MAX_DEVICES + 1].to_vec()).is_err());
+        // Duplicates differ only in port or GID: still one device listed twice.
+        let e = with(vec!["rxe0:1:1".parse().unwrap(), "rxe1".parse().unwrap(), " rxe0 ".parse().unwrap()]).unwrap_err();
+        assert!(e.to_string().contains("device rxe0 is listed twice"), "{e}");
     }
 }

@@ -53,6 +53,12 @@ pub(crate) async fn accept(
     id: &ConnectionId,
     remote: &[Endpoint],
 ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
+    // The agent refuses an id it holds, but only after the fabric answered: two offers under
+    // one id racing each other would otherwise both get here, and the later one would take the
+    // earlier connection's place in the index (its grants then exposed on the other's QPs).
+    if live(index, id) {
+        return Err(taken(id));
+    }
     let (remote, tcp_request) = split(remote);
     if tcp_request.as_ref().is_some_and(|e| !e.is_tcp_fallback_request()) {
         return Err(FabricError::Negotiation {
@@ -103,8 +109,24 @@ pub(crate) async fn accept(
     tracing::debug!(%peer, connection = %id, rails = parts.len(), offered = remote_facts.len(), tcp = tcp.is_some(), "accepted a multi-device connection");
     let ready = combined_readiness(&parts);
     let acc = Arc::new(RailsAccepted { parts, tcp, ready });
-    index.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), Arc::downgrade(&acc));
+    {
+        let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
+        if index.get(id).is_some_and(|w| w.strong_count() > 0) {
+            // Dropping `acc` here drops every part: the racing offer keeps the id.
+            return Err(taken(id));
+        }
+        index.insert(id.clone(), Arc::downgrade(&acc));
+    }
     Ok((answer, Box::new(AcceptedHandle { acc, index: Arc::clone(index), id: id.clone() })))
+}
+
+/// Whether `id` names a connection of ours that is still open.
+fn live(index: &AcceptedIndex, id: &ConnectionId) -> bool {
+    index.lock().unwrap_or_else(|e| e.into_inner()).get(id).is_some_and(|w| w.strong_count() > 0)
+}
+
+fn taken(id: &ConnectionId) -> FabricError {
+    FabricError::Negotiation { step: "connect", attr: "connection_id", detail: format!("connection {id} is already open on this agent") }
 }
 
 /// A single-device responder's answer to an initiator that offered several rails: the rail our
@@ -314,6 +336,34 @@ mod tests {
         assert!(e.contains("reaches none") && e.contains("10.0.5.1/24"), "{e}");
     }
 
+    /// What a hostile initiator can offer a single-device responder: rails sparse, huge,
+    /// interleaved or all unreachable, endpoints of another fabric. Each gets either the one
+    /// rail our device reaches (its endpoints as sent, in order) or a refusal naming both sides.
+    #[test]
+    fn one_device_takes_hostile_rail_offers_apart() {
+        let ours = RailFacts::from_endpoint(&match ep(0, [10, 0, 1, 9], 1) {
+            Endpoint::Verbs(v) => VerbsEndpoint { device: "rxe0".into(), ..v },
+            Endpoint::Tcp { .. } => unreachable!(),
+        });
+        // Sparse and out of order: rails 63 and 7, interleaved. The reachable one comes back
+        // whole, in the order sent, under its own number.
+        let offer = [ep(63, [10, 0, 1, 1], 1), ep(7, [10, 0, 5, 1], 2), ep(63, [10, 0, 1, 1], 3), ep(u32::MAX, [10, 0, 6, 1], 4)];
+        let (eps, rail) = one_rail(ours.clone(), &offer).unwrap();
+        assert_eq!(rail, Some(63));
+        assert_eq!(eps, vec![offer[0].clone(), offer[2].clone()]);
+        // A tcp endpoint among verbs ones: refused, whatever else is there.
+        let tcp = Endpoint::Tcp { address: "127.0.0.1:1".parse().unwrap(), secret: None };
+        let e = one_rail(ours.clone(), &[offer[0].clone(), tcp.clone()]).unwrap_err().to_string();
+        assert!(e.contains("non-verbs endpoint"), "{e}");
+        assert!(by_rail(&[tcp]).is_err());
+        // Nothing offered: nothing matched here (the device's own validation refuses it).
+        assert_eq!(one_rail(ours.clone(), &[]).unwrap(), (vec![], None));
+        // Ten rails, none reachable: one refusal listing them, no panic on names left empty.
+        let far: Vec<Endpoint> = (0..10).map(|r| ep(r, [192, 168, r as u8, 1], r + 1)).collect();
+        let e = one_rail(ours, &far).unwrap_err().to_string();
+        assert!(e.contains("rxe0 (10.0.1.9/24, Ethernet)") && e.contains("(unnamed) (192.168.9.1/24, Ethernet)"), "{e}");
+    }
+
     #[test]
     fn keys_expand_to_one_per_qp_in_rail_order() {
         let mut keys = Vec::new();
@@ -322,5 +372,25 @@ mod tests {
         assert_eq!(keys, vec![7, 7, 1, 2, 3]);
         assert!(expand_key(&RemoteKey::PerQp(vec![1].into()), 2, &mut keys).is_err());
         assert!(expand_key(&RemoteKey::Token([0; 16]), 1, &mut keys).is_err());
+        // A device's key list longer than its QPs is refused too, and a refusal adds nothing.
+        let before = keys.clone();
+        assert!(expand_key(&RemoteKey::PerQp(vec![1, 2, 3].into()), 2, &mut keys).is_err());
+        assert!(expand_key(&RemoteKey::PerQp(Vec::new().into()), 1, &mut keys).is_err());
+        assert_eq!(keys, before);
+    }
+
+    /// An index entry whose connection is gone does not hold the id; a live one does.
+    #[test]
+    fn a_live_connection_holds_its_id() {
+        let index = AcceptedIndex::default();
+        let id = ConnectionId::parse("c1").unwrap();
+        assert!(!live(&index, &id));
+        let (_tx, ready) = tokio::sync::watch::channel(Readiness::Pending);
+        let acc = Arc::new(RailsAccepted { parts: Vec::new(), tcp: None, ready });
+        index.lock().unwrap().insert(id.clone(), Arc::downgrade(&acc));
+        assert!(live(&index, &id));
+        assert!(taken(&id).to_string().contains("connection c1 is already open"));
+        drop(acc);
+        assert!(!live(&index, &id), "a dropped connection's entry frees the id");
     }
 }

@@ -256,6 +256,25 @@ mod tests {
         assert!(translate(wr(RemoteKey::Rkey(5)), 0, 1).unwrap().remote_key == RemoteKey::Rkey(5));
     }
 
+    /// A grant whose key list does not cover the connection's QPs (a hostile or stale
+    /// responder's answer) is refused per work request with a clear error, never indexed out of
+    /// bounds: an empty list, one shorter than the QPs, and QP indices far past it.
+    #[test]
+    fn a_per_qp_key_list_shorter_than_the_connection_is_refused() {
+        let short: Arc<[u32]> = vec![10, 11].into();
+        for qp in [2, 3, 63, usize::MAX] {
+            let e = translate(wr(RemoteKey::PerQp(Arc::clone(&short))), 1, qp).unwrap_err().to_string();
+            assert!(e.contains(&format!("the grant has 2 per-QP keys and none for QP {qp}")), "{e}");
+        }
+        let e = translate(wr(RemoteKey::PerQp(Vec::new().into())), 0, 0).unwrap_err().to_string();
+        assert!(e.contains("0 per-QP keys"), "{e}");
+        // The QPs the list covers still get their own key: a short list fails only past its end.
+        assert!(translate(wr(RemoteKey::PerQp(short)), 0, 1).unwrap().remote_key == RemoteKey::Rkey(11));
+        // And a QP index past every rail is no rail's.
+        assert_eq!(locate([(0, 2), (2, 2)].into_iter(), usize::MAX), None);
+        assert_eq!(locate(std::iter::empty(), 0), None);
+    }
+
     #[test]
     fn op_names_are_the_metric_labels() {
         assert_eq!(op_name(WrOp::Read), "read");

@@ -230,6 +230,52 @@ mod tests {
         assert_eq!(reaches(&roce("a", [10, 0, 0, 2], 0), &roce("x", [10, 9, 9, 1], 0)), Reach::Maybe);
     }
 
+    /// What a peer controls in its facts (rail count, prefixes, GIDs, link layer strings) can
+    /// make a pair doubtful or unreachable, never make one device carry two rails or a pair
+    /// reach that its addresses say does not.
+    #[test]
+    fn hostile_facts_never_give_a_device_two_rails() {
+        let local = [roce("a", [10, 0, 0, 2], 24), roce("b", [10, 0, 1, 2], 24)];
+        // Sixty-four rails, every one reaching `a`: one pair.
+        let many: Vec<RailFacts> = (0..64).map(|i| roce("x", [10, 0, 0, 10 + i], 24)).collect();
+        assert_eq!(match_rails(&local, &many), vec![(0, 0)]);
+        // Duplicated facts (one device offered twice): each device still serves one.
+        let twice = [roce("y", [10, 0, 1, 1], 24), roce("y", [10, 0, 1, 1], 24)];
+        assert_eq!(match_rails(&local, &twice), vec![(0, 1)]);
+        // A prefix out of range (33, 255) is unknown, not "/0 = everything": the other's is used.
+        for p in [33, 255, u32::MAX] {
+            assert_eq!(reaches(&local[0], &roce("z", [10, 9, 9, 9], p)), Reach::No, "prefix {p}");
+            assert_eq!(reaches(&local[0], &roce("z", [10, 0, 0, 9], p)), Reach::Yes, "prefix {p}");
+        }
+        // A GID that is not IPv4-mapped, with a prefix set: doubtful, used only when nothing
+        // certain is left, and never taken over a certain pair.
+        let mut v6 = roce("v6", [0, 0, 0, 0], 24);
+        v6.gid = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(reaches(&local[0], &v6), Reach::Maybe);
+        assert_eq!(match_rails(&local, &[v6.clone(), roce("y", [10, 0, 0, 1], 24)]), vec![(0, 1), (1, 0)]);
+        // A 10 KB or empty link layer matches no device of ours.
+        let mut odd = roce("w", [10, 0, 0, 1], 24);
+        for ll in ["E".repeat(10 << 10), String::new(), "ethernet".into()] {
+            odd.link_layer = ll;
+            assert_eq!(reaches(&local[0], &odd), Reach::No);
+            assert!(match_rails(&local, &[odd.clone()]).is_empty());
+        }
+        // No devices or no rails: nothing, no panic.
+        assert!(match_rails(&[], &many).is_empty());
+        assert!(match_rails(&local, &[]).is_empty());
+    }
+
+    #[test]
+    fn facts_are_the_endpoints_as_sent() {
+        let e =
+            VerbsEndpoint { device: "rxe1".into(), link_layer: LINK_ETHERNET.into(), gid: [7; 16], ipv4_prefix: 33, ..Default::default() };
+        let f = RailFacts::from_endpoint(&e);
+        assert_eq!((f.device.as_str(), f.link_layer.as_str(), f.gid, f.ipv4_prefix), ("rxe1", LINK_ETHERNET, [7; 16], 33));
+        assert_eq!(prefix(33), None);
+        assert_eq!(prefix(0), None);
+        assert_eq!(prefix(32), Some(32));
+    }
+
     #[test]
     fn descriptions_name_device_address_and_link() {
         assert_eq!(roce("rxe0", [10, 0, 0, 1], 24).describe(), "rxe0 (10.0.0.1/24, Ethernet)");
