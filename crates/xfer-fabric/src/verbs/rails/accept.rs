@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use xfer_engine::ids::ConnectionId;
 
 use super::pending::by_rail;
-use super::reach::{match_rails, RailFacts};
+use super::reach::{facts_of, match_rails, RailFacts};
 use super::register::RailsRegistration;
 use super::RailDevice;
 use crate::{Accepted, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey};
@@ -52,7 +52,7 @@ pub(crate) async fn accept(
     let remote_facts: Vec<RailFacts> = rails
         .values()
         .map(|eps| match eps.first() {
-            Some(Endpoint::Verbs(v)) => RailFacts::from_endpoint(v),
+            Some(Endpoint::Verbs(v)) => facts_of(v),
             _ => RailFacts::default(),
         })
         .collect();
@@ -96,7 +96,7 @@ pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endp
     let facts: Vec<RailFacts> = rails
         .values()
         .map(|eps| match eps.first() {
-            Some(Endpoint::Verbs(v)) => RailFacts::from_endpoint(v),
+            Some(Endpoint::Verbs(v)) => facts_of(v),
             _ => RailFacts::default(),
         })
         .collect();
