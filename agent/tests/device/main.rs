@@ -1,7 +1,8 @@
 //! Tests that need RDMA devices (Soft-RoCE: rxe0 and rxe1; multi_rail also rxe2 and rxe3): the fabric conformance suite (its tcp
 //! cases run everywhere, its verbs cases only on the devices), the verbs smoke test, grant mode
 //! `mw`, remote keys only through grants, and two real agents on two links each (`multi_rail`:
-//! striping and failover; it starts agents through the `common` harness). Every case that needs a device is
+//! striping and failover; it starts agents through the `common` harness; `doctor_peer`: the
+//! device-pair matrix `xferctl doctor --peer` prints for them). Every case that needs a device is
 //! `#[ignore = "needs Soft-RoCE (make test-rxe)"]`, so on a host without one `cargo test` reports
 //! it as ignored, never as passed; `make test-rxe` runs this binary in the Soft-RoCE VM with
 //! `--include-ignored` and fails unless every test in it ran and passed.
@@ -15,6 +16,7 @@
 mod common;
 
 mod conformance;
+mod doctor_peer;
 mod multi_rail;
 mod verbs_mw;
 mod verbs_security;

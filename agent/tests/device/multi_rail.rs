@@ -30,14 +30,14 @@ const MIB: u64 = 1 << 20;
 const TRANSFER_GUARD: Duration = Duration::from_secs(900);
 
 /// The devices and netdevs of both links, from the VM's environment.
-struct Links {
-    a: [String; 2],
-    b: [String; 2],
+pub(crate) struct Links {
+    pub a: [String; 2],
+    pub b: [String; 2],
     a_net: [String; 2],
     b_net: [String; 2],
 }
 
-fn links() -> Links {
+pub(crate) fn links() -> Links {
     let var = |k: &str| std::env::var(format!("XFER_RXE_{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{k} not set: run in scripts/rxe-vm"));
     Links {
         a: [var("A_DEV"), var("A2_DEV")],
@@ -48,7 +48,7 @@ fn links() -> Links {
 }
 
 /// Agents A and B, each on both of its devices.
-fn agents(l: &Links) -> (Agent, Agent) {
+pub(crate) fn agents(l: &Links) -> (Agent, Agent) {
     let a_devs = l.a.join(",");
     let b_devs = l.b.join(",");
     let a = Agent::start_fabric("rail-a", "verbs", &[("XFER_VERBS__DEVICES", a_devs.as_str())]);
