@@ -398,7 +398,7 @@ mod tests {
         });
         assert_eq!((d.numa_node, d.pci_address.as_deref(), d.speed_mbps), (Some(1), Some("0000:af:00.0"), Some(200_000)));
         assert_eq!((d.netdev.as_deref(), d.ipv4_prefix), (Some("ens1np0"), Some(24)));
-        let d = Device::from_pb(pb::DeviceInfo { numa_node: -1, ..Default::default() });
+        let d = Device::from_pb(pb::DeviceInfo { numa_node: None, ..Default::default() });
         assert_eq!((d.numa_node, d.pci_address, d.speed_mbps, d.netdev, d.ipv4_prefix), (None, None, None, None, None));
         for bad in [33, 256, u32::MAX] {
             assert_eq!(Device::from_pb(pb::DeviceInfo { ipv4_prefix: bad, ..Default::default() }).ipv4_prefix, None, "{bad}");
