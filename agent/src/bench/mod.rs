@@ -7,6 +7,7 @@
 //! * [`params`] — what a benchmark is asked and what it reports;
 //! * [`data`] — bandwidth and latency over one grant on the peer's scratch region;
 //! * [`per_path`] — the same once per path of one connection, pinned to it (`xferctl doctor`);
+//! * [`phase`] — what those phases share (grant, buffer, segments, WR template, statistics);
 //! * [`kv`] — the KV-cache pattern, through `SubmitTransfer` or over one channel;
 //! * [`connect`] — connection setup cost and memory per QP;
 //! * [`tcp`] — the raw TCP baseline and its one-shot sink;
@@ -21,6 +22,7 @@ mod data;
 mod kv;
 mod params;
 mod per_path;
+mod phase;
 mod sample;
 mod tcp;
 

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::data::{bandwidth_segs, bench_buffer, bench_wr, grant_ask, shape, wr_op, Latency};
 use super::params::{BenchParams, BenchResult, PathProbe};
+use super::phase::{bandwidth_segs, bench_buffer, bench_wr, grant_ask, shape, wr_op, Latency};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peers::PeerEntry;
