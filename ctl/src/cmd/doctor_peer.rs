@@ -23,6 +23,10 @@ const PROBE_SIZE: u64 = 1 << 20;
 /// Messages per path in the bandwidth phase (and latency samples).
 const PROBE_ITERS: u32 = 16;
 
+/// The fix when the probe could not run at all.
+const PROBE_FIX: &str =
+    "make sure the local agent can connect to the peer (`xferctl connect --peer`) and that you may run benchmarks (admin)";
+
 /// What a device pair is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PairVerdict {
@@ -61,6 +65,22 @@ pub struct Pair {
     pub gbit_per_s: Option<f64>,
     pub lat_p50_us: Option<f64>,
     pub mtu: Option<u32>,
+}
+
+impl Pair {
+    /// A row with no detail, fix or numbers yet.
+    fn new(local: &str, remote: &str, verdict: PairVerdict) -> Pair {
+        Pair {
+            local: local.into(),
+            remote: remote.into(),
+            verdict,
+            detail: String::new(),
+            fix: None,
+            gbit_per_s: None,
+            lat_p50_us: None,
+            mtu: None,
+        }
+    }
 }
 
 /// The probe's outcome as the matrix needs it: each path's result, or why there are none.
@@ -116,16 +136,7 @@ pub fn matrix(local: &AgentInfo, remote: &AgentInfo, probe: &Probe) -> Vec<Pair>
 
 /// One pair of devices.
 fn pair(l: &Device, r: &Device, paths: &[PathProbe], probe_error: Option<&String>) -> Pair {
-    let mut p = Pair {
-        local: l.name.clone(),
-        remote: r.name.clone(),
-        verdict: PairVerdict::Unreachable,
-        detail: String::new(),
-        fix: None,
-        gbit_per_s: None,
-        lat_p50_us: None,
-        mtu: None,
-    };
+    let mut p = Pair::new(&l.name, &r.name, PairVerdict::Unreachable);
     if let Some(why) = unreachable(l, r) {
         p.detail = why.0;
         p.fix = Some(why.1);
@@ -153,9 +164,7 @@ fn pair(l: &Device, r: &Device, paths: &[PathProbe], probe_error: Option<&String
     if let Some(e) = probe_error {
         p.verdict = PairVerdict::Failed;
         p.detail = format!("reachable, but the probe could not run: {e}");
-        p.fix = Some(
-            "make sure the local agent can connect to the peer (`xferctl connect --peer`) and that you may run benchmarks (admin)".into(),
-        );
+        p.fix = Some(PROBE_FIX.into());
         return p;
     }
     p.verdict = PairVerdict::Unused;
@@ -230,16 +239,7 @@ fn facts(d: &Device) -> RailFacts {
 
 /// A tcp agent (or a pair of agents on different fabrics): one row.
 fn tcp_row(local: &AgentInfo, remote: &AgentInfo, probe: &Probe) -> Pair {
-    let mut p = Pair {
-        local: String::new(),
-        remote: String::new(),
-        verdict: PairVerdict::Failed,
-        detail: String::new(),
-        fix: None,
-        gbit_per_s: None,
-        lat_p50_us: None,
-        mtu: None,
-    };
+    let mut p = Pair::new("", "", PairVerdict::Failed);
     if local.fabric != remote.fabric {
         p.verdict = PairVerdict::Unreachable;
         p.detail = format!("fabrics differ: this agent runs {}, the peer {}", local.fabric, remote.fabric);
@@ -265,10 +265,7 @@ fn tcp_row(local: &AgentInfo, remote: &AgentInfo, probe: &Probe) -> Pair {
         },
         Err(e) => {
             p.detail = format!("tcp: no devices; the probe could not run: {e}");
-            p.fix = Some(
-                "make sure the local agent can connect to the peer (`xferctl connect --peer`) and that you may run benchmarks (admin)"
-                    .into(),
-            );
+            p.fix = Some(PROBE_FIX.into());
         }
     }
     p
