@@ -96,7 +96,8 @@ pub async fn run(peer: &str, ctx: &Ctx) -> anyhow::Result<()> {
         op: Op::Write,
         size: PROBE_SIZE,
         iters: PROBE_ITERS,
-        qps: 1,
+        // The agent's QPs per device: the shape its transfers get.
+        qps: 0,
         depth: 4,
         per_path: true,
         ..Default::default()
