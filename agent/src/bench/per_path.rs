@@ -15,7 +15,7 @@ use crate::node::Node;
 use crate::peers::PeerEntry;
 use crate::transfer::job::{qp_map, Job, LatencyProbe};
 use xfer_engine::batch::Seg;
-use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
+use xfer_engine::machine::{Machine, MachineConfig, Markers, PathEvent, State};
 
 /// How long one phase on one path may take: a dead path fails its QPs within the transport's
 /// retry budget, well inside this, and the doctor must answer.
@@ -64,10 +64,10 @@ pub(super) async fn phases(
         });
         let wr = bench_wr(op, local.clone(), p.size, grant.clone());
         let t0 = Instant::now();
-        let done = node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await?;
+        let mut done = node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await?;
         let seconds = t0.elapsed().as_secs_f64();
         lease = done.lease;
-        if let Some(e) = pinned_failure(&done.machine, i) {
+        if let Some(e) = pinned_failure(&mut done.machine, i) {
             probe.error = Some(format!("bandwidth phase: {e}"));
             probes.push(probe);
             continue;
@@ -92,9 +92,9 @@ pub(super) async fn phases(
         });
         let wr = bench_wr(op, local.clone(), p.size, grant.clone());
         let timing = Some(LatencyProbe::default());
-        let done = node.run_job(Job { machine, lease, wr, probe: timing, cancel: cancel.clone(), progress: None }).await?;
+        let mut done = node.run_job(Job { machine, lease, wr, probe: timing, cancel: cancel.clone(), progress: None }).await?;
         lease = done.lease;
-        if let Some(e) = pinned_failure(&done.machine, i) {
+        if let Some(e) = pinned_failure(&mut done.machine, i) {
             probe.error = Some(format!("latency phase: {e}"));
         } else {
             let lat = Latency::of(&done.probe.map(|t| t.samples).unwrap_or_default());
@@ -124,11 +124,21 @@ pub(super) async fn phases(
 }
 
 /// Why a phase pinned to `path` did not show that path working: the phase failed, or the path
-/// went down and the standbys carried the rest.
-fn pinned_failure(machine: &Machine, path: usize) -> Option<String> {
+/// went down (with the reason, when the driver left the machine's event for it) and the
+/// standbys carried the rest.
+fn pinned_failure(machine: &mut Machine, path: usize) -> Option<String> {
+    let mut why = None;
+    while let Some(PathEvent::Down { path: p, reason, .. }) = machine.poll_event() {
+        if p == path {
+            why = Some(reason.to_string());
+        }
+    }
     match machine.state() {
         State::Succeeded if machine.path_is_up(path) => None,
-        State::Succeeded => Some("the path went down (the other paths finished the phase)".into()),
+        State::Succeeded => Some(match why {
+            Some(why) => format!("the path went down: {why} (the other paths finished the phase)"),
+            None => "the path went down (the other paths finished the phase)".into(),
+        }),
         State::Failed(f) => Some(format!("{f:?}")),
         State::Cancelled => Some("cancelled".into()),
         State::Running => Some("did not finish".into()),
