@@ -1,23 +1,23 @@
 //! The perftest-style benchmark: bandwidth (`iters` messages, `depth` WRs outstanding per QP)
 //! and latency (one WR at a time on one QP) over a grant on the peer's scratch region, each
-//! phase a job on the data-path driver.
+//! phase a job on the data-path driver; with `per_path`, the phases run once per path instead
+//! ([`per_path`]).
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use super::params::{percentile, BenchParams, BenchResult};
+use super::params::{BenchParams, BenchResult};
+use super::per_path;
+use super::phase::{bandwidth_segs, bench_buffer, bench_wr, grant_ask, shape, wr_op, Latency};
 use crate::error::NodeError;
 use crate::node::Node;
-use crate::peer_api::{GrantAsk, GrantInfo};
 use crate::peers::PeerEntry;
-use crate::transfer::job::{Job, LatencyProbe, WrTemplate};
-use crate::transfer::Op;
+use crate::transfer::job::{Job, LatencyProbe};
 use xfer_engine::batch::Seg;
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
-use xfer_fabric::{Registration, RemoteOp, WrOp};
-use xfer_rdma::memory::RegionMemory;
+use xfer_fabric::WrOp;
 
 /// perftest-style messages: `iters` WRITEs (or READs) of `p.size` bytes for bandwidth, then one
 /// at a time for latency. Its buffer counts against `limits.max_bench_bytes` here and the
@@ -29,7 +29,8 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
     let iters = if p.iters == 0 { 100 } else { p.iters.min(1_000_000) };
     let peer = node.peer_entry(&p.peer).await?;
     let scratch = peer.call(|| peer.client.open_bench_region(p.size)).await?;
-    let res = phases(node, &peer, &scratch, &p, iters).await;
+    let res =
+        if p.per_path { per_path::phases(node, &peer, &scratch, &p, iters).await } else { phases(node, &peer, &scratch, &p, iters).await };
     if let Err(e) = peer.client.close_bench_region(&scratch).await {
         warn!(error = %e, region = %scratch, "could not delete bench scratch region on peer (its lease ends it)");
     }
@@ -38,41 +39,15 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
 
 /// The bandwidth phase, then the latency phase, each on its own connection and grant.
 async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, NodeError> {
-    let remote_op = if p.op == Op::Write { RemoteOp::Write } else { RemoteOp::Read };
-    let ask = GrantAsk {
-        region: scratch,
-        offset: 0,
-        length: p.size,
-        op: remote_op,
-        ttl: Duration::from_secs(3600),
-        notify: None,
-        channel: false,
-    };
-    let len = usize::try_from(p.size).map_err(|_| NodeError::Invalid("size too large".into()))?;
-    // Mapping and pinning the buffer (up to 256 MiB) on the blocking pool.
-    let n = Arc::clone(node);
-    let local = tokio::task::spawn_blocking(move || {
-        let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| NodeError::Internal(e.to_string()))?);
-        n.register(mem, xfer_fabric::Access::ReadWrite).map_err(|e| NodeError::Internal(e.to_string()))
-    })
-    .await
-    .map_err(|e| NodeError::Internal(e.to_string()))??;
+    let ask = grant_ask(scratch, p);
+    let local = bench_buffer(node, p.size).await?;
     let cancel = CancellationToken::new();
-    let op = if p.op == Op::Write { WrOp::Write } else { WrOp::Read };
-    let qps = xfer_engine::shape::or_default(p.qps, node.transfer_defaults().qps, xfer_engine::shape::qps)?;
-    let depth = xfer_engine::shape::or_default(p.depth, node.transfer_defaults().depth, xfer_engine::shape::depth)?;
+    let op = wr_op(p);
+    let (qps, depth) = shape(node, p)?;
 
-    // Bandwidth: iters messages of `size`, `depth` WRs outstanding per QP: one WR per message,
-    // except that READs longer than `verbs.max_read_wr` are split as a transfer's are (each
-    // message its own segment, cut into WRs of that length). Each phase has its own
-    // connection, and so its own grant (mw grants are bound to a connection); both are RAII
-    // guards in `held`, given back when it drops.
-    let piece = node.wr_chunk(op == WrOp::Read, p.size);
-    let segs: Arc<[Seg]> = if piece < p.size {
-        (0..iters).map(|_| Seg { local: 0, remote: 0, len: p.size }).collect()
-    } else {
-        Arc::from([Seg { local: 0, remote: 0, len: p.size * iters as u64 }])
-    };
+    // Bandwidth: each phase has its own connection, and so its own grant (mw grants are bound
+    // to a connection); both are RAII guards in `held`, given back when it drops.
+    let (piece, segs) = bandwidth_segs(node, p, iters);
     let mut held = node.acquire_exempt(peer, &ask, qps, depth).await?;
     let (lease, grant) = held.take_parts()?;
     let machine = Machine::new(MachineConfig {
@@ -124,25 +99,16 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         return Err(NodeError::Internal(format!("bench latency phase failed: {:?}", done.machine.state())));
     }
     let samples = done.probe.map(|p| p.samples).unwrap_or_default();
-    let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
-    us.sort_by(|a, b| a.total_cmp(b));
-    let pct = |q: f64| percentile(&us, q);
+    let lat = Latency::of(&samples);
     Ok(BenchResult {
         size: p.size,
         iters,
         bytes: p.size * iters as u64,
         seconds,
-        lat_avg_us: us.iter().sum::<f64>() / us.len().max(1) as f64,
-        lat_p50_us: pct(0.5),
-        lat_p99_us: pct(0.99),
-        lat_iters: us.len() as u32,
+        lat_avg_us: lat.avg_us,
+        lat_p50_us: lat.p50_us,
+        lat_p99_us: lat.p99_us,
+        lat_iters: lat.n,
         ..Default::default()
     })
-}
-
-/// The WR template of a benchmark whose messages are `size` bytes: every message reuses the
-/// same buffer on both sides, so offsets are taken within a message. (The latency phase's
-/// machine signals every WR: one WR per run.)
-fn bench_wr(op: WrOp, local: Arc<dyn Registration>, size: u64, grant: GrantInfo) -> WrTemplate {
-    WrTemplate { op, notify_slot: 0, local, remote_addr: grant.addr, remote_key: grant.key, wrap: Some(size) }
 }

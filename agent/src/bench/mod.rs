@@ -6,6 +6,8 @@
 //!
 //! * [`params`] — what a benchmark is asked and what it reports;
 //! * [`data`] — bandwidth and latency over one grant on the peer's scratch region;
+//! * [`per_path`] — the same once per path of one connection, pinned to it (`xferctl doctor`);
+//! * [`phase`] — what those phases share (grant, buffer, segments, WR template, statistics);
 //! * [`kv`] — the KV-cache pattern, through `SubmitTransfer` or over one channel;
 //! * [`connect`] — connection setup cost and memory per QP;
 //! * [`tcp`] — the raw TCP baseline and its one-shot sink;
@@ -19,10 +21,12 @@ mod connect;
 mod data;
 mod kv;
 mod params;
+mod per_path;
+mod phase;
 mod sample;
 mod tcp;
 
-pub use params::{BenchParams, BenchResult, BENCH_MAX_HOLD, BENCH_MAX_INTERVAL};
+pub use params::{BenchParams, BenchResult, PathProbe, BENCH_MAX_HOLD, BENCH_MAX_INTERVAL};
 pub use tcp::{open_sink, tcp_baseline};
 
 /// `Agent.Bench`: the pattern `p` asks for (connection setup, the KV pattern, or perftest-style

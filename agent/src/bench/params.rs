@@ -26,6 +26,8 @@ pub struct BenchParams {
     /// Connection setup: untimed wait before each connection after the first (at most
     /// [`BENCH_MAX_INTERVAL`]); zero = back to back.
     pub interval: Duration,
+    /// The bandwidth and latency phases once per path of one connection (`xferctl doctor`).
+    pub per_path: bool,
 }
 
 impl BenchParams {
@@ -56,6 +58,24 @@ pub struct BenchResult {
     pub rss_bytes_per_qp: f64,
     /// Connection setup: p50 of a `Peer.Ping` round trip to the same peer, same run.
     pub rpc_p50_us: f64,
+    /// Per path ([`BenchParams::per_path`]): what each path of the connection did, in QP order.
+    pub paths: Vec<PathProbe>,
+}
+
+/// One path's share of a per-path benchmark.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PathProbe {
+    /// Empty on tcp.
+    pub local_device: String,
+    /// As the peer names it; empty on tcp.
+    pub remote_device: String,
+    /// The bandwidth phase on this path alone.
+    pub bytes: u64,
+    pub seconds: f64,
+    /// The latency phase on the path's first QP.
+    pub lat_p50_us: f64,
+    /// Why the path failed a phase; `None` when both succeeded on it.
+    pub error: Option<String>,
 }
 
 /// Longest the connection benchmark keeps its connections once they are all up.

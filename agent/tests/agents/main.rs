@@ -18,6 +18,7 @@ mod bounded_inputs;
 mod channel;
 mod channel_redteam;
 mod dead_peer;
+mod doctor_peer;
 mod drain;
 mod e2e;
 mod exhaustion;

@@ -48,7 +48,7 @@ pub(crate) fn links() -> Links {
 }
 
 /// Agents A and B, each on both of its devices.
-fn agents(l: &Links) -> (Agent, Agent) {
+pub(crate) fn agents(l: &Links) -> (Agent, Agent) {
     let a_devs = l.a.join(",");
     let b_devs = l.b.join(",");
     let a = Agent::start_fabric("rail-a", "verbs", &[("XFER_VERBS__DEVICES", a_devs.as_str())]);

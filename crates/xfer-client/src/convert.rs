@@ -287,6 +287,7 @@ impl BenchSpec {
             connections: self.connections,
             hold_ms: self.hold_ms,
             interval_ms: self.interval_ms,
+            per_path: self.per_path,
         }
     }
 }
@@ -314,6 +315,20 @@ impl BenchResult {
             qps_held: r.qps_held,
             rss_bytes_per_qp: r.rss_bytes_per_qp,
             rpc_p50_us: r.rpc_p50_us,
+            paths: r.paths.into_iter().map(PathProbe::from_pb).collect(),
+        }
+    }
+}
+
+impl PathProbe {
+    pub(crate) fn from_pb(p: pb::PathProbe) -> PathProbe {
+        PathProbe {
+            local_device: p.local_device,
+            remote_device: p.remote_device,
+            mtu: p.mtu,
+            gbit_per_s: p.gbit_per_s,
+            lat_p50_us: p.lat_p50_us,
+            error: Some(p.error).filter(|e| !e.is_empty()),
         }
     }
 }

@@ -476,6 +476,9 @@ pub struct BenchSpec {
     /// Connect pattern: untimed wait before each connection after the first, in milliseconds
     /// (at most 1,000); 0 = back to back.
     pub interval_ms: u32,
+    /// Both phases once per path of one connection, each pinned to its path
+    /// ([`BenchResult::paths`]); `xferctl doctor --peer` asks for this.
+    pub per_path: bool,
 }
 
 /// What a benchmark run measured.
@@ -505,6 +508,24 @@ pub struct BenchResult {
     /// Connection setup: p50 of a `Peer.Ping` round trip to the same peer in the same run, the
     /// baseline the connect times compare with.
     pub rpc_p50_us: f64,
+    /// Per path ([`BenchSpec::per_path`]), in the connection's QP order.
+    pub paths: Vec<PathProbe>,
+}
+
+/// One path of a per-path benchmark: a local device, the peer's device it reached, and what a
+/// short sample on that path alone measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PathProbe {
+    /// Empty on tcp.
+    pub local_device: String,
+    /// As the peer names it; empty on tcp.
+    pub remote_device: String,
+    /// Bytes; 0 when the agent could not tell.
+    pub mtu: u32,
+    pub gbit_per_s: f64,
+    pub lat_p50_us: f64,
+    /// Why a phase failed on this path; `None` when it worked.
+    pub error: Option<String>,
 }
 
 /// Raw TCP between the two agents' hosts, the baseline for [`BenchResult`]s.

@@ -10,6 +10,7 @@
 //!   striping over paths by weight and failover when one goes down.
 //! * [`paths`] — a path's health across transfers (flap-damped back-off) and its measured rate.
 //! * [`placement`] — which paths a transfer uses, by NUMA node, capacity and load (pure).
+//! * [`reach`] — which of two agents' devices reach each other, matched one to one (pure).
 //! * [`batch`] — checked segment lists (KV-cache batches) and their coalescing.
 //! * [`failure`] — the closed set of failure codes; [`status`] — work-completion statuses.
 //! * [`notes`] — a grant's notification bookkeeping (markers counted, batches announced).
@@ -29,6 +30,7 @@ pub mod notes;
 pub mod paths;
 pub mod placement;
 pub mod range;
+pub mod reach;
 pub mod session;
 pub mod shape;
 pub mod status;

@@ -325,6 +325,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
                 connections: 0,
                 hold_ms: 0,
                 interval_ms: 0,
+                per_path: false,
             })
             .await
             .with_context(|| format!("bench {} of {} with {}", op, format_size_compact(size), opt.peer))?;

@@ -4,6 +4,7 @@
 //! the agent runs on this host, also looks at the host directly: RLIMIT_MEMLOCK and CAP_IPC_LOCK of
 //! this shell, `/sys/class/infiniband` devices, port states and GID tables, `/dev/infiniband`.
 //! Prints one line per check: `OK`, `WARN`, `FAIL` or `INFO`, with the fix where there is one.
+//! `--peer B` asks about the device pairs between this agent and B instead ([`super::doctor_peer`]).
 
 use std::fmt;
 use std::path::Path;
@@ -20,6 +21,10 @@ const MEMLOCK_MIN: u64 = 64 << 20;
 
 #[derive(Debug, Args)]
 pub struct Opt {
+    /// Instead of the node checks: every device pair between the agent and this peer agent
+    /// (host, host:port or [v6]:port), each with a verdict, a short probe and a fix.
+    #[arg(long, value_parser = crate::target::normalize_agent)]
+    pub peer: Option<String>,
     /// Run the host checks even if the agent address does not look local.
     #[arg(long)]
     pub local: bool,
@@ -60,6 +65,9 @@ fn check(name: &str, verdict: Verdict, detail: impl Into<String>, fix: Option<&s
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
+    if let Some(peer) = &opt.peer {
+        return super::doctor_peer::run(peer, ctx).await;
+    }
     let mut checks = Vec::new();
     let mut connect_error = None;
     let info = match ctx.client().await {

@@ -8,6 +8,7 @@ pub mod connect;
 pub mod cp;
 pub mod demo;
 pub mod doctor;
+pub mod doctor_peer;
 pub mod get;
 pub mod info;
 pub mod peers;
@@ -25,7 +26,8 @@ use crate::Ctx;
 pub enum Command {
     /// Show the agent's node, version, fabric, devices, limits and uptime.
     Info(info::Opt),
-    /// Check the agent and (when it is local) this host for RDMA readiness.
+    /// Check the agent and (when it is local) this host for RDMA readiness; with `--peer B`,
+    /// every local × remote device pair, probed.
     Doctor(doctor::Opt),
     /// Create, list, show and delete regions.
     #[command(subcommand)]

@@ -8,7 +8,7 @@ use xfer_proto::v1 as pb;
 use super::peers::peer_address;
 use super::scalars::{fabric_to_pb, op_from_pb};
 use super::status::{require, transfer_status};
-use crate::bench::{BenchParams, BenchResult};
+use crate::bench::{BenchParams, BenchResult, PathProbe};
 use crate::transfer::Op;
 use xfer_fabric::FabricKind;
 
@@ -36,6 +36,7 @@ pub fn bench_params_from_pb(r: pb::BenchRequest) -> Result<BenchParams, Status> 
         connections: r.connections,
         hold: Duration::from_millis(u64::from(r.hold_ms)),
         interval: Duration::from_millis(u64::from(r.interval_ms)),
+        per_path: r.per_path,
     })
 }
 
@@ -71,6 +72,20 @@ pub fn bench_to_pb(b: &BenchResult, fabric: FabricKind) -> pb::BenchResponse {
         qps_held: b.qps_held,
         rss_bytes_per_qp: b.rss_bytes_per_qp,
         rpc_p50_us: b.rpc_p50_us,
+        paths: b.paths.iter().map(path_probe_to_pb).collect(),
+    }
+}
+
+/// One path of a per-path benchmark. The MTU is left 0: a connection does not report the MTU
+/// its path negotiated, and xferctl has both ports' active MTU from `GetInfo`.
+fn path_probe_to_pb(p: &PathProbe) -> pb::PathProbe {
+    pb::PathProbe {
+        local_device: p.local_device.clone(),
+        remote_device: p.remote_device.clone(),
+        mtu: 0,
+        gbit_per_s: gbit_per_s(p.bytes, p.seconds),
+        lat_p50_us: p.lat_p50_us,
+        error: p.error.clone().unwrap_or_default(),
     }
 }
 

@@ -36,19 +36,8 @@ fn mask_prefix(mask: Ipv4Addr) -> Option<u8> {
     u8::try_from(ones).ok()
 }
 
-/// Whether `a` (on a `/a_prefix` network) and `b` (on a `/b_prefix` network) are on one subnet.
-///
-/// Both sides must agree, so the shorter prefix decides: the addresses must match on its leading
-/// bits. A prefix of 0 (a default route, not a subnet) or above 32 (malformed) never matches.
-pub fn same_subnet(a: Ipv4Addr, a_prefix: u8, b: Ipv4Addr, b_prefix: u8) -> bool {
-    if a_prefix == 0 || a_prefix > 32 || b_prefix == 0 || b_prefix > 32 {
-        return false;
-    }
-    let prefix = u32::from(a_prefix.min(b_prefix));
-    // prefix is in 1..=32, so the shift is in 0..=31 and cannot overflow.
-    let mask = u32::MAX << (32 - prefix);
-    u32::from(a) & mask == u32::from(b) & mask
-}
+/// The "same subnet" test lives with the pure device matching, which `xferctl` runs too.
+pub use xfer_engine::reach::same_subnet;
 
 #[cfg(test)]
 mod tests {

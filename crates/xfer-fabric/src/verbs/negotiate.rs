@@ -4,9 +4,9 @@ use std::net::IpAddr;
 
 use crate::{Endpoint, FabricError, GidInfo, VerbsEndpoint};
 
-/// Link-layer names as carried in [`VerbsEndpoint::link_layer`] and [`crate::DeviceInfo`].
-pub const LINK_ETHERNET: &str = "Ethernet";
-pub const LINK_INFINIBAND: &str = "InfiniBand";
+/// Link-layer names as carried in [`VerbsEndpoint::link_layer`] and [`crate::DeviceInfo`]; GIDs
+/// as addresses and text. They live with the pure device matching, which `xferctl` runs too.
+pub use xfer_engine::reach::{gid_ipv4, gid_string, LINK_ETHERNET, LINK_INFINIBAND};
 
 /// GID type names as carried in [`VerbsEndpoint::gid_type`] and [`GidInfo::gid_type`].
 pub const GID_ROCE_V2: &str = "RoCEv2";
@@ -61,16 +61,6 @@ pub fn gid_type_from_sysfs(text: &str, link_layer: &str) -> String {
         "" => String::new(),
         other => other.to_string(),
     }
-}
-
-/// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`).
-pub fn gid_ipv4(raw: &[u8; 16]) -> Option<std::net::Ipv4Addr> {
-    std::net::Ipv6Addr::from(*raw).to_ipv4_mapped()
-}
-
-/// Formats a GID the way `show_gids` does (`0000:0000:0000:0000:0000:ffff:0a00:0001`).
-pub fn gid_string(raw: &[u8; 16]) -> String {
-    raw.chunks(2).map(|c| format!("{:02x}{:02x}", c[0], c[1])).collect::<Vec<_>>().join(":")
 }
 
 fn gid_matches_ip(raw: &[u8; 16], ip: IpAddr) -> bool {

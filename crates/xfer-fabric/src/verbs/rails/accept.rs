@@ -10,7 +10,7 @@ use xfer_engine::ids::ConnectionId;
 
 use super::fallback::{split, Fallback};
 use super::pending::by_rail;
-use super::reach::{match_rails, RailFacts};
+use super::reach::{facts_of, match_rails, RailFacts};
 use super::register::RailsRegistration;
 use super::RailDevice;
 use crate::{Accepted, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey};
@@ -71,7 +71,7 @@ pub(crate) async fn accept(
     let remote_facts: Vec<RailFacts> = rails
         .values()
         .map(|eps| match eps.first() {
-            Some(Endpoint::Verbs(v)) => RailFacts::from_endpoint(v),
+            Some(Endpoint::Verbs(v)) => facts_of(v),
             _ => RailFacts::default(),
         })
         .collect();
@@ -143,7 +143,7 @@ pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endp
     let facts: Vec<RailFacts> = rails
         .values()
         .map(|eps| match eps.first() {
-            Some(Endpoint::Verbs(v)) => RailFacts::from_endpoint(v),
+            Some(Endpoint::Verbs(v)) => facts_of(v),
             _ => RailFacts::default(),
         })
         .collect();
@@ -341,7 +341,7 @@ mod tests {
     /// rail our device reaches (its endpoints as sent, in order) or a refusal naming both sides.
     #[test]
     fn one_device_takes_hostile_rail_offers_apart() {
-        let ours = RailFacts::from_endpoint(&match ep(0, [10, 0, 1, 9], 1) {
+        let ours = crate::verbs::rails::reach::facts_of(&match ep(0, [10, 0, 1, 9], 1) {
             Endpoint::Verbs(v) => VerbsEndpoint { device: "rxe0".into(), ..v },
             Endpoint::Tcp { .. } => unreachable!(),
         });
