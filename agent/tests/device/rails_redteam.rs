@@ -103,7 +103,8 @@ async fn hostile_offers_to_a_two_device_responder() {
 }
 
 /// Eight offers under one id at once (one agent, started once: starting agents is slow under
-/// TCG): exactly one holds the id, and its connection is whole.
+/// TCG): exactly one holds the id, and its answer is whole. (The made-up peer has no address
+/// on the link, so B's QPs never reach RTR: no grant is asked on it.)
 async fn offers_racing_under_one_id_leave_one_connection(b: &Agent, facts: &[([u8; 4], u32)]) {
     let accepted = gauge(b, "xfer_accepted_connections");
     let (ip0, pre0) = facts[0];
@@ -118,20 +119,14 @@ async fn offers_racing_under_one_id_leave_one_connection(b: &Agent, facts: &[([u
     let mut won = 0;
     for c in calls {
         match c.await.unwrap() {
-            Ok(_) => won += 1,
+            // The winner's answer is whole: one endpoint per rail.
+            Ok(a) => {
+                won += 1;
+                assert_eq!(a.into_inner().endpoints.len(), 2);
+            }
             Err(e) => assert!(e.message().contains("already"), "{}", e.message()),
         }
     }
     assert_eq!(won, 1, "exactly one offer holds the id");
     assert_eq!(gauge(b, "xfer_accepted_connections"), accepted + 1.0);
-    // The winner's connection is whole: a grant on it names one key per QP, on both devices.
-    b.create("contested", 1 << 20, pb::Access::ReadWrite).await;
-    let g = b
-        .peer_client()
-        .await
-        .grant(crate::common::grant_req("contested", "whoever", "contested", pb::Access::Write))
-        .await
-        .expect("a grant on the surviving connection")
-        .into_inner();
-    assert_eq!(g.qp_rkeys.len(), 2, "{g:?}");
 }
