@@ -96,8 +96,7 @@ pub async fn run(peer: &str, ctx: &Ctx) -> anyhow::Result<()> {
         op: Op::Write,
         size: PROBE_SIZE,
         iters: PROBE_ITERS,
-        // The agent's QPs per device: the shape its transfers get.
-        qps: 0,
+        qps: 1,
         depth: 4,
         per_path: true,
         ..Default::default()
