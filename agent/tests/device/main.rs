@@ -1,8 +1,7 @@
 //! Tests that need RDMA devices (Soft-RoCE: rxe0 and rxe1; multi_rail also rxe2 and rxe3): the fabric conformance suite (its tcp
 //! cases run everywhere, its verbs cases only on the devices), the verbs smoke test, grant mode
 //! `mw`, remote keys only through grants, two real agents on two links each (`multi_rail`:
-//! striping and failover; it starts agents through the `common` harness; `doctor_peer`: the
-//! device-pair matrix `xferctl doctor --peer` prints for them), the same agents with
+//! striping and failover; it starts agents through the `common` harness), the same agents with
 //! `transfer.fallback = tcp` (`fallback`: both links down, a WRITE completes over tcp), and hostile
 //! rail offers to a two-device responder (`rails_redteam`). Every case that needs a device is
 //! `#[ignore = "needs Soft-RoCE (make test-rxe)"]`, so on a host without one `cargo test` reports
@@ -18,7 +17,6 @@
 mod common;
 
 mod conformance;
-mod doctor_peer;
 mod fallback;
 mod multi_rail;
 mod rails_redteam;
