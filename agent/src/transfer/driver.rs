@@ -81,8 +81,11 @@ async fn wait<L: Leased>(
 pub async fn drive<L: Leased>(mut job: Job<L>, worker: Option<&Worker<L>>, spin: Duration) -> Result<Done<L>, String> {
     if let Some(w) = worker {
         job = match w.run(job).await {
-            Ok(done) => {
+            Ok(mut done) => {
                 crate::metrics::data_path_job("worker");
+                // A path lost in the worker's last step (the one that ended the job) is still
+                // unlogged: the worker drains events only while the job runs.
+                path_events(&mut done.machine, done.lease.conn().as_ref());
                 path_bytes(&done.machine, done.lease.conn().as_ref());
                 return Ok(done);
             }
