@@ -105,9 +105,11 @@ async fn connect_qpns(
     depth: usize,
 ) -> (Arc<dyn Connection>, Box<dyn xfer_fabric::Accepted>, mpsc::UnboundedReceiver<Completion>, Vec<u32>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let pending = a.prepare("b", &xfer_engine::ids::ConnectionId::parse("conn-smoke").unwrap(), qps, depth, tx).await.unwrap();
+    // A fresh id per connection: the responder refuses an id that is still open.
+    let id = xfer_engine::ids::ConnectionId::random();
+    let pending = a.prepare("b", &id, qps, depth, tx).await.unwrap();
     let eps = pending.local_endpoints();
-    let (b_eps, accepted) = b.accept("a", &xfer_engine::ids::ConnectionId::parse("conn-smoke").unwrap(), &eps).await.unwrap();
+    let (b_eps, accepted) = b.accept("a", &id, &eps).await.unwrap();
     let qpns = eps
         .iter()
         .chain(&b_eps)
