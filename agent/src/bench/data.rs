@@ -50,15 +50,16 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     let (piece, segs) = bandwidth_segs(node, p, iters);
     let mut held = node.acquire_exempt(peer, &ask, qps, depth).await?;
     let (lease, grant) = held.take_parts()?;
+    let (qps, path_of) = lease.job_paths(op == WrOp::Read);
     let machine = Machine::new(MachineConfig {
         segs,
         markers: Markers::None,
         chunk: piece,
-        qps: lease.job_paths(op == WrOp::Read).0,
+        qps,
         depth,
         signal_every: node.transfer_defaults().signal_every,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
-        path_of: lease.job_paths(op == WrOp::Read).1,
+        path_of,
         weights: Vec::new(),
     });
     let (buf, size) = (local.clone(), p.size);

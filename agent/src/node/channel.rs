@@ -441,15 +441,16 @@ impl Channel {
             let imm = xfer_engine::notes::channel_imm(self.grant.notify_slot, note);
             (imm, tokio::spawn(async move { peer.call(|| peer.client.announce(&id, note, &tag)).await }))
         });
+        let (qps, path_of) = lease.job_paths(self.op == Op::Read);
         let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,
-            qps: lease.job_paths(self.op == Op::Read).0,
+            qps,
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
-            path_of: lease.job_paths(self.op == Op::Read).1,
+            path_of,
             weights: Vec::new(),
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };

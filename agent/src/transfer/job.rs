@@ -95,23 +95,22 @@ pub struct Done<L> {
     pub first_post: Option<Instant>,
 }
 
-/// WRs the fabric did not take: the QP of the refused run, the seqs (`wr_id`s) of every WR of it
-/// from the one that failed on, and why. `path_failure`: the QP is broken
-/// ([`FabricError::QpBroken`]), so its path is gone and its WRs may go on another path; `rest` are
-/// the WRs queued after the refused run (for other QPs), none of them posted.
+/// WRs the fabric did not take: the QP of the refused run, the seqs (`wr_id`s) of every WR not
+/// posted (the refused one, the rest of its run and every run queued after it, whichever QP
+/// that was for), and why. `path_failure`: the QP is broken ([`FabricError::QpBroken`]), so its
+/// path is gone and its WRs may go on another path.
 pub struct PostFailure {
     pub qp: usize,
     pub seqs: Vec<u64>,
     pub reason: String,
     pub path_failure: bool,
-    pub rest: Vec<(usize, u64)>,
 }
 
 impl PostFailure {
     /// Tells `machine`: a broken QP takes its path down (its chunks move to the others) and the
     /// WRs after it are taken back unposted; any other refusal fails the job.
     pub fn tell(self, machine: &mut Machine) {
-        for seq in self.seqs.into_iter().chain(self.rest.into_iter().map(|(_, seq)| seq)) {
+        for seq in self.seqs {
             machine.handle_post_error_on(self.qp, seq, self.reason.clone(), self.path_failure);
         }
     }
@@ -138,9 +137,9 @@ pub fn post_runs(conn: &dyn Connection, pending: &mut Vec<(usize, WorkRequest)>)
         }
         if let Err((id, e)) = conn.post_batch(qp, run) {
             let from = ids.iter().position(|&x| x == id).unwrap_or(0);
-            let seqs: Vec<u64> = ids[from..].to_vec();
-            let rest = items.map(|(q, w)| (q, w.wr_id)).collect();
-            return Err(PostFailure { qp, seqs, reason: e.to_string(), path_failure: matches!(e, FabricError::QpBroken), rest });
+            let mut seqs: Vec<u64> = ids[from..].to_vec();
+            seqs.extend(items.map(|(_, w)| w.wr_id));
+            return Err(PostFailure { qp, seqs, reason: e.to_string(), path_failure: matches!(e, FabricError::QpBroken) });
         }
         crate::metrics::work_requests(ops[0], ops[1], ops[2]);
     }
