@@ -33,28 +33,47 @@ impl AcceptBackoff {
 /// Open sockets, at most `max`: [`Slots::take`] gives a [`Slot`] that holds one until it is
 /// dropped, and `report` hears the new count on every change (a gauge). The data port and the
 /// control listeners count their sockets with it.
+///
+/// The count and its report change under one lock: with a bare atomic, two sockets closing at
+/// once could report out of order (the second's 0 first, then the first's 1), and the gauge would
+/// show a socket that is gone until the next change, which may never come.
 pub struct Slots {
-    open: std::sync::atomic::AtomicUsize,
+    open: std::sync::Mutex<usize>,
     max: usize,
     report: Box<dyn Fn(usize) + Send + Sync>,
 }
 
 impl std::fmt::Debug for Slots {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slots").field("open", &self.open).field("max", &self.max).finish()
+        f.debug_struct("Slots").field("open", &self.count()).field("max", &self.max).finish()
     }
 }
 
 impl Slots {
     pub fn new(max: usize, report: impl Fn(usize) + Send + Sync + 'static) -> std::sync::Arc<Slots> {
-        std::sync::Arc::new(Slots { open: Default::default(), max, report: Box::new(report) })
+        std::sync::Arc::new(Slots { open: std::sync::Mutex::new(0), max, report: Box::new(report) })
+    }
+
+    /// The open count. A poisoned lock means a panic in `report` while holding it; the count
+    /// itself is still the last one set.
+    fn lock(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sockets holding a slot now.
+    pub fn count(&self) -> usize {
+        *self.lock()
     }
 
     /// A slot for one more socket, or None at the cap.
     pub fn take(self: &std::sync::Arc<Self>) -> Option<Slot> {
-        use std::sync::atomic::Ordering;
-        let n = self.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1)).ok()?;
-        (self.report)(n + 1);
+        let mut open = self.lock();
+        if *open >= self.max {
+            return None;
+        }
+        *open += 1;
+        (self.report)(*open);
+        drop(open);
         Some(Slot(self.clone()))
     }
 }
@@ -65,8 +84,9 @@ pub struct Slot(std::sync::Arc<Slots>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let n = self.0.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        (self.0.report)(n.saturating_sub(1));
+        let mut open = self.0.lock();
+        *open = open.saturating_sub(1);
+        (self.0.report)(*open);
     }
 }
 
@@ -87,5 +107,39 @@ mod tests {
         assert!(seen.windows(2).all(|w| w[0] <= w[1]));
         b.succeeded();
         assert_eq!(b.failed("test"), ACCEPT_BACKOFF_MIN);
+    }
+
+    /// Many sockets taking and closing at once on many threads (the report yields first, to give
+    /// another thread every chance to cut in): the reports still come one step apart in the
+    /// order the count changed, so the last one is the count that is open (0 once all closed),
+    /// and the cap holds.
+    #[test]
+    fn slots_report_every_change_in_order_whatever_the_interleaving() {
+        use std::sync::{Arc, Mutex};
+        let reported = Arc::new(Mutex::new(vec![0]));
+        let r = reported.clone();
+        let slots = Slots::new(8, move |n| {
+            std::thread::yield_now();
+            r.lock().unwrap().push(n)
+        });
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let slots = slots.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        let held: Vec<Slot> = (0..2).filter_map(|_| slots.take()).collect();
+                        drop(held);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let reported = reported.lock().unwrap();
+        let jumps: Vec<_> = reported.windows(2).filter(|w| w[0].abs_diff(w[1]) != 1).take(5).collect();
+        assert!(jumps.is_empty(), "reports out of order: {jumps:?}");
+        assert_eq!(reported.last(), Some(&0), "the gauge was left at {:?}", reported.last());
+        assert!(reported.iter().all(|&n| n <= 8), "over the cap");
     }
 }
