@@ -73,21 +73,18 @@ fn socket_dir(path: &std::path::Path) -> &std::path::Path {
     path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
 }
 
-/// How long binding the unix socket waits for another process's lock on its directory.
-const UNIX_LOCK_WAIT: Duration = Duration::from_secs(5);
-
 /// Serializes [`bind_unix`]'s check-then-bind between processes: an exclusive `flock(2)` on the
 /// socket's directory, held only while binding. Without it, two agents starting at once on one
 /// stale socket could both judge it stale, and the second would delete the socket the first had
 /// just put in place. No file is created for it (the directory itself is locked). A lock held
-/// by someone else for longer than [`UNIX_LOCK_WAIT`] is an error, not an endless wait.
-async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
+/// by someone else for longer than `wait` (`unix_lock_wait`) is an error, not an endless wait.
+async fn lock_socket_dir(path: &std::path::Path, wait: Duration) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
     use std::os::unix::fs::OpenOptionsExt;
     let err = |error: std::io::Error| StartError::Unix { path: path.display().to_string(), error };
     let parent = socket_dir(path);
     let mut dir =
         std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_CLOEXEC).open(parent).map_err(err)?;
-    let deadline = tokio::time::Instant::now() + UNIX_LOCK_WAIT;
+    let deadline = tokio::time::Instant::now() + wait;
     let mut told = false;
     loop {
         match nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock) {
@@ -97,8 +94,9 @@ async fn lock_socket_dir(path: &std::path::Path) -> Result<nix::fcntl::Flock<std
                     return Err(err(std::io::Error::new(
                         std::io::ErrorKind::WouldBlock,
                         format!(
-                            "{} stayed locked for {UNIX_LOCK_WAIT:?} by another process (another agent binding there?)",
-                            parent.display()
+                            "{} stayed locked for {} (unix_lock_wait) by another process (another agent binding there?)",
+                            parent.display(),
+                            humantime::format_duration(wait)
                         ),
                     )));
                 }
@@ -384,7 +382,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
         None => None,
         Some(path) => {
             let gid = cfg.unix_gid().map_err(|e| StartError::Grpc(e.to_string()))?;
-            let lock = lock_socket_dir(path).await?;
+            let lock = lock_socket_dir(path, cfg.unix_lock_wait.0).await?;
             let (listener, file) = bind_unix(path, cfg.unix_mode.0, gid)?;
             drop(lock);
             let router = Services::new(node.clone())

@@ -22,7 +22,7 @@ const DAYS_30: Duration = Duration::from_secs(30 * 24 * 3600);
 const PIB: u64 = 1 << 50;
 
 /// Every duration key, its value and its ceiling.
-fn durations(c: &Config) -> [(&'static str, Duration, Duration); 11] {
+fn durations(c: &Config) -> [(&'static str, Duration, Duration); 12] {
     [
         ("transfer.timeout", c.transfer.timeout.0, DAYS_30),
         // Spinning holds a core: a second is already far more than a completion takes.
@@ -36,6 +36,7 @@ fn durations(c: &Config) -> [(&'static str, Duration, Duration); 11] {
         ("grants.max_ttl", c.grants.max_ttl.0, DAYS_30),
         ("regions.retry_interval", c.regions.retry_interval.0, DAY),
         ("shutdown.grace", c.shutdown.grace.0, DAY),
+        ("unix_lock_wait", c.unix_lock_wait.0, HOUR),
     ]
 }
 

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use xfer_common::HumanDuration;
 
 use super::error::ConfigError;
 use super::limits::LimitsConfig;
@@ -44,6 +45,9 @@ pub struct Config {
     /// the agent's group.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unix_group: Option<String>,
+    /// How long binding the unix socket waits for another process's lock on its directory
+    /// (agents binding there take turns); a lock held longer is an error at start.
+    pub unix_lock_wait: HumanDuration,
     pub fabric: FabricChoice,
     pub state_dir: PathBuf,
     /// plaintext gRPC; false = mTLS on both services with the `tls` files
@@ -78,6 +82,7 @@ impl Default for Config {
             unix_listen: None,
             unix_mode: FileMode(0o660),
             unix_group: None,
+            unix_lock_wait: HumanDuration(std::time::Duration::from_secs(5)),
             fabric: FabricChoice::Auto,
             state_dir: PathBuf::from("/var/lib/xfer"),
             insecure: true,

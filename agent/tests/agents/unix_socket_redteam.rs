@@ -415,7 +415,11 @@ async fn a_unix_socket_flood_leaves_descriptors_for_regions_and_the_catalog() {
 /// delete the socket the first had just put in place. While another process holds the lock the
 /// agent waits (it says so), and touches nothing: the stale socket keeps its inode and the
 /// directory is unchanged. Once the lock is free it replaces the stale socket and serves. A
-/// lock held past the bound is a refusal, with nothing touched either.
+/// lock held past the bound (`unix_lock_wait`) is a refusal, with nothing touched either.
+///
+/// No timing window: the refused agent's bound is short because the lock is held throughout;
+/// the waiting agent's is the longest allowed, so it is still waiting whenever this test gets
+/// round to reading its log line and freeing the lock, however loaded the machine.
 #[tokio::test]
 async fn binding_waits_for_the_directory_lock_and_touches_nothing_meanwhile() {
     use std::io::BufRead;
@@ -428,12 +432,12 @@ async fn binding_waits_for_the_directory_lock_and_touches_nothing_meanwhile() {
 
     // Held past the bound: refused, nothing touched.
     let held = nix::fcntl::Flock::lock(std::fs::File::open(dir.path()).unwrap(), nix::fcntl::FlockArg::LockExclusive).unwrap();
-    let log = refused(&state.path().join("a"), &sock, &[]);
-    assert!(log.contains("stayed locked"), "{log}");
+    let log = refused(&state.path().join("a"), &sock, &[("XFER_UNIX_LOCK_WAIT", "100ms")]);
+    assert!(log.contains("stayed locked for 100ms (unix_lock_wait)"), "{log}");
     assert_eq!(snapshot(dir.path()), before);
 
     // Freed while the agent waits: it binds then.
-    let mut child = agent_cmd(&state.path().join("b"), &sock, &[])
+    let mut child = agent_cmd(&state.path().join("b"), &sock, &[("XFER_UNIX_LOCK_WAIT", "1h")])
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
