@@ -160,13 +160,6 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
     let b = Agent::start_env("node-b", &[("XFER_LIMITS__MAX_DATA_CONNECTIONS_PER_PEER", "4")]);
     b.create("dst", 8192, pb::Access::ReadWrite).await;
     let (address, secret) = b.data_session("c1").await;
-    let mut four: Vec<TcpStream> = (0..4).map(|_| open_data_stream(&address, "c1", &secret)).collect();
-    // The same identity (plaintext: every loopback caller) on another connection: over the cap.
-    let mut fifth = b.data_stream("c2").await;
-    let (kind, status, _) = read_frame(&mut fifth);
-    assert_eq!((kind, status), (Kind::Nak, REM_ACCESS_ERR), "refused with a NAK");
-    assert!(at_eof(&mut fifth), "then closed");
-
     let g = b
         .peer_client()
         .await
@@ -184,26 +177,40 @@ async fn the_fifth_stream_of_an_identity_is_refused_and_the_first_four_work() {
         .unwrap()
         .into_inner();
     let token: [u8; 16] = g.token.as_slice().try_into().unwrap();
+    // Each stream's hello is admitted by its own task on the agent, in no set order: an ACK on
+    // each of the four is what says all four hold their places before the fifth says hello.
+    let mut four: Vec<TcpStream> = (0..4).map(|_| open_data_stream(&address, "c1", &secret)).collect();
     for (i, s) in four.iter_mut().enumerate() {
         assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 1; 1024]), (0, Kind::Ack), "stream {i} ACKs");
     }
     assert!(b.read("dst", 0, 1024).await == vec![4u8; 1024]);
+    // The same identity (plaintext: every loopback caller) on another connection: over the cap.
+    let mut fifth = b.data_stream("c2").await;
+    let (kind, status, _) = read_frame(&mut fifth);
+    assert_eq!((kind, status), (Kind::Nak, REM_ACCESS_ERR), "refused with a NAK");
+    assert!(at_eof(&mut fifth), "then closed");
     let text = scrape(&b);
     assert_eq!(metric(&text, "xfer_data_connections_refused_total{reason=\"per_peer\"}"), 1.0, "{text}");
+    // The four still work after the refusal.
+    for (i, s) in four.iter_mut().enumerate() {
+        assert_eq!(raw_write(s, token, g.addr, &[i as u8 + 5; 1024]), (0, Kind::Ack), "stream {i} still ACKs");
+    }
 
-    // A closed stream frees its place.
+    // A closed stream frees its place. The agent sees the close on its own task; the socket's
+    // slot (`xfer_data_connections`) is given back only after its place under the per-peer cap,
+    // so once the gauge has counted both closed sockets (the fifth and this one) away, a new
+    // stream must be admitted. Polled by count, each poll a scrape.
     drop(four.pop());
-    let mut again = open_data_stream(&address, "c1", &secret);
-    // Bounded by count: the agent notices the close asynchronously; a refused attempt reads a NAK.
-    let mut ok = false;
-    for _ in 0..1000 {
-        if try_write(&mut again, token, g.addr, &[9; 16]) == Some((0, Kind::Ack)) {
-            ok = true;
+    let mut seen = 0.0;
+    for _ in 0..100_000 {
+        seen = metric(&scrape(&b), "xfer_data_connections");
+        if seen == 3.0 {
             break;
         }
-        again = open_data_stream(&address, "c1", &secret);
     }
-    assert!(ok, "a closed stream's place was never freed");
+    assert_eq!(seen, 3.0, "the agent never saw the fifth and the fourth stream close");
+    let mut again = open_data_stream(&address, "c1", &secret);
+    assert_eq!(raw_write(&mut again, token, g.addr, &[9; 16]), (0, Kind::Ack), "a closed stream's place was freed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
