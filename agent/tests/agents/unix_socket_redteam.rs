@@ -426,6 +426,17 @@ async fn binding_waits_for_the_directory_lock_and_touches_nothing_meanwhile() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("agent.sock");
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap()); // stale: nobody listens
+                                                                  // An O_PATH descriptor pins the stale socket's inode: while it is open, the number cannot be
+                                                                  // given to the socket the agent binds once it has removed the stale one (a file system
+                                                                  // reuses a freed inode's number at once), so "same inode" means "the same file" here.
+    let _pin = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_PATH | nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+            .open(&sock)
+            .unwrap()
+    };
     let stale_ino = std::fs::symlink_metadata(&sock).unwrap().ino();
     let before = snapshot(dir.path());
     let state = tempfile::tempdir().unwrap();
@@ -465,6 +476,7 @@ async fn binding_waits_for_the_directory_lock_and_touches_nothing_meanwhile() {
     std::thread::spawn(move || lines.for_each(drop));
     let now = std::fs::symlink_metadata(&sock).unwrap();
     assert!(now.file_type().is_socket() && now.ino() != stale_ino, "{log}");
+    std::os::unix::net::UnixStream::connect(&sock).expect("the socket at the path is live");
     let info = AgentClient::new(unix_channel(&sock).await).get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.node_name, "node-x");
     let _ = child.kill();
