@@ -156,7 +156,7 @@ fn tls_data_stream(pki: &Pki, who: &str, address: &str, conn: &str, secret: &[u8
     let m = xfer_agent::service::tls::TlsMaterial::load(&cfg).unwrap();
     let name = m.data.server_name_for(address).unwrap();
     let tcp = std::net::TcpStream::connect(address).unwrap();
-    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    tcp.set_read_timeout(Some(READ_GUARD)).unwrap();
     let conn_tls = rustls::ClientConnection::new(m.data.client.clone(), name).unwrap();
     let mut s = rustls::StreamOwned::new(conn_tls, tcp);
     let mut hello = b"XFR1".to_vec();
@@ -243,8 +243,7 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     let _ = hijack.flush();
     // The hello is refused (a NAK of frame 0) and the stream closed: the marker is never served.
     nak(read_frame_answer(&mut hijack), REM_ACCESS_ERR, 0, "node-c's hello naming node-a's connection");
-    let mut rest = Vec::new();
-    assert_eq!(hijack.read_to_end(&mut rest).unwrap_or(0), 0, "the stream is closed: {rest:?}");
+    assert_closed(&mut hijack, "node-c's hello naming node-a's connection");
 
     // Client and admin certificates cannot call the Peer service at all.
     for who in ["xferctl", "admin"] {

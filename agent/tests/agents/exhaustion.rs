@@ -5,7 +5,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
 
 use crate::common::*;
 use futures::StreamExt;
@@ -113,10 +112,10 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
     // The first silent socket was evicted (EOF); the last is still pending and is closed at the
     // handshake deadline (EOF), and counted.
     let first_silent = &mut socks[80];
-    first_silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    first_silent.set_read_timeout(Some(READ_GUARD)).unwrap();
     assert!(naked_then_eof(first_silent), "an evicted socket gets one NAK, then EOF");
     let silent = socks.last_mut().unwrap();
-    silent.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    silent.set_read_timeout(Some(READ_GUARD)).unwrap();
     assert!(at_eof(silent));
     let text = scrape(&b);
     assert!(metric(&text, "xfer_data_connections_closed_total{reason=\"handshake\"}") > 0.0, "{text}");

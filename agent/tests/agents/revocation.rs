@@ -40,14 +40,15 @@ fn write_header(s: &mut TcpStream, token: [u8; 16], addr: u64, len: usize) {
 
 /// Sends what is left of the payload; the agent may have closed the stream (an error is fine).
 fn send_rest(s: &mut TcpStream, rest: &[u8]) {
-    s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_write_timeout(Some(READ_GUARD)).unwrap();
     let _ = s.write_all(rest);
     let _ = s.flush();
 }
 
-/// The stream ends (EOF or reset) or answers with a NAK; never an ACK, never silence.
+/// The stream ends (EOF or reset) or answers with a NAK; never an ACK, never silence (a read
+/// that runs into the hang guard fails).
 fn expect_closed_or_nak(s: &mut TcpStream, what: &str) {
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_read_timeout(Some(READ_GUARD)).unwrap();
     let mut r = [0u8; frame::HEADER_LEN];
     let mut got = 0;
     loop {
@@ -203,9 +204,9 @@ async fn a_payload_stalled_past_data_payload_timeout_closes_its_stream() {
     let a = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_PAYLOAD_TIMEOUT", "300ms")]);
     let InFlight { before, payload, grant: g, stream: mut s, session } = in_flight(&a, None).await;
 
-    // Stalled: the agent closes the stream (EOF within the socket's read timeout, far below
-    // limits.data_idle_timeout), without an ACK.
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Stalled: the agent closes the stream without an ACK. The read's hang guard is far below
+    // limits.data_idle_timeout (300 s), so the close is the payload timeout's.
+    s.set_read_timeout(Some(READ_GUARD)).unwrap();
     let mut r = [0u8; frame::HEADER_LEN];
     match s.read(&mut r) {
         Ok(0) => {}

@@ -25,7 +25,8 @@ use xfer_proto::v1::peer_client::PeerClient;
 pub use calls::{port_of, put_via, read_via, run_via, unix_channel};
 #[allow(unused_imports)]
 pub use wire::{
-    frame, frame_header, open_data_stream, raw_read, raw_write, read_frame_answer, read_header, token_of, DataSession, Header, Kind,
+    assert_closed, frame, frame_header, open_data_stream, raw_read, raw_write, read_frame_answer, read_header, token_of, DataSession,
+    Header, Kind,
 };
 
 /// `xfer_notify_markers_total{result}` of `a`.
@@ -82,12 +83,20 @@ pub fn complete_req(grant_id: &str, transfer_id: &str, bytes: u64, declared: &st
     }
 }
 
+/// How long a test's blocking socket read may wait before it fails the test instead of hanging
+/// it. Never what a test waits *for*: every guarded read has its answer (bytes, EOF or a reset)
+/// already on the way, so the bound is only reached when the agent is broken, and it is long so
+/// that no loaded machine reaches it. Silence is never asserted by a read timing out: a stream
+/// that must be closed is read to its end ([`wire::assert_closed`]), one that must stay open
+/// answers a frame.
+pub const READ_GUARD: Duration = Duration::from_secs(120);
+
 /// GET /metrics from the agent's metrics listener (a plain HTTP/1.0 request: the server closes
 /// when done); the answer must be a 200.
 pub fn scrape(a: &Agent) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", a.ports.metrics)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.set_read_timeout(Some(READ_GUARD)).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();

@@ -1,11 +1,9 @@
 //! The tcp fabric's data streams spoken by hand, for attacks the product's own initiator would
 //! never make: a hello, frame headers encoded and answers decoded with the product's codec
 //! (`fabric::frame`), raw WRITE and READ requests.
-use std::time::Duration;
-
 use xfer_proto::v1 as pb;
 
-use super::Agent;
+use super::{Agent, READ_GUARD};
 
 pub use xfer_fabric::frame::{self, Header, Kind};
 
@@ -13,7 +11,7 @@ pub use xfer_fabric::frame::{self, Header, Kind};
 pub fn open_data_stream(address: &str, connection_id: &str, secret: &[u8]) -> std::net::TcpStream {
     use std::io::Write;
     let mut s = std::net::TcpStream::connect(address).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.set_read_timeout(Some(READ_GUARD)).unwrap();
     let mut hello = b"XFR1".to_vec();
     hello.push(connection_id.len() as u8);
     hello.extend_from_slice(connection_id.as_bytes());
@@ -40,6 +38,20 @@ pub fn read_header<S: std::io::Read>(s: &mut S) -> Header {
     let mut r = [0u8; frame::HEADER_LEN];
     s.read_exact(&mut r).unwrap();
     Header::decode(&r).unwrap_or_else(|e| panic!("the agent sent a frame its own codec refuses: {e}"))
+}
+
+/// The agent has closed `s` (after whatever it sent, which must be nothing more): the read ends
+/// at EOF, or in a reset, or (TLS) without a close_notify. A read that runs into [`READ_GUARD`]
+/// means the stream is still open and silent: that fails, it never passes for a close.
+pub fn assert_closed<S: std::io::Read>(s: &mut S, what: &str) {
+    use std::io::ErrorKind::*;
+    let mut rest = Vec::new();
+    match s.read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof) => {}
+        Err(e) => panic!("{what}: the stream is still open (read: {e}) after {} bytes: {rest:?}", rest.len()),
+    }
+    assert!(rest.is_empty(), "{what}: the stream sent {} more bytes before it closed: {rest:?}", rest.len());
 }
 
 /// A tcp grant's 16-byte token.
