@@ -127,7 +127,10 @@ async fn idle_connection_flood_leaves_transfers_grpc_and_metrics_working() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_stream_is_closed_and_a_busy_one_is_not() {
-    let b = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "300ms")]);
+    // "Busy" means a frame more often than the idle timeout, which no event can stand in for:
+    // the timeout is long next to the gap between two of this test's frames, even when the
+    // test is descheduled on a loaded machine (300 ms was not), and the loop runs as long.
+    let b = Agent::start_env("node-b", &[("XFER_LIMITS__DATA_IDLE_TIMEOUT", "2s")]);
     let mut idle = b.data_stream("c-idle").await;
     let mut busy = b.data_stream("c-busy").await;
     idle.set_nonblocking(true).unwrap();
