@@ -413,9 +413,10 @@ async fn watch_inbound_subscribers_are_bounded() {
     let e = b.client().await.watch_inbound(pb::WatchInboundRequest::default()).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     drop(held.pop());
-    // The server notices the cancelled stream when it next polls it; retry until it has.
+    // The server notices the cancelled stream when it next polls it; retry until it has (the
+    // count, at least a minute of retries, is a hang guard).
     let mut ok = false;
-    for _ in 0..500 {
+    for _ in 0..6000 {
         if b.client().await.watch_inbound(pb::WatchInboundRequest::default()).await.is_ok() {
             ok = true;
             break;

@@ -187,26 +187,26 @@ async fn an_initiator_opens_no_more_connections_than_the_responder_keeps_for_it(
 async fn victim_transfer_lands_plain(a_client: &mut AgentClient<Channel>, b_client: &mut AgentClient<Channel>, b: &Agent) {
     let data = random_bytes(64 << 10, 99);
     put_via(a_client, "src", 0, &data).await;
-    // The channels' connections go back as their streams close; a transfer may find them still
-    // leased for a moment and is then refused, never queued past the bound (a hang guard).
-    for _ in 0..500 {
-        let t = a_client.submit_transfer(write_req("src", b, "dst", data.len() as u64)).await;
-        match t {
-            Err(e) if e.code() == Code::ResourceExhausted => tokio::task::yield_now().await,
-            Err(e) => panic!("{e:?}"),
-            Ok(t) => {
-                let mut w = a_client.watch_transfer(pb::WatchTransferRequest { id: t.into_inner().id }).await.unwrap().into_inner();
-                let mut last = None;
-                while let Some(m) = w.message().await.unwrap() {
-                    last = Some(m);
-                }
-                assert_eq!(last.unwrap().state, pb::TransferState::Succeeded as i32);
-                assert!(read_via(b_client, "dst", 0, 0).await[..data.len()] == data[..]);
-                return;
-            }
+    // The channels' connections go back to A's pool as A notices their streams closed; until
+    // then a transfer would find them leased and be refused. ListPeers counts the pool's idle
+    // connections: once both are back, the transfer must land at the first try. Polled by count,
+    // each poll a call.
+    let mut idle = 0;
+    for _ in 0..100_000 {
+        idle = peers(a_client).await.iter().map(|p| p.qps).sum::<u32>();
+        if idle == 2 {
+            break;
         }
     }
-    panic!("the channels' connections never came back");
+    assert_eq!(idle, 2, "the channels' connections never came back");
+    let t = a_client.submit_transfer(write_req("src", b, "dst", data.len() as u64)).await.unwrap();
+    let mut w = a_client.watch_transfer(pb::WatchTransferRequest { id: t.into_inner().id }).await.unwrap().into_inner();
+    let mut last = None;
+    while let Some(m) = w.message().await.unwrap() {
+        last = Some(m);
+    }
+    assert_eq!(last.unwrap().state, pb::TransferState::Succeeded as i32);
+    assert!(read_via(b_client, "dst", 0, 0).await[..data.len()] == data[..]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,8 +17,9 @@ use xfer_proto::v1 as pb;
 const LEN: usize = 1 << 20;
 /// Payload bytes sent before the revocation.
 const PART: usize = 1000;
-/// Polls (20 ms apart) before giving up on a condition that the agent must reach.
-const POLLS: usize = 500;
+/// Polls (20 ms apart) before giving up on a condition that the agent must reach: a hang guard
+/// of a minute, far past any wait a loaded machine needs.
+const POLLS: usize = 3000;
 
 fn grant(region: &str, conn: &str, ttl: Option<Duration>) -> pb::GrantRequest {
     pb::GrantRequest {
