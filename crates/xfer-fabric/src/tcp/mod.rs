@@ -32,9 +32,8 @@
 //! `limits.data_idle_timeout`, or that does not complete a WRITE payload within
 //! `limits.data_payload_timeout`, is closed; the initiator's reader then sees EOF and marks the
 //! connection broken, so the pool never lends it again. The one exception to the idle rule is a
-//! fabric serving the standby rails of a verbs agent's connections
-//! ([`TcpFabric::serve_standby_rails`]): a standby idles by design, and lives as long as the
-//! connection it is a rail of. Failed accepts (EMFILE) back off
+//! fabric serving the standby rails of a verbs agent's connections ([`Serving::StandbyRails`]):
+//! a standby idles by design, and lives as long as the connection it is a rail of. Failed accepts (EMFILE) back off
 //! ([`crate::accept::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
@@ -111,6 +110,19 @@ impl Registration for TcpRegistration {
     }
 }
 
+/// Whose connections a [`TcpFabric`] serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serving {
+    /// Its own: it is the agent's fabric, and peers connect to it in `Peer.Connect`.
+    Connections,
+    /// The standby rails of another fabric's connections (a verbs agent's
+    /// `transfer.fallback = tcp`: only that fabric accepts here, under its own connection's id).
+    /// A standby carries nothing while an RDMA path is up, so its streams are not closed for
+    /// idleness (`limits.data_idle_timeout`): they stay until that connection ends (its accepted
+    /// half is dropped), ready for the moment every RDMA path is lost. Every other limit holds.
+    StandbyRails,
+}
+
 /// The TCP fabric: a data listener serving one-sided operations, and initiator connections.
 pub struct TcpFabric {
     data_address: SocketAddr,
@@ -120,44 +132,21 @@ pub struct TcpFabric {
 }
 
 impl TcpFabric {
-    /// Starts serving frames checked by `check` on an already bound data listener. With `tls`,
-    /// streams in both directions are TLS with the agent's certificates.
+    /// Starts serving frames checked by `check` on an already bound data listener, for
+    /// `serving`. With `tls`, streams in both directions are TLS with the agent's certificates.
     pub fn serve(
         listener: TcpListener,
         check: Arc<dyn AccessCheck>,
         tls: Option<DataTls>,
         limits: DataLimits,
-    ) -> Result<TcpFabric, FabricError> {
-        TcpFabric::serve_as(listener, check, tls, limits, false)
-    }
-
-    /// [`TcpFabric::serve`] for a fabric whose every connection is the standby rail of another
-    /// fabric's (a verbs agent's `transfer.fallback = tcp`: only that fabric accepts here, under
-    /// its own connection's id). A standby carries nothing while an RDMA path is up, so its
-    /// streams are not closed for idleness (`limits.data_idle_timeout`): they stay until that
-    /// connection ends (its accepted half is dropped), ready for the moment every RDMA path is
-    /// lost. Every other limit holds.
-    pub fn serve_standby_rails(
-        listener: TcpListener,
-        check: Arc<dyn AccessCheck>,
-        tls: Option<DataTls>,
-        limits: DataLimits,
-    ) -> Result<TcpFabric, FabricError> {
-        TcpFabric::serve_as(listener, check, tls, limits, true)
-    }
-
-    fn serve_as(
-        listener: TcpListener,
-        check: Arc<dyn AccessCheck>,
-        tls: Option<DataTls>,
-        limits: DataLimits,
-        standby: bool,
+        serving: Serving,
     ) -> Result<TcpFabric, FabricError> {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(DataSessions::new(limits.max_connections_per_peer));
         let open = crate::accept::Slots::new(limits.max_connections, crate::metrics::data_connections);
         let pre_hello = PreHelloSockets::new(limits.max_pending);
+        let standby = serving == Serving::StandbyRails;
         let ctx =
             ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pre_hello, standby };
         tokio::spawn(target::serve(listener, ctx));
@@ -168,7 +157,7 @@ impl TcpFabric {
     /// binds in `app`).
     pub async fn bind(addr: SocketAddr, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
         let listener = TcpListener::bind(addr).await.map_err(|e| FabricError::Bind { addr: addr.to_string(), error: e })?;
-        TcpFabric::serve(listener, check, tls, DataLimits::default())
+        TcpFabric::serve(listener, check, tls, DataLimits::default(), Serving::Connections)
     }
 
     pub fn data_address(&self) -> SocketAddr {

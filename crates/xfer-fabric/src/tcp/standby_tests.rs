@@ -1,4 +1,4 @@
-//! A fabric serving standby rails ([`TcpFabric::serve_standby_rails`]) over real loopback
+//! A fabric serving standby rails ([`Serving::StandbyRails`]) over real loopback
 //! sockets: its streams outlive `limits.data_idle_timeout`, while a plain fabric's stream opened
 //! after them with the same limits is closed for idleness.
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use xfer_engine::ids::ConnectionId;
 use xfer_rdma::memory::RegionMemory;
 
 use super::hello::encode_hello;
-use super::{registration, DataLimits, TcpFabric};
+use super::{registration, DataLimits, Serving, TcpFabric};
 use crate::grant::{AccessCheck, Checked, GrantGate};
 use crate::{Access, Completion, Connection, Endpoint, Fabric, RemoteKey, RemoteOp, WcStatus, WorkRequest, WrOp};
 
@@ -46,8 +46,8 @@ fn write_all() -> Arc<WriteAll> {
 async fn responder(check: Arc<WriteAll>, standby: bool) -> TcpFabric {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let limits = DataLimits { idle_timeout: Duration::from_millis(100), ..DataLimits::default() };
-    let serve = if standby { TcpFabric::serve_standby_rails } else { TcpFabric::serve };
-    serve(listener, check, None, limits).expect("serve")
+    let serving = if standby { Serving::StandbyRails } else { Serving::Connections };
+    TcpFabric::serve(listener, check, None, limits, serving).expect("serve")
 }
 
 /// One connection of one stream from `initiator` to `standby` as `id` (the responder's half is

@@ -29,7 +29,7 @@ pub(super) struct ServeCtx {
     pub(super) open: Arc<crate::accept::Slots>,
     pub(super) pre_hello: Arc<PreHelloSockets>,
     /// Every session is the standby rail of another fabric's connection
-    /// ([`super::TcpFabric::serve_standby_rails`]): its streams are not closed for idleness.
+    /// ([`super::Serving::StandbyRails`]): its streams are not closed for idleness.
     pub(super) standby: bool,
 }
 
