@@ -14,7 +14,7 @@ use crate::grants::GrantTable;
 use crate::node::Node;
 use crate::service::tls::TlsMaterial;
 use crate::service::Services;
-use xfer_fabric::tcp::{DataLimits, TcpFabric};
+use xfer_fabric::tcp::{DataLimits, Serving, TcpFabric};
 use xfer_fabric::{Fabric, FabricError};
 
 /// Why the agent could not start. Each message is complete on its own (no `source()` chain that
@@ -179,7 +179,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
                 if cfg.transfer.fallback == Fallback::Tcp {
                     info!("transfer.fallback = tcp means nothing on the tcp fabric (every path is tcp already); ignored");
                 }
-                return Ok((open_tcp(cfg, grants, tls).await?, format!("auto: {why}; using tcp")));
+                return Ok((open_tcp(cfg, grants, tls, Serving::Connections).await?, format!("auto: {why}; using tcp")));
             }
         },
     };
@@ -188,7 +188,7 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
         // real node it binds the node's primary network (`data_listen`), not an RDMA link.
         let fallback = match cfg.transfer.fallback {
             Fallback::Never => None,
-            Fallback::Tcp => Some(open_tcp(cfg, grants, tls).await?),
+            Fallback::Tcp => Some(open_tcp(cfg, grants, tls, Serving::StandbyRails).await?),
         };
         let with_tcp = fallback.is_some();
         let f = xfer_fabric::verbs::open_fabric_with_fallback(cfg.verbs_options(), grants.clone(), fallback).map_err(StartError::Fabric)?;
@@ -199,12 +199,17 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
     if cfg.transfer.fallback == Fallback::Tcp {
         info!("transfer.fallback = tcp means nothing on the tcp fabric (every path is tcp already); ignored");
     }
-    Ok((open_tcp(cfg, grants, tls).await?, "configured: tcp".to_string()))
+    Ok((open_tcp(cfg, grants, tls, Serving::Connections).await?, "configured: tcp".to_string()))
 }
 
 /// The TCP fabric checks every frame against the agent's grant table; with mTLS its data
 /// streams are TLS with the same certificates.
-async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMaterial>) -> Result<Arc<dyn Fabric>, StartError> {
+async fn open_tcp(
+    cfg: &Config,
+    grants: &Arc<GrantTable>,
+    tls: Option<&TlsMaterial>,
+    serving: Serving,
+) -> Result<Arc<dyn Fabric>, StartError> {
     let listener = bind("data_listen", cfg.data_listen_addr()).await?;
     let l = &cfg.limits;
     let nofile = crate::sys::nofile();
@@ -238,7 +243,7 @@ async fn open_tcp(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMateri
         idle_timeout: l.data_idle_timeout.0,
         payload_timeout: l.data_payload_timeout.0,
     };
-    let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone()), limits).map_err(StartError::Fabric)?;
+    let fabric = TcpFabric::serve(listener, grants.clone(), tls.map(|t| t.data.clone()), limits, serving).map_err(StartError::Fabric)?;
     Ok(Arc::new(fabric))
 }
 

@@ -60,6 +60,9 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         signal_every: node.transfer_defaults().signal_every,
         deadline: Some(Instant::now() + Duration::from_secs(600)),
         path_of,
+        // Equal weights, not placement: a benchmark's figure is what placement is judged
+        // against, so it must not depend on rates learnt from earlier jobs, and its buffer is
+        // scratch memory whose NUMA node says nothing about where the user's data lives.
         weights: Vec::new(),
     });
     let (buf, size) = (local.clone(), p.size);

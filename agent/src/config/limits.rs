@@ -34,7 +34,8 @@ pub struct LimitsConfig {
     pub max_pending_data_connections: usize,
     /// A data stream must complete its (TLS handshake and) hello within this.
     pub data_handshake_timeout: HumanDuration,
-    /// A data stream that sends no frame for this long is closed.
+    /// A data stream that sends no frame for this long is closed (not a tcp standby rail's: it
+    /// idles by design and lives as long as its verbs connection).
     pub data_idle_timeout: HumanDuration,
     /// A WRITE payload (or a refused one being discarded) must arrive in full within this of its
     /// header, or the stream is closed.

@@ -4,7 +4,8 @@
 //! and posted again at no per-segment cost.
 //!
 //! A channel runs its batches one after another, each through the transfer [`Machine`] on the
-//! held connection (its WRs spread over the connection's QPs, doorbells batched). A bad batch
+//! held connection (its WRs spread over the connection's QPs, doorbells batched), placed over
+//! the connection's paths as a transfer is ([`super::paths::PathBook::job`]). A bad batch
 //! (segments outside the channel's range, a bad list, a tag too long) is answered before any
 //! byte moves and the channel goes on; a batch that fails on the fabric ends the channel (the
 //! connection is in error, and the grant is revoked). The grant stays scoped: its range, its
@@ -441,26 +442,34 @@ impl Channel {
             let imm = xfer_engine::notes::channel_imm(self.grant.notify_slot, note);
             (imm, tokio::spawn(async move { peer.call(|| peer.client.announce(&id, note, &tag)).await }))
         });
-        let (qps, path_of) = lease.job_paths(self.op == Op::Read);
+        let peer = self.held.peer.addr.clone();
+        // Placed as a transfer's data phase is: by the local region's NUMA node, the devices'
+        // speeds, the paths' measured rates, health and load (a READ stays on the first path).
+        let paths = self.node.initiator.paths.job(&peer, lease.conn().as_ref(), self.op == Op::Read, self.local.0.numa, bytes);
         let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,
-            qps,
+            qps: paths.qps,
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
-            path_of,
-            weights: Vec::new(),
+            path_of: paths.path_of,
+            weights: paths.weights,
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
         let imm = announce.as_ref().map_or(0, |(imm, _)| *imm);
         let wr = WrTemplate { op: wr_op, notify_slot: imm, local: registration, remote_addr: addr, remote_key: key, wrap: None };
+        let ran = Instant::now();
+        // A job the driver refuses drops its plan, which gives the plan's charge back.
         let done = match self.node.run_job(Job { machine, lease, wr, probe: None, cancel: cancel.clone(), progress: None }).await {
             Ok(d) => d,
             Err(e) => return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e)),
         };
+        if let Some(plan) = &paths.plan {
+            self.node.initiator.paths.learn(&peer, done.lease.conn().as_ref(), plan, &done.machine, ran.elapsed());
+        }
         self.held.lease = Some(done.lease);
         let machine = done.machine;
         let prep = done.first_post.map_or(0.0, |t| (t - t0).as_nanos() as f64 / count.max(1) as f64);

@@ -214,10 +214,10 @@ impl Node {
                     Ok(l) => {
                         let read = ask.op == RemoteOp::Read;
                         let (qps, _) = l.job_paths(read);
-                        if !read {
-                            let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                        // A plan of an earlier, stale connection is dropped here: its charge goes back.
+                        held.paths = self.initiator.paths.plan_job(&held.peer.addr, l.conn().as_ref(), read, held.numa, ask.length);
+                        if let Some(plan) = &held.paths {
                             s.set_paths(plan.path_of.clone(), plan.weights.clone());
-                            held.paths = Some(plan);
                         }
                         let ev = Event::Leased { qps, reused: l.reused() };
                         held.lease = Some(l);

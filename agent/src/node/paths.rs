@@ -7,11 +7,17 @@
 //! ([`xfer_engine::placement::place`]) for the weights the machine stripes a job's chunks by.
 //! The policy is pure; this module only gathers its inputs and learns from each job's outcome.
 //! A standby path (`PathInfo::standby`: the tcp fallback) is never placed: weight 0 always.
+//!
+//! Transfers and channel batches are placed alike ([`PathBook::plan_job`]). Benchmarks are not:
+//! they drive every path at equal weight (or one path alone, `per_path`), because their figures
+//! are what placement is judged against: weights learnt from earlier jobs would make them depend
+//! on the agent's history, and their buffer is scratch memory whose NUMA node says nothing about
+//! where the user's data lives.
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::transfer::job::qp_map;
+use crate::transfer::job::{job_paths, qp_map};
 use xfer_engine::machine::Machine;
 use xfer_engine::paths::{Backoff, PathHealth, Rate};
 use xfer_engine::placement::{place, DeviceFacts, PathView};
@@ -24,18 +30,62 @@ use xfer_fabric::{Connection, DeviceInfo};
 pub const LEARN_MIN_BYTES: u64 = 16 << 20;
 
 /// The QP → path map and the per-path weights of one job (what `Session::set_paths` takes).
+/// The bytes it charged to its devices go back when the book learns from the job, or when the
+/// plan is dropped (a job that failed before or without running).
 pub struct PathPlan {
     pub path_of: Arc<[usize]>,
     pub weights: Vec<u32>,
-    /// Bytes charged to each path's local device until [`PathBook::learn`] gives them back.
-    charged: Vec<(String, u64)>,
+    charge: Charge,
+}
+
+/// Bytes a plan charged to each path's local device, given back once.
+struct Charge {
+    book: Weak<Mutex<BookState>>,
+    bytes: Mutex<Vec<(String, u64)>>,
+}
+
+impl Charge {
+    fn none() -> Charge {
+        Charge { book: Weak::new(), bytes: Mutex::default() }
+    }
+
+    /// Gives the bytes back (once: they are taken).
+    fn give_back(&self) {
+        let taken = std::mem::take(&mut *self.bytes.lock().unwrap_or_else(|e| e.into_inner()));
+        if taken.is_empty() {
+            return;
+        }
+        let Some(book) = self.book.upgrade() else { return };
+        let mut st = book.lock().unwrap_or_else(|e| e.into_inner());
+        for (dev, b) in taken {
+            if let Some(n) = st.in_flight.get_mut(&dev) {
+                *n = n.saturating_sub(b);
+            }
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.give_back();
+    }
+}
+
+/// The QPs, QP → path map and weights of one job, and the plan they come from.
+pub struct JobPaths {
+    pub qps: usize,
+    pub path_of: Arc<[usize]>,
+    pub weights: Vec<u32>,
+    /// To learn from once the job ran (dropping it gives its charge back); `None`: nothing was
+    /// placed (a READ).
+    pub plan: Option<PathPlan>,
 }
 
 /// Path rates and device load, shared by every job of this agent.
 pub struct PathBook {
     /// This agent's devices as the placement policy sees them (NUMA node, nominal speed).
     devices: Vec<DeviceFacts>,
-    state: Mutex<BookState>,
+    state: Arc<Mutex<BookState>>,
 }
 
 #[derive(Default)]
@@ -52,7 +102,25 @@ impl PathBook {
     /// A book for the devices the fabric reports (empty for tcp: one path, no placement).
     pub fn new(devices: &[DeviceInfo]) -> PathBook {
         let devices = devices.iter().map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.speed_mbps }).collect();
-        PathBook { devices, state: Mutex::default() }
+        PathBook { devices, state: Arc::default() }
+    }
+
+    /// The plan of a job (a transfer's data phase or a channel batch) that moves `bytes` with
+    /// a READ (`read`) or a WRITE over `conn` to `peer`, from or to memory on NUMA node
+    /// `region_numa`: [`PathBook::plan`] for a WRITE. `None` for a READ: it stays on the
+    /// connection's first path (`Lease::job_paths`), so there is nothing to place.
+    pub fn plan_job(&self, peer: &str, conn: &dyn Connection, read: bool, region_numa: Option<u32>, bytes: u64) -> Option<PathPlan> {
+        (!read).then(|| self.plan(peer, conn, region_numa, bytes))
+    }
+
+    /// The QPs, paths and weights of a job that builds its own machine (a channel batch): those
+    /// of [`job_paths`] placed by [`PathBook::plan_job`].
+    pub fn job(&self, peer: &str, conn: &dyn Connection, read: bool, region_numa: Option<u32>, bytes: u64) -> JobPaths {
+        let (qps, path_of) = job_paths(conn, read);
+        match self.plan_job(peer, conn, read, region_numa, bytes) {
+            Some(plan) => JobPaths { qps, path_of: plan.path_of.clone(), weights: plan.weights.clone(), plan: Some(plan) },
+            None => JobPaths { qps, path_of, weights: Vec::new(), plan: None },
+        }
     }
 
     /// The plan for a job of `bytes` over `conn` to `peer`, from memory on NUMA node
@@ -62,7 +130,7 @@ impl PathBook {
         let all = conn.paths();
         let path_of = qp_map(&all, conn.qps());
         if all.len() <= 1 {
-            return PathPlan { path_of, weights: Vec::new(), charged: Vec::new() };
+            return PathPlan { path_of, weights: Vec::new(), charge: Charge::none() };
         }
         // Standby paths (the tcp fallback) are never placed: weight 0, used only when no other
         // path is up. The policy weighs the others.
@@ -75,10 +143,10 @@ impl PathBook {
             out
         };
         if active.len() <= 1 {
-            return PathPlan { path_of, weights: spread(&[1]), charged: Vec::new() };
+            return PathPlan { path_of, weights: spread(&[1]), charge: Charge::none() };
         }
         let Ok(mut st) = self.state.lock() else {
-            return PathPlan { path_of, weights: spread(&vec![1; active.len()]), charged: Vec::new() };
+            return PathPlan { path_of, weights: spread(&vec![1; active.len()]), charge: Charge::none() };
         };
         let paths: Vec<&xfer_fabric::PathInfo> = active.iter().map(|&i| &all[i]).collect();
         let mut devices = self.devices.clone();
@@ -116,20 +184,17 @@ impl PathBook {
         for (dev, b) in &charged {
             *st.in_flight.entry(dev.clone()).or_default() += b;
         }
-        PathPlan { path_of, weights: spread(&weights), charged }
+        let charge = Charge { book: Arc::downgrade(&self.state), bytes: Mutex::new(charged) };
+        PathPlan { path_of, weights: spread(&weights), charge }
     }
 
     /// Learns from a job that ran `elapsed` under `plan`: which paths it lost (their health goes
     /// down, a back-off starts) and which carried bytes (up again), each path's rate from the
     /// bytes it carried in a job of at least [`LEARN_MIN_BYTES`], and the job's bytes leave the
-    /// devices' in-flight count.
+    /// devices' in-flight count (at once, not when the plan drops).
     pub fn learn(&self, peer: &str, conn: &dyn Connection, plan: &PathPlan, machine: &Machine, elapsed: Duration) {
+        plan.charge.give_back();
         let Ok(mut st) = self.state.lock() else { return };
-        for (dev, b) in &plan.charged {
-            if let Some(n) = st.in_flight.get_mut(dev) {
-                *n = n.saturating_sub(*b);
-            }
-        }
         if plan.weights.is_empty() {
             return;
         }
@@ -254,6 +319,43 @@ mod tests {
         b.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(10));
         assert_eq!(b.state.lock().unwrap().in_flight.values().sum::<u64>(), 0);
     }
+
+    #[test]
+    fn a_plan_dropped_without_learning_gives_its_charge_back() {
+        let b = book();
+        let plan = b.plan("peer", &TwoPaths, None, 1 << 30);
+        assert!(b.state.lock().unwrap().in_flight.values().sum::<u64>() > 0);
+        // The job never ran (its driver refused it, or the transfer failed before its data).
+        drop(plan);
+        assert_eq!(b.state.lock().unwrap().in_flight.values().sum::<u64>(), 0);
+    }
+
+    /// rxe0 on NUMA node 0 and rxe2 on node 1, both 100 Gb/s.
+    fn two_sockets() -> PathBook {
+        let dev =
+            |name: &str, numa| DeviceInfo { name: name.into(), numa_node: Some(numa), speed_mbps: Some(100_000), ..Default::default() };
+        PathBook::new(&[dev("rxe0", 0), dev("rxe2", 1)])
+    }
+
+    /// A channel batch's paths (`PathBook::job`) are placed as a transfer's are: a small WRITE
+    /// goes to the device on its memory's NUMA node alone, a large one spreads over both; a READ
+    /// stays on the first path, unplaced.
+    #[test]
+    fn a_batch_is_placed_by_its_regions_numa_node_and_a_read_stays_on_the_first_path() {
+        let b = two_sockets();
+        let on_1 = b.job("peer", &TwoPaths, false, Some(1), 1 << 20);
+        assert_eq!((on_1.qps, &on_1.path_of[..]), (4, &[0, 0, 1, 1][..]));
+        assert!(on_1.weights[0] == 0 && on_1.weights[1] > 0, "memory on node 1: rxe2 alone: {:?}", on_1.weights);
+        let on_0 = b.job("peer", &TwoPaths, false, Some(0), 1 << 20);
+        assert!(on_0.weights[0] > 0 && on_0.weights[1] == 0, "memory on node 0: rxe0 alone: {:?}", on_0.weights);
+        let big = b.job("peer", &TwoPaths, false, Some(1), 8 << 30);
+        assert!(big.weights.iter().all(|&w| w > 0), "8 GiB spills to the other socket: {:?}", big.weights);
+        assert!(on_1.plan.is_some() && big.plan.is_some());
+
+        let read = b.job("peer", &TwoPaths, true, Some(1), 1 << 20);
+        assert_eq!((read.qps, read.path_of.len(), read.weights.len()), (2, 0, 0));
+        assert!(read.plan.is_none());
+    }
 }
 
 /// A standby path (the tcp fallback) beside RDMA paths.
@@ -295,7 +397,7 @@ mod standby_tests {
         assert!(plan.weights[0] > 0 && plan.weights[1] > 0, "{:?}", plan.weights);
         assert_eq!(&plan.path_of[..], &[0, 1, 2, 2]);
         // Nothing is charged to the standby.
-        assert!(plan.charged.iter().all(|(dev, _)| dev != "tcp"));
+        assert!(plan.charge.bytes.lock().unwrap().iter().all(|(dev, _)| dev != "tcp"));
     }
 
     #[test]

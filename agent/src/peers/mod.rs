@@ -156,12 +156,7 @@ impl Lease {
     /// failing over READs is proven: on two Soft-RoCE links a READ over both lost a path with no
     /// link down, and one that failed over to tcp reported success with a MiB that differed.
     pub fn job_paths(&self, read: bool) -> (usize, std::sync::Arc<[usize]>) {
-        let conn = &self.inner().conn;
-        let paths = conn.paths();
-        match paths.first() {
-            Some(first) if read && paths.len() > 1 => (first.qps.len().max(1), std::sync::Arc::from([])),
-            _ => (conn.qps(), crate::transfer::job::qp_map(&paths, conn.qps())),
-        }
+        crate::transfer::job::job_paths(self.inner().conn.as_ref(), read)
     }
 
     /// The peer's instance id when the connection was negotiated.

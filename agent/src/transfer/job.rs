@@ -174,6 +174,16 @@ pub fn fell_back(machine: &Machine, conn: &dyn Connection) -> bool {
     conn.paths().iter().zip(machine.path_bytes()).any(|(p, &bytes)| p.standby && bytes > 0)
 }
 
+/// The QPs a job over `conn` uses and their paths (QP → path; empty: one path): every path's
+/// for a WRITE, only the first path's for a READ (see `Lease::job_paths`).
+pub fn job_paths(conn: &dyn Connection, read: bool) -> (usize, Arc<[usize]>) {
+    let paths = conn.paths();
+    match paths.first() {
+        Some(first) if read && paths.len() > 1 => (first.qps.len().max(1), Arc::from([])),
+        _ => (conn.qps(), qp_map(&paths, conn.qps())),
+    }
+}
+
 /// QP index → path index, from the paths' QP ranges (a QP no range covers goes to path 0).
 pub fn qp_map(paths: &[PathInfo], qps: usize) -> Arc<[usize]> {
     let mut map = vec![0usize; qps];

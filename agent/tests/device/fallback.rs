@@ -11,16 +11,13 @@
 use xfer_proto::v1 as pb;
 
 use crate::common::{labelled, metric, scrape, Agent};
-use crate::multi_rail::{
-    assert_blocks, assert_succeeded, device_bytes, finish, links, region, req, submit, tx_bytes, wait_moving_on, Downed, Links, MIB,
+use crate::links::{
+    agents, assert_blocks, assert_succeeded, device_bytes, down_mid_transfer, finish, links, region, req, submit, Links, MIB,
 };
 
 /// Agents A and B on both of their devices, each with the tcp fallback on.
 fn agents_with_fallback(l: &Links) -> (Agent, Agent) {
-    let (a_devs, b_devs) = (l.a.join(","), l.b.join(","));
-    let a = Agent::start_fabric("fallback-a", "verbs", &[("XFER_VERBS__DEVICES", a_devs.as_str()), ("XFER_TRANSFER__FALLBACK", "tcp")]);
-    let b = Agent::start_fabric("fallback-b", "verbs", &[("XFER_VERBS__DEVICES", b_devs.as_str()), ("XFER_TRANSFER__FALLBACK", "tcp")]);
-    (a, b)
+    agents(l, ["fallback-a", "fallback-b"], &[("XFER_TRANSFER__FALLBACK", "tcp")])
 }
 
 /// Bytes agent `a` moved over its tcp fallback path.
@@ -55,15 +52,11 @@ async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let read = op == pb::Op::Read;
     let rb = region(&b, "remote", BLOCKS, read.then_some(53)).await;
     let ra = region(&a, "local", BLOCKS, (!read).then_some(59)).await;
-    let mut downed = Downed::new();
     // The data leaves from the source's end of the second link: B's for a READ.
     let carrier = if read { &l.b_net[1] } else { &l.a_net[1] };
-    let before = tx_bytes(carrier);
-    let id = submit(&a, req(op, "local", &b, "remote", BLOCKS * MIB)).await;
-    let at = wait_moving_on(&a, &id, carrier, before).await;
-    downed.down(&l.a_net[0]);
-    downed.down(&l.a_net[1]);
-    let t = finish(&a, &id).await;
+    let both = [l.a_net[0].as_str(), l.a_net[1].as_str()];
+    let mid = down_mid_transfer(&a, req(op, "local", &b, "remote", BLOCKS * MIB), carrier, &both).await;
+    let t = finish(&a, &mid.id).await;
     assert_succeeded(&t, &a);
     if read {
         assert_blocks(&a, "local", &rb, BLOCKS).await;
@@ -73,7 +66,7 @@ async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let (tcp, counted) = (tcp_path_bytes(&a), metric(&scrape(&a), "xfer_transfer_fallbacks_total"));
     println!(
         "{op:?} {BLOCKS} MiB: both links down at {} MiB; completed in {:.1} s, {tcp} bytes over tcp",
-        at.bytes_done / MIB,
+        mid.at.bytes_done / MIB,
         t.elapsed_seconds
     );
     assert!(t.fallback, "the record does not say it fell back: {t:?}");
@@ -81,7 +74,7 @@ async fn falls_back_when_both_links_go_down(op: pb::Op) {
     assert!(tcp > 0.0, "no bytes over the tcp path: {}", scrape(&a));
     assert_eq!(counted, 1.0, "xfer_transfer_fallbacks_total: {}", scrape(&a));
     assert!(a.logs().contains("fell back to tcp"), "no warn line: {}", a.logs());
-    downed.restore();
+    mid.restore();
 }
 
 #[tokio::test]
@@ -100,15 +93,11 @@ async fn a_read_does_not_fall_back_and_fails_with_a_code() {
     const BLOCKS: u64 = 256;
     region(&b, "remote", BLOCKS, Some(53)).await;
     region(&a, "local", BLOCKS, None).await;
-    let mut downed = Downed::new();
-    let before = tx_bytes(&l.b_net[0]);
-    let id = submit(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB)).await;
-    wait_moving_on(&a, &id, &l.b_net[0], before).await;
-    downed.down(&l.a_net[0]);
-    downed.down(&l.a_net[1]);
-    let t = finish(&a, &id).await;
+    let both = [l.a_net[0].as_str(), l.a_net[1].as_str()];
+    let mid = down_mid_transfer(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB), &l.b_net[0], &both).await;
+    let t = finish(&a, &mid.id).await;
     assert_eq!(t.state, pb::TransferState::Failed as i32, "{t:?}");
     assert!(!t.error_code.is_empty() && !t.fallback, "{t:?}");
     assert_eq!(tcp_path_bytes(&a), 0.0, "a READ went over tcp: {}", scrape(&a));
-    downed.restore();
+    mid.restore();
 }

@@ -9,8 +9,9 @@
 //! `--include-ignored` and fails unless every test in it ran and passed.
 //!
 //! Process-wide state: the tests only read `XFER_RXE_*` environment variables (set by the VM);
-//! `multi_rail` takes links of the VM down and brings them back before it returns (run with
-//! `--test-threads=1`, as `scripts/rxe-guest-test` does).
+//! `multi_rail` and `fallback` take links of the VM down (through the two-link harness `links`)
+//! and bring them back before they return (run with `--test-threads=1`, as
+//! `scripts/rxe-guest-test` does).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../common/mod.rs"]
@@ -18,6 +19,7 @@ mod common;
 
 mod conformance;
 mod fallback;
+mod links;
 mod multi_rail;
 mod rails_redteam;
 mod verbs_mw;

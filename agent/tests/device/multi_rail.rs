@@ -1,210 +1,24 @@
-//! Two links per node on Soft-RoCE: two real agents, A on `rxe0,rxe2` and B on `rxe1,rxe3`
-//! (`verbs.devices`), each device pair on its own veth pair and subnet (`scripts/rxe-vm`). A
-//! transfer stripes over both links; a link taken down in the middle of a WRITE, a READ or a
-//! notified batch moves the rest over the other link with every byte verified and the
-//! notification sent once; a link brought back is used again; both links down fail the transfer
-//! with a code instead of hanging.
-//!
-//! Links are flipped with `scripts/rxe-link` (`ip link set … down`; `up` restores the policy
-//! route and neighbours `down` flushed and waits for the rxe ports to be ACTIVE). A [`Downed`]
-//! guard brings every link it took down back up, also when a test fails, so the modules after
-//! this one find the topology whole. "Mid-transfer" means: the transfer was submitted, its
-//! progress shows bytes moving on the link about to go down, and it has bytes left.
+//! Two links per node on Soft-RoCE (the `links` harness): two real agents, A on `rxe0,rxe2` and
+//! B on `rxe1,rxe3`. A transfer stripes over both links; a link taken down in the middle of a
+//! WRITE or a notified batch moves the rest over the other link with every byte verified and the
+//! notification sent once; a READ stays on the first link; a link brought back is used again;
+//! both links down fail the transfer with a code instead of hanging.
 //!
 //! Every test needs the devices: `#[ignore = "needs Soft-RoCE"]`, run by
 //! `scripts/rxe-guest-test` in the VM with `--include-ignored`.
 #![cfg(feature = "verbs")]
 
-use std::process::Command;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use futures::StreamExt;
 use xfer_proto::v1 as pb;
 
-use crate::common::{labelled, metric, next_note, random_bytes, scrape, subscribe, Agent};
-
-pub(crate) const MIB: u64 = 1 << 20;
-/// A hang guard for one transfer under TCG (two emulated links share two vCPUs: tens of MiB/s),
-/// not a performance bound.
-const TRANSFER_GUARD: Duration = Duration::from_secs(900);
-
-/// The devices and netdevs of both links, from the VM's environment.
-pub(crate) struct Links {
-    pub a: [String; 2],
-    pub b: [String; 2],
-    pub a_net: [String; 2],
-    pub b_net: [String; 2],
-}
-
-pub(crate) fn links() -> Links {
-    let var = |k: &str| std::env::var(format!("XFER_RXE_{k}")).unwrap_or_else(|_| panic!("XFER_RXE_{k} not set: run in scripts/rxe-vm"));
-    Links {
-        a: [var("A_DEV"), var("A2_DEV")],
-        b: [var("B_DEV"), var("B2_DEV")],
-        a_net: [var("A_NETDEV"), var("A2_NETDEV")],
-        b_net: [var("B_NETDEV"), var("B2_NETDEV")],
-    }
-}
+use crate::common::{next_note, scrape, subscribe, Agent};
+use crate::links::{
+    agents as agents_with, assert_blocks, assert_succeeded, block, device_bytes, down_mid_transfer, failovers, finish, links, region, req,
+    submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
+};
 
 /// Agents A and B, each on both of its devices.
-pub(crate) fn agents(l: &Links) -> (Agent, Agent) {
-    let a_devs = l.a.join(",");
-    let b_devs = l.b.join(",");
-    let a = Agent::start_fabric("rail-a", "verbs", &[("XFER_VERBS__DEVICES", a_devs.as_str())]);
-    let b = Agent::start_fabric("rail-b", "verbs", &[("XFER_VERBS__DEVICES", b_devs.as_str())]);
-    (a, b)
-}
-
-fn rxe_link(cmd: &str, netdev: &str) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/rxe-link");
-    let out = Command::new(script).args([cmd, netdev]).output().unwrap();
-    assert!(out.status.success(), "rxe-link {cmd} {netdev}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// Links taken down by a test; every one is brought back up when this is dropped.
-pub(crate) struct Downed(Vec<String>);
-
-impl Downed {
-    pub(crate) fn new() -> Downed {
-        Downed(Vec::new())
-    }
-
-    pub(crate) fn down(&mut self, netdev: &str) {
-        self.0.push(netdev.to_string());
-        rxe_link("down", netdev);
-    }
-
-    /// Brings every downed link back and waits until its ports are ACTIVE.
-    pub(crate) fn restore(&mut self) {
-        for n in std::mem::take(&mut self.0) {
-            rxe_link("up", &n);
-        }
-    }
-}
-
-impl Drop for Downed {
-    fn drop(&mut self) {
-        for n in std::mem::take(&mut self.0) {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/rxe-link");
-            match Command::new(script).args(["up", &n]).output() {
-                Ok(o) if o.status.success() => {}
-                other => eprintln!("multi_rail: could not bring {n} back up: {other:?}"),
-            }
-        }
-    }
-}
-
-pub(crate) fn tx_bytes(netdev: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/class/net/{netdev}/statistics/tx_bytes")).unwrap().trim().parse().unwrap()
-}
-
-/// Bytes agent `a` moved through `device` (`xfer_device_bytes_total{device}`).
-pub(crate) fn device_bytes(a: &Agent, device: &str) -> f64 {
-    labelled(&scrape(a), "xfer_device_bytes_total", &[("device", device)])
-}
-
-fn failovers(a: &Agent) -> f64 {
-    metric(&scrape(a), "xfer_path_failovers_total")
-}
-
-/// MiB block `i` of a region filled by [`fill`] from `base`: `base` rotated by a distinct amount
-/// per block, so a block that landed at the wrong place or not at all does not compare equal.
-fn block(base: &[u8], i: u64) -> Vec<u8> {
-    let r = (i as usize * 7919 + 1) % base.len();
-    let mut v = Vec::with_capacity(base.len());
-    v.extend_from_slice(&base[r..]);
-    v.extend_from_slice(&base[..r]);
-    v
-}
-
-/// Creates region `name` of `blocks` MiB on `a`; with `seed`, fills it with [`block`]s of a
-/// random MiB made from `seed` (streamed one MiB at a time). Returns that MiB, the `base` of
-/// [`assert_blocks`].
-pub(crate) async fn region(a: &Agent, name: &str, blocks: u64, seed: Option<u64>) -> Arc<Vec<u8>> {
-    a.create(name, blocks * MIB, pb::Access::ReadWrite).await;
-    let base = Arc::new(random_bytes(MIB as usize, seed.unwrap_or(1)));
-    if seed.is_some() {
-        let (b, first) = (Arc::clone(&base), name.to_string());
-        let msgs = futures::stream::iter(0..blocks).map(move |i| pb::WriteRegionRequest {
-            region: if i == 0 { first.clone() } else { String::new() },
-            offset: 0,
-            data: block(&b, i),
-        });
-        a.client().await.write_region(msgs).await.unwrap_or_else(|s| panic!("fill {name}: {s}"));
-    }
-    base
-}
-
-pub(crate) fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
-    pb::SubmitTransferRequest {
-        op: op as i32,
-        local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
-        remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
-        length: len,
-        options: None,
-        ..Default::default()
-    }
-}
-
-pub(crate) async fn submit(a: &Agent, r: pb::SubmitTransferRequest) -> String {
-    a.client().await.submit_transfer(r).await.unwrap_or_else(|s| panic!("submit: {s}")).into_inner().id
-}
-
-async fn get(a: &Agent, id: &str) -> pb::Transfer {
-    a.client().await.get_transfer(pb::GetTransferRequest { id: id.into() }).await.unwrap().into_inner()
-}
-
-/// Waits until transfer `id` on `a` moves bytes over `netdev` (its tx counter more than a MiB
-/// above `before`: data, not control traffic), and asserts it still has bytes left: the moment
-/// to take that link down "mid-transfer".
-pub(crate) async fn wait_moving_on(a: &Agent, id: &str, netdev: &str, before: u64) -> pb::Transfer {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let t = get(a, id).await;
-        if t.bytes_done > 0 && tx_bytes(netdev) > before + MIB {
-            assert!(t.bytes_done < t.length, "transfer {id} finished before the link could go down; make it bigger: {t:?}");
-            return t;
-        }
-        let live = [pb::TransferState::Queued, pb::TransferState::Connecting, pb::TransferState::Running];
-        assert!(live.iter().any(|s| t.state == *s as i32), "transfer {id} ended before moving bytes on {netdev}: {t:?}\n{}", scrape(a));
-        assert!(Instant::now() < deadline, "transfer {id} never moved bytes on {netdev}: {t:?}\n{}", a.logs());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// The terminal record of transfer `id` (a hang guard of [`TRANSFER_GUARD`]).
-pub(crate) async fn finish(a: &Agent, id: &str) -> pb::Transfer {
-    let watch = async {
-        let mut w = a.client().await.watch_transfer(pb::WatchTransferRequest { id: id.into() }).await.unwrap().into_inner();
-        let mut last = None;
-        while let Some(m) = w.message().await.unwrap() {
-            last = Some(m);
-        }
-        last.unwrap()
-    };
-    tokio::time::timeout(TRANSFER_GUARD, watch).await.unwrap_or_else(|_| panic!("transfer {id} hung: {:?}\n{}", a.logs(), scrape(a)))
-}
-
-pub(crate) fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
-    assert_eq!(t.state, pb::TransferState::Succeeded as i32, "transfer failed: {t:?}\n{}", a.logs());
-    assert_eq!(t.bytes_done, t.length, "{t:?}");
-}
-
-/// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`, read back
-/// 16 MiB at a time. The bytes themselves are compared (not the agents' checksums: those take
-/// minutes per GiB in a debug build under TCG, past the peers' RPC timeout).
-pub(crate) async fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
-    const STEP: u64 = 16;
-    for first in (0..blocks).step_by(STEP as usize) {
-        let n = STEP.min(blocks - first);
-        let got = at.read(region, first * MIB, n * MIB).await;
-        assert_eq!(got.len() as u64, n * MIB);
-        for (k, mib) in got.chunks(MIB as usize).enumerate() {
-            let i = first + k as u64;
-            assert!(mib == block(base, i).as_slice(), "MiB {i} of {region} on {} differs from the source", at.name);
-        }
-    }
+fn agents(l: &Links) -> (Agent, Agent) {
+    agents_with(l, ["rail-a", "rail-b"], &[])
 }
 
 #[tokio::test]
@@ -250,22 +64,18 @@ async fn survives_link_down(op: pb::Op) {
     let read = op == pb::Op::Read;
     let rb = region(&b, "remote", BLOCKS, read.then_some(23)).await;
     let ra = region(&a, "local", BLOCKS, (!read).then_some(29)).await;
-    let mut downed = Downed::new();
     // The data leaves through the source's end of the link: B's for a READ.
     let data_net = if read { &l.b_net[1] } else { &l.a_net[1] };
-    let before = tx_bytes(data_net);
-    let id = submit(&a, req(op, "local", &b, "remote", BLOCKS * MIB)).await;
-    let at = wait_moving_on(&a, &id, data_net, before).await;
-    downed.down(&l.a_net[1]);
+    let mid = down_mid_transfer(&a, req(op, "local", &b, "remote", BLOCKS * MIB), data_net, &[&l.a_net[1]]).await;
     let first_dev = device_bytes(&a, &l.a[0]);
-    let t = finish(&a, &id).await;
+    let t = finish(&a, &mid.id).await;
     assert_succeeded(&t, &a);
     let f = failovers(&a);
     println!(
         "{} MiB {op:?}: {} went down at {} MiB; completed in {:.1} s, {f} failover(s); {} moved {} more bytes after",
         BLOCKS,
         l.a_net[1],
-        at.bytes_done / MIB,
+        mid.at.bytes_done / MIB,
         t.elapsed_seconds,
         l.a[0],
         device_bytes(&a, &l.a[0]) - first_dev
@@ -277,7 +87,7 @@ async fn survives_link_down(op: pb::Op) {
     }
     assert!(f > 0.0, "no failover counted (xfer_path_failovers_total): {}", scrape(&a));
     assert!(device_bytes(&a, &l.a[0]) > first_dev, "nothing moved on {} after {} went down", l.a[0], l.a_net[1]);
-    downed.restore();
+    mid.restore();
 }
 
 #[tokio::test]
@@ -297,19 +107,15 @@ async fn a_read_stays_on_the_first_link_when_the_second_goes_down() {
     const BLOCKS: u64 = FAILOVER_BLOCKS;
     let rb = region(&b, "remote", BLOCKS, Some(23)).await;
     region(&a, "local", BLOCKS, None).await;
-    let mut downed = Downed::new();
     let second = device_bytes(&a, &l.a[1]);
     // The data leaves through B's end of the first link.
-    let before = tx_bytes(&l.b_net[0]);
-    let id = submit(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB)).await;
-    wait_moving_on(&a, &id, &l.b_net[0], before).await;
-    downed.down(&l.a_net[1]);
-    let t = finish(&a, &id).await;
+    let mid = down_mid_transfer(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB), &l.b_net[0], &[&l.a_net[1]]).await;
+    let t = finish(&a, &mid.id).await;
     assert_succeeded(&t, &a);
     assert_blocks(&a, "local", &rb, BLOCKS).await;
     assert_eq!(failovers(&a), 0.0, "a READ lost a path: {}", scrape(&a));
     assert_eq!(device_bytes(&a, &l.a[1]), second, "a READ posted on {}: {}", l.a[1], scrape(&a));
-    downed.restore();
+    mid.restore();
 }
 
 /// A notified batch across a failover: the target hears of it exactly once, and by then every
@@ -330,11 +136,8 @@ async fn a_batch_across_a_failover_is_notified_once_after_every_byte() {
     let mut r = req(pb::Op::Write, "src", &b, "dst", 0);
     r.segments = segments.clone();
     r.notify = Some(b"across".to_vec());
-    let mut downed = Downed::new();
-    let before = tx_bytes(&l.a_net[1]);
-    let id = submit(&a, r.clone()).await;
-    wait_moving_on(&a, &id, &l.a_net[1], before).await;
-    downed.down(&l.a_net[1]);
+    let mid = down_mid_transfer(&a, r.clone(), &l.a_net[1], &[&l.a_net[1]]).await;
+    let id = mid.id.clone();
 
     let note = tokio::time::timeout(TRANSFER_GUARD, notes.message())
         .await
@@ -352,7 +155,7 @@ async fn a_batch_across_a_failover_is_notified_once_after_every_byte() {
     assert!(failovers(&a) > 0.0, "no failover counted: {}", scrape(&a));
 
     // Exactly once: the next notification the subscriber sees is that of a following batch.
-    downed.restore();
+    mid.restore();
     r.segments = segments[..4].to_vec();
     r.notify = Some(b"after".to_vec());
     let id2 = submit(&a, r).await;
@@ -371,16 +174,12 @@ async fn a_link_brought_back_is_used_again() {
     const BLOCKS: u64 = 256;
     let base = region(&a, "src", BLOCKS, Some(37)).await;
     region(&b, "dst", BLOCKS, None).await;
-    let mut downed = Downed::new();
-    let before = tx_bytes(&l.a_net[1]);
-    let id = submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await;
-    wait_moving_on(&a, &id, &l.a_net[1], before).await;
-    downed.down(&l.a_net[1]);
-    assert_succeeded(&finish(&a, &id).await, &a);
+    let mid = down_mid_transfer(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB), &l.a_net[1], &[&l.a_net[1]]).await;
+    assert_succeeded(&finish(&a, &mid.id).await, &a);
     // While it is down, a transfer still completes (over the first link alone).
     assert_succeeded(&finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 64 * MIB)).await).await, &a);
 
-    downed.restore();
+    mid.restore();
     let (dev0, tx0) = (device_bytes(&a, &l.a[1]), tx_bytes(&l.a_net[1]));
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await).await;
     assert_succeeded(&t, &a);
@@ -400,19 +199,14 @@ async fn both_links_down_fail_the_transfer_with_a_code() {
     const BLOCKS: u64 = FAILOVER_BLOCKS;
     let base = region(&a, "src", BLOCKS, Some(41)).await;
     region(&b, "dst", BLOCKS, None).await;
-    let mut downed = Downed::new();
-    let before = tx_bytes(&l.a_net[1]);
-    let id = submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await;
-    wait_moving_on(&a, &id, &l.a_net[1], before).await;
-    let t0 = Instant::now();
-    downed.down(&l.a_net[0]);
-    downed.down(&l.a_net[1]);
-    let t = finish(&a, &id).await;
-    println!("both links down: {:?} after {:.1} s: {} ({})", t.state, t0.elapsed().as_secs_f64(), t.error_code, t.error);
+    let both = [l.a_net[0].as_str(), l.a_net[1].as_str()];
+    let mid = down_mid_transfer(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB), &l.a_net[1], &both).await;
+    let t = finish(&a, &mid.id).await;
+    println!("both links down: {:?} after {:.1} s: {} ({})", t.state, mid.since.elapsed().as_secs_f64(), t.error_code, t.error);
     assert_eq!(t.state, pb::TransferState::Failed as i32, "{t:?}");
     assert!(!t.error_code.is_empty() && t.error_code != "INTERNAL", "no clear code: {t:?}");
     assert!(!t.error.is_empty(), "{t:?}");
-    downed.restore();
+    mid.restore();
     // The agents work again once the links are back.
     assert_succeeded(&finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 16 * MIB)).await).await, &a);
     assert_blocks(&b, "dst", &base, 16).await;

@@ -31,7 +31,9 @@
 //! (refused with a NAK `REM_ACCESS_ERR`). A stream that sends no frame for
 //! `limits.data_idle_timeout`, or that does not complete a WRITE payload within
 //! `limits.data_payload_timeout`, is closed; the initiator's reader then sees EOF and marks the
-//! connection broken, so the pool never lends it again. Failed accepts (EMFILE) back off
+//! connection broken, so the pool never lends it again. The one exception to the idle rule is a
+//! fabric serving the standby rails of a verbs agent's connections ([`Serving::StandbyRails`]):
+//! a standby idles by design, and lives as long as the connection it is a rail of. Failed accepts (EMFILE) back off
 //! ([`crate::accept::AcceptBackoff`]) instead of spinning.
 //!
 //! Revocation is immediate: a WRITE payload lands in chunks, each under the grant's
@@ -71,6 +73,8 @@ mod limits;
 mod qp;
 mod serve;
 mod session;
+#[cfg(test)]
+mod standby_tests;
 mod target;
 
 pub use hello::read_hello;
@@ -106,6 +110,19 @@ impl Registration for TcpRegistration {
     }
 }
 
+/// Whose connections a [`TcpFabric`] serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serving {
+    /// Its own: it is the agent's fabric, and peers connect to it in `Peer.Connect`.
+    Connections,
+    /// The standby rails of another fabric's connections (a verbs agent's
+    /// `transfer.fallback = tcp`: only that fabric accepts here, under its own connection's id).
+    /// A standby carries nothing while an RDMA path is up, so its streams are not closed for
+    /// idleness (`limits.data_idle_timeout`): they stay until that connection ends (its accepted
+    /// half is dropped), ready for the moment every RDMA path is lost. Every other limit holds.
+    StandbyRails,
+}
+
 /// The TCP fabric: a data listener serving one-sided operations, and initiator connections.
 pub struct TcpFabric {
     data_address: SocketAddr,
@@ -115,20 +132,23 @@ pub struct TcpFabric {
 }
 
 impl TcpFabric {
-    /// Starts serving frames checked by `check` on an already bound data listener. With `tls`,
-    /// streams in both directions are TLS with the agent's certificates.
+    /// Starts serving frames checked by `check` on an already bound data listener, for
+    /// `serving`. With `tls`, streams in both directions are TLS with the agent's certificates.
     pub fn serve(
         listener: TcpListener,
         check: Arc<dyn AccessCheck>,
         tls: Option<DataTls>,
         limits: DataLimits,
+        serving: Serving,
     ) -> Result<TcpFabric, FabricError> {
         let data_address = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let sessions = Arc::new(DataSessions::new(limits.max_connections_per_peer));
         let open = crate::accept::Slots::new(limits.max_connections, crate::metrics::data_connections);
         let pre_hello = PreHelloSockets::new(limits.max_pending);
-        let ctx = ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pre_hello };
+        let standby = serving == Serving::StandbyRails;
+        let ctx =
+            ServeCtx { check, sessions: sessions.clone(), tls: tls.clone(), shutdown: shutdown.clone(), limits, open, pre_hello, standby };
         tokio::spawn(target::serve(listener, ctx));
         Ok(TcpFabric { data_address, shutdown, sessions, tls })
     }
@@ -137,7 +157,7 @@ impl TcpFabric {
     /// binds in `app`).
     pub async fn bind(addr: SocketAddr, check: Arc<dyn AccessCheck>, tls: Option<DataTls>) -> Result<TcpFabric, FabricError> {
         let listener = TcpListener::bind(addr).await.map_err(|e| FabricError::Bind { addr: addr.to_string(), error: e })?;
-        TcpFabric::serve(listener, check, tls, DataLimits::default())
+        TcpFabric::serve(listener, check, tls, DataLimits::default(), Serving::Connections)
     }
 
     pub fn data_address(&self) -> SocketAddr {
@@ -262,7 +282,7 @@ mod tests {
     use xfer_rdma::memory::RegionMemory;
 
     use super::qp::TcpQp;
-    use super::serve::serve_frames_idle;
+    use super::serve::{serve_frames_idle, StreamTimers};
     use super::{registration, run_initiator_stream, serve_frames, ServeError};
     use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
     use crate::grant::{AccessCheck, Checked, GrantGate};
@@ -461,7 +481,8 @@ mod tests {
         let idle = Duration::from_secs(300);
         let start = tokio::time::Instant::now();
         // `ours` stays open and unread: the answer fills the pipe and waits.
-        let r = serve_frames_idle(rd, wr, &grants, &connection(), Some(idle), Some(Duration::from_secs(30))).await;
+        let timers = StreamTimers { idle: Some(idle), stall: Some(idle), payload: Some(Duration::from_secs(30)) };
+        let r = serve_frames_idle(rd, wr, &grants, &connection(), timers).await;
         assert!(matches!(r, Err(ServeError::Stalled)), "{r:?}");
         assert_eq!(start.elapsed(), idle);
         drop(ours);

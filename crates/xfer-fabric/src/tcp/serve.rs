@@ -50,19 +50,28 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    serve_frames_idle(rd, wr, check, connection, None, None).await
+    serve_frames_idle(rd, wr, check, connection, StreamTimers::default()).await
 }
 
-/// [`serve_frames`], ending with [`ServeError::Idle`] when no frame header starts arriving
-/// within `idle`, and with [`ServeError::PayloadTimeout`] when a WRITE payload (stored or
-/// discarded) is not complete within `payload` of its header.
+/// The time limits of one served stream; `None` is no limit.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StreamTimers {
+    /// No frame header starts arriving within this: [`ServeError::Idle`].
+    pub(super) idle: Option<Duration>,
+    /// The initiator reads none of our answers within this: [`ServeError::Stalled`].
+    pub(super) stall: Option<Duration>,
+    /// A WRITE payload (stored or discarded) is not complete within this of its header:
+    /// [`ServeError::PayloadTimeout`].
+    pub(super) payload: Option<Duration>,
+}
+
+/// [`serve_frames`] under `timers`.
 pub(super) async fn serve_frames_idle<R, W>(
     rd: R,
     wr: W,
     check: &dyn AccessCheck,
     connection: &ConnectionId,
-    idle: Option<Duration>,
-    payload: Option<Duration>,
+    timers: StreamTimers,
 ) -> Result<(), ServeError>
 where
     R: AsyncRead + Unpin,
@@ -71,10 +80,10 @@ where
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     // Responses are coalesced, and flushed before any read that could wait for the initiator:
     // the initiator writes whole frames, so bytes already buffered never wait on our answers.
-    // An initiator that stops reading its answers fails the stream after `idle` without
+    // An initiator that stops reading its answers fails the stream after `stall` without
     // progress (a write, not only a read, can wait on the peer).
-    let mut wr = BufWriter::with_capacity(64 << 10, StallGuard::new(wr, idle));
-    let served = serve_loop(&mut rd, &mut wr, check, connection, idle, payload).await;
+    let mut wr = BufWriter::with_capacity(64 << 10, StallGuard::new(wr, timers.stall));
+    let served = serve_loop(&mut rd, &mut wr, check, connection, timers.idle, timers.payload).await;
     // However the stream ends (a bad frame, a payload cut short, a revocation, the idle timer),
     // the answers to the frames served before it are still delivered: a READ answered in full
     // must not reach the initiator cut short because a later frame was refused. When the loop

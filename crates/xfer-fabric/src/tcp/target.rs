@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 
 use super::hello::read_hello;
 use super::limits::{DataLimits, PreHelloSlot, PreHelloSockets};
-use super::serve::{refuse, serve_frames_idle, ServeError};
+use super::serve::{refuse, serve_frames_idle, ServeError, StreamTimers};
 use super::session::{DataSessions, Refusal};
 use crate::grant::AccessCheck;
 use crate::identity::tls::DataTls;
@@ -28,6 +28,9 @@ pub(super) struct ServeCtx {
     /// Open sockets on the data port (`limits.max_data_connections`), from accept until close.
     pub(super) open: Arc<crate::accept::Slots>,
     pub(super) pre_hello: Arc<PreHelloSockets>,
+    /// Every session is the standby rail of another fabric's connection
+    /// ([`super::Serving::StandbyRails`]): its streams are not closed for idleness.
+    pub(super) standby: bool,
 }
 
 pub(super) async fn serve(listener: TcpListener, ctx: ServeCtx) {
@@ -160,10 +163,17 @@ where
             });
         }
     };
+    let timers = StreamTimers {
+        // A standby rail idles by design until every RDMA path of its connection is lost, and
+        // must then be there: it lives as long as that connection's session, which closes it.
+        idle: (!ctx.standby).then_some(ctx.limits.idle_timeout),
+        stall: Some(ctx.limits.idle_timeout),
+        payload: Some(ctx.limits.payload_timeout),
+    };
     let r = tokio::select! {
         _ = ctx.shutdown.cancelled() => Ok(()),
         _ = closed.cancelled() => Ok(()),
-        r = serve_frames_idle(rd, wr, &*ctx.check, &connection, Some(ctx.limits.idle_timeout), Some(ctx.limits.payload_timeout)) => r,
+        r = serve_frames_idle(rd, wr, &*ctx.check, &connection, timers) => r,
     };
     ctx.sessions.stream_ended(&connection, &owner);
     match r {
