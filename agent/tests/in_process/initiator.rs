@@ -37,6 +37,9 @@ struct LocalPeer {
     grant_made: Arc<Notify>,
     /// Notified on every `disconnect` and `revoke` call.
     gave_back: Arc<Notify>,
+    /// While set, every grant is answered with this key instead of the target's (a hostile or
+    /// broken peer).
+    key: Option<RemoteKey>,
 }
 
 impl LocalPeer {
@@ -48,6 +51,7 @@ impl LocalPeer {
             hold_grant: None,
             grant_made: Arc::new(Notify::new()),
             gave_back: Arc::new(Notify::new()),
+            key: None,
         }
     }
 }
@@ -96,7 +100,7 @@ impl PeerApi for LocalPeer {
             self.grant_made.notify_one();
             hold.notified().await;
         }
-        let key: RemoteKey = g.exposure.key.clone();
+        let key: RemoteKey = self.key.clone().unwrap_or_else(|| g.exposure.key.clone());
         Ok(GrantInfo {
             grant_id: g.id.clone(),
             addr: g.exposure.addr,
@@ -277,4 +281,40 @@ async fn a_submit_dropped_mid_grant_leaves_nothing_behind() {
     let t = a.node.submit(write("src", "dst", 64 << 10, false)).await.unwrap();
     let r = finished(&a.node, &t.id).await;
     assert_eq!(r.state, TransferState::Succeeded, "{r:?}");
+}
+
+/// A peer whose grant carries a per-QP key list that does not fit the connection (one key short,
+/// one too many, an `Each` list with no token to serve the rest): the initiator refuses the grant
+/// when it arrives, naming both counts, before any work request is posted: the submit fails.
+/// Nothing moved (the target's memory), and the grant is given back (revoked at the target).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_keys_do_not_fit_the_connection_is_refused_before_any_post() {
+    let cases: Vec<(RemoteKey, &str)> = vec![
+        (RemoteKey::PerQp(vec![1].into()), "1 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::PerQp(vec![1, 2, 3].into()), "3 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::PerQp(Vec::new().into()), "0 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::Each(vec![RemoteKey::Rkey(1)].into()), "1 per-QP keys for a connection of 2 QPs, and no token last"),
+    ];
+    for (key, want) in cases {
+        let b = node("node-b", Arc::new(|_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") })).await;
+        let peer = Arc::new(LocalPeer { key: Some(key.clone()), ..LocalPeer::new(b.node.clone()) });
+        let gave_back = peer.gave_back.clone();
+        let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
+        let a = node(A, connector).await;
+        region(&a.node, "src", 64 << 10, 7);
+        region(&b.node, "dst", 64 << 10, 0);
+        let mut req = write("src", "dst", 64 << 10, false);
+        req.options.qps = Some(2);
+        // The submit itself is refused (the grant is asked before the transfer is accepted).
+        let err = a.node.submit(req).await.unwrap_err().to_string();
+        assert!(err.contains("its grant's key does not fit connection") && err.contains(want), "{key:?}: {err}");
+        assert!(a.node.list_transfers().iter().all(|r| r.bytes_done == 0), "{key:?}: nothing posted");
+        let mut got = vec![1u8; 64 << 10];
+        b.node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0), "{key:?}: the target's bytes changed");
+        // The refused grant is given back: revoked at the target, directly or with its connection.
+        while b.grants.len() != 0 {
+            gave_back.notified().await;
+        }
+    }
 }

@@ -46,6 +46,7 @@ pub use xfer_engine::status::WcStatus;
 pub mod accept;
 pub mod grant;
 pub mod identity;
+mod keys;
 pub mod metrics;
 pub mod stall;
 pub mod tcp;
@@ -460,6 +461,9 @@ pub struct PathInfo {
     /// A fallback path (the tcp rail of a verbs connection): never given a weight, used only
     /// when no other path is up.
     pub standby: bool,
+    /// The path MTU its QPs negotiated (the smaller of both ports' active MTU), in bytes; 0 where
+    /// there is none (tcp).
+    pub mtu: u32,
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
@@ -468,7 +472,7 @@ pub trait Connection: Send + Sync {
     /// The connection's paths, in QP order: together their `qps` ranges cover `0..qps()` without
     /// overlap. The default is one path over every QP (a single-device or tcp connection).
     fn paths(&self) -> Vec<PathInfo> {
-        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false }]
+        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false, mtu: 0 }]
     }
     /// True when the pool should replace this connection once it is idle: it is broken, or a path
     /// it lacks (a device that was down when it was made) is usable again. Default: broken.
