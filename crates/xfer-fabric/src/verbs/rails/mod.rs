@@ -284,6 +284,14 @@ impl Fabric for RailsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
+        // A transfer may ask for more QPs than the agent's default: refused here, naming both
+        // numbers, rather than by the peer with RESOURCE_EXHAUSTED.
+        let offered = self.devices.iter().filter(|d| d.offered()).count();
+        xfer_engine::shape::connection_endpoints(qps, offered, self.fallback.is_some()).map_err(|detail| FabricError::Negotiation {
+            step: "prepare",
+            attr: "qps",
+            detail,
+        })?;
         let mut pending = pending::RailsPending::prepare(&self.devices, peer, qps, depth, sink)?;
         if let Some(f) = &self.fallback {
             // The fallback is a standby: a connection without it still moves data.
