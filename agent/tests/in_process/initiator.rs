@@ -161,11 +161,73 @@ struct Node2 {
 }
 
 async fn node(name: &str, connector: Connector) -> Node2 {
+    node_with(name, connector, |_| {}, false).await
+}
+
+/// [`node`] with its configuration changed by `tune`, and with `two_paths` over a [`TwoPaths`]
+/// fabric.
+async fn node_with(name: &str, connector: Connector, tune: impl FnOnce(&mut Config), two_paths: bool) -> Node2 {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    let mut cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    tune(&mut cfg);
     let grants = Arc::new(GrantTable::new(1024));
-    let fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
+    let mut fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
+    if two_paths {
+        fabric = Arc::new(TwoPaths(fabric));
+    }
     Node2 { node: Node::new(cfg, fabric, "test".into(), grants.clone(), connector), grants, _dir: dir }
+}
+
+/// The tcp fabric with every connection holding twice the QPs asked, as a connection over two
+/// devices holds the QPs asked on each: what the tenant's charge must count.
+struct TwoPaths(Arc<dyn Fabric>);
+
+#[async_trait]
+impl Fabric for TwoPaths {
+    fn kind(&self) -> FabricKind {
+        self.0.kind()
+    }
+    fn grants_need_connection(&self) -> bool {
+        self.0.grants_need_connection()
+    }
+    fn info(&self) -> xfer_fabric::FabricInfo {
+        self.0.info()
+    }
+    fn register(
+        &self,
+        memory: Arc<xfer_rdma::memory::RegionMemory>,
+        access: Access,
+    ) -> Result<Arc<dyn xfer_fabric::Registration>, xfer_fabric::FabricError> {
+        self.0.register(memory, access)
+    }
+    async fn expose(
+        &self,
+        reg: &Arc<dyn xfer_fabric::Registration>,
+        req: &xfer_fabric::ExposeRequest,
+    ) -> Result<xfer_fabric::Exposure, xfer_fabric::FabricError> {
+        self.0.expose(reg, req).await
+    }
+    fn connection_qps(&self, qps: usize) -> usize {
+        2 * qps
+    }
+    async fn prepare(
+        &self,
+        peer: &str,
+        connection_id: &ConnectionId,
+        qps: usize,
+        depth: usize,
+        sink: xfer_fabric::CompletionSink,
+    ) -> Result<Box<dyn xfer_fabric::PendingConnection>, xfer_fabric::FabricError> {
+        self.0.prepare(peer, connection_id, 2 * qps, depth, sink).await
+    }
+    async fn accept(
+        &self,
+        peer: &str,
+        connection_id: &ConnectionId,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn xfer_fabric::Accepted>), xfer_fabric::FabricError> {
+        self.0.accept(peer, connection_id, remote).await
+    }
 }
 
 fn region(n: &Node, name: &str, len: u64, fill: u8) {
@@ -317,4 +379,42 @@ async fn a_grant_whose_keys_do_not_fit_the_connection_is_refused_before_any_post
             gave_back.notified().await;
         }
     }
+}
+
+/// A tenant is charged the QPs its connection holds, not the QPs it asked for: over a fabric whose
+/// connections hold two paths of the asked QPs each, a lease of 2 QPs counts 4, and the tenant's
+/// share of the peer's streams (the peer keeps 8 for this agent; `limits.tenant_share` 0.5 gives
+/// 4) refuses its next lease at the real count (4 + 2 > 4; counting what was asked, 2 + 1, would
+/// have let it through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_is_charged_the_qps_its_connection_holds() {
+    let no_peer = |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") };
+    let b = node_with("node-b", Arc::new(no_peer), |c| c.limits.max_data_connections_per_peer = 8, false).await;
+    let hold = Arc::new(Notify::new());
+    let peer = Arc::new(LocalPeer { hold_complete: Some(hold.clone()), ..LocalPeer::new(b.node.clone()) });
+    let arrived = peer.complete_arrived.clone();
+    let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
+    let a = node_with(A, connector, |_| {}, true).await;
+    region(&a.node, "src", 64 << 10, 7);
+    region(&b.node, "dst", 64 << 10, 0);
+    let alice =
+        xfer_agent::tenants::Tenant::of(&xfer_fabric::identity::Caller { role: xfer_fabric::identity::Role::Client, name: "alice".into() });
+
+    let mut first = write("src", "dst", 64 << 10, false);
+    first.options.qps = Some(2);
+    let t1 = a.node.submit_as(first, &alice).await.unwrap();
+    arrived.notified().await; // its lease is held until its Complete is let through
+    let entry = a.node.peers().into_iter().next().unwrap();
+    assert_eq!(entry.tenant_held(&alice), (1, 4), "2 QPs asked, 4 held and charged");
+    assert_eq!(entry.held(), (1, 4), "the entry counts the same QPs");
+
+    let mut second = write("src", "dst", 64 << 10, false);
+    second.options.qps = Some(1);
+    let e = a.node.submit_as(second, &alice).await.unwrap_err().to_string();
+    assert!(e.contains("holds 1 connections (4 streams)") && e.contains("its share is") && e.contains("4 streams"), "{e}");
+    assert_eq!(entry.tenant_held(&alice), (1, 4), "a refused lease charges nothing");
+
+    hold.notify_one();
+    let r1 = finished(&a.node, &t1.id).await;
+    assert_eq!(r1.state, TransferState::Succeeded, "{r1:?}");
 }

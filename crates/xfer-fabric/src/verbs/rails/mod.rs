@@ -276,6 +276,11 @@ impl Fabric for RailsFabric {
         accept::expose(&self.devices, self.fallback.as_deref(), &self.accepted, reg, req).await
     }
 
+    fn connection_qps(&self, qps: usize) -> usize {
+        let offered = self.devices.iter().filter(|d| d.offered()).count().max(1);
+        qps.saturating_mul(offered + usize::from(self.fallback.is_some()))
+    }
+
     async fn prepare(
         &self,
         peer: &str,
