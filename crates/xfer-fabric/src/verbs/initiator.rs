@@ -21,6 +21,8 @@ pub(crate) struct VerbsPrepared {
     pub dev: Arc<Device>,
     pub opts: VerbsOptions,
     pub sink: CompletionSink,
+    /// Its QPs were taken from the prebuilt pool (for `xfer_connection_builds_total`).
+    pub prebuilt: bool,
 }
 
 #[async_trait]

@@ -85,10 +85,12 @@ pub(crate) async fn accept(
     let groups: Vec<Vec<Endpoint>> = rails.into_values().collect();
     let mut answer = Vec::new();
     let mut parts = Vec::with_capacity(pairs.len());
+    let mut prebuilt = true;
     for (r, l) in pairs {
         let device = offered[l];
         let d = &devices[device];
-        let (eps, handle) = d.fabric.accept(peer, id, &groups[r]).await?;
+        let (eps, handle, from_pool) = d.fabric.accept_part(peer, id, &groups[r]).await?;
+        prebuilt &= from_pool;
         parts.push(AcceptedPart { device, qps: eps.len(), handle });
         for mut e in eps {
             if let Endpoint::Verbs(v) = &mut e {
@@ -117,6 +119,8 @@ pub(crate) async fn accept(
         }
         index.insert(id.clone(), Arc::downgrade(&acc));
     }
+    // One build per connection, whatever its devices.
+    crate::metrics::connection_build("responder", prebuilt);
     Ok((answer, Box::new(AcceptedHandle { acc, index: Arc::clone(index), id: id.clone() })))
 }
 

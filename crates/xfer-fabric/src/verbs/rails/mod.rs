@@ -152,8 +152,10 @@ impl RailsFabric {
         }
         let mut devices = Vec::with_capacity(per_device.len());
         let changes = Arc::new(tokio::sync::watch::Sender::new(0));
+        // `xfer_prebuilt_qps` is the node's: every device's pool adds to one total.
+        let prebuilt = Arc::new(crate::metrics::PrebuiltTotal::default());
         for o in per_device {
-            let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers));
+            let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers)).with_prebuilt_total(Arc::clone(&prebuilt));
             devices.push(Arc::new(RailDevice {
                 fabric,
                 up: AtomicBool::new(true),
@@ -298,6 +300,8 @@ impl Fabric for RailsFabric {
             detail,
         })?;
         let mut pending = pending::RailsPending::prepare(&self.devices, peer, qps, depth, sink)?;
+        // One build per connection, whatever its devices.
+        crate::metrics::connection_build("initiator", pending.prebuilt());
         if let Some(f) = &self.fallback {
             // The fallback is a standby: a connection without it still moves data.
             match fallback::PendingTcp::prepare(f, peer, connection_id, qps, depth).await {
