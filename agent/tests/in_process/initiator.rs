@@ -375,7 +375,7 @@ async fn a_grant_whose_keys_do_not_fit_the_connection_is_refused_before_any_post
         b.node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 0), "{key:?}: the target's bytes changed");
         // The refused grant is given back: revoked at the target, directly or with its connection.
-        while b.grants.len() != 0 {
+        while !b.grants.is_empty() {
             gave_back.notified().await;
         }
     }
