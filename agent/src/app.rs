@@ -27,6 +27,10 @@ pub enum StartError {
     Bind { key: &'static str, addr: SocketAddr, error: std::io::Error },
     #[error("fabric: {0}")]
     Fabric(FabricError),
+    /// A setting that only the opened fabric shows to be unusable (`transfer.qps` × the devices
+    /// `verbs.devices = auto` found).
+    #[error("invalid configuration: {0}")]
+    Config(crate::config::ConfigError),
     #[error("region catalog: {0}")]
     Catalog(crate::regions::RegionError),
     #[error("metrics exporter: {0}")]
@@ -192,6 +196,8 @@ async fn open_fabric(cfg: &Config, grants: &Arc<GrantTable>, tls: Option<&TlsMat
         };
         let with_tcp = fallback.is_some();
         let f = xfer_fabric::verbs::open_fabric_with_fallback(cfg.verbs_options(), grants.clone(), fallback).map_err(StartError::Fabric)?;
+        // `auto` found how many devices every connection offers its QPs on.
+        cfg.check_endpoints(f.device_states().len()).map_err(StartError::Config)?;
         let reason = if cfg.fabric == FabricChoice::Auto { "auto: usable RDMA device" } else { "configured: verbs" };
         let reason = if with_tcp { format!("{reason}, tcp fallback") } else { reason.to_string() };
         return Ok((f, reason));

@@ -15,9 +15,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 // The data plane records these itself; their names and helpers live with it, described below.
 pub use xfer_fabric::metrics::{
     accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
-    notify_marker, prebuilt_qps, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS,
-    DATA_CONNECTIONS_CLOSED, DATA_CONNECTIONS_REFUSED, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS,
-    NOTIFY_MARKERS, PREBUILT_QPS, WORK_COMPLETIONS,
+    notify_marker, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS, DATA_CONNECTIONS_CLOSED,
+    DATA_CONNECTIONS_REFUSED, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS, NOTIFY_MARKERS,
+    PREBUILT_QPS, WORK_COMPLETIONS,
 };
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
@@ -126,8 +126,12 @@ pub fn describe() {
         Unit::Count,
         "Grants that waited for their connection's responder QPs to reach RTS (Peer.Connect answers before they do)."
     );
-    describe_counter!(CONNECTION_BUILDS, Unit::Count, "Verbs connections (CQs and QPs in INIT) a negotiation started from, by source: prebuilt (built ahead of need, verbs.prebuilt) or on_demand (built during the negotiation), by role (initiator or responder).");
-    describe_gauge!(PREBUILT_QPS, Unit::Count, "QPs held built and in INIT ahead of need (verbs.prebuilt).");
+    describe_counter!(CONNECTION_BUILDS, Unit::Count, "Verbs connections (CQs and QPs in INIT) a negotiation started from, one per connection whatever its devices, by source: prebuilt (every device's part built ahead of need, verbs.prebuilt) or on_demand (built during the negotiation), by role (initiator or responder).");
+    describe_gauge!(
+        PREBUILT_QPS,
+        Unit::Count,
+        "QPs held built and in INIT ahead of need (verbs.prebuilt), summed over the node's devices."
+    );
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
     describe_gauge!(REGION_BYTES, Unit::Bytes, "Bytes of region memory registered with the fabric.");
     describe_histogram!(REGISTRATION_DURATION, Unit::Seconds, "Time to register memory with the fabric.");
@@ -460,4 +464,42 @@ pub fn share_refused(limit: &'static str) {
 
 pub fn peer_aliases(n: usize) {
     gauge!(PEER_ALIASES).set(n as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use xfer_fabric::metrics::{connection_build, PrebuiltShare, PrebuiltTotal};
+
+    /// The sample of an unlabelled series in a rendered exposition.
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// `xfer_prebuilt_qps` is the node's total over its devices (each device's pool used to
+    /// overwrite it with its own count), and a connection build is one sample per call.
+    #[test]
+    fn prebuilt_qps_is_the_sum_over_devices_as_scraped() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let total = Arc::new(PrebuiltTotal::default());
+            let (rxe0, rxe2) = (PrebuiltShare::new(Arc::clone(&total)), PrebuiltShare::new(Arc::clone(&total)));
+            rxe0.publish(8);
+            rxe2.publish(8);
+            assert_eq!(sample(&handle.render(), super::PREBUILT_QPS), Some(16.0));
+            // rxe2 lent a connection of 2 QPs: the total drops by 2, not to rxe2's 6.
+            assert_eq!(rxe2.publish(6), 14);
+            assert_eq!(sample(&handle.render(), super::PREBUILT_QPS), Some(14.0));
+            drop(rxe0);
+            assert_eq!(sample(&handle.render(), super::PREBUILT_QPS), Some(6.0), "a device gone takes its QPs out");
+            connection_build("initiator", true);
+            connection_build("responder", false);
+        });
+        let text = handle.render();
+        assert!(text.contains(r#"xfer_connection_builds_total{role="initiator",source="prebuilt"} 1"#), "{text}");
+        assert!(text.contains(r#"xfer_connection_builds_total{role="responder",source="on_demand"} 1"#), "{text}");
+    }
 }

@@ -69,6 +69,8 @@ pub struct PathProbe {
     pub local_device: String,
     /// As the peer names it; empty on tcp.
     pub remote_device: String,
+    /// The path MTU the path's QPs negotiated, in bytes; 0 on tcp.
+    pub mtu: u32,
     /// The bandwidth phase on this path alone.
     pub bytes: u64,
     pub seconds: f64,

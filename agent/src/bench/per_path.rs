@@ -48,8 +48,12 @@ pub(super) async fn phases(
     let mut first_lat = None;
     for (i, path) in paths.iter().enumerate() {
         let weights: Vec<u32> = (0..paths.len()).map(|j| u32::from(j == i)).collect();
-        let mut probe =
-            PathProbe { local_device: path.local_device.clone(), remote_device: path.remote_device.clone(), ..Default::default() };
+        let mut probe = PathProbe {
+            local_device: path.local_device.clone(),
+            remote_device: path.remote_device.clone(),
+            mtu: path.mtu,
+            ..Default::default()
+        };
 
         let machine = Machine::new(MachineConfig {
             segs: Arc::clone(&segs),

@@ -15,6 +15,14 @@ const MAX_SEGMENTS_CEILING: usize = 1 << 20;
 const MAX_NOTIFY_CEILING: usize = 64 << 10;
 
 impl Config {
+    /// Whether a connection of `transfer.qps` QPs on each of `devices` devices (and the tcp
+    /// fallback's endpoint) fits one `Peer.Connect` offer; a peer would refuse every connection
+    /// otherwise, so the agent refuses to start, naming both numbers.
+    pub fn check_endpoints(&self, devices: usize) -> Result<(), ConfigError> {
+        let fallback = self.transfer.fallback == super::Fallback::Tcp;
+        xfer_engine::shape::connection_endpoints(self.transfer.qps, devices, fallback).map(|_| ()).map_err(|e| bad("transfer.qps", e))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         // Every duration and size first: nothing accepted may overflow a deadline or a sum later.
         bounds::check(self)?;
@@ -29,8 +37,12 @@ impl Config {
         if t.max_notify_bytes > MAX_NOTIFY_CEILING {
             return Err(bad("transfer.max_notify_bytes", format!("must be at most {MAX_NOTIFY_CEILING}")));
         }
-        if let Err((i, e)) = self.verbs.device_specs() {
-            return Err(bad(&format!("verbs.devices[{i}]"), e));
+        match self.verbs.device_specs() {
+            Err((i, e)) => return Err(bad(&format!("verbs.devices[{i}]"), e)),
+            // Listed devices: every connection offers transfer.qps on each (`auto`'s count is
+            // known once the devices are open, and checked then).
+            Ok(Some(list)) if self.fabric != super::FabricChoice::Tcp => self.check_endpoints(list.len())?,
+            Ok(_) => {}
         }
         // The verbs fabric's own checks (one place for the retry and timeout bounds).
         self.verbs_options().validate().map_err(|e| match e {
@@ -203,6 +215,29 @@ mod tests {
             let e = Config::load(None, env(&[(&format!("XFER_LIMITS__{key}"), "0s")]), &Overrides::default()).unwrap_err();
             assert_eq!(e.key, format!("limits.{}", key.to_lowercase()));
         }
+    }
+
+    /// Listed devices × transfer.qps (+ the tcp fallback's endpoint) past what a peer accepts in
+    /// one offer: the agent refuses to start, naming both numbers, instead of every connection
+    /// being refused by the peer.
+    #[test]
+    fn qps_times_devices_past_a_peers_offer_limit_is_refused() {
+        let devices = "rxe0,rxe1,rxe2,rxe3,rxe4,rxe5,rxe6,rxe7";
+        let load = |pairs: &[(&str, &str)]| {
+            let env: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            Config::load(None, env, &Overrides::default())
+        };
+        let e = load(&[("XFER_VERBS__DEVICES", devices), ("XFER_TRANSFER__QPS", "16")]).unwrap_err();
+        assert_eq!(e.key, "transfer.qps");
+        assert!(e.problem.contains("16 QPs × 8 devices = 128 endpoints") && e.problem.contains("at most 64"), "{e}");
+        assert!(load(&[("XFER_VERBS__DEVICES", devices), ("XFER_TRANSFER__QPS", "8")]).is_ok());
+        let e = load(&[("XFER_VERBS__DEVICES", devices), ("XFER_TRANSFER__QPS", "8"), ("XFER_TRANSFER__FALLBACK", "tcp")]).unwrap_err();
+        assert!(e.problem.contains("+ 1 for the tcp fallback = 65"), "{e}");
+        // A tcp agent offers no device QPs; `auto` is checked once the devices are open.
+        assert!(load(&[("XFER_VERBS__DEVICES", devices), ("XFER_TRANSFER__QPS", "16"), ("XFER_FABRIC", "tcp")]).is_ok());
+        let c = load(&[("XFER_TRANSFER__QPS", "16")]).unwrap();
+        assert!(c.check_endpoints(4).is_ok());
+        assert_eq!(c.check_endpoints(5).unwrap_err().key, "transfer.qps");
     }
 
     #[test]

@@ -234,7 +234,25 @@ impl Node {
                     // A notification waits for one marker per QP of this connection.
                     let qps = lease.job_paths(ask.op == RemoteOp::Read).0;
                     let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
-                    match peer.call(|| peer.client.grant(&ask, me, &cid)).await {
+                    let conn = lease.conn();
+                    // The key is the peer's answer: one that cannot serve every QP of this
+                    // connection is refused here, before any work request is posted under it (a
+                    // short list would fail only at its first missing QP, after the other QPs
+                    // moved bytes). The grant is still held, so it is revoked.
+                    let answer = peer.call(|| peer.client.grant(&ask, me, &cid)).await;
+                    let misfit = answer.as_ref().ok().and_then(|g| g.key.fits(conn.qps(), &conn.paths()).err());
+                    match answer {
+                        Ok(g) if misfit.is_some() => {
+                            held.hold_grant(g);
+                            let why = misfit.unwrap_or_default();
+                            Event::GrantFailed(
+                                PeerError::Protocol {
+                                    addr: peer.addr.clone(),
+                                    detail: format!("its grant's key does not fit connection {cid}: {why}"),
+                                }
+                                .into(),
+                            )
+                        }
                         Ok(g) if ask.notify.is_some() && g.notify_slot == 0 => {
                             // An agent that predates notifications ignores the ask: refuse
                             // rather than move bytes nobody will be told about.

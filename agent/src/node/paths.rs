@@ -245,8 +245,8 @@ mod tests {
         }
         fn paths(&self) -> Vec<PathInfo> {
             vec![
-                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2, standby: false },
-                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4, standby: false },
+                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2, standby: false, mtu: 0 },
+                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4, standby: false, mtu: 0 },
             ]
         }
         fn post(&self, _qp: usize, _wr: WorkRequest) -> Result<(), FabricError> {
@@ -372,7 +372,7 @@ mod standby_tests {
             4
         }
         fn paths(&self) -> Vec<PathInfo> {
-            let p = |l: &str, r: &str, qps, standby| PathInfo { local_device: l.into(), remote_device: r.into(), qps, standby };
+            let p = |l: &str, r: &str, qps, standby| PathInfo { local_device: l.into(), remote_device: r.into(), qps, standby, mtu: 0 };
             vec![p("rxe0", "rxe1", 0..1, false), p("rxe2", "rxe3", 1..2, false), p("tcp", "tcp", 2..4, true)]
         }
         fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {
@@ -424,8 +424,8 @@ mod standby_tests {
         }
         fn paths(&self) -> Vec<PathInfo> {
             vec![
-                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..1, standby: false },
-                PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: 1..2, standby: true },
+                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..1, standby: false, mtu: 0 },
+                PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: 1..2, standby: true, mtu: 0 },
             ]
         }
         fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {

@@ -70,7 +70,7 @@ pub struct PooledConn {
     /// The peer's instance id when the connection was negotiated.
     instance_id: String,
     /// Counts it against its entry's connection bound while it exists.
-    _held: HeldConn,
+    held: HeldConn,
 }
 
 /// Connections (and their QPs or streams) an entry holds, leased or idle.
@@ -92,6 +92,16 @@ impl HeldConn {
         counts.conns.fetch_add(1, Ordering::AcqRel);
         counts.streams.fetch_add(streams, Ordering::AcqRel);
         HeldConn { counts: counts.clone(), streams }
+    }
+}
+
+impl HeldConn {
+    /// Makes this connection's count `streams`, the QPs it really holds (it was counted what
+    /// it could hold at most before it was negotiated).
+    fn settle(&mut self, streams: usize) {
+        self.counts.streams.fetch_add(streams, Ordering::AcqRel);
+        self.counts.streams.fetch_sub(self.streams, Ordering::AcqRel);
+        self.streams = streams;
     }
 }
 
@@ -264,6 +274,11 @@ impl PeerEntry {
     /// Connections and streams (QPs) this entry holds, leased or idle.
     pub fn held(&self) -> (usize, usize) {
         (self.held.conns.load(Ordering::Acquire), self.held.streams.load(Ordering::Acquire))
+    }
+
+    /// The leased connections and their QPs charged to `tenant` (its share's count).
+    pub fn tenant_held(&self, tenant: &crate::tenants::Tenant) -> (usize, usize) {
+        self.tenants.of(tenant)
     }
 
     fn health(&self) -> std::sync::MutexGuard<'_, Health> {

@@ -290,12 +290,15 @@ impl PeerPool {
     }
 
     /// A connection with `qps` QPs to `peer`: an idle one if healthy, else a new negotiation
-    /// within the entry's connection bound.
+    /// within the entry's connection bound. It counts, toward the tenant's share and the entry's
+    /// bound, the QPs it holds (`qps` on each of its paths), not the `qps` asked.
     pub async fn lease(&self, peer: &Arc<PeerEntry>, qps: usize, depth: usize, tenant: &Tenant) -> Result<Lease, PeerError> {
         let (max_conns, max_streams) = self.bounds(peer);
-        let charge = peer
+        // What a new connection could hold; settled to what the one lent holds below.
+        let most = self.fabric.connection_qps(qps);
+        let mut charge = peer
             .tenants
-            .charge(tenant, qps, max_conns, max_streams, self.tenant_share)
+            .charge(tenant, most, max_conns, max_streams, self.tenant_share)
             .map_err(|detail| PeerError::ConnectionLimit { addr: peer.addr.clone(), detail })?;
         let current = peer.identity.lock().map(|g| g.1.clone()).unwrap_or_default();
         let mut stale = Vec::new();
@@ -318,10 +321,18 @@ impl PeerPool {
         }
         if let Some(c) = found {
             update_gauge(peer);
+            if let Some(ch) = charge.as_mut() {
+                ch.settle(c.conn.qps());
+            }
             return Ok(self.guard(peer, c, true, charge));
         }
-        let held = self.make_room(peer, qps).await?;
-        let c = self.negotiate(peer, qps, depth, held).instrument(info_span!("peer", peer = %peer.addr)).await?;
+        let held = self.make_room(peer, most).await?;
+        let mut c = self.negotiate(peer, qps, depth, held).instrument(info_span!("peer", peer = %peer.addr)).await?;
+        let real = c.conn.qps();
+        c.held.settle(real);
+        if let Some(ch) = charge.as_mut() {
+            ch.settle(real);
+        }
         Ok(self.guard(peer, c, false, charge))
     }
 
@@ -430,7 +441,7 @@ impl PeerPool {
         }
         debug!(peer = %peer.addr, qps, ?took, "connection negotiated");
         update_gauge(peer);
-        Ok(PooledConn { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id, _held: held })
+        Ok(PooledConn { conn, completions: rx, connection_id, qps, depth, instance_id: reply.instance_id, held })
     }
 
     /// Closes every idle connection (shutdown).

@@ -57,6 +57,23 @@ impl TenantLeases {
     pub(super) fn tenants(&self) -> usize {
         self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
+
+    /// The connections and streams (QPs) `tenant` holds.
+    pub(super) fn of(&self, tenant: &Tenant) -> (usize, usize) {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).get(tenant).copied().unwrap_or((0, 0))
+    }
+}
+
+impl LeaseCharge {
+    /// Makes this lease's charge `streams`, the QPs its connection really holds (known once it
+    /// is made or taken from the idle list; it was charged what it could hold at most).
+    pub(super) fn settle(&mut self, streams: usize) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = held.get_mut(&self.tenant) {
+            e.1 = e.1.saturating_sub(self.streams).saturating_add(streams);
+        }
+        self.streams = streams;
+    }
 }
 
 impl Drop for LeaseCharge {

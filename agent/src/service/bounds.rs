@@ -19,8 +19,9 @@ pub const MAX_PATH: usize = 4096;
 pub const MAX_ID: usize = 64;
 /// Longest descriptive string a peer's endpoint carries (`gid_type`, `link_layer`).
 pub const MAX_ENDPOINT_WORD: usize = 32;
-/// Most endpoints (QPs) one `Peer.Connect` may carry.
-pub const MAX_ENDPOINTS: usize = 64;
+/// Most endpoints (QPs) one `Peer.Connect` may carry (an initiator checks its own offers against
+/// the same number).
+pub const MAX_ENDPOINTS: usize = xfer_engine::shape::MAX_ENDPOINTS;
 /// A region is named by its name or its id: the longer of the two.
 const MAX_REGION_REF: usize = crate::regions::MAX_NAME_LEN;
 /// A node's name (a certificate's NAME).

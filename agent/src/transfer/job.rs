@@ -213,7 +213,7 @@ mod tests {
     use xfer_fabric::PathInfo;
 
     fn path(qps: std::ops::Range<usize>) -> PathInfo {
-        PathInfo { local_device: String::new(), remote_device: String::new(), qps, standby: false }
+        PathInfo { local_device: String::new(), remote_device: String::new(), qps, standby: false, mtu: 0 }
     }
 
     #[test]

@@ -896,7 +896,13 @@ async fn two_paths_with_a_key_per_qp(k: Kind) {
     let paths: Vec<(String, String, std::ops::Range<usize>)> =
         conn.paths().into_iter().map(|p| (p.local_device, p.remote_device, p.qps)).collect();
     assert_eq!(paths, vec![(dev("A"), dev("B"), 0..2), (dev("A2"), dev("B2"), 2..4)]);
+    // Each path reports the MTU its QPs negotiated (what `doctor --peer` shows).
+    for p in conn.paths() {
+        assert!((256..=4096).contains(&p.mtu) && p.mtu.is_power_of_two(), "{p:?}");
+    }
     let gw = grant(&b, "dst", 0, 1 << 20, RemoteOp::Write, None).await;
+    // The key the initiator checks when a grant arrives fits this connection.
+    gw.exposure.key.fits(conn.qps(), &conn.paths()).unwrap();
     match &gw.exposure.key {
         xfer_fabric::RemoteKey::PerQp(keys) => {
             assert_eq!(keys.len(), 4);

@@ -40,6 +40,10 @@ async fn a_transfer_uses_both_links() {
     for (d, v) in l.a.iter().zip(&dev) {
         assert!(*v > 0.0, "no bytes through {d}: {}", scrape(&a));
     }
+    // One connection over two devices is one build on each side, not one per device.
+    let (sa, sb) = (scrape(&a), scrape(&b));
+    assert_eq!(labelled(&sa, "xfer_connection_builds_total", &[("role", "initiator")]), 1.0, "{sa}");
+    assert_eq!(labelled(&sb, "xfer_connection_builds_total", &[("role", "responder")]), 1.0, "{sb}");
     // B's end of each pair carried the acknowledgements.
     for (n, b0) in l.b_net.iter().zip(&acks0) {
         assert!(tx_bytes(n) > *b0, "{n} (B's end) sent nothing");

@@ -37,6 +37,9 @@ struct LocalPeer {
     grant_made: Arc<Notify>,
     /// Notified on every `disconnect` and `revoke` call.
     gave_back: Arc<Notify>,
+    /// While set, every grant is answered with this key instead of the target's (a hostile or
+    /// broken peer).
+    key: Option<RemoteKey>,
 }
 
 impl LocalPeer {
@@ -48,6 +51,7 @@ impl LocalPeer {
             hold_grant: None,
             grant_made: Arc::new(Notify::new()),
             gave_back: Arc::new(Notify::new()),
+            key: None,
         }
     }
 }
@@ -96,7 +100,7 @@ impl PeerApi for LocalPeer {
             self.grant_made.notify_one();
             hold.notified().await;
         }
-        let key: RemoteKey = g.exposure.key.clone();
+        let key: RemoteKey = self.key.clone().unwrap_or_else(|| g.exposure.key.clone());
         Ok(GrantInfo {
             grant_id: g.id.clone(),
             addr: g.exposure.addr,
@@ -157,11 +161,73 @@ struct Node2 {
 }
 
 async fn node(name: &str, connector: Connector) -> Node2 {
+    node_with(name, connector, |_| {}, false).await
+}
+
+/// [`node`] with its configuration changed by `tune`, and with `two_paths` over a [`TwoPaths`]
+/// fabric.
+async fn node_with(name: &str, connector: Connector, tune: impl FnOnce(&mut Config), two_paths: bool) -> Node2 {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    let mut cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
+    tune(&mut cfg);
     let grants = Arc::new(GrantTable::new(1024));
-    let fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
+    let mut fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
+    if two_paths {
+        fabric = Arc::new(TwoPaths(fabric));
+    }
     Node2 { node: Node::new(cfg, fabric, "test".into(), grants.clone(), connector), grants, _dir: dir }
+}
+
+/// The tcp fabric with every connection holding twice the QPs asked, as a connection over two
+/// devices holds the QPs asked on each: what the tenant's charge must count.
+struct TwoPaths(Arc<dyn Fabric>);
+
+#[async_trait]
+impl Fabric for TwoPaths {
+    fn kind(&self) -> FabricKind {
+        self.0.kind()
+    }
+    fn grants_need_connection(&self) -> bool {
+        self.0.grants_need_connection()
+    }
+    fn info(&self) -> xfer_fabric::FabricInfo {
+        self.0.info()
+    }
+    fn register(
+        &self,
+        memory: Arc<xfer_rdma::memory::RegionMemory>,
+        access: Access,
+    ) -> Result<Arc<dyn xfer_fabric::Registration>, xfer_fabric::FabricError> {
+        self.0.register(memory, access)
+    }
+    async fn expose(
+        &self,
+        reg: &Arc<dyn xfer_fabric::Registration>,
+        req: &xfer_fabric::ExposeRequest,
+    ) -> Result<xfer_fabric::Exposure, xfer_fabric::FabricError> {
+        self.0.expose(reg, req).await
+    }
+    fn connection_qps(&self, qps: usize) -> usize {
+        2 * qps
+    }
+    async fn prepare(
+        &self,
+        peer: &str,
+        connection_id: &ConnectionId,
+        qps: usize,
+        depth: usize,
+        sink: xfer_fabric::CompletionSink,
+    ) -> Result<Box<dyn xfer_fabric::PendingConnection>, xfer_fabric::FabricError> {
+        self.0.prepare(peer, connection_id, 2 * qps, depth, sink).await
+    }
+    async fn accept(
+        &self,
+        peer: &str,
+        connection_id: &ConnectionId,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn xfer_fabric::Accepted>), xfer_fabric::FabricError> {
+        self.0.accept(peer, connection_id, remote).await
+    }
 }
 
 fn region(n: &Node, name: &str, len: u64, fill: u8) {
@@ -277,4 +343,78 @@ async fn a_submit_dropped_mid_grant_leaves_nothing_behind() {
     let t = a.node.submit(write("src", "dst", 64 << 10, false)).await.unwrap();
     let r = finished(&a.node, &t.id).await;
     assert_eq!(r.state, TransferState::Succeeded, "{r:?}");
+}
+
+/// A peer whose grant carries a per-QP key list that does not fit the connection (one key short,
+/// one too many, an `Each` list with no token to serve the rest): the initiator refuses the grant
+/// when it arrives, naming both counts, before any work request is posted: the submit fails.
+/// Nothing moved (the target's memory), and the grant is given back (revoked at the target).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_keys_do_not_fit_the_connection_is_refused_before_any_post() {
+    let cases: Vec<(RemoteKey, &str)> = vec![
+        (RemoteKey::PerQp(vec![1].into()), "1 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::PerQp(vec![1, 2, 3].into()), "3 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::PerQp(Vec::new().into()), "0 per-QP keys for a connection of 2 QPs"),
+        (RemoteKey::Each(vec![RemoteKey::Rkey(1)].into()), "1 per-QP keys for a connection of 2 QPs, and no token last"),
+    ];
+    for (key, want) in cases {
+        let b = node("node-b", Arc::new(|_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") })).await;
+        let peer = Arc::new(LocalPeer { key: Some(key.clone()), ..LocalPeer::new(b.node.clone()) });
+        let gave_back = peer.gave_back.clone();
+        let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
+        let a = node(A, connector).await;
+        region(&a.node, "src", 64 << 10, 7);
+        region(&b.node, "dst", 64 << 10, 0);
+        let mut req = write("src", "dst", 64 << 10, false);
+        req.options.qps = Some(2);
+        // The submit itself is refused (the grant is asked before the transfer is accepted).
+        let err = a.node.submit(req).await.unwrap_err().to_string();
+        assert!(err.contains("its grant's key does not fit connection") && err.contains(want), "{key:?}: {err}");
+        assert!(a.node.list_transfers().iter().all(|r| r.bytes_done == 0), "{key:?}: nothing posted");
+        let mut got = vec![1u8; 64 << 10];
+        b.node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0), "{key:?}: the target's bytes changed");
+        // The refused grant is given back: revoked at the target, directly or with its connection.
+        while !b.grants.is_empty() {
+            gave_back.notified().await;
+        }
+    }
+}
+
+/// A tenant is charged the QPs its connection holds, not the QPs it asked for: over a fabric whose
+/// connections hold two paths of the asked QPs each, a lease of 2 QPs counts 4, and the tenant's
+/// share of the peer's streams (the peer keeps 8 for this agent; `limits.tenant_share` 0.5 gives
+/// 4) refuses its next lease at the real count (4 + 2 > 4; counting what was asked, 2 + 1, would
+/// have let it through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_is_charged_the_qps_its_connection_holds() {
+    let no_peer = |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") };
+    let b = node_with("node-b", Arc::new(no_peer), |c| c.limits.max_data_connections_per_peer = 8, false).await;
+    let hold = Arc::new(Notify::new());
+    let peer = Arc::new(LocalPeer { hold_complete: Some(hold.clone()), ..LocalPeer::new(b.node.clone()) });
+    let arrived = peer.complete_arrived.clone();
+    let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
+    let a = node_with(A, connector, |_| {}, true).await;
+    region(&a.node, "src", 64 << 10, 7);
+    region(&b.node, "dst", 64 << 10, 0);
+    let alice =
+        xfer_agent::tenants::Tenant::of(&xfer_fabric::identity::Caller { role: xfer_fabric::identity::Role::Client, name: "alice".into() });
+
+    let mut first = write("src", "dst", 64 << 10, false);
+    first.options.qps = Some(2);
+    let t1 = a.node.submit_as(first, &alice).await.unwrap();
+    arrived.notified().await; // its lease is held until its Complete is let through
+    let entry = a.node.peers().into_iter().next().unwrap();
+    assert_eq!(entry.tenant_held(&alice), (1, 4), "2 QPs asked, 4 held and charged");
+    assert_eq!(entry.held(), (1, 4), "the entry counts the same QPs");
+
+    let mut second = write("src", "dst", 64 << 10, false);
+    second.options.qps = Some(1);
+    let e = a.node.submit_as(second, &alice).await.unwrap_err().to_string();
+    assert!(e.contains("holds 1 connections (4 streams)") && e.contains("its share is") && e.contains("4 streams"), "{e}");
+    assert_eq!(entry.tenant_held(&alice), (1, 4), "a refused lease charges nothing");
+
+    hold.notify_one();
+    let r1 = finished(&a.node, &t1.id).await;
+    assert_eq!(r1.state, TransferState::Succeeded, "{r1:?}");
 }

@@ -520,7 +520,7 @@ pub struct PathProbe {
     pub local_device: String,
     /// As the peer names it; empty on tcp.
     pub remote_device: String,
-    /// Bytes; 0 when the agent could not tell.
+    /// Bytes, as the path's QPs negotiated; 0 on tcp or when the agent does not report it.
     pub mtu: u32,
     pub gbit_per_s: f64,
     pub lat_p50_us: f64,

@@ -8,6 +8,10 @@ use std::ops::RangeInclusive;
 pub const MAX_CHUNK: u64 = crate::frame::MAX_PAYLOAD as u64;
 /// QPs (tcp: data streams) per connection a transfer may ask for.
 pub const QPS: RangeInclusive<usize> = 1..=64;
+/// Endpoints one `Peer.Connect` offer may carry: a peer refuses more (RESOURCE_EXHAUSTED). A
+/// connection over several devices offers its QPs on each device, plus one endpoint for a tcp
+/// fallback rail, so `qps` × devices must fit ([`connection_endpoints`]).
+pub const MAX_ENDPOINTS: usize = 64;
 /// Work requests outstanding per QP.
 pub const DEPTH: RangeInclusive<usize> = 1..=4096;
 
@@ -45,6 +49,23 @@ pub fn chunk(n: u64) -> Result<u64, ShapeError> {
     } else {
         Err(ShapeError::Chunk)
     }
+}
+
+/// The endpoints a connection of `qps` QPs per device over `devices` devices (and a tcp fallback
+/// rail's request, `fallback`) offers, or why a peer would refuse that many: the message names
+/// both numbers and the most QPs per device that fit.
+pub fn connection_endpoints(qps: usize, devices: usize, fallback: bool) -> Result<usize, String> {
+    let devices = devices.max(1);
+    let total = qps.saturating_mul(devices).saturating_add(usize::from(fallback));
+    if total <= MAX_ENDPOINTS {
+        return Ok(total);
+    }
+    let fits = (MAX_ENDPOINTS - usize::from(fallback)) / devices;
+    let tcp = if fallback { " + 1 for the tcp fallback" } else { "" };
+    Err(format!(
+        "{qps} QPs × {devices} devices{tcp} = {total} endpoints in one connection offer, and a peer accepts at most \
+         {MAX_ENDPOINTS}: use at most {fits} QPs with {devices} devices, or fewer devices"
+    ))
 }
 
 pub fn qps(n: usize) -> Result<usize, ShapeError> {
@@ -115,5 +136,20 @@ mod tests {
         assert_eq!(wr_chunk(true, 4096, 1 << 20), 4096);
         assert_eq!(wr_chunk(false, 16 << 20, 1 << 20), 16 << 20);
         assert_eq!(wr_chunk(true, 16 << 20, 0), 1, "never a zero-length chunk");
+    }
+
+    /// 16 QPs on 8 devices would offer 128 endpoints: refused naming both numbers and what
+    /// fits; at the edge (64, or 63 with the fallback's one) accepted.
+    #[test]
+    fn a_connection_over_several_devices_fits_one_offer() {
+        assert_eq!(connection_endpoints(2, 1, false), Ok(2));
+        assert_eq!(connection_endpoints(8, 8, false), Ok(64));
+        assert_eq!(connection_endpoints(21, 3, true), Ok(64));
+        assert_eq!(connection_endpoints(64, 0, false), Ok(64), "no device count known: one");
+        let e = connection_endpoints(16, 8, false).unwrap_err();
+        assert_eq!(e, "16 QPs × 8 devices = 128 endpoints in one connection offer, and a peer accepts at most 64: use at most 8 QPs with 8 devices, or fewer devices");
+        let e = connection_endpoints(8, 8, true).unwrap_err();
+        assert!(e.contains("+ 1 for the tcp fallback = 65 endpoints") && e.contains("at most 7 QPs"), "{e}");
+        assert!(connection_endpoints(usize::MAX, usize::MAX, true).is_err(), "no overflow");
     }
 }

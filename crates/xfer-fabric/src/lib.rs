@@ -46,70 +46,14 @@ pub use xfer_engine::status::WcStatus;
 pub mod accept;
 pub mod grant;
 pub mod identity;
+mod keys;
+mod kinds;
+pub use kinds::{Access, FabricKind, RemoteOp};
 pub mod metrics;
 pub mod stall;
 pub mod tcp;
 pub mod topology;
 pub mod verbs;
-
-/// Which data plane an agent runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FabricKind {
-    Tcp,
-    Verbs,
-}
-
-impl fmt::Display for FabricKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FabricKind::Tcp => "tcp",
-            FabricKind::Verbs => "verbs",
-        })
-    }
-}
-
-/// What a remote peer may do with memory: the region's access ceiling, or a grant's operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Access {
-    Read,
-    Write,
-    ReadWrite,
-}
-
-impl Access {
-    pub fn allows(self, op: RemoteOp) -> bool {
-        matches!((self, op), (Access::ReadWrite, _) | (Access::Read, RemoteOp::Read) | (Access::Write, RemoteOp::Write))
-    }
-}
-
-impl fmt::Display for Access {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Access::Read => "r",
-            Access::Write => "w",
-            Access::ReadWrite => "rw",
-        })
-    }
-}
-
-/// A one-sided operation as seen by the memory's owner: the peer READs from or WRITEs into it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RemoteOp {
-    Read,
-    Write,
-}
-
-impl fmt::Display for RemoteOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            RemoteOp::Read => "read",
-            RemoteOp::Write => "write",
-        })
-    }
-}
 
 /// Errors of fabric operations (not of individual work requests: those are [`WcStatus`]es).
 #[derive(Debug, thiserror::Error)]
@@ -460,6 +404,9 @@ pub struct PathInfo {
     /// A fallback path (the tcp rail of a verbs connection): never given a weight, used only
     /// when no other path is up.
     pub standby: bool,
+    /// The path MTU its QPs negotiated (the smaller of both ports' active MTU), in bytes; 0 where
+    /// there is none (tcp).
+    pub mtu: u32,
 }
 
 /// An established connection: `qps()` ordered, reliable queues to one peer.
@@ -468,7 +415,7 @@ pub trait Connection: Send + Sync {
     /// The connection's paths, in QP order: together their `qps` ranges cover `0..qps()` without
     /// overlap. The default is one path over every QP (a single-device or tcp connection).
     fn paths(&self) -> Vec<PathInfo> {
-        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false }]
+        vec![PathInfo { local_device: String::new(), remote_device: String::new(), qps: 0..self.qps(), standby: false, mtu: 0 }]
     }
     /// True when the pool should replace this connection once it is idle: it is broken, or a path
     /// it lacks (a device that was down when it was made) is usable again. Default: broken.
@@ -570,6 +517,14 @@ pub trait Fabric: Send + Sync + 'static {
     /// calling runtime thread: work that waits for a device (registering a grant MR pins pages;
     /// binding memory windows waits for their completions) runs on the blocking pool.
     async fn expose(&self, reg: &Arc<dyn Registration>, req: &ExposeRequest) -> Result<Exposure, FabricError>;
+
+    /// The most QPs a connection prepared with `qps` holds ([`Connection::qps`] once made): `qps`
+    /// for a fabric with one path per connection; a fabric over several devices offers `qps` on
+    /// each device it uses now (and on its tcp fallback rail). What a connection is charged
+    /// before it exists; the charge is settled to its real count once it does.
+    fn connection_qps(&self, qps: usize) -> usize {
+        qps
+    }
 
     /// Initiator: creates `qps` local QPs (or prepares data streams) for a peer. `depth` is the
     /// most WRs the caller keeps outstanding per QP.

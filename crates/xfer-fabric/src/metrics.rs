@@ -1,6 +1,8 @@
 //! The metrics the data plane records: names and recording helpers. The agent describes them
 //! (help texts, units) with the rest of its metrics and installs the recorder; without one
 //! (tests, tools) recording does nothing.
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
@@ -29,13 +31,49 @@ pub fn accept_ready(d: Duration) {
     histogram!(ACCEPT_READY).record(d.as_secs_f64());
 }
 
-/// A verbs connection's CQs and QPs came from `source` (`prebuilt` or `on_demand`) for `role`.
-pub fn connection_build(role: &'static str, source: &'static str) {
+/// A verbs connection's CQs and QPs were built for `role` (`initiator` or `responder`): once per
+/// connection, whatever its devices; `prebuilt` when every device's part came from its pool.
+pub fn connection_build(role: &'static str, prebuilt: bool) {
+    let source = if prebuilt { "prebuilt" } else { "on_demand" };
     counter!(CONNECTION_BUILDS, "role" => role, "source" => source).increment(1);
 }
 
-pub fn prebuilt_qps(n: usize) {
-    gauge!(PREBUILT_QPS).set(n as f64);
+/// The node's prebuilt QPs, summed over its devices: each device's pool publishes its own count
+/// through a [`PrebuiltShare`] and `xfer_prebuilt_qps` shows the sum. A fabric over several
+/// devices gives all of them one total; a single device has its own.
+#[derive(Debug, Default)]
+pub struct PrebuiltTotal(Mutex<usize>);
+
+/// One device's part of a [`PrebuiltTotal`]; dropping it takes its count out of the total.
+#[derive(Debug)]
+pub struct PrebuiltShare {
+    total: Arc<PrebuiltTotal>,
+    mine: AtomicUsize,
+}
+
+impl PrebuiltShare {
+    pub fn new(total: Arc<PrebuiltTotal>) -> PrebuiltShare {
+        PrebuiltShare { total, mine: AtomicUsize::new(0) }
+    }
+
+    /// This device's pool now holds `n` QPs: sets the gauge to the node's total and returns it.
+    pub fn publish(&self, n: usize) -> usize {
+        // Under the total's lock, so the gauge is set to the totals in the order they were made.
+        let mut total = self.total.0.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.mine.swap(n, Ordering::AcqRel);
+        *total = total.saturating_sub(old).saturating_add(n);
+        gauge!(PREBUILT_QPS).set(*total as f64);
+        *total
+    }
+}
+
+impl Drop for PrebuiltShare {
+    fn drop(&mut self) {
+        // A share that never held anything (a device's own, replaced at open) leaves the gauge.
+        if self.mine.load(Ordering::Acquire) != 0 {
+            self.publish(0);
+        }
+    }
 }
 
 pub fn data_connections(n: usize) {

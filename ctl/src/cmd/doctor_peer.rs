@@ -367,6 +367,13 @@ mod tests {
         assert_eq!(ok.fix, None);
         // The path MTU is the smaller port's when the agent does not report one.
         assert_eq!(find(&pairs, "rxe2", "rxe3").mtu, Some(1024));
+        // The MTU the path negotiated wins when the agent reports it (a port's active MTU can
+        // be larger than what its QPs agreed on), in the matrix and its detail.
+        let negotiated = PathProbe { mtu: 2048, ..path("rxe0", "rxe1", 1.5) };
+        let pairs = matrix(&a, &b, &Ok(vec![negotiated]));
+        let ok = find(&pairs, "rxe0", "rxe1");
+        assert_eq!(ok.mtu, Some(2048));
+        assert!(ok.detail.ends_with("MTU 2048"), "{}", ok.detail);
         for (l, r) in [("rxe0", "rxe3"), ("rxe2", "rxe1")] {
             let p = find(&pairs, l, r);
             assert_eq!(p.verdict, PairVerdict::Unreachable, "{l} → {r}");

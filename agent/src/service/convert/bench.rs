@@ -76,13 +76,12 @@ pub fn bench_to_pb(b: &BenchResult, fabric: FabricKind) -> pb::BenchResponse {
     }
 }
 
-/// One path of a per-path benchmark. The MTU is left 0: a connection does not report the MTU
-/// its path negotiated, and xferctl has both ports' active MTU from `GetInfo`.
+/// One path of a per-path benchmark, with the MTU its QPs negotiated (0 on tcp).
 fn path_probe_to_pb(p: &PathProbe) -> pb::PathProbe {
     pb::PathProbe {
         local_device: p.local_device.clone(),
         remote_device: p.remote_device.clone(),
-        mtu: 0,
+        mtu: p.mtu,
         gbit_per_s: gbit_per_s(p.bytes, p.seconds),
         lat_p50_us: p.lat_p50_us,
         error: p.error.clone().unwrap_or_default(),
@@ -102,4 +101,26 @@ pub fn sink_to_pb(address: std::net::SocketAddr) -> pb::OpenSinkResponse {
 /// `Peer.OpenBenchRegion`'s answer: the scratch region's name.
 pub fn bench_region_to_pb(region: String) -> pb::OpenBenchRegionResponse {
     pb::OpenBenchRegionResponse { region }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The MTU a path negotiated reaches `doctor --peer` as the agent measured it (it used to be
+    /// sent as 0, and xferctl guessed from the ports' active MTU).
+    #[test]
+    fn a_path_probe_carries_its_negotiated_mtu() {
+        let p = PathProbe {
+            local_device: "rxe0".into(),
+            remote_device: "rxe1".into(),
+            mtu: 1024,
+            bytes: 1 << 20,
+            seconds: 1.0,
+            ..Default::default()
+        };
+        let w = path_probe_to_pb(&p);
+        assert_eq!((w.local_device.as_str(), w.remote_device.as_str(), w.mtu), ("rxe0", "rxe1", 1024));
+        assert_eq!(path_probe_to_pb(&PathProbe::default()).mtu, 0, "tcp: no MTU");
+    }
 }

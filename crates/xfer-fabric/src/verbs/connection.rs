@@ -85,6 +85,8 @@ pub(crate) struct ConnInner {
     /// Added to the QP index of every completion delivered: the index of this connection's first
     /// QP in a connection over several devices, whose parts share one sink (0 otherwise).
     pub(super) qp_base: usize,
+    /// The path MTU the QPs negotiated, in bytes (0 until `connect`).
+    pub(super) path_mtu: std::sync::atomic::AtomicU32,
 }
 
 /// `ibv_modify_qp`'s error in `step` as a negotiation error.
@@ -190,6 +192,7 @@ impl ConnInner {
             worker: Mutex::new(None),
             handed_off: AtomicBool::new(false),
             qp_base: 0,
+            path_mtu: Default::default(),
         })
     }
 
@@ -229,6 +232,8 @@ impl ConnInner {
     /// Validates the peer's endpoints and moves every QP INIT → RTR → RTS.
     pub fn connect(&self, dev: &Device, opts: &VerbsOptions, remote: &[Endpoint]) -> Result<(), FabricError> {
         let paths = negotiate::validate_remote(&dev.local_port(), remote, Some(self.slots.len()))?;
+        let mtu = paths.iter().filter_map(|p| negotiate::mtu_bytes(p.path_mtu)).min().unwrap_or(0);
+        self.path_mtu.store(mtu, Ordering::Release);
         for (slot, path) in self.slots.iter().zip(&paths) {
             let r = &path.remote;
             let sgid_index = dev.gid_index;

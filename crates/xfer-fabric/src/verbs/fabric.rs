@@ -34,6 +34,8 @@ pub struct VerbsFabric {
     prebuilt: Arc<Prebuilt<Shape, ConnInner>>,
     /// Negotiations that started from a prebuilt connection.
     prebuilt_hits: std::sync::atomic::AtomicU64,
+    /// This device's part of the node's `xfer_prebuilt_qps` (shared by a fabric's devices).
+    prebuilt_share: Arc<crate::metrics::PrebuiltShare>,
     /// Busy-polls the receive CQs of responder connections that expect markers soon.
     poller: Arc<super::marker_poll::MarkerPoller>,
     /// Wakes the builder thread ([`VerbsFabric::refill`]); started on first use.
@@ -70,14 +72,6 @@ impl Shape {
     fn build(&self, dev: &Arc<Device>, opts: &VerbsOptions, peer: &str) -> Result<ConnInner, FabricError> {
         ConnInner::build(dev, opts, peer, self.qps, self.depth, self.with_channel, self.bind_mw, self.markers)
     }
-
-    fn role(&self) -> &'static str {
-        if self.markers {
-            "responder"
-        } else {
-            "initiator"
-        }
-    }
 }
 
 impl std::fmt::Debug for VerbsFabric {
@@ -100,6 +94,7 @@ impl VerbsFabric {
             markers: None,
             prebuilt,
             prebuilt_hits: Default::default(),
+            prebuilt_share: Arc::new(crate::metrics::PrebuiltShare::new(Arc::default())),
             poller,
             builder: Default::default(),
         })
@@ -107,7 +102,8 @@ impl VerbsFabric {
 
     /// A connection of `shape` for `peer`: a prebuilt one (fresh PSNs) if one is ready, else
     /// built now. Either way the pool is topped up by the builder thread, off this negotiation.
-    fn connection(&self, mut shape: Shape, peer: &str) -> Result<ConnInner, FabricError> {
+    /// Also says whether it was prebuilt (the caller counts the build once per connection).
+    fn connection(&self, mut shape: Shape, peer: &str) -> Result<(ConnInner, bool), FabricError> {
         // A shape the device cannot hold is refused here, with its reason, and never learnt.
         shape.depth = ConnInner::check_shape(&self.dev, &self.opts, shape.qps, shape.depth)?.0;
         let taken = self.prebuilt.take(&shape);
@@ -118,15 +114,11 @@ impl VerbsFabric {
         let conn = match taken.item {
             Some(c) => {
                 self.prebuilt_hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                crate::metrics::connection_build(shape.role(), "prebuilt");
-                c.for_peer(peer)
+                c.for_peer(peer).map(|c| (c, true))
             }
-            None => {
-                crate::metrics::connection_build(shape.role(), "on_demand");
-                shape.build(&self.dev, &self.opts, peer)
-            }
+            None => shape.build(&self.dev, &self.opts, peer).map(|c| (c, false)),
         };
-        crate::metrics::prebuilt_qps(self.prebuilt.held().1);
+        self.prebuilt_share.publish(self.prebuilt.held().1);
         conn
     }
 
@@ -146,7 +138,7 @@ impl VerbsFabric {
     /// Builds what the pool is short of now, on this thread, and returns how many connections
     /// it built (what a refill after a negotiation does on the builder thread).
     pub fn fill_prebuilt(&self) -> Result<usize, FabricError> {
-        fill(&self.prebuilt, &self.dev, &self.opts)
+        fill(&self.prebuilt, &self.dev, &self.opts, &self.prebuilt_share)
     }
 
     /// Negotiations (either role) that started from a prebuilt connection.
@@ -166,19 +158,19 @@ impl VerbsFabric {
     /// inversion, bounded by the scheduler). If the thread cannot be started, the build runs
     /// on the blocking pool instead.
     fn refill(&self) {
-        let parts = || (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts));
+        let parts = || (Arc::clone(&self.prebuilt), Arc::clone(&self.dev), Arc::clone(&self.opts), Arc::clone(&self.prebuilt_share));
         let mut builder = self.builder.lock().unwrap_or_else(|e| e.into_inner());
         if builder.is_none() {
             // One pending wake is enough: the build fills every shape that is short.
             let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
-            let (pool, dev, opts) = parts();
+            let (pool, dev, opts, share) = parts();
             let spawned = std::thread::Builder::new().name("xfer-prebuild".into()).spawn(move || {
                 if let Err(e) = xfer_rdma::thread::run_when_idle() {
                     tracing::debug!(error = %e, "the connection builder runs at normal priority (SCHED_IDLE refused)");
                 }
                 // Ends when the fabric (the sender) is dropped.
                 while rx.recv().is_ok() {
-                    fill_or_log(&pool, &dev, &opts);
+                    fill_or_log(&pool, &dev, &opts, &share);
                 }
             });
             match spawned {
@@ -195,8 +187,8 @@ impl VerbsFabric {
             }
         }
         drop(builder);
-        let (pool, dev, opts) = parts();
-        let run = move || fill_or_log(&pool, &dev, &opts);
+        let (pool, dev, opts, share) = parts();
+        let run = move || fill_or_log(&pool, &dev, &opts, &share);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn_blocking(run)),
             // Outside a runtime (not the agent's case: negotiations are async) build inline.
@@ -220,6 +212,14 @@ impl VerbsFabric {
         &self.dev.name
     }
 
+    /// Publishes this device's prebuilt QPs into `total`, the node's sum over its devices (a
+    /// fabric over several devices gives them one), instead of a total of its own. Called right
+    /// after opening, before anything is built.
+    pub(crate) fn with_prebuilt_total(mut self, total: Arc<crate::metrics::PrebuiltTotal>) -> Self {
+        self.prebuilt_share = Arc::new(crate::metrics::PrebuiltShare::new(total));
+        self
+    }
+
     pub fn gid_index(&self) -> u32 {
         self.dev.gid_index
     }
@@ -232,8 +232,68 @@ impl VerbsFabric {
     /// The initiator's half of a connection on this device, concretely: a fabric over several
     /// devices prepares one per device and finishes each with its own QP numbering.
     pub(crate) fn prepare_part(&self, peer: &str, qps: usize, depth: usize, sink: CompletionSink) -> Result<VerbsPrepared, FabricError> {
-        let inner = self.connection(Shape::initiator(qps, depth), peer)?;
-        Ok(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink })
+        let (inner, prebuilt) = self.connection(Shape::initiator(qps, depth), peer)?;
+        Ok(VerbsPrepared { inner, dev: Arc::clone(&self.dev), opts: (*self.opts).clone(), sink, prebuilt })
+    }
+
+    /// The responder's half of a connection on this device, and whether its QPs were prebuilt
+    /// (a fabric over several devices counts one build per connection, not one per device).
+    pub(crate) async fn accept_part(
+        &self,
+        peer: &str,
+        connection_id: &xfer_engine::ids::ConnectionId,
+        remote: &[Endpoint],
+    ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>, bool), FabricError> {
+        // An initiator over several devices offers one group of QPs per device (a rail): this
+        // one device answers the group it reaches, tagged with its number.
+        let facts = super::rails::reach::RailFacts {
+            device: self.dev.name.clone(),
+            link_layer: self.dev.link_layer.clone(),
+            gid: self.dev.gid,
+            ipv4_prefix: self.dev.ipv4_prefix,
+        };
+        let (chosen, rail) = super::rails::one_rail(facts, remote)?;
+        let remote = &chosen[..];
+        // Validate before allocating anything for the peer.
+        negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
+        // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
+        // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
+        // receives (notification markers) complete on a CQ of their own.
+        let started = std::time::Instant::now();
+        let (inner, prebuilt) = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
+        let mut eps = inner.endpoints(&self.dev);
+        if let Some(rail) = rail {
+            for e in &mut eps {
+                if let Endpoint::Verbs(v) = e {
+                    v.rail = rail;
+                }
+            }
+        }
+        let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
+        // The agent refuses an id it holds, but only once the fabric answered: two offers under
+        // one id racing each other both get here, and the later must not take the earlier's
+        // place in the index (grants would bind windows on its QPs). An entry whose handle was
+        // dropped has left the index already, so a live one is a connection still open.
+        {
+            let mut index = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
+            if index.get(connection_id).is_some_and(|w| w.strong_count() > 0) {
+                return Err(FabricError::Negotiation {
+                    step: "connect",
+                    attr: "connection_id",
+                    detail: format!("connection {connection_id} is already open on this agent"),
+                });
+            }
+            index.insert(connection_id.clone(), Arc::downgrade(&acc));
+        }
+        // The initiator needs only our QP numbers and PSNs to move its own QPs to RTS: answer
+        // with them now and move ours to RTR and RTS while the answer travels (a third of the
+        // handshake in the VM; see `Accepted::readiness` for why no byte can arrive early).
+        let (dev, opts, remote, finishing) = (Arc::clone(&self.dev), Arc::clone(&self.opts), remote.to_vec(), Arc::clone(&acc));
+        tokio::task::spawn_blocking(move || {
+            finishing.finish(&dev, &opts, &remote);
+            crate::metrics::accept_ready(started.elapsed());
+        });
+        Ok((eps, Box::new(AcceptedHandle { acc, index: Arc::clone(&self.accepted), id: connection_id.clone() }), prebuilt))
     }
 
     /// Finds our own registration behind a trait object (grant MRs are over its memory, windows
@@ -292,7 +352,9 @@ impl Fabric for VerbsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        Ok(Box::new(self.prepare_part(peer, qps, depth, sink)?))
+        let part = self.prepare_part(peer, qps, depth, sink)?;
+        crate::metrics::connection_build("initiator", part.prebuilt);
+        Ok(Box::new(part))
     }
 
     async fn accept(
@@ -301,69 +363,27 @@ impl Fabric for VerbsFabric {
         connection_id: &xfer_engine::ids::ConnectionId,
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>), FabricError> {
-        // An initiator over several devices offers one group of QPs per device (a rail): this
-        // one device answers the group it reaches, tagged with its number.
-        let facts = super::rails::reach::RailFacts {
-            device: self.dev.name.clone(),
-            link_layer: self.dev.link_layer.clone(),
-            gid: self.dev.gid,
-            ipv4_prefix: self.dev.ipv4_prefix,
-        };
-        let (chosen, rail) = super::rails::one_rail(facts, remote)?;
-        let remote = &chosen[..];
-        // Validate before allocating anything for the peer.
-        negotiate::validate_remote(&self.dev.local_port(), remote, None)?;
-        // The responder posts nothing but window binds (grant mode mw), one at a time per QP: a
-        // one-WR send queue and no completion channel (binds are polled by `bind_windows`). Its
-        // receives (notification markers) complete on a CQ of their own.
-        let started = std::time::Instant::now();
-        let inner = self.connection(Shape::responder(remote.len(), self.opts.mw_grants()), peer)?;
-        let mut eps = inner.endpoints(&self.dev);
-        if let Some(rail) = rail {
-            for e in &mut eps {
-                if let Endpoint::Verbs(v) = e {
-                    v.rail = rail;
-                }
-            }
-        }
-        let acc = Arc::new(VerbsAccepted::new(inner, connection_id.clone(), self.markers.clone(), Arc::clone(&self.poller)));
-        // The agent refuses an id it holds, but only once the fabric answered: two offers under
-        // one id racing each other both get here, and the later must not take the earlier's
-        // place in the index (grants would bind windows on its QPs). An entry whose handle was
-        // dropped has left the index already, so a live one is a connection still open.
-        {
-            let mut index = self.accepted.lock().unwrap_or_else(|e| e.into_inner());
-            if index.get(connection_id).is_some_and(|w| w.strong_count() > 0) {
-                return Err(FabricError::Negotiation {
-                    step: "connect",
-                    attr: "connection_id",
-                    detail: format!("connection {connection_id} is already open on this agent"),
-                });
-            }
-            index.insert(connection_id.clone(), Arc::downgrade(&acc));
-        }
-        // The initiator needs only our QP numbers and PSNs to move its own QPs to RTS: answer
-        // with them now and move ours to RTR and RTS while the answer travels (a third of the
-        // handshake in the VM; see `Accepted::readiness` for why no byte can arrive early).
-        let (dev, opts, remote, finishing) = (Arc::clone(&self.dev), Arc::clone(&self.opts), remote.to_vec(), Arc::clone(&acc));
-        tokio::task::spawn_blocking(move || {
-            finishing.finish(&dev, &opts, &remote);
-            crate::metrics::accept_ready(started.elapsed());
-        });
-        Ok((eps, Box::new(AcceptedHandle { acc, index: Arc::clone(&self.accepted), id: connection_id.clone() })))
+        let (eps, acc, prebuilt) = self.accept_part(peer, connection_id, remote).await?;
+        crate::metrics::connection_build("responder", prebuilt);
+        Ok((eps, acc))
     }
 }
 
 /// Builds what `pool` is short of on this thread and publishes what it then holds.
-fn fill(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOptions) -> Result<usize, FabricError> {
+fn fill(
+    pool: &Prebuilt<Shape, ConnInner>,
+    dev: &Arc<Device>,
+    opts: &VerbsOptions,
+    share: &crate::metrics::PrebuiltShare,
+) -> Result<usize, FabricError> {
     let built = pool.refill(|s: &Shape| s.build(dev, opts, ""));
-    crate::metrics::prebuilt_qps(pool.held().1);
+    share.publish(pool.held().1);
     built
 }
 
 /// [`fill`] off any negotiation: a failure is logged, and the next negotiation's take retries.
-fn fill_or_log(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOptions) {
-    if let Err(e) = fill(pool, dev, opts) {
+fn fill_or_log(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &VerbsOptions, share: &crate::metrics::PrebuiltShare) {
+    if let Err(e) = fill(pool, dev, opts, share) {
         tracing::debug!(error = %e, "building connections ahead of need failed (the next negotiation retries)");
     }
 }

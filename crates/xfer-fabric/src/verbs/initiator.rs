@@ -13,7 +13,7 @@ use super::connection::{run_cq, ConnInner, InFlight, POLL_BATCH};
 use super::device::Device;
 use super::mr::VerbsRegistration;
 use super::options::VerbsOptions;
-use crate::{CompletionSink, Connection, Endpoint, FabricError, PendingConnection, RemoteKey, WorkRequest, WrOp};
+use crate::{CompletionSink, Connection, Endpoint, FabricError, PathInfo, PendingConnection, RemoteKey, WorkRequest, WrOp};
 
 /// The initiator's connection between `prepare` and the responder's answer.
 pub(crate) struct VerbsPrepared {
@@ -21,6 +21,8 @@ pub(crate) struct VerbsPrepared {
     pub dev: Arc<Device>,
     pub opts: VerbsOptions,
     pub sink: CompletionSink,
+    /// Its QPs were taken from the prebuilt pool (for `xfer_connection_builds_total`).
+    pub prebuilt: bool,
 }
 
 #[async_trait]
@@ -70,11 +72,26 @@ impl VerbsConnection {
         self.inner.broken.store(true, Ordering::Release);
         self.inner.set_err_all();
     }
+
+    /// The path MTU its QPs negotiated, in bytes.
+    pub(crate) fn path_mtu(&self) -> u32 {
+        self.inner.path_mtu.load(Ordering::Acquire)
+    }
 }
 
 impl Connection for VerbsConnection {
     fn qps(&self) -> usize {
         self.inner.slots.len()
+    }
+
+    fn paths(&self) -> Vec<PathInfo> {
+        vec![PathInfo {
+            local_device: String::new(),
+            remote_device: String::new(),
+            qps: 0..self.qps(),
+            standby: false,
+            mtu: self.path_mtu(),
+        }]
     }
 
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {

@@ -85,10 +85,12 @@ pub(crate) async fn accept(
     let groups: Vec<Vec<Endpoint>> = rails.into_values().collect();
     let mut answer = Vec::new();
     let mut parts = Vec::with_capacity(pairs.len());
+    let mut prebuilt = true;
     for (r, l) in pairs {
         let device = offered[l];
         let d = &devices[device];
-        let (eps, handle) = d.fabric.accept(peer, id, &groups[r]).await?;
+        let (eps, handle, from_pool) = d.fabric.accept_part(peer, id, &groups[r]).await?;
+        prebuilt &= from_pool;
         parts.push(AcceptedPart { device, qps: eps.len(), handle });
         for mut e in eps {
             if let Endpoint::Verbs(v) = &mut e {
@@ -117,6 +119,8 @@ pub(crate) async fn accept(
         }
         index.insert(id.clone(), Arc::downgrade(&acc));
     }
+    // One build per connection, whatever its devices.
+    crate::metrics::connection_build("responder", prebuilt);
     Ok((answer, Box::new(AcceptedHandle { acc, index: Arc::clone(index), id: id.clone() })))
 }
 
@@ -129,16 +133,22 @@ fn taken(id: &ConnectionId) -> FabricError {
     FabricError::Negotiation { step: "connect", attr: "connection_id", detail: format!("connection {id} is already open on this agent") }
 }
 
-/// A single-device responder's answer to an initiator that offered several rails: the rail our
-/// one device (`ours`) reaches best, with its endpoints, or the offer as it is when it has one
-/// rail. The refusal names both sides when our device reaches none of them.
+/// A single-device responder's answer to an initiator's rails: the rail our one device (`ours`)
+/// reaches best, with its endpoints and its number, or the one rail offered. The refusal names
+/// both sides when our device reaches none of several rails. Either way the rail answered is
+/// checked as the multi-device responder's are ([`check_rail`]). A single rail is not refused
+/// for its subnet: one device pair may be routed (RoCEv2 over L3), which only the link layer
+/// and the device's own route resolution can tell.
 /// An initiator's tcp fallback request is left out: a single device has no fallback.
 pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endpoint>, Option<u32>), FabricError> {
     let verbs: Vec<Endpoint> = remote.iter().filter(|e| !e.is_tcp_fallback_request()).cloned().collect();
     let remote = &verbs[..];
     let rails = by_rail(remote)?;
     if rails.len() <= 1 {
-        return Ok((remote.to_vec(), None));
+        // Nothing offered: the device's own validation refuses it.
+        let Some((&number, eps)) = rails.iter().next() else { return Ok((remote.to_vec(), None)) };
+        check_rail(number, eps)?;
+        return Ok((eps.clone(), Some(number)));
     }
     let facts: Vec<RailFacts> = rails
         .values()
@@ -162,7 +172,50 @@ pub(crate) fn one_rail(ours: RailFacts, remote: &[Endpoint]) -> Result<(Vec<Endp
         });
     };
     let Some((&number, eps)) = rails.iter().nth(r) else { return Ok((remote.to_vec(), None)) };
+    check_rail(number, eps)?;
     Ok((eps.clone(), Some(number)))
+}
+
+/// Most rails one offer may carry (the agent refuses higher numbers where it decodes them; this
+/// holds for any caller of the fabric).
+const MAX_RAILS: u32 = 64;
+/// Longest device name, link layer or GID type an endpoint may carry.
+const MAX_WORD: usize = 32;
+
+/// One rail of an offer as a device can take it: its number below [`MAX_RAILS`], and every
+/// endpoint from one device (the same name, link layer, GID and prefix: a rail is one device's
+/// QPs), whose name is a short printable word (it reaches logs, refusals and `paths()`).
+pub(crate) fn check_rail(number: u32, eps: &[Endpoint]) -> Result<(), FabricError> {
+    let bad = |detail: String| FabricError::Negotiation { step: "negotiate", attr: "rail", detail };
+    if number >= MAX_RAILS {
+        return Err(bad(format!("rail {number} is out of range (at most {MAX_RAILS} per connection)")));
+    }
+    let facts: Vec<RailFacts> = eps
+        .iter()
+        .filter_map(|e| match e {
+            Endpoint::Verbs(v) => Some(facts_of(v)),
+            Endpoint::Tcp { .. } => None,
+        })
+        .collect();
+    for f in &facts {
+        for word in [&f.device, &f.link_layer] {
+            if word.len() > MAX_WORD || !word.chars().all(|c| c.is_ascii_graphic() || c == ' ') {
+                return Err(bad(format!(
+                    "rail {number} names a device or link layer that is not a printable word of at most {MAX_WORD} bytes ({} bytes)",
+                    word.len()
+                )));
+            }
+        }
+    }
+    let Some(first) = facts.first() else { return Ok(()) };
+    if let Some(other) = facts.iter().find(|f| *f != first) {
+        return Err(bad(format!(
+            "rail {number}'s endpoints come from more than one device: {} and {}",
+            first.describe(),
+            other.describe()
+        )));
+    }
+    Ok(())
 }
 
 /// The refusal when no device of ours reaches any of the initiator's: both sides' devices and
@@ -322,13 +375,13 @@ mod tests {
         let (eps, rail) = one_rail(ours.clone(), &offer).unwrap();
         assert_eq!(rail, Some(1));
         assert_eq!(eps, offer[2..].to_vec());
-        // One rail: as it is, unchecked (what a single-device initiator sends).
+        // One rail (what a single-device initiator sends): answered under its own number.
         let (eps, rail) = one_rail(ours.clone(), &offer[..2]).unwrap();
-        assert_eq!((eps.len(), rail), (2, None));
+        assert_eq!((eps.len(), rail), (2, Some(0)));
         // A tcp fallback request is left out: a single device has no fallback to answer it with.
         let with_tcp = [offer[0].clone(), offer[1].clone(), Endpoint::tcp_fallback_request()];
         let (eps, rail) = one_rail(ours.clone(), &with_tcp).unwrap();
-        assert_eq!((eps, rail), (offer[..2].to_vec(), None));
+        assert_eq!((eps, rail), (offer[..2].to_vec(), Some(0)));
         let (eps, rail) = one_rail(ours.clone(), &[offer.to_vec(), vec![Endpoint::tcp_fallback_request()]].concat()).unwrap();
         assert_eq!((eps, rail), (offer[2..].to_vec(), Some(1)));
         let far = [ep(0, [10, 0, 5, 1], 1), ep(1, [10, 0, 6, 1], 2)];
@@ -362,6 +415,36 @@ mod tests {
         let far: Vec<Endpoint> = (0..10).map(|r| ep(r, [192, 168, r as u8, 1], r + 1)).collect();
         let e = one_rail(ours, &far).unwrap_err().to_string();
         assert!(e.contains("rxe0 (10.0.1.9/24, Ethernet)") && e.contains("(unnamed) (192.168.9.1/24, Ethernet)"), "{e}");
+    }
+
+    /// A hostile *one-rail* offer to a single-device responder is checked like a rail of a
+    /// multi-device one, not answered as rail 0 as it comes: its number in range and echoed,
+    /// every endpoint from one device, names short and printable. A refusal names the rail.
+    #[test]
+    fn one_device_checks_a_hostile_one_rail_offer() {
+        let ours = RailFacts { device: "rxe0".into(), link_layer: "Ethernet".into(), gid: [0; 16], ipv4_prefix: 24 };
+        let named = |rail: u32, ip: [u8; 4], qpn: u32, device: &str| match ep(rail, ip, qpn) {
+            Endpoint::Verbs(v) => Endpoint::Verbs(VerbsEndpoint { device: device.into(), ..v }),
+            tcp => tcp,
+        };
+        // A lone rail 7 is answered as rail 7, its endpoints as sent.
+        let offer = [named(7, [10, 0, 0, 1], 1, "mlx5_3"), named(7, [10, 0, 0, 1], 2, "mlx5_3")];
+        assert_eq!(one_rail(ours.clone(), &offer).unwrap(), (offer.to_vec(), Some(7)));
+        for (offer, want) in [
+            (vec![named(64, [10, 0, 0, 1], 1, "rxe1")], "rail 64 is out of range"),
+            (vec![named(u32::MAX, [10, 0, 0, 1], 1, "rxe1")], "rail 4294967295 is out of range"),
+            (vec![named(0, [10, 0, 0, 1], 1, "rxe1"), named(0, [10, 0, 0, 1], 2, "rxe3")], "more than one device"),
+            (vec![named(0, [10, 0, 0, 1], 1, "rxe1"), named(0, [10, 0, 9, 1], 2, "rxe1")], "more than one device"),
+            (vec![named(0, [10, 0, 0, 1], 1, "rxe1"), named(0, [10, 0, 0, 1], 2, "rxe1\nlevel=ERROR")], "not a printable word"),
+            (vec![named(2, [10, 0, 0, 1], 1, &"x".repeat(10_000))], "not a printable word of at most 32 bytes (10000 bytes)"),
+        ] {
+            let e = one_rail(ours.clone(), &offer).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains('\n') && e.len() < 300, "the refusal carries none of the hostile text: {e}");
+        }
+        // The rail chosen out of several is checked too.
+        let mixed = [named(1, [10, 0, 0, 1], 1, "rxe1"), named(1, [10, 0, 0, 1], 2, "rxe5"), named(2, [192, 168, 0, 1], 3, "rxe2")];
+        assert!(one_rail(ours, &mixed).unwrap_err().to_string().contains("rail 1's endpoints come from more than one device"));
     }
 
     #[test]

@@ -98,10 +98,17 @@ impl Connection for RailsConnection {
                 remote_device: r.remote_device.clone(),
                 qps: r.base..r.base + r.qps,
                 standby: false,
+                mtu: r.conn.path_mtu(),
             })
             .collect();
         if let Some(t) = &self.tcp {
-            paths.push(PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: t.base..t.base + t.qps, standby: true });
+            paths.push(PathInfo {
+                local_device: "tcp".into(),
+                remote_device: "tcp".into(),
+                qps: t.base..t.base + t.qps,
+                standby: true,
+                mtu: 0,
+            });
         }
         paths
     }

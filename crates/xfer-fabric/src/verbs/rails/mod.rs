@@ -152,8 +152,10 @@ impl RailsFabric {
         }
         let mut devices = Vec::with_capacity(per_device.len());
         let changes = Arc::new(tokio::sync::watch::Sender::new(0));
+        // `xfer_prebuilt_qps` is the node's: every device's pool adds to one total.
+        let prebuilt = Arc::new(crate::metrics::PrebuiltTotal::default());
         for o in per_device {
-            let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers));
+            let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers)).with_prebuilt_total(Arc::clone(&prebuilt));
             devices.push(Arc::new(RailDevice {
                 fabric,
                 up: AtomicBool::new(true),
@@ -276,6 +278,11 @@ impl Fabric for RailsFabric {
         accept::expose(&self.devices, self.fallback.as_deref(), &self.accepted, reg, req).await
     }
 
+    fn connection_qps(&self, qps: usize) -> usize {
+        let offered = self.devices.iter().filter(|d| d.offered()).count().max(1);
+        qps.saturating_mul(offered + usize::from(self.fallback.is_some()))
+    }
+
     async fn prepare(
         &self,
         peer: &str,
@@ -284,7 +291,17 @@ impl Fabric for RailsFabric {
         depth: usize,
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
+        // A transfer may ask for more QPs than the agent's default: refused here, naming both
+        // numbers, rather than by the peer with RESOURCE_EXHAUSTED.
+        let offered = self.devices.iter().filter(|d| d.offered()).count();
+        xfer_engine::shape::connection_endpoints(qps, offered, self.fallback.is_some()).map_err(|detail| FabricError::Negotiation {
+            step: "prepare",
+            attr: "qps",
+            detail,
+        })?;
         let mut pending = pending::RailsPending::prepare(&self.devices, peer, qps, depth, sink)?;
+        // One build per connection, whatever its devices.
+        crate::metrics::connection_build("initiator", pending.prebuilt());
         if let Some(f) = &self.fallback {
             // The fallback is a standby: a connection without it still moves data.
             match fallback::PendingTcp::prepare(f, peer, connection_id, qps, depth).await {

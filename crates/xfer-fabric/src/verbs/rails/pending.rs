@@ -66,6 +66,11 @@ impl RailsPending {
         Ok(RailsPending { parts, devices: Arc::clone(devices), down, tcp: None, peer: peer.to_string(), sink })
     }
 
+    /// Whether every device's part came from its prebuilt pool.
+    pub fn prebuilt(&self) -> bool {
+        self.parts.iter().all(|p| p.prepared.prebuilt)
+    }
+
     /// Offers the tcp fallback rail too.
     pub fn with_fallback(&mut self, tcp: PendingTcp, fallback: Arc<Fallback>) {
         self.tcp = Some((tcp, fallback));
