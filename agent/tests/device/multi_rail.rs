@@ -10,7 +10,7 @@
 
 use xfer_proto::v1 as pb;
 
-use crate::common::{next_note, scrape, subscribe, Agent};
+use crate::common::{labelled, next_note, scrape, subscribe, Agent};
 use crate::links::{
     agents as agents_with, assert_blocks, assert_succeeded, block, device_bytes, down_mid_transfer, failovers, finish, links, region, req,
     submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
