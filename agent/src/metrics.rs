@@ -102,7 +102,7 @@ pub fn describe() {
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
-    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event).");
+    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event, out_of_order).");
     describe_counter!(
         PATH_REQUEUED,
         Unit::Count,

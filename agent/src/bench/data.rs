@@ -17,7 +17,6 @@ use crate::peers::PeerEntry;
 use crate::transfer::job::{Job, LatencyProbe};
 use xfer_engine::batch::Seg;
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
-use xfer_fabric::WrOp;
 
 /// perftest-style messages: `iters` WRITEs (or READs) of `p.size` bytes for bandwidth, then one
 /// at a time for latency. Its buffer counts against `limits.max_bench_bytes` here and the
@@ -50,7 +49,7 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     let (piece, segs) = bandwidth_segs(node, p, iters);
     let mut held = node.acquire_exempt(peer, &ask, qps, depth).await?;
     let (lease, grant) = held.take_parts()?;
-    let (qps, path_of) = lease.job_paths(op == WrOp::Read);
+    let (qps, path_of) = lease.job_paths();
     let machine = Machine::new(MachineConfig {
         segs,
         markers: Markers::None,

@@ -221,7 +221,7 @@ impl Node {
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
-            (Some(g), Some(l)) => (g.info.clone(), l.job_paths(ask.op == RemoteOp::Read).0),
+            (Some(g), Some(l)) => (g.info.clone(), l.job_paths().0),
             _ => return Err(NodeError::Internal("channel accepted without a connection and a grant".into())),
         };
         if p.notify && grant.notify_slot & xfer_engine::notes::CHANNEL_BIT == 0 {
@@ -445,7 +445,7 @@ impl Channel {
         let peer = self.held.peer.addr.clone();
         // Placed as a transfer's data phase is: by the local region's NUMA node, the devices'
         // speeds, the paths' measured rates, health and load (a READ stays on the first path).
-        let paths = self.node.initiator.paths.job(&peer, lease.conn().as_ref(), self.op == Op::Read, self.local.0.numa, bytes);
+        let paths = self.node.initiator.paths.job(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
         let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,

@@ -212,13 +212,11 @@ impl Node {
                 Some(Command::Refuse(e)) => return Err(e),
                 Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
-                        let read = ask.op == RemoteOp::Read;
-                        let (qps, _) = l.job_paths(read);
+                        let (qps, _) = l.job_paths();
                         // A plan of an earlier, stale connection is dropped here: its charge goes back.
-                        held.paths = self.initiator.paths.plan_job(&held.peer.addr, l.conn().as_ref(), read, held.numa, ask.length);
-                        if let Some(plan) = &held.paths {
-                            s.set_paths(plan.path_of.clone(), plan.weights.clone());
-                        }
+                        let plan = self.initiator.paths.plan_job(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                        s.set_paths(plan.path_of.clone(), plan.weights.clone());
+                        held.paths = Some(plan);
                         let ev = Event::Leased { qps, reused: l.reused() };
                         held.lease = Some(l);
                         ev
@@ -232,7 +230,7 @@ impl Node {
                     let peer = held.peer.clone();
                     let cid = lease.connection_id().clone();
                     // A notification waits for one marker per QP of this connection.
-                    let qps = lease.job_paths(ask.op == RemoteOp::Read).0;
+                    let qps = lease.job_paths().0;
                     let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
                     let conn = lease.conn();
                     // The key is the peer's answer: one that cannot serve every QP of this

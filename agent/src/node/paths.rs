@@ -105,22 +105,18 @@ impl PathBook {
         PathBook { devices, state: Arc::default() }
     }
 
-    /// The plan of a job (a transfer's data phase or a channel batch) that moves `bytes` with
-    /// a READ (`read`) or a WRITE over `conn` to `peer`, from or to memory on NUMA node
-    /// `region_numa`: [`PathBook::plan`] for a WRITE. `None` for a READ: it stays on the
-    /// connection's first path (`Lease::job_paths`), so there is nothing to place.
-    pub fn plan_job(&self, peer: &str, conn: &dyn Connection, read: bool, region_numa: Option<u32>, bytes: u64) -> Option<PathPlan> {
-        (!read).then(|| self.plan(peer, conn, region_numa, bytes))
+    /// The plan of a job (a transfer's data phase or a channel batch, a READ or a WRITE) that
+    /// moves `bytes` over `conn` to `peer`, from or to memory on NUMA node `region_numa`.
+    pub fn plan_job(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> PathPlan {
+        self.plan(peer, conn, region_numa, bytes)
     }
 
     /// The QPs, paths and weights of a job that builds its own machine (a channel batch): those
     /// of [`job_paths`] placed by [`PathBook::plan_job`].
-    pub fn job(&self, peer: &str, conn: &dyn Connection, read: bool, region_numa: Option<u32>, bytes: u64) -> JobPaths {
-        let (qps, path_of) = job_paths(conn, read);
-        match self.plan_job(peer, conn, read, region_numa, bytes) {
-            Some(plan) => JobPaths { qps, path_of: plan.path_of.clone(), weights: plan.weights.clone(), plan: Some(plan) },
-            None => JobPaths { qps, path_of, weights: Vec::new(), plan: None },
-        }
+    pub fn job(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> JobPaths {
+        let (qps, _) = job_paths(conn);
+        let plan = self.plan_job(peer, conn, region_numa, bytes);
+        JobPaths { qps, path_of: plan.path_of.clone(), weights: plan.weights.clone(), plan: Some(plan) }
     }
 
     /// The plan for a job of `bytes` over `conn` to `peer`, from memory on NUMA node
@@ -337,24 +333,19 @@ mod tests {
         PathBook::new(&[dev("rxe0", 0), dev("rxe2", 1)])
     }
 
-    /// A channel batch's paths (`PathBook::job`) are placed as a transfer's are: a small WRITE
-    /// goes to the device on its memory's NUMA node alone, a large one spreads over both; a READ
-    /// stays on the first path, unplaced.
+    /// A channel batch's paths (`PathBook::job`) are placed as a transfer's are: a small batch
+    /// goes to the device on its memory's NUMA node alone, a large one spreads over both.
     #[test]
-    fn a_batch_is_placed_by_its_regions_numa_node_and_a_read_stays_on_the_first_path() {
+    fn a_batch_is_placed_by_its_regions_numa_node() {
         let b = two_sockets();
-        let on_1 = b.job("peer", &TwoPaths, false, Some(1), 1 << 20);
+        let on_1 = b.job("peer", &TwoPaths, Some(1), 1 << 20);
         assert_eq!((on_1.qps, &on_1.path_of[..]), (4, &[0, 0, 1, 1][..]));
         assert!(on_1.weights[0] == 0 && on_1.weights[1] > 0, "memory on node 1: rxe2 alone: {:?}", on_1.weights);
-        let on_0 = b.job("peer", &TwoPaths, false, Some(0), 1 << 20);
+        let on_0 = b.job("peer", &TwoPaths, Some(0), 1 << 20);
         assert!(on_0.weights[0] > 0 && on_0.weights[1] == 0, "memory on node 0: rxe0 alone: {:?}", on_0.weights);
-        let big = b.job("peer", &TwoPaths, false, Some(1), 8 << 30);
+        let big = b.job("peer", &TwoPaths, Some(1), 8 << 30);
         assert!(big.weights.iter().all(|&w| w > 0), "8 GiB spills to the other socket: {:?}", big.weights);
         assert!(on_1.plan.is_some() && big.plan.is_some());
-
-        let read = b.job("peer", &TwoPaths, true, Some(1), 1 << 20);
-        assert_eq!((read.qps, read.path_of.len(), read.weights.len()), (2, 0, 0));
-        assert!(read.plan.is_none());
     }
 }
 

@@ -161,12 +161,9 @@ impl Lease {
         self.inner().conn.qps()
     }
 
-    /// The QPs a job uses and their paths (QP → path; empty: one path): every path's for a
-    /// WRITE, only the first path's for a READ. READs stay on one path until striping and
-    /// failing over READs is proven: on two Soft-RoCE links a READ over both lost a path with no
-    /// link down, and one that failed over to tcp reported success with a MiB that differed.
-    pub fn job_paths(&self, read: bool) -> (usize, std::sync::Arc<[usize]>) {
-        crate::transfer::job::job_paths(self.inner().conn.as_ref(), read)
+    /// The QPs a job uses and their paths (QP → path): every path's.
+    pub fn job_paths(&self) -> (usize, std::sync::Arc<[usize]>) {
+        crate::transfer::job::job_paths(self.inner().conn.as_ref())
     }
 
     /// The peer's instance id when the connection was negotiated.

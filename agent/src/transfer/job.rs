@@ -156,6 +156,7 @@ pub fn path_events(machine: &mut Machine, conn: &dyn Connection) {
             PathDown::Completion(_) => "completion",
             PathDown::Post(_) => "post",
             PathDown::Event(_) => "event",
+            PathDown::OutOfOrder { .. } => "out_of_order",
         };
         tracing::warn!(path, local_device = local, remote_device = remote, reason = ?reason, requeued, paths_up = machine.paths_up(), "path lost mid-transfer: its work requests go on the other paths");
         crate::metrics::path_failover(local, remote, class, requeued);
@@ -174,14 +175,10 @@ pub fn fell_back(machine: &Machine, conn: &dyn Connection) -> bool {
     conn.paths().iter().zip(machine.path_bytes()).any(|(p, &bytes)| p.standby && bytes > 0)
 }
 
-/// The QPs a job over `conn` uses and their paths (QP → path; empty: one path): every path's
-/// for a WRITE, only the first path's for a READ (see `Lease::job_paths`).
-pub fn job_paths(conn: &dyn Connection, read: bool) -> (usize, Arc<[usize]>) {
-    let paths = conn.paths();
-    match paths.first() {
-        Some(first) if read && paths.len() > 1 => (first.qps.len().max(1), Arc::from([])),
-        _ => (conn.qps(), qp_map(&paths, conn.qps())),
-    }
+/// The QPs a job over `conn` uses and their paths (QP → path): every QP of every path, for a
+/// WRITE and a READ alike.
+pub fn job_paths(conn: &dyn Connection) -> (usize, Arc<[usize]>) {
+    (conn.qps(), qp_map(&conn.paths(), conn.qps()))
 }
 
 /// QP index → path index, from the paths' QP ranges (a QP no range covers goes to path 0).

@@ -2,8 +2,10 @@
 //! cases run everywhere, its verbs cases only on the devices), the verbs smoke test, grant mode
 //! `mw`, remote keys only through grants, two real agents on two links each (`multi_rail`:
 //! striping and failover; it starts agents through the `common` harness), the same agents with
-//! `transfer.fallback = tcp` (`fallback`: both links down, a WRITE completes over tcp), and hostile
-//! rail offers to a two-device responder (`rails_redteam`). Every case that needs a device is
+//! `transfer.fallback = tcp` (`fallback`: both links down, a WRITE or a READ completes over
+//! tcp), READs striped round after round (`read_rails`), the device-pair matrix of `xferctl
+//! doctor --peer` (`doctor_peer`), and hostile rail offers to a two-device responder
+//! (`rails_redteam`). Every case that needs a device is
 //! `#[ignore = "needs Soft-RoCE (make test-rxe)"]`, so on a host without one `cargo test` reports
 //! it as ignored, never as passed; `make test-rxe` runs this binary in the Soft-RoCE VM with
 //! `--include-ignored` and fails unless every test in it ran and passed.
@@ -18,10 +20,12 @@
 mod common;
 
 mod conformance;
+mod doctor_peer;
 mod fallback;
 mod links;
 mod multi_rail;
 mod rails_redteam;
+mod read_rails;
 mod verbs_mw;
 mod verbs_security;
 mod verbs_smoke;

@@ -115,6 +115,9 @@ pub enum PathDown {
     Post(String),
     /// The driver learnt it otherwise (a port-down or device-fatal async event).
     Event(String),
+    /// The device reported WR `seq` complete while an earlier signaled WR on its QP had not
+    /// reported: it broke the queue's completion order, so the path cannot be trusted.
+    OutOfOrder { seq: u64 },
 }
 
 impl fmt::Display for PathDown {
@@ -123,6 +126,9 @@ impl fmt::Display for PathDown {
             PathDown::Completion(s) => write!(f, "work request failed with {s}"),
             PathDown::Post(e) => write!(f, "post failed: {e}"),
             PathDown::Event(e) => f.write_str(e),
+            PathDown::OutOfOrder { seq } => {
+                write!(f, "the device reported work request {seq} complete before an earlier signaled one on its queue pair")
+            }
         }
     }
 }
@@ -148,6 +154,9 @@ struct Chunk {
 struct Outstanding {
     chunk: Chunk,
     marker: bool,
+    /// Its completion is reported by itself (a run's last WR, a marker); the others are
+    /// retired by a later signaled one on their QP.
+    signaled: bool,
 }
 
 /// One path's standing in this transfer.
@@ -310,7 +319,7 @@ impl Machine {
         };
         let path = self.path_of[qp];
         self.paths[path].assigned += c.len as u64;
-        self.windows[qp].push_back(Outstanding { chunk: c, marker: false });
+        self.windows[qp].push_back(Outstanding { chunk: c, marker: false, signaled });
         Some(Post { qp, seq: c.seq, local: c.local, remote: c.remote, len: c.len, signaled, marker: false })
     }
 
@@ -362,7 +371,7 @@ impl Machine {
         } else {
             return None;
         };
-        self.windows[qp].push_back(Outstanding { chunk: Chunk { seq, local: 0, remote: 0, len: 0 }, marker: true });
+        self.windows[qp].push_back(Outstanding { chunk: Chunk { seq, local: 0, remote: 0, len: 0 }, marker: true, signaled: true });
         Some(Post { qp, seq, local: 0, remote: 0, len: 0, signaled: true, marker: true })
     }
 
@@ -392,7 +401,15 @@ impl Machine {
         let Some(pos) = self.windows[qp].iter().position(|o| o.chunk.seq == seq) else {
             return; // stale or duplicate
         };
-        if status.is_success() {
+        if status.is_success() && self.windows[qp].iter().take(pos).any(|o| o.signaled) {
+            // An earlier signaled WR on this QP has not reported: the device completed out of
+            // order, so no completion on this path proves which WRs landed (seen on Soft-RoCE
+            // under load: a READ retired silently whose bytes never arrived). Nothing on the path
+            // counts; its WRs go out again on the others, as after a failure.
+            if self.state == State::Running {
+                self.path_down(path, PathDown::OutOfOrder { seq });
+            }
+        } else if status.is_success() {
             // Everything up to `pos` completed successfully (in-order QP), silently if unsignaled.
             for o in self.windows[qp].drain(..=pos) {
                 if !o.marker {

@@ -166,6 +166,11 @@ pub struct Session<E> {
     /// Set on accept: what the machine moves.
     batch: Option<Batch>,
     bytes_done: u64,
+    /// The data phase succeeded after a path failed over: the range is verified end to end
+    /// even when the caller did not ask, because a device that is failing may have reported
+    /// work complete that never landed (Soft-RoCE did so under load: a READ retired as
+    /// successful whose bytes never arrived, its QP flushed moments later).
+    failed_over: bool,
 }
 
 impl<E: From<Error>> Session<E> {
@@ -183,6 +188,7 @@ impl<E: From<Error>> Session<E> {
             grant_len: 0,
             batch: None,
             bytes_done: 0,
+            failed_over: false,
         };
         s.out.push_back(Command::Lease);
         s
@@ -362,7 +368,7 @@ impl<E: From<Error>> Session<E> {
                 self.finish(Err(f))
             }
             (Phase::Checking(Ok(())), Event::LocalChecked(Ok(()))) => {
-                if self.cfg.verify {
+                if self.cfg.verify || self.failed_over {
                     self.out.push_back(Command::Checksum);
                     Phase::Verifying
                 } else {
@@ -391,6 +397,11 @@ impl<E: From<Error>> Session<E> {
                         self.out.push_back(Command::GrantConsumed);
                         self.finish(match matched {
                             true => Ok(checksum),
+                            false if self.failed_over && !self.cfg.verify => Err(Failure::new(
+                                FailureCode::ChecksumMismatch,
+                                "a path failed over mid-transfer and the destination range does not match the source: the failing \
+                                 device reported work complete that did not land; run the transfer again",
+                            )),
                             false => Err(Failure::new(
                                 FailureCode::ChecksumMismatch,
                                 "checksum of the destination range does not match the source",
@@ -451,6 +462,8 @@ impl<E: From<Error>> Session<E> {
         if !m.is_done() {
             return;
         }
+        // A batch's scattered segments have no one range to compare (`Agent.Checksum` per range).
+        self.failed_over = *m.state() == State::Succeeded && m.failovers() > 0 && self.cfg.batch.is_none();
         let clean = m.outstanding() == 0;
         let next = match m.state().clone() {
             State::Running => return,
@@ -509,7 +522,7 @@ pub fn failure_of(fault: Fault) -> Failure {
             let code = match last {
                 PathDown::Completion(status) => FailureCode::Completion(status),
                 PathDown::Post(_) => FailureCode::PostFailed,
-                PathDown::Event(_) => FailureCode::NoPath,
+                PathDown::Event(_) | PathDown::OutOfOrder { .. } => FailureCode::NoPath,
             };
             Failure::new(code, format!("every path to the peer is down; the last: {last}{}", code.hint()))
         }

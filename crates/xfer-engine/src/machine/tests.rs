@@ -81,10 +81,11 @@ fn no_window_ever_ends_in_a_silent_wr() {
                                 assert!(t.is_some_and(|p| p.signaled), "qps {qps} depth {depth} every {every}: QP {q} ends silent");
                             }
                         }
-                        // Complete the oldest signaled WR of the fullest window.
+                        // Complete the oldest signaled WR of the fullest window (a device reports
+                        // a QP's signaled WRs in order).
                         let q = (0..qps).max_by_key(|&q| m.windows[q].len()).unwrap();
-                        let tail = tails[q].unwrap();
-                        m.handle_completion(q, tail.seq, WcStatus::Success);
+                        let oldest = m.windows[q].iter().find(|o| o.signaled).map(|o| o.chunk.seq).unwrap();
+                        m.handle_completion(q, oldest, WcStatus::Success);
                         rounds += 1;
                         assert!(rounds < 1000, "no progress");
                     }
@@ -295,4 +296,61 @@ fn stale_completions_are_ignored() {
     m.handle_completion(0, 42, WcStatus::RemAccessErr);
     m.handle_completion(7, 0, WcStatus::RemAccessErr);
     assert_eq!(m.state(), &State::Running);
+}
+
+/// A device that reports a signaled WR complete while an earlier signaled WR on the same QP has
+/// not reported broke the queue's order: nothing on that path counts as landed. With one path
+/// the transfer fails (never succeeds with a chunk no completion proved); with two, the path's
+/// WRs (the one reported too) go out again on the other and every chunk is counted once.
+#[test]
+fn an_out_of_order_success_takes_the_path_down_instead_of_retiring_what_it_skipped() {
+    // One path, every WR signaled: report the second before the first.
+    let mut m = Machine::new(cfg(4 * 100, 100, 1, 4, 1));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    assert_eq!(posts.len(), 4);
+    m.handle_completion(0, posts[1].seq, WcStatus::Success);
+    assert_eq!(m.bytes_done(), 0, "the skipped WR was not counted");
+    assert!(
+        matches!(m.state(), State::Failed(Fault::NoPath { last: PathDown::OutOfOrder { seq } }) if *seq == posts[1].seq),
+        "{:?}",
+        m.state()
+    );
+    // In order, the same completions retire exactly what they report.
+    let mut m = Machine::new(cfg(4 * 100, 100, 1, 4, 1));
+    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    m.handle_completion(0, posts[0].seq, WcStatus::Success);
+    m.handle_completion(0, posts[1].seq, WcStatus::Success);
+    assert_eq!((m.bytes_done(), m.state()), (200, &State::Running));
+
+    // Two paths (QP 0 on path 0, QP 1 on path 1), runs of one WR.
+    let mut c = cfg(8 * 100, 100, 2, 4, 1);
+    c.path_of = Arc::from([0usize, 1]);
+    let mut m = Machine::new(c);
+    let first: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+    let on_1: Vec<Post> = first.iter().copied().filter(|p| p.qp == 1).collect();
+    assert!(on_1.len() >= 2, "{first:?}");
+    m.handle_completion(1, on_1[1].seq, WcStatus::Success);
+    assert!(!m.path_is_up(1));
+    assert!(
+        matches!(m.poll_event(), Some(PathEvent::Down { path: 1, reason: PathDown::OutOfOrder { .. }, requeued }) if requeued as usize == on_1.len())
+    );
+    // Path 0 carries everything now: drive it in order to the end.
+    let mut inflight: VecDeque<Post> = first.iter().copied().filter(|p| p.qp == 0).collect();
+    let mut seen = std::collections::BTreeMap::new();
+    for p in &inflight {
+        *seen.entry(p.seq).or_insert(0) += 1;
+    }
+    while !m.is_done() {
+        while let Some(p) = m.poll_transmit() {
+            assert_eq!(p.qp, 0, "nothing goes to the untrusted path");
+            *seen.entry(p.seq).or_insert(0) += 1;
+            inflight.push_back(p);
+        }
+        let p = inflight.pop_front().expect("the machine waits on nothing");
+        m.handle_completion(0, p.seq, WcStatus::Success);
+    }
+    assert_eq!(m.state(), &State::Succeeded);
+    assert_eq!(m.bytes_done(), 800, "each chunk counted once");
+    assert_eq!(m.path_bytes(), &[800, 0]);
+    assert_eq!(seen.len(), 8, "every chunk went out on path 0: {seen:?}");
 }

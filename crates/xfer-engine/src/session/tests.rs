@@ -522,9 +522,17 @@ fn a_lent_machine_comes_back_and_the_session_moves_on() {
             while let Some(p) = m.poll_transmit() {
                 posted.push(p);
             }
-            let p = posted.iter().rev().find(|p| p.signaled).copied().unwrap();
+            // The oldest signaled WR (a device reports a QP's signaled WRs in order); it and
+            // the silent ones before it on its QP are done.
+            let i = posted.iter().position(|p| p.signaled).unwrap();
+            let p = posted[i];
             let status = if fail { WcStatus::RemAccessErr } else { WcStatus::Success };
             m.handle_completion(p.qp, p.seq, status);
+            let mut k = 0;
+            posted.retain(|q| {
+                k += 1;
+                !(q.qp == p.qp && k <= i + 1)
+            });
         }
         s.return_machine(m);
         if fail {
@@ -576,5 +584,70 @@ fn the_leased_paths_reach_the_machine_and_losing_all_of_them_is_reported() {
         let f = super::failure_of(Fault::NoPath { last: reason });
         assert_eq!(f.code, code);
         assert!(f.message.contains("every path to the peer is down"), "{f:?}");
+    }
+}
+
+/// A data phase that succeeded after a path failed over is verified end to end although the
+/// caller did not ask: a failing device may have reported work complete that did not land. A
+/// match finishes with the checksum; a mismatch fails CHECKSUM_MISMATCH and says why. A batch
+/// (no one range to compare) and a transfer with no failover are not verified.
+#[test]
+fn a_transfer_that_failed_over_is_verified_and_a_mismatch_fails_it() {
+    use crate::batch::{Batch, Dest, SegmentSpec};
+    use crate::machine::PathDown;
+    let landed = |batch: bool, fail_over: bool| {
+        let mut c = cfg(40, false);
+        if batch {
+            c.batch = Some(Batch::new(&[SegmentSpec { local: 0, remote: 0, len: 40 }], "src", 1000, Dest::Remote, 16).unwrap());
+        }
+        let mut s = Session::new(c);
+        assert!(matches!(s.poll(), Some(Command::Lease)));
+        s.handle(Event::Leased { qps: 2, reused: false });
+        s.set_paths([0usize, 1].into(), vec![1, 1]);
+        assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+        s.start(Instant::now());
+        let mut m = s.lend_machine().expect("running");
+        let mut posted: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        if fail_over {
+            assert!(posted.iter().any(|p| p.qp == 1), "{posted:?}");
+            m.handle_path_down(1, PathDown::Event("port down".into()));
+        }
+        while !m.is_done() {
+            posted.extend(std::iter::from_fn(|| m.poll_transmit()));
+            let i = posted.iter().position(|p| p.signaled && m.path_is_up(usize::from(p.qp == 1))).expect("a signaled WR on a live path");
+            let p = posted.remove(i);
+            posted.retain(|q| q.qp != p.qp || q.seq > p.seq);
+            m.handle_completion(p.qp, p.seq, WcStatus::Success);
+        }
+        assert_eq!(m.state(), &crate::machine::State::Succeeded);
+        s.return_machine(m);
+        assert!(matches!(s.poll(), Some(Command::CheckLocal)));
+        s.handle(Event::LocalChecked(Ok(())));
+        s
+    };
+    for (batch, fail_over) in [(false, false), (true, true), (true, false)] {
+        let mut s = landed(batch, fail_over);
+        assert!(matches!(s.poll(), Some(Command::Complete { checksum: None })), "batch {batch} failover {fail_over}");
+    }
+    for matched in [true, false] {
+        let mut s = landed(false, true);
+        assert!(matches!(s.poll(), Some(Command::Checksum)), "a failed-over transfer is verified");
+        s.handle(Event::Checksummed(Ok(7)));
+        assert!(matches!(s.poll(), Some(Command::Complete { checksum: Some(7) })));
+        s.handle(Event::Completed(Ok(matched)));
+        let end = std::iter::from_fn(|| s.poll()).find_map(|c| match c {
+            Command::Finish(r) => Some(r),
+            _ => None,
+        });
+        match end {
+            Some(Ok(Some(7))) if matched => {}
+            Some(Err(f)) if !matched => {
+                assert_eq!(f.code, FailureCode::ChecksumMismatch);
+                assert!(f.message.contains("a path failed over mid-transfer"), "{f:?}");
+            }
+            other => panic!("matched {matched}: {other:?}"),
+        }
     }
 }
