@@ -444,7 +444,7 @@ impl Channel {
         });
         let peer = self.held.peer.addr.clone();
         // Placed as a transfer's data phase is: by the local region's NUMA node, the devices'
-        // speeds, the paths' measured rates, health and load (a READ stays on the first path).
+        // speeds, the paths' measured rates, health and load.
         let paths = self.node.initiator.paths.job(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
         let machine = Machine::new(MachineConfig {
             segs,
