@@ -16,7 +16,7 @@ use super::mr::VerbsRegistration;
 use super::negotiate;
 use super::options::VerbsOptions;
 use super::prebuilt::Prebuilt;
-use super::responder::{AcceptedHandle, AcceptedIndex, VerbsAccepted};
+use super::responder::{on_blocking_pool, AcceptedHandle, AcceptedIndex, OnBlockingPool, VerbsAccepted};
 use crate::{
     Accepted, Access, CompletionSink, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, FabricInfo, FabricKind, PendingConnection,
     Registration, RemoteKey, RemoteOp,
@@ -335,13 +335,13 @@ impl Fabric for VerbsFabric {
         // Mode `region` only hands out a key; `mr` pins pages (ibv_reg_mr) and `mw` waits for
         // the binds' completions, so those run on the blocking pool, never on a runtime thread.
         if self.opts.grant_mode == GrantMode::Region {
-            return expose_now(&self.dev, &self.opts, &self.accepted, reg, req);
+            return expose_now(&self.dev, &self.opts, &self.accepted, reg, req, None);
         }
         let (dev, opts, reg, req) = (Arc::clone(&self.dev), Arc::clone(&self.opts), Arc::clone(reg), req.clone());
         let accepted = Arc::clone(&self.accepted);
-        tokio::task::spawn_blocking(move || expose_now(&dev, &opts, &accepted, &reg, &req))
+        on_blocking_pool(move |pool| expose_now(&dev, &opts, &accepted, &reg, &req, Some(pool)))
             .await
-            .map_err(|e| FabricError::Other(format!("exposing a grant: the blocking task failed: {e}")))?
+            .map_err(|e| FabricError::Other(format!("exposing a grant: {e}")))?
     }
 
     async fn prepare(
@@ -388,13 +388,15 @@ fn fill_or_log(pool: &Prebuilt<Shape, ConnInner>, dev: &Arc<Device>, opts: &Verb
     }
 }
 
-/// [`Fabric::expose`] for verbs, synchronously (on the blocking pool for modes `mr` and `mw`).
+/// [`Fabric::expose`] for verbs, synchronously: on the blocking pool for modes `mr` and `mw`
+/// (`pool`, the proof of it, which mode `mw`'s binds need), inline for mode `region`.
 fn expose_now(
     dev: &Arc<Device>,
     opts: &VerbsOptions,
     accepted: &AcceptedIndex,
     reg: &Arc<dyn Registration>,
     req: &ExposeRequest,
+    pool: Option<&OnBlockingPool>,
 ) -> Result<Exposure, FabricError> {
     let vreg = VerbsFabric::ours(reg)?;
     let memory = reg.memory();
@@ -455,7 +457,11 @@ fn expose_now(
                     WindowAccess::RemoteWrite
                 }
             };
-            let grant = accepted.bind_windows(&dev.pd, &vreg.mr, req.offset, req.len, access)?;
+            // `expose` runs this mode on the blocking pool; the bind waits for the device there.
+            let Some(pool) = pool else {
+                return Err(FabricError::Other("a memory-window bind waits for the device and must run on the blocking pool".into()));
+            };
+            let grant = accepted.bind_windows(pool, &dev.pd, &vreg.mr, req.offset, req.len, access)?;
             let key = RemoteKey::PerQp(grant.rkeys().into());
             Ok(Exposure { addr, key, keepalive: Some(Box::new(grant)) })
         }

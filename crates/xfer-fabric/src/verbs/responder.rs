@@ -65,6 +65,26 @@ pub(crate) struct VerbsAccepted {
 /// How long a bind may take to complete before the connection is given up.
 const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long [`VerbsAccepted::bind_windows`] sleeps between polls of the responder CQ that found
+/// nothing. Binds complete in microseconds on hardware (tens on Soft-RoCE), so a short sleep
+/// answers the grant promptly without spinning a core for the whole bind.
+const BIND_POLL_PAUSE: Duration = Duration::from_micros(20);
+
+/// Proof that the code holding it runs on tokio's blocking pool, never on a runtime worker
+/// thread: only [`on_blocking_pool`] makes one (its field is private to this module).
+/// [`VerbsAccepted::bind_windows`] takes it because it waits for the device by polling and
+/// sleeping: the responder's CQ has no completion channel (binds are its only send work, one at
+/// a time per QP, and rare next to the data the connection carries), so there is nothing to
+/// await, and a sleep there on a runtime thread would stall every task scheduled on it.
+pub(crate) struct OnBlockingPool(());
+
+/// Runs `f` on tokio's blocking pool, handing it the proof that it does.
+pub(crate) async fn on_blocking_pool<R: Send + 'static>(f: impl FnOnce(&OnBlockingPool) -> R + Send + 'static) -> Result<R, FabricError> {
+    tokio::task::spawn_blocking(move || f(&OnBlockingPool(())))
+        .await
+        .map_err(|e| FabricError::Other(format!("the blocking task failed: {e}")))
+}
+
 impl VerbsAccepted {
     /// Keeps the responder QPs; with a receive side, starts the task that hands the markers
     /// arriving on connection `id` to `markers`.
@@ -130,13 +150,14 @@ impl VerbsAccepted {
     /// (`IBV_ACCESS_REMOTE_READ` or `_WRITE`) and waits for every bind to complete, so the keys
     /// work as soon as the grant is answered. Blocks the calling thread for the bind round trip
     /// through the device (microseconds on hardware; bounded by [`BIND_TIMEOUT`]), so it runs on
-    /// the blocking pool (`VerbsFabric::expose`), never on a runtime thread.
+    /// the blocking pool (`VerbsFabric::expose`), never on a runtime thread: `_pool` proves it.
     ///
     /// The caller has checked that `[addr, addr+len)` lies inside `mr`, whose memory is
     /// `memory`. A failed bind moves the QP to ERR (the device does), and so breaks the peer's
     /// connection; the pool replaces it.
     pub fn bind_windows(
         &self,
+        _pool: &OnBlockingPool,
         pd: &Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
         mr: &Arc<Mr>,
         offset: u64,
@@ -209,8 +230,8 @@ impl VerbsAccepted {
                 if std::time::Instant::now() >= deadline {
                     return Err(give_up(FabricError::Other(format!("memory-window binds did not complete within {BIND_TIMEOUT:?}"))));
                 }
-                // tidy: blocking context (the blocking pool, see the doc comment).
-                std::thread::sleep(Duration::from_micros(20));
+                // tidy: blocking context (`OnBlockingPool`: this runs on the blocking pool only).
+                std::thread::sleep(BIND_POLL_PAUSE);
             }
         }
         // Every bind was retired (`done`), so the QPs hold no handle on the windows any more:
