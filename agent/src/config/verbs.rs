@@ -33,9 +33,11 @@ pub struct VerbsConfig {
     /// One device by name; empty = as `devices` says. Refused together with `devices`.
     pub device: String,
     /// The devices to use, each `name`, `name:port` or `name:port:gid_index` (`mlx5_0`,
-    /// `mlx5_1:1`, `rxe0:1:1`); `auto` or empty = every device with an ACTIVE port and a usable
-    /// GID, in name order. With more than one, a connection has one path per local device that
-    /// reaches one of the peer's. Env: comma-separated.
+    /// `mlx5_1:1`, `rxe0:1:1`); `auto` or empty = every device whose port is ACTIVE with a
+    /// usable GID or may become so (DOWN, INIT, ARMED: its link comes up later), in name order.
+    /// A device whose port is not ACTIVE, listed or found, is opened and used once it is. With
+    /// more than one, a connection has one path per local device that reaches one of the peer's.
+    /// Env: comma-separated.
     #[serde(deserialize_with = "devices_or_csv", serialize_with = "devices_to_toml")]
     pub devices: Vec<String>,
     pub port: u8,

@@ -93,6 +93,32 @@ impl Drop for Downed {
     }
 }
 
+/// Links taken down before the agents start (a cable plugged in later). They come back with
+/// [`DownAtStart::restore`] (which waits for their ports), or when this is dropped.
+pub(crate) struct DownAtStart(Downed);
+
+impl DownAtStart {
+    pub(crate) fn restore(mut self) {
+        self.0.restore();
+    }
+}
+
+/// Takes `netdevs` down now; see [`DownAtStart`].
+pub(crate) fn down_at_start(netdevs: &[&str]) -> DownAtStart {
+    let mut downed = Downed::new();
+    for n in netdevs {
+        downed.down(n);
+    }
+    DownAtStart(downed)
+}
+
+/// The port state (`ACTIVE`, `DOWN`, ...) `a`'s GetInfo reports for `device`.
+pub(crate) async fn device_state(a: &Agent, device: &str) -> String {
+    let info = a.client().await.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    let d = info.devices.iter().find(|d| d.name == device).unwrap_or_else(|| panic!("{} does not list {device}: {info:?}", a.name));
+    d.state.clone()
+}
+
 pub(crate) fn tx_bytes(netdev: &str) -> u64 {
     std::fs::read_to_string(format!("/sys/class/net/{netdev}/statistics/tx_bytes")).unwrap().trim().parse().unwrap()
 }

@@ -2,7 +2,8 @@
 //! B on `rxe1,rxe3`. A transfer stripes over both links; a link taken down in the middle of a
 //! WRITE, a READ or a notified batch moves the rest over the other link with every byte verified
 //! and the notification sent once; a link brought back is used again; both links down fail the
-//! transfer with a code instead of hanging.
+//! transfer with a code instead of hanging; a link that is down when the agents start joins
+//! once it comes up, without a restart.
 //!
 //! Every test needs the devices: `#[ignore = "needs Soft-RoCE"]`, run by
 //! `scripts/rxe-guest-test` in the VM with `--include-ignored`.
@@ -12,8 +13,8 @@ use xfer_proto::v1 as pb;
 
 use crate::common::{labelled, next_note, scrape, subscribe, Agent};
 use crate::links::{
-    agents as agents_with, assert_blocks, assert_succeeded, block, device_bytes, down_mid_transfer, failovers, finish, links, region, req,
-    submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
+    agents as agents_with, assert_blocks, assert_succeeded, block, device_bytes, device_state, down_at_start, down_mid_transfer, failovers,
+    finish, links, region, req, submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
 };
 
 /// Agents A and B, each on both of its devices.
@@ -202,4 +203,45 @@ async fn both_links_down_fail_the_transfer_with_a_code() {
     assert_blocks(&b, "dst", &base, 16).await;
     // The responder did not die either.
     assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok());
+}
+
+/// A link that is down when the agents start (a cable plugged in later): each agent opens its
+/// device on it all the same and shows it down, as does an agent on `verbs.devices = auto`;
+/// transfers use the other link alone; once the link is up, the device joins without a
+/// restart and carries a share of the next transfer.
+#[tokio::test]
+#[ignore = "needs Soft-RoCE (make test-rxe)"]
+async fn a_link_down_at_start_joins_once_it_comes_up() {
+    let l = links();
+    let late = down_at_start(&[&l.a_net[1]]);
+    let (a, b) = agents_with(&l, ["late-a", "late-b"], &[]);
+    // No device list: every device of the VM, the ones whose link is down too.
+    let auto = Agent::start_fabric("late-auto", "verbs", &[]);
+    for (agent, dev) in [(&a, &l.a[1]), (&b, &l.b[1]), (&auto, &l.a[1]), (&auto, &l.b[1])] {
+        let state = device_state(agent, dev).await;
+        assert_ne!(state, "ACTIVE", "{} shows {dev} {state} with its link down", agent.name);
+    }
+    assert_eq!(device_state(&auto, &l.a[0]).await, "ACTIVE");
+    drop(auto);
+
+    const BLOCKS: u64 = 256;
+    let base = region(&a, "src", BLOCKS, Some(43)).await;
+    region(&b, "dst", BLOCKS, None).await;
+    let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 64 * MIB)).await).await;
+    assert_succeeded(&t, &a);
+    assert_blocks(&b, "dst", &base, 64).await;
+    assert_eq!(device_bytes(&a, &l.a[1]), 0.0, "bytes through {} while its link was down: {}", l.a[1], scrape(&a));
+
+    late.restore();
+    for (agent, dev) in [(&a, &l.a[1]), (&b, &l.b[1])] {
+        assert_eq!(device_state(agent, dev).await, "ACTIVE", "{} after its link came up", agent.name);
+    }
+    let tx0 = tx_bytes(&l.a_net[1]);
+    let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await).await;
+    assert_succeeded(&t, &a);
+    let (dev1, tx1) = (device_bytes(&a, &l.a[1]), tx_bytes(&l.a_net[1]));
+    println!("{} joined after start: {dev1} bytes through it, {} tx {} bytes", l.a[1], l.a_net[1], tx1 - tx0);
+    assert_blocks(&b, "dst", &base, BLOCKS).await;
+    assert!(dev1 > 0.0, "{} not used after its link came up: {}\n{}", l.a[1], scrape(&a), a.logs());
+    assert!(tx1 - tx0 > 16 * MIB, "{} carried only {} bytes after it came up", l.a_net[1], tx1 - tx0);
 }

@@ -207,23 +207,24 @@ impl ConnInner {
     }
 
     pub fn endpoints(&self, dev: &Device) -> Vec<Endpoint> {
+        let v = dev.view();
         self.slots
             .iter()
             .map(|s| {
                 Endpoint::Verbs(VerbsEndpoint {
                     qpn: s.qp.qpn(),
                     psn: s.psn,
-                    gid: dev.gid,
-                    gid_index: dev.gid_index,
-                    lid: dev.lid as u32,
+                    gid: v.gid,
+                    gid_index: v.gid_index,
+                    lid: v.lid as u32,
                     port: dev.port as u32,
-                    mtu: dev.active_mtu,
+                    mtu: v.active_mtu,
                     max_rd_atomic: dev.max_rd_atomic as u32,
-                    gid_type: dev.gid_type.clone(),
-                    link_layer: dev.link_layer.clone(),
+                    gid_type: v.gid_type.clone(),
+                    link_layer: v.link_layer.clone(),
                     rail: 0,
                     device: dev.name.clone(),
-                    ipv4_prefix: dev.ipv4_prefix,
+                    ipv4_prefix: v.ipv4_prefix,
                 })
             })
             .collect()
@@ -231,13 +232,21 @@ impl ConnInner {
 
     /// Validates the peer's endpoints and moves every QP INIT → RTR → RTS.
     pub fn connect(&self, dev: &Device, opts: &VerbsOptions, remote: &[Endpoint]) -> Result<(), FabricError> {
-        let paths = negotiate::validate_remote(&dev.local_port(), remote, Some(self.slots.len()))?;
+        // One reading of the port's facts for the whole connection (they change only on a refresh).
+        let v = dev.view();
+        let local = negotiate::LocalPort {
+            link_layer: v.link_layer.clone(),
+            gid_type: v.gid_type.clone(),
+            mtu: v.active_mtu,
+            max_rd_atomic: dev.max_rd_atomic,
+        };
+        let paths = negotiate::validate_remote(&local, remote, Some(self.slots.len()))?;
         let mtu = paths.iter().filter_map(|p| negotiate::mtu_bytes(p.path_mtu)).min().unwrap_or(0);
         self.path_mtu.store(mtu, Ordering::Release);
         for (slot, path) in self.slots.iter().zip(&paths) {
             let r = &path.remote;
-            let sgid_index = dev.gid_index;
-            let route = if dev.link_layer == LINK_ETHERNET {
+            let sgid_index = v.gid_index;
+            let route = if v.link_layer == LINK_ETHERNET {
                 Route::Global { dgid: r.gid, sgid_index: sgid_index.min(255) as u8 }
             } else {
                 Route::Local { dlid: r.lid as u16 }

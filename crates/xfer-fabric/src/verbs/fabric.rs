@@ -221,7 +221,7 @@ impl VerbsFabric {
     }
 
     pub fn gid_index(&self) -> u32 {
-        self.dev.gid_index
+        self.dev.view().gid_index
     }
 
     /// The opened device (its facts, context and port), for a fabric over several devices.
@@ -246,11 +246,12 @@ impl VerbsFabric {
     ) -> Result<(Vec<Endpoint>, Box<dyn Accepted>, bool), FabricError> {
         // An initiator over several devices offers one group of QPs per device (a rail): this
         // one device answers the group it reaches, tagged with its number.
+        let v = self.dev.view();
         let facts = super::rails::reach::RailFacts {
             device: self.dev.name.clone(),
-            link_layer: self.dev.link_layer.clone(),
-            gid: self.dev.gid,
-            ipv4_prefix: self.dev.ipv4_prefix,
+            link_layer: v.link_layer,
+            gid: v.gid,
+            ipv4_prefix: v.ipv4_prefix,
         };
         let (chosen, rail) = super::rails::one_rail(facts, remote)?;
         let remote = &chosen[..];

@@ -15,6 +15,7 @@
 //!   its QPs and what an `mw` grant keeps alive (`MwGrant`).
 //! * `markers`: the responder's notification markers (receive CQ, receive task);
 //!   `marker_poll`: the thread that busy-polls them while a notification is due.
+//! * [`select`]: which probed ports the fabric opens (`auto`: every device up now or later).
 //! * [`options`]: the fabric's settings ([`VerbsOptions`], [`GrantMode`]), validated.
 //! * [`prebuilt`]: the bookkeeping of connections built ahead of need (generic, no verbs).
 //! * `fabric`: [`VerbsFabric`], the `Fabric` implementation tying it together.
@@ -47,6 +48,7 @@ pub mod prebuilt;
 pub mod rails;
 #[cfg(feature = "verbs")]
 mod responder;
+pub mod select;
 
 #[cfg(feature = "verbs")]
 pub use device::probe;
@@ -70,42 +72,47 @@ impl From<xfer_rdma::VerbsError> for FabricError {
     }
 }
 
-/// Name of a usable device (an ACTIVE port), or why there is none.
+/// Name of a usable device (an ACTIVE port), or why there is none: `fabric = auto` picks the
+/// verbs fabric with it. With `verbs.devices` listed, every listed port must exist with a
+/// known link layer and at least one must be usable now; the others are opened and used once
+/// their port is ACTIVE.
 #[cfg(feature = "verbs")]
 pub fn usable_device(opts: &VerbsOptions) -> Result<String, String> {
+    use select::{port_use, PortUse};
     let devices = probe(opts).map_err(|e| e.to_string())?;
     if let Some(list) = &opts.devices {
-        // The fabric opens every listed device or none.
         let port = |s: &DeviceSpec| u32::from(s.port.unwrap_or(opts.port));
-        let unusable: Vec<String> = list
+        let state = |s: &DeviceSpec| devices.iter().find(|d| d.name == s.name && d.port == port(s)).map(port_use);
+        let missing: Vec<String> = list
             .iter()
-            .filter(|s| !devices.iter().any(|d| d.name == s.name && d.port == port(s) && usable(d)))
+            .filter(|s| matches!(state(s), None | Some(PortUse::Never(_))))
             .map(|s| format!("{} port {}", s.name, port(s)))
             .collect();
-        if !unusable.is_empty() {
-            return Err(format!("listed RDMA devices without an active port and a usable GID: {}", unusable.join(", ")));
+        if !missing.is_empty() {
+            return Err(format!("listed RDMA devices missing or without a usable port: {}", missing.join(", ")));
         }
-        return Ok(list.iter().map(|s| format!("{} port {}", s.name, port(s))).collect::<Vec<_>>().join(", "));
+        if !list.iter().any(|s| state(s) == Some(PortUse::Now)) {
+            return Err("no listed RDMA device has an active port with a usable GID yet".into());
+        }
+        return Ok(list
+            .iter()
+            .map(|s| format!("{} port {}{}", s.name, port(s), if state(s) == Some(PortUse::Now) { "" } else { " (not ACTIVE yet)" }))
+            .collect::<Vec<_>>()
+            .join(", "));
     }
     if devices.is_empty() {
         return Err("no RDMA devices found".into());
     }
-    devices.iter().find(|d| usable(d)).map(|d| format!("{} port {}", d.name, d.port)).ok_or_else(|| {
+    devices.iter().find(|d| port_use(d) == PortUse::Now).map(|d| format!("{} port {}", d.name, d.port)).ok_or_else(|| {
         let seen: Vec<String> = devices.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
         format!("no RDMA device with an active port and a usable GID ({})", seen.join(", "))
     })
 }
 
-/// Whether a probed port can carry a connection: ACTIVE, and a usable GID unless InfiniBand.
-#[cfg(feature = "verbs")]
-fn usable(d: &crate::DeviceInfo) -> bool {
-    let ib = d.link_layer.eq_ignore_ascii_case("InfiniBand");
-    d.state.eq_ignore_ascii_case("ACTIVE") && (ib || d.selected_gid_index.is_some())
-}
-
 /// The options of each device the fabric opens: `verbs.device` (one), `verbs.devices` (those,
-/// in order) or, with neither, every device with a usable port (in name order; per device its
-/// first such port unless `verbs.port` names one).
+/// in order) or, with neither, every device whose `verbs.port` is usable now or once its link
+/// is up ([`select::auto_pick`], in name order). Named devices are opened whatever their port's
+/// state: one that is not ACTIVE is used once it is.
 #[cfg(feature = "verbs")]
 pub fn resolve_devices(opts: &VerbsOptions) -> Result<Vec<VerbsOptions>, FabricError> {
     opts.validate()?;
@@ -119,28 +126,28 @@ pub fn resolve_devices(opts: &VerbsOptions) -> Result<Vec<VerbsOptions>, FabricE
     if let Some(d) = &opts.device {
         return Ok(vec![one(d.clone(), opts.port, opts.gid_index)]);
     }
-    let (mut out, found) = match &opts.devices {
+    let (mut out, found): (Vec<VerbsOptions>, _) = match &opts.devices {
         Some(list) => {
             (list.iter().map(|s| one(s.name.clone(), s.port.unwrap_or(opts.port), s.gid_index.or(opts.gid_index))).collect(), None)
         }
         None => {
-            let mut found = probe(opts)?;
-            found.sort_by(|a, b| a.name.cmp(&b.name).then(a.port.cmp(&b.port)));
-            let mut out: Vec<VerbsOptions> = Vec::new();
-            for d in found.iter().filter(|d| usable(d) && d.port == u32::from(opts.port)) {
-                if !out.iter().any(|o| o.device.as_deref() == Some(d.name.as_str())) {
-                    out.push(one(d.name.clone(), opts.port, opts.gid_index));
-                }
-            }
-            if out.is_empty() {
+            let found = probe(opts)?;
+            let pick = select::auto_pick(&found, u32::from(opts.port));
+            if pick.devices.is_empty() {
                 let seen: Vec<String> = found.iter().map(|d| format!("{} port {} {}", d.name, d.port, d.state)).collect();
                 return Err(FabricError::NoDevice(if seen.is_empty() {
                     "no RDMA devices (is ib_uverbs loaded and /dev/infiniband visible?)".into()
                 } else {
-                    format!("no RDMA device with an ACTIVE port {} and a usable GID ({})", opts.port, seen.join(", "))
+                    format!("no RDMA device with a usable port {} ({})", opts.port, seen.join(", "))
                 }));
             }
-            (out, Some(found))
+            if !pick.left_out.is_empty() {
+                tracing::info!(left_out = ?pick.left_out, "verbs.devices = auto: ports left out");
+            }
+            if !pick.later.is_empty() {
+                tracing::warn!(devices = ?pick.later, "verbs.devices = auto: ports not ACTIVE at start, used once they are");
+            }
+            (pick.devices.into_iter().map(|name| one(name, opts.port, opts.gid_index)).collect(), Some(found))
         }
     };
     // The agent's address is on one device at most: the others pick their GID without it, as
@@ -183,15 +190,22 @@ pub fn open_fabric_with_fallback(
 ) -> Result<Arc<dyn Fabric>, FabricError> {
     let expected = opts.expected_shape;
     let mut per_device = resolve_devices(&opts)?;
-    if per_device.len() == 1 && fallback.is_none() {
+    let mut f = if per_device.len() == 1 && fallback.is_none() {
         let Some(one) = per_device.pop() else { return Err(FabricError::NoDevice("no device resolved".into())) };
-        let f = VerbsFabric::open(one)?.with_markers(markers);
-        if let Some((qps, depth)) = expected {
-            f.prebuild(qps, depth);
+        let f = VerbsFabric::open(one)?;
+        if f.device().view().active {
+            let f = f.with_markers(markers);
+            if let Some((qps, depth)) = expected {
+                f.prebuild(qps, depth);
+            }
+            return Ok(Arc::new(f));
         }
-        return Ok(Arc::new(f));
-    }
-    let mut f = RailsFabric::open(per_device, markers)?;
+        // A plain device fabric does not follow its port's state: one that is not ACTIVE yet
+        // is carried by the fabric over devices, which offers it once it is.
+        RailsFabric::over(vec![f], markers)
+    } else {
+        RailsFabric::open(per_device, markers)?
+    };
     if let Some(tcp) = fallback {
         f = f.with_fallback(tcp);
     }

@@ -86,8 +86,8 @@ pub const MAX_PREBUILT: usize = 16;
 pub struct VerbsOptions {
     /// One device by name (`mlx5_0`, `rxe0`, `verbs.device`); `None` = as `devices` says.
     pub device: Option<String>,
-    /// The devices to use (`verbs.devices`); `None` = every device with an ACTIVE port and a
-    /// usable GID (`auto`). Refused together with `device`.
+    /// The devices to use (`verbs.devices`); `None` = every device whose port is usable now or
+    /// once its link is up (`auto`, see `select::auto_pick`). Refused together with `device`.
     pub devices: Option<Vec<DeviceSpec>>,
     /// Port number (1-based).
     pub port: u8,

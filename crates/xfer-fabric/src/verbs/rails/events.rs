@@ -74,6 +74,17 @@ pub(crate) fn up_after(ev: &AsyncEvent, port: u8) -> Option<bool> {
     }
 }
 
+/// `ibv_event_type` IBV_EVENT_LID_CHANGE and IBV_EVENT_GID_CHANGE.
+const LID_CHANGE: u32 = 11;
+const GID_CHANGE: u32 = 18;
+
+/// Whether an event may change what the port's facts read (its LID or GID table), on any port
+/// of the device (a GID change does not name its port): a device whose facts are not settled
+/// reads them again.
+pub(crate) fn facts_may_change(ev: &AsyncEvent) -> bool {
+    matches!(*ev, AsyncEvent::Other { code: LID_CHANGE | GID_CHANGE })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +97,14 @@ mod tests {
         assert_eq!(up_after(&AsyncEvent::DeviceFatal, 1), Some(false));
         assert_eq!(up_after(&AsyncEvent::QpFatal { qpn: 9, code: 1 }, 1), None);
         assert_eq!(label(&AsyncEvent::Other { code: 18 }), "other");
+    }
+
+    #[test]
+    fn lid_and_gid_changes_may_change_the_ports_facts_and_nothing_else_does() {
+        assert!(facts_may_change(&AsyncEvent::Other { code: 18 }));
+        assert!(facts_may_change(&AsyncEvent::Other { code: 11 }));
+        assert!(!facts_may_change(&AsyncEvent::Other { code: 12 }));
+        assert!(!facts_may_change(&AsyncEvent::PortErr { port: 1 }));
+        assert!(!facts_may_change(&AsyncEvent::QpFatal { qpn: 1, code: 18 }));
     }
 }

@@ -68,9 +68,30 @@ impl RailDevice {
         query_port(&dev.ctx, dev.port).is_ok_and(|f| f.state == PORT_ACTIVE)
     }
 
-    /// Whether the device is up: not reported down, and its port ACTIVE now.
+    /// Whether the device is up: not reported down, its port ACTIVE now, and its port's facts
+    /// read while ACTIVE. A device opened with its port down reads them here until they are
+    /// settled, not only on its port's events: the event may be handled after the port is
+    /// ACTIVE, or before its IPv4 GID is back, and the events thread may be missing.
     pub fn up(&self) -> bool {
-        self.up.load(Ordering::Acquire) && self.port_active()
+        self.up.load(Ordering::Acquire) && self.port_active() && (self.fabric.device().view().settled || self.refresh())
+    }
+
+    /// Reads the port's facts again (see `Device::refresh`); a change is announced like a state
+    /// change, so idle connections built on the old facts are replaced. Whether the facts kept
+    /// (new, or the last ones if reading failed) are usable.
+    fn refresh(&self) -> bool {
+        match self.fabric.device().refresh() {
+            Ok((view, changed)) => {
+                if changed {
+                    self.changes.send_modify(|n| *n += 1);
+                }
+                view.active
+            }
+            Err(e) => {
+                tracing::debug!(device = %self.name(), error = %e, "the device's port facts are not usable yet");
+                self.fabric.device().view().active
+            }
+        }
     }
 
     /// Whether new connections may use this device: up, and not held back.
@@ -93,11 +114,22 @@ impl RailDevice {
     fn on_event(&self, ev: events::AsyncEvent) {
         let name = self.name();
         crate::metrics::device_event(name, events::label(&ev));
-        match events::up_after(&ev, self.fabric.device().port) {
+        let port = self.fabric.device().port;
+        // A device that came up after start reads its facts (GID, LID, MTU) on its port's
+        // events until they are settled; one whose facts were read up at start keeps them, as a
+        // GID read while the port comes back might not be the one it had yet.
+        if (events::up_after(&ev, port) == Some(true) || events::facts_may_change(&ev)) && !self.fabric.device().view().settled {
+            self.refresh();
+        }
+        match events::up_after(&ev, port) {
             Some(true) => {
                 self.up.store(true, Ordering::Release);
                 crate::metrics::device_port_up(name, true);
-                tracing::info!(device = %name, "RDMA port is ACTIVE again: offered to new connections");
+                if self.fabric.device().view().active {
+                    tracing::info!(device = %name, "RDMA port is ACTIVE: offered to new connections");
+                } else {
+                    tracing::warn!(device = %name, "RDMA port is ACTIVE but has no usable GID yet: offered once it has one");
+                }
             }
             Some(false) => {
                 self.up.store(false, Ordering::Release);
@@ -121,7 +153,8 @@ impl RailDevice {
     /// What the peer matches this device by.
     pub fn facts(&self) -> reach::RailFacts {
         let d = self.fabric.device();
-        reach::RailFacts { device: d.name.clone(), link_layer: d.link_layer.clone(), gid: d.gid, ipv4_prefix: d.ipv4_prefix }
+        let v = d.view();
+        reach::RailFacts { device: d.name.clone(), link_layer: v.link_layer, gid: v.gid, ipv4_prefix: v.ipv4_prefix }
     }
 }
 
@@ -150,12 +183,20 @@ impl RailsFabric {
         if per_device.is_empty() {
             return Err(FabricError::NoDevice("no devices to open".into()));
         }
-        let mut devices = Vec::with_capacity(per_device.len());
+        let opened = per_device.into_iter().map(VerbsFabric::open).collect::<Result<Vec<_>, _>>()?;
+        Ok(RailsFabric::over(opened, markers))
+    }
+
+    /// A fabric over `opened` (one or more devices, just opened: nothing built on them yet), all
+    /// reporting markers to `markers`. A device whose port is not ACTIVE yet is opened all the
+    /// same and offered once it is.
+    pub(crate) fn over(opened: Vec<VerbsFabric>, markers: Arc<dyn crate::MarkerSink>) -> RailsFabric {
+        let mut devices = Vec::with_capacity(opened.len());
         let changes = Arc::new(tokio::sync::watch::Sender::new(0));
         // `xfer_prebuilt_qps` is the node's: every device's pool adds to one total.
         let prebuilt = Arc::new(crate::metrics::PrebuiltTotal::default());
-        for o in per_device {
-            let fabric = VerbsFabric::open(o)?.with_markers(Arc::clone(&markers)).with_prebuilt_total(Arc::clone(&prebuilt));
+        for f in opened {
+            let fabric = f.with_markers(Arc::clone(&markers)).with_prebuilt_total(Arc::clone(&prebuilt));
             devices.push(Arc::new(RailDevice {
                 fabric,
                 up: AtomicBool::new(true),
@@ -166,7 +207,10 @@ impl RailsFabric {
         }
         let mut threads = Vec::with_capacity(devices.len());
         for d in &devices {
-            crate::metrics::device_port_up(d.name(), d.port_active());
+            crate::metrics::device_port_up(d.name(), d.up());
+            if !d.fabric.device().view().active {
+                tracing::warn!(device = %d.name(), "RDMA device's port is not ACTIVE at start: offered to new connections once it is");
+            }
             let weak = Arc::downgrade(d);
             let on_event = move |ev| {
                 if let Some(d) = weak.upgrade() {
@@ -180,7 +224,7 @@ impl RailsFabric {
                 Err(e) => tracing::warn!(device = %d.name(), error = %e, "cannot watch the device's asynchronous events"),
             }
         }
-        Ok(RailsFabric { devices: devices.into(), accepted: Arc::default(), _events: threads, changes, fallback: None })
+        RailsFabric { devices: devices.into(), accepted: Arc::default(), _events: threads, changes, fallback: None }
     }
 
     /// Carries `tcp` (the agent's tcp fabric, serving its data listener) as every connection's
