@@ -531,3 +531,6 @@ pub fn failure_of(fault: Fault) -> Failure {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod verify_tests;
