@@ -14,7 +14,7 @@ use super::phase::{bandwidth_segs, bench_buffer, bench_wr, grant_ask, shape, wr_
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peers::PeerEntry;
-use crate::transfer::job::{Job, LatencyProbe};
+use crate::transfer::job::{qp_map, Job, LatencyProbe};
 use xfer_engine::batch::Seg;
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
 
@@ -49,7 +49,7 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     let (piece, segs) = bandwidth_segs(node, p, iters);
     let mut held = node.acquire_exempt(peer, &ask, qps, depth).await?;
     let (lease, grant) = held.take_parts()?;
-    let (qps, path_of) = lease.job_paths();
+    let (qps, path_of) = (lease.qps(), qp_map(&lease.conn().paths(), lease.qps()));
     let machine = Machine::new(MachineConfig {
         segs,
         markers: Markers::None,

@@ -5,7 +5,7 @@
 //!
 //! A channel runs its batches one after another, each through the transfer [`Machine`] on the
 //! held connection (its WRs spread over the connection's QPs, doorbells batched), placed over
-//! the connection's paths as a transfer is ([`super::paths::PathBook::job`]). A bad batch
+//! the connection's paths as a transfer is ([`super::paths::PathBook::plan`]). A bad batch
 //! (segments outside the channel's range, a bad list, a tag too long) is answered before any
 //! byte moves and the channel goes on; a batch that fails on the fabric ends the channel (the
 //! connection is in error, and the grant is revoked). The grant stays scoped: its range, its
@@ -221,7 +221,7 @@ impl Node {
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
         let (grant, qps) = match (held.grant.as_ref(), held.lease.as_ref()) {
-            (Some(g), Some(l)) => (g.info.clone(), l.job_paths().0),
+            (Some(g), Some(l)) => (g.info.clone(), l.qps()),
             _ => return Err(NodeError::Internal("channel accepted without a connection and a grant".into())),
         };
         if p.notify && grant.notify_slot & xfer_engine::notes::CHANNEL_BIT == 0 {
@@ -445,17 +445,17 @@ impl Channel {
         let peer = self.held.peer.addr.clone();
         // Placed as a transfer's data phase is: by the local region's NUMA node, the devices'
         // speeds, the paths' measured rates, health and load.
-        let paths = self.node.initiator.paths.job(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
+        let plan = self.node.initiator.paths.plan(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
         let machine = Machine::new(MachineConfig {
             segs,
             chunk: self.chunk,
-            qps: paths.qps,
+            qps: lease.qps(),
             depth: self.depth,
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
-            path_of: paths.path_of,
-            weights: paths.weights,
+            path_of: plan.path_of.clone(),
+            weights: plan.weights.clone(),
         });
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
@@ -467,9 +467,7 @@ impl Channel {
             Ok(d) => d,
             Err(e) => return (BatchOutcome::refused(seq, "INTERNAL", e.to_string()), Some(e)),
         };
-        if let Some(plan) = &paths.plan {
-            self.node.initiator.paths.learn(&peer, done.lease.conn().as_ref(), plan, &done.machine, ran.elapsed());
-        }
+        self.node.initiator.paths.learn(&peer, done.lease.conn().as_ref(), &plan, &done.machine, ran.elapsed());
         self.held.lease = Some(done.lease);
         let machine = done.machine;
         let prep = done.first_post.map_or(0.0, |t| (t - t0).as_nanos() as f64 / count.max(1) as f64);

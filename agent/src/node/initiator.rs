@@ -212,9 +212,9 @@ impl Node {
                 Some(Command::Refuse(e)) => return Err(e),
                 Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
                     Ok(l) => {
-                        let (qps, _) = l.job_paths();
+                        let qps = l.qps();
                         // A plan of an earlier, stale connection is dropped here: its charge goes back.
-                        let plan = self.initiator.paths.plan_job(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                        let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
                         s.set_paths(plan.path_of.clone(), plan.weights.clone());
                         held.paths = Some(plan);
                         let ev = Event::Leased { qps, reused: l.reused() };
@@ -230,7 +230,7 @@ impl Node {
                     let peer = held.peer.clone();
                     let cid = lease.connection_id().clone();
                     // A notification waits for one marker per QP of this connection.
-                    let qps = lease.job_paths().0;
+                    let qps = lease.qps();
                     let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
                     let conn = lease.conn();
                     // The key is the peer's answer: one that cannot serve every QP of this

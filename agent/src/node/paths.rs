@@ -8,7 +8,7 @@
 //! The policy is pure; this module only gathers its inputs and learns from each job's outcome.
 //! A standby path (`PathInfo::standby`: the tcp fallback) is never placed: weight 0 always.
 //!
-//! Transfers and channel batches are placed alike ([`PathBook::plan_job`]). Benchmarks are not:
+//! Transfers and channel batches, READs and WRITEs, are placed alike ([`PathBook::plan`]). Benchmarks are not:
 //! they drive every path at equal weight (or one path alone, `per_path`), because their figures
 //! are what placement is judged against: weights learnt from earlier jobs would make them depend
 //! on the agent's history, and their buffer is scratch memory whose NUMA node says nothing about
@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::transfer::job::{job_paths, qp_map};
+use crate::transfer::job::qp_map;
 use xfer_engine::machine::Machine;
 use xfer_engine::paths::{Backoff, PathHealth, Rate};
 use xfer_engine::placement::{place, DeviceFacts, PathView};
@@ -71,16 +71,6 @@ impl Drop for Charge {
     }
 }
 
-/// The QPs, QP → path map and weights of one job, and the plan they come from.
-pub struct JobPaths {
-    pub qps: usize,
-    pub path_of: Arc<[usize]>,
-    pub weights: Vec<u32>,
-    /// To learn from once the job ran (dropping it gives its charge back); `None`: nothing was
-    /// placed (a READ).
-    pub plan: Option<PathPlan>,
-}
-
 /// Path rates and device load, shared by every job of this agent.
 pub struct PathBook {
     /// This agent's devices as the placement policy sees them (NUMA node, nominal speed).
@@ -103,20 +93,6 @@ impl PathBook {
     pub fn new(devices: &[DeviceInfo]) -> PathBook {
         let devices = devices.iter().map(|d| DeviceFacts { name: d.name.clone(), numa: d.numa_node, speed_mbps: d.speed_mbps }).collect();
         PathBook { devices, state: Arc::default() }
-    }
-
-    /// The plan of a job (a transfer's data phase or a channel batch, a READ or a WRITE) that
-    /// moves `bytes` over `conn` to `peer`, from or to memory on NUMA node `region_numa`.
-    pub fn plan_job(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> PathPlan {
-        self.plan(peer, conn, region_numa, bytes)
-    }
-
-    /// The QPs, paths and weights of a job that builds its own machine (a channel batch): those
-    /// of [`job_paths`] placed by [`PathBook::plan_job`].
-    pub fn job(&self, peer: &str, conn: &dyn Connection, region_numa: Option<u32>, bytes: u64) -> JobPaths {
-        let (qps, _) = job_paths(conn);
-        let plan = self.plan_job(peer, conn, region_numa, bytes);
-        JobPaths { qps, path_of: plan.path_of.clone(), weights: plan.weights.clone(), plan: Some(plan) }
     }
 
     /// The plan for a job of `bytes` over `conn` to `peer`, from memory on NUMA node
@@ -232,18 +208,15 @@ mod tests {
     use xfer_engine::status::WcStatus;
     use xfer_fabric::{Connection, DeviceInfo, FabricError, PathInfo, WorkRequest};
 
-    /// Two paths of two QPs each, rxe0→rxe1 and rxe2→rxe3; nothing is ever posted.
-    struct TwoPaths;
+    /// A connection of these paths, its QPs the paths' ranges; nothing is ever posted.
+    pub(super) struct Paths(pub(super) Vec<PathInfo>);
 
-    impl Connection for TwoPaths {
+    impl Connection for Paths {
         fn qps(&self) -> usize {
-            4
+            self.0.iter().map(|p| p.qps.end).max().unwrap_or(0)
         }
         fn paths(&self) -> Vec<PathInfo> {
-            vec![
-                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..2, standby: false, mtu: 0 },
-                PathInfo { local_device: "rxe2".into(), remote_device: "rxe3".into(), qps: 2..4, standby: false, mtu: 0 },
-            ]
+            self.0.clone()
         }
         fn post(&self, _qp: usize, _wr: WorkRequest) -> Result<(), FabricError> {
             Err(FabricError::QpBroken)
@@ -254,13 +227,23 @@ mod tests {
         fn close(&self) {}
     }
 
+    /// A path `local` → `remote` over QPs `qps`.
+    pub(super) fn path(local: &str, remote: &str, qps: std::ops::Range<usize>, standby: bool) -> PathInfo {
+        PathInfo { local_device: local.into(), remote_device: remote.into(), qps, standby, mtu: 0 }
+    }
+
+    /// Two paths of two QPs each, rxe0→rxe1 and rxe2→rxe3.
+    fn two_paths() -> Paths {
+        Paths(vec![path("rxe0", "rxe1", 0..2, false), path("rxe2", "rxe3", 2..4, false)])
+    }
+
     fn book() -> PathBook {
         PathBook::new(&[DeviceInfo { name: "rxe0".into(), ..Default::default() }, DeviceInfo { name: "rxe2".into(), ..Default::default() }])
     }
 
     /// Runs a machine of `bytes` over the plan's paths; `kill` fails path 1's first completion.
     fn run(book: &PathBook, bytes: u64, kill: bool) -> Machine {
-        let plan = book.plan("peer", &TwoPaths, None, bytes);
+        let plan = book.plan("peer", &two_paths(), None, bytes);
         let mut m = Machine::new(MachineConfig {
             segs: Arc::from([Seg { local: 0, remote: 0, len: bytes }]),
             chunk: 1 << 20,
@@ -282,44 +265,44 @@ mod tests {
                 m.handle_completion(p.qp, p.seq, if fail { WcStatus::RetryExcErr } else { WcStatus::Success });
             }
         }
-        book.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(100));
+        book.learn("peer", &two_paths(), &plan, &m, Duration::from_millis(100));
         m
     }
 
     #[test]
     fn both_paths_carry_a_large_job_and_a_lost_one_waits_as_a_standby() {
         let b = book();
-        let plan = b.plan("peer", &TwoPaths, None, 64 << 20);
+        let plan = b.plan("peer", &two_paths(), None, 64 << 20);
         assert_eq!(&plan.path_of[..], &[0, 0, 1, 1]);
         assert!(plan.weights.iter().all(|&w| w > 0), "both paths chosen: {:?}", plan.weights);
-        b.learn("peer", &TwoPaths, &plan, &run(&b, 0, false), Duration::ZERO);
+        b.learn("peer", &two_paths(), &plan, &run(&b, 0, false), Duration::ZERO);
 
         let m = run(&b, LEARN_MIN_BYTES, true);
         assert_eq!(m.bytes_done(), LEARN_MIN_BYTES, "the job completed on the path left");
         assert!(!m.path_is_up(1));
         // The lost path is in its back-off: a standby (weight 0) for the next job, never chosen.
-        let next = b.plan("peer", &TwoPaths, None, 64 << 20);
+        let next = b.plan("peer", &two_paths(), None, 64 << 20);
         assert!(next.weights[0] > 0 && next.weights[1] == 0, "{:?}", next.weights);
         // Another peer's paths over the same devices are not held against it.
-        let other = b.plan("other", &TwoPaths, None, 64 << 20);
+        let other = b.plan("other", &two_paths(), None, 64 << 20);
         assert!(other.weights.iter().all(|&w| w > 0), "{:?}", other.weights);
     }
 
     #[test]
     fn in_flight_bytes_are_charged_per_device_and_given_back() {
         let b = book();
-        let plan = b.plan("peer", &TwoPaths, None, 1 << 30);
+        let plan = b.plan("peer", &two_paths(), None, 1 << 30);
         let charged: u64 = b.state.lock().unwrap().in_flight.values().sum();
         assert!(charged > (1 << 30) - 2 && charged <= 1 << 30, "{charged}");
         let m = run(&b, 1 << 20, false);
-        b.learn("peer", &TwoPaths, &plan, &m, Duration::from_millis(10));
+        b.learn("peer", &two_paths(), &plan, &m, Duration::from_millis(10));
         assert_eq!(b.state.lock().unwrap().in_flight.values().sum::<u64>(), 0);
     }
 
     #[test]
     fn a_plan_dropped_without_learning_gives_its_charge_back() {
         let b = book();
-        let plan = b.plan("peer", &TwoPaths, None, 1 << 30);
+        let plan = b.plan("peer", &two_paths(), None, 1 << 30);
         assert!(b.state.lock().unwrap().in_flight.values().sum::<u64>() > 0);
         // The job never ran (its driver refused it, or the transfer failed before its data).
         drop(plan);
@@ -333,46 +316,31 @@ mod tests {
         PathBook::new(&[dev("rxe0", 0), dev("rxe2", 1)])
     }
 
-    /// A channel batch's paths (`PathBook::job`) are placed as a transfer's are: a small batch
-    /// goes to the device on its memory's NUMA node alone, a large one spreads over both.
+    /// A channel batch's paths (`PathBook::plan`, as a transfer's) are placed by its memory's
+    /// NUMA node: a small batch goes to the device on that node alone, a large one spreads over
+    /// both.
     #[test]
     fn a_batch_is_placed_by_its_regions_numa_node() {
         let b = two_sockets();
-        let on_1 = b.job("peer", &TwoPaths, Some(1), 1 << 20);
-        assert_eq!((on_1.qps, &on_1.path_of[..]), (4, &[0, 0, 1, 1][..]));
+        let on_1 = b.plan("peer", &two_paths(), Some(1), 1 << 20);
+        assert_eq!(&on_1.path_of[..], &[0, 0, 1, 1][..]);
         assert!(on_1.weights[0] == 0 && on_1.weights[1] > 0, "memory on node 1: rxe2 alone: {:?}", on_1.weights);
-        let on_0 = b.job("peer", &TwoPaths, Some(0), 1 << 20);
+        let on_0 = b.plan("peer", &two_paths(), Some(0), 1 << 20);
         assert!(on_0.weights[0] > 0 && on_0.weights[1] == 0, "memory on node 0: rxe0 alone: {:?}", on_0.weights);
-        let big = b.job("peer", &TwoPaths, Some(1), 8 << 30);
+        let big = b.plan("peer", &two_paths(), Some(1), 8 << 30);
         assert!(big.weights.iter().all(|&w| w > 0), "8 GiB spills to the other socket: {:?}", big.weights);
-        assert!(on_1.plan.is_some() && big.plan.is_some());
     }
 }
 
 /// A standby path (the tcp fallback) beside RDMA paths.
 #[cfg(test)]
 mod standby_tests {
+    use super::tests::{path, Paths};
     use super::*;
-    use xfer_fabric::{FabricError, PathInfo, WorkRequest};
 
     /// A connection of two RDMA paths of one QP each, and a tcp standby of two.
-    struct TwoRailsAndTcp;
-
-    impl Connection for TwoRailsAndTcp {
-        fn qps(&self) -> usize {
-            4
-        }
-        fn paths(&self) -> Vec<PathInfo> {
-            let p = |l: &str, r: &str, qps, standby| PathInfo { local_device: l.into(), remote_device: r.into(), qps, standby, mtu: 0 };
-            vec![p("rxe0", "rxe1", 0..1, false), p("rxe2", "rxe3", 1..2, false), p("tcp", "tcp", 2..4, true)]
-        }
-        fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {
-            Err(FabricError::QpBroken)
-        }
-        fn is_broken(&self) -> bool {
-            false
-        }
-        fn close(&self) {}
+    fn two_rails_and_tcp() -> Paths {
+        Paths(vec![path("rxe0", "rxe1", 0..1, false), path("rxe2", "rxe3", 1..2, false), path("tcp", "tcp", 2..4, true)])
     }
 
     fn device(name: &str) -> DeviceInfo {
@@ -382,7 +350,7 @@ mod standby_tests {
     #[test]
     fn a_standby_path_gets_weight_zero_and_the_rdma_paths_share_the_job() {
         let book = PathBook::new(&[device("rxe0"), device("rxe2")]);
-        let plan = book.plan("peer", &TwoRailsAndTcp, None, 1 << 30);
+        let plan = book.plan("peer", &two_rails_and_tcp(), None, 1 << 30);
         assert_eq!(plan.weights.len(), 3);
         assert_eq!(plan.weights[2], 0, "the tcp fallback is never given a weight");
         assert!(plan.weights[0] > 0 && plan.weights[1] > 0, "{:?}", plan.weights);
@@ -402,35 +370,15 @@ mod standby_tests {
                 st.health.entry(key).or_insert_with(|| PathHealth::new(Backoff::default())).down(now);
             }
         }
-        let plan = book.plan("peer", &TwoRailsAndTcp, None, 1 << 20);
+        let plan = book.plan("peer", &two_rails_and_tcp(), None, 1 << 20);
         assert_eq!(plan.weights, vec![1, 1, 0]);
     }
 
     /// One RDMA path and the standby: the RDMA path takes everything.
-    struct OneRailAndTcp;
-
-    impl Connection for OneRailAndTcp {
-        fn qps(&self) -> usize {
-            2
-        }
-        fn paths(&self) -> Vec<PathInfo> {
-            vec![
-                PathInfo { local_device: "rxe0".into(), remote_device: "rxe1".into(), qps: 0..1, standby: false, mtu: 0 },
-                PathInfo { local_device: "tcp".into(), remote_device: "tcp".into(), qps: 1..2, standby: true, mtu: 0 },
-            ]
-        }
-        fn post(&self, _: usize, _: WorkRequest) -> Result<(), FabricError> {
-            Err(FabricError::QpBroken)
-        }
-        fn is_broken(&self) -> bool {
-            false
-        }
-        fn close(&self) {}
-    }
-
     #[test]
     fn one_rdma_path_and_a_standby_weigh_one_and_zero() {
-        let plan = PathBook::new(&[device("rxe0")]).plan("peer", &OneRailAndTcp, None, 1 << 20);
+        let one = Paths(vec![path("rxe0", "rxe1", 0..1, false), path("tcp", "tcp", 1..2, true)]);
+        let plan = PathBook::new(&[device("rxe0")]).plan("peer", &one, None, 1 << 20);
         assert_eq!(plan.weights, vec![1, 0]);
     }
 }

@@ -161,11 +161,6 @@ impl Lease {
         self.inner().conn.qps()
     }
 
-    /// The QPs a job uses and their paths (QP → path): every path's.
-    pub fn job_paths(&self) -> (usize, std::sync::Arc<[usize]>) {
-        crate::transfer::job::job_paths(self.inner().conn.as_ref())
-    }
-
     /// The peer's instance id when the connection was negotiated.
     pub fn instance_id(&self) -> &str {
         &self.inner().instance_id

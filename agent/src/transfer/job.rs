@@ -175,12 +175,6 @@ pub fn fell_back(machine: &Machine, conn: &dyn Connection) -> bool {
     conn.paths().iter().zip(machine.path_bytes()).any(|(p, &bytes)| p.standby && bytes > 0)
 }
 
-/// The QPs a job over `conn` uses and their paths (QP → path): every QP of every path, for a
-/// WRITE and a READ alike.
-pub fn job_paths(conn: &dyn Connection) -> (usize, Arc<[usize]>) {
-    (conn.qps(), qp_map(&conn.paths(), conn.qps()))
-}
-
 /// QP index → path index, from the paths' QP ranges (a QP no range covers goes to path 0).
 pub fn qp_map(paths: &[PathInfo], qps: usize) -> Arc<[usize]> {
     let mut map = vec![0usize; qps];

@@ -118,10 +118,11 @@ impl RailDevice {
         // A device that came up after start reads its facts (GID, LID, MTU) on its port's
         // events until they are settled; one whose facts were read up at start keeps them, as a
         // GID read while the port comes back might not be the one it had yet.
-        if (events::up_after(&ev, port) == Some(true) || events::facts_may_change(&ev)) && !self.fabric.device().view().settled {
+        let after = events::up_after(&ev, port);
+        if (after == Some(true) || events::facts_may_change(&ev)) && !self.fabric.device().view().settled {
             self.refresh();
         }
-        match events::up_after(&ev, port) {
+        match after {
             Some(true) => {
                 self.up.store(true, Ordering::Release);
                 crate::metrics::device_port_up(name, true);
