@@ -60,6 +60,9 @@ pub struct CompleteParams {
     pub op_write: bool,
     pub node_name: String,
     pub checksum: Option<(Algo, u64)>,
+    /// What the checksum covers at the target, in order (offset from the grant's start,
+    /// length): a batch's destination segments. Empty: the first `bytes` of the grant.
+    pub spans: Vec<(u64, u64)>,
     pub success: bool,
 }
 

@@ -48,7 +48,7 @@ use initiator::Initiator;
 use lifetime::Regions;
 pub use lifetime::StateCounts;
 use responder::Responder;
-pub use responder::{GrantParams, NotifyAsk};
+pub use responder::{GrantParams, InboundEnd, NotifyAsk};
 pub use scratch::BENCH_REGION_TTL;
 
 /// The agent's core, composed of parts that own their state — [`Regions`] (the registry, the

@@ -12,6 +12,7 @@ use super::convert::{
     op_from_pb, peer_connect_from_pb, peer_connect_to_pb, require, sink_to_pb, transfer_status,
 };
 use super::{caller_of, Services};
+use crate::node::InboundEnd;
 use crate::transfer::Op;
 use xfer_engine::ids::{ConnectionId, TransferId};
 
@@ -60,8 +61,12 @@ impl Peer for Services {
         let transfer_id = TransferId::parse(&r.transfer_id).map_err(|e| invalid(e.to_string()))?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
         let op_write = op_from_pb(r.op)? == Op::Write;
-        let verdict =
-            self.node.complete_inbound(&transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum).await.map_err(transfer_status)?;
+        let spans: Vec<(u64, u64)> = r.spans.iter().map(|s| (s.offset, s.length)).collect();
+        let verdict = self
+            .node
+            .complete_inbound(&transfer_id, &r.grant_id, &peer, InboundEnd { bytes: r.bytes, op_write, checksum, spans: &spans })
+            .await
+            .map_err(transfer_status)?;
         Ok(Response::new(complete_to_pb(verdict)))
     }
 

@@ -118,6 +118,7 @@ pub fn complete_request_to_pb(p: CompleteParams) -> pb::CompleteRequest {
         checksum,
         algo: algo as i32,
         success: p.success,
+        spans: p.spans.into_iter().map(|(offset, length)| pb::GrantSpan { offset, length }).collect(),
     }
 }
 
