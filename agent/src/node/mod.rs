@@ -40,6 +40,7 @@ mod paths;
 mod responder;
 mod scratch;
 mod shares;
+mod verify;
 
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 pub use held::Held;

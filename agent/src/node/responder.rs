@@ -408,7 +408,7 @@ impl Node {
         if checksum.is_some() && spans.is_empty() && bytes > g.len {
             return Err(NodeError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
         }
-        let ranges = checked_spans(spans, bytes, g.len)?.unwrap_or_else(|| vec![(0, bytes)]);
+        let ranges = super::verify::checked_spans(spans, bytes, g.len)?.unwrap_or_else(|| vec![(0, bytes)]);
         let verdict = match checksum {
             Some((algo, expected)) => {
                 let mem = g.region.memory.clone();
@@ -490,37 +490,6 @@ pub struct InboundEnd<'a> {
     /// What the checksum covers, in order (offset from the grant's start, length); empty: the
     /// grant's first `bytes`.
     pub spans: &'a [(u64, u64)],
-}
-
-/// How many times over its grant a completion's spans may read (see [`checked_spans`]).
-const MAX_SPAN_PASSES: u64 = 4;
-
-/// A completion's spans, checked against its grant before any memory is read: each inside the
-/// grant (`offset + length <= grant_len`, no overflow), none empty, their lengths adding up to
-/// `bytes`. `None` when there are none (the checksum covers the grant's first `bytes`).
-fn checked_spans(spans: &[(u64, u64)], bytes: u64, grant_len: u64) -> Result<Option<Vec<(u64, u64)>>, NodeError> {
-    if spans.is_empty() {
-        return Ok(None);
-    }
-    let mut total = 0u64;
-    for (i, &(off, len)) in spans.iter().enumerate() {
-        let end = off.checked_add(len).filter(|&e| e <= grant_len && len > 0);
-        if end.is_none() {
-            return Err(NodeError::Invalid(format!("span {i}: {len} bytes at {off} are empty or outside the grant's {grant_len} bytes")));
-        }
-        total = total.saturating_add(len);
-    }
-    // A READ batch may read one block more than once, so the spans may add up to more than the
-    // grant; but the sum is work this agent does on a peer's word: bounded to a few passes.
-    if total > grant_len.saturating_mul(MAX_SPAN_PASSES) {
-        return Err(NodeError::Invalid(format!(
-            "spans add up to {total} bytes, more than {MAX_SPAN_PASSES} passes over the grant's {grant_len} bytes"
-        )));
-    }
-    if total != bytes {
-        return Err(NodeError::Invalid(format!("spans add up to {total} bytes, the completion says {bytes}")));
-    }
-    Ok(Some(spans.to_vec()))
 }
 
 #[cfg(test)]

@@ -209,6 +209,17 @@ bounded! {
         }
         Ok(())
     }
+    VerifyBatchRequest => |r, b| {
+        at_most("grant_id", r.grant_id.len(), MAX_ID)?;
+        if r.spans.len() > b.max_segments {
+            return Err(BoundError::TooMany(format!(
+                "spans: {} spans in one batch; this agent takes at most {} (transfer.max_segments)",
+                r.spans.len(),
+                b.max_segments
+            )));
+        }
+        Ok(())
+    }
     AnnounceRequest => |r, b| {
         at_most("grant_id", r.grant_id.len(), MAX_ID)?;
         tag("tag", Some(&r.tag), b)

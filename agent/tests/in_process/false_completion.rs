@@ -246,3 +246,54 @@ async fn a_batch_that_failed_over_honestly_is_verified_and_announced_once() {
         assert!(got == expected(), "{op:?}: the bytes that landed");
     }
 }
+
+/// Runs one batch of `batch(op)`'s segments on a channel from A to B; the batch's outcome.
+async fn channel_batch(a: &Node2, op: Op) -> xfer_agent::node::BatchOutcome {
+    use xfer_agent::node::{ChannelInput, ChannelOutput, ChannelParams};
+    let req = batch(op);
+    let params = ChannelParams {
+        op,
+        local_region: req.local_region.clone(),
+        remote_agent: req.remote_agent.clone(),
+        remote_region: req.remote_region.clone(),
+        remote_offset: 0,
+        length: 0,
+        options: req.options.clone(),
+        ttl: None,
+        notify: true,
+    };
+    let ch = a.node.open_channel(params).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let (out_tx, mut out) = tokio::sync::mpsc::channel(4);
+    let run = tokio::spawn(ch.run(rx, out_tx, tokio_util::sync::CancellationToken::new()));
+    tx.send(ChannelInput::Post { seq: 0, segments: req.segments, list: 0, notify: Some(b"batch-7".to_vec()) }).await.unwrap();
+    let Some(ChannelOutput::Done(outcome)) = out.recv().await else { panic!("no outcome") };
+    drop(tx);
+    run.await.unwrap();
+    outcome
+}
+
+/// A channel batch across the same lie: the batch fails CHECKSUM_MISMATCH and is never announced;
+/// across an honest failover it is verified and announced once (`Peer.VerifyBatch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_batch_is_verified_after_a_failover_and_announced_only_if_it_landed() {
+    for honest in [false, true] {
+        let (a, b) = pair(honest).await;
+        let mut notes = b.grants.hub().subscribe();
+        let outcome = channel_batch(&a, Op::Write).await;
+        let mut got = vec![0u8; LEN as usize];
+        b.node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
+        if honest {
+            assert!(outcome.ok, "{outcome:?}");
+            let n = notes.try_recv().expect("announced once every byte landed");
+            assert_eq!(n.tag, b"batch-7");
+            assert!(got == expected(), "the bytes that landed");
+        } else {
+            let (code, msg) = outcome.error.clone().expect("failed");
+            assert_eq!(code, "CHECKSUM_MISMATCH", "{outcome:?}");
+            assert!(msg.contains("failed over mid-batch"), "{msg}");
+            assert_eq!(got.iter().zip(expected()).filter(|(g, e)| **g != *e).count(), 4096, "the lie is real");
+        }
+        assert!(notes.try_recv().is_err(), "honest {honest}: announced again or announced a batch that did not land");
+    }
+}

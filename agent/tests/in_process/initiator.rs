@@ -141,6 +141,18 @@ impl PeerApi for LocalPeer {
         self.target.announce(grant_id, A, seq, tag.to_vec()).map_err(remote)
     }
 
+    async fn verify_batch(
+        &self,
+        grant_id: &xfer_engine::ids::GrantId,
+        seq: u64,
+        sum: (xfer_agent::checksum::Algo, u64),
+        spans: Vec<(u64, u64)>,
+        settle: bool,
+    ) -> Result<bool, PeerError> {
+        let (matched, _) = self.target.verify_batch(grant_id.as_str(), A, seq, sum, &spans, settle).await.map_err(remote)?;
+        Ok(matched)
+    }
+
     async fn disconnect(&self, connection_id: &ConnectionId, _node_name: &str) {
         self.target.disconnect(connection_id, A);
         self.gave_back.notify_one();
