@@ -39,5 +39,6 @@ mod security_redteam;
 mod sigbus;
 mod tenant_redteam;
 mod tls;
+mod tls_explained;
 mod unix_socket;
 mod unix_socket_redteam;

@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+mod security;
+pub use security::{rpc_denied, tls_handshake_failure, RPC_DENIED, TLS_HANDSHAKE_FAILURES};
+
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 // The data plane records these itself; their names and helpers live with it, described below.
@@ -250,6 +253,7 @@ pub fn describe() {
         Unit::Seconds,
         "From the first marker of a batch arriving to its notification being published (the spread of the batch's last WRs over its QPs, plus dispatch); via=complete when Peer.Complete published it."
     );
+    security::describe();
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
