@@ -28,6 +28,7 @@ mod host_safety;
 mod host_safety_redteam;
 mod inbound;
 mod limits;
+mod metrics_live;
 mod notify_redteam;
 mod peer_identity;
 mod prometheus;
