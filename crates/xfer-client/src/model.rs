@@ -318,8 +318,9 @@ pub struct TransferSpec {
     pub peer: String,
     pub remote_region: String,
     pub remote_offset: u64,
-    /// 0 = the rest of the source range (single ranges).
-    pub length: u64,
+    /// `None` = the rest of the source range (single ranges). `Some(0)` is refused by the agent
+    /// (INVALID_ARGUMENT): a zero-length copy is a mistake, not "everything".
+    pub length: Option<u64>,
     /// A batch; empty = one range.
     pub segments: Vec<Segment>,
     pub notify: Option<Vec<u8>>,
@@ -345,7 +346,7 @@ impl TransferSpec {
             peer: peer.into(),
             remote_region: remote.into(),
             remote_offset: 0,
-            length: 0,
+            length: None,
             segments: Vec::new(),
             notify: None,
             options: Options::default(),
@@ -354,7 +355,13 @@ impl TransferSpec {
 
     /// One range: `length` bytes from `local_offset` to `remote_offset`.
     pub fn range(mut self, local_offset: u64, remote_offset: u64, length: u64) -> TransferSpec {
-        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, length);
+        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, Some(length));
+        self
+    }
+
+    /// One range from `local_offset` to `remote_offset`, to the end of the source range.
+    pub fn at(mut self, local_offset: u64, remote_offset: u64) -> TransferSpec {
+        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, None);
         self
     }
 

@@ -171,7 +171,7 @@ async fn steps(opt: &Opt, bin: &Path, tmp: &Path, agents: &mut Vec<DemoAgent>, r
         ("read", "READ demo-b:demo-dst -> demo-a:demo-back (initiated by demo-a)", at(&b_addr, "demo-dst"), at(&a_addr, "demo-back"), true),
     ];
     for (step, what, src, dst, pull) in copies {
-        let plan = cp::plan(&src, &dst, &a_addr, size, pull, &Tuning::default(), &cp::Batch::default())?;
+        let plan = cp::plan(&src, &dst, &a_addr, Some(size), pull, &Tuning::default(), &cp::Batch::default())?;
         // Both copies are initiated by demo-a: the WRITE because it holds the source, the READ
         // because it holds the destination.
         let started = Instant::now();
