@@ -43,9 +43,19 @@ impl RegionRegistry {
         self.create_as(spec, Some(budget))
     }
 
-    pub(super) fn create_as(&self, spec: RegionSpec, scratch: Option<Reservation>) -> Result<Arc<Region>, RegionError> {
+    pub(super) fn create_as(&self, mut spec: RegionSpec, scratch: Option<Reservation>) -> Result<Arc<Region>, RegionError> {
         validate_name(&spec.name)?;
         crate::labels::check(&spec.labels).map_err(|e| RegionError::Invalid(e.to_string()))?;
+        let file_path = spec.path.clone().filter(|p| !p.is_empty() && spec.kind == RegionKind::File);
+        if spec.create_file && (file_path.is_none() || spec.length == 0) {
+            return Err(RegionError::Invalid(
+                "create_file applies to file regions with a path and a length (--kind file --path P --size SIZE)".into(),
+            ));
+        }
+        if let (Some(path), 0, false) = (&file_path, spec.length, spec.create_file) {
+            // The existing file says how long the region is.
+            spec.length = self.region_file_size(path, spec.access)?;
+        }
         if spec.length == 0 {
             return Err(RegionError::Invalid("region length must be greater than zero".into()));
         }
@@ -72,7 +82,17 @@ impl RegionRegistry {
         }
         // No lock from here to the insert: opening a file (even one on a hung NFS mount),
         // mapping and registering must not stall other creates, deletes or lookups.
-        let built = self.build(&spec, None).and_then(|mut region| {
+        // The file is created only once the name and the bytes are reserved, so a refused
+        // create leaves nothing behind; it is removed again if the region is not made after all.
+        let created = match file_path.filter(|_| spec.create_file) {
+            Some(path) => self.create_region_file(&path, spec.length).map(Some),
+            None => Ok(None),
+        };
+        let (created, built) = match created {
+            Err(e) => (None, Err(e)),
+            Ok(c) => (c, self.build(&spec, None)),
+        };
+        let built = built.and_then(|mut region| {
             if scratch.is_some() {
                 // Just built: no one else holds it yet.
                 let r = Arc::get_mut(&mut region).ok_or_else(|| RegionError::Invalid("scratch region shared while built".into()))?;
@@ -84,7 +104,15 @@ impl RegionRegistry {
             let mut st = self.lock();
             st.pending.remove(&spec.name);
             st.pending_scratch.remove(&spec.name);
-            let region = built?;
+            let region = match built {
+                Ok(r) => r,
+                Err(e) => {
+                    if let Some(c) = created {
+                        c.remove();
+                    }
+                    return Err(e);
+                }
+            };
             st.live.insert(region.name.clone(), region.clone());
             region
         };
@@ -93,6 +121,10 @@ impl RegionRegistry {
                 // Not in the catalog: undo, so the caller's error is the whole truth.
                 self.lock().live.remove(&region.name);
                 self.remove_created_object(&region);
+                drop(region);
+                if let Some(c) = created {
+                    c.remove();
+                }
                 self.update_gauges();
                 return Err(e);
             }

@@ -233,8 +233,12 @@ pub struct RegionSpec {
     /// A lease: the agent deletes the region this long after creating it.
     pub ttl: Option<Duration>,
     pub labels: BTreeMap<String, String>,
-    /// File regions: map a file that exists already (its bytes are kept) instead of refusing.
+    /// Shm regions: map an object that exists already (its bytes are kept) instead of refusing.
     pub adopt_existing: bool,
+    /// File regions: create the file (`length` zero bytes beneath the agent's file root; a file
+    /// already there is refused, never replaced). Without it the file must exist, and a
+    /// `length` of 0 takes the file's size.
+    pub create_file: bool,
 }
 
 impl RegionSpec {
@@ -243,7 +247,8 @@ impl RegionSpec {
         RegionSpec { name: name.into(), length, ..Default::default() }
     }
 
-    /// The file at `path` on the agent's node (created with `length` bytes, or adopted).
+    /// The existing file at `path` on the agent's node (`length` 0: the file's size); set
+    /// `create_file` to create it.
     pub fn file(name: &str, path: &str, length: u64) -> RegionSpec {
         RegionSpec { name: name.into(), length, kind: RegionKind::File, path: path.into(), ..Default::default() }
     }
