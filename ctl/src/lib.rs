@@ -158,7 +158,12 @@ pub fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let (code, line) = error::report(&err);
-            eprintln!("error: {}", view::terminal_safe(&line));
+            if ctx.json {
+                // A script that asked for JSON parses stderr too: one JSON object on one line.
+                eprintln!("{}", view::error_json(code, &line));
+            } else {
+                eprintln!("error: {}", view::terminal_safe(&line));
+            }
             ExitCode::from(code)
         }
     }

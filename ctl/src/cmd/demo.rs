@@ -83,7 +83,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
     result?;
     if ctx.json {
-        ctx.print_json(&json!({"ok": true, "size": opt.size, "steps": report.steps}))?;
+        ctx.print_json(&json!({"ok": true, "size": crate::view::u64s(opt.size), "steps": report.steps}))?;
     }
     Ok(())
 }
@@ -109,7 +109,7 @@ impl Report {
         self.line(&format!("{what}: {}", units::rate_summary(bytes, seconds)));
         self.steps.push(json!({
             "step": step,
-            "bytes": bytes,
+            "bytes": crate::view::u64s(bytes),
             "seconds": seconds,
             "gib_per_s": units::gib_per_s(bytes, seconds),
         }));

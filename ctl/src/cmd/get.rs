@@ -47,8 +47,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if ctx.json && !to_stdout {
         ctx.print_json(&serde_json::json!({
             "region": region,
-            "offset": offset,
-            "bytes": read,
+            "offset": crate::view::u64s(offset),
+            "bytes": crate::view::u64s(read),
             "seconds": secs,
             "gib_per_s": units::gib_per_s(read, secs),
         }))

@@ -47,8 +47,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if ctx.json {
         ctx.print_json(&serde_json::json!({
             "region": opt.dest.region,
-            "offset": opt.dest.offset,
-            "bytes": written,
+            "offset": crate::view::u64s(opt.dest.offset),
+            "bytes": crate::view::u64s(written),
             "seconds": secs,
             "gib_per_s": units::gib_per_s(written, secs),
         }))
