@@ -15,7 +15,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let n = xfer_common::parse_size(s)?;
     if let Some(unit) = decimal_unit(s) {
         if !WARNED_DECIMAL.swap(true, Ordering::Relaxed) {
-            eprintln!("warning: {s} uses the decimal unit {unit} ({n} bytes); write {}iB for a power of two", unit.trim_end_matches(['B', 'b']));
+            eprintln!(
+                "warning: {s} uses the decimal unit {unit} ({n} bytes); write {}iB for a power of two",
+                unit.trim_end_matches(['B', 'b'])
+            );
         }
     }
     Ok(n)

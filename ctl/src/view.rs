@@ -231,6 +231,7 @@ pub fn peer_json(p: &Peer) -> Value {
         "fabric": p.fabric.as_str(),
         "qps": p.qps,
         "state": p.state,
+        "error": (!p.error.is_empty()).then_some(&p.error),
         "connect_seconds": p.connect_duration.map(|d| d.as_secs_f64()),
     })
 }
@@ -499,7 +500,7 @@ pub fn peer_table(peers: &[Peer]) -> String {
             p.node_name.clone(),
             p.fabric.to_string(),
             p.qps.to_string(),
-            p.state.clone(),
+            if p.error.is_empty() { p.state.clone() } else { format!("{} ({})", p.state, p.error) },
             p.connect_duration.map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3)).unwrap_or_else(|| "-".into()),
         ]);
     }

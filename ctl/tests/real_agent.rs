@@ -183,7 +183,9 @@ fn running_transfer(a: &Agent) -> String {
         let o = a.ctl(&["--json", "transfer", "list"]);
         let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
         let list = v.as_array().unwrap();
-        if let Some(t) = list.iter().find(|t| t["state"] == "running" && t["bytes_done"].as_str().and_then(|b| b.parse::<u64>().ok()) > Some(0)) {
+        if let Some(t) =
+            list.iter().find(|t| t["state"] == "running" && t["bytes_done"].as_str().and_then(|b| b.parse::<u64>().ok()) > Some(0))
+        {
             return t["id"].as_str().unwrap().to_string();
         }
         assert!(list.iter().all(|t| t["state"] != "succeeded"), "the transfer finished before it was seen running: {v}");

@@ -170,7 +170,7 @@ impl RegionRegistry {
             usize::try_from(spec.length).map_err(|_| RegionError::Invalid(format!("length {} does not fit this machine", spec.length)))?;
         let opened = match spec.kind {
             RegionKind::Anonymous => {
-                let memory = RegionMemory::anonymous(len, spec.hugepages).map_err(io_err(format!("allocating {} bytes", spec.length)))?;
+                let memory = RegionMemory::anonymous(len, spec.hugepages).map_err(|e| allocation_error(e, spec))?;
                 Opened { memory, path: None, created_object: false, created_now: false }
             }
             RegionKind::File => {
@@ -260,5 +260,25 @@ impl RegionRegistry {
             _shares: spec.shares.clone(),
             scratch: None,
         }))
+    }
+}
+
+/// An anonymous allocation's failure. With huge pages, ENOMEM almost always means the host has
+/// none reserved (or too few free), and EINVAL a length that is not a multiple of their size or
+/// a kernel without them: each is the caller's (or the host's) to fix, so the error says how
+/// rather than reading as an internal one.
+fn allocation_error(e: std::io::Error, spec: &RegionSpec) -> RegionError {
+    let len = spec.length;
+    match (spec.hugepages, e.raw_os_error()) {
+        (true, Some(nix::libc::ENOMEM)) => RegionError::Unsupported(format!(
+            "no huge pages for {len} bytes: the host has too few free (HugePages_Free in /proc/meminfo); \
+             reserve them (sysctl vm.nr_hugepages=N, 2 MiB each on most hosts) or leave out --hugepages"
+        )),
+        (true, Some(nix::libc::EINVAL)) => RegionError::Unsupported(format!(
+            "huge pages refused for {len} bytes: the length must be a multiple of the huge page size \
+             (Hugepagesize in /proc/meminfo, 2 MiB on most hosts) and the kernel must have huge pages \
+             (HugePages_Total in /proc/meminfo); round --size up, reserve huge pages, or leave out --hugepages"
+        )),
+        _ => io_err(format!("allocating {len} bytes"))(e),
     }
 }

@@ -33,6 +33,10 @@ pub enum RegionError {
     Poisoned { name: String },
     #[error("limit reached: {0}")]
     Limit(String),
+    /// The host cannot give what was asked (huge pages none are reserved for): the message
+    /// says how to fix it.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error(transparent)]

@@ -269,6 +269,7 @@ impl Peer {
             node_name: p.node_name,
             qps: p.qps,
             state: p.state,
+            error: p.error,
         }
     }
 }

@@ -188,9 +188,11 @@ pub struct Peer {
     pub node_name: String,
     pub fabric: Fabric,
     pub qps: u32,
-    /// `CONNECTED`, `ERROR`, …
+    /// `NEW` (never answered), `CONNECTED`, or `FAILED` (its last call did not reach it).
     pub state: String,
     pub connect_duration: Option<Duration>,
+    /// `FAILED`: the last transport error.
+    pub error: String,
 }
 
 // ------------------------------------------------------------------------------------ regions

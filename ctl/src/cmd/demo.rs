@@ -41,7 +41,7 @@ pub struct Opt {
     /// The xfer-agent binary (default: next to xferctl, then on $PATH).
     #[arg(long, env = "XFER_AGENT_BIN", value_name = "PATH")]
     pub agent_bin: Option<PathBuf>,
-    /// Extra argument passed to both agents (repeatable), e.g. --agent-arg=--insecure.
+    /// Extra argument passed to both agents (repeatable), e.g. --agent-arg=--log-format=json.
     #[arg(long = "agent-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub agent_args: Vec<String>,
     /// How long to wait for each agent to answer GetInfo.
