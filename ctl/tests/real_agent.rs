@@ -111,19 +111,22 @@ fn cp_both_ways_watch_show_cancel_and_a_failed_transfer() {
     assert_eq!(v["state"], "succeeded", "a cancel after the end leaves the record: {v}");
     refused(&b.ctl(&["transfer", "watch", "t-nope"]), 3, "NOT_FOUND", "watch an unknown transfer");
 
-    // A transfer that fails (4 KiB chunks one at a time cannot finish within 1 ms): exit 10 with
-    // the error on one line; watching it later exits the same way.
+    // A transfer that runs out of its time (4 KiB chunks one at a time cannot finish within
+    // 1 ms): DEADLINE_EXCEEDED, exit 9, with the error on one line (JSON under --json); watching
+    // it later exits the same way.
     let o =
         a.ctl(&["--json", "cp", "src", &format!("{}:dst", b.addr), "--chunk", "4KiB", "--depth", "1", "--qps", "1", "--timeout", "1ms"]);
-    assert_eq!(o.status.code(), Some(10), "{}\n{}", err(&o), out(&o));
+    assert_eq!(o.status.code(), Some(9), "{}\n{}", err(&o), out(&o));
     assert_eq!(err(&o).lines().count(), 1, "{}", err(&o));
+    let e: serde_json::Value = serde_json::from_str(&err(&o)).unwrap();
+    assert_eq!(e["error"]["status"], "DEADLINE_EXCEEDED", "{e}");
     let o = a.ctl(&["--json", "transfer", "list"]);
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
     let failed: Vec<&str> = v.as_array().unwrap().iter().filter(|t| t["state"] == "failed").map(|t| t["id"].as_str().unwrap()).collect();
     assert_eq!(failed.len(), 1, "{v}");
     let o = a.ctl(&["transfer", "watch", failed[0]]);
-    assert_eq!(o.status.code(), Some(10), "{}", err(&o));
+    assert_eq!(o.status.code(), Some(9), "{}", err(&o));
 }
 
 #[test]
