@@ -6,7 +6,7 @@
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
@@ -87,15 +87,15 @@ impl RegionRegistry {
 pub(super) struct CreatedFile {
     parent: OwnedFd,
     name: OsString,
-    dev: u64,
-    ino: u64,
+    dev: nix::libc::dev_t,
+    ino: nix::libc::ino_t,
 }
 
 impl CreatedFile {
     /// Unlinks the file, only if its name still holds the inode this call created.
     pub(super) fn remove(self) {
         let st = nix::sys::stat::fstatat(self.parent.as_fd(), self.name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
-        if st.is_ok_and(|st| st.st_dev as u64 == self.dev && st.st_ino as u64 == self.ino) {
+        if st.is_ok_and(|st| st.st_dev == self.dev && st.st_ino == self.ino) {
             let _ = nix::unistd::unlinkat(self.parent.as_fd(), self.name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
         }
     }
@@ -164,9 +164,9 @@ impl RegionRegistry {
             Errno::ENAMETOOLONG => RegionError::Invalid(format!("file {full:?}: the name is too long")),
             other => io_err(format!("creating {full}"))(other.into()),
         })?;
+        let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| io_err(format!("stat {full}"))(e.into()))?;
         let file = File::from(fd);
-        let meta = file.metadata().map_err(io_err(format!("stat {full}")))?;
-        let created = CreatedFile { parent, name: name.to_os_string(), dev: meta.dev(), ino: meta.ino() };
+        let created = CreatedFile { parent, name: name.to_os_string(), dev: st.st_dev, ino: st.st_ino };
         if let Err(e) = file.set_len(length) {
             created.remove();
             return Err(io_err(format!("sizing {full} to {length} bytes"))(e));

@@ -369,9 +369,12 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
     ))
 }
 
+/// One measure of the notify report: what, its p50, and its p99 and max where measured.
+type Measure<'a> = (&'a str, f64, Option<(f64, f64)>);
+
 /// The notify pattern's report as a table, one measure per line (p50, and p99 and max where
 /// they are measured), a comment line above and below.
-fn notify_table(title: &str, rows: &[(&str, f64, Option<(f64, f64)>)], footer: &str) -> String {
+fn notify_table(title: &str, rows: &[Measure<'_>], footer: &str) -> String {
     let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
     let mut out = format!("# notify {title}, the application's view of the peer's pool\n");
     out.push_str(&format!("{:width$}  {:>10}  {:>10}  {:>10}\n", "#", "p50 us", "p99 us", "max us"));
