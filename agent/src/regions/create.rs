@@ -47,15 +47,7 @@ impl RegionRegistry {
         validate_name(&spec.name)?;
         crate::labels::check(&spec.labels).map_err(|e| RegionError::Invalid(e.to_string()))?;
         let file_path = spec.path.clone().filter(|p| !p.is_empty() && spec.kind == RegionKind::File);
-        if spec.create_file && (file_path.is_none() || spec.length == 0) {
-            return Err(RegionError::Invalid(
-                "create_file applies to file regions with a path and a length (--kind file --path P --size SIZE)".into(),
-            ));
-        }
-        if let (Some(path), 0, false) = (&file_path, spec.length, spec.create_file) {
-            // The existing file says how long the region is.
-            spec.length = self.region_file_size(path, spec.access)?;
-        }
+        self.resolve_length(&mut spec)?;
         if spec.length == 0 {
             return Err(RegionError::Invalid("region length must be greater than zero".into()));
         }
@@ -132,6 +124,22 @@ impl RegionRegistry {
         self.update_gauges();
         info!(region = %region.name, id = %region.id, kind = ?region.kind, length = region.length, "region created");
         Ok(region)
+    }
+
+    /// Checks `create_file` and gives a file region without a length its existing file's size,
+    /// so that what is charged (shares, `max_registered_bytes`) is what will be mapped.
+    pub fn resolve_length(&self, spec: &mut RegionSpec) -> Result<(), RegionError> {
+        let file_path = spec.path.clone().filter(|p| !p.is_empty() && spec.kind == RegionKind::File);
+        if spec.create_file && (file_path.is_none() || spec.length == 0) {
+            return Err(RegionError::Invalid(
+                "create_file applies to file regions with a path and a length (--kind file --path P --size SIZE)".into(),
+            ));
+        }
+        if let (Some(path), 0, false) = (&file_path, spec.length, spec.create_file) {
+            // The existing file says how long the region is.
+            spec.length = self.region_file_size(path, spec.access)?;
+        }
+        Ok(())
     }
 
     /// Counts `bytes` the agent is about to allocate outside regions (for `what`) against

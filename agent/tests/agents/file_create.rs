@@ -58,6 +58,8 @@ async fn a_file_region_takes_its_size_from_the_file_and_create_makes_a_new_one()
     let mut c = a.client().await;
     let r = c.create_region(file_req("w", "w.bin", 0, false)).await.unwrap().into_inner();
     assert_eq!(r.length, 12345, "the file's size");
+    let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.registered_bytes, 12345, "charged what is mapped, not 0");
     assert_eq!(a.read("w", 0, 12345).await, data);
 
     // A missing file without create: the error says how to create it.
