@@ -65,16 +65,18 @@ fn zero_len_copies_nothing_either_way() {
 fn put_that_does_not_fit_writes_nothing() {
     let a = Agent::start("node-a");
     let dir = tempfile::tempdir().unwrap();
-    let before = pattern(64 * KIB, 3);
+    // Larger than one WriteRegion message (1 MiB), so that a check made message by message
+    // would already have written the first ones.
+    let before = pattern(2048 * KIB, 3);
     filled(&a, dir.path(), "r", &before);
     let big = dir.path().join("big.bin");
-    std::fs::write(&big, pattern(64 * KIB + 1, 4)).unwrap();
+    std::fs::write(&big, pattern(2048 * KIB + 1, 4)).unwrap();
     let fits = dir.path().join("fits.bin");
-    std::fs::write(&fits, pattern(4 * KIB, 5)).unwrap();
+    std::fs::write(&fits, pattern(1536 * KIB, 5)).unwrap();
     let cases = [
         (big.to_str().unwrap(), "r", "one byte larger than the region"),
-        (fits.to_str().unwrap(), "r@61KiB", "fits the region, not from that offset"),
-        (fits.to_str().unwrap(), "r@1MiB", "offset past the end"),
+        (fits.to_str().unwrap(), "r@1MiB", "fits the region, not from that offset"),
+        (fits.to_str().unwrap(), "r@4MiB", "offset past the end"),
     ];
     for (file, dest, what) in cases {
         let o = a.ctl(&["put", file, dest]);
@@ -83,7 +85,7 @@ fn put_that_does_not_fit_writes_nothing() {
         assert!(contents(&a, "r") == before, "{what}: the region holds bytes of a refused put");
     }
     // The largest put that fits still lands.
-    let o = a.ctl(&["put", fits.to_str().unwrap(), "r@60KiB"]);
+    let o = a.ctl(&["put", fits.to_str().unwrap(), "r@512KiB"]);
     assert_eq!(o.status.code(), Some(0), "{}", err(&o));
 }
 
