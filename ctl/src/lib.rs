@@ -44,6 +44,7 @@
 
 pub mod client;
 pub mod cmd;
+pub mod diagnose;
 pub mod error;
 pub mod progress;
 pub mod segments;

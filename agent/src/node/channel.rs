@@ -506,7 +506,7 @@ impl Channel {
                 out.ok = true;
                 out.bytes = bytes;
                 m::channel_batch(op, "succeeded");
-                m::transfer_bytes(op, &self.info.peer, bytes);
+                m::transfer_bytes(op, "outbound", &self.held.peer.label_identity(), bytes);
                 (out, None)
             }
             Some(f) => {

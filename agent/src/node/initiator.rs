@@ -341,7 +341,6 @@ impl Node {
             _ => "failed",
         };
         m::transfer_finished(rec.op.as_str(), result, elapsed);
-        m::transfer_bytes(rec.op.as_str(), &peer_label(&plan.held.peer), done);
         match failure {
             None => info!(bytes = done, secs = elapsed.as_secs_f64(), "transfer succeeded"),
             Some(f) => {
@@ -386,7 +385,8 @@ impl Node {
                 };
                 let h = handle.clone();
                 let mut shown = reported;
-                let progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
+                let (op, peer) = (rec.op.as_str(), held.peer.label_identity());
+                let progress: Progress = Box::new(move |bytes| report(&h, op, &peer, bytes, &mut shown, started));
                 let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
                 let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
@@ -423,7 +423,7 @@ impl Node {
                     s.handle(Event::Completed(r));
                 }
                 Some(Command::Finish(r)) => {
-                    report(handle, s.bytes_done(), &mut reported, started);
+                    report(handle, rec.op.as_str(), &held.peer.label_identity(), s.bytes_done(), &mut reported, started);
                     return r;
                 }
                 Some(other) => {
@@ -513,7 +513,11 @@ fn sums(s: &Session, rec: &TransferRecord) -> (Ranges, Ranges) {
     (local, spans)
 }
 
-fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Instant) {
+/// Tells the record (and its watchers) and `xfer_transfer_bytes_total` that `bytes` are done: the
+/// counter first, so a watcher that saw the progress finds it counted.
+fn report(handle: &TransferHandle, op: &'static str, peer: &str, bytes: u64, reported: &mut u64, started: Instant) {
+    let mut counted = *reported;
+    m::transfer_progress(op, peer, bytes, &mut counted);
     if bytes != *reported {
         *reported = bytes;
         handle.update(|r| {
@@ -548,13 +552,4 @@ pub(super) struct Plan {
     local: RegionUse,
     /// The checksum algorithm when verifying.
     algo: Algo,
-}
-
-fn peer_label(peer: &PeerEntry) -> String {
-    let n = peer.node_name();
-    if n.is_empty() {
-        peer.addr.clone()
-    } else {
-        n
-    }
 }

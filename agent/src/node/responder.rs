@@ -462,7 +462,7 @@ impl Node {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(NodeError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
-        m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
+        m::transfer_bytes(if op_write { "write" } else { "read" }, "inbound", peer, bytes);
         // Every WR of the batch completed at the initiator: if its markers have not all been
         // seen yet, the notification is due now (published once either way).
         if ok {
