@@ -47,6 +47,15 @@ pub enum StartError {
     Unix { path: String, error: std::io::Error },
 }
 
+impl StartError {
+    /// A start error that a change of configuration fixes (exit 64, like a configuration that
+    /// does not load): a setting only the opened fabric shows to be unusable, TLS files that do
+    /// not fit together.
+    pub fn is_bad_configuration(&self) -> bool {
+        matches!(self, StartError::Config(_) | StartError::Tls(_))
+    }
+}
+
 /// The socket file the agent bound at `unix_listen`, known by its inode: on shutdown the agent
 /// removes the file at the path only if it is still this one, never what someone (another agent,
 /// an operator) put there since.
@@ -417,8 +426,21 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
     let server = {
         let stop = stop_grpc.clone();
         let cap = crate::sys::grpc_cap(cfg.limits.max_grpc_connections, crate::sys::nofile());
-        let incoming = Box::pin(crate::sys::incoming_with_backoff(listener, "grpc", crate::sys::ConnLimit::new("grpc", cap)));
-        tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
+        let incoming = crate::sys::incoming_with_backoff(listener, "grpc", crate::sys::ConnLimit::new("grpc", cap));
+        match tls.as_deref() {
+            Some(t) => {
+                let incoming = Box::pin(crate::service::handshake::tls_incoming(
+                    incoming,
+                    t.grpc_server_config(),
+                    crate::service::tls::HANDSHAKE_TIMEOUT,
+                ));
+                tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
+            }
+            None => {
+                let incoming = Box::pin(incoming);
+                tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
+            }
+        }
     };
     // Every listener is bound and served: report the addresses (ports chosen by the OS for port 0
     // included), in this log line and, if configured, the ready file.

@@ -377,6 +377,29 @@ impl GrantTable {
         }
     }
 
+    /// Batch `seq` of `peer`'s channel grant `grant_id` counts as fully marked (its initiator
+    /// held the markers after a failover and the batch was verified end to end): published now
+    /// if its tag was announced, under the grant's gate.
+    pub fn settle(&self, grant_id: &str, peer: &str, seq: u64) -> Result<(), GrantError> {
+        let grant = self.get(grant_id, peer, SystemTime::now())?;
+        let Some(ch) = &grant.channel else {
+            return Err(GrantError::Invalid(format!("grant {grant_id} was not asked for a channel's notifications")));
+        };
+        let r = grant.gate.while_live(|| {
+            let r = ch.settle(seq);
+            if let Ok(Some((tag, first))) = &r {
+                self.hub.send(tag.clone(), *first, about(grant.as_ref()), Via::Complete);
+            }
+            r
+        });
+        match r {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e @ ChannelRefusal::OutOfWindow(_))) => Err(GrantError::Limit(e.to_string())),
+            Some(Err(e)) => Err(GrantError::Invalid(e.to_string())),
+            None => Err(GrantError::NotFound(format!("grant {grant_id} was revoked"))),
+        }
+    }
+
     /// A tcp NOTIFY frame: the marker names its grant by token (and a channel's batch by `imm`).
     pub fn marker_by_token(&self, connection: &xfer_engine::ids::ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
         let Some(grant) = self.read().by_token.get(token).cloned() else {

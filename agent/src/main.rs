@@ -83,7 +83,11 @@ fn main() -> ExitCode {
         Err(e) => {
             // Once: every start error carries its cause in its own message.
             eprintln!("xfer-agent: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<xfer_agent::app::StartError>().is_some_and(|s| s.is_bad_configuration()) {
+                ExitCode::from(64)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -60,6 +60,9 @@ pub struct CompleteParams {
     pub op_write: bool,
     pub node_name: String,
     pub checksum: Option<(Algo, u64)>,
+    /// What the checksum covers at the target, in order (offset from the grant's start,
+    /// length): a batch's destination segments. Empty: the first `bytes` of the grant.
+    pub spans: Vec<(u64, u64)>,
     pub success: bool,
 }
 
@@ -158,6 +161,17 @@ pub trait PeerApi: Send + Sync {
     async fn complete(&self, p: CompleteParams) -> Result<bool, PeerError>;
     /// `Peer.Announce`: the tag of batch `seq` on a channel grant.
     async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError>;
+    /// `Peer.VerifyBatch`: the target checksums `spans` of the grant (from its start, in order)
+    /// against `sum`; with `settle` and a match it publishes batch `seq`'s notification. Whether
+    /// the sums matched.
+    async fn verify_batch(
+        &self,
+        grant_id: &xfer_engine::ids::GrantId,
+        seq: u64,
+        sum: (Algo, u64),
+        spans: Vec<(u64, u64)>,
+        settle: bool,
+    ) -> Result<bool, PeerError>;
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
     async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP baseline: the sink's address.

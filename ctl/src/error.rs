@@ -133,11 +133,33 @@ pub fn status_exit_code(code: &str) -> u8 {
     }
 }
 
+/// What [`crate::diagnose`] makes of a failed connection to the agent this process connected to
+/// (`addr`, when the error names it, must be that agent).
+fn diagnosed(addr: Option<&String>, text: &str) -> Option<String> {
+    let target = crate::diagnose::last_target()?;
+    if addr.is_some_and(|a| *a != target.addr) {
+        return None;
+    }
+    crate::diagnose::explain(&target, text)
+}
+
+/// A connection problem's hint for `doctor`'s fix column: the diagnosis when there is one.
+pub fn connect_hint(err: &anyhow::Error) -> Option<String> {
+    err.chain().find_map(|c| match c.downcast_ref::<xfer_client::Error>()? {
+        xfer_client::Error::Connect { addr, detail } => diagnosed(Some(addr), detail),
+        xfer_client::Error::Transport(root) => diagnosed(None, root),
+        _ => None,
+    })
+}
+
 /// A client error as (exit code, the code name to append, the text).
 fn client_error(e: &xfer_client::Error) -> (u8, Option<String>, String) {
     use xfer_client::Error as E;
     match e {
         E::Connect { addr, detail } => {
+            if let Some(line) = diagnosed(Some(addr), detail) {
+                return (exit::UNAVAILABLE, Some("UNAVAILABLE".into()), line);
+            }
             // tonic's bare "transport error" says nothing: name what failed instead.
             let reason = if detail.is_empty() || detail == "transport error" { "connection failed".to_string() } else { detail.clone() };
             let f = Failure::Connect { addr: addr.clone(), reason };
@@ -145,11 +167,12 @@ fn client_error(e: &xfer_client::Error) -> (u8, Option<String>, String) {
         }
         // The call never got an answer: the connection failed under it (e.g. a refused TLS
         // handshake, or plaintext sent to an mTLS agent). That is UNAVAILABLE.
-        E::Transport(root) => (
-            exit::UNAVAILABLE,
-            Some("UNAVAILABLE".into()),
-            format!("connection to the agent failed: {root} (an agent with mTLS needs --cert, --key and --ca from its CA)"),
-        ),
+        E::Transport(root) => {
+            if let Some(line) = diagnosed(None, root) {
+                return (exit::UNAVAILABLE, Some("UNAVAILABLE".into()), line);
+            }
+            (exit::UNAVAILABLE, Some("UNAVAILABLE".into()), format!("connection to the agent failed: {root}"))
+        }
         E::Transfer { id, state, code, message } => {
             let f = if *state == xfer_client::State::Cancelled {
                 Failure::TransferCancelled { id: id.clone(), error: message.clone() }

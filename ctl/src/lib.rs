@@ -45,6 +45,7 @@
 
 pub mod client;
 pub mod cmd;
+pub mod diagnose;
 pub mod error;
 pub mod error_json;
 pub mod progress;

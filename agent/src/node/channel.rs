@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use super::held::Held;
 use super::limits::ChannelSlot;
 use super::Node;
+use crate::checksum::Algo;
 use crate::error::NodeError;
 use crate::metrics as m;
 use crate::peer_api::{GrantAsk, GrantInfo};
@@ -34,7 +35,7 @@ use crate::regions::RegionUse;
 use crate::transfer::job::{Job, WrTemplate};
 use crate::transfer::session::{failure_of, Session, SessionConfig};
 use crate::transfer::Op;
-use xfer_engine::batch::{Batch, BatchError, Dest, SegmentSpec};
+use xfer_engine::batch::{Batch, BatchError, Dest, Seg, SegmentSpec};
 use xfer_engine::failure::{Failure, FailureCode};
 use xfer_engine::machine::{Machine, MachineConfig, Markers, State};
 use xfer_engine::shape;
@@ -446,8 +447,9 @@ impl Channel {
         // Placed as a transfer's data phase is: by the local region's NUMA node, the devices'
         // speeds, the paths' measured rates, health and load.
         let plan = self.node.initiator.paths.plan(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
+        let settle = announce.is_some();
         let machine = Machine::new(MachineConfig {
-            segs,
+            segs: segs.clone(),
             chunk: self.chunk,
             qps: lease.qps(),
             depth: self.depth,
@@ -456,7 +458,8 @@ impl Channel {
             markers,
             path_of: plan.path_of.clone(),
             weights: plan.weights.clone(),
-        });
+        })
+        .hold_markers_after_failover();
         let wr_op = if self.op == Op::Write { WrOp::Write } else { WrOp::Read };
         let (registration, addr, key) = (self.local.0.registration.clone(), self.grant.addr + shift, self.grant.key.clone());
         let imm = announce.as_ref().map_or(0, |(imm, _)| *imm);
@@ -490,13 +493,20 @@ impl Channel {
             },
             (f, _) => f,
         };
+        // A batch that failed over is checked end to end (a failing device may have reported work
+        // complete that did not land), and its notification, whose markers were held back, is
+        // published by the target only if the bytes match.
+        let failure = match failure {
+            None if machine.failovers() > 0 => self.verify_failed_over(seq, &segs, shift, settle).await.err(),
+            f => f,
+        };
         out.seconds = t0.elapsed().as_secs_f64();
         match failure {
             None => {
                 out.ok = true;
                 out.bytes = bytes;
                 m::channel_batch(op, "succeeded");
-                m::transfer_bytes(op, &self.info.peer, bytes);
+                m::transfer_bytes(op, "outbound", &self.held.peer.label_identity(), bytes);
                 (out, None)
             }
             Some(f) => {
@@ -506,6 +516,31 @@ impl Channel {
                 let fatal = NodeError::Aborted(format!("batch {seq} failed ({}): {}; the channel is closed", f.code.as_str(), f.message));
                 (out, Some(fatal))
             }
+        }
+    }
+}
+
+impl Channel {
+    /// `Peer.VerifyBatch` of batch `seq` (`segs`, remote offsets `shift` past the grant's start):
+    /// this side's checksum of the segments in order against the target's.
+    async fn verify_failed_over(&self, seq: u64, segs: &[Seg], shift: u64, settle: bool) -> Result<(), Failure> {
+        let algo = Algo::Xxh3;
+        let mem = self.local.0.memory.clone();
+        let local: Vec<(u64, u64)> = segs.iter().map(|s| (s.local, s.len)).collect();
+        let sum = tokio::task::spawn_blocking(move || crate::checksum::checksum_ranges(&mem, &local, algo))
+            .await
+            .map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?
+            .map_err(|e| Failure::new(FailureCode::RegionPoisoned, self.local.0.mem_error(e).to_string()))?;
+        let spans: Vec<(u64, u64)> = segs.iter().map(|s| (shift + s.remote, s.len)).collect();
+        let (peer, id) = (&self.held.peer, &self.grant.grant_id);
+        match peer.call(|| peer.client.verify_batch(id, seq, (algo, sum), spans.clone(), settle)).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Failure::new(
+                FailureCode::ChecksumMismatch,
+                "a path failed over mid-batch and the destination does not match the source: the failing device reported \
+                 work complete that did not land; the batch was not announced, run it again",
+            )),
+            Err(e) => Err(Failure::new(FailureCode::VerifyFailed, format!("could not verify the batch after a failover: {e}"))),
         }
     }
 }

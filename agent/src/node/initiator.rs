@@ -72,11 +72,6 @@ impl Node {
                     "with segments, the local and remote offsets and the length come from the segments and must be 0".into(),
                 ));
             }
-            if req.options.verify {
-                return Err(NodeError::Invalid(
-                    "verify checks one contiguous range; for a batch, compare ranges with Agent.Checksum on both agents".into(),
-                ));
-            }
             let dest = if req.op == Op::Write { Dest::Remote } else { Dest::Local };
             Some(Batch::new(&req.segments, &local.name, local.length, dest, self.config.transfer.max_segments)?)
         };
@@ -358,7 +353,6 @@ impl Node {
             _ => "failed",
         };
         m::transfer_finished(rec.op.as_str(), result, elapsed);
-        m::transfer_bytes(rec.op.as_str(), &peer_label(&plan.held.peer), done);
         match failure {
             None => info!(bytes = done, secs = elapsed.as_secs_f64(), "transfer succeeded"),
             Some(f) => {
@@ -403,7 +397,8 @@ impl Node {
                 };
                 let h = handle.clone();
                 let mut shown = reported;
-                let progress: Progress = Box::new(move |bytes| report(&h, bytes, &mut shown, started));
+                let (op, peer) = (rec.op.as_str(), held.peer.label_identity());
+                let progress: Progress = Box::new(move |bytes| report(&h, op, &peer, bytes, &mut shown, started));
                 let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
                 let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
@@ -431,15 +426,16 @@ impl Node {
             match held.settle(s) {
                 Some(Command::CheckLocal) => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
                 Some(Command::Checksum) => {
-                    let r = self.checksum(local, rec, *algo).await;
+                    let r = self.checksum(local, &sums(s, rec).0, *algo).await;
                     s.handle(Event::Checksummed(r));
                 }
                 Some(Command::Complete { checksum }) => {
-                    let r = self.complete(held, rec, checksum.map(|c| (*algo, c))).await;
+                    let spans = checksum.map(|_| sums(s, rec).1).unwrap_or_default();
+                    let r = self.complete(held, rec, checksum.map(|c| (*algo, c)), spans).await;
                     s.handle(Event::Completed(r));
                 }
                 Some(Command::Finish(r)) => {
-                    report(handle, s.bytes_done(), &mut reported, started);
+                    report(handle, rec.op.as_str(), &held.peer.label_identity(), s.bytes_done(), &mut reported, started);
                     return r;
                 }
                 Some(other) => {
@@ -450,10 +446,10 @@ impl Node {
         }
     }
 
-    async fn checksum(&self, local: &RegionUse, rec: &TransferRecord, algo: Algo) -> Result<u64, Failure> {
+    async fn checksum(&self, local: &RegionUse, ranges: &[(u64, u64)], algo: Algo) -> Result<u64, Failure> {
         let mem = local.0.memory.clone();
-        let (off, len) = (rec.local_offset, rec.length);
-        tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, len, algo))
+        let ranges = ranges.to_vec();
+        tokio::task::spawn_blocking(move || checksum::checksum_ranges(&mem, &ranges, algo))
             .await
             .map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?
             .map_err(|e| match local.0.mem_error(e) {
@@ -463,7 +459,13 @@ impl Node {
     }
 
     /// `Peer.Complete`: `Ok(matched)` (true without a checksum), or why the call failed.
-    async fn complete(&self, held: &Held, rec: &TransferRecord, checksum: Option<(Algo, u64)>) -> Result<bool, String> {
+    async fn complete(
+        &self,
+        held: &Held,
+        rec: &TransferRecord,
+        checksum: Option<(Algo, u64)>,
+        spans: Vec<(u64, u64)>,
+    ) -> Result<bool, String> {
         let Some(grant) = held.grant.as_ref() else { return Err("no grant to complete".into()) };
         // Invariant of outbound records: their ids are made by `TransferId::random` (the
         // registry re-draws one on a collision), so they parse.
@@ -475,6 +477,7 @@ impl Node {
             op_write: rec.op == Op::Write,
             node_name: self.config.node_name.clone(),
             checksum,
+            spans,
             success: true,
         };
         let peer = &held.peer;
@@ -508,7 +511,25 @@ impl Node {
     }
 }
 
-fn report(handle: &TransferHandle, bytes: u64, reported: &mut u64, started: Instant) {
+/// (offset, length) pairs.
+type Ranges = Vec<(u64, u64)>;
+
+/// What a checksum covers on each side, in the batch's order: the local ranges (absolute), and
+/// the spans of the grant the target sums (none for one range from the grant's start, which is
+/// what a target sums without spans).
+fn sums(s: &Session, rec: &TransferRecord) -> (Ranges, Ranges) {
+    let Some(b) = s.batch() else { return (vec![(rec.local_offset, rec.length)], Vec::new()) };
+    let local = b.segs().iter().map(|g| (g.local, g.len)).collect();
+    let spans: Vec<(u64, u64)> = b.segs().iter().map(|g| (g.remote, g.len)).collect();
+    let spans = if spans == [(0, rec.length)] { Vec::new() } else { spans };
+    (local, spans)
+}
+
+/// Tells the record (and its watchers) and `xfer_transfer_bytes_total` that `bytes` are done: the
+/// counter first, so a watcher that saw the progress finds it counted.
+fn report(handle: &TransferHandle, op: &'static str, peer: &str, bytes: u64, reported: &mut u64, started: Instant) {
+    let mut counted = *reported;
+    m::transfer_progress(op, peer, bytes, &mut counted);
     if bytes != *reported {
         *reported = bytes;
         handle.update(|r| {
@@ -543,15 +564,6 @@ pub(super) struct Plan {
     local: RegionUse,
     /// The checksum algorithm when verifying.
     algo: Algo,
-}
-
-fn peer_label(peer: &PeerEntry) -> String {
-    let n = peer.node_name();
-    if n.is_empty() {
-        peer.addr.clone()
-    } else {
-        n
-    }
 }
 
 /// Why copying `len` bytes from `a` to `b` within one region is refused, when the two ranges

@@ -40,6 +40,7 @@ mod paths;
 mod responder;
 mod scratch;
 mod shares;
+mod verify;
 
 pub use channel::{BatchOutcome, Channel, ChannelEnd, ChannelInfo, ChannelInput, ChannelOutput, ChannelParams};
 pub use held::Held;
@@ -48,7 +49,7 @@ use initiator::Initiator;
 use lifetime::Regions;
 pub use lifetime::StateCounts;
 use responder::Responder;
-pub use responder::{GrantParams, NotifyAsk};
+pub use responder::{GrantParams, InboundEnd, NotifyAsk};
 pub use scratch::BENCH_REGION_TTL;
 
 /// The agent's core, composed of parts that own their state — [`Regions`] (the registry, the

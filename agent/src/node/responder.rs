@@ -393,10 +393,9 @@ impl Node {
         transfer_id: &xfer_engine::ids::TransferId,
         grant_id: &str,
         peer: &str,
-        bytes: u64,
-        op_write: bool,
-        checksum: Option<(Algo, u64)>,
+        end: InboundEnd<'_>,
     ) -> Result<Option<(bool, u64)>, NodeError> {
+        let InboundEnd { bytes, op_write, checksum, spans } = end;
         let g = self.regions.grants.get(grant_id, peer, SystemTime::now())?;
         // Inbound records are their own namespace, keyed by the authenticated peer: `PEER/ID` can
         // never name an outbound transfer (whose ids have no '/') or another peer's record.
@@ -406,14 +405,15 @@ impl Node {
         }
         // A checksum covers the first `bytes` of the grant. Without one, `bytes` is the peer's
         // count of what it moved, which a batch READing one block twice may put above the span.
-        if checksum.is_some() && bytes > g.len {
+        if checksum.is_some() && spans.is_empty() && bytes > g.len {
             return Err(NodeError::Invalid(format!("{bytes} bytes exceed the grant's {} bytes", g.len)));
         }
+        let ranges = super::verify::checked_spans(spans, bytes, g.len)?.unwrap_or_else(|| vec![(0, bytes)]);
         let verdict = match checksum {
             Some((algo, expected)) => {
                 let mem = g.region.memory.clone();
-                let off = g.offset;
-                let got = tokio::task::spawn_blocking(move || checksum::checksum(&mem, off, bytes, algo))
+                let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (g.offset + o, l)).collect();
+                let got = tokio::task::spawn_blocking(move || checksum::checksum_ranges(&mem, &ranges, algo))
                     .await
                     .map_err(|e| NodeError::Internal(e.to_string()))?
                     .map_err(|e| NodeError::Region(g.region.mem_error(e)))?;
@@ -462,7 +462,7 @@ impl Node {
             // A concurrent Complete with the same id won: it keeps its record and the grant.
             return Err(NodeError::AlreadyExists(format!("transfer {transfer_id:?} from {peer} was already completed")));
         }
-        m::transfer_bytes(if op_write { "inbound_write" } else { "inbound_read" }, peer, bytes);
+        m::transfer_bytes(if op_write { "write" } else { "read" }, "inbound", peer, bytes);
         // Every WR of the batch completed at the initiator: if its markers have not all been
         // seen yet, the notification is due now (published once either way).
         if ok {
@@ -478,6 +478,18 @@ impl Node {
         self.regions.grants.revoke(&g.id);
         Ok(verdict)
     }
+}
+
+/// What the initiator's `Peer.Complete` says about a transfer's end.
+#[derive(Debug, Clone, Copy)]
+pub struct InboundEnd<'a> {
+    /// Bytes moved (with a checksum: what it covers).
+    pub bytes: u64,
+    pub op_write: bool,
+    pub checksum: Option<(Algo, u64)>,
+    /// What the checksum covers, in order (offset from the grant's start, length); empty: the
+    /// grant's first `bytes`.
+    pub spans: &'a [(u64, u64)],
 }
 
 #[cfg(test)]

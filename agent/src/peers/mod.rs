@@ -364,6 +364,20 @@ impl PeerEntry {
         }
     }
 
+    /// The identity metric labels name this peer by: the one the peer's own metrics name this
+    /// agent by, so both sides' `peer` labels agree. The NAME its certificate proved (mTLS); without
+    /// TLS its address the way a plaintext agent names a caller (`loopback`, or the IP).
+    pub fn label_identity(&self) -> String {
+        if let Some(name) = self.client.verified_identity() {
+            return name;
+        }
+        let host = xfer_fabric::identity::tls::host_of(&self.addr);
+        match host.parse::<std::net::IpAddr>() {
+            Ok(ip) => xfer_fabric::identity::plaintext_name(Some(std::net::SocketAddr::new(ip, 0))),
+            Err(_) => host.to_string(),
+        }
+    }
+
     pub fn node_name(&self) -> String {
         self.identity.lock().map(|g| g.0.clone()).unwrap_or_default()
     }

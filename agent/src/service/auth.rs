@@ -9,7 +9,8 @@
 //!
 //! [`AuthLayer`] applies [`required`] to every gRPC request before any handler runs and puts the
 //! [`Caller`] into the request's extensions; handlers read it with [`caller`]. The table is
-//! deny-by-default: a method not listed there is refused.
+//! deny-by-default: a method not listed there is refused. Every refusal is counted
+//! (`xfer_rpc_denied_total{method,role}`) and logged (at most about once a second).
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -115,6 +116,58 @@ impl Authenticator {
     }
 }
 
+/// Every `package.Service/Method` the gRPC port serves: the agent's own services from the
+/// descriptor set it serves for reflection, plus health and reflection.
+fn served() -> &'static std::collections::HashSet<String> {
+    static SERVED: std::sync::OnceLock<std::collections::HashSet<String>> = std::sync::OnceLock::new();
+    SERVED.get_or_init(|| {
+        use prost::Message;
+        let mut set: std::collections::HashSet<String> = [
+            "grpc.health.v1.Health/Check",
+            "grpc.health.v1.Health/Watch",
+            "grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        // The descriptor set is compiled in; if it ever failed to decode, methods would be
+        // labelled `unknown`, which stays bounded.
+        if let Ok(fds) = prost_types::FileDescriptorSet::decode(xfer_proto::FILE_DESCRIPTOR_SET) {
+            for file in fds.file {
+                let package = file.package.unwrap_or_default();
+                for service in file.service {
+                    let sname = service.name.unwrap_or_default();
+                    for m in service.method {
+                        set.insert(format!("{package}.{sname}/{}", m.name.unwrap_or_default()));
+                    }
+                }
+            }
+        }
+        set
+    })
+}
+
+/// The `method` label of a refused call to `path` (`/package.Service/Method`): the method if
+/// this agent serves it, else `unknown` (a caller cannot mint label values with made-up paths).
+pub fn method_label(path: &str) -> String {
+    let m = path.trim_start_matches('/');
+    if served().contains(m) {
+        m.to_string()
+    } else {
+        "unknown".to_string()
+    }
+}
+
+/// Whether to log a refusal now: at most about once a second, so that a misconfigured client in a
+/// retry loop cannot flood the log (the counter sees every refusal).
+fn log_now() -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    LAST.swap(now, Ordering::Relaxed) != now
+}
+
 /// The caller [`AuthLayer`] put into a request's extensions.
 pub fn caller<T>(req: &tonic::Request<T>) -> Option<&Caller> {
     req.extensions().get::<Caller>()
@@ -172,7 +225,15 @@ where
                 futures::future::Either::Right(self.inner.call(req))
             }
             Err(e) => {
-                tracing::debug!(path = req.uri().path(), error = %e, "request refused");
+                let role = match &e {
+                    AuthError::Denied { role, .. } => role.as_str(),
+                    AuthError::Unknown(_) => self.auth.caller(req.extensions()).map(|c| c.role.as_str()).unwrap_or("none"),
+                    _ => "none",
+                };
+                crate::metrics::rpc_denied(method_label(req.uri().path()), role);
+                if log_now() {
+                    tracing::warn!(path = req.uri().path(), role, error = %e, "call refused (xfer_rpc_denied_total counts them all)");
+                }
                 futures::future::Either::Left(futures::future::ready(Ok((self.refuse)(e).into_http())))
             }
         }
@@ -303,6 +364,15 @@ mod tests {
         assert!(!Need::Node.allows(Role::Admin));
         assert!(!Need::Admin.allows(Role::Client));
         assert!(Need::Admin.allows(Role::Plaintext));
+    }
+
+    #[test]
+    fn method_labels_are_the_served_methods() {
+        assert_eq!(method_label("/xfer.v1.Peer/Grant"), "xfer.v1.Peer/Grant");
+        assert_eq!(method_label("/xfer.v1.Agent/Bench"), "xfer.v1.Agent/Bench");
+        assert_eq!(method_label("/grpc.health.v1.Health/Check"), "grpc.health.v1.Health/Check");
+        assert_eq!(method_label("/xfer.v1.Agent/NoSuchMethod"), "unknown");
+        assert_eq!(method_label("/x"), "unknown");
     }
 
     #[test]

@@ -199,7 +199,26 @@ bounded! {
     CompleteRequest => |r, b| {
         at_most("transfer_id", r.transfer_id.len(), MAX_ID)?;
         at_most("grant_id", r.grant_id.len(), MAX_ID)?;
-        at_most("node_name", r.node_name.len(), MAX_NODE_NAME)
+        at_most("node_name", r.node_name.len(), MAX_NODE_NAME)?;
+        if r.spans.len() > b.max_segments {
+            return Err(BoundError::TooMany(format!(
+                "spans: {} spans in one completion; this agent takes at most {} (transfer.max_segments)",
+                r.spans.len(),
+                b.max_segments
+            )));
+        }
+        Ok(())
+    }
+    VerifyBatchRequest => |r, b| {
+        at_most("grant_id", r.grant_id.len(), MAX_ID)?;
+        if r.spans.len() > b.max_segments {
+            return Err(BoundError::TooMany(format!(
+                "spans: {} spans in one batch; this agent takes at most {} (transfer.max_segments)",
+                r.spans.len(),
+                b.max_segments
+            )));
+        }
+        Ok(())
     }
     AnnounceRequest => |r, b| {
         at_most("grant_id", r.grant_id.len(), MAX_ID)?;

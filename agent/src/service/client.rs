@@ -11,8 +11,10 @@ use super::auth::Role;
 use super::convert::{
     announce_request_to_pb, bench_region_request_to_pb, close_bench_region_request_to_pb, complete_request_to_pb, disconnect_request_to_pb,
     grant_info_from_pb, grant_request_to_pb, handshake_reply_from_pb, peer_connect_request_to_pb, revoke_request_to_pb, sink_request_to_pb,
+    verify_batch_request_to_pb,
 };
 use super::tls::TlsMaterial;
+use crate::checksum::Algo;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 use xfer_fabric::{Endpoint, FabricKind};
 
@@ -207,6 +209,19 @@ impl PeerApi for PeerClient {
     async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
         self.peer.clone().announce(announce_request_to_pb(grant_id, seq, tag)).await.map_err(|s| self.err(s))?;
         Ok(())
+    }
+
+    async fn verify_batch(
+        &self,
+        grant_id: &xfer_engine::ids::GrantId,
+        seq: u64,
+        sum: (Algo, u64),
+        spans: Vec<(u64, u64)>,
+        settle: bool,
+    ) -> Result<bool, PeerError> {
+        let req = verify_batch_request_to_pb(grant_id, seq, sum, spans, settle);
+        let r = self.peer.clone().verify_batch(req).await.map_err(|s| self.err(s))?.into_inner();
+        Ok(r.checksum_matched)
     }
 
     async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str) {

@@ -20,8 +20,10 @@ pub mod auth;
 pub mod bounds;
 pub mod client;
 pub mod convert;
+pub mod handshake;
 mod peer;
 pub mod tls;
+mod tls_check;
 
 /// Both services over one `Node`.
 #[derive(Clone)]
@@ -71,12 +73,11 @@ impl Services {
         };
         let reflection_v1 = reflection().build_v1().map_err(|e| e.to_string())?;
         let reflection_v1alpha = reflection().build_v1alpha().map_err(|e| e.to_string())?;
-        let mut server = keepalive_server(keepalive);
+        let server = keepalive_server(keepalive);
         let auth = match tls {
-            Some(t) => {
-                server = server.tls_config(t.server_config()).map_err(|e| format!("TLS: {e}"))?;
-                auth::Authenticator::Tls(t.policy.clone())
-            }
+            // The TLS handshake is the incoming stream's ([`handshake::tls_incoming`]), so that
+            // refused handshakes are counted; the server sees finished TLS streams.
+            Some(t) => auth::Authenticator::Tls(t.policy.clone()),
             None => auth::Authenticator::Plaintext,
         };
         Ok(server

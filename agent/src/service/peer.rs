@@ -9,9 +9,10 @@ use xfer_proto::v1::peer_server::Peer;
 
 use super::convert::{
     algo_from_pb, bench_region_to_pb, complete_to_pb, fabric_status, grant_params_from_pb, grant_status, grant_to_pb, invalid, join_status,
-    op_from_pb, peer_connect_from_pb, peer_connect_to_pb, require, sink_to_pb, transfer_status,
+    op_from_pb, peer_connect_from_pb, peer_connect_to_pb, require, sink_to_pb, spans_from_pb, transfer_status, verify_batch_to_pb,
 };
 use super::{caller_of, Services};
+use crate::node::InboundEnd;
 use crate::transfer::Op;
 use xfer_engine::ids::{ConnectionId, TransferId};
 
@@ -46,6 +47,17 @@ impl Peer for Services {
         Ok(Response::new(Default::default()))
     }
 
+    async fn verify_batch(&self, req: Request<pb::VerifyBatchRequest>) -> Result<Response<pb::VerifyBatchResponse>, Status> {
+        // Only the identity the grant was issued to may verify (and settle) its batches.
+        let peer = caller_of(&req)?.name;
+        let r = self.checked(req)?;
+        require(!r.grant_id.is_empty(), "grant_id is required")?;
+        let sum = (algo_from_pb(r.algo)?, r.checksum);
+        let verdict =
+            self.node.verify_batch(&r.grant_id, &peer, r.seq, sum, &spans_from_pb(&r.spans), r.settle).await.map_err(transfer_status)?;
+        Ok(Response::new(verify_batch_to_pb(verdict)))
+    }
+
     async fn revoke(&self, req: Request<pb::RevokeRequest>) -> Result<Response<pb::RevokeResponse>, Status> {
         // Only the identity the grant was issued to may revoke it.
         let peer = caller_of(&req)?.name;
@@ -60,8 +72,12 @@ impl Peer for Services {
         let transfer_id = TransferId::parse(&r.transfer_id).map_err(|e| invalid(e.to_string()))?;
         let checksum = if r.has_checksum { Some((algo_from_pb(r.algo)?, r.checksum)) } else { None };
         let op_write = op_from_pb(r.op)? == Op::Write;
-        let verdict =
-            self.node.complete_inbound(&transfer_id, &r.grant_id, &peer, r.bytes, op_write, checksum).await.map_err(transfer_status)?;
+        let spans = spans_from_pb(&r.spans);
+        let verdict = self
+            .node
+            .complete_inbound(&transfer_id, &r.grant_id, &peer, InboundEnd { bytes: r.bytes, op_write, checksum, spans: &spans })
+            .await
+            .map_err(transfer_status)?;
         Ok(Response::new(complete_to_pb(verdict)))
     }
 

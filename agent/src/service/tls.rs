@@ -17,11 +17,12 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 
 use super::auth::{Caller, Role, RolePolicy};
+use super::tls_check;
 use crate::config::TlsConfig;
 pub use xfer_fabric::identity::tls::{data_tls, host_of, DataTls};
 
 /// A slow or silent client cannot hold a connection slot in the handshake longer than this.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -86,6 +87,23 @@ impl TlsMaterial {
         let key_der =
             PrivateKeyDer::from_pem_slice(&key).map_err(|e| invalid("tls.key", &cfg.key, format!("no usable private key: {e}")))?;
         let server_name = Some(cfg.server_name.clone()).filter(|s| !s.is_empty());
+        let files = tls_check::Files {
+            chain: &chain,
+            key: &key_der,
+            roots: &roots_der,
+            cert_path: &cfg.cert,
+            ca_path: &cfg.ca,
+            server_name: server_name.as_deref(),
+        };
+        tls_check::check(&files).map_err(|f| {
+            let path = match f.key {
+                "tls.key" => &cfg.key,
+                "tls.ca" => &cfg.ca,
+                "tls.server_name" => &cfg.server_name,
+                _ => &cfg.cert,
+            };
+            invalid(f.key, path, f.detail)
+        })?;
         let data = data_tls(chain, key_der, roots_der, policy.clone(), server_name.clone())
             .map_err(|e| invalid("tls.key", &cfg.key, format!("unusable certificate, key or CA for the data plane: {e}")))?;
         let m = TlsMaterial { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), server_name, own, policy, data };
@@ -97,6 +115,15 @@ impl TlsMaterial {
             .tls_config(m.client_config("localhost:1"))
             .map_err(|e| invalid("tls.key", &cfg.key, format!("unusable as a client identity: {}", chain_text(&e))))?;
         Ok(m)
+    }
+
+    /// The gRPC listener's rustls config: the data plane's (same certificate, key and client
+    /// verifier) offering HTTP/2 by ALPN. The agent runs the handshake itself
+    /// ([`super::handshake`]) so that a refused one is logged and counted with its reason.
+    pub fn grpc_server_config(&self) -> Arc<rustls::ServerConfig> {
+        let mut c = (*self.data.server).clone();
+        c.alpn_protocols = vec![b"h2".to_vec()];
+        Arc::new(c)
     }
 
     /// Server side: present the agent's certificate, require and verify client certificates.

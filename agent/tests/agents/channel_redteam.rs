@@ -235,6 +235,15 @@ async fn announce_and_markers_are_the_grantees_alone_under_mtls() {
     // node-c announces batch 0 before any marker, and from its own stream marks it.
     let e = pc.announce(announce_req(&g.grant_id, 0, b"forged-0")).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // Nor can it verify (and so settle) node-a's batch.
+    let forged = pb::VerifyBatchRequest {
+        grant_id: g.grant_id.clone(),
+        spans: vec![pb::GrantSpan { offset: 0, length: 4096 }],
+        settle: true,
+        ..Default::default()
+    };
+    let e = pc.verify_batch(forged).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     let mut cs = tls_data_stream(&pki, "node-c", &addr, "cc1", &c_secret);
     nak(notify(&mut cs, token_of(&g), imm(&g, 0), 1), REM_ACCESS_ERR, 1, "node-a's token on node-c's stream");
     // node-c's certificate cannot say hello as node-a's connection (it has node-a's token now).
@@ -364,6 +373,61 @@ async fn bad_announces_are_refused_and_change_nothing() {
     assert_eq!(gauge(&b, "xfer_grants_active"), 3.0, "g, once and plain");
     // Batch 0's marker and the extra one after its publish (taken, ignored: it published nothing).
     assert_eq!(notify_markers(&b, "counted"), 2.0);
+}
+
+/// `Peer.VerifyBatch` (a channel batch checked end to end after its initiator failed over) is
+/// bounded like every peer input: spans outside the grant, none, too many, an unknown, revoked or
+/// non-channel grant are refused; a checksum that does not match settles nothing; only a match
+/// publishes the batch's announced notification, once. The ordering probe shows nothing was
+/// published by a refusal or a mismatch.
+#[tokio::test]
+async fn verify_batch_is_bounded_and_only_a_match_publishes() {
+    let b = Agent::start("node-b");
+    b.create("dst", MIB, pb::Access::ReadWrite).await;
+    let data = random_bytes(MIB as usize, 4);
+    b.put("dst", 0, &data).await;
+    let mut notes = subscribe(&b, "", None).await;
+    let _c1 = DataSession::of(&b, "c1").await;
+    let g = grant(&b, channel_grant_req("dst", 64 << 10, "c1", 2)).await;
+    let once = grant(&b, once_grant_req("dst", "c1", b"once", 1)).await;
+    announce(&b, &g.grant_id, 0, b"b0").await.unwrap();
+    let spans = [(8192u64, 4096u64), (0, 4096)];
+    let order = [&data[8192..12288], &data[..4096]].concat();
+    let sum = xxhash_rust::xxh3::xxh3_64(&order);
+    let first = xxhash_rust::xxh3::xxh3_64(&data[..4096]);
+    let req = |grant: &str, spans: &[(u64, u64)], checksum: u64| pb::VerifyBatchRequest {
+        grant_id: grant.into(),
+        seq: 0,
+        algo: pb::ChecksumAlgo::Xxh3 as i32,
+        checksum,
+        spans: spans.iter().map(|&(offset, length)| pb::GrantSpan { offset, length }).collect(),
+        settle: true,
+    };
+    let mut p = b.peer_client().await;
+    type Case<'a> = (&'a str, pb::VerifyBatchRequest, Code, &'a str);
+    let cases: Vec<Case> = vec![
+        ("a span past the grant", req(&g.grant_id, &[(60 << 10, 8 << 10)], sum), Code::InvalidArgument, "outside the grant"),
+        ("no spans", req(&g.grant_id, &[], sum), Code::InvalidArgument, "spans are required"),
+        ("too many spans", req(&g.grant_id, &vec![(0, 1); 100_000], sum), Code::ResourceExhausted, "transfer.max_segments"),
+        ("an unknown grant", req("no-such-grant", &spans, sum), Code::NotFound, "not found"),
+        ("a single-notification grant", req(&once.grant_id, &[(0, 4096)], first), Code::InvalidArgument, "channel"),
+    ];
+    for (what, r, code, says) in cases {
+        let e = p.verify_batch(r).await.expect_err(what);
+        assert_eq!(e.code(), code, "{what}: {e:?}");
+        assert!(e.message().contains(says), "{what}: {}", e.message());
+    }
+    let v = p.verify_batch(req(&g.grant_id, &spans, sum ^ 1)).await.unwrap().into_inner();
+    assert!(!v.checksum_matched && v.checksum == sum, "{v:?}");
+    probe(&b, "dst", "c1", b"probe").await;
+    assert_eq!(next_note(&mut notes).await.tag, b"probe", "nothing was published before the probe");
+    let v = p.verify_batch(req(&g.grant_id, &spans, sum)).await.unwrap().into_inner();
+    assert!(v.checksum_matched, "{v:?}");
+    assert_eq!(next_note(&mut notes).await.tag, b"b0", "a match publishes the announced batch");
+    let e = p.verify_batch(req(&g.grant_id, &spans, sum)).await.expect_err("settled twice");
+    assert!(e.message().contains("already notified"), "{e:?}");
+    probe(&b, "dst", "c1", b"probe-2").await;
+    assert_eq!(next_note(&mut notes).await.tag, b"probe-2", "published once");
 }
 
 /// A peer that announces batches and never marks them: the tags a channel grant keeps are

@@ -89,3 +89,53 @@ async fn inbound_history_is_bounded_and_listable() {
     assert_eq!(list.last().unwrap().id, format!("loopback/{:0>64}", n - 1));
     assert!(!list.iter().any(|r| r.id == format!("loopback/{:0>64}", 0)));
 }
+
+/// `Peer.Complete`'s spans (what a batch's checksum covers at the target) are checked against the
+/// grant before any memory is read: outside it, overflowing, empty, not adding up to `bytes`,
+/// more of them than `transfer.max_segments`, or more than four passes over the grant, each is
+/// refused, and nothing changed (no record, the grant still live). Spans that fit sum the grant's
+/// bytes in the order given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_spans_outside_their_grant_are_refused_and_change_nothing() {
+    let b = Agent::start("node-b");
+    b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
+    let mut c = b.client().await;
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 256) as u8).collect();
+    b.put("dst", 0, &pattern).await;
+    let _session = b.data_session("c1").await;
+    let mut p = b.peer_client().await;
+    let g = p.grant(grant_req("dst", "node-x", "c1", pb::Access::Write)).await.unwrap().into_inner();
+    let spanned = |spans: Vec<(u64, u64)>, bytes: u64| pb::CompleteRequest {
+        has_checksum: true,
+        checksum: 1,
+        algo: pb::ChecksumAlgo::Xxh3 as i32,
+        spans: spans.into_iter().map(|(offset, length)| pb::GrantSpan { offset, length }).collect(),
+        ..complete_req(&g.grant_id, "t-spans", bytes, "node-x")
+    };
+    type Spans = Vec<(u64, u64)>;
+    let cases: Vec<(Spans, u64, Code, &str)> = vec![
+        (vec![(4000, 200)], 200, Code::InvalidArgument, "outside the grant"),
+        (vec![(u64::MAX - 10, 100)], 100, Code::InvalidArgument, "outside the grant"),
+        (vec![(0, 0), (0, 10)], 10, Code::InvalidArgument, "empty"),
+        (vec![(0, 100), (200, 100)], 300, Code::InvalidArgument, "add up to 200"),
+        (vec![(0, 4096); 5], 5 * 4096, Code::InvalidArgument, "passes over the grant"),
+        (vec![(0, 1); 100_000], 100_000, Code::ResourceExhausted, "transfer.max_segments"),
+    ];
+    for (spans, bytes, code, why) in cases {
+        let n = spans.len();
+        let e = p.complete(spanned(spans, bytes)).await.unwrap_err();
+        assert_eq!(e.code(), code, "{n} spans: {e:?}");
+        assert!(e.message().contains(why), "{n} spans: {}", e.message());
+    }
+    let list = c.list_transfers(pb::ListTransfersRequest {}).await.unwrap().into_inner().transfers;
+    assert!(list.is_empty(), "a refused Complete recorded something: {list:?}");
+
+    // The grant survived: spans that fit sum the bytes in their order (the second half first).
+    let order = [&pattern[2048..], &pattern[..2048]].concat();
+    let mut ok = spanned(vec![(2048, 2048), (0, 2048)], 4096);
+    ok.checksum = xxhash_rust::xxh3::xxh3_64(&order);
+    let v = p.complete(ok).await.unwrap().into_inner();
+    assert!(v.checksum_matched, "{v:?}");
+    let rec = c.get_transfer(pb::GetTransferRequest { id: "loopback/t-spans".into() }).await.unwrap().into_inner();
+    assert!(rec.inbound && rec.verified, "{rec:?}");
+}

@@ -392,7 +392,7 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
     use std::sync::Arc;
     use xfer_agent::config::Config;
     use xfer_agent::grants::GrantTable;
-    use xfer_agent::node::{GrantParams, Node};
+    use xfer_agent::node::{GrantParams, InboundEnd, Node};
     use xfer_agent::regions::RegionSpec;
     use xfer_engine::ids::{ConnectionId, TransferId};
     use xfer_fabric::tcp::TcpFabric;
@@ -432,8 +432,12 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
         started_rx.recv().unwrap();
         let tid = TransferId::parse("t-doomed").unwrap();
         let checksum = xfer_agent::checksum::checksum(&doomed.region.memory, 0, 4096, xfer_agent::checksum::Algo::Xxh3).unwrap();
-        let mut complete =
-            Box::pin(node.complete_inbound(&tid, doomed.id.as_str(), "a", 4096, true, Some((xfer_agent::checksum::Algo::Xxh3, checksum))));
+        let mut complete = Box::pin(node.complete_inbound(
+            &tid,
+            doomed.id.as_str(),
+            "a",
+            InboundEnd { bytes: 4096, op_write: true, checksum: Some((xfer_agent::checksum::Algo::Xxh3, checksum)), spans: &[] },
+        ));
         // One poll: the grant is looked up, the checksum queued behind the blocker.
         assert!(futures::poll!(complete.as_mut()).is_pending(), "Complete is parked at its checksum");
         node.delete_region("doomed").unwrap();
@@ -444,7 +448,14 @@ fn a_complete_racing_a_revocation_publishes_nothing() {
 
         // The probe: a valid Complete on another region.
         let other = node.grant(&ask("other", b"probe")).await.unwrap();
-        node.complete_inbound(&TransferId::parse("t-probe").unwrap(), other.id.as_str(), "a", 4096, true, None).await.unwrap();
+        node.complete_inbound(
+            &TransferId::parse("t-probe").unwrap(),
+            other.id.as_str(),
+            "a",
+            InboundEnd { bytes: 4096, op_write: true, checksum: None, spans: &[] },
+        )
+        .await
+        .unwrap();
         let n = rx.recv().await.unwrap();
         assert_eq!(n.tag, b"probe", "a notification was published for a grant revoked before its Complete finished: {n:?}");
         assert_eq!(grants.len(), 0);

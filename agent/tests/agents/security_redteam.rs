@@ -220,6 +220,7 @@ async fn a_peer_cannot_replace_another_callers_transfer_record() {
             checksum: 1,
             algo: pb::ChecksumAlgo::Xxh3 as i32,
             success: true,
+            spans: vec![],
         })
         .await;
 

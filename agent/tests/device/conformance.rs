@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use xfer_agent::config::{Config, FabricChoice};
 use xfer_agent::error::NodeError;
 use xfer_agent::grants::{Grant, GrantTable};
-use xfer_agent::node::{GrantParams, Node, NotifyAsk};
+use xfer_agent::node::{GrantParams, InboundEnd, Node, NotifyAsk};
 use xfer_agent::regions::{Region, RegionSpec};
 use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Completion, Connection, Fabric, RemoteOp, WcStatus, WorkRequest, WrOp};
@@ -663,7 +663,7 @@ async fn markers_acknowledged_before_complete_publish_the_notification(k: Kind) 
             assert_eq!(next(&mut rx).await.status, WcStatus::Success);
         }
         let tid = xfer_engine::ids::TransferId::random();
-        b.node.complete_inbound(&tid, &g.id, "a", 1 << 20, true, None).await.unwrap();
+        b.node.complete_inbound(&tid, &g.id, "a", InboundEnd { bytes: 1 << 20, op_write: true, checksum: None, spans: &[] }).await.unwrap();
         let n = notes.try_recv().expect("published by the time Complete returns");
         assert_eq!((n.tag.as_slice(), n.via), (tag.as_bytes(), xfer_agent::notify::Via::Fabric), "round {round}");
         assert!(notes.try_recv().is_err(), "published once");

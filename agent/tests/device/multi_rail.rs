@@ -55,9 +55,10 @@ async fn a_transfer_uses_both_links() {
     }
 }
 
-/// Size of the transfers a link goes down in: at the tens of MiB/s of two emulated links it
-/// runs for seconds, and the link goes down within milliseconds of its first MiB on that link.
-const FAILOVER_BLOCKS: u64 = 512;
+/// Size of the transfers a link goes down in (MiB): 1 GiB, at the tens of MiB/s of two emulated
+/// links about half a minute, and the link goes down within milliseconds of its first MiB on
+/// that link.
+const FAILOVER_BLOCKS: u64 = 1024;
 
 /// A transfer (`op`) during which the second link goes down completes with every byte in place
 /// and a failover counted.
@@ -144,6 +145,8 @@ async fn a_batch_across_a_failover_is_notified_once_after_every_byte() {
     let t = finish(&a, &id).await;
     assert_succeeded(&t, &a);
     assert!(failovers(&a) > 0.0, "no failover counted: {}", scrape(&a));
+    // A batch that failed over was checked end to end, its segments in order on both agents.
+    assert!(t.failovers == 0 || t.verified, "the failed-over batch was not verified: {t:?}");
 
     // Exactly once: the next notification the subscriber sees is that of a following batch.
     mid.restore();

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use xfer_agent::config::Config;
 use xfer_agent::grants::GrantTable;
-use xfer_agent::node::{GrantParams, Node, NotifyAsk};
+use xfer_agent::node::{GrantParams, InboundEnd, Node, NotifyAsk};
 use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
 use xfer_agent::regions::RegionSpec;
 use xfer_agent::transfer::{Op, TransferOptions, TransferRecord, TransferRequest, TransferState};
@@ -20,12 +20,12 @@ use xfer_fabric::tcp::TcpFabric;
 use xfer_fabric::{Access, Endpoint, Fabric, FabricKind, RemoteKey};
 
 /// The initiator's name as the target sees it (what a certificate's NAME would be).
-const A: &str = "node-a";
+pub(crate) const A: &str = "node-a";
 /// Any address: the connector below ignores it.
-const B_ADDR: &str = "127.0.0.1:1";
+pub(crate) const B_ADDR: &str = "127.0.0.1:1";
 
 /// `PeerApi` over the target node in this process.
-struct LocalPeer {
+pub(crate) struct LocalPeer {
     target: Arc<Node>,
     /// While set, `complete` waits for a `notify_one` before calling the target.
     hold_complete: Option<Arc<Notify>>,
@@ -43,7 +43,7 @@ struct LocalPeer {
 }
 
 impl LocalPeer {
-    fn new(target: Arc<Node>) -> LocalPeer {
+    pub(crate) fn new(target: Arc<Node>) -> LocalPeer {
         LocalPeer {
             target,
             hold_complete: None,
@@ -124,12 +124,33 @@ impl PeerApi for LocalPeer {
             self.complete_arrived.notify_one();
             hold.notified().await;
         }
-        let v = self.target.complete_inbound(&p.transfer_id, &p.grant_id, A, p.bytes, p.op_write, p.checksum).await.map_err(remote)?;
+        let v = self
+            .target
+            .complete_inbound(
+                &p.transfer_id,
+                &p.grant_id,
+                A,
+                InboundEnd { bytes: p.bytes, op_write: p.op_write, checksum: p.checksum, spans: &p.spans },
+            )
+            .await
+            .map_err(remote)?;
         Ok(p.checksum.is_none() || v.is_some_and(|v| v.0))
     }
 
     async fn announce(&self, grant_id: &xfer_engine::ids::GrantId, seq: u64, tag: &[u8]) -> Result<(), PeerError> {
         self.target.announce(grant_id, A, seq, tag.to_vec()).map_err(remote)
+    }
+
+    async fn verify_batch(
+        &self,
+        grant_id: &xfer_engine::ids::GrantId,
+        seq: u64,
+        sum: (xfer_agent::checksum::Algo, u64),
+        spans: Vec<(u64, u64)>,
+        settle: bool,
+    ) -> Result<bool, PeerError> {
+        let (matched, _) = self.target.verify_batch(grant_id.as_str(), A, seq, sum, &spans, settle).await.map_err(remote)?;
+        Ok(matched)
     }
 
     async fn disconnect(&self, connection_id: &ConnectionId, _node_name: &str) {
@@ -154,9 +175,9 @@ impl PeerApi for LocalPeer {
     }
 }
 
-struct Node2 {
-    node: Arc<Node>,
-    grants: Arc<GrantTable>,
+pub(crate) struct Node2 {
+    pub(crate) node: Arc<Node>,
+    pub(crate) grants: Arc<GrantTable>,
     _dir: tempfile::TempDir,
 }
 
@@ -166,15 +187,22 @@ async fn node(name: &str, connector: Connector) -> Node2 {
 
 /// [`node`] with its configuration changed by `tune`, and with `two_paths` over a [`TwoPaths`]
 /// fabric.
-async fn node_with(name: &str, connector: Connector, tune: impl FnOnce(&mut Config), two_paths: bool) -> Node2 {
+pub(crate) async fn node_with(name: &str, connector: Connector, tune: impl FnOnce(&mut Config), two_paths: bool) -> Node2 {
+    node_on(name, connector, tune, |f| if two_paths { Arc::new(TwoPaths(f)) } else { f }).await
+}
+
+/// [`node`] with its configuration changed by `tune`, over the tcp fabric as `wrap` returns it.
+pub(crate) async fn node_on(
+    name: &str,
+    connector: Connector,
+    tune: impl FnOnce(&mut Config),
+    wrap: impl FnOnce(Arc<dyn Fabric>) -> Arc<dyn Fabric>,
+) -> Node2 {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config { node_name: name.to_string(), state_dir: dir.path().to_path_buf(), ..Config::default() };
     tune(&mut cfg);
     let grants = Arc::new(GrantTable::new(1024));
-    let mut fabric: Arc<dyn Fabric> = Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap());
-    if two_paths {
-        fabric = Arc::new(TwoPaths(fabric));
-    }
+    let fabric = wrap(Arc::new(TcpFabric::bind("127.0.0.1:0".parse().unwrap(), grants.clone(), None).await.unwrap()));
     Node2 { node: Node::new(cfg, fabric, "test".into(), grants.clone(), connector), grants, _dir: dir }
 }
 
@@ -230,12 +258,12 @@ impl Fabric for TwoPaths {
     }
 }
 
-fn region(n: &Node, name: &str, len: u64, fill: u8) {
+pub(crate) fn region(n: &Node, name: &str, len: u64, fill: u8) {
     let r = n.create_region(RegionSpec::anonymous(name, len, Access::ReadWrite)).unwrap();
     r.memory.write_at(0, &vec![fill; len as usize]).unwrap();
 }
 
-fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
+pub(crate) fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
     TransferRequest {
         notify: None,
         segments: Vec::new(),
@@ -259,7 +287,7 @@ fn write(local: &str, remote: &str, len: u64, verify: bool) -> TransferRequest {
 }
 
 /// Waits (on the record's watch channel, not on time) until the transfer is finished.
-async fn finished(n: &Node, id: &str) -> TransferRecord {
+pub(crate) async fn finished(n: &Node, id: &str) -> TransferRecord {
     let h = n.transfer(id).unwrap();
     let mut rx = h.record.subscribe();
     loop {

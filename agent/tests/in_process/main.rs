@@ -9,6 +9,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod false_completion;
 mod initiator;
 mod lease_end;
 mod state_lifetime;

@@ -197,6 +197,10 @@ pub struct Machine {
     path_bytes: Vec<u64>,
     events: VecDeque<PathEvent>,
     failovers: u32,
+    /// Markers not yet posted when a path failed over are held, not sent (see
+    /// [`Machine::hold_markers_after_failover`]).
+    hold: bool,
+    held: bool,
     bytes_done: u64,
     state: State,
 }
@@ -243,6 +247,8 @@ impl Machine {
             paths,
             events: VecDeque::new(),
             failovers: 0,
+            hold: false,
+            held: false,
             bytes_done: 0,
             state: if done { State::Succeeded } else { State::Running },
             cfg,
@@ -284,6 +290,22 @@ impl Machine {
     /// Paths lost while the transfer ran whose WRs were posted again on the others.
     pub fn failovers(&self) -> u32 {
         self.failovers
+    }
+
+    /// Once a path failed over, the markers not yet posted are held rather than sent, and the
+    /// machine succeeds without them. A failing device may have reported work complete that did
+    /// not land; the session then verifies the segments end to end and the target publishes
+    /// the notification on `Peer.Complete` only if they match, so no notification announces a
+    /// batch that did not fully land. (Markers already posted still count at the target: a
+    /// QP's own marker trails its data in RC order.)
+    pub fn hold_markers_after_failover(mut self) -> Machine {
+        self.hold = true;
+        self
+    }
+
+    /// Whether markers were held after a failover (the notification is `Peer.Complete`'s).
+    pub fn markers_held(&self) -> bool {
+        self.held
     }
 
     /// What happened to paths since the last call (for logs and metrics); at most one event per
@@ -354,6 +376,15 @@ impl Machine {
     /// the target counts first, either each is a QP's own (behind every chunk's first posting on
     /// that QP) or one of them left after every chunk had landed.
     fn poll_marker(&mut self) -> Option<Post> {
+        if self.hold && self.failovers > 0 && self.cfg.markers != Markers::None {
+            if self.owed > 0 || self.marker_sent.iter().any(|&m| !m) {
+                self.held = true;
+                self.owed = 0;
+                self.marker_sent.fill(true);
+                self.check_done();
+            }
+            return None;
+        }
         let retired = self.data_retired();
         if self.cfg.markers == Markers::AfterData && !retired {
             return None;

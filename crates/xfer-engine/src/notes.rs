@@ -198,6 +198,22 @@ impl ChannelNotes {
         Ok(Self::take_if_ready(&mut w, seq, self.markers))
     }
 
+    /// Batch `seq` counts as fully marked without its markers: its initiator held them back after
+    /// a path failed over and this agent checked the batch's bytes end to end instead.
+    /// `Ok(Some(..))` when its tag was announced (it is ready now).
+    pub fn settle(&self, seq: u64) -> Result<Option<Ready>, ChannelRefusal> {
+        let mut w = self.lock();
+        if seq < w.base || w.published.contains(&seq) {
+            return Err(ChannelRefusal::AlreadyPublished(seq));
+        }
+        if seq - w.base >= CHANNEL_WINDOW {
+            return Err(ChannelRefusal::OutOfWindow(seq));
+        }
+        let e = w.entries.entry(seq).or_default();
+        e.seen = self.markers;
+        Ok(Self::take_if_ready(&mut w, seq, self.markers))
+    }
+
     fn take_if_ready(w: &mut Window, seq: u64, markers: u32) -> Option<Ready> {
         let ready = w.entries.get(&seq).is_some_and(|e| e.tag.is_some() && e.seen == markers);
         if !ready {
@@ -255,6 +271,23 @@ mod tests {
         assert_eq!(c.announce(1, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(1)));
         assert_eq!(c.announce(2, b"again".to_vec()), Err(ChannelRefusal::AlreadyPublished(2)));
         assert_eq!(c.lock().base, 3, "the window moved past every published batch");
+    }
+
+    /// A batch settled after a failover is published once, with its tag, whether the tag or the
+    /// settlement came first; settling a published or far-away batch is refused.
+    #[test]
+    fn a_settled_batch_is_published_once_with_its_tag() {
+        let c = chan(3);
+        let imm = |seq| channel_imm(c.base_imm, seq);
+        assert_eq!(c.announce(0, b"b0".to_vec()), Ok(None));
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None), "one marker of three landed before the failover");
+        assert_eq!(c.settle(0).unwrap().map(|r| r.0), Some(b"b0".to_vec()));
+        assert_eq!(c.settle(0), Err(ChannelRefusal::AlreadyPublished(0)));
+        assert_eq!(c.marker(imm(0), Instant::now()), Ok(None), "a late marker counts toward nothing");
+        assert_eq!(c.settle(1), Ok(None), "settled before its tag: ready once announced");
+        assert_eq!(c.announce(1, b"b1".to_vec()).unwrap().map(|r| r.0), Some(b"b1".to_vec()));
+        assert_eq!(c.settle(5000), Err(ChannelRefusal::OutOfWindow(5000)));
+        assert_eq!(c.unpublished(), 0);
     }
 
     /// A channel expects a batch until its first is published, and afterwards only while one is

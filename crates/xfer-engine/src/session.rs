@@ -204,6 +204,11 @@ impl<E: From<Error>> Session<E> {
             _ => None,
         }
     }
+    /// The segments being moved (a transfer without segments is one), once accepted: what a
+    /// checksum covers on each side, in order.
+    pub fn batch(&self) -> Option<&Batch> {
+        self.batch.as_ref()
+    }
 
     pub fn bytes_done(&self) -> u64 {
         self.bytes_done
@@ -237,7 +242,8 @@ impl<E: From<Error>> Session<E> {
             deadline: now.checked_add(self.cfg.timeout),
             path_of: self.path_of.clone(),
             weights: self.weights.clone(),
-        });
+        })
+        .hold_markers_after_failover();
         self.phase = Phase::Running(Box::new(m));
         self.after_machine();
     }
@@ -462,8 +468,8 @@ impl<E: From<Error>> Session<E> {
         if !m.is_done() {
             return;
         }
-        // A batch's scattered segments have no one range to compare (`Agent.Checksum` per range).
-        self.failed_over = *m.state() == State::Succeeded && m.failovers() > 0 && self.cfg.batch.is_none();
+        // A batch is compared segment by segment, in order, on both sides (`Peer.Complete`'s spans).
+        self.failed_over = *m.state() == State::Succeeded && m.failovers() > 0;
         let clean = m.outstanding() == 0;
         let next = match m.state().clone() {
             State::Running => return,

@@ -22,8 +22,28 @@ pub const DEVICE_EVENTS: &str = "xfer_device_events_total";
 pub const DEVICE_WORK_REQUESTS: &str = "xfer_device_work_requests_total";
 pub const DEVICE_BYTES: &str = "xfer_device_bytes_total";
 
+/// A work completion with `status`, a verbs-style name (`WcStatus::name`); the label value is
+/// its lower-case form, like every other label's values.
 pub fn work_completion(status: &'static str) {
-    counter!(WORK_COMPLETIONS, "status" => status).increment(1);
+    counter!(WORK_COMPLETIONS, "status" => status_label(status)).increment(1);
+}
+
+/// The lower-case label of a completion status name, without allocating on the completion path.
+fn status_label(name: &'static str) -> &'static str {
+    match name {
+        "SUCCESS" => "success",
+        "LOC_LEN_ERR" => "loc_len_err",
+        "LOC_QP_OP_ERR" => "loc_qp_op_err",
+        "LOC_PROT_ERR" => "loc_prot_err",
+        "WR_FLUSH_ERR" => "wr_flush_err",
+        "REM_INV_REQ_ERR" => "rem_inv_req_err",
+        "REM_ACCESS_ERR" => "rem_access_err",
+        "REM_OP_ERR" => "rem_op_err",
+        "RETRY_EXC_ERR" => "retry_exc_err",
+        "RNR_RETRY_EXC_ERR" => "rnr_retry_exc_err",
+        "GENERAL_ERR" => "general_err",
+        _ => "other_err",
+    }
 }
 
 /// The responder's QPs reached RTS (or failed to), `d` after its accept started.

@@ -63,7 +63,7 @@ pub struct Opt {
     /// Move a list of segments as one batch: a file (`-` = stdin) with one `SRC_OFF DST_OFF LEN`
     /// per line, or `SRC_OFF DST_OFF LEN xCOUNT [SRC_STRIDE [DST_STRIDE]]` for strided blocks.
     /// Offsets are relative to SRC's and DST's @OFFSET.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["len", "verify"])]
+    #[arg(long, value_name = "FILE", conflicts_with = "len")]
     pub segments: Option<std::path::PathBuf>,
     /// Notify the target agent's `WatchInbound` subscribers with this tag once every byte has
     /// landed (see `xferctl watch-inbound`).

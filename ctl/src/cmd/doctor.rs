@@ -87,7 +87,13 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         Some(info) => checks.extend(agent_checks(info, &ctx.agent)),
         None => {
             let line = connect_error.as_ref().map(|e| crate::error::report(e).1).unwrap_or_default();
-            checks.push(check("agent", Verdict::Fail, line, Some("start xfer-agent, or point --agent / $XFER_AGENT at it")));
+            // An agent that answered but refused (TLS, wrong port) needs another fix than one that is down.
+            let fix = if connect_error.as_ref().and_then(crate::error::connect_hint).is_some() {
+                "see the message: the agent is up but this connection does not fit it"
+            } else {
+                "start xfer-agent, or point --agent / $XFER_AGENT at it"
+            };
+            checks.push(check("agent", Verdict::Fail, line, Some(fix)));
         }
     }
     let local = opt.local || is_local(&ctx.agent, info.as_ref());

@@ -6,6 +6,7 @@ use xfer_proto::v1 as pb;
 
 use super::peers::{endpoint_from_pb, endpoint_to_pb};
 use super::scalars::{algo_to_pb, duration_to_pb, fabric_from_pb, fabric_to_pb, time_from_pb};
+use crate::checksum::Algo;
 use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply};
 use xfer_engine::ids::{ConnectionId, GrantId};
 use xfer_fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
@@ -118,6 +119,25 @@ pub fn complete_request_to_pb(p: CompleteParams) -> pb::CompleteRequest {
         checksum,
         algo: algo as i32,
         success: p.success,
+        spans: p.spans.into_iter().map(|(offset, length)| pb::GrantSpan { offset, length }).collect(),
+    }
+}
+
+/// `Peer.VerifyBatch`: batch `seq` of a channel's grant, its checksum and what it covers.
+pub fn verify_batch_request_to_pb(
+    grant_id: &GrantId,
+    seq: u64,
+    sum: (Algo, u64),
+    spans: Vec<(u64, u64)>,
+    settle: bool,
+) -> pb::VerifyBatchRequest {
+    pb::VerifyBatchRequest {
+        grant_id: grant_id.to_string(),
+        seq,
+        algo: algo_to_pb(sum.0) as i32,
+        checksum: sum.1,
+        spans: spans.into_iter().map(|(offset, length)| pb::GrantSpan { offset, length }).collect(),
+        settle,
     }
 }
 

@@ -17,11 +17,12 @@ pub use bench::{bench_params_from_pb, bench_region_to_pb, bench_to_pb, sink_to_p
 pub use calls::{
     announce_request_to_pb, bench_region_request_to_pb, close_bench_region_request_to_pb, complete_request_to_pb, disconnect_request_to_pb,
     grant_info_from_pb, grant_request_to_pb, handshake_reply_from_pb, peer_connect_request_to_pb, revoke_request_to_pb, sink_request_to_pb,
+    verify_batch_request_to_pb,
 };
 pub use info::agent_info_to_pb;
 pub use peers::{
     complete_to_pb, connection_id_from_pb, endpoint_from_pb, endpoint_to_pb, grant_params_from_pb, grant_to_pb, peer_address,
-    peer_connect_from_pb, peer_connect_to_pb, peer_info_to_pb, peer_list_to_pb,
+    peer_connect_from_pb, peer_connect_to_pb, peer_info_to_pb, peer_list_to_pb, spans_from_pb, verify_batch_to_pb,
 };
 pub use regions::{
     checksum_to_pb, region_list_to_pb, region_piece_to_pb, region_spec_from_pb, region_to_pb, region_view_to_pb, region_written_to_pb,

@@ -211,6 +211,15 @@ pub fn each_to_pb(keys: &[RemoteKey]) -> (Vec<u32>, Vec<u8>) {
 }
 
 /// `Peer.Complete`'s answer: `verdict` is (matched, this side's checksum) when one was compared.
+/// The spans a checksum covers, as (offset from the grant's start, length).
+pub fn spans_from_pb(spans: &[pb::GrantSpan]) -> Vec<(u64, u64)> {
+    spans.iter().map(|s| (s.offset, s.length)).collect()
+}
+
+pub fn verify_batch_to_pb(verdict: (bool, u64)) -> pb::VerifyBatchResponse {
+    pb::VerifyBatchResponse { checksum_matched: verdict.0, checksum: verdict.1 }
+}
+
 pub fn complete_to_pb(verdict: Option<(bool, u64)>) -> pb::CompleteResponse {
     pb::CompleteResponse { checksum_matched: verdict.is_some_and(|v| v.0), checksum: verdict.map(|v| v.1).unwrap_or(0) }
 }

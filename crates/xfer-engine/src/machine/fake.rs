@@ -193,11 +193,19 @@ fn run(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill) -> (M
 
 /// [`run`] with the schedule of `seed` (0: QPs in turn, completions at once).
 fn run_seeded(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill, seed: u64) -> (Machine, Fake, usize) {
+    run_machine(c, false, kills, land, mode, seed)
+}
+
+/// [`run_seeded`], with the markers held after a failover when `hold`.
+fn run_machine(c: MachineConfig, hold: bool, kills: &[(usize, usize)], land: Land, mode: Kill, seed: u64) -> (Machine, Fake, usize) {
     let npaths = c.path_of.iter().max().map_or(1, |p| p + 1);
     let path_of = c.path_of.to_vec();
     let mut f = Fake::new(&c, &path_of, npaths, mode);
     f.rng = seed;
     let mut m = Machine::new(c);
+    if hold {
+        m = m.hold_markers_after_failover();
+    }
     let mut step = 0;
     while !m.is_done() {
         let posted = f.post_all(&mut m);
@@ -214,7 +222,8 @@ fn run_seeded(c: MachineConfig, kills: &[(usize, usize)], land: Land, mode: Kill
             let Some((q, seq, status)) = f.cq.pop_front() else { break };
             m.handle_completion(q, seq, status);
         }
-        if !(posted || moved || delivered) {
+        // (Holding the markers can end the machine inside a poll, with nothing posted.)
+        if !(posted || moved || delivered || m.is_done()) {
             assert!(!f.withheld.is_empty(), "hang at step {step}: {m:?}");
             f.cq.extend(f.withheld.drain(..));
         }
@@ -272,6 +281,39 @@ fn a_path_killed_at_any_step_fails_over_without_losing_or_repeating_a_chunk() {
         runs > 1000 && failed_over > 500 && extra_markers > 50,
         "{runs} runs, {failed_over} failovers, {extra_markers} with extra markers"
     );
+}
+
+/// Markers held after a failover (what a session asks): a path killed at any step, by any means,
+/// still lands every chunk once; the marker count at the target reaches N at most once and only
+/// after the last byte (the fake asserts it), and whenever a failover happened before the
+/// markers all went out, the machine says it held them (`Peer.Complete` then publishes after
+/// the end-to-end check). Without a failover nothing is held.
+#[test]
+fn markers_held_after_a_failover_leave_the_notification_to_the_complete() {
+    let (mut held, mut fired) = (0, 0);
+    for markers in [Markers::Pipelined, Markers::AfterData] {
+        let (m, f, clean) = run_machine(config(2, 2, markers), true, &[], Land::All, Kill::Completion, 0);
+        assert!(!m.markers_held() && f.fired == 1, "{markers:?}: no failover, nothing held");
+        for mode in [Kill::Completion, Kill::Event, Kill::Post] {
+            for land in [Land::None, Land::Half, Land::All] {
+                for k in 0..=clean {
+                    let what = format!("{markers:?}, {mode:?}, {land:?}, path 1 at step {k}");
+                    let (m, f, _) = run_machine(config(2, 2, markers), true, &[(k, 1)], land, mode, 0);
+                    assert_eq!(m.state(), &State::Succeeded, "{what}");
+                    assert_eq!(m.bytes_done(), TOTAL, "{what}: every chunk counted once");
+                    assert!(f.landed.iter().all(|&b| b), "{what}: a byte never landed");
+                    assert!(f.fired <= 1, "{what}: fired {} times", f.fired);
+                    assert!(f.fired == 1 || m.markers_held(), "{what}: neither the markers nor the Complete announce it");
+                    if m.failovers() == 0 {
+                        assert!(!m.markers_held(), "{what}: held without a failover");
+                    }
+                    held += u32::from(m.markers_held());
+                    fired += f.fired;
+                }
+            }
+        }
+    }
+    assert!(held > 20 && fired > 20, "the enumeration reached both ends: {held} held, {fired} fired");
 }
 
 /// Two of three paths, killed at every pair of nearby steps: the third carries it.

@@ -80,6 +80,20 @@ what is left here needs more than one value, or arithmetic.
 {{- if ne (len ($ports | uniq)) 4 }}
 {{- fail (printf "config.ports must be four different ports (got %v)" $ports) }}
 {{- end }}
+{{- if and .Values.sharedMemory.exampleApp.enabled (or (eq .Values.sharedMemory.mode "none") (not .Values.localSocket.enabled)) }}
+{{- fail "sharedMemory.exampleApp needs sharedMemory.mode hostPath or hostIPC and localSocket.enabled: the example application reaches the agent through the node's unix socket and shares its /dev/shm" }}
+{{- end }}
+{{- /* helm install --create-namespace makes a namespace without Pod Security labels, and the
+       agent's pods (hostNetwork, hostPath) are then refused wherever the cluster's default level
+       is not privileged. lookup sees the cluster only on a real install or upgrade (helm template
+       gets nothing, so nothing is checked there). */}}
+{{- $ns := lookup "v1" "Namespace" "" .Release.Namespace }}
+{{- if $ns }}
+{{- $enforce := get ($ns.metadata.labels | default dict) "pod-security.kubernetes.io/enforce" }}
+{{- if and $enforce (ne $enforce "privileged") }}
+{{- fail (printf "namespace %s enforces Pod Security level %q: the agent needs hostNetwork and hostPath, which only \"privileged\" admits. kubectl label --overwrite namespace %s pod-security.kubernetes.io/enforce=privileged (deploy/helm/namespace.yaml has every label)" .Release.Namespace $enforce .Release.Namespace) }}
+{{- end }}
+{{- end }}
 {{- if and .Values.network.hostNetwork (include "xfer.multusNetworks" .) }}
 {{- fail "network.multus.networks needs network.hostNetwork=false: Multus attaches no networks to hostNetwork pods" }}
 {{- end }}
@@ -201,6 +215,16 @@ dns_roles = [
   { pattern = {{ .pattern | quote }}, role = {{ .role | quote }} },
 {{- end }}
 ]
+{{- end }}
+{{- end }}
+
+{{- if ne .Values.sharedMemory.mode "none" }}
+
+[regions]
+# sharedMemory.mode={{ .Values.sharedMemory.mode }}: application pods open the shm objects the agent creates.
+shm_mode = {{ .Values.sharedMemory.objectMode | quote }}
+{{- with .Values.sharedMemory.group }}
+shm_group = {{ . | toString | quote }}
 {{- end }}
 {{- end }}
 

@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+mod security;
+pub use security::{rpc_denied, tls_handshake_failure, RPC_DENIED, TLS_HANDSHAKE_FAILURES};
+
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 // The data plane records these itself; their names and helpers live with it, described below.
@@ -32,7 +35,9 @@ pub const CONNECT_PHASE: &str = "xfer_connect_phase_seconds";
 pub const ACCEPT_DURATION: &str = "xfer_accept_duration_seconds";
 pub const GRANT_READY_WAITS: &str = "xfer_grant_ready_waits_total";
 pub const REGIONS: &str = "xfer_regions";
-pub const REGION_BYTES: &str = "xfer_region_bytes_registered";
+pub const REGION_BYTES: &str = "xfer_region_registered_bytes";
+/// Deprecated alias of [`REGION_BYTES`] (the unit was not last), still emitted for one release.
+pub const REGION_BYTES_DEPRECATED: &str = "xfer_region_bytes_registered";
 pub const REGISTRATION_DURATION: &str = "xfer_registration_duration_seconds";
 pub const GRANTS_ACTIVE: &str = "xfer_grants_active";
 pub const FABRIC_INFO: &str = "xfer_fabric_info";
@@ -98,7 +103,7 @@ pub fn describe() {
         Unit::Count,
         "Transfers that failed or were cancelled, by operation and failure code (Transfer.error_code)."
     );
-    describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved by transfers, by operation and peer node.");
+    describe_counter!(TRANSFER_BYTES, Unit::Bytes, "Bytes moved by transfers and channel batches, by operation (write, read), direction (outbound: this agent initiated them, counted as their chunks complete; inbound: a peer initiated them against this agent, counted when the peer completes them) and peer (the peer's certificate NAME, or without TLS its address: loopback or its IP; the same identity both agents use for each other).");
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
@@ -134,6 +139,11 @@ pub fn describe() {
     );
     describe_gauge!(REGIONS, Unit::Count, "Regions registered with the fabric.");
     describe_gauge!(REGION_BYTES, Unit::Bytes, "Bytes of region memory registered with the fabric.");
+    describe_gauge!(
+        REGION_BYTES_DEPRECATED,
+        Unit::Bytes,
+        "Deprecated: the same as xfer_region_registered_bytes, removed in the next release."
+    );
     describe_histogram!(REGISTRATION_DURATION, Unit::Seconds, "Time to register memory with the fabric.");
     describe_gauge!(GRANTS_ACTIVE, Unit::Count, "Grants currently valid on this agent.");
     describe_gauge!(FABRIC_INFO, "Fabric in use (value 1), with kind and device labels.");
@@ -250,6 +260,7 @@ pub fn describe() {
         Unit::Seconds,
         "From the first marker of a batch arriving to its notification being published (the spread of the batch's last WRs over its QPs, plus dispatch); via=complete when Peer.Complete published it."
     );
+    security::describe();
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -341,7 +352,8 @@ pub fn transfer_finished(op: &'static str, result: &'static str, elapsed: Durati
 
 /// A transfer that did not succeed, by its failure code (a closed set: the label stays bounded).
 pub fn transfer_failure(op: &'static str, code: &'static str) {
-    counter!(TRANSFER_FAILURES, "op" => op, "code" => code).increment(1);
+    // Label values are lower snake case like every other label's; the API keeps the upper-case code.
+    counter!(TRANSFER_FAILURES, "op" => op, "code" => code.to_ascii_lowercase()).increment(1);
 }
 
 /// Most distinct `peer` label values (`limits.max_peer_labels`).
@@ -369,8 +381,22 @@ pub fn peer_label(name: &str) -> String {
     }
 }
 
-pub fn transfer_bytes(op: &'static str, peer: &str, bytes: u64) {
-    counter!(TRANSFER_BYTES, "op" => op, "peer" => peer_label(peer)).increment(bytes);
+/// `bytes` more moved by a transfer or batch: `op` is write or read, `direction` outbound (this
+/// agent initiated it) or inbound.
+pub fn transfer_bytes(op: &'static str, direction: &'static str, peer: &str, bytes: u64) {
+    if bytes > 0 {
+        counter!(TRANSFER_BYTES, "op" => op, "direction" => direction, "peer" => peer_label(peer)).increment(bytes);
+    }
+}
+
+/// A running outbound transfer has `total` bytes done; `counted` of them are in
+/// `xfer_transfer_bytes_total` already. Counts the difference, so the counter moves with every
+/// completed run of chunks, not only when the transfer ends.
+pub fn transfer_progress(op: &'static str, peer: &str, total: u64, counted: &mut u64) {
+    if total > *counted {
+        transfer_bytes(op, "outbound", peer, total - *counted);
+        *counted = total;
+    }
 }
 
 /// `writes`, `reads` and `notifies` WRs were posted (one doorbell run).
@@ -440,6 +466,7 @@ pub fn accept_duration(d: Duration) {
 pub fn regions(n: usize, bytes: u64) {
     gauge!(REGIONS).set(n as f64);
     gauge!(REGION_BYTES).set(bytes as f64);
+    gauge!(REGION_BYTES_DEPRECATED).set(bytes as f64);
 }
 
 pub fn registration_duration(d: Duration) {
@@ -476,6 +503,28 @@ mod tests {
     /// The sample of an unlabelled series in a rendered exposition.
     fn sample(text: &str, name: &str) -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// The outbound byte counter moves with each completed run of chunks: what a scrape sees
+    /// in the middle of a transfer is what it has moved so far, never counted twice.
+    #[test]
+    fn transfer_bytes_count_as_chunks_complete() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let series = r#"xfer_transfer_bytes_total{op="write",direction="outbound",peer="node-b"}"#;
+        metrics::with_local_recorder(&recorder, || {
+            let mut counted = 0;
+            super::transfer_progress("write", "node-b", 4096, &mut counted);
+            assert_eq!(sample(&handle.render(), series), Some(4096.0));
+            super::transfer_progress("write", "node-b", 3 * 4096, &mut counted);
+            assert_eq!(sample(&handle.render(), series), Some(3.0 * 4096.0));
+            // The same total told again (the end of the job, then the session's finish) adds nothing.
+            super::transfer_progress("write", "node-b", 3 * 4096, &mut counted);
+            assert_eq!(counted, 3 * 4096);
+            super::transfer_failure("write", "CHECKSUM_MISMATCH");
+        });
+        assert_eq!(sample(&handle.render(), series), Some(3.0 * 4096.0));
+        assert!(handle.render().contains(r#"code="checksum_mismatch""#), "{}", handle.render());
     }
 
     /// `xfer_prebuilt_qps` is the node's total over its devices (each device's pool used to
