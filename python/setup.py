@@ -1,5 +1,6 @@
-"""Builds the xfer package, generating the gRPC stubs from ../proto (or ./proto in an sdist)."""
-import os
+"""Builds the xfer package, generating the gRPC stubs from ./proto/xfer/v1/xfer.proto, a copy of the
+repository's proto/ kept in the package (scripts/python-test fails when the two differ), so the
+package builds from a copy of this directory anywhere."""
 import pathlib
 
 from setuptools import setup
@@ -15,7 +16,9 @@ class BuildWithStubs(build_py):
         import grpc_tools
         from grpc_tools import protoc
 
-        proto_root = next(p for p in (HERE.parent / "proto", HERE / "proto") if (p / "xfer/v1/xfer.proto").exists())
+        proto_root = HERE / "proto"
+        if not (proto_root / "xfer/v1/xfer.proto").exists():
+            raise RuntimeError(f"{proto_root}/xfer/v1/xfer.proto is missing: the package carries its own copy of the proto")
         out = pathlib.Path(self.build_lib)
         (out / "xfer" / "v1").mkdir(parents=True, exist_ok=True)
         well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"

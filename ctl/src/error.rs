@@ -99,6 +99,8 @@ impl Failure {
         match self {
             Failure::Connect { .. } => exit::UNAVAILABLE,
             Failure::TransferFailed { error_code, .. } if is_checksum_code(error_code) => exit::VERIFY_MISMATCH,
+            // `cp --timeout` ran out: the documented DEADLINE_EXCEEDED exit, not a generic failure.
+            Failure::TransferFailed { error_code, .. } if error_code == "DEADLINE_EXCEEDED" => exit::DEADLINE_EXCEEDED,
             Failure::TransferFailed { .. } => exit::TRANSFER_FAILED,
             Failure::TransferCancelled { .. } => exit::TRANSFER_CANCELLED,
             Failure::VerifyMismatch(_) => exit::VERIFY_MISMATCH,
@@ -314,6 +316,14 @@ mod tests {
             error_code: "CHECKSUM_MISMATCH".into(),
         });
         assert_eq!(report(&mismatch).0, 12);
+
+        // `cp --timeout`: the transfer's own deadline is the documented exit 9.
+        let deadline = anyhow::Error::new(Failure::TransferFailed {
+            id: "t4".into(),
+            error: "transfer timed out after 1s".into(),
+            error_code: "DEADLINE_EXCEEDED".into(),
+        });
+        assert_eq!(report(&deadline).0, 9);
 
         let cancelled = anyhow::Error::new(Failure::TransferCancelled { id: "t3".into(), error: String::new() });
         assert_eq!(report(&cancelled), (11, "transfer t3 was cancelled (CANCELLED)".into()));

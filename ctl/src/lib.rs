@@ -12,6 +12,7 @@
 //!   sub-subcommand.
 //! - [`error`] — the ONE place that turns failures (gRPC statuses, failed transfers, connection
 //!   errors) into an exit code and a one-line message.
+//! - [`error_json`] — a failure as one JSON object on stderr, under `--json`.
 //! - [`client`] — connecting to an agent.
 //! - [`progress`] — following a transfer with `WatchTransfer` and a progress bar.
 //! - [`view`] — JSON views and text tables of the protobuf messages (prost types have no serde).
@@ -46,6 +47,7 @@ pub mod client;
 pub mod cmd;
 pub mod diagnose;
 pub mod error;
+pub mod error_json;
 pub mod progress;
 pub mod segments;
 pub mod target;
@@ -159,7 +161,12 @@ pub fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let (code, line) = error::report(&err);
-            eprintln!("error: {}", view::terminal_safe(&line));
+            if ctx.json {
+                // A script that asked for JSON parses stderr too: one JSON object on one line.
+                eprintln!("{}", error_json::error_json(code, &line));
+            } else {
+                eprintln!("error: {}", view::terminal_safe(&line));
+            }
             ExitCode::from(code)
         }
     }

@@ -29,6 +29,16 @@ pub fn byte_bar(len: u64, enabled: bool) -> Option<ProgressBar> {
 /// Streams `WatchTransfer` until the transfer reaches a terminal state and returns that record.
 /// If the stream ends early, falls back to one `GetTransfer`.
 pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<Transfer> {
+    watch_each(client, id, show_bar, |_| Ok(())).await
+}
+
+/// [`watch`], calling `each` with every record the agent streams (each change).
+pub async fn watch_each(
+    client: &Client,
+    id: &str,
+    show_bar: bool,
+    mut each: impl FnMut(&Transfer) -> anyhow::Result<()>,
+) -> anyhow::Result<Transfer> {
     let mut stream = client.watch(id).await.with_context(|| format!("watching transfer {id}"))?;
     let mut bar: Option<ProgressBar> = None;
     let mut last: Option<Transfer> = None;
@@ -50,6 +60,7 @@ pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<
             b.set_position(t.bytes_done);
             b.set_message(t.state.as_str());
         }
+        each(&t)?;
         let done = t.state.is_terminal();
         last = Some(t);
         if done {
@@ -71,6 +82,17 @@ pub async fn watch(client: &Client, id: &str, show_bar: bool) -> anyhow::Result<
             }
         }
     }
+}
+
+/// One line per change for a log or a pipe: state, bytes done of the length, and the error once
+/// there is one.
+pub fn change_line(t: &Transfer) -> String {
+    let mut line = format!("{} {} {}/{} bytes", t.id, t.state, t.bytes_done, t.length);
+    if !t.error.is_empty() {
+        line.push_str(&format!(" error: {}", t.error));
+    }
+    line.push('\n');
+    line
 }
 
 /// Cancels transfer `id` and follows it until it stops; its final record (CANCELLED, or the state

@@ -2,7 +2,11 @@
 //!
 //! Every JSON document xferctl prints is built here with `serde_json::json!`, in one place, with
 //! stable field names (snake_case, enums as short lower-case strings, times as RFC 3339,
-//! durations in seconds, 64-bit ids and checksums as strings).
+//! durations in seconds). Integers follow protobuf's JSON mapping, as the API's own JSON does:
+//! 64-bit ones (offsets, lengths, byte counts, checksums, addresses) are strings, since jq and
+//! JavaScript round a JSON number above 2^53, and 32-bit ones are numbers; a value that is absent
+//! (a checksum nobody computed) is null, never "0". Benchmark reports are measurements, not API
+//! objects: their sizes and counts stay numbers.
 
 use std::time::{Duration, SystemTime};
 
@@ -74,11 +78,16 @@ pub fn terminal_safe(s: &str) -> std::borrow::Cow<'_, str> {
 
 // ------------------------------------------------------------------------------------ JSON
 
+/// A 64-bit integer as protobuf's JSON mapping writes it: a string.
+pub fn u64s(v: u64) -> Value {
+    Value::String(v.to_string())
+}
+
 pub fn region_json(r: &Region) -> Value {
     json!({
         "id": r.id,
         "name": r.name,
-        "length": r.length,
+        "length": u64s(r.length),
         "kind": r.kind.as_str(),
         "path": r.path,
         "access": r.access.as_str(),
@@ -91,7 +100,7 @@ pub fn region_json(r: &Region) -> Value {
         "unavailable_reason": r.unavailable.as_deref().unwrap_or_default(),
         // 64-bit values as strings, as protobuf's JSON mapping writes uint64: a JSON number
         // above 2^53 is rounded by jq and JavaScript.
-        "addr": r.addr.to_string(),
+        "addr": u64s(r.addr),
     })
 }
 
@@ -100,10 +109,10 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "id": t.id,
         "op": t.op.as_str(),
         "state": t.state.as_str(),
-        "local": json!({"region": t.local_region, "offset": t.local_offset}),
-        "remote": json!({"agent": t.remote_agent, "region": t.remote_region, "offset": t.remote_offset}),
-        "length": t.length,
-        "bytes_done": t.bytes_done,
+        "local": json!({"region": t.local_region, "offset": u64s(t.local_offset)}),
+        "remote": json!({"agent": t.remote_agent, "region": t.remote_region, "offset": u64s(t.remote_offset)}),
+        "length": u64s(t.length),
+        "bytes_done": u64s(t.bytes_done),
         "error": t.error,
         "error_code": t.error_code,
         "created_at": rfc3339(&t.created_at),
@@ -112,10 +121,10 @@ pub fn transfer_json(t: &Transfer) -> Value {
         "elapsed_seconds": t.elapsed_seconds,
         "gib_per_s": crate::units::gib_per_s(t.bytes_done, t.elapsed_seconds),
         "verified": t.verified,
-        "checksum": t.checksum.to_string(),
+        "checksum": (t.checksum != 0).then(|| u64s(t.checksum)),
         "peer": t.peer,
         "inbound": t.inbound,
-        "segments": t.segments,
+        "segments": u64s(t.segments),
         "notify": t.notify.as_deref().map(tag_json),
         "paths": t.paths,
         "failovers": t.failovers,
@@ -146,8 +155,8 @@ pub fn notification_json(n: &Notification) -> Value {
         "peer": n.peer,
         "tag": tag_json(&n.tag),
         "op": n.op.as_str(),
-        "offset": n.offset.to_string(),
-        "length": n.length.to_string(),
+        "offset": u64s(n.offset),
+        "length": u64s(n.length),
         "at": rfc3339(&n.at),
         "via": n.via,
     })
@@ -186,7 +195,7 @@ fn device_json(d: &Device) -> Value {
         // null when unknown: software devices have no NUMA node or PCI address.
         "numa_node": d.numa_node,
         "pci_address": d.pci_address,
-        "speed_mbps": d.speed_mbps,
+        "speed_mbps": d.speed_mbps.map(u64s),
         "netdev": d.netdev,
         "ipv4_prefix": d.ipv4_prefix,
     })
@@ -200,17 +209,17 @@ pub fn info_json(i: &AgentInfo) -> Value {
         "fabric_reason": i.fabric_reason,
         "devices": i.devices.iter().map(device_json).collect::<Vec<_>>(),
         "limits": i.limits.as_ref().map(|l| json!({
-            "memlock_soft": l.memlock_soft,
-            "memlock_hard": l.memlock_hard,
+            "memlock_soft": u64s(l.memlock_soft),
+            "memlock_hard": u64s(l.memlock_hard),
             "cap_ipc_lock": l.cap_ipc_lock,
             "max_regions": l.max_regions,
-            "max_registered_bytes": l.max_registered_bytes,
+            "max_registered_bytes": u64s(l.max_registered_bytes),
             "max_transfers": l.max_transfers,
         })),
         "uptime_seconds": i.uptime.map(|d| d.as_secs_f64()),
         "data_address": i.data_address,
         "regions": i.regions,
-        "registered_bytes": i.registered_bytes,
+        "registered_bytes": u64s(i.registered_bytes),
         "fallback": i.fallback,
     })
 }
@@ -222,6 +231,7 @@ pub fn peer_json(p: &Peer) -> Value {
         "fabric": p.fabric.as_str(),
         "qps": p.qps,
         "state": p.state,
+        "error": (!p.error.is_empty()).then_some(&p.error),
         "connect_seconds": p.connect_duration.map(|d| d.as_secs_f64()),
     })
 }
@@ -477,7 +487,7 @@ pub fn peer_table(peers: &[Peer]) -> String {
             p.node_name.clone(),
             p.fabric.to_string(),
             p.qps.to_string(),
-            p.state.clone(),
+            if p.error.is_empty() { p.state.clone() } else { format!("{} ({})", p.state, p.error) },
             p.connect_duration.map(|d| format!("{:.3} ms", d.as_secs_f64() * 1e3)).unwrap_or_else(|| "-".into()),
         ]);
     }
@@ -526,6 +536,7 @@ mod tests {
         assert!(!text.contains("lkey") && !text.contains("addr:"), "{text}");
         let v = region_json(&r);
         assert_eq!((v["lkey"].clone(), v["rkey"].clone(), v["addr"].clone()), (0.into(), 0.into(), "0".into()));
+        assert_eq!(v["length"], "0", "64-bit integers are strings");
         // Grant mode region: the region MR's keys are its remote access, and are shown.
         let r = Region { name: "dst".into(), lkey: 0x1234, rkey: 0x1234, addr: 0x7f00_0000_1000, ..Default::default() };
         let text = region_detail(&r);
@@ -547,6 +558,12 @@ mod tests {
         assert_eq!(v["state"], "failed");
         assert_eq!(v["error_code"], "REM_ACCESS_ERR");
         assert_eq!(v["started_at"], Value::Null);
+        // Protobuf's JSON mapping: every 64-bit integer a string, an absent checksum null.
+        for (k, want) in [("length", "0"), ("bytes_done", "0"), ("segments", "0")] {
+            assert_eq!(v[k], want, "{k}");
+        }
+        assert_eq!((v["local"]["offset"].clone(), v["remote"]["offset"].clone()), ("0".into(), "0".into()));
+        assert_eq!(v["checksum"], Value::Null, "no checksum was computed");
     }
 
     /// 64-bit checksums and addresses are strings in JSON: as numbers, anything above 2^53 would

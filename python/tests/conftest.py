@@ -36,7 +36,9 @@ class Agent:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"agent {name} did not start: {(tmp / f'{name}.log').read_text()}")
             time.sleep(0.01)
-        self.addr = json.loads(ready.read_text())["grpc"]
+        bound = json.loads(ready.read_text())
+        self.addr, self.metrics = bound["grpc"], bound["metrics"]
+        self.state_dir = tmp / name
 
     def stop(self):
         self.proc.kill()

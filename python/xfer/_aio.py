@@ -19,6 +19,8 @@ async def _call(coro):
 
 
 class AsyncInbound:
+    """Notifications of this agent, as they are published (``async for``, or ``await next()``)."""
+
     def __init__(self, call):
         self._call = call
 
@@ -29,12 +31,14 @@ class AsyncInbound:
         return await self.next()
 
     async def next(self):
+        """The next ``Notification``."""
         m = await _call(self._call.read())
         if m is grpc.aio.EOF:
             raise Unavailable("the notification stream ended")
         return t.Notification.from_pb(m)
 
     def cancel(self):
+        """Ends the subscription."""
         self._call.cancel()
 
 
@@ -54,6 +58,7 @@ class AsyncChannel:
 
     @staticmethod
     async def open(stub, open_req):
+        """Opens the channel ``open_req`` asks for (``AsyncClient.open_channel`` calls this)."""
         call = stub.OpenChannel()
         await _call(call.write(open_req))
         ev = await _call(call.read())
@@ -68,6 +73,7 @@ class AsyncChannel:
         return ev
 
     async def prepare(self, list_id, segments):
+        """``Channel.prepare``."""
         await _call(self._call.write(t.channel_prepare_pb(list_id, segments)))
         while self._unanswered > 0:
             ev = await self._next()
@@ -81,6 +87,7 @@ class AsyncChannel:
         return ev.prepared.segments
 
     async def send(self, segments=None, list_id=0, notify=None):
+        """``Channel.send``: queues a batch, returns its number."""
         seq = self._seq
         self._seq += 1
         await _call(self._call.write(t.channel_post_pb(seq, segments, list_id, notify)))
@@ -88,6 +95,7 @@ class AsyncChannel:
         return seq
 
     async def done(self):
+        """``Channel.done``: the next batch's ``BatchDone``, in order."""
         if self._early:
             ev = self._early.pop(0)
         else:
@@ -99,14 +107,17 @@ class AsyncChannel:
         return r
 
     async def post(self, segments, notify=None):
+        """Sends a batch and waits for its ``BatchDone``."""
         await self.send(segments, 0, notify)
         return await self.done()
 
     async def post_list(self, list_id, notify=None):
+        """Sends a prepared list and waits for its ``BatchDone``."""
         await self.send(None, list_id, notify)
         return await self.done()
 
     async def close(self):
+        """Ends the channel once the batches sent have run."""
         await _call(self._call.done_writing())
         while True:
             ev = await _call(self._call.read())
@@ -121,14 +132,26 @@ class AsyncChannel:
 
 
 class AsyncClient:
-    """An asyncio client of one agent (create it inside a running event loop)."""
+    """An asyncio client of one agent (create it inside a running event loop): ``Client``'s
+    operations and arguments (``ca``, ``cert``, ``key``: paths or PEM bytes), as coroutines."""
 
     def __init__(self, addr, *, ca=None, cert=None, key=None, server_name=None):
         self.addr = addr
+        self._tls = (ca is not None, cert is not None)
         self._channel = make_channel(addr, ca, cert, key, server_name, aio=True)
         self._stub = rpc.AgentStub(self._channel)
 
+    def __repr__(self):
+        return f"xfer.AsyncClient({self.addr!r}{', tls' if self._tls[0] else ''})"
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc(e, self.addr, *self._tls) from None
+
     async def close(self):
+        """Closes the connection to the agent."""
         await self._channel.close()
 
     async def __aenter__(self):
@@ -138,46 +161,57 @@ class AsyncClient:
         await self.close()
 
     async def info(self):
-        return await _call(self._stub.GetInfo(pb.GetInfoRequest()))
+        """``Client.info``: an ``AgentInfo``."""
+        return t.AgentInfo.from_pb(await self._call(self._stub.GetInfo(pb.GetInfoRequest())))
 
-    async def create_region(self, name, length, kind="anonymous", path="", access="rw"):
-        return t.Region.from_pb(await _call(self._stub.CreateRegion(t.create_pb(name, length, kind, path, access))))
+    async def create_region(self, name, length, kind="anonymous", path="", access="rw", create=False):
+        """``Client.create_region``."""
+        return t.Region.from_pb(await self._call(self._stub.CreateRegion(t.create_pb(name, length, kind, path, access, create))))
 
     async def region(self, name):
-        return t.Region.from_pb(await _call(self._stub.GetRegion(pb.GetRegionRequest(name=name))))
+        """``Client.region``."""
+        return t.Region.from_pb(await self._call(self._stub.GetRegion(pb.GetRegionRequest(name=name))))
 
     async def regions(self):
-        return [t.Region.from_pb(r) for r in (await _call(self._stub.ListRegions(pb.ListRegionsRequest()))).regions]
+        """``Client.regions``."""
+        return [t.Region.from_pb(r) for r in (await self._call(self._stub.ListRegions(pb.ListRegionsRequest()))).regions]
 
     async def delete_region(self, name):
-        await _call(self._stub.DeleteRegion(pb.DeleteRegionRequest(name=name)))
+        """``Client.delete_region``."""
+        await self._call(self._stub.DeleteRegion(pb.DeleteRegionRequest(name=name)))
 
     async def put(self, region, offset, data):
-        return (await _call(self._stub.WriteRegion(t.put_messages(region, offset, data)))).bytes_written
+        """``Client.put``."""
+        return (await self._call(self._stub.WriteRegion(t.put_messages(region, offset, data)))).bytes_written
 
     async def get(self, region, offset, length):
+        """``Client.get``."""
         call = self._stub.ReadRegion(pb.ReadRegionRequest(region=region, offset=offset, length=length))
         out = bytearray()
         while True:
-            m = await _call(call.read())
+            m = await self._call(call.read())
             if m is grpc.aio.EOF:
                 return bytes(out)
             out += m.data
 
     async def create_shm_region(self, name, length):
+        """``Client.create_shm_region``: a ``ShmRegion`` mapped here."""
         return ShmRegion(await self.create_region(name, length, kind="shm"))
 
     async def map_shm_region(self, name):
+        """``Client.map_shm_region``."""
         return ShmRegion(await self.region(name))
 
     async def submit(self, op, local, peer, remote, **kw):
-        return t.Transfer.from_pb(await _call(self._stub.SubmitTransfer(t.submit_pb(op, local, peer, remote, **kw))))
+        """``Client.submit``: the ``Transfer`` at once."""
+        return t.Transfer.from_pb(await self._call(self._stub.SubmitTransfer(t.submit_pb(op, local, peer, remote, **kw))))
 
     async def wait(self, transfer_id):
+        """``Client.wait``: the finished ``Transfer``, or ``TransferFailed``."""
         call = self._stub.WatchTransfer(pb.WatchTransferRequest(id=transfer_id))
         last = None
         while True:
-            m = await _call(call.read())
+            m = await self._call(call.read())
             if m is grpc.aio.EOF:
                 break
             last = t.Transfer.from_pb(m)
@@ -190,22 +224,25 @@ class AsyncClient:
         return last
 
     async def transfer(self, op, local, peer, remote, **kw):
+        """``submit`` then ``wait``."""
         return await self.wait((await self.submit(op, local, peer, remote, **kw)).id)
 
     async def cancel(self, transfer_id):
-        return t.Transfer.from_pb(await _call(self._stub.CancelTransfer(pb.CancelTransferRequest(id=transfer_id))))
+        """``Client.cancel``."""
+        return t.Transfer.from_pb(await self._call(self._stub.CancelTransfer(pb.CancelTransferRequest(id=transfer_id))))
 
     async def watch_inbound(self, region=None, tag=None):
+        """``Client.watch_inbound``: an ``AsyncInbound`` to ``async for`` over."""
         call = self._stub.WatchInbound(pb.WatchInboundRequest(region=region or "", tag=tag))
         # The agent answers with headers once it has subscribed.
-        await _call(call.initial_metadata())
+        await self._call(call.initial_metadata())
         return AsyncInbound(call)
 
     async def watch_inbound_ring(self, region=None, tag=None, slots=0):
         """``Client.watch_inbound_ring``: an AsyncRing, whose ``next`` is a coroutine."""
         call = self._stub.WatchInboundRing(t.watch_inbound_ring_pb(region, tag, slots))
         try:
-            m = await _call(call.read())
+            m = await self._call(call.read())
             if m is grpc.aio.EOF:
                 raise Unavailable("WatchInboundRing ended without naming a ring")
             info = t.RingInfo.from_pb(m)
@@ -215,6 +252,7 @@ class AsyncClient:
             raise
 
     async def open_channel(self, op, local, peer, remote, **kw):
+        """``Client.open_channel``: an ``AsyncChannel``."""
         return await AsyncChannel.open(self._stub, t.channel_open_pb(op, local, peer, remote, **kw))
 
 

@@ -1,10 +1,11 @@
 """The blocking client (``xfer.Client``) over grpc's synchronous stubs."""
+import os
 import queue
 
 import grpc
 
 from xfer import types as t
-from xfer.errors import NotFound, TransferFailed, Unavailable, from_rpc
+from xfer.errors import InvalidArgument, NotFound, TransferFailed, Unavailable, from_rpc
 from xfer.ring import Ring
 from xfer.shm import ShmRegion
 from xfer.v1 import xfer_pb2 as pb
@@ -21,9 +22,34 @@ def _call(fn, *args):
         raise from_rpc(e) from None
 
 
+def pem(value, what):
+    """PEM bytes from what a caller gave for ``what`` (``ca``, ``cert``, ``key``): bytes (the PEM
+    itself), PEM text, or a path (``str`` or ``os.PathLike``) to read, as xferctl's ``--ca``,
+    ``--cert`` and ``--key`` take; None stays None."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
+        return value.encode()
+    if isinstance(value, (str, os.PathLike)):
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise InvalidArgument(f"{what}={os.fspath(value)!r}: cannot read it: {e.strerror}") from None
+    raise TypeError(f"{what} must be a path (str or os.PathLike) or PEM bytes, not {type(value).__name__}")
+
+
 def make_channel(addr, ca=None, cert=None, key=None, server_name=None, aio=False):
     """A gRPC channel to ``addr`` (``host:port``, or ``unix:///path`` for the agent's local socket):
-    plaintext, or TLS with the CA (and for mTLS this client's certificate and key), all PEM bytes."""
+    plaintext, or TLS with the CA (and for mTLS this client's certificate and key): each a path
+    or PEM bytes (see ``pem``)."""
+    ca, cert, key = pem(ca, "ca"), pem(cert, "cert"), pem(key, "key")
+    if (cert is None) != (key is None):
+        raise InvalidArgument("cert= and key= go together: give both for mTLS (and ca=), or neither")
+    if cert is not None and ca is None:
+        raise InvalidArgument("cert= and key= need ca=, the CA the agent's certificate must chain to")
     mod = grpc.aio if aio else grpc
     if addr.startswith("unix:"):
         # The agent's local socket: no TLS (callers are known by uid). gRPC would send the socket
@@ -56,6 +82,7 @@ class Inbound:
             raise Unavailable("the notification stream ended") from None
 
     def cancel(self):
+        """Ends the subscription."""
         self._stream.cancel()
 
 
@@ -110,6 +137,7 @@ class Channel:
         return seq
 
     def done(self):
+        """The next batch's ``BatchDone``, in the order they were sent (``BatchFailed`` raised)."""
         if self._early:
             ev = self._early.pop(0)
         else:
@@ -121,10 +149,12 @@ class Channel:
         return r
 
     def post(self, segments, notify=None):
+        """Sends a batch of ``segments`` and waits for its ``BatchDone``."""
         self.send(segments, 0, notify)
         return self.done()
 
     def post_list(self, list_id, notify=None):
+        """Sends the list prepared under ``list_id`` and waits for its ``BatchDone``."""
         self.send(None, list_id, notify)
         return self.done()
 
@@ -145,14 +175,32 @@ class Channel:
 
 
 class Client:
-    """A blocking client of one agent."""
+    """A blocking client of one agent.
+
+    ``addr`` is ``host:port`` (or ``unix:///path``, the agent's local socket). Plaintext without
+    ``ca``; with ``ca`` TLS, and with ``cert`` and ``key`` mTLS (which an agent with
+    ``insecure = false`` requires). Each is a path (``str`` or ``os.PathLike``, as xferctl's
+    ``--ca``/``--cert``/``--key``) or the PEM bytes; ``server_name`` overrides the name the agent's
+    certificate is verified against. Errors are ``XferError`` subclasses; a failed connection
+    says why (plaintext to an mTLS agent, the metrics port, a refused certificate...)."""
 
     def __init__(self, addr, *, ca=None, cert=None, key=None, server_name=None):
         self.addr = addr
+        self._tls = (ca is not None, cert is not None)
         self._channel = make_channel(addr, ca, cert, key, server_name)
         self._stub = rpc.AgentStub(self._channel)
 
+    def __repr__(self):
+        return f"xfer.Client({self.addr!r}{', tls' if self._tls[0] else ''})"
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except grpc.RpcError as e:
+            raise from_rpc(e, self.addr, *self._tls) from None
+
     def close(self):
+        """Closes the connection to the agent."""
         self._channel.close()
 
     def __enter__(self):
@@ -162,41 +210,61 @@ class Client:
         self.close()
 
     def info(self):
-        return _call(self._stub.GetInfo, pb.GetInfoRequest())
+        """The agent's node, fabric, devices and limits, as an ``AgentInfo``."""
+        return t.AgentInfo.from_pb(self._call(self._stub.GetInfo, pb.GetInfoRequest()))
 
     # regions
-    def create_region(self, name, length, kind="anonymous", path="", access="rw"):
-        return t.Region.from_pb(_call(self._stub.CreateRegion, t.create_pb(name, length, kind, path, access)))
+    def create_region(self, name, length, kind="anonymous", path="", access="rw", create=False):
+        """Creates a region of ``length`` bytes and returns its ``Region``. ``kind``:
+        ``"anonymous"`` (agent memory), ``"file"`` (the file ``path`` beneath the agent's
+        ``regions.file_roots``; ``length`` 0 takes the file's size, ``create=True`` makes a new
+        file) or ``"shm"`` (see ``create_shm_region``). ``access`` (``"rw"``, ``"r"``, ``"w"``)
+        is what peers may do."""
+        return t.Region.from_pb(self._call(self._stub.CreateRegion, t.create_pb(name, length, kind, path, access, create)))
 
     def region(self, name):
-        return t.Region.from_pb(_call(self._stub.GetRegion, pb.GetRegionRequest(name=name)))
+        """The ``Region`` named ``name`` (or with that id)."""
+        return t.Region.from_pb(self._call(self._stub.GetRegion, pb.GetRegionRequest(name=name)))
 
     def regions(self):
-        return [t.Region.from_pb(r) for r in _call(self._stub.ListRegions, pb.ListRegionsRequest()).regions]
+        """Every region of the agent, as ``Region``s."""
+        return [t.Region.from_pb(r) for r in self._call(self._stub.ListRegions, pb.ListRegionsRequest()).regions]
 
     def delete_region(self, name):
-        _call(self._stub.DeleteRegion, pb.DeleteRegionRequest(name=name))
+        """Deletes region ``name`` (refused while a transfer uses it)."""
+        self._call(self._stub.DeleteRegion, pb.DeleteRegionRequest(name=name))
 
     def put(self, region, offset, data):
-        return _call(self._stub.WriteRegion, t.put_messages(region, offset, data)).bytes_written
+        """Writes ``data`` (bytes-like) into ``region`` at ``offset`` through the control plane;
+        returns the bytes written."""
+        return self._call(self._stub.WriteRegion, t.put_messages(region, offset, data)).bytes_written
 
     def get(self, region, offset, length):
+        """Reads ``length`` bytes of ``region`` at ``offset`` through the control plane."""
+
         def read():
             return b"".join(m.data for m in self._stub.ReadRegion(pb.ReadRegionRequest(region=region, offset=offset, length=length)))
 
-        return _call(read)
+        return self._call(read)
 
     def create_shm_region(self, name, length):
         """Has the agent create a shared-memory region and maps it here."""
         return ShmRegion(self.create_region(name, length, kind="shm"))
 
     def map_shm_region(self, name):
+        """Maps the existing shared-memory region ``name`` here (this process must be allowed to
+        open its object)."""
         return ShmRegion(self.region(name))
 
     # transfers
     def submit(self, op, local, peer, remote, **kw):
-        """Submits a transfer (``segments=[Segment...]`` for a batch, ``notify=b"tag"``)."""
-        return t.Transfer.from_pb(_call(self._stub.SubmitTransfer, t.submit_pb(op, local, peer, remote, **kw)))
+        """Submits a transfer and returns its ``Transfer`` at once: ``op`` (``WRITE`` local into
+        remote, ``READ`` remote into local) between region ``local`` here and region ``remote`` of
+        the agent at ``peer``. Keywords: ``local_offset``, ``remote_offset``, ``length`` (omitted:
+        the rest of the source; 0 is refused), ``segments=[Segment...]`` for a batch,
+        ``notify=b"tag"``, and ``qps``, ``depth``, ``chunk_size``, ``timeout`` (seconds),
+        ``verify``."""
+        return t.Transfer.from_pb(self._call(self._stub.SubmitTransfer, t.submit_pb(op, local, peer, remote, **kw)))
 
     def wait(self, transfer_id):
         """Waits until the transfer ends; raises TransferFailed unless it succeeded."""
@@ -208,7 +276,7 @@ class Client:
                     return last
             return last
 
-        tr = _call(watch)
+        tr = self._call(watch)
         if tr is None:
             raise NotFound(f"transfer {transfer_id}")
         if tr.state != "succeeded":
@@ -216,10 +284,12 @@ class Client:
         return tr
 
     def transfer(self, op, local, peer, remote, **kw):
+        """``submit`` then ``wait``: the finished ``Transfer``, or ``TransferFailed``."""
         return self.wait(self.submit(op, local, peer, remote, **kw).id)
 
     def cancel(self, transfer_id):
-        return t.Transfer.from_pb(_call(self._stub.CancelTransfer, pb.CancelTransferRequest(id=transfer_id)))
+        """Cancels a transfer; its ``Transfer`` as it stands."""
+        return t.Transfer.from_pb(self._call(self._stub.CancelTransfer, pb.CancelTransferRequest(id=transfer_id)))
 
     # notifications and channels
     def watch_inbound(self, region=None, tag=None):
@@ -227,7 +297,7 @@ class Client:
         the result. Subscribed once this returns: batches that land from now on are seen."""
         stream = self._stub.WatchInbound(pb.WatchInboundRequest(region=region or "", tag=tag))
         # The agent answers with headers once it has subscribed.
-        _call(stream.initial_metadata)
+        self._call(stream.initial_metadata)
         return Inbound(stream)
 
     def watch_inbound_ring(self, region=None, tag=None, slots=0):
@@ -249,6 +319,8 @@ class Client:
             raise
 
     def open_channel(self, op, local, peer, remote, **kw):
+        """Opens a ``Channel``: one connection and one grant on ``remote`` (``offset``/``length``
+        keywords bound it), then many batches (``post``, ``prepare``/``post_list``)."""
         try:
             return Channel(self._stub, t.channel_open_pb(op, local, peer, remote, **kw))
         except grpc.RpcError as e:

@@ -17,54 +17,80 @@ class XferError(Exception):
 
 
 class InvalidArgument(XferError):
+    """A range, size, name or other argument the agent (or this client) refused."""
+
     code = "INVALID_ARGUMENT"
 
 
 class NotFound(XferError):
+    """No such region, transfer or peer."""
+
     code = "NOT_FOUND"
 
 
 class AlreadyExists(XferError):
+    """A region (or file, shm object) of that name exists."""
+
     code = "ALREADY_EXISTS"
 
 
 class PermissionDenied(XferError):
+    """The caller's role, or a region's access ceiling, forbids it."""
+
     code = "PERMISSION_DENIED"
 
 
 class Unauthenticated(XferError):
+    """No usable client identity."""
+
     code = "UNAUTHENTICATED"
 
 
 class ResourceExhausted(XferError):
+    """A limit of the agent (regions, bytes, transfers, segments, subscribers)."""
+
     code = "RESOURCE_EXHAUSTED"
 
 
 class FailedPrecondition(XferError):
+    """Valid, but not now: a busy or unavailable region, an expired grant, no huge pages."""
+
     code = "FAILED_PRECONDITION"
 
 
 class Unavailable(XferError):
+    """The agent or its peer cannot be reached; the message says why when it can tell."""
+
     code = "UNAVAILABLE"
 
 
 class Aborted(XferError):
+    """Work the agent gave up."""
+
     code = "ABORTED"
 
 
 class DeadlineExceeded(XferError):
+    """A deadline passed."""
+
     code = "DEADLINE_EXCEEDED"
 
 
 class DataLoss(XferError):
+    """A notification reader fell too far behind."""
+
     code = "DATA_LOSS"
 
 
 class Cancelled(XferError):
+    """Cancelled."""
+
     code = "CANCELLED"
 
 
 class OutOfRange(XferError):
+    """A range past an end."""
+
     code = "OUT_OF_RANGE"
 
 
@@ -102,10 +128,26 @@ _BY_CODE = {
 }
 
 
-def from_rpc(e):
-    """The XferError for a grpc.RpcError (or grpc.aio.AioRpcError)."""
+def from_rpc(e, addr=None, tls=False, client_cert=False):
+    """The XferError for a grpc.RpcError (or grpc.aio.AioRpcError). With the client's ``addr``
+    (and whether it used TLS and a client certificate), a failed connection says what to change,
+    as xferctl does (``xfer.diagnose``)."""
     code = e.code()
     cls = _BY_CODE.get(code, XferError)
-    err = cls(e.details() or str(code), None if cls is not XferError else code.name)
+    message = e.details() or str(code)
+    if addr is not None and code == grpc.StatusCode.UNAVAILABLE:
+        message = _connection_hint(addr, tls, client_cert, message)
+    err = cls(message, None if cls is not XferError else code.name)
     err.__cause__ = e
     return err
+
+
+def _connection_hint(addr, tls, client_cert, details):
+    from xfer import diagnose
+
+    explained = diagnose.explain(addr, tls, client_cert, details)
+    if explained:
+        return explained
+    if "connection refused" in details.lower():
+        return f"cannot connect to agent at {addr}: connection refused (no agent listens there: is xfer-agent running, on this address?)"
+    return details

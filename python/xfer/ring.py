@@ -304,6 +304,8 @@ class AsyncRing(Ring):
     grow to 1 ms (the event loop's own timer resolution is about 1 ms)."""
 
     async def next(self, timeout=None, spin=50e-6):
+        """``Ring.next`` as a coroutine: the next ``Notification`` (spinning ``spin`` seconds,
+        then sleeping), or ``DeadlineExceeded`` after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         delay = _FIRST_BACKOFF

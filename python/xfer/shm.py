@@ -19,6 +19,15 @@ SHM_DIR = "/dev/shm"
 
 
 class ShmRegion:
+    """A shared-memory region mapped into this process (``Client.create_shm_region``,
+    ``Client.map_shm_region``): ``buffer`` and ``array()`` are live views, ``read``/``write`` go
+    through the object's descriptor."""
+
+    def __repr__(self):
+        r = self.region
+        state = "closed" if getattr(self, "_mm", None) is None or self._mm.closed else "mapped"
+        return f"<xfer.ShmRegion {r.name!r} {r.length} bytes at /dev/shm/{r.path} ({state})>"
+
     def __init__(self, region):
         if region.kind != "shm":
             raise InvalidArgument(f"region {region.name!r} is not a shared-memory region")
@@ -42,6 +51,7 @@ class ShmRegion:
 
     @property
     def name(self):
+        """The region's name."""
         return self.region.name
 
     def __len__(self):
@@ -54,6 +64,8 @@ class ShmRegion:
         return numpy.frombuffer(self._mm, dtype=numpy.uint8)
 
     def write(self, offset, data):
+        """Writes ``data`` at ``offset`` through the object's descriptor (``FailedPrecondition``,
+        not SIGBUS, if the object was truncated)."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + len(view) > len(self):
             raise InvalidArgument(f"{offset}+{len(view)} is outside region {self.name!r} ({len(self)} bytes)")
@@ -68,6 +80,7 @@ class ShmRegion:
         self._check_size(offset + len(view))
 
     def read(self, offset, length):
+        """Reads ``length`` bytes at ``offset`` through the object's descriptor."""
         if offset < 0 or length < 0 or offset + length > len(self):
             raise InvalidArgument(f"{offset}+{length} is outside region {self.name!r} ({len(self)} bytes)")
         self._check_size(offset + length)

@@ -19,11 +19,14 @@ class Segment:
     length: int
 
     def to_pb(self):
+        """As a protobuf ``Segment``."""
         return pb.Segment(local_offset=self.local, remote_offset=self.remote, length=self.length)
 
 
 @dataclass
 class Region:
+    """A region as the agent describes it; ``unavailable`` is why a restored one is not usable."""
+
     id: str
     name: str
     length: int
@@ -33,6 +36,7 @@ class Region:
 
     @staticmethod
     def from_pb(r):
+        """From its protobuf message."""
         kind = {pb.REGION_KIND_FILE: "file", pb.REGION_KIND_SHM: "shm"}.get(r.kind, "anonymous")
         return Region(r.id, r.name, r.length, kind, r.path, r.unavailable_reason or None)
 
@@ -50,6 +54,9 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @dataclass
 class Transfer:
+    """A transfer's record: ``state`` one of queued, connecting, running, succeeded, failed,
+    cancelled; ``elapsed`` in seconds."""
+
     id: str
     state: str
     length: int
@@ -62,12 +69,16 @@ class Transfer:
 
     @staticmethod
     def from_pb(t):
+        """From its protobuf message."""
         return Transfer(t.id, _STATES.get(t.state, "queued"), t.length, t.bytes_done, t.segments, t.error, t.error_code,
                         t.elapsed_seconds, t.peer)
 
 
 @dataclass
 class Notification:
+    """A batch that landed in this agent's ``region``: who sent it, its tag, the granted range and
+    how it was known (``via`` "fabric" or "complete")."""
+
     region: str
     peer: str
     tag: bytes
@@ -78,6 +89,7 @@ class Notification:
 
     @staticmethod
     def from_pb(n):
+        """From its protobuf message."""
         return Notification(n.region, n.peer, bytes(n.tag), READ if n.op == pb.OP_READ else WRITE, n.offset, n.length, n.via)
 
 
@@ -92,6 +104,7 @@ class RingInfo:
 
     @staticmethod
     def from_pb(r):
+        """From its protobuf message."""
         return RingInfo(r.object, r.length, r.slots, r.slot_size)
 
 
@@ -101,11 +114,70 @@ def watch_inbound_ring_pb(region=None, tag=None, slots=0):
 
 @dataclass
 class BatchDone:
+    """A channel batch that succeeded: its number, bytes, segments after coalescing, seconds."""
+
     seq: int
     bytes: int
     segments: int
     seconds: float
     prep_ns_per_segment: float
+
+
+@dataclass
+class Device:
+    """An RDMA device of the agent (none on the tcp fabric)."""
+
+    name: str
+    port: int
+    state: str
+    link_layer: str
+    active_mtu: int
+    numa_node: Optional[int]
+    pci_address: Optional[str]
+    speed_mbps: Optional[int]
+    netdev: Optional[str]
+
+
+@dataclass
+class Limits:
+    """What the agent may hold, and its memlock limits (bytes; 2**64 - 1 is unlimited)."""
+
+    memlock_soft: int
+    memlock_hard: int
+    cap_ipc_lock: bool
+    max_regions: int
+    max_registered_bytes: int
+    max_transfers: int
+
+
+@dataclass
+class AgentInfo:
+    """``Client.info()``: the agent's node, version, fabric (and why), devices, limits and use."""
+
+    node_name: str
+    version: str
+    fabric: str
+    fabric_reason: str
+    devices: List[Device]
+    limits: Optional[Limits]
+    uptime: float
+    data_address: str
+    regions: int
+    registered_bytes: int
+    fallback: str
+
+    @staticmethod
+    def from_pb(i):
+        """From its protobuf message."""
+        fabrics = {pb.FABRIC_KIND_TCP: "tcp", pb.FABRIC_KIND_VERBS: "verbs"}
+        devices = [Device(d.name, d.port, d.state, d.link_layer, d.active_mtu,
+                          d.numa_node if d.HasField("numa_node") else None, d.pci_address or None,
+                          d.speed_mbps or None, d.netdev or None) for d in i.devices]
+        lim = i.limits if i.HasField("limits") else None
+        limits = lim and Limits(lim.memlock_soft, lim.memlock_hard, lim.cap_ipc_lock, lim.max_regions,
+                                lim.max_registered_bytes, lim.max_transfers)
+        return AgentInfo(i.node_name, i.version, fabrics.get(i.fabric, "unknown"), i.fabric_reason, devices, limits,
+                         i.uptime.ToTimedelta().total_seconds(), i.data_address, i.regions, i.registered_bytes, i.fallback)
 
 
 def op_pb(op):
@@ -121,22 +193,27 @@ def options_pb(qps=None, depth=None, chunk_size=None, timeout=None, verify=False
     return o
 
 
-def submit_pb(op, local, peer, remote, *, segments=None, notify=None, local_offset=0, remote_offset=0, length=0, **opts):
-    return pb.SubmitTransferRequest(
+def submit_pb(op, local, peer, remote, *, segments=None, notify=None, local_offset=0, remote_offset=0, length=None, **opts):
+    """``length`` None: the rest of the source range; 0 is sent, and refused by the agent."""
+    r = pb.SubmitTransferRequest(
         op=op_pb(op),
         local=pb.LocalRange(region=local, offset=local_offset),
         remote=pb.RemoteRange(agent=peer, region=remote, offset=remote_offset),
-        length=length,
         options=options_pb(**opts),
         segments=[s.to_pb() for s in (segments or [])],
         notify=notify,
     )
+    if length is not None:
+        r.length = length
+    return r
 
 
-def create_pb(name, length, kind="anonymous", path="", access="rw"):
+def create_pb(name, length, kind="anonymous", path="", access="rw", create=False):
     kinds = {"anonymous": pb.REGION_KIND_ANONYMOUS, "file": pb.REGION_KIND_FILE, "shm": pb.REGION_KIND_SHM}
     accesses = {"r": pb.ACCESS_READ, "w": pb.ACCESS_WRITE, "rw": pb.ACCESS_READ_WRITE}
-    return pb.CreateRegionRequest(name=name, length=length, kind=kinds[kind], path=path, access=accesses[access])
+    if kind not in kinds or access not in accesses:
+        raise ValueError(f"kind must be one of {sorted(kinds)} and access one of {sorted(accesses)}")
+    return pb.CreateRegionRequest(name=name, length=length, kind=kinds[kind], path=path, access=accesses[access], create_file=create)
 
 
 def channel_open_pb(op, local, peer, remote, offset=0, length=0, notify=True, ttl=None, **opts):

@@ -183,12 +183,50 @@ fn config_error(e: ::config::ConfigError) -> ConfigError {
 /// Effective configuration in the config file's own format (TOML), so it can be saved and reused.
 /// `toml` is already in the tree through the `config` crate.
 fn toml_like(c: &Config) -> String {
-    toml::to_string_pretty(c).unwrap_or_else(|e| format!("# cannot render configuration: {e}"))
+    let text = toml::to_string_pretty(c).unwrap_or_else(|e| format!("# cannot render configuration: {e}"));
+    // TOML has no null: keys without a value are not serialized, so they are named in a comment
+    // first (every key of the configuration appears, set or not).
+    let mut present = std::collections::BTreeSet::new();
+    if let Ok(v) = serde_json::to_value(c) {
+        fn walk(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+            if let serde_json::Value::Object(m) = v {
+                for (k, v) in m {
+                    let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    walk(&path, v, out);
+                    out.insert(path);
+                }
+            }
+        }
+        walk("", &v, &mut present);
+    }
+    let unset: Vec<String> = known_keys().difference(&present).cloned().collect();
+    if unset.is_empty() {
+        return text;
+    }
+    let mut out = String::from("# Unset (no value: set them in the file, with XFER_* or a flag):\n");
+    for k in unset {
+        out.push_str(&format!("#   {k}\n"));
+    }
+    out.push('\n');
+    out + &text
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::{parse_size, ByteSize, Config, FabricChoice, Overrides};
+
+    /// `--print-config` names every key: those without a value in a comment.
+    #[test]
+    fn print_config_names_unset_keys() {
+        let text = Config::default().to_toml();
+        for key in ["data_listen", "health_listen", "ready_file", "unix_listen", "unix_group", "regions.shm_group", "regions.shm_owner"] {
+            assert!(text.lines().any(|l| l == format!("#   {key}")), "{key} missing:\n{text}");
+        }
+        assert!(text.contains("listen = \"127.0.0.1:7470\""), "{text}");
+        let mut set = Config::default();
+        set.data_listen = Some(set.listen);
+        assert!(!set.to_toml().contains("#   data_listen"), "a set key is not listed as unset");
+    }
 
     #[test]
     fn sizes() {

@@ -39,6 +39,12 @@ impl Held {
         self.grant = Some(g);
     }
 
+    /// The instance id of the agent that granted the held grant (this agent's own when a
+    /// transfer names itself as the peer).
+    pub(super) fn grant_instance(&self) -> Option<&str> {
+        self.grant.as_ref().map(|g| g.info.instance_id.as_str())
+    }
+
     /// The session's next command, after applying the resource ones (release, revoke, consumed).
     /// The lease (taken: the caller gives it back) and a copy of the grant an accepted acquire
     /// holds; the grant itself stays here, revoked when this drops.

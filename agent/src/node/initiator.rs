@@ -109,6 +109,7 @@ impl Node {
             None => (req.remote_offset, length),
         };
         let segments = batch.as_ref().map_or(1, |b| b.len() as u64);
+        let one_range = batch.is_none();
         let local_lo = batch.as_ref().map_or(req.local_offset, |b| b.local_lo());
         if let Some(b) = &batch {
             m::batch_submitted(req.op.as_str(), b.asked(), b.len());
@@ -141,12 +142,23 @@ impl Node {
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         held.numa = local.numa;
         let length = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;
-        if self.draining.is_cancelled() {
+        // `Some(None)`: shutting down; `Some(Some(why))`: an invalid request.
+        let refusal = if self.draining.is_cancelled() {
             // SIGTERM arrived while the grant was in flight: drain may not see this transfer.
-            session.handle(Event::Abort(NodeError::ShuttingDown));
+            Some(None)
+        } else if one_range && held.grant_instance() == Some(self.instance_id.as_str()) && req.remote_region == local.name {
+            // The peer is this agent and both sides name one region: overlapping ranges would
+            // read bytes the copy already overwrote (and a checksum of a source that moved).
+            overlap(req.local_offset, ask_offset, length).map(Some)
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            let err = || why.clone().map_or(NodeError::ShuttingDown, NodeError::Invalid);
+            session.handle(Event::Abort(err()));
             return Err(match held.settle(&mut session) {
                 Some(Command::Refuse(e)) => e,
-                _ => NodeError::ShuttingDown,
+                _ => err(),
             });
         }
         let now = SystemTime::now();
@@ -552,4 +564,16 @@ pub(super) struct Plan {
     local: RegionUse,
     /// The checksum algorithm when verifying.
     algo: Algo,
+}
+
+/// Why copying `len` bytes from `a` to `b` within one region is refused, when the two ranges
+/// overlap.
+fn overlap(a: u64, b: u64, len: u64) -> Option<String> {
+    let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
+    (hi - lo < len).then(|| {
+        format!(
+            "source and destination overlap in one region on this agent (offsets {a} and {b}, {len} bytes): \
+             the copy would read bytes it already overwrote; use ranges at least {len} bytes apart or another region"
+        )
+    })
 }

@@ -74,6 +74,8 @@ impl Node {
     /// `max_registered_bytes` is taken first, then held by the region until it is gone.
     pub fn create_region_as(&self, mut spec: RegionSpec, tenant: &Tenant) -> Result<Arc<Region>, RegionError> {
         let limit = |e: ShareExceeded| RegionError::Limit(e.to_string());
+        // A file region without a length is charged its file's size, not 0.
+        self.regions.registry.resolve_length(&mut spec)?;
         let count = take(&self.regions.shares.regions, tenant, 1, "regions").map_err(limit)?;
         let bytes = take(&self.regions.shares.bytes, tenant, spec.length, "registered_bytes").map_err(limit)?;
         spec.shares = Some(Arc::new(Permits(vec![count, bytes])));

@@ -277,6 +277,12 @@ impl PeerEntry {
         self.health.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The last transport error, while calls to the peer keep failing (`None` once one succeeds).
+    pub fn last_failure(&self) -> Option<String> {
+        let h = self.health();
+        (h.failures > 0).then(|| h.last_error.clone())
+    }
+
     /// Fails at once while the peer is backing off.
     pub fn admit(&self) -> Result<(), PeerError> {
         let h = self.health();

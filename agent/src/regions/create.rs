@@ -43,9 +43,11 @@ impl RegionRegistry {
         self.create_as(spec, Some(budget))
     }
 
-    pub(super) fn create_as(&self, spec: RegionSpec, scratch: Option<Reservation>) -> Result<Arc<Region>, RegionError> {
+    pub(super) fn create_as(&self, mut spec: RegionSpec, scratch: Option<Reservation>) -> Result<Arc<Region>, RegionError> {
         validate_name(&spec.name)?;
         crate::labels::check(&spec.labels).map_err(|e| RegionError::Invalid(e.to_string()))?;
+        let file_path = spec.path.clone().filter(|p| !p.is_empty() && spec.kind == RegionKind::File);
+        self.resolve_length(&mut spec)?;
         if spec.length == 0 {
             return Err(RegionError::Invalid("region length must be greater than zero".into()));
         }
@@ -72,7 +74,17 @@ impl RegionRegistry {
         }
         // No lock from here to the insert: opening a file (even one on a hung NFS mount),
         // mapping and registering must not stall other creates, deletes or lookups.
-        let built = self.build(&spec, None).and_then(|mut region| {
+        // The file is created only once the name and the bytes are reserved, so a refused
+        // create leaves nothing behind; it is removed again if the region is not made after all.
+        let created = match file_path.filter(|_| spec.create_file) {
+            Some(path) => self.create_region_file(&path, spec.length).map(Some),
+            None => Ok(None),
+        };
+        let (created, built) = match created {
+            Err(e) => (None, Err(e)),
+            Ok(c) => (c, self.build(&spec, None)),
+        };
+        let built = built.and_then(|mut region| {
             if scratch.is_some() {
                 // Just built: no one else holds it yet.
                 let r = Arc::get_mut(&mut region).ok_or_else(|| RegionError::Invalid("scratch region shared while built".into()))?;
@@ -84,7 +96,15 @@ impl RegionRegistry {
             let mut st = self.lock();
             st.pending.remove(&spec.name);
             st.pending_scratch.remove(&spec.name);
-            let region = built?;
+            let region = match built {
+                Ok(r) => r,
+                Err(e) => {
+                    if let Some(c) = created {
+                        c.remove();
+                    }
+                    return Err(e);
+                }
+            };
             st.live.insert(region.name.clone(), region.clone());
             region
         };
@@ -93,6 +113,10 @@ impl RegionRegistry {
                 // Not in the catalog: undo, so the caller's error is the whole truth.
                 self.lock().live.remove(&region.name);
                 self.remove_created_object(&region);
+                drop(region);
+                if let Some(c) = created {
+                    c.remove();
+                }
                 self.update_gauges();
                 return Err(e);
             }
@@ -100,6 +124,22 @@ impl RegionRegistry {
         self.update_gauges();
         info!(region = %region.name, id = %region.id, kind = ?region.kind, length = region.length, "region created");
         Ok(region)
+    }
+
+    /// Checks `create_file` and gives a file region without a length its existing file's size,
+    /// so that what is charged (shares, `max_registered_bytes`) is what will be mapped.
+    pub fn resolve_length(&self, spec: &mut RegionSpec) -> Result<(), RegionError> {
+        let file_path = spec.path.clone().filter(|p| !p.is_empty() && spec.kind == RegionKind::File);
+        if spec.create_file && (file_path.is_none() || spec.length == 0) {
+            return Err(RegionError::Invalid(
+                "create_file applies to file regions with a path and a length (--kind file --path P --size SIZE)".into(),
+            ));
+        }
+        if let (Some(path), 0, false) = (&file_path, spec.length, spec.create_file) {
+            // The existing file says how long the region is.
+            spec.length = self.region_file_size(path, spec.access)?;
+        }
+        Ok(())
     }
 
     /// Counts `bytes` the agent is about to allocate outside regions (for `what`) against
@@ -138,7 +178,7 @@ impl RegionRegistry {
             usize::try_from(spec.length).map_err(|_| RegionError::Invalid(format!("length {} does not fit this machine", spec.length)))?;
         let opened = match spec.kind {
             RegionKind::Anonymous => {
-                let memory = RegionMemory::anonymous(len, spec.hugepages).map_err(io_err(format!("allocating {} bytes", spec.length)))?;
+                let memory = RegionMemory::anonymous(len, spec.hugepages).map_err(|e| allocation_error(e, spec))?;
                 Opened { memory, path: None, created_object: false, created_now: false }
             }
             RegionKind::File => {
@@ -228,5 +268,25 @@ impl RegionRegistry {
             _shares: spec.shares.clone(),
             scratch: None,
         }))
+    }
+}
+
+/// An anonymous allocation's failure. With huge pages, ENOMEM almost always means the host has
+/// none reserved (or too few free), and EINVAL a length that is not a multiple of their size or
+/// a kernel without them: each is the caller's (or the host's) to fix, so the error says how
+/// rather than reading as an internal one.
+fn allocation_error(e: std::io::Error, spec: &RegionSpec) -> RegionError {
+    let len = spec.length;
+    match (spec.hugepages, e.raw_os_error()) {
+        (true, Some(nix::libc::ENOMEM)) => RegionError::Unsupported(format!(
+            "no huge pages for {len} bytes: the host has too few free (HugePages_Free in /proc/meminfo); \
+             reserve them (sysctl vm.nr_hugepages=N, 2 MiB each on most hosts) or leave out --hugepages"
+        )),
+        (true, Some(nix::libc::EINVAL)) => RegionError::Unsupported(format!(
+            "huge pages refused for {len} bytes: the length must be a multiple of the huge page size \
+             (Hugepagesize in /proc/meminfo, 2 MiB on most hosts) and the kernel must have huge pages \
+             (HugePages_Total in /proc/meminfo); round --size up, reserve huge pages, or leave out --hugepages"
+        )),
+        _ => io_err(format!("allocating {len} bytes"))(e),
     }
 }

@@ -57,6 +57,7 @@ impl CatalogEntry {
             ttl: None,
             labels: self.labels.clone(),
             adopt_existing: !self.created_object,
+            create_file: false,
             shares: None,
         }
     }

@@ -10,8 +10,11 @@ pub enum RegionError {
     AlreadyExists(String),
     #[error("{0}")]
     Invalid(String),
-    #[error("file {path:?} does not exist")]
+    #[error("file {path:?} does not exist (create_file, `xferctl region create --create --size SIZE`, creates it)")]
     PathMissing { path: String },
+    /// `create_file` found something at the path: it never replaces a file.
+    #[error("file {path:?} already exists; create_file never replaces a file (leave --create out to map it)")]
+    FileExists { path: String },
     #[error("file {path:?} is {actual} bytes, shorter than the region length {needed}")]
     FileTooShort { path: String, actual: u64, needed: u64 },
     #[error("region {0:?} is in use by a running transfer")]
@@ -30,6 +33,10 @@ pub enum RegionError {
     Poisoned { name: String },
     #[error("limit reached: {0}")]
     Limit(String),
+    /// The host cannot give what was asked (huge pages none are reserved for): the message
+    /// says how to fix it.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error(transparent)]

@@ -1,7 +1,9 @@
 //! File regions: a path is resolved beneath one of `regions.file_roots` with no symbolic link
-//! and no `..` out of the root, opened without blocking, and must be a regular file.
+//! and no `..` out of the root, opened without blocking, and must be a regular file. A file a
+//! request asks to create is made `O_CREAT | O_EXCL` in its directory, itself opened beneath the
+//! root the same way, so nothing that exists (a file, a planted link) is ever replaced.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
@@ -77,6 +79,99 @@ impl RegionRegistry {
         crate::safe_file::check_hard_links(&meta, self.policy.allow_hard_links)
             .map_err(|why| RegionError::Denied(format!("file {full:?} refused: {why}")))?;
         Ok((file, full))
+    }
+}
+
+/// A file a `create_file` request made: [`CreatedFile::remove`] takes it away again when the
+/// region is not created after all.
+pub(super) struct CreatedFile {
+    parent: OwnedFd,
+    name: OsString,
+    dev: nix::libc::dev_t,
+    ino: nix::libc::ino_t,
+}
+
+impl CreatedFile {
+    /// Unlinks the file, only if its name still holds the inode this call created.
+    pub(super) fn remove(self) {
+        let st = nix::sys::stat::fstatat(self.parent.as_fd(), self.name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW);
+        if st.is_ok_and(|st| st.st_dev == self.dev && st.st_ino == self.ino) {
+            let _ = nix::unistd::unlinkat(self.parent.as_fd(), self.name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+        }
+    }
+}
+
+impl RegionRegistry {
+    /// The size of the existing file at `path` (opened as [`RegionRegistry::open_region_file`]
+    /// does), for a file region created without a length.
+    pub(super) fn region_file_size(&self, path: &str, access: Access) -> Result<u64, RegionError> {
+        let (file, full) = self.open_region_file(path, access)?;
+        let len = file.metadata().map_err(io_err(format!("stat {full}")))?.len();
+        if len == 0 {
+            return Err(RegionError::Invalid(format!(
+                "file {full:?} is empty: a region needs a length (give --size; --create with --size makes a new file)"
+            )));
+        }
+        Ok(len)
+    }
+
+    /// Creates the file `path` beneath its root with `length` zero bytes (mode 0600, less the
+    /// umask). Its directory must exist and be reached without symbolic links; anything already
+    /// at the name (a file, a link, a FIFO) is [`RegionError::FileExists`] and left alone.
+    pub(super) fn create_region_file(&self, path: &str, length: u64) -> Result<CreatedFile, RegionError> {
+        if path.contains('\0') {
+            return Err(RegionError::Invalid(format!("file path {path:?} contains a NUL byte")));
+        }
+        let (root, rest) = self.locate(path)?;
+        let full = root.join(&rest).display().to_string();
+        let mut parts: Vec<&OsStr> = Vec::new();
+        for c in rest.components() {
+            match c {
+                Component::Normal(p) => parts.push(p),
+                Component::CurDir => {}
+                // `..` is refused outright when creating: the file lands where the path says.
+                Component::ParentDir | Component::RootDir | Component::Prefix(_) => {
+                    return Err(self.denied(path, "a path to create may not contain `..`"))
+                }
+            }
+        }
+        let Some((name, dirs)) = parts.split_last() else {
+            return Err(RegionError::NotRegular { path: full, kind: "directory" });
+        };
+        let rootfd = nix::fcntl::open(&root, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| io_err(format!("opening file root {}", root.display()))(e.into()))?;
+        let parent = if dirs.is_empty() {
+            rootfd
+        } else {
+            let dir: PathBuf = dirs.iter().collect();
+            let opened = open_beneath(rootfd.as_fd(), &dir, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW);
+            // A link as the directory's last component fails O_DIRECTORY | O_NOFOLLOW as ENOTDIR.
+            let opened = opened.map_err(|e| if e == Errno::ENOTDIR { symlink_or(rootfd.as_fd(), dir.as_os_str(), e) } else { e });
+            opened.map_err(|e| match e {
+                Errno::ENOENT => RegionError::Invalid(format!("file {full:?}: its directory does not exist (create it first)")),
+                Errno::ELOOP => self.denied(path, "a component is a symbolic link"),
+                Errno::EXDEV => self.denied(path, "it resolves outside its file root"),
+                Errno::ENOTDIR => RegionError::Invalid(format!("file {full:?}: a component of the path is not a directory")),
+                Errno::EACCES | Errno::EPERM => self.denied(path, "the agent may not open its directory"),
+                other => io_err(format!("opening the directory of {full}"))(other.into()),
+            })?
+        };
+        let flags =
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+        let fd = nix::fcntl::openat(parent.as_fd(), *name, flags, Mode::from_bits_truncate(0o600)).map_err(|e| match e {
+            Errno::EEXIST => RegionError::FileExists { path: full.clone() },
+            Errno::EACCES | Errno::EPERM => self.denied(path, "the agent may not create it"),
+            Errno::ENAMETOOLONG => RegionError::Invalid(format!("file {full:?}: the name is too long")),
+            other => io_err(format!("creating {full}"))(other.into()),
+        })?;
+        let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| io_err(format!("stat {full}"))(e.into()))?;
+        let file = File::from(fd);
+        let created = CreatedFile { parent, name: name.to_os_string(), dev: st.st_dev, ino: st.st_ino };
+        if let Err(e) = file.set_len(length) {
+            created.remove();
+            return Err(io_err(format!("sizing {full} to {length} bytes"))(e));
+        }
+        Ok(created)
     }
 }
 

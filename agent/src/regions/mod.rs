@@ -85,6 +85,7 @@ mod tests {
             ttl: None,
             labels: BTreeMap::new(),
             adopt_existing: false,
+            create_file: false,
             shares: None,
         }
     }

@@ -36,6 +36,9 @@ pub struct RegionSpec {
     pub labels: BTreeMap<String, String>,
     /// shm: use an object that already exists (never resized, never removed by the agent).
     pub adopt_existing: bool,
+    /// file: create the file (`length` zero bytes; an existing file is refused). A file region
+    /// with `length` 0 and no `create_file` takes the existing file's size.
+    pub create_file: bool,
     /// The creator's share of the per-identity limits (`crate::tenants`), held by the region
     /// for as long as it exists.
     pub shares: Option<Arc<crate::tenants::Permits>>,
@@ -55,6 +58,7 @@ impl RegionSpec {
             ttl: None,
             labels: BTreeMap::new(),
             adopt_existing: false,
+            create_file: false,
             shares: None,
         }
     }

@@ -45,7 +45,7 @@ fn batch_req(
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
-        length: 0,
+        length: None,
         options: Some(pb::TransferOptions { chunk_size: 16 << 10, qps: 3, depth: 8, ..Default::default() }),
         segments,
         notify: tag.map(<[u8]>::to_vec),

@@ -36,7 +36,7 @@ fn to(agent: &str, local: &str, remote: &str, len: u64) -> pb::SubmitTransferReq
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: agent.into(), region: remote.into(), offset: 0 }),
-        length: len,
+        length: (len != 0).then_some(len),
         options: None,
     }
 }

@@ -23,6 +23,7 @@ mod drain;
 mod e2e;
 mod exhaustion;
 mod fairness;
+mod file_create;
 mod files_redteam;
 mod host_safety;
 mod host_safety_redteam;

@@ -356,7 +356,7 @@ async fn a_batch_reaches_no_byte_past_its_span() {
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: "src".into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: "small".into(), offset: 0 }),
-        length: 0,
+        length: None,
         options: None,
         segments,
         notify: Some(tag.to_vec()),

@@ -183,7 +183,7 @@ fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::Sub
         op: op as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
-        length: len,
+        length: (len != 0).then_some(len),
         options: None,
     }
 }

@@ -218,7 +218,7 @@ async fn a_transfer_from_a_truncated_file_fails_while_another_succeeds() {
         op: pb::Op::Read as i32,
         local: Some(pb::LocalRange { region: "sink".into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: "remote".into(), offset: 0 }),
-        length: MIB,
+        length: Some(MIB),
         options: None,
     };
     let e = a.transfer(read).await.unwrap_err();
@@ -233,7 +233,7 @@ async fn a_transfer_from_a_truncated_file_fails_while_another_succeeds() {
         op: pb::Op::Read as i32,
         local: Some(pb::LocalRange { region: "into".into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: b.addr(), region: "dst2".into(), offset: 0 }),
-        length: MIB,
+        length: Some(MIB),
         options: None,
     };
     let e = a.transfer(read).await.unwrap_err();

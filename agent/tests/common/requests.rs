@@ -64,7 +64,7 @@ pub fn write_req(local: &str, peer: &Agent, remote: &str, len: u64) -> pb::Submi
         op: pb::Op::Write as i32,
         local: Some(pb::LocalRange { region: local.into(), offset: 0 }),
         remote: Some(pb::RemoteRange { agent: peer.addr(), region: remote.into(), offset: 0 }),
-        length: len,
+        length: (len != 0).then_some(len),
         options: None,
     }
 }

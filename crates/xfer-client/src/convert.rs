@@ -127,6 +127,7 @@ impl RegionSpec {
             ttl: self.ttl.map(duration_to_pb),
             labels: self.labels.clone().into_iter().collect(),
             adopt_existing: self.adopt_existing,
+            create_file: self.create_file,
         }
     }
 }
@@ -268,6 +269,7 @@ impl Peer {
             node_name: p.node_name,
             qps: p.qps,
             state: p.state,
+            error: p.error,
         }
     }
 }

@@ -188,9 +188,11 @@ pub struct Peer {
     pub node_name: String,
     pub fabric: Fabric,
     pub qps: u32,
-    /// `CONNECTED`, `ERROR`, …
+    /// `NEW` (never answered), `CONNECTED`, or `FAILED` (its last call did not reach it).
     pub state: String,
     pub connect_duration: Option<Duration>,
+    /// `FAILED`: the last transport error.
+    pub error: String,
 }
 
 // ------------------------------------------------------------------------------------ regions
@@ -233,8 +235,12 @@ pub struct RegionSpec {
     /// A lease: the agent deletes the region this long after creating it.
     pub ttl: Option<Duration>,
     pub labels: BTreeMap<String, String>,
-    /// File regions: map a file that exists already (its bytes are kept) instead of refusing.
+    /// Shm regions: map an object that exists already (its bytes are kept) instead of refusing.
     pub adopt_existing: bool,
+    /// File regions: create the file (`length` zero bytes beneath the agent's file root; a file
+    /// already there is refused, never replaced). Without it the file must exist, and a
+    /// `length` of 0 takes the file's size.
+    pub create_file: bool,
 }
 
 impl RegionSpec {
@@ -243,7 +249,8 @@ impl RegionSpec {
         RegionSpec { name: name.into(), length, ..Default::default() }
     }
 
-    /// The file at `path` on the agent's node (created with `length` bytes, or adopted).
+    /// The existing file at `path` on the agent's node (`length` 0: the file's size); set
+    /// `create_file` to create it.
     pub fn file(name: &str, path: &str, length: u64) -> RegionSpec {
         RegionSpec { name: name.into(), length, kind: RegionKind::File, path: path.into(), ..Default::default() }
     }
@@ -318,8 +325,9 @@ pub struct TransferSpec {
     pub peer: String,
     pub remote_region: String,
     pub remote_offset: u64,
-    /// 0 = the rest of the source range (single ranges).
-    pub length: u64,
+    /// `None` = the rest of the source range (single ranges). `Some(0)` is refused by the agent
+    /// (INVALID_ARGUMENT): a zero-length copy is a mistake, not "everything".
+    pub length: Option<u64>,
     /// A batch; empty = one range.
     pub segments: Vec<Segment>,
     pub notify: Option<Vec<u8>>,
@@ -345,7 +353,7 @@ impl TransferSpec {
             peer: peer.into(),
             remote_region: remote.into(),
             remote_offset: 0,
-            length: 0,
+            length: None,
             segments: Vec::new(),
             notify: None,
             options: Options::default(),
@@ -354,7 +362,13 @@ impl TransferSpec {
 
     /// One range: `length` bytes from `local_offset` to `remote_offset`.
     pub fn range(mut self, local_offset: u64, remote_offset: u64, length: u64) -> TransferSpec {
-        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, length);
+        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, Some(length));
+        self
+    }
+
+    /// One range from `local_offset` to `remote_offset`, to the end of the source range.
+    pub fn at(mut self, local_offset: u64, remote_offset: u64) -> TransferSpec {
+        (self.local_offset, self.remote_offset, self.length) = (local_offset, remote_offset, None);
         self
     }
 

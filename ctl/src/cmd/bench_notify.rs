@@ -291,8 +291,11 @@ async fn rounds_over(
         let last = seen.last_block.unwrap_or(arrived);
         run.delays_us.push(arrived.saturating_duration_since(last).as_secs_f64() * 1e6);
         if let Some(at) = note.at {
-            run.published_us.push(micros(at) - wall_us(last));
-            run.delivered_us.push(wall_us(arrived) - micros(at));
+            // Split at the peer's publication. The application notices the last block at most a
+            // pass late, so the publication can stamp before that: below the resolution, 0 (two
+            // clocks read microseconds apart are no negative latency).
+            run.published_us.push((micros(at) - wall_us(last)).max(0.0));
+            run.delivered_us.push((wall_us(arrived) - micros(at)).max(0.0));
         }
         run.batches_us.push((arrived - t0).as_secs_f64() * 1e6);
         run.scans_us.push(seen.pass.as_secs_f64() * 1e6);
@@ -353,29 +356,52 @@ pub fn report(ctx: &Ctx, peer: &str, block: u64, blocks: u32, run: &NotifyRun) -
             "via_fabric": run.via_fabric,
         }));
     }
-    ctx.print(&format!(
-        "# notify {} -> {peer} via {}: {} rounds of {blocks} x {block} B, the application's view of the peer's pool\n\
-         last byte visible -> notification received: p50 {:.1} us, p99 {:.1} us, max {:.1} us \
-         (a pass of the application's loop, the resolution: p50 {:.1} us); split at the peer's publication: last byte -> published p50 {:.1} us, \
-         published -> received p50 {:.1} us; submit -> notification p50 {:.1} us; {} of {} via the fabric\n",
-        ctx.agent,
-        run.via.as_str(),
-        run.rounds,
-        d50,
-        d99,
-        dmax,
-        scan50,
-        published50,
-        delivered50,
-        batch50,
-        run.via_fabric,
-        run.rounds,
+    ctx.print(&notify_table(
+        &format!("{} -> {peer} via {}: {} rounds of {blocks} x {block} B", ctx.agent, run.via.as_str(), run.rounds),
+        &[
+            ("last byte visible -> notification received", d50, Some((d99, dmax))),
+            ("  last byte visible -> published by the peer", published50, None),
+            ("  published -> received", delivered50, None),
+            ("submit -> notification received", batch50, None),
+            ("a pass of the application's loop (resolution)", scan50, None),
+        ],
+        &format!("{} of {} via the fabric", run.via_fabric, run.rounds),
     ))
+}
+
+/// One measure of the notify report: what, its p50, and its p99 and max where measured.
+type Measure<'a> = (&'a str, f64, Option<(f64, f64)>);
+
+/// The notify pattern's report as a table, one measure per line (p50, and p99 and max where
+/// they are measured), a comment line above and below.
+fn notify_table(title: &str, rows: &[Measure<'_>], footer: &str) -> String {
+    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let mut out = format!("# notify {title}, the application's view of the peer's pool\n");
+    out.push_str(&format!("{:width$}  {:>10}  {:>10}  {:>10}\n", "#", "p50 us", "p99 us", "max us"));
+    for (what, p50, tail) in rows {
+        let (p99, max) = tail.map_or(("-".to_string(), "-".to_string()), |(a, b)| (format!("{a:.1}"), format!("{b:.1}")));
+        out.push_str(&format!("{what:width$}  {p50:>10.1}  {p99:>10}  {max:>10}\n"));
+    }
+    out.push_str(&format!("# {footer}\n"));
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_report_is_a_table_of_short_lines() {
+        let t = notify_table(
+            "a -> b via stream: 3 rounds",
+            &[("x -> y", 12.25, Some((20.0, 31.5))), ("  y -> z", 0.0, None)],
+            "1 of 3 via the fabric",
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 5, "{t}");
+        assert!(lines.iter().all(|l| l.len() < 120), "{t}");
+        assert!(lines[2].starts_with("x -> y") && lines[2].contains("12.2") && lines[2].contains("31.5"), "{t}");
+    }
 
     #[test]
     fn percentiles_of_samples() {

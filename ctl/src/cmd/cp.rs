@@ -31,9 +31,10 @@ pub struct Opt {
     /// Destination: [AGENT:]REGION[@OFFSET].
     #[arg(value_parser = parse_location, value_name = "DST")]
     pub dst: Location,
-    /// Bytes to copy (default: the rest of SRC).
-    #[arg(long, value_parser = parse_size, default_value = "0", hide_default_value = true)]
-    pub len: u64,
+    /// Bytes to copy (default: the rest of SRC). 0 is sent as 0, which the agent refuses
+    /// (INVALID_ARGUMENT): a zero-length copy is a mistake, never "everything".
+    #[arg(long, value_parser = parse_size)]
+    pub len: Option<u64>,
     /// Compare end-to-end checksums of source and destination before reporting success.
     #[arg(long)]
     pub verify: bool,
@@ -100,7 +101,7 @@ pub fn plan(
     src: &Location,
     dst: &Location,
     default_agent: &str,
-    len: u64,
+    len: Option<u64>,
     pull: bool,
     tuning: &Tuning,
     batch: &Batch,
@@ -122,10 +123,9 @@ pub fn plan(
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (local_off, remote_off) = if segments.is_empty() { (local.offset, remote.offset) } else { (0, 0) };
-    let mut spec = TransferSpec::new(op, &local.region, &remote_agent, &remote.region)
-        .range(local_off, remote_off, len)
-        .segments(segments)
-        .options(options);
+    let mut spec =
+        TransferSpec::new(op, &local.region, &remote_agent, &remote.region).at(local_off, remote_off).segments(segments).options(options);
+    spec.length = len;
     spec.notify = batch.notify.clone();
     Ok(Plan { initiator, spec })
 }
@@ -195,18 +195,18 @@ mod tests {
 
     #[test]
     fn push_is_write_from_src_agent() {
-        let p = plan(&loc("a:1:src@4KiB"), &loc("b:dst"), "d:9", 100, false, &Tuning::default(), &Batch::default()).unwrap();
+        let p = plan(&loc("a:1:src@4KiB"), &loc("b:dst"), "d:9", Some(100), false, &Tuning::default(), &Batch::default()).unwrap();
         assert_eq!(p.initiator, "a:1");
         assert_eq!(p.spec.op, Op::Write);
         assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("src", 4096));
         assert_eq!(p.spec.peer, "b:7470");
         assert_eq!(p.spec.remote_region, "dst");
-        assert_eq!(p.spec.length, 100);
+        assert_eq!(p.spec.length, Some(100));
     }
 
     #[test]
     fn pull_is_read_from_dst_agent() {
-        let p = plan(&loc("src@1"), &loc("b:dst@2"), "d:9", 0, true, &Tuning::default(), &Batch::default()).unwrap();
+        let p = plan(&loc("src@1"), &loc("b:dst@2"), "d:9", None, true, &Tuning::default(), &Batch::default()).unwrap();
         assert_eq!(p.initiator, "b:7470");
         assert_eq!(p.spec.op, Op::Read);
         assert_eq!((p.spec.local_region.as_str(), p.spec.local_offset), ("dst", 2));
@@ -216,7 +216,7 @@ mod tests {
     #[test]
     fn defaults_and_options() {
         let tuning = Tuning { chunk: Some(1 << 20), depth: Some(8), qps: Some(2), verify: true, timeout: Some(Duration::from_secs(30)) };
-        let p = plan(&loc("s"), &loc("t"), "d:9", 0, false, &tuning, &Batch::default()).unwrap();
+        let p = plan(&loc("s"), &loc("t"), "d:9", None, false, &tuning, &Batch::default()).unwrap();
         assert_eq!(p.initiator, "d:9");
         assert_eq!(p.spec.peer, "d:9");
         let o = &p.spec.options;

@@ -41,7 +41,7 @@ pub struct Opt {
     /// The xfer-agent binary (default: next to xferctl, then on $PATH).
     #[arg(long, env = "XFER_AGENT_BIN", value_name = "PATH")]
     pub agent_bin: Option<PathBuf>,
-    /// Extra argument passed to both agents (repeatable), e.g. --agent-arg=--insecure.
+    /// Extra argument passed to both agents (repeatable), e.g. --agent-arg=--log-format=json.
     #[arg(long = "agent-arg", value_name = "ARG", allow_hyphen_values = true)]
     pub agent_args: Vec<String>,
     /// How long to wait for each agent to answer GetInfo.
@@ -83,7 +83,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
     result?;
     if ctx.json {
-        ctx.print_json(&json!({"ok": true, "size": opt.size, "steps": report.steps}))?;
+        ctx.print_json(&json!({"ok": true, "size": crate::view::u64s(opt.size), "steps": report.steps}))?;
     }
     Ok(())
 }
@@ -109,7 +109,7 @@ impl Report {
         self.line(&format!("{what}: {}", units::rate_summary(bytes, seconds)));
         self.steps.push(json!({
             "step": step,
-            "bytes": bytes,
+            "bytes": crate::view::u64s(bytes),
             "seconds": seconds,
             "gib_per_s": units::gib_per_s(bytes, seconds),
         }));
@@ -171,7 +171,7 @@ async fn steps(opt: &Opt, bin: &Path, tmp: &Path, agents: &mut Vec<DemoAgent>, r
         ("read", "READ demo-b:demo-dst -> demo-a:demo-back (initiated by demo-a)", at(&b_addr, "demo-dst"), at(&a_addr, "demo-back"), true),
     ];
     for (step, what, src, dst, pull) in copies {
-        let plan = cp::plan(&src, &dst, &a_addr, size, pull, &Tuning::default(), &cp::Batch::default())?;
+        let plan = cp::plan(&src, &dst, &a_addr, Some(size), pull, &Tuning::default(), &cp::Batch::default())?;
         // Both copies are initiated by demo-a: the WRITE because it holds the source, the READ
         // because it holds the destination.
         let started = Instant::now();

@@ -31,30 +31,24 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let client = ctx.connect(&agent).await?;
     let region = opt.source.region.as_str();
     let offset = opt.source.offset;
-    let len = match opt.len {
-        Some(len) => len,
-        None => {
-            let r = client.region(region).await.with_context(|| format!("getting region {region:?}"))?;
-            r.length
-                .checked_sub(offset)
-                .with_context(|| format!("offset {offset} is beyond the end of region {region:?} ({} bytes)", r.length))?
-        }
-    };
+    // The range is checked before the output is touched: a read past the region's end must not
+    // create (or truncate) the output file.
+    let r = client.region(region).await.with_context(|| format!("getting region {region:?}"))?;
+    let len = check_range(region, r.length, offset, opt.len)?;
     let to_stdout = opt.file.as_os_str() == "-";
     let display = opt.file.display().to_string();
     let started = Instant::now();
     let read = if to_stdout {
         read_region(&client, region, offset, len, tokio::io::stdout(), None).await?
     } else {
-        let file = tokio::fs::File::create(&opt.file).await.with_context(|| format!("creating {display}"))?;
-        read_region(&client, region, offset, len, file, byte_bar(len, true)).await.with_context(|| format!("writing {display}"))?
+        read_to_file(&client, region, offset, len, &opt.file).await.with_context(|| format!("writing {display}"))?
     };
     let secs = started.elapsed().as_secs_f64();
     if ctx.json && !to_stdout {
         ctx.print_json(&serde_json::json!({
             "region": region,
-            "offset": offset,
-            "bytes": read,
+            "offset": crate::view::u64s(offset),
+            "bytes": crate::view::u64s(read),
             "seconds": secs,
             "gib_per_s": units::gib_per_s(read, secs),
         }))
@@ -65,6 +59,61 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     } else {
         ctx.print(&format!("got {}\n", units::rate_summary(read, secs)))
     }
+}
+
+/// The bytes to read from `offset` of a `region_len`-byte region: `len`, or the rest when
+/// `None`; a range past the end is refused (INVALID_ARGUMENT).
+pub fn check_range(region: &str, region_len: u64, offset: u64, len: Option<u64>) -> anyhow::Result<u64> {
+    let invalid = |m: String| anyhow::Error::new(xfer_client::Error::InvalidArgument(m));
+    let rest = region_len
+        .checked_sub(offset)
+        .ok_or_else(|| invalid(format!("offset {offset} is beyond the end of region {region:?} ({region_len} bytes)")))?;
+    match len {
+        None => Ok(rest),
+        Some(0) => Err(invalid("--len 0: nothing to read (leave --len out to read to the end of the region)".into())),
+        Some(n) if n > rest => Err(invalid(format!(
+            "--len {n} from offset {offset} runs past the end of region {region:?} ({region_len} bytes; {rest} from that offset)"
+        ))),
+        Some(n) => Ok(n),
+    }
+}
+
+/// Reads the range into `path`, created only once the agent has answered with the first piece
+/// (a refused read leaves no file behind); a file this call created is removed if the read
+/// fails later.
+async fn read_to_file(client: &Client, region: &str, offset: u64, len: u64, path: &std::path::Path) -> anyhow::Result<u64> {
+    let mut reader = client.read(region, offset, len).await.with_context(|| format!("reading region {region:?}"))?;
+    let first = reader.next().await.with_context(|| format!("reading region {region:?}"))?;
+    let existed = tokio::fs::symlink_metadata(path).await.is_ok();
+    let file = tokio::fs::File::create(path).await.context("creating the output file")?;
+    let bar = byte_bar(len, true);
+    let r = copy_pieces(&mut reader, first, file, bar.as_ref(), region).await;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if r.is_err() && !existed {
+        let _ = tokio::fs::remove_file(path).await;
+    }
+    r.map(|()| reader.done())
+}
+
+/// Writes `first` and every later piece of `reader` to `out`.
+async fn copy_pieces<W: AsyncWrite + Unpin>(
+    reader: &mut xfer_client::RegionReader,
+    first: Option<Vec<u8>>,
+    mut out: W,
+    bar: Option<&ProgressBar>,
+    region: &str,
+) -> anyhow::Result<()> {
+    let mut piece = first;
+    while let Some(p) = piece {
+        out.write_all(&p).await.context("writing output")?;
+        if let Some(b) = bar {
+            b.set_position(reader.done());
+        }
+        piece = reader.next().await.with_context(|| format!("reading region {region:?}"))?;
+    }
+    out.flush().await.context("writing output")
 }
 
 /// Reads `len` bytes of `region` at `offset` into `out` (the client checks that the agent's

@@ -210,8 +210,8 @@ mod tests {
         let v = view::info_json(&info);
         let d = &v["devices"][0];
         assert_eq!(
-            (d["numa_node"].as_u64(), d["pci_address"].as_str(), d["speed_mbps"].as_u64()),
-            (Some(0), Some("0000:11:00.0"), Some(200_000))
+            (d["numa_node"].as_u64(), d["pci_address"].as_str(), d["speed_mbps"].as_str()),
+            (Some(0), Some("0000:11:00.0"), Some("200000"))
         );
         assert_eq!((d["netdev"].as_str(), d["ipv4_prefix"].as_u64()), (Some("ens1np0"), Some(24)));
         let rxe = &v["devices"][1];

@@ -36,6 +36,10 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     } else {
         let file = tokio::fs::File::open(&opt.file).await.with_context(|| format!("opening {display}"))?;
         let len = file.metadata().await.with_context(|| format!("reading metadata of {display}"))?.len();
+        // Checked before the first byte is sent: a file that does not fit must leave the region
+        // as it was, not holding the file's first bytes.
+        let region = client.region(&opt.dest.region).await.with_context(|| format!("getting region {:?}", opt.dest.region))?;
+        check_fits(&display, len, &opt.dest.region, region.length, opt.dest.offset)?;
         write_region(&client, &opt.dest.region, opt.dest.offset, file, byte_bar(len, true)).await
     }
     .with_context(|| format!("writing {display} to region {:?}", opt.dest.region))?;
@@ -43,8 +47,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if ctx.json {
         ctx.print_json(&serde_json::json!({
             "region": opt.dest.region,
-            "offset": opt.dest.offset,
-            "bytes": written,
+            "offset": crate::view::u64s(opt.dest.offset),
+            "bytes": crate::view::u64s(written),
             "seconds": secs,
             "gib_per_s": units::gib_per_s(written, secs),
         }))
@@ -53,8 +57,19 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
 }
 
-/// Streams everything `reader` yields into `region` at `offset`, in [`CHUNK`]-byte messages.
-/// Returns the bytes the agent reports written.
+/// Refuses (INVALID_ARGUMENT, nothing written) a `len`-byte file that does not fit in a
+/// `region_len`-byte region at `offset`.
+pub fn check_fits(file: &str, len: u64, region: &str, region_len: u64, offset: u64) -> anyhow::Result<()> {
+    let room = region_len.saturating_sub(offset);
+    if offset > region_len || len > room {
+        return Err(xfer_client::Error::InvalidArgument(format!(
+            "{file} is {len} bytes but region {region:?} has {room} bytes from offset {offset} ({region_len} bytes in all); nothing was written"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// Streams everything `reader` yields into `region` at `offset` (through
 /// [`Client::put_reader`]), advancing `bar` as the bytes are read. Returns the bytes written.
 pub async fn write_region<R>(client: &Client, region: &str, offset: u64, reader: R, bar: Option<ProgressBar>) -> anyhow::Result<u64>

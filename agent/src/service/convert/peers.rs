@@ -231,8 +231,13 @@ pub fn peer_info_to_pb(p: &PeerEntry, fabric: FabricKind) -> pb::PeerInfo {
         node_name: p.node_name(),
         fabric: fabric_to_pb(fabric) as i32,
         qps: p.idle_count() as u32,
-        state: if p.node_name().is_empty() { "NEW".into() } else { "CONNECTED".into() },
+        state: match (p.last_failure(), p.node_name().is_empty()) {
+            (Some(_), _) => "FAILED".into(),
+            (None, true) => "NEW".into(),
+            (None, false) => "CONNECTED".into(),
+        },
         connect_duration: p.last_connect.lock().ok().and_then(|l| *l).map(duration_to_pb),
+        error: p.last_failure().unwrap_or_default(),
     }
 }
 

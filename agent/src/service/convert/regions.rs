@@ -90,6 +90,7 @@ pub fn region_spec_from_pb(r: pb::CreateRegionRequest) -> Result<RegionSpec, Sta
         hugepages: r.hugepages,
         labels: r.labels.into_iter().collect(),
         adopt_existing: r.adopt_existing,
+        create_file: r.create_file,
         shares: None,
     })
 }

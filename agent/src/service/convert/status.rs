@@ -61,9 +61,11 @@ pub fn region_status(e: RegionError) -> Status {
             Status::invalid_argument(e.to_string())
         }
         RegionError::NotRegular { .. } => Status::invalid_argument(e.to_string()),
-        RegionError::Busy(_) | RegionError::Unavailable { .. } | RegionError::Poisoned { .. } => Status::failed_precondition(e.to_string()),
+        RegionError::Busy(_) | RegionError::Unavailable { .. } | RegionError::Poisoned { .. } | RegionError::Unsupported(_) => {
+            Status::failed_precondition(e.to_string())
+        }
         RegionError::Denied(_) => Status::permission_denied(e.to_string()),
-        RegionError::ShmExists { .. } => Status::already_exists(e.to_string()),
+        RegionError::ShmExists { .. } | RegionError::FileExists { .. } => Status::already_exists(e.to_string()),
         RegionError::Limit(_) => Status::resource_exhausted(e.to_string()),
         RegionError::Io { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => Status::permission_denied(e.to_string()),
         RegionError::Io { .. } => Status::internal(e.to_string()),

@@ -65,6 +65,11 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
     require(!remote.agent.is_empty(), "remote agent address is required")?;
     peer_address(&remote.agent)?;
     let options = options_from_pb(r.options.unwrap_or_default())?;
+    // Absent is "the rest of the source range"; a 0 the caller wrote is a mistake, never
+    // "everything" (a script's empty variable must not copy a whole region).
+    if r.length == Some(0) {
+        return Err(invalid("length 0: a zero-length transfer moves nothing; leave length unset to move the rest of the source range"));
+    }
     Ok(TransferRequest {
         op: op_from_pb(r.op)?,
         local_region: local.region,
@@ -72,7 +77,7 @@ pub fn transfer_request_from_pb(r: pb::SubmitTransferRequest) -> Result<Transfer
         remote_agent: remote.agent,
         remote_region: remote.region,
         remote_offset: remote.offset,
-        length: r.length,
+        length: r.length.unwrap_or(0),
         segments: segments_from_pb(&r.segments),
         notify: r.notify,
         options,

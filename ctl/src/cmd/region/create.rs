@@ -36,9 +36,10 @@ pub enum AccessArg {
 pub struct Opt {
     /// Region name (unique per agent).
     pub name: String,
-    /// Length, e.g. 4096, 64MiB, 1GiB.
+    /// Length, e.g. 4096, 64MiB, 1GiB (binary units; 1GB is 10^9 bytes). Kind file: defaults to
+    /// the existing file's size.
     #[arg(long, value_parser = parse_size)]
-    pub size: u64,
+    pub size: Option<u64>,
     #[arg(long, value_enum, default_value = "anonymous")]
     pub kind: Kind,
     /// File path (kind file) or shm object name (kind shm).
@@ -60,19 +61,33 @@ pub struct Opt {
     /// `regions.shm_owner`, at least --size long; never resized nor removed by the agent).
     #[arg(long)]
     pub adopt: bool,
+    /// Kind file: create the file under the agent's file root with --size zero bytes (its
+    /// directory must exist; an existing file is refused, never replaced).
+    #[arg(long)]
+    pub create: bool,
 }
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     if opt.adopt && !matches!(opt.kind, Kind::Shm) {
-        anyhow::bail!("--adopt applies to --kind shm only");
+        return Err(crate::error::usage("--adopt applies to --kind shm only"));
     }
     if matches!(opt.kind, Kind::File) && opt.path.is_none() {
         // Usage-level mistake, but only detectable after parsing: say so plainly.
-        anyhow::bail!("--kind file needs --path PATH (a file on the agent's node)");
+        return Err(crate::error::usage("--kind file needs --path PATH (a file beneath the agent's regions.file_roots)"));
     }
+    if opt.create && !matches!(opt.kind, Kind::File) {
+        return Err(crate::error::usage("--create applies to --kind file only"));
+    }
+    let size = match (opt.size, opt.kind) {
+        (Some(n), _) => n,
+        (None, Kind::File) if opt.create => return Err(crate::error::usage("--create needs --size: the length of the new file")),
+        // 0: the agent takes the existing file's size.
+        (None, Kind::File) => 0,
+        (None, _) => return Err(crate::error::usage("--size SIZE is required (e.g. 64MiB)")),
+    };
     let spec = RegionSpec {
         name: opt.name.clone(),
-        length: opt.size,
+        length: size,
         kind: match opt.kind {
             Kind::Anonymous => RegionKind::Anonymous,
             Kind::File => RegionKind::File,
@@ -88,6 +103,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         ttl: opt.ttl,
         labels: opt.labels.into_iter().collect(),
         adopt_existing: opt.adopt,
+        create_file: opt.create,
     };
     let client = ctx.client().await?;
     let region = client.create(spec).await.with_context(|| format!("creating region {:?}", opt.name))?;
