@@ -3,7 +3,9 @@
 //! payloads land chunk by chunk under the grant's gate.
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::wire::{FrameReader, FrameWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
@@ -77,12 +79,12 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut rd = FrameReader::new(rd);
     // Responses are coalesced, and flushed before any read that could wait for the initiator:
     // the initiator writes whole frames, so bytes already buffered never wait on our answers.
     // An initiator that stops reading its answers fails the stream after `stall` without
     // progress (a write, not only a read, can wait on the peer).
-    let mut wr = BufWriter::with_capacity(64 << 10, StallGuard::new(wr, timers.stall));
+    let mut wr = FrameWriter::new(StallGuard::new(wr, timers.stall));
     let served = serve_loop(&mut rd, &mut wr, check, connection, timers.idle, timers.payload).await;
     // However the stream ends (a bad frame, a payload cut short, a revocation, the idle timer),
     // the answers to the frames served before it are still delivered: a READ answered in full
@@ -98,8 +100,8 @@ where
 
 /// The frame loop of [`serve_frames_idle`]; its caller flushes `wr` however this returns.
 async fn serve_loop<R, W>(
-    rd: &mut BufReader<R>,
-    wr: &mut BufWriter<W>,
+    rd: &mut FrameReader<R>,
+    wr: &mut FrameWriter<StallGuard<W>>,
     check: &dyn AccessCheck,
     connection: &ConnectionId,
     idle: Option<Duration>,
@@ -117,7 +119,7 @@ where
     // stream after a NAK (the QP breaks), so this costs an honest peer nothing.
     let mut refused = false;
     loop {
-        if rd.buffer().is_empty() {
+        if rd.buffered() == 0 {
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];
@@ -203,9 +205,15 @@ where
                         }
                     }
                     Ok((mem, off)) => {
+                        // Header and payload in one vectored write, the payload straight from
+                        // region memory (a small one is staged with the frames around it).
                         resp.len = h.len;
                         wr.write_all(&resp.encode()).await?;
-                        mem.write_all_from(wr, off, h.len as usize).await?;
+                        if wr.fits(h.len as usize) {
+                            mem.write_all_from(wr, off, h.len as usize).await?;
+                        } else {
+                            wr.send_region(&mem, off, h.len as usize).await?;
+                        }
                     }
                     Err(status) => {
                         refused = true;
