@@ -366,7 +366,7 @@ impl Agent for Services {
         peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
         let (bytes, seconds) =
-            crate::bench::tcp_baseline(&self.node, &r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block })
+            crate::bench::tcp_baseline(&self.node, &r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block }, r.tls)
                 .await
                 .map_err(transfer_status)?;
         Ok(Response::new(tcp_baseline_to_pb(bytes, seconds)))

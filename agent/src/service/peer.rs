@@ -77,7 +77,8 @@ impl Peer for Services {
 
     async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-        let addr = crate::bench::open_sink(&self.node, ip, self.checked(req)?.connections).await.map_err(transfer_status)?;
+        let r = self.checked(req)?;
+        let addr = crate::bench::open_sink(&self.node, ip, r.connections, r.tls).await.map_err(transfer_status)?;
         Ok(Response::new(sink_to_pb(addr)))
     }
 
