@@ -105,9 +105,21 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
     // behind them, header and payload in one vectored write.
     let mut out = FrameWriter::new(out);
     loop {
-        let wr = tokio::select! {
-            _ = ctx.cancel.cancelled() => break,
-            wr = rx.recv() => match wr { Some(wr) => wr, None => break },
+        // A WR already queued is taken without arming the cancellation's waiter (a lock each).
+        let queued = match rx.try_recv() {
+            Ok(wr) if !ctx.cancel.is_cancelled() => Some(wr),
+            Ok(wr) => {
+                ctx.complete(&wr, WcStatus::WrFlushErr);
+                break;
+            }
+            Err(_) => None,
+        };
+        let wr = match queued {
+            Some(wr) => wr,
+            None => tokio::select! {
+                _ = ctx.cancel.cancelled() => break,
+                wr = rx.recv() => match wr { Some(wr) => wr, None => break },
+            },
         };
         let Some(wr) = ctx.enqueue(wr) else { continue };
         let RemoteKey::Token(token) = wr.remote_key else {
@@ -163,7 +175,9 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
         };
         // A write waits on the target reading; closing the connection must not wait for that
         // (a stopped or hostile target would otherwise hold this task and its socket for ever).
+        // The send first: one that completes at once never arms the cancellation's waiter.
         let res = tokio::select! {
+            biased;
             r = send => r,
             _ = ctx.cancel.cancelled() => break,
         };
@@ -190,9 +204,11 @@ async fn reader(ctx: QpCtx, rd: BoxRead) {
     let mut rd = FrameReader::new(rd);
     let first_error = loop {
         let mut hb = [0u8; HEADER_LEN];
+        // The read first: an answer already received never arms the cancellation's waiter.
         let res = tokio::select! {
-            _ = ctx.cancel.cancelled() => break WcStatus::WrFlushErr,
+            biased;
             r = rd.read_exact(&mut hb) => r,
+            _ = ctx.cancel.cancelled() => break WcStatus::WrFlushErr,
         };
         if let Err(e) = res {
             debug!(qp = ctx.index, error = %e, "tcp fabric: peer stream closed");

@@ -123,12 +123,13 @@ where
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];
+        // A header already received cannot wait: no timer for it (one per frame otherwise).
         let read = match idle {
-            None => rd.read_exact(&mut hb).await,
-            Some(idle) => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
+            Some(idle) if rd.buffered() < HEADER_LEN => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
                 Ok(r) => r,
                 Err(_) => return Err(ServeError::Idle),
             },
+            _ => rd.read_exact(&mut hb).await,
         };
         match read {
             Ok(_) => {}
@@ -146,7 +147,14 @@ where
         };
         match h.kind {
             Kind::Write => {
-                let deadline = payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p)));
+                // A payload already received in full cannot wait on the network: it is stored
+                // without the deadline and revocation watch (each chunk still lands only under
+                // the live gate, so a revocation still cuts it).
+                let buffered = rd.buffered() >= h.len as usize;
+                let deadline = match buffered {
+                    true => None,
+                    false => payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p))),
+                };
                 let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
                     match (t.memory.writable(), t.memory.check(t.offset, h.len as u64), t.memory.intact()) {
                         (true, Ok(_), Ok(())) => Ok(t),
@@ -157,7 +165,10 @@ where
                     Ok(t) => {
                         // Revoked (or expired) before the payload is in: the stream is closed
                         // rather than resynchronised, and no further byte lands.
-                        let stored = within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?;
+                        let stored = match buffered {
+                            true => store_payload(rd, &t, h.len as usize).await?,
+                            false => within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?,
+                        };
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;

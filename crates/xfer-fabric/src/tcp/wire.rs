@@ -7,17 +7,29 @@
 //! * [`FrameReader`] buffers small frames (one read takes many of them) and reads a large payload
 //!   straight into region memory. After a payload that went straight in, the next header is read
 //!   on its own, so the payload behind it goes straight in too instead of through the buffer.
+//! * [`tls_socket`]: the socket under a TLS stream, read through a buffer. rustls asks its socket
+//!   for at most 4 KiB a read, a system call per quarter record; the buffer takes what the
+//!   socket holds in one call and hands it over in those pieces.
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
+use tokio::net::TcpStream;
 use xfer_rdma::memory::RegionMemory;
 
 /// Bytes a stream stages or buffers: small frames are coalesced up to this.
 pub(super) const STAGE: usize = 64 << 10;
 /// A read at least this long with nothing buffered goes straight to its destination.
 const DIRECT: usize = 16 << 10;
+
+/// Bytes one read of a TLS stream's socket may take (four records and their overhead).
+const TLS_SOCKET_READ: usize = 64 << 10;
+
+/// The socket a TLS data stream runs over (see the module docs). Writes pass straight through.
+pub(super) fn tls_socket(stream: TcpStream) -> BufReader<TcpStream> {
+    BufReader::with_capacity(TLS_SOCKET_READ, stream)
+}
 
 /// The sending half of a stream; see the module docs. Its `AsyncWrite` stages what it is given
 /// (a write at least [`STAGE`] long goes straight out after the staged bytes).
