@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::PeerError;
-use crate::service::tls::{DataTls, TlsMaterial};
+use xfer_fabric::identity::tls::DataTls;
 
 /// Each sink connection's read buffer.
 const SINK_BUFFER: usize = 256 << 10;
@@ -31,9 +31,11 @@ const BASELINE_MAX_BLOCK: u64 = 16 << 20;
 /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
 /// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
 /// [`SINK_LIFETIME`] in all.
-pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32, tls: bool) -> Result<SocketAddr, NodeError> {
+///
+/// With `tls` (the agent's data-plane configurations), the sink takes TLS streams.
+pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32, tls: Option<DataTls>) -> Result<SocketAddr, NodeError> {
     let n = connections.clamp(1, 64);
-    let acceptor = if tls { Some(tokio_rustls::TlsAcceptor::from(data_tls(node)?.server)) } else { None };
+    let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.server));
     let slot = node.sink_slot()?;
     let reservation = node.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
@@ -59,22 +61,23 @@ pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32
 /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
 /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
 /// `limits.max_bench_bytes`.
+///
+/// With `tls` (the agent's data-plane configurations), the streams are TLS.
 pub async fn tcp_baseline(
     node: &Node,
     peer_addr: &str,
     bytes: u64,
     connections: u32,
     block: u64,
-    tls: bool,
+    tls: Option<DataTls>,
 ) -> Result<(u64, f64), NodeError> {
     let _admin = node.admin_slot("TcpBaseline")?;
     let tls = match tls {
-        true => {
-            let data = data_tls(node)?;
+        Some(data) => {
             let name = data.server_name_for(peer_addr).map_err(NodeError::Invalid)?;
             Some((tokio_rustls::TlsConnector::from(data.client), name))
         }
-        false => None,
+        None => None,
     };
     let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
     let _memory = node.reserve_bench(block as u64, "the TCP baseline buffer")?;
@@ -128,14 +131,6 @@ async fn send<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, per: u64, buf: &[u8])
     let mut one = [0u8; 1];
     let _ = s.read(&mut one).await;
     Ok(per)
-}
-
-/// The agent's data-plane TLS configurations, for the TLS baseline (read from its certificate
-/// files, as at start).
-fn data_tls(node: &Node) -> Result<DataTls, NodeError> {
-    let files =
-        node.tls_files().ok_or_else(|| NodeError::Invalid("the TLS baseline needs mTLS on both agents; this one runs plaintext".into()))?;
-    Ok(TlsMaterial::load(files).map_err(|e| NodeError::Internal(format!("loading the TLS baseline's certificates: {e}")))?.data)
 }
 
 /// The socket under a baseline TLS stream, read through a buffer as the tcp fabric's TLS streams
