@@ -114,7 +114,8 @@ async fn with(
             length: 0,
             options: p.transfer_options(),
             segments: specs.clone(),
-            notify: Some(i.map_or_else(|| "bench-kv-warmup".to_string(), |i| format!("bench-kv-{i}")).into_bytes()),
+            // The warm-up is not the application's batch: nothing is announced for it.
+            notify: i.map(|i| format!("bench-kv-{i}").into_bytes()),
         };
         let t0 = Instant::now();
         let rec = node.submit(req).await?;
