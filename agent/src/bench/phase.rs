@@ -35,10 +35,22 @@ pub(super) fn wr_op(p: &BenchParams) -> WrOp {
     }
 }
 
-/// QPs and depth asked for, or the agent's defaults, within the bounds transfers keep.
+/// Bytes a bandwidth phase keeps in flight per QP when its depth is not asked for (the agent's
+/// default depth of 1 MiB chunks keeps 16 MiB).
+const BENCH_IN_FLIGHT: u64 = 1 << 20;
+/// Most WRs per QP a bandwidth phase posts by default (perftest's default send queue depth).
+const BENCH_MAX_DEFAULT_DEPTH: usize = 128;
+
+/// QPs and depth asked for, or the agent's defaults, within the bounds transfers keep. A
+/// bandwidth phase of small messages with no depth asked for keeps at least
+/// [`BENCH_IN_FLIGHT`] per QP (up to [`BENCH_MAX_DEFAULT_DEPTH`] WRs, as perftest does): at the
+/// default depth a window of 16 x 4 KiB measured how fast completions round-trip, not the
+/// fabric's bandwidth against a raw stream that has megabytes in flight.
 pub(super) fn shape(node: &Node, p: &BenchParams) -> Result<(usize, usize), NodeError> {
     let qps = xfer_engine::shape::or_default(p.qps, node.transfer_defaults().qps, xfer_engine::shape::qps)?;
-    let depth = xfer_engine::shape::or_default(p.depth, node.transfer_defaults().depth, xfer_engine::shape::depth)?;
+    let default = node.transfer_defaults().depth;
+    let filling = usize::try_from(BENCH_IN_FLIGHT.div_ceil(p.size.max(1))).unwrap_or(usize::MAX).min(BENCH_MAX_DEFAULT_DEPTH);
+    let depth = xfer_engine::shape::or_default(p.depth, default.max(filling), xfer_engine::shape::depth)?;
     Ok((qps, depth))
 }
 

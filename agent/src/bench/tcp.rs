@@ -1,16 +1,20 @@
 //! The raw TCP baseline (`Agent.TcpBaseline`: what `--baseline tcp` compares against) and its
-//! one-shot sink on the peer (`Peer.OpenSink`), which reads and discards.
+//! one-shot sink on the peer (`Peer.OpenSink`), which reads and discards. With `tls`, the streams
+//! are TLS with the agents' data-plane rustls configurations (the same library, provider, cipher
+//! suites and certificates as the tcp fabric's mTLS data streams): what `--baseline tls`
+//! compares the fabric's TLS streams against.
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
 use crate::error::NodeError;
 use crate::node::Node;
 use crate::peer_api::PeerError;
+use xfer_fabric::identity::tls::DataTls;
 
 /// Each sink connection's read buffer.
 const SINK_BUFFER: usize = 256 << 10;
@@ -27,18 +31,28 @@ const BASELINE_MAX_BLOCK: u64 = 16 << 20;
 /// Bounded like the admin calls that use it: one sink at a time per agent, its buffers
 /// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
 /// [`SINK_LIFETIME`] in all.
-pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32) -> Result<SocketAddr, NodeError> {
+///
+/// With `tls` (the agent's data-plane configurations), the sink takes TLS streams.
+pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32, tls: Option<DataTls>) -> Result<SocketAddr, NodeError> {
     let n = connections.clamp(1, 64);
+    let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.server));
     let slot = node.sink_slot()?;
     let reservation = node.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     let addr = listener.local_addr().map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     tokio::spawn(async move {
-        let _held = (slot, reservation);
-        match run_sink(listener, n, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
+        let held = (slot, reservation);
+        match run_sink(listener, n, acceptor, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
             Err(SinkEnd::Lifetime) => warn!("tcp baseline sink reached its lifetime; closed"),
             Err(SinkEnd::Io(e)) => debug!(error = %e, "tcp baseline sink closed"),
-            Ok(()) => {}
+            Ok(done) => {
+                // The senders finish when their streams close: the slot is given back first,
+                // so a baseline run right behind this one finds it free.
+                drop(held);
+                for mut s in done {
+                    let _ = s.shutdown().await;
+                }
+            }
         }
     });
     Ok(addr)
@@ -47,13 +61,29 @@ pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32
 /// Raw TCP throughput to the peer's host: what `--baseline tcp` compares against. Admin-only;
 /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
 /// `limits.max_bench_bytes`.
-pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections: u32, block: u64) -> Result<(u64, f64), NodeError> {
+///
+/// With `tls` (the agent's data-plane configurations), the streams are TLS.
+pub async fn tcp_baseline(
+    node: &Node,
+    peer_addr: &str,
+    bytes: u64,
+    connections: u32,
+    block: u64,
+    tls: Option<DataTls>,
+) -> Result<(u64, f64), NodeError> {
     let _admin = node.admin_slot("TcpBaseline")?;
+    let tls = match tls {
+        Some(data) => {
+            let name = data.server_name_for(peer_addr).map_err(NodeError::Invalid)?;
+            Some((tokio_rustls::TlsConnector::from(data.client), name))
+        }
+        None => None,
+    };
     let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
     let _memory = node.reserve_bench(block as u64, "the TCP baseline buffer")?;
     let peer = node.peer_entry(peer_addr).await?;
     let n = connections.clamp(1, 64);
-    let sink = peer.call(|| peer.client.open_sink(n)).await?;
+    let sink = peer.call(|| peer.client.open_sink(n, tls.is_some())).await?;
     let per = bytes.div_ceil(n as u64);
     let buf: Arc<[u8]> = vec![0xa5u8; block].into();
     let t0 = Instant::now();
@@ -64,20 +94,14 @@ pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections:
     for _ in 0..n {
         let sink = sink.clone();
         let buf = buf.clone();
+        let tls = tls.clone();
         tasks.spawn(async move {
-            let mut s = TcpStream::connect(&sink).await?;
+            let s = TcpStream::connect(&sink).await?;
             s.set_nodelay(true)?;
-            let mut left = per;
-            while left > 0 {
-                let k = (left as usize).min(buf.len());
-                s.write_all(&buf[..k]).await?;
-                left -= k as u64;
+            match tls {
+                None => send(s, per, &buf).await,
+                Some((connector, name)) => send(connector.connect(name, tls_socket(s)).await?, per, &buf).await,
             }
-            s.shutdown().await?;
-            // Wait for the sink to close: all bytes were read on the far side.
-            let mut one = [0u8; 1];
-            let _ = s.read(&mut one).await;
-            Ok::<u64, std::io::Error>(per)
         });
     }
     let unreachable = |detail: String| NodeError::Peer(PeerError::Unreachable { addr: sink.clone(), detail });
@@ -94,6 +118,37 @@ pub async fn tcp_baseline(node: &Node, peer_addr: &str, bytes: u64, connections:
     Ok((total, t0.elapsed().as_secs_f64()))
 }
 
+/// Streams `per` bytes of `buf` (repeated) on `s`, then waits for the sink to close: all bytes
+/// were read on the far side.
+async fn send<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, per: u64, buf: &[u8]) -> std::io::Result<u64> {
+    let mut left = per;
+    while left > 0 {
+        let k = (left as usize).min(buf.len());
+        s.write_all(&buf[..k]).await?;
+        left -= k as u64;
+    }
+    s.shutdown().await?;
+    let mut one = [0u8; 1];
+    let _ = s.read(&mut one).await;
+    Ok(per)
+}
+
+/// The socket under a baseline TLS stream, read through a buffer as the tcp fabric's TLS streams
+/// are (rustls reads at most 4 KiB per call on its own): the baseline gets the same help.
+fn tls_socket(s: TcpStream) -> tokio::io::BufReader<TcpStream> {
+    tokio::io::BufReader::with_capacity(64 << 10, s)
+}
+
+/// A sink's stream read to its end, still open (closing it tells the sender all was read).
+type Drained = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// Reads `s` to its end, discarding the bytes.
+async fn drain<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(mut s: S) -> Option<Drained> {
+    let mut buf = vec![0u8; SINK_BUFFER];
+    while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+    Some(Box::new(s))
+}
+
 /// Why a TCP baseline sink ended early.
 #[derive(Debug)]
 enum SinkEnd {
@@ -102,26 +157,43 @@ enum SinkEnd {
 }
 
 /// A sink's work: accepts `n` connections, each within `accept_within`, and reads each to its
-/// end, discarding the bytes; all within `lifetime`. The reading tasks live in a `JoinSet`, so
+/// end, discarding the bytes; all within `lifetime`. Returns the streams, still open. The reading tasks live in a `JoinSet`, so
 /// when the lifetime ends (or the sink fails) every connection still open is closed with them:
 /// a peer that keeps trickling bytes cannot keep a sink's tasks and buffers past its lifetime
 /// and the slot it gave back.
-async fn run_sink(listener: TcpListener, n: u32, accept_within: Duration, lifetime: Duration) -> Result<(), SinkEnd> {
+async fn run_sink(
+    listener: TcpListener,
+    n: u32,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    accept_within: Duration,
+    lifetime: Duration,
+) -> Result<Vec<Drained>, SinkEnd> {
     let mut readers = tokio::task::JoinSet::new();
     let work = async {
         for _ in 0..n {
-            let (mut s, _) = tokio::time::timeout(accept_within, listener.accept())
+            let (s, _) = tokio::time::timeout(accept_within, listener.accept())
                 .await
                 .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
+            let tls = tls.clone();
             readers.spawn(async move {
-                let mut buf = vec![0u8; SINK_BUFFER];
-                while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
-                let _ = s.shutdown().await;
+                match tls {
+                    None => drain(s).await,
+                    Some(acceptor) => match acceptor.accept(tls_socket(s)).await {
+                        Ok(s) => drain(s).await,
+                        Err(e) => {
+                            debug!(error = %e, "tls baseline sink: handshake failed");
+                            None
+                        }
+                    },
+                }
             });
         }
         drop(listener);
-        while readers.join_next().await.is_some() {}
-        Ok::<(), std::io::Error>(())
+        let mut done = Vec::new();
+        while let Some(r) = readers.join_next().await {
+            done.extend(r.ok().flatten());
+        }
+        Ok::<_, std::io::Error>(done)
     };
     match tokio::time::timeout(lifetime, work).await {
         Err(_) => Err(SinkEnd::Lifetime),
@@ -143,7 +215,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let lifetime = Duration::from_secs(120);
-        let sink = tokio::spawn(run_sink(listener, 1, Duration::from_secs(10), lifetime));
+        let sink = tokio::spawn(run_sink(listener, 1, None, Duration::from_secs(10), lifetime));
         let mut peer = TcpStream::connect(addr).await.expect("connect");
         peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
         let start = tokio::time::Instant::now();
@@ -152,6 +224,6 @@ mod tests {
         assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the connection outlived the sink: {closed:?}");
         assert!(start.elapsed() >= lifetime - Duration::from_secs(1), "closed before its lifetime: {:?}", start.elapsed());
         let ended = sink.await.expect("the sink task");
-        assert!(matches!(ended, Err(SinkEnd::Lifetime)), "{ended:?}");
+        assert!(matches!(ended, Err(SinkEnd::Lifetime)), "{:?}", ended.map(|s| s.len()));
     }
 }

@@ -248,6 +248,11 @@ impl Node {
         &self.config.limits
     }
 
+    /// The agent's certificate files (`[tls]`), None when it runs plaintext (`insecure`).
+    pub fn tls_files(&self) -> Option<&crate::config::TlsConfig> {
+        (!self.config.insecure).then_some(&self.config.tls)
+    }
+
     // ------------------------------------------------------------------ regions
 
     /// Re-creates file and shm regions from the catalog (at start); how many came back.

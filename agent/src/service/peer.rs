@@ -16,6 +16,17 @@ use crate::node::InboundEnd;
 use crate::transfer::Op;
 use xfer_engine::ids::{ConnectionId, TransferId};
 
+/// The agent's data-plane TLS configurations for the raw TLS baseline and its sink, read from
+/// its certificate files as at start.
+pub(super) fn baseline_tls(node: &crate::node::Node) -> Result<xfer_fabric::identity::tls::DataTls, crate::error::NodeError> {
+    use crate::error::NodeError;
+    let files =
+        node.tls_files().ok_or_else(|| NodeError::Invalid("the TLS baseline needs mTLS on both agents; this one runs plaintext".into()))?;
+    let material =
+        super::tls::TlsMaterial::load(files).map_err(|e| NodeError::Internal(format!("loading the TLS baseline's certificates: {e}")))?;
+    Ok(material.data)
+}
+
 #[tonic::async_trait]
 impl Peer for Services {
     async fn connect(&self, req: Request<pb::PeerConnectRequest>) -> Result<Response<pb::PeerConnectResponse>, Status> {
@@ -93,7 +104,9 @@ impl Peer for Services {
 
     async fn open_sink(&self, req: Request<pb::OpenSinkRequest>) -> Result<Response<pb::OpenSinkResponse>, Status> {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
-        let addr = crate::bench::open_sink(&self.node, ip, self.checked(req)?.connections).await.map_err(transfer_status)?;
+        let r = self.checked(req)?;
+        let tls = if r.tls { Some(baseline_tls(&self.node).map_err(transfer_status)?) } else { None };
+        let addr = crate::bench::open_sink(&self.node, ip, r.connections, tls).await.map_err(transfer_status)?;
         Ok(Response::new(sink_to_pb(addr)))
     }
 

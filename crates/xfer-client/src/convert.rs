@@ -337,7 +337,13 @@ impl PathProbe {
 
 impl TcpBaselineSpec {
     pub(crate) fn to_pb(&self) -> pb::TcpBaselineRequest {
-        pb::TcpBaselineRequest { peer: self.peer.clone(), bytes: self.bytes, connections: self.connections, block: self.block }
+        pb::TcpBaselineRequest {
+            peer: self.peer.clone(),
+            bytes: self.bytes,
+            connections: self.connections,
+            block: self.block,
+            tls: self.tls,
+        }
     }
 }
 

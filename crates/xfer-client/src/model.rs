@@ -552,6 +552,8 @@ pub struct TcpBaselineSpec {
     pub connections: u32,
     /// Write size (0 = 1 MiB).
     pub block: u64,
+    /// TLS streams with the agents' data-plane certificates (the raw TLS baseline).
+    pub tls: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -72,6 +72,17 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for StallGuard<W> {
         this.settle(cx, r)
     }
 
+    // Forwarded, so a READ answer's header and payload still leave in one system call.
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.settle(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_flush(cx);

@@ -324,6 +324,28 @@ impl RegionMemory {
         w.poll_write(cx, src)
     }
 
+    /// Zero-copy send behind a header: one `poll_write_vectored` of `head` followed by
+    /// `offset..offset + len` of the mapping, so a frame header and its payload leave in one
+    /// system call (and one TCP segment train) instead of two. Returns how many bytes `w` took,
+    /// counted from the start of `head`. The same contract as [`RegionMemory::poll_write_from`].
+    pub fn poll_write_vectored_from<W: AsyncWrite + ?Sized>(
+        &self,
+        w: Pin<&mut W>,
+        cx: &mut Context<'_>,
+        head: &[u8],
+        offset: u64,
+        len: usize,
+    ) -> Poll<io::Result<usize>> {
+        let start = match self.check(offset, len as u64) {
+            Ok(s) => s,
+            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
+        };
+        // SAFETY: as in `poll_write_from`: within the live mapping (checked above), the shared
+        // slice lives only for this one `poll_write_vectored` call.
+        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) };
+        w.poll_write_vectored(cx, &[io::IoSlice::new(head), io::IoSlice::new(src)])
+    }
+
     /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see
     /// [`RegionMemory::poll_read_into`]). `UnexpectedEof` if the stream ends first.
     pub async fn read_exact_into<R: AsyncRead + Unpin + ?Sized>(&self, rd: &mut R, offset: u64, len: usize) -> io::Result<()> {

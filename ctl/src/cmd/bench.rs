@@ -38,11 +38,26 @@ pub enum Pattern {
     Notify,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Baseline {
     /// Raw TCP throughput between the two hosts.
     Tcp,
+    /// Raw TLS throughput between the two hosts: rustls streams with the agents' data-plane
+    /// certificates and cipher suites, as many as the fabric's (both agents need mTLS).
+    Tls,
 }
+
+impl Baseline {
+    fn name(self) -> &'static str {
+        match self {
+            Baseline::Tcp => "tcp",
+            Baseline::Tls => "tls",
+        }
+    }
+}
+
+/// A baseline's median run and which baseline it is.
+type Base<'a> = Option<(&'a TcpBaseline, Baseline)>;
 
 #[derive(Debug, Args)]
 pub struct Opt {
@@ -138,20 +153,22 @@ fn row_gbit(r: &BenchResult) -> f64 {
 }
 
 /// A table whose rows are the `lead` cells, the bandwidth (Gb/s and GiB/s), the `tail` cells
-/// and, with a baseline, the bandwidth as a ratio of it (`BW/tcp`; `-` when the baseline is 0).
+/// and, with a baseline, the bandwidth as a ratio of it (`BW/tcp` or `BW/tls`; `-` when the
+/// baseline is 0).
 fn bandwidth_table(
     lead: &[&str],
     tail: &[&str],
     rows: &[BenchResult],
-    baseline: Option<&TcpBaseline>,
+    baseline: Base<'_>,
     cells: impl Fn(&BenchResult) -> (Vec<String>, Vec<String>),
 ) -> String {
     let mut header: Vec<&str> = lead.to_vec();
     header.extend(["BW Gb/s", "BW GiB/s"]);
     header.extend(tail);
-    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
-    if baseline.is_some() {
-        header.push("BW/tcp");
+    let base = baseline.map(|(b, _)| b.gbit_per_s).filter(|g| *g > 0.0);
+    let label = baseline.map(|(_, kind)| format!("BW/{}", kind.name()));
+    if let Some(label) = &label {
+        header.push(label);
     }
     let mut t = Table::new(&header);
     for r in rows {
@@ -169,17 +186,20 @@ fn bandwidth_table(
 }
 
 /// The perftest-style table.
-pub fn render(rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> String {
+pub fn render(rows: &[BenchResult], baseline: Base<'_>) -> String {
     let mut out = bandwidth_table(&["#bytes", "iters"], &["lat avg us", "lat p50 us", "lat p99 us"], rows, baseline, |r| {
         (
             vec![r.size.to_string(), r.iters.to_string()],
             vec![format!("{:.2}", r.lat_avg_us), format!("{:.2}", r.lat_p50_us), format!("{:.2}", r.lat_p99_us)],
         )
     });
-    if let Some(b) = baseline {
+    if let Some((b, kind)) = baseline {
         out.push_str(&format!(
-            "# tcp baseline (median of {BASELINE_RUNS} runs): {} bytes in {:.3} s = {:.2} Gb/s\n",
-            b.bytes, b.seconds, b.gbit_per_s
+            "# {} baseline (median of {BASELINE_RUNS} runs): {} bytes in {:.3} s = {:.2} Gb/s\n",
+            kind.name(),
+            b.bytes,
+            b.seconds,
+            b.gbit_per_s
         ));
     }
     out
@@ -239,7 +259,7 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
 }
 
 /// The KV-pattern table: one row per run.
-pub fn render_kv(rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> String {
+pub fn render_kv(rows: &[BenchResult], baseline: Base<'_>) -> String {
     let channel = rows.iter().any(|r| r.channel);
     let mut tail = vec!["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
     if channel {
@@ -293,6 +313,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         peer: opt.peer.clone(),
         bytes: baseline_bytes(&opt.sizes),
         connections: opt.qps.unwrap_or(1).max(1),
+        tls: opt.baseline == Some(Baseline::Tls),
         // Write in blocks as large as the largest message (capped at 16 MiB), so the baseline
         // is not handicapped by smaller syscalls than the fabric makes.
         block: opt.sizes.iter().copied().max().unwrap_or(1 << 20).clamp(1 << 20, 16 << 20),
@@ -300,13 +321,14 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let mut base_runs = Vec::new();
     // Baseline runs go before the first size, in the middle and after the last.
     let base_at: Vec<usize> = match opt.baseline {
-        Some(Baseline::Tcp) => vec![0, opt.sizes.len() / 2, opt.sizes.len()],
+        Some(_) => vec![0, opt.sizes.len() / 2, opt.sizes.len()],
         None => Vec::new(),
     };
     let mut rows = Vec::new();
     for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
         for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
-            base_runs.push(client.tcp_baseline(&baseline_req).await.with_context(|| format!("TCP baseline to {}", opt.peer))?);
+            let kind = if baseline_req.tls { "TLS" } else { "TCP" };
+            base_runs.push(client.tcp_baseline(&baseline_req).await.with_context(|| format!("{kind} baseline to {}", opt.peer))?);
         }
         if i == opt.sizes.len() {
             break;
@@ -331,19 +353,20 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             .with_context(|| format!("bench {} of {} with {}", op, format_size_compact(size), opt.peer))?;
         rows.push(r);
     }
-    let baseline = median_run(base_runs);
+    let median = median_run(base_runs);
+    let baseline = median.as_ref().zip(opt.baseline);
     if ctx.json {
-        ctx.print_json(&json_doc(&ctx.agent, &opt.peer, op, &rows, baseline.as_ref()))
+        ctx.print_json(&json_doc(&ctx.agent, &opt.peer, op, &rows, baseline))
     } else {
         let fabric = rows.first().map(|r| r.fabric.to_string()).unwrap_or_default();
         let header = format!("# {} {} -> {} over {fabric}\n", op, ctx.agent, opt.peer);
-        let table = if kv { render_kv(&rows, baseline.as_ref()) } else { render(&rows, baseline.as_ref()) };
+        let table = if kv { render_kv(&rows, baseline) } else { render(&rows, baseline) };
         ctx.print(&(header + &table))
     }
 }
 
-fn json_doc(agent: &str, peer: &str, op: Op, rows: &[BenchResult], baseline: Option<&TcpBaseline>) -> Value {
-    let base = baseline.map(|b| b.gbit_per_s).filter(|g| *g > 0.0);
+fn json_doc(agent: &str, peer: &str, op: Op, rows: &[BenchResult], baseline: Base<'_>) -> Value {
+    let base = baseline.map(|(b, _)| b.gbit_per_s).filter(|g| *g > 0.0);
     json!({
         "agent": agent,
         "peer": peer,
@@ -372,8 +395,8 @@ fn json_doc(agent: &str, peer: &str, op: Op, rows: &[BenchResult], baseline: Opt
                 "channel_open_us": r.channel_open_us,
             })
         }).collect::<Vec<_>>(),
-        "baseline": baseline.map(|b| json!({
-            "kind": "tcp",
+        "baseline": baseline.map(|(b, kind)| json!({
+            "kind": kind.name(),
             "bytes": b.bytes,
             "seconds": b.seconds,
             "gbit_per_s": b.gbit_per_s,
@@ -407,7 +430,7 @@ mod tests {
             ..Default::default()
         }];
         let base = TcpBaseline { bytes: 1, seconds: 1.0, gbit_per_s: 0.8388608 };
-        let text = render(&rows, Some(&base));
+        let text = render(&rows, Some((&base, Baseline::Tcp)));
         let mut lines = text.lines();
         let header: Vec<&str> = lines.next().unwrap().split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
         assert_eq!(header, ["#bytes", "iters", "BW Gb/s", "BW GiB/s", "lat avg us", "lat p50 us", "lat p99 us", "BW/tcp"]);
@@ -415,7 +438,7 @@ mod tests {
         // 100 MiB in 1 s = 0.8388608 Gb/s = 0.098 GiB/s; ratio 1.00.
         assert_eq!(row, ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]);
         assert!(text.contains("# tcp baseline"));
-        let doc = json_doc("a", "b", Op::Write, &rows, Some(&base));
+        let doc = json_doc("a", "b", Op::Write, &rows, Some((&base, Baseline::Tcp)));
         assert_eq!(doc["rows"][0]["size"], 1 << 20);
         assert!((doc["rows"][0]["ratio_to_baseline"].as_f64().unwrap() - 1.0).abs() < 1e-9);
         assert_eq!(doc["baseline"]["kind"], "tcp");

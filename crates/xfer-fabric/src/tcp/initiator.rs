@@ -53,7 +53,7 @@ impl TcpPrepared {
                     detail,
                 })?;
                 let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
-                let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, stream))
+                let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, super::wire::tls_socket(stream)))
                     .await
                     .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")))?
                     .map_err(connect_err)?;

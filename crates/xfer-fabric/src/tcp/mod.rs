@@ -46,6 +46,8 @@
 //! * `initiator`, `qp` — the initiator's connection and its streams' writer and reader tasks.
 //! * `target`, `hello`, `session`, `serve` — the data listener, a stream's hello, the sessions
 //!   streams are admitted to, and the frame loop; `limits` — the data port's bounds.
+//! * `wire` — a stream's staged writes and buffered reads (payloads straight to and from region
+//!   memory).
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -76,6 +78,7 @@ mod session;
 #[cfg(test)]
 mod standby_tests;
 mod target;
+mod wire;
 
 pub use hello::read_hello;
 pub use limits::{DataLimits, HELLO_TIMEOUT};

@@ -3,7 +3,9 @@
 //! payloads land chunk by chunk under the grant's gate.
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::wire::{FrameReader, FrameWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
@@ -77,12 +79,12 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut rd = FrameReader::new(rd);
     // Responses are coalesced, and flushed before any read that could wait for the initiator:
     // the initiator writes whole frames, so bytes already buffered never wait on our answers.
     // An initiator that stops reading its answers fails the stream after `stall` without
     // progress (a write, not only a read, can wait on the peer).
-    let mut wr = BufWriter::with_capacity(64 << 10, StallGuard::new(wr, timers.stall));
+    let mut wr = FrameWriter::new(StallGuard::new(wr, timers.stall));
     let served = serve_loop(&mut rd, &mut wr, check, connection, timers.idle, timers.payload).await;
     // However the stream ends (a bad frame, a payload cut short, a revocation, the idle timer),
     // the answers to the frames served before it are still delivered: a READ answered in full
@@ -98,8 +100,8 @@ where
 
 /// The frame loop of [`serve_frames_idle`]; its caller flushes `wr` however this returns.
 async fn serve_loop<R, W>(
-    rd: &mut BufReader<R>,
-    wr: &mut BufWriter<W>,
+    rd: &mut FrameReader<R>,
+    wr: &mut FrameWriter<StallGuard<W>>,
     check: &dyn AccessCheck,
     connection: &ConnectionId,
     idle: Option<Duration>,
@@ -117,16 +119,17 @@ where
     // stream after a NAK (the QP breaks), so this costs an honest peer nothing.
     let mut refused = false;
     loop {
-        if rd.buffer().is_empty() {
+        if rd.buffered() == 0 {
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];
+        // A header already received cannot wait: no timer for it (one per frame otherwise).
         let read = match idle {
-            None => rd.read_exact(&mut hb).await,
-            Some(idle) => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
+            Some(idle) if rd.buffered() < HEADER_LEN => match tokio::time::timeout(idle, rd.read_exact(&mut hb)).await {
                 Ok(r) => r,
                 Err(_) => return Err(ServeError::Idle),
             },
+            _ => rd.read_exact(&mut hb).await,
         };
         match read {
             Ok(_) => {}
@@ -144,7 +147,14 @@ where
         };
         match h.kind {
             Kind::Write => {
-                let deadline = payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p)));
+                // A payload already received in full cannot wait on the network: it is stored
+                // without the deadline and revocation watch (each chunk still lands only under
+                // the live gate, so a revocation still cuts it).
+                let buffered = rd.buffered() >= h.len as usize;
+                let deadline = match buffered {
+                    true => None,
+                    false => payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p))),
+                };
                 let target = check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Write).and_then(|t| {
                     match (t.memory.writable(), t.memory.check(t.offset, h.len as u64), t.memory.intact()) {
                         (true, Ok(_), Ok(())) => Ok(t),
@@ -155,7 +165,10 @@ where
                     Ok(t) => {
                         // Revoked (or expired) before the payload is in: the stream is closed
                         // rather than resynchronised, and no further byte lands.
-                        let stored = within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?;
+                        let stored = match buffered {
+                            true => store_payload(rd, &t, h.len as usize).await?,
+                            false => within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?,
+                        };
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
@@ -203,9 +216,15 @@ where
                         }
                     }
                     Ok((mem, off)) => {
+                        // Header and payload in one vectored write, the payload straight from
+                        // region memory (a small one is staged with the frames around it).
                         resp.len = h.len;
                         wr.write_all(&resp.encode()).await?;
-                        mem.write_all_from(wr, off, h.len as usize).await?;
+                        if wr.fits(h.len as usize) {
+                            mem.write_all_from(wr, off, h.len as usize).await?;
+                        } else {
+                            wr.send_region(&mem, off, h.len as usize).await?;
+                        }
                     }
                     Err(status) => {
                         refused = true;
