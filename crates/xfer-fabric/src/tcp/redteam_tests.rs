@@ -306,3 +306,54 @@ async fn a_payload_buffered_in_part_is_still_under_its_deadline() {
     assert!(start.elapsed() >= payload && start.elapsed() < Duration::from_secs(31), "{:?}", start.elapsed());
     drop(ours);
 }
+
+/// The initiator's side of a target that sends a READ answer's header and part of its payload,
+/// then stops sending (and keeps the stream open). Closing the connection (a transfer's
+/// deadline, a dropped lease) must end the reader, so the READ gets its error completion and
+/// the stream's socket and the local region are let go; the reader used to stay inside the
+/// payload read for ever, and the READ never completed. Virtual time: a reader that never ends
+/// fails the test at the (virtual) ten minutes, not by hanging it.
+#[tokio::test(start_paused = true)]
+async fn closing_a_connection_ends_a_reader_inside_a_read_answer_the_target_stopped_sending() {
+    let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+    let (rd, wr) = tokio::io::split(ours);
+    let (sink, mut completions) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), cancel.clone());
+    let memory = Arc::new(RegionMemory::anonymous(64 << 10, false).expect("a 64 KiB mapping"));
+    let local = registration(memory, Access::ReadWrite);
+    let len = 64u32 << 10;
+    let read = WorkRequest {
+        wr_id: 9,
+        op: WrOp::Read,
+        local,
+        local_offset: 0,
+        len,
+        remote_addr: 0,
+        remote_key: RemoteKey::Token(TOKEN),
+        signaled: true,
+    };
+    qp.tx.send(read).expect("the writer is running");
+    let mut hb = [0u8; HEADER_LEN];
+    theirs.read_exact(&mut hb).await.expect("the READ request");
+    assert_eq!(Header::decode(&hb).expect("decodes").kind, Kind::ReadReq);
+    let mut answer = Header::new(Kind::ReadResp, 9);
+    answer.len = len;
+    let mut bytes = answer.encode().to_vec();
+    bytes.extend_from_slice(&[0xab; 100]);
+    theirs.write_all(&bytes).await.expect("the answer's start");
+    cancel.cancel();
+    let bound = Duration::from_secs(600);
+    let c = tokio::time::timeout(bound, completions.recv()).await.expect("a completion for the READ").expect("the sink is open");
+    assert_eq!(c.wr_id, 9);
+    assert_ne!(c.status, WcStatus::Success, "a READ answered in part cannot succeed");
+    // Both stream tasks end (each holds the QP's state) while the target sends nothing more.
+    let ended = tokio::time::timeout(bound, async {
+        while Arc::strong_count(&qp.state) > 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the reader is still inside the READ answer");
+    drop(theirs);
+}
