@@ -73,6 +73,8 @@ mod hello;
 mod initiator;
 mod limits;
 mod qp;
+#[cfg(test)]
+mod redteam_tests;
 mod serve;
 mod session;
 #[cfg(test)]

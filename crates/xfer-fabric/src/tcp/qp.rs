@@ -221,7 +221,15 @@ async fn reader(ctx: QpCtx, rd: BoxRead) {
                 break WcStatus::RemInvReqErr;
             }
         };
-        match handle_response(&ctx, &mut rd, &h).await {
+        // A READ answer's payload waits on the target like a header does: closing the connection
+        // must not wait for a target that stopped sending mid-answer (the WR, put back at the
+        // head of the queue when its handling is dropped, is flushed below).
+        let handled = tokio::select! {
+            biased;
+            r = handle_response(&ctx, &mut rd, &h) => r,
+            _ = ctx.cancel.cancelled() => break WcStatus::WrFlushErr,
+        };
+        match handled {
             Ok(None) => {}
             Ok(Some(status)) => break status,
             Err(e) => {
