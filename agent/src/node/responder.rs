@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tracing::{info, warn};
 
 use super::Node;
-use crate::checksum::{self, Algo};
+use crate::checksum::Algo;
 use crate::error::NodeError;
 use crate::grants::{Grant, GrantError};
 use crate::metrics as m;
@@ -411,12 +411,7 @@ impl Node {
         let ranges = super::verify::checked_spans(spans, bytes, g.len)?.unwrap_or_else(|| vec![(0, bytes)]);
         let verdict = match checksum {
             Some((algo, expected)) => {
-                let mem = g.region.memory.clone();
-                let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (g.offset + o, l)).collect();
-                let got = tokio::task::spawn_blocking(move || checksum::checksum_ranges(&mem, &ranges, algo))
-                    .await
-                    .map_err(|e| NodeError::Internal(e.to_string()))?
-                    .map_err(|e| NodeError::Region(g.region.mem_error(e)))?;
+                let got = super::verify::grant_checksum(&g, &ranges, algo).await?;
                 Some((got == expected, got))
             }
             None => None,

@@ -7,6 +7,7 @@ use std::time::SystemTime;
 use super::Node;
 use crate::checksum::{self, Algo};
 use crate::error::NodeError;
+use crate::grants::Grant;
 
 impl Node {
     /// `Peer.VerifyBatch`: the checksum of `spans` of `peer`'s grant `grant_id` (offsets from
@@ -27,18 +28,24 @@ impl Node {
             return Err(NodeError::Invalid("spans are required: they say what the checksum covers".into()));
         };
         let (algo, expected) = sum;
-        let mem = g.region.memory.clone();
-        let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (g.offset + o, l)).collect();
-        let got = tokio::task::spawn_blocking(move || checksum::checksum_ranges(&mem, &ranges, algo))
-            .await
-            .map_err(|e| NodeError::Internal(e.to_string()))?
-            .map_err(|e| NodeError::Region(g.region.mem_error(e)))?;
+        let got = grant_checksum(&g, &ranges, algo).await?;
         let matched = got == expected;
         if matched && settle {
             self.regions.grants.settle(grant_id, peer, seq)?;
         }
         Ok((matched, got))
     }
+}
+
+/// The checksum of `ranges` of grant `g` (offsets from the grant's start, checked), read in order
+/// on the blocking pool.
+pub(super) async fn grant_checksum(g: &Grant, ranges: &[(u64, u64)], algo: Algo) -> Result<u64, NodeError> {
+    let mem = g.region.memory.clone();
+    let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (g.offset + o, l)).collect();
+    tokio::task::spawn_blocking(move || checksum::checksum_ranges(&mem, &ranges, algo))
+        .await
+        .map_err(|e| NodeError::Internal(e.to_string()))?
+        .map_err(|e| NodeError::Region(g.region.mem_error(e)))
 }
 
 /// How many times over its grant a completion's spans may read (see [`checked_spans`]).
