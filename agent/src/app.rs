@@ -433,6 +433,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<(), StartEr
                     incoming,
                     t.grpc_server_config(),
                     crate::service::tls::HANDSHAKE_TIMEOUT,
+                    // Half the slots at most for sockets not yet authenticated: the rest stay
+                    // for clients with certificates (a newer pending socket closes the oldest).
+                    cap.div_ceil(2),
                 ));
                 tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, stop.cancelled_owned()).await })
             }

@@ -5,11 +5,52 @@
 //! some of these apart (TLS to a plaintext agent and TLS to the metrics port both read "corrupt
 //! message"), so the address is probed once, only after a failure: one HTTP/1.0 request, and the
 //! first bytes of the answer say what listens there.
+//!
+//! Whatever answers at the address may be slow or hostile: both probes together get
+//! [`DIAGNOSIS_BUDGET`], checked before every read and write ([`Deadline`]), so a server that
+//! trickles its handshake a byte at a time cannot keep xferctl from exiting.
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long the probes after a failed connection may take together.
+pub const DIAGNOSIS_BUDGET: Duration = Duration::from_secs(5);
+
+/// A socket whose reads and writes fail with `TimedOut` once `until` has passed: each one waits
+/// at most the time left (a per-call timeout alone lets a trickling server go on forever).
+struct Deadline<'a> {
+    sock: &'a TcpStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the diagnosis ran out of time"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.sock.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.sock).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.sock.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.sock).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// The agent this process connected to last, and how: what a failed call is explained against.
 #[derive(Debug, Clone, Default)]
@@ -64,14 +105,13 @@ pub fn classify(reply: &[u8]) -> Speaks {
     }
 }
 
-/// Sends one HTTP/1.0 request to `addr` and classifies the answer (at most a second for each
-/// step).
-pub fn probe(addr: &str) -> Speaks {
+/// Sends one HTTP/1.0 request to `addr` and classifies the answer (at most a second to connect,
+/// and nothing after `until`).
+pub fn probe(addr: &str, until: Instant) -> Speaks {
     const STEP: Duration = Duration::from_secs(1);
     let Some(sa) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return Speaks::Unknown };
-    let Ok(mut s) = TcpStream::connect_timeout(&sa, STEP) else { return Speaks::Unknown };
-    let _ = s.set_read_timeout(Some(STEP));
-    let _ = s.set_write_timeout(Some(STEP));
+    let Ok(sock) = TcpStream::connect_timeout(&sa, STEP) else { return Speaks::Unknown };
+    let mut s = Deadline { sock: &sock, until };
     if s.write_all(b"GET /health HTTP/1.0\r\nHost: xferctl\r\n\r\n").is_err() {
         return Speaks::Unknown;
     }
@@ -89,8 +129,8 @@ pub fn probe(addr: &str) -> Speaks {
 /// One TLS handshake with the target's own files, then a read: the agent's verdict on the client
 /// certificate comes as an alert after the handshake (TLS 1.3), which a gRPC connection that was
 /// already writing may lose to a reset. The rustls error, or None if the handshake and read went
-/// through (or could not be tried).
-pub fn tls_probe(target: &Target) -> Option<String> {
+/// through (or could not be tried). Nothing is read or written after `until`.
+pub fn tls_probe(target: &Target, until: Instant) -> Option<String> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
     const STEP: Duration = Duration::from_secs(2);
@@ -112,12 +152,13 @@ pub fn tls_probe(target: &Target) -> Option<String> {
     let name = ServerName::try_from(host).ok()?;
     let mut conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).ok()?;
     let sa = target.addr.to_socket_addrs().ok()?.next()?;
-    let mut sock = TcpStream::connect_timeout(&sa, STEP).ok()?;
-    sock.set_read_timeout(Some(STEP)).ok()?;
-    sock.set_write_timeout(Some(STEP)).ok()?;
-    let mut tls = rustls::Stream::new(&mut conn, &mut sock);
+    let sock = TcpStream::connect_timeout(&sa, STEP).ok()?;
+    let mut io = Deadline { sock: &sock, until };
+    let mut tls = rustls::Stream::new(&mut conn, &mut io);
     let mut byte = [0u8; 1];
     match tls.flush().and_then(|()| tls.read(&mut byte)) {
+        // Out of time says nothing about certificates: the transport's own words stand.
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => None,
         Err(e) => Some(e.to_string()),
         Ok(_) => None,
     }
@@ -158,9 +199,10 @@ pub fn explain(target: &Target, text: &str) -> Option<String> {
     if !looks_like_mismatch(text) {
         return None;
     }
-    let speaks = probe(&target.addr);
+    let until = Instant::now() + DIAGNOSIS_BUDGET;
+    let speaks = probe(&target.addr, until);
     if speaks == Speaks::Tls && target.tls {
-        if let Some(verdict) = tls_probe(target) {
+        if let Some(verdict) = tls_probe(target, until) {
             return explain_with(target, &verdict, speaks);
         }
     }
@@ -255,5 +297,38 @@ mod tests {
         assert!(g.contains("not vouched for by --ca ca.crt"), "{g}");
         assert_eq!(explain_with(&target(false, false), "frame with invalid size", Speaks::PlainGrpc), None);
         assert!(!looks_like_mismatch("Connection refused (os error 111)"));
+    }
+
+    /// Any CA certificate: the trickling server never gets as far as presenting one.
+    const SOME_CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBijCCATGgAwIBAgIUP+5NRh1NC2fuaLqF6zHab8ufhNcwCgYIKoZIzj0EAwIw\nGjEYMBYGA1UEAwwPeGZlcmN0bCB0ZXN0IENBMCAXDTI2MTEyNzExNTM0OVoYDzIx\nMjYxMTAzMTE1MzQ5WjAaMRgwFgYDVQQDDA94ZmVyY3RsIHRlc3QgQ0EwWTATBgcq\nhkjOPQIBBggqhkjOPQMBBwNCAARN33+2fswWjsuNyx7KZ7Wslq/WoKrJ7ttrerg7\nQ92Sd9kGptV2SyIzi37b/q4tEqitcI11e8sGbfvWEDoS/oeho1MwUTAdBgNVHQ4E\nFgQUr9mwcPXF+MtvoxXc9YvjckHkcT0wHwYDVR0jBBgwFoAUr9mwcPXF+MtvoxXc\n9YvjckHkcT0wDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQDAgNHADBEAiBX7rz5\n6c2tzyKWn7B/2apsMac/6FaSshIZCDFSEO31BgIgHM3qwRpXcKZqpfFzevLHL9ri\n4/cPs1gZND5+8MumKSw=\n-----END CERTIFICATE-----\n";
+
+    /// A server that announces a 16 KiB handshake record and then sends it a byte at a time (each
+    /// byte well inside the per-read timeout) would hold the TLS probe for minutes; the probe
+    /// gives up at its deadline and reports nothing about certificates.
+    #[test]
+    fn a_server_that_trickles_its_handshake_cannot_hold_the_probe() {
+        use std::net::TcpListener;
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, SOME_CA).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            if s.write_all(&[0x16, 0x03, 0x03, 0x40, 0x00]).is_err() {
+                return 0;
+            }
+            // The attacker's pace, one byte per 20 ms, until the client goes away.
+            let mut sent = 0;
+            while s.write_all(&[0]).is_ok() {
+                sent += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            sent
+        });
+        let target = Target { addr: addr.to_string(), tls: true, ca: Some(ca), ..Default::default() };
+        assert_eq!(tls_probe(&target, Instant::now() + Duration::from_millis(300)), None);
+        let sent = server.join().unwrap();
+        assert!(sent < 0x4000, "the probe left before the record was complete ({sent} bytes)");
     }
 }

@@ -11,7 +11,7 @@ pub fn describe() {
     describe_counter!(
         TLS_HANDSHAKE_FAILURES,
         Unit::Count,
-        "TLS handshakes the gRPC port refused, by reason (no_certificate, unknown_ca: the certificate does not chain to tls.ca, expired, bad_certificate, client_alert: the client refused this agent's certificate, protocol: not TLS, e.g. plaintext, timeout, closed, other)."
+        "TLS handshakes the gRPC port refused, by reason (no_certificate, unknown_ca: the certificate does not chain to tls.ca, expired, bad_certificate, client_alert: the client refused this agent's certificate, protocol: not TLS, e.g. plaintext, timeout, closed, evicted: closed in its handshake by newer sockets at the pending cap, other)."
     );
     describe_counter!(
         RPC_DENIED,

@@ -4,8 +4,14 @@
 //! port. tonic would drop them silently. Each accepted socket's handshake runs in its own task
 //! (one slow client holds only its own listener slot, for at most the handshake timeout); the
 //! streams that complete it are handed to tonic in the order they finish.
+//!
+//! Sockets still in their handshake are unauthenticated, so they may hold only part of the
+//! listener's slots: at most `max_pending` at once, and a newer one closes the oldest (reason
+//! `evicted`), as the data port does before a hello. Without that, sockets that never send a
+//! ClientHello, reopened every handshake timeout, would keep every client with a certificate out.
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::{Stream, StreamExt};
@@ -13,6 +19,7 @@ use rustls::{AlertDescription, CertificateError, Error as RustlsError};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 
 use crate::metrics;
@@ -36,6 +43,8 @@ pub enum Refusal {
     Timeout,
     /// The socket closed before the handshake finished (a TCP probe, a client that gave up).
     Closed,
+    /// Closed by a newer socket while still in its handshake: `max_pending` were already there.
+    Evicted,
     Other,
 }
 
@@ -50,12 +59,13 @@ impl Refusal {
             Refusal::Protocol => "protocol",
             Refusal::Timeout => "timeout",
             Refusal::Closed => "closed",
+            Refusal::Evicted => "evicted",
             Refusal::Other => "other",
         }
     }
 
     /// Every reason, for describing the metric and for tests.
-    pub const ALL: [Refusal; 9] = [
+    pub const ALL: [Refusal; 10] = [
         Refusal::NoCertificate,
         Refusal::UnknownCa,
         Refusal::Expired,
@@ -64,6 +74,7 @@ impl Refusal {
         Refusal::Protocol,
         Refusal::Timeout,
         Refusal::Closed,
+        Refusal::Evicted,
         Refusal::Other,
     ];
 
@@ -145,19 +156,64 @@ async fn linger<IO: AsyncRead + AsyncWrite + Unpin>(mut io: IO) {
     .await;
 }
 
+/// Sockets in their handshake (or lingering after a refusal), oldest first by accept order.
+/// Entering at the cap cancels the oldest: a flood of silent sockets only shortens every silent
+/// socket's life, it cannot hold the slots that clients with certificates need.
+struct Pending {
+    queue: Mutex<(u64, BTreeMap<u64, CancellationToken>)>,
+    max: usize,
+}
+
+impl Pending {
+    fn new(max: usize) -> Arc<Pending> {
+        Arc::new(Pending { queue: Mutex::new((0, BTreeMap::new())), max: max.max(1) })
+    }
+
+    /// A place for one more socket; the oldest ones are cancelled to make room.
+    fn enter(self: &Arc<Self>) -> PendingSlot {
+        let token = CancellationToken::new();
+        // A poisoned lock means a panic while holding it; the map is still consistent.
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        while q.1.len() >= self.max {
+            let Some((_, oldest)) = q.1.pop_first() else { break };
+            oldest.cancel();
+        }
+        let id = q.0;
+        q.0 += 1;
+        q.1.insert(id, token.clone());
+        PendingSlot { pending: self.clone(), id, token }
+    }
+}
+
+/// A socket's place among the [`Pending`]; dropped when its handshake ends either way.
+struct PendingSlot {
+    pending: Arc<Pending>,
+    id: u64,
+    token: CancellationToken,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        self.pending.queue.lock().unwrap_or_else(|e| e.into_inner()).1.remove(&self.id);
+    }
+}
+
 /// The TLS streams of the sockets `incoming` accepts, each after its handshake with `config`
-/// succeeded within `timeout`; refused handshakes are counted and logged, never yielded. Accept
+/// succeeded within `timeout`; refused handshakes are counted and logged, never yielded. At most
+/// `max_pending` sockets are in their handshake at once; a newer one closes the oldest. Accept
 /// errors pass through. Ends when `incoming` ends or the consumer drops the stream.
 pub fn tls_incoming<S, IO>(
     incoming: S,
     config: Arc<rustls::ServerConfig>,
     timeout: Duration,
+    max_pending: usize,
 ) -> impl Stream<Item = std::io::Result<TlsStream<IO>>> + Send + 'static
 where
     S: Stream<Item = std::io::Result<IO>> + Send + 'static,
     IO: AsyncRead + AsyncWrite + Unpin + Send + Remote + 'static,
 {
     let acceptor = TlsAcceptor::from(config);
+    let pending = Pending::new(max_pending);
     let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<TlsStream<IO>>>(64);
     tokio::spawn(async move {
         let mut incoming = std::pin::pin!(incoming);
@@ -176,11 +232,23 @@ where
                 }
                 Some(Ok(io)) => io,
             };
+            // Entered here, in accept order, so that the oldest is the one evicted.
+            let slot = pending.enter();
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
                 let remote = io.remote();
-                match tokio::time::timeout(timeout, acceptor.accept(io).into_fallible()).await {
+                let handshake = tokio::time::timeout(timeout, acceptor.accept(io).into_fallible());
+                let outcome = tokio::select! {
+                    () = slot.token.cancelled() => {
+                        metrics::tls_handshake_failure(Refusal::Evicted.as_str());
+                        log_refusal(Refusal::Evicted, remote, &"newer sockets were waiting for a handshake slot");
+                        return;
+                    }
+                    outcome = handshake => outcome,
+                };
+                match outcome {
                     Ok(Ok(tls)) => {
+                        drop(slot);
                         // The server is gone when this fails; the stream closes with it.
                         let _ = tx.send(Ok(tls)).await;
                     }
@@ -188,7 +256,11 @@ where
                         let reason = Refusal::of(&e);
                         metrics::tls_handshake_failure(reason.as_str());
                         log_refusal(reason, remote, &e);
-                        linger(io).await;
+                        // Still unauthenticated: a newer socket may cut the linger short.
+                        tokio::select! {
+                            () = slot.token.cancelled() => {}
+                            () = linger(io) => {}
+                        }
                     }
                     Err(_) => {
                         metrics::tls_handshake_failure(Refusal::Timeout.as_str());
@@ -218,5 +290,23 @@ mod tests {
         assert_eq!(Refusal::of(&std::io::Error::other("x")), Refusal::Other);
         let names: std::collections::HashSet<_> = Refusal::ALL.iter().map(|r| r.as_str()).collect();
         assert_eq!(names.len(), Refusal::ALL.len());
+    }
+
+    /// At the cap, entering cancels the oldest socket first, and a socket that left makes room
+    /// without cancelling anyone.
+    #[test]
+    fn the_oldest_pending_socket_makes_room() {
+        let p = Pending::new(2);
+        let first = p.enter();
+        let second = p.enter();
+        assert!(!first.token.is_cancelled() && !second.token.is_cancelled());
+        let third = p.enter();
+        assert!(first.token.is_cancelled(), "the oldest was evicted");
+        assert!(!second.token.is_cancelled() && !third.token.is_cancelled());
+        drop(second);
+        let fourth = p.enter();
+        assert!(!third.token.is_cancelled() && !fourth.token.is_cancelled(), "a socket that left made room");
+        let _fifth = p.enter();
+        assert!(third.token.is_cancelled() && !fourth.token.is_cancelled());
     }
 }

@@ -146,3 +146,60 @@ async fn create_refuses_every_path_it_must_not_touch_and_changes_nothing() {
     c.create_region(file_req("r", "new.bin", 4096, true)).await.unwrap();
     assert_eq!(std::fs::read(root.join("new.bin")).unwrap(), vec![0u8; 4096]);
 }
+
+/// A directory in the path swapped for a link out of the root while creates run: another thread
+/// exchanges `sub` (a directory beneath the root) with `swap` (a link to a directory outside)
+/// over and over (`renameat2(RENAME_EXCHANGE)`, so `sub` always exists). Whenever a create's
+/// directory is looked up, it is either the directory (the file lands in it) or the link (refused):
+/// nothing is ever created outside the root, and every file the agent reports lands in the
+/// directory beneath it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_swapped_for_a_link_during_create_never_lets_a_file_out() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let a = Agent::start("node-a");
+    let root = a.state_dir.join("files");
+    let outside = tempfile::tempdir().unwrap();
+    let out = outside.path().to_path_buf();
+    std::fs::create_dir(root.join("sub")).unwrap();
+    std::os::unix::fs::symlink(&out, root.join("swap")).unwrap();
+    let out_before = tree(&out);
+    let (stop, swaps) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let flipper = {
+        let (root, stop, swaps) = (root.clone(), stop.clone(), swaps.clone());
+        std::thread::spawn(move || {
+            let dir = std::fs::File::open(&root).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                nix::fcntl::renameat2(&dir, "sub", &dir, "swap", nix::fcntl::RenameFlags::RENAME_EXCHANGE).unwrap();
+                swaps.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let mut c = a.client().await;
+    let mut made = Vec::new();
+    for i in 0..200 {
+        let name = format!("f{i}");
+        match c.create_region(file_req(&name, &format!("sub/{name}.bin"), 4096, true)).await {
+            Ok(_) => {
+                c.delete_region(pb::DeleteRegionRequest { name: name.clone() }).await.unwrap();
+                made.push(format!("{name}.bin"));
+            }
+            // A link met as the directory is refused as one; if the swap undid it before the
+            // agent looked again to name the reason, the refusal says "not a directory".
+            Err(e) => {
+                assert!(matches!(e.code(), Code::PermissionDenied | Code::InvalidArgument), "{name}: refused only for the link: {e:?}")
+            }
+        }
+        assert_eq!(tree(&out), out_before, "{name}: a file appeared outside the root");
+    }
+    stop.store(true, Ordering::Relaxed);
+    flipper.join().unwrap();
+    assert!(swaps.load(Ordering::Relaxed) > 0, "the directory was swapped while the creates ran");
+    assert_eq!(tree(&out), out_before, "nothing was created outside the root");
+    // Whichever name the directory has now, it holds exactly the files the agent reported.
+    let real = ["sub", "swap"].into_iter().map(|n| root.join(n)).find(|p| std::fs::symlink_metadata(p).unwrap().is_dir()).unwrap();
+    let mut inside: Vec<String> = std::fs::read_dir(&real).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    inside.sort();
+    made.sort();
+    assert_eq!(inside, made, "the files beneath the root are the ones created");
+}

@@ -596,19 +596,70 @@ async fn one_client_cannot_hold_every_grpc_connection() {
 }
 
 /// The same cap, filled by sockets that never start their TLS handshake: no certificate is
-/// needed, each socket is held for the server's 10 s handshake timeout and reopened. While they
-/// are held, a client with a certificate cannot connect.
+/// needed, and each socket would be held for the server's 10 s handshake timeout and reopened.
+/// Sockets in their handshake hold at most half the cap (4 of 8); each newer one closes the
+/// oldest, so a client with a certificate still connects and is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "BUG: sockets before their TLS handshake take the gRPC port's cap first come, first served (no pending bound)"]
 async fn sockets_that_never_start_tls_cannot_keep_clients_out() {
     let pki = pki();
     let (a, _t) = pki.agent_with("node-a", "[limits]\nmax_grpc_connections = 8\n", "", &[]);
     let silent: Vec<_> = (0..8).map(|_| std::net::TcpStream::connect(a.addr()).unwrap()).collect();
-    wait_grpc_connections(&a, 8.0).await;
+    // Every silent socket was accepted: each is held or was closed for a newer one.
+    wait_held_or_evicted(&a, 8.0).await;
     let ch = pki.channel(&a.addr(), "ca.crt", Some("tenant-b")).await;
     let ch = ch.unwrap_or_else(|e| panic!("the victim could not connect: {e:?}"));
     let r = AgentClient::new(ch).get_info(pb::GetInfoRequest {}).await;
     assert!(r.is_ok(), "the victim's first request failed while {} silent sockets are held: {r:?}", silent.len());
+    // The fifth to the eighth each closed one of the first four.
+    wait_evicted(&a, 4.0).await;
+    // The evicted sockets were closed by the agent: the oldest reads end-of-file at once.
+    let mut first = &silent[0];
+    let mut buf = [0u8; 1];
+    assert_eq!(std::io::Read::read(&mut first, &mut buf).unwrap(), 0, "the oldest silent socket was closed");
+}
+
+/// A second wave of silent sockets while a client is connected: its established connection is
+/// not pending, so no number of silent sockets closes it, and it keeps being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sockets_never_close_an_authenticated_connection() {
+    let pki = pki();
+    let (a, _t) = pki.agent_with("node-a", "[limits]\nmax_grpc_connections = 8\n", "", &[]);
+    let ch = pki.channel(&a.addr(), "ca.crt", Some("tenant-b")).await.unwrap();
+    let mut victim = AgentClient::new(ch);
+    victim.get_info(pb::GetInfoRequest {}).await.unwrap();
+    let silent: Vec<_> = (0..32).map(|_| std::net::TcpStream::connect(a.addr()).unwrap()).collect();
+    // The cap was reached: the victim's connection and 7 silent sockets, held or closed for newer ones.
+    wait_held_or_evicted(&a, 8.0).await;
+    let r = victim.get_info(pb::GetInfoRequest {}).await;
+    assert!(r.is_ok(), "the victim's established connection failed after {} silent sockets: {r:?}", silent.len());
+}
+
+async fn evicted(a: &Agent) -> f64 {
+    labelled(&scrape(a), "xfer_tls_handshake_failures_total", &[("reason", "evicted")])
+}
+
+/// Waits until `a`'s gRPC listener holds and has evicted at least `want` sockets together (polled:
+/// a hang guard, the wait is for the value).
+async fn wait_held_or_evicted(a: &Agent, want: f64) {
+    for _ in 0..3000 {
+        if grpc_connections(a).await + evicted(a).await >= want {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the gRPC listener never held or evicted {want} sockets: {}", scrape(a));
+}
+
+/// Waits until `a` counts at least `want` handshakes closed for newer ones (polled: a hang
+/// guard, the wait is for the value).
+async fn wait_evicted(a: &Agent, want: f64) {
+    for _ in 0..3000 {
+        if evicted(a).await >= want {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the gRPC listener never evicted {want} pending handshakes: {}", scrape(a));
 }
 
 /// The local unix socket's cap (`limits.max_grpc_connections`, at most a sixteenth of the
