@@ -48,7 +48,10 @@ async fn with_links_up_nothing_goes_over_the_tcp_fallback() {
 async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let l = links();
     let (a, b) = agents_with_fallback(&l);
-    const BLOCKS: u64 = 256;
+    // 1 GiB: taking two links down (each `ip link set` and its port event) takes seconds under
+    // TCG, and a 256 MiB READ once finished on the second link before it went down (1 failover,
+    // nothing over tcp). At tens of MiB/s this leaves most of the transfer to the tcp path.
+    const BLOCKS: u64 = 1024;
     let read = op == pb::Op::Read;
     let rb = region(&b, "remote", BLOCKS, read.then_some(53)).await;
     let ra = region(&a, "local", BLOCKS, (!read).then_some(59)).await;
