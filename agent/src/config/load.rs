@@ -92,17 +92,19 @@ impl Config {
     }
 }
 
-/// Every key the configuration has, as dotted paths (`transfer.depth`), sections included.
-fn known_keys() -> std::collections::BTreeSet<String> {
-    fn walk(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
-        if let serde_json::Value::Object(m) = v {
-            for (k, v) in m {
-                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                walk(&path, v, out);
-                out.insert(path);
-            }
+/// Adds every key of `v` below `prefix` to `out`, as dotted paths, sections included.
+fn key_paths(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
+    if let serde_json::Value::Object(m) = v {
+        for (k, v) in m {
+            let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+            key_paths(&path, v, out);
+            out.insert(path);
         }
     }
+}
+
+/// Every key the configuration has, as dotted paths (`transfer.depth`), sections included.
+fn known_keys() -> std::collections::BTreeSet<String> {
     // The defaults with every optional key set: keys that are `None` by default are skipped
     // when serializing (`skip_serializing_if`, for --print-config's TOML) and would look unknown.
     // A new optional key must be filled here too; the config tests set each of them.
@@ -118,7 +120,7 @@ fn known_keys() -> std::collections::BTreeSet<String> {
     // Serializing plain structs, strings and numbers cannot fail; an empty set would only make
     // every key unknown, which the tests would show at once.
     if let Ok(v) = serde_json::to_value(every) {
-        walk("", &v, &mut out);
+        key_paths("", &v, &mut out);
     }
     out
 }
@@ -188,16 +190,7 @@ fn toml_like(c: &Config) -> String {
     // first (every key of the configuration appears, set or not).
     let mut present = std::collections::BTreeSet::new();
     if let Ok(v) = serde_json::to_value(c) {
-        fn walk(prefix: &str, v: &serde_json::Value, out: &mut std::collections::BTreeSet<String>) {
-            if let serde_json::Value::Object(m) = v {
-                for (k, v) in m {
-                    let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                    walk(&path, v, out);
-                    out.insert(path);
-                }
-            }
-        }
-        walk("", &v, &mut present);
+        key_paths("", &v, &mut present);
     }
     let unset: Vec<String> = known_keys().difference(&present).cloned().collect();
     if unset.is_empty() {
