@@ -201,6 +201,7 @@ pub struct Machine {
     /// [`Machine::hold_markers_after_failover`]).
     hold: bool,
     held: bool,
+    markers_posted: u64,
     bytes_done: u64,
     state: State,
 }
@@ -249,6 +250,7 @@ impl Machine {
             failovers: 0,
             hold: false,
             held: false,
+            markers_posted: 0,
             bytes_done: 0,
             state: if done { State::Succeeded } else { State::Running },
             cfg,
@@ -306,6 +308,42 @@ impl Machine {
     /// Whether markers were held after a failover (the notification is `Peer.Complete`'s).
     pub fn markers_held(&self) -> bool {
         self.held
+    }
+
+    /// Notification markers posted so far (a QP's own and owed ones): once this reaches the
+    /// number the target counts, it may have published the notification.
+    pub fn markers_posted(&self) -> u64 {
+        self.markers_posted
+    }
+
+    /// The absolute deadline the machine was given.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.cfg.deadline
+    }
+
+    /// The chunks no successful completion retired, as segments in the order they were cut
+    /// (chunks contiguous on both sides merged): what a transfer resumed on a fresh connection
+    /// still has to move. Markers are not data and are not in it.
+    pub fn unretired(&self) -> Vec<Seg> {
+        let mut chunks: Vec<Chunk> =
+            self.windows.iter().flatten().filter(|o| !o.marker).map(|o| o.chunk).chain(self.retry.iter().copied()).collect();
+        chunks.sort_unstable_by_key(|c| c.seq);
+        let mut out: Vec<Seg> = Vec::new();
+        let mut push = |s: Seg| match out.last_mut() {
+            Some(l) if l.local.checked_add(l.len) == Some(s.local) && l.remote.checked_add(l.len) == Some(s.remote) => l.len += s.len,
+            _ => out.push(s),
+        };
+        for c in chunks {
+            push(Seg { local: c.local, remote: c.remote, len: c.len as u64 });
+        }
+        // Then what was never cut into chunks: the rest of the current segment and every later one.
+        if let Some(s) = self.cfg.segs.get(self.seg) {
+            push(Seg { local: s.local + self.seg_off, remote: s.remote + self.seg_off, len: s.len - self.seg_off });
+            for s in self.cfg.segs.iter().skip(self.seg + 1) {
+                push(*s);
+            }
+        }
+        out
     }
 
     /// What happened to paths since the last call (for logs and metrics); at most one event per
@@ -402,6 +440,7 @@ impl Machine {
         } else {
             return None;
         };
+        self.markers_posted += 1;
         self.windows[qp].push_back(Outstanding { chunk: Chunk { seq, local: 0, remote: 0, len: 0 }, marker: true, signaled: true });
         Some(Post { qp, seq, local: 0, remote: 0, len: 0, signaled: true, marker: true })
     }

@@ -18,6 +18,15 @@
 //! the session's last command (`Refuse` or `Finish`). The driver backs this with RAII guards, so
 //! even a dropped driver future gives both back.
 //!
+//! Resume: a data phase that lost every path ([`Fault::NoPath`]) — a device that flushed its
+//! QPs under load with no port event, links flapping one after the other — gives back its
+//! connection and grant and starts over from `Lease`, up to [`SessionConfig::resumes`] times,
+//! with a machine over only the chunks no successful completion retired (`Resumed`). A resumed
+//! transfer is verified end to end, as after a failover, and sends no markers: its notification
+//! is published by the target on the matching `Peer.Complete`. It does not resume once it has
+//! posted as many markers as the target counts (the target may have published already), nor
+//! when the fresh lease or grant fails (it then finishes with the failure that stopped it).
+//!
 //! Cancellation counts until the data has landed. After the last completion the bytes are at
 //! the destination and the session finishes its bookkeeping (check, verify, complete) regardless.
 use std::collections::VecDeque;
@@ -53,6 +62,9 @@ pub struct SessionConfig {
     pub verify: bool,
     /// From `start` to the last completion.
     pub timeout: Duration,
+    /// How many times a transfer whose every path was lost may resume on a fresh connection
+    /// and grant (0: never; see [`Session`]).
+    pub resumes: u32,
 }
 
 /// What the driver must do next.
@@ -82,6 +94,10 @@ pub enum Command<E> {
     Checksum,
     /// Send `Peer.Complete` (with the checksum when verifying) → [`Event::Completed`].
     Complete { checksum: Option<u64> },
+    /// The transfer lost every path and resumes on the fresh connection and grant just
+    /// obtained: the driver takes the new grant's address and key for the WRs that follow
+    /// (the session is moving data again).
+    Resumed,
     /// The transfer ended: `Ok(checksum when verified)` or why not.
     Finish(Result<Option<u64>, Failure>),
 }
@@ -171,9 +187,15 @@ pub struct Session<E> {
     /// work complete that never landed (Soft-RoCE did so under load: a READ retired as
     /// successful whose bytes never arrived, its QP flushed moments later).
     failed_over: bool,
+    /// Resumes left, and the one being acquired.
+    resumes_left: u32,
+    resume: Option<resume::Resume>,
+    /// Resumes made; bytes retired by the machines before the current one.
+    resumed: u32,
+    bytes_base: u64,
 }
 
-impl<E: From<Error>> Session<E> {
+impl<E: From<Error> + std::fmt::Display> Session<E> {
     pub fn new(cfg: SessionConfig) -> Session<E> {
         let mut s = Session {
             cfg,
@@ -189,7 +211,12 @@ impl<E: From<Error>> Session<E> {
             batch: None,
             bytes_done: 0,
             failed_over: false,
+            resumes_left: 0,
+            resume: None,
+            resumed: 0,
+            bytes_base: 0,
         };
+        s.resumes_left = s.cfg.resumes;
         s.out.push_back(Command::Lease);
         s
     }
@@ -212,6 +239,17 @@ impl<E: From<Error>> Session<E> {
 
     pub fn bytes_done(&self) -> u64 {
         self.bytes_done
+    }
+
+    /// Bytes the machines before the running one retired (0 until a resume): a running
+    /// machine's own count starts from here.
+    pub fn bytes_base(&self) -> u64 {
+        self.bytes_base
+    }
+
+    /// Times the transfer resumed on a fresh connection.
+    pub fn resumed(&self) -> u32 {
+        self.resumed
     }
 
     pub fn is_done(&self) -> bool {
@@ -314,6 +352,7 @@ impl<E: From<Error>> Session<E> {
                     Phase::Granting { retried }
                 }
             }
+            (Phase::Leasing { .. }, Event::LeaseFailed(e)) if self.resume.is_some() => self.resume_failed(&e),
             (Phase::Leasing { .. }, Event::LeaseFailed(e)) => self.refuse(e),
             (Phase::Granting { retried }, Event::Granted { length, same_instance, conn_broken }) => {
                 self.granted = true;
@@ -340,8 +379,19 @@ impl<E: From<Error>> Session<E> {
                 self.out.push_back(Command::Lease);
                 Phase::Leasing { have_grant: false, retried: true }
             }
+            (Phase::Granting { .. }, Event::GrantUnknownConnection(e) | Event::GrantFailed(e)) if self.resume.is_some() => {
+                self.resume_failed(&e)
+            }
             (Phase::Granting { .. }, Event::GrantUnknownConnection(e) | Event::GrantFailed(e)) => self.refuse(e),
+            (Phase::Leasing { .. } | Phase::Granting { .. }, Event::Abort(e)) if self.resume.is_some() => self.resume_failed(&e),
             (Phase::Leasing { .. } | Phase::Granting { .. } | Phase::Accepted, Event::Abort(e)) => self.refuse(e),
+            // Cancelled while a resume is being acquired: a lease or grant still on its way is
+            // given back when it arrives (see the `Phase::Done` arms).
+            (Phase::Leasing { .. } | Phase::Granting { .. }, Event::Cancel) if self.resume.is_some() => {
+                self.resume = None;
+                self.release(true);
+                self.finish(Err(Failure::cancelled()))
+            }
             (Phase::Accepted, Event::Cancel) => {
                 self.release(true);
                 self.revoke();
@@ -431,6 +481,9 @@ impl<E: From<Error>> Session<E> {
     }
 
     fn accept(&mut self) -> Phase {
+        if let Some(r) = self.resume.take() {
+            return self.resume_with(r);
+        }
         if let Some(b) = &self.cfg.batch {
             // The grant was asked over the batch's remote span; a peer that granted less
             // (its region is shorter) names the first segment it cannot take.
@@ -464,12 +517,22 @@ impl<E: From<Error>> Session<E> {
     /// Moves on when the machine reached a terminal state.
     fn after_machine(&mut self) {
         let Phase::Running(m) = &self.phase else { return };
-        self.bytes_done = m.bytes_done();
+        self.bytes_done = self.bytes_base.saturating_add(m.bytes_done());
         if !m.is_done() {
             return;
         }
+        if let State::Failed(fault @ Fault::NoPath { .. }) = m.state() {
+            // The target counts one marker per QP of the connection; once that many went out it
+            // may have published the notification, and a resume would publish it again.
+            let may_have_published = self.cfg.markers != Markers::None && m.markers_posted() >= self.qps as u64;
+            if self.resumes_left > 0 && !may_have_published {
+                let r = resume::Resume { segs: m.unretired().into(), deadline: m.deadline(), failure: failure_of(fault.clone()) };
+                self.begin_resume(r);
+                return;
+            }
+        }
         // A batch is compared segment by segment, in order, on both sides (`Peer.Complete`'s spans).
-        self.failed_over = *m.state() == State::Succeeded && m.failovers() > 0;
+        self.failed_over |= *m.state() == State::Succeeded && m.failovers() > 0;
         let clean = m.outstanding() == 0;
         let next = match m.state().clone() {
             State::Running => return,
@@ -535,8 +598,13 @@ pub fn failure_of(fault: Fault) -> Failure {
     }
 }
 
+mod resume;
+
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod resume_tests;
 
 #[cfg(test)]
 mod verify_tests;

@@ -354,3 +354,61 @@ fn an_out_of_order_success_takes_the_path_down_instead_of_retiring_what_it_skipp
     assert_eq!(m.path_bytes(), &[800, 0]);
     assert_eq!(seen.len(), 8, "every chunk went out on path 0: {seen:?}");
 }
+
+/// What a transfer resumed on a fresh connection still has to move: after every path is lost
+/// at any point, `unretired` is disjoint, keeps each segment's local↔remote mapping, and with
+/// the bytes retired covers every byte of the batch exactly once.
+#[test]
+fn unretired_is_exactly_what_no_completion_retired() {
+    let segs: Arc<[Seg]> = Arc::from([
+        Seg { local: 0, remote: 100, len: 30 },
+        Seg { local: 50, remote: 0, len: 25 },
+        Seg { local: 200, remote: 300, len: 40 },
+    ]);
+    let total: u64 = segs.iter().map(|s| s.len).sum();
+    for completions in 0..12 {
+        let mut m = Machine::new(MachineConfig { segs: segs.clone(), ..cfg(0, 10, 2, 4, 2) });
+        let mut inflight: Vec<VecDeque<Post>> = vec![VecDeque::new(); 2];
+        let mut retired: Vec<(u64, u64)> = Vec::new();
+        let mut done = 0;
+        while done < completions && !m.is_done() {
+            while let Some(p) = m.poll_transmit() {
+                inflight[p.qp].push_back(p);
+            }
+            let Some(q) = (0..2).find(|&q| inflight[q].iter().any(|p| p.signaled)) else { break };
+            while let Some(p) = inflight[q].pop_front() {
+                retired.push((p.local, p.len as u64));
+                if p.signaled {
+                    m.handle_completion(p.qp, p.seq, WcStatus::Success);
+                    break;
+                }
+            }
+            done += 1;
+        }
+        while let Some(p) = m.poll_transmit() {
+            inflight[p.qp].push_back(p);
+        }
+        m.handle_path_down(0, PathDown::Event("port down".into()));
+        let left = m.unretired();
+        if m.state() == &State::Succeeded {
+            assert!(left.is_empty());
+            continue;
+        }
+        assert!(matches!(m.state(), State::Failed(Fault::NoPath { .. })), "{:?}", m.state());
+        assert_eq!(left.iter().map(|s| s.len).sum::<u64>(), total - m.bytes_done(), "after {completions}: {left:?}");
+        let mut bytes = std::collections::BTreeSet::new();
+        for s in &left {
+            let orig = segs.iter().find(|o| o.local <= s.local && s.local + s.len <= o.local + o.len).expect("inside one segment");
+            assert_eq!(s.remote - orig.remote, s.local - orig.local, "the segment's mapping is kept: {s:?}");
+            for b in s.local..s.local + s.len {
+                assert!(bytes.insert(b), "byte {b} twice in {left:?}");
+            }
+        }
+        for (l, n) in retired {
+            for b in l..l + n {
+                assert!(bytes.insert(b), "byte {b} both retired and left: {left:?}");
+            }
+        }
+        assert_eq!(bytes.len() as u64, total, "after {completions}: every byte once");
+    }
+}

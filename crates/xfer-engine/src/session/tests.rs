@@ -39,59 +39,69 @@ pub(super) fn cfg(length: u64, verify: bool) -> SessionConfig {
         signal_every: 2,
         verify,
         timeout: Duration::from_secs(30),
+        resumes: 0,
     }
 }
 
 /// Faults the fake world injects.
 #[derive(Debug, Clone, Default)]
-struct Faults {
+pub(super) struct Faults {
     /// The first lease comes from the idle pool.
-    pooled: bool,
+    pub(super) pooled: bool,
     /// The peer does not know the pooled connection (grant → unknown connection).
-    peer_forgot_pooled: bool,
+    pub(super) peer_forgot_pooled: bool,
     /// The pooled connection broke while the grant was asked.
-    pooled_broke: bool,
+    pub(super) pooled_broke: bool,
     /// The first grant comes from a restarted peer (new instance).
-    peer_restarted: bool,
+    pub(super) peer_restarted: bool,
     /// Lease attempt number n (0-based) fails.
-    lease_fails: Option<usize>,
-    grant_fails: bool,
+    pub(super) lease_fails: Option<usize>,
+    pub(super) grant_fails: bool,
     /// Bytes the peer grants (None = what was asked).
-    grant_len: Option<u64>,
+    pub(super) grant_len: Option<u64>,
     /// This WR's completion is never delivered (a dropped packet the fabric never reports).
-    drop_seq: Option<u64>,
+    pub(super) drop_seq: Option<u64>,
     /// Completions arrive this many steps late (others keep flowing).
-    delay: usize,
+    pub(super) delay: usize,
     /// From this WR on, the peer is dead: RETRY_EXC_ERR, and Complete fails.
-    dead_from: Option<u64>,
+    pub(super) dead_from: Option<u64>,
     /// From this WR on, the grant is revoked: REM_ACCESS_ERR.
-    revoked_from: Option<u64>,
+    pub(super) revoked_from: Option<u64>,
     /// Posting this WR fails.
-    post_fails: Option<u64>,
+    pub(super) post_fails: Option<u64>,
     /// The completion channel closes after this many completions.
-    closes_after: Option<usize>,
+    pub(super) closes_after: Option<usize>,
     /// The local file shrank.
-    file_shrank: bool,
-    checksum_fails: bool,
-    mismatch: bool,
-    complete_fails: bool,
+    pub(super) file_shrank: bool,
+    pub(super) checksum_fails: bool,
+    pub(super) mismatch: bool,
+    pub(super) complete_fails: bool,
     /// Feed `Event::Cancel` (or `Event::Abort` before Accept) before step n.
-    cancel_at: Option<usize>,
+    pub(super) cancel_at: Option<usize>,
+    /// Resumes the session may make ([`SessionConfig::resumes`]).
+    pub(super) resumes: u32,
+    /// On the connection of lease n (0-based), every WR from this one on is flushed
+    /// (WR_FLUSH_ERR, as Soft-RoCE does under load with no port event): its one path is lost.
+    pub(super) flushed_from: Option<(usize, u64)>,
 }
 
 #[derive(Debug, Default)]
-struct Trace {
-    leases: usize,
-    releases: Vec<bool>,
-    grants: usize,
-    revokes: usize,
-    consumed: usize,
-    posted: BTreeSet<u64>,
-    completes: Vec<Option<u64>>,
-    accepted: Option<u64>,
-    refused: Option<String>,
-    finished: Option<Result<Option<u64>, Failure>>,
-    steps: usize,
+pub(super) struct Trace {
+    pub(super) leases: usize,
+    pub(super) releases: Vec<bool>,
+    pub(super) grants: usize,
+    pub(super) revokes: usize,
+    pub(super) consumed: usize,
+    /// (lease, seq) of every WR posted: a resumed machine numbers its chunks afresh.
+    pub(super) posted: BTreeSet<(usize, u64)>,
+    /// Local ranges a successful completion retired (its own and the silent WRs before it).
+    pub(super) landed: Vec<(u64, u64)>,
+    pub(super) resumed: usize,
+    pub(super) completes: Vec<Option<u64>>,
+    pub(super) accepted: Option<u64>,
+    pub(super) refused: Option<String>,
+    pub(super) finished: Option<Result<Option<u64>, Failure>>,
+    pub(super) steps: usize,
 }
 
 impl Trace {
@@ -102,7 +112,7 @@ impl Trace {
         assert!(self.accepted.is_some() || self.finished.is_none(), "finished without being accepted");
     }
 
-    fn code(&self) -> Option<FailureCode> {
+    pub(super) fn code(&self) -> Option<FailureCode> {
         match &self.finished {
             Some(Err(f)) => Some(f.code),
             _ => None,
@@ -112,15 +122,17 @@ impl Trace {
 
 /// Runs a session to its end in a fake world; virtual time starts at `t0` and advances 1 ms per
 /// step, or jumps to the session's deadline when nothing else can happen.
-fn run(length: u64, verify: bool, f: Faults) -> Trace {
+pub(super) fn run(length: u64, verify: bool, f: Faults) -> Trace {
     let t0 = Instant::now();
     let mut now = t0;
-    let mut s = Session::new(cfg(length, verify));
+    let mut s = Session::new(SessionConfig { resumes: f.resumes, ..cfg(length, verify) });
     let mut t = Trace::default();
     let mut lease_attempts = 0;
     let mut grant_attempts = 0;
-    // Posted WRs per QP awaiting delivery: (seq, signaled, step due).
-    let mut wire: Vec<VecDeque<(u64, bool, usize)>> = Vec::new();
+    // Posted WRs per QP awaiting delivery: (seq, local range, signaled, step due); and per QP
+    // the silent WRs delivered since its last signaled one.
+    let mut wire: Vec<VecDeque<(u64, (u64, u64), bool, usize)>> = Vec::new();
+    let mut silent: Vec<Vec<(u64, u64)>> = Vec::new();
     let mut delivered = 0usize;
     let mut events: VecDeque<Event> = VecDeque::new();
     let mut closed = false;
@@ -163,7 +175,13 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                         });
                     }
                 }
-                Command::Release { clean } => t.releases.push(clean),
+                Command::Release { clean } => {
+                    t.releases.push(clean);
+                    // The connection is gone, and its completions with it.
+                    wire.clear();
+                    silent.clear();
+                }
+                Command::Resumed => t.resumed += 1,
                 Command::Revoke => t.revokes += 1,
                 Command::GrantConsumed => t.consumed += 1,
                 Command::Accept { length } => {
@@ -172,8 +190,12 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                 }
                 Command::Refuse(e) => t.refused = Some(e.to_string()),
                 Command::Post(p) => {
-                    assert!(t.posted.insert(p.seq), "chunk {} posted twice", p.seq);
-                    assert_eq!((p.local, p.remote), (p.seq * CHUNK, p.seq * CHUNK));
+                    let conn = t.leases - 1;
+                    assert!(t.posted.insert((conn, p.seq)), "chunk {} posted twice on one connection", p.seq);
+                    assert_eq!(p.local, p.remote, "one range: local and remote offsets are the same here");
+                    if t.resumed == 0 {
+                        assert_eq!(p.local, p.seq * CHUNK);
+                    }
                     if f.post_fails == Some(p.seq) {
                         events.push_back(Event::PostFailed { seq: p.seq, reason: "QP in error".into() });
                         continue;
@@ -181,7 +203,7 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                     if wire.len() <= p.qp {
                         wire.resize(p.qp + 1, VecDeque::new());
                     }
-                    wire[p.qp].push_back((p.seq, p.signaled, t.steps + f.delay));
+                    wire[p.qp].push_back((p.seq, (p.local, p.len as u64), p.signaled, t.steps + f.delay));
                 }
                 Command::CheckLocal => events.push_back(Event::LocalChecked(match f.file_shrank {
                     true => Err("file shrank".into()),
@@ -211,13 +233,18 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
         }
         // The fabric: deliver the due signaled completions, in order per QP.
         let mut progressed = false;
+        if silent.len() < wire.len() {
+            silent.resize(wire.len(), Vec::new());
+        }
+        let conn = t.leases.saturating_sub(1);
         for (qp, q) in wire.iter_mut().enumerate() {
-            while let Some(&(seq, signaled, due)) = q.front() {
+            while let Some(&(seq, range, signaled, due)) = q.front() {
                 if due > t.steps {
                     break;
                 }
                 q.pop_front();
                 if !signaled || f.drop_seq == Some(seq) {
+                    silent[qp].push(range);
                     continue; // silent (retired by a later signaled one) or lost
                 }
                 if f.closes_after == Some(delivered) && !closed {
@@ -227,13 +254,20 @@ fn run(length: u64, verify: bool, f: Faults) -> Trace {
                     break;
                 }
                 delivered += 1;
-                let status = if f.dead_from.is_some_and(|d| seq >= d) {
+                let status = if f.flushed_from.is_some_and(|(c, from)| c == conn && seq >= from) {
+                    WcStatus::WrFlushErr
+                } else if f.dead_from.is_some_and(|d| seq >= d) {
                     WcStatus::RetryExcErr
                 } else if f.revoked_from.is_some_and(|r| seq >= r) {
                     WcStatus::RemAccessErr
                 } else {
                     WcStatus::Success
                 };
+                let retired = std::mem::take(&mut silent[qp]);
+                if status.is_success() {
+                    t.landed.extend(retired);
+                    t.landed.push(range);
+                }
                 events.push_back(Event::Completion { qp, seq, status });
                 progressed = true;
             }
@@ -550,39 +584,5 @@ fn a_lent_machine_comes_back_and_the_session_moves_on() {
             s.handle(Event::LocalChecked(Ok(())));
             assert!(matches!(s.poll(), Some(Command::Complete { checksum: None })));
         }
-    }
-}
-
-/// The connection's paths reach the machine the session starts: a standby path gets nothing
-/// while the other is up. Every path lost ends the transfer with the last path's code, or
-/// NO_PATH when an event took it.
-#[test]
-fn the_leased_paths_reach_the_machine_and_losing_all_of_them_is_reported() {
-    use crate::machine::{Fault, PathDown};
-    let started = |path_of: &[usize], weights: Vec<u32>| {
-        let mut s = Session::new(cfg(40, false));
-        assert!(matches!(s.poll(), Some(Command::Lease)));
-        s.handle(Event::Leased { qps: 2, reused: false });
-        s.set_paths(path_of.into(), weights);
-        assert!(matches!(s.poll(), Some(Command::AskGrant)));
-        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
-        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
-        s.start(Instant::now());
-        s
-    };
-    let mut s = started(&[0, 1], vec![1, 0]);
-    let mut m = s.lend_machine().expect("running");
-    let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
-    assert!(!posts.is_empty() && posts.iter().all(|p| p.qp == 0), "{posts:?}");
-    assert_eq!(m.paths_up(), 2);
-
-    for (reason, code) in [
-        (PathDown::Completion(WcStatus::RetryExcErr), FailureCode::Completion(WcStatus::RetryExcErr)),
-        (PathDown::Post("QP broken".into()), FailureCode::PostFailed),
-        (PathDown::Event("port down".into()), FailureCode::NoPath),
-    ] {
-        let f = super::failure_of(Fault::NoPath { last: reason });
-        assert_eq!(f.code, code);
-        assert!(f.message.contains("every path to the peer is down"), "{f:?}");
     }
 }
