@@ -89,6 +89,9 @@ pub struct TransferConfig {
     pub max_notify_bytes: usize,
     /// `never` (default) or `tcp`: a verbs agent's tcp standby path (see [`Fallback`]).
     pub fallback: Fallback,
+    /// Times a transfer that lost every path of its connection resumes on a fresh connection
+    /// and grant with what was left (0: it fails at once).
+    pub resume_attempts: u32,
 }
 
 impl Default for LogConfig {
@@ -108,6 +111,7 @@ impl Default for TransferConfig {
             max_segments: 65_536,
             max_notify_bytes: 1024,
             fallback: Fallback::Never,
+            resume_attempts: 2,
         }
     }
 }

@@ -34,6 +34,10 @@ impl Config {
         if !(1..=MAX_SEGMENTS_CEILING).contains(&t.max_segments) {
             return Err(bad("transfer.max_segments", format!("must be between 1 and {MAX_SEGMENTS_CEILING}")));
         }
+        // Each resume is a Peer.Connect and a grant: a handful is plenty for links that flap.
+        if t.resume_attempts > 8 {
+            return Err(bad("transfer.resume_attempts", "must be at most 8".to_string()));
+        }
         if t.max_notify_bytes > MAX_NOTIFY_CEILING {
             return Err(bad("transfer.max_notify_bytes", format!("must be at most {MAX_NOTIFY_CEILING}")));
         }

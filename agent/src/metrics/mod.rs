@@ -65,6 +65,7 @@ pub const PATH_REQUEUED: &str = "xfer_path_requeued_work_requests_total";
 pub const PATH_BYTES: &str = "xfer_path_bytes_total";
 pub const PATH_UP: &str = "xfer_path_up";
 pub const TRANSFER_FALLBACKS: &str = "xfer_transfer_fallbacks_total";
+pub const TRANSFER_RESUMES: &str = "xfer_transfer_resumes_total";
 
 /// Installs the Prometheus recorder, keeps its histograms drained, and describes every metric.
 /// Returns the handle that renders the exposition; the admin server ([`crate::admin`]) serves it,
@@ -115,6 +116,7 @@ pub fn describe() {
     );
     describe_gauge!(PATH_UP, Unit::Count, "Whether each path to each peer (local and remote device) is in use: 1 up, 0 lost lately and waiting out its back-off as a standby (used only when no other path is up); set after every job that used it.");
     describe_counter!(TRANSFER_FALLBACKS, Unit::Count, "Transfers whose bytes went over the tcp fallback path (transfer.fallback = tcp) because every RDMA path of their connection was lost.");
+    describe_counter!(TRANSFER_RESUMES, Unit::Count, "Times a transfer that lost every path resumed on a fresh connection and grant (transfer.resume_attempts), by how the resume ended: resumed (the fresh connection and grant were had) or failed (they were not; the transfer failed with what stopped it).");
     describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
@@ -426,6 +428,11 @@ pub fn path_up(peer: &str, local: &str, remote: &str, up: bool) {
 /// A transfer fell back to tcp (its standby path carried bytes).
 pub fn transfer_fallback() {
     counter!(TRANSFER_FALLBACKS).increment(1);
+}
+
+/// A transfer that lost every path tried to resume: `resumed` or `failed`.
+pub fn transfer_resume(result: &'static str) {
+    counter!(TRANSFER_RESUMES, "result" => result).increment(1);
 }
 
 /// Bytes a job moved over one path.

@@ -218,6 +218,8 @@ impl Node {
             signal_every: t.signal_every,
             verify: false,
             timeout,
+            // A channel moves its batches itself; only the acquire phase runs here.
+            resumes: 0,
         });
         let mut held = Held::new(peer.clone(), owner.clone(), self.initiator.pending_revokes.clone());
         let granted = self.acquire(&mut session, &mut held, &ask, qps, depth).await?;

@@ -8,15 +8,15 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{info, info_span, warn, Instrument};
 
 use super::held::Held;
 use super::Node;
 use crate::checksum::{self, Algo};
 use crate::error::NodeError;
 use crate::metrics as m;
-use crate::peer_api::{CompleteParams, GrantAsk, PeerError, RemoteCode};
-use crate::peers::{Lease, PeerEntry, PeerPool};
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo};
+use crate::peers::{Lease, PeerPool};
 use crate::regions::RegionUse;
 use crate::tenants::Tenant;
 use crate::transfer::job::{Job, Progress, WrTemplate};
@@ -126,6 +126,7 @@ impl Node {
             signal_every: t.signal_every,
             verify: opts.verify,
             timeout,
+            resumes: t.resume_attempts,
         });
         // Connect first: the grant is bound to this connection (grant mode mw binds its windows
         // on the connection's QPs). Connect failures are submit errors (UNAVAILABLE, ...).
@@ -195,122 +196,23 @@ impl Node {
         // The id it was stored under (the registry never replaces a record).
         let record = handle.snapshot();
         drop(slot); // the registry counts it from here
-        let plan = Plan { session, held, local: local_use, algo: opts.algo.unwrap_or(Algo::Xxh3) };
+                    // A resume asks the same peer for the same range (the whole accepted length: a READ of
+                    // "the rest" was granted that much), on a fresh connection of the same shape.
+        let again = AskAgain {
+            region: req.remote_region.clone(),
+            offset: ask_offset,
+            length: if one_range { length } else { ask_length },
+            op: remote_op,
+            ttl: ask.ttl,
+            notify: req.notify.clone(),
+            qps,
+            depth,
+        };
+        let plan = Plan { session, held, local: local_use, algo: opts.algo.unwrap_or(Algo::Xxh3), again };
         let node = self.clone();
         let span = info_span!("transfer", id = %record.id, op = req.op.as_str(), peer = %req.remote_agent);
         tokio::spawn(async move { node.run(handle, plan).await }.instrument(span));
         Ok(record)
-    }
-
-    /// Drives `s` through lease and grant until it accepts (the transfer's length) or refuses.
-    /// Also used by channels and [`Node::acquire_exempt`], which then move the data themselves.
-    pub(super) async fn acquire(
-        &self,
-        s: &mut Session,
-        held: &mut Held,
-        ask: &GrantAsk<'_>,
-        qps: usize,
-        depth: usize,
-    ) -> Result<u64, NodeError> {
-        let me = &self.config.node_name;
-        loop {
-            let ev = match held.settle(s) {
-                Some(Command::Accept { length }) => return Ok(length),
-                Some(Command::Refuse(e)) => return Err(e),
-                Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
-                    Ok(l) => {
-                        let qps = l.qps();
-                        // A plan of an earlier, stale connection is dropped here: its charge goes back.
-                        let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
-                        s.set_paths(plan.path_of.clone(), plan.weights.clone());
-                        held.paths = Some(plan);
-                        let ev = Event::Leased { qps, reused: l.reused() };
-                        held.lease = Some(l);
-                        ev
-                    }
-                    Err(e) => Event::LeaseFailed(e.into()),
-                },
-                Some(Command::AskGrant) => {
-                    let Some(lease) = held.lease.as_ref() else {
-                        return Err(NodeError::Internal("grant asked without a connection".into()));
-                    };
-                    let peer = held.peer.clone();
-                    let cid = lease.connection_id().clone();
-                    // A notification waits for one marker per QP of this connection.
-                    let qps = lease.qps();
-                    let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
-                    let conn = lease.conn();
-                    // The key is the peer's answer: one that cannot serve every QP of this
-                    // connection is refused here, before any work request is posted under it (a
-                    // short list would fail only at its first missing QP, after the other QPs
-                    // moved bytes). The grant is still held, so it is revoked.
-                    let answer = peer.call(|| peer.client.grant(&ask, me, &cid)).await;
-                    let misfit = answer.as_ref().ok().and_then(|g| g.key.fits(conn.qps(), &conn.paths()).err());
-                    match answer {
-                        Ok(g) if misfit.is_some() => {
-                            held.hold_grant(g);
-                            let why = misfit.unwrap_or_default();
-                            Event::GrantFailed(
-                                PeerError::Protocol {
-                                    addr: peer.addr.clone(),
-                                    detail: format!("its grant's key does not fit connection {cid}: {why}"),
-                                }
-                                .into(),
-                            )
-                        }
-                        Ok(g) if ask.notify.is_some() && g.notify_slot == 0 => {
-                            // An agent that predates notifications ignores the ask: refuse
-                            // rather than move bytes nobody will be told about.
-                            held.hold_grant(g);
-                            Event::GrantFailed(NodeError::FailedPrecondition(format!(
-                                "peer {} does not support notifications (its grant carries no notification slot)",
-                                peer.addr
-                            )))
-                        }
-                        Ok(g) => {
-                            peer.observe(&g.node_name, &g.instance_id);
-                            let same_instance = g.instance_id == lease.instance_id();
-                            if !same_instance {
-                                debug!(peer = %peer.addr, "peer restarted since the connection was made; negotiating a fresh one");
-                            }
-                            let ev = Event::Granted { length: g.length, same_instance, conn_broken: lease.conn().is_broken() };
-                            held.hold_grant(g);
-                            ev
-                        }
-                        Err(e @ PeerError::Remote { code: RemoteCode::UnknownConnection, .. }) => {
-                            debug!(peer = %peer.addr, "peer does not know the connection; negotiating a fresh one if it was pooled");
-                            Event::GrantUnknownConnection(e.into())
-                        }
-                        Err(e) => Event::GrantFailed(e.into()),
-                    }
-                }
-                Some(other) => return Err(NodeError::Internal(format!("unexpected {other:?} before the transfer started"))),
-                None => return Err(NodeError::Internal("transfer session stopped before accepting".into())),
-            };
-            s.handle(ev);
-        }
-    }
-
-    /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
-    /// region), through the transfer session's acquire phase: the same stale-connection handling
-    /// as a transfer. Both are given back when the returned [`Held`] drops.
-    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, NodeError> {
-        let mut s = Session::new(SessionConfig {
-            length: ask.length,
-            batch: None,
-            markers: Markers::None,
-            local_name: "bench buffer".into(),
-            local_length: ask.length,
-            local_offset: 0,
-            chunk: ask.length,
-            depth,
-            signal_every: self.config.transfer.signal_every,
-            verify: false,
-            timeout: Duration::from_secs(600),
-        });
-        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.initiator.pending_revokes.clone());
-        self.acquire(&mut s, &mut held, ask, qps, depth).await?;
-        Ok(held)
     }
 
     async fn run(self: Arc<Self>, handle: Arc<TransferHandle>, mut plan: Plan) {
@@ -373,19 +275,22 @@ impl Node {
         rec: &TransferRecord,
         started: Instant,
     ) -> Result<Option<u64>, Failure> {
-        let Plan { session: s, held, local, algo, .. } = plan;
+        let Plan { session: s, held, local, algo, again } = plan;
         // The session accepts only with a grant, and `held` keeps it until the session's own
         // Revoke/GrantConsumed (even a cancel before the start is settled in the loop below).
-        let Some(grant) = held.grant.as_ref().map(|g| &g.info) else {
-            return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
+        let template = |held: &Held| {
+            let grant: &GrantInfo = &held.grant.as_ref()?.info;
+            Some(WrTemplate {
+                op: if rec.op == Op::Write { WrOp::Write } else { WrOp::Read },
+                notify_slot: grant.notify_slot,
+                local: local.0.registration.clone(),
+                remote_addr: grant.addr,
+                remote_key: grant.key.clone(),
+                wrap: None,
+            })
         };
-        let wr = WrTemplate {
-            op: if rec.op == Op::Write { WrOp::Write } else { WrOp::Read },
-            notify_slot: grant.notify_slot,
-            local: local.0.registration.clone(),
-            remote_addr: grant.addr,
-            remote_key: grant.key.clone(),
-            wrap: None,
+        let Some(mut wr) = template(held) else {
+            return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
         let mut reported = 0;
         loop {
@@ -398,7 +303,9 @@ impl Node {
                 let h = handle.clone();
                 let mut shown = reported;
                 let (op, peer) = (rec.op.as_str(), held.peer.label_identity());
-                let progress: Progress = Box::new(move |bytes| report(&h, op, &peer, bytes, &mut shown, started));
+                // A resumed machine counts from 0: what the earlier ones retired comes first.
+                let base = s.bytes_base();
+                let progress: Progress = Box::new(move |bytes| report(&h, op, &peer, base + bytes, &mut shown, started));
                 let job = Job { machine, lease, wr: wr.clone(), probe: None, cancel: handle.cancel.clone(), progress: Some(progress) };
                 let ran = Instant::now();
                 let done = self.run_job(job).await.map_err(|e| Failure::new(FailureCode::Internal, e.to_string()))?;
@@ -419,11 +326,36 @@ impl Node {
                     self.initiator.paths.learn(&held.peer.addr, done.lease.conn().as_ref(), &plan, &done.machine, ran.elapsed());
                 }
                 held.lease = Some(done.lease);
-                reported = done.machine.bytes_done();
+                reported = base + done.machine.bytes_done();
                 s.return_machine(done.machine);
                 continue;
             }
             match held.settle(s) {
+                Some(lease @ Command::Lease) => {
+                    // Every path was lost: the session resumes on a fresh connection and grant.
+                    warn!(peer = %held.peer.addr, bytes_done = s.bytes_done(), resume = s.resumed(),
+                        "every path to the peer was lost; resuming on a fresh connection with what is left");
+                    let ask = again.ask();
+                    match self.acquire_until(s, held, &ask, again.qps, again.depth, Some(lease)).await {
+                        Ok(Command::Resumed) => {
+                            m::transfer_resume("resumed");
+                            handle.record.send_modify(|r| r.failovers += 1);
+                            let Some(fresh) = template(held) else {
+                                return Err(Failure::new(FailureCode::Internal, "transfer resumed without a grant"));
+                            };
+                            wr = fresh;
+                        }
+                        Ok(Command::Finish(r)) => {
+                            m::transfer_resume("failed");
+                            return r;
+                        }
+                        Ok(other) => return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while resuming"))),
+                        Err(e) => {
+                            m::transfer_resume("failed");
+                            return Err(Failure::new(FailureCode::Internal, format!("resuming: {e}")));
+                        }
+                    }
+                }
                 Some(Command::CheckLocal) => s.handle(Event::LocalChecked(local.0.intact().map_err(|e| e.to_string()))),
                 Some(Command::Checksum) => {
                     let r = self.checksum(local, &sums(s, rec).0, *algo).await;
@@ -564,6 +496,34 @@ pub(super) struct Plan {
     local: RegionUse,
     /// The checksum algorithm when verifying.
     algo: Algo,
+    /// What a resume asks the peer for.
+    again: AskAgain,
+}
+
+/// The grant a transfer asked for, owned, to ask it again when it resumes.
+struct AskAgain {
+    region: String,
+    offset: u64,
+    length: u64,
+    op: xfer_fabric::RemoteOp,
+    ttl: Duration,
+    notify: Option<Vec<u8>>,
+    qps: usize,
+    depth: usize,
+}
+
+impl AskAgain {
+    fn ask(&self) -> GrantAsk<'_> {
+        GrantAsk {
+            region: &self.region,
+            offset: self.offset,
+            length: self.length,
+            op: self.op,
+            ttl: self.ttl,
+            notify: self.notify.as_deref().map(|t| (t, 0)),
+            channel: false,
+        }
+    }
 }
 
 /// Why copying `len` bytes from `a` to `b` within one region is refused, when the two ranges

@@ -30,6 +30,7 @@ use xfer_engine::ids::new_id;
 use xfer_fabric::{Fabric, FabricKind};
 use xfer_rdma::memory::RegionMemory;
 
+mod acquire;
 mod channel;
 mod held;
 mod inbound;

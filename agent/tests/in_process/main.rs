@@ -12,4 +12,5 @@ mod common;
 mod false_completion;
 mod initiator;
 mod lease_end;
+mod resume;
 mod state_lifetime;

@@ -1,6 +1,7 @@
 //! Why a transfer did not succeed: one closed set of codes. The transfer record stores a
 //! [`FailureCode`], the `xfer_transfer_failures_total{code}` metric counts it, and the proto's
 //! `Transfer.error_code` carries [`FailureCode::as_str`] — the same value everywhere, written once.
+use crate::machine::{Fault, PathDown};
 use crate::status::WcStatus;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,6 +79,28 @@ impl Failure {
 
     pub fn cancelled() -> Failure {
         Failure::new(FailureCode::Cancelled, "cancelled")
+    }
+}
+
+/// The failure a machine fault is reported as.
+pub fn failure_of(fault: Fault) -> Failure {
+    match fault {
+        Fault::Completion { status, .. } => {
+            let code = FailureCode::Completion(status);
+            Failure::new(code, format!("work request failed with {status}{}", code.hint()))
+        }
+        Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
+        Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
+        // The code is the last path's cause where it has one, as with a single path (a dead peer
+        // is RETRY_EXC_ERR however many paths led to it); the message says every path went.
+        Fault::NoPath { last } => {
+            let code = match last {
+                PathDown::Completion(status) => FailureCode::Completion(status),
+                PathDown::Post(_) => FailureCode::PostFailed,
+                PathDown::Event(_) | PathDown::OutOfOrder { .. } => FailureCode::NoPath,
+            };
+            Failure::new(code, format!("every path to the peer is down; the last: {last}{}", code.hint()))
+        }
     }
 }
 

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use crate::batch::Batch;
 use crate::error::Error;
 use crate::failure::{Failure, FailureCode};
-use crate::machine::{Fault, Machine, MachineConfig, Markers, PathDown, Post, State};
+use crate::machine::{Fault, Machine, MachineConfig, Markers, Post, State};
 use crate::range::check_range;
 use crate::status::WcStatus;
 
@@ -576,27 +576,8 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
     }
 }
 
-/// The failure a machine fault is reported as.
-pub fn failure_of(fault: Fault) -> Failure {
-    match fault {
-        Fault::Completion { status, .. } => {
-            let code = FailureCode::Completion(status);
-            Failure::new(code, format!("work request failed with {status}{}", code.hint()))
-        }
-        Fault::Post(e) => Failure::new(FailureCode::PostFailed, e),
-        Fault::Timeout => Failure::new(FailureCode::DeadlineExceeded, "transfer timed out"),
-        // The code is the last path's cause where it has one, as with a single path (a dead peer
-        // is RETRY_EXC_ERR however many paths led to it); the message says every path went.
-        Fault::NoPath { last } => {
-            let code = match last {
-                PathDown::Completion(status) => FailureCode::Completion(status),
-                PathDown::Post(_) => FailureCode::PostFailed,
-                PathDown::Event(_) | PathDown::OutOfOrder { .. } => FailureCode::NoPath,
-            };
-            Failure::new(code, format!("every path to the peer is down; the last: {last}{}", code.hint()))
-        }
-    }
-}
+/// The failure a machine fault is reported as (re-exported: the agent names it here).
+pub use crate::failure::failure_of;
 
 mod resume;
 

@@ -120,6 +120,9 @@ impl Trace {
     }
 }
 
+/// A posted WR awaiting delivery: its seq, local range, whether signaled, and the step it is due.
+type OnWire = (u64, (u64, u64), bool, usize);
+
 /// Runs a session to its end in a fake world; virtual time starts at `t0` and advances 1 ms per
 /// step, or jumps to the session's deadline when nothing else can happen.
 pub(super) fn run(length: u64, verify: bool, f: Faults) -> Trace {
@@ -131,7 +134,7 @@ pub(super) fn run(length: u64, verify: bool, f: Faults) -> Trace {
     let mut grant_attempts = 0;
     // Posted WRs per QP awaiting delivery: (seq, local range, signaled, step due); and per QP
     // the silent WRs delivered since its last signaled one.
-    let mut wire: Vec<VecDeque<(u64, (u64, u64), bool, usize)>> = Vec::new();
+    let mut wire: Vec<VecDeque<OnWire>> = Vec::new();
     let mut silent: Vec<Vec<(u64, u64)>> = Vec::new();
     let mut delivered = 0usize;
     let mut events: VecDeque<Event> = VecDeque::new();

@@ -1,0 +1,149 @@
+//! Obtaining what a transfer needs from its peer before bytes move — a leased connection (its
+//! path plan) and a grant bound to it — by driving the session's acquire phase: for a new
+//! transfer, a channel or a benchmark, and again for a transfer resuming after it lost every
+//! path. The grant's key is checked against the connection here, before any work request.
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
+use super::held::Held;
+use super::Node;
+use crate::error::NodeError;
+use crate::peer_api::{GrantAsk, PeerError, RemoteCode};
+use crate::peers::PeerEntry;
+use crate::tenants::Tenant;
+use crate::transfer::session::{Command, Event, Session, SessionConfig};
+use xfer_engine::machine::Markers;
+
+impl Node {
+    /// Drives `s` through lease and grant until it accepts (the transfer's length) or refuses.
+    /// Also used by channels and [`Node::acquire_exempt`], which then move the data themselves.
+    pub(super) async fn acquire(
+        &self,
+        s: &mut Session,
+        held: &mut Held,
+        ask: &GrantAsk<'_>,
+        qps: usize,
+        depth: usize,
+    ) -> Result<u64, NodeError> {
+        match self.acquire_until(s, held, ask, qps, depth, None).await? {
+            Command::Accept { length } => Ok(length),
+            Command::Refuse(e) => Err(e),
+            other => Err(NodeError::Internal(format!("unexpected {other:?} before the transfer started"))),
+        }
+    }
+
+    /// Drives `s` through lease and grant (answering every `Lease` and `AskGrant`, starting with
+    /// `first` when the caller already took it from the session) and returns the first other
+    /// command: `Accept` or `Refuse` for a new transfer; `Resumed` or `Finish` for one that
+    /// resumes after losing every path.
+    pub(super) async fn acquire_until(
+        &self,
+        s: &mut Session,
+        held: &mut Held,
+        ask: &GrantAsk<'_>,
+        qps: usize,
+        depth: usize,
+        mut first: Option<Command>,
+    ) -> Result<Command, NodeError> {
+        let me = &self.config.node_name;
+        loop {
+            let ev = match first.take().or_else(|| held.settle(s)) {
+                Some(Command::Lease) => match self.initiator.peers.lease(&held.peer, qps, depth, &held.tenant).await {
+                    Ok(l) => {
+                        let qps = l.qps();
+                        // A plan of an earlier, stale connection is dropped here: its charge goes back.
+                        let plan = self.initiator.paths.plan(&held.peer.addr, l.conn().as_ref(), held.numa, ask.length);
+                        s.set_paths(plan.path_of.clone(), plan.weights.clone());
+                        held.paths = Some(plan);
+                        let ev = Event::Leased { qps, reused: l.reused() };
+                        held.lease = Some(l);
+                        ev
+                    }
+                    Err(e) => Event::LeaseFailed(e.into()),
+                },
+                Some(Command::AskGrant) => {
+                    let Some(lease) = held.lease.as_ref() else {
+                        return Err(NodeError::Internal("grant asked without a connection".into()));
+                    };
+                    let peer = held.peer.clone();
+                    let cid = lease.connection_id().clone();
+                    // A notification waits for one marker per QP of this connection.
+                    let qps = lease.qps();
+                    let ask = GrantAsk { notify: ask.notify.map(|(t, _)| (t, qps as u32)), ..*ask };
+                    let conn = lease.conn();
+                    // The key is the peer's answer: one that cannot serve every QP of this
+                    // connection is refused here, before any work request is posted under it (a
+                    // short list would fail only at its first missing QP, after the other QPs
+                    // moved bytes). The grant is still held, so it is revoked.
+                    let answer = peer.call(|| peer.client.grant(&ask, me, &cid)).await;
+                    let misfit = answer.as_ref().ok().and_then(|g| g.key.fits(conn.qps(), &conn.paths()).err());
+                    match answer {
+                        Ok(g) if misfit.is_some() => {
+                            held.hold_grant(g);
+                            let why = misfit.unwrap_or_default();
+                            Event::GrantFailed(
+                                PeerError::Protocol {
+                                    addr: peer.addr.clone(),
+                                    detail: format!("its grant's key does not fit connection {cid}: {why}"),
+                                }
+                                .into(),
+                            )
+                        }
+                        Ok(g) if ask.notify.is_some() && g.notify_slot == 0 => {
+                            // An agent that predates notifications ignores the ask: refuse
+                            // rather than move bytes nobody will be told about.
+                            held.hold_grant(g);
+                            Event::GrantFailed(NodeError::FailedPrecondition(format!(
+                                "peer {} does not support notifications (its grant carries no notification slot)",
+                                peer.addr
+                            )))
+                        }
+                        Ok(g) => {
+                            peer.observe(&g.node_name, &g.instance_id);
+                            let same_instance = g.instance_id == lease.instance_id();
+                            if !same_instance {
+                                debug!(peer = %peer.addr, "peer restarted since the connection was made; negotiating a fresh one");
+                            }
+                            let ev = Event::Granted { length: g.length, same_instance, conn_broken: lease.conn().is_broken() };
+                            held.hold_grant(g);
+                            ev
+                        }
+                        Err(e @ PeerError::Remote { code: RemoteCode::UnknownConnection, .. }) => {
+                            debug!(peer = %peer.addr, "peer does not know the connection; negotiating a fresh one if it was pooled");
+                            Event::GrantUnknownConnection(e.into())
+                        }
+                        Err(e) => Event::GrantFailed(e.into()),
+                    }
+                }
+                Some(other) => return Ok(other),
+                None => return Err(NodeError::Internal("transfer session stopped before accepting".into())),
+            };
+            s.handle(ev);
+        }
+    }
+
+    /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
+    /// region), through the transfer session's acquire phase: the same stale-connection handling
+    /// as a transfer. Both are given back when the returned [`Held`] drops.
+    pub async fn acquire_exempt(&self, peer: &Arc<PeerEntry>, ask: &GrantAsk<'_>, qps: usize, depth: usize) -> Result<Held, NodeError> {
+        let mut s = Session::new(SessionConfig {
+            length: ask.length,
+            batch: None,
+            markers: Markers::None,
+            local_name: "bench buffer".into(),
+            local_length: ask.length,
+            local_offset: 0,
+            chunk: ask.length,
+            depth,
+            signal_every: self.config.transfer.signal_every,
+            verify: false,
+            timeout: Duration::from_secs(600),
+            resumes: 0,
+        });
+        let mut held = Held::new(peer.clone(), Tenant::exempt(), self.initiator.pending_revokes.clone());
+        self.acquire(&mut s, &mut held, ask, qps, depth).await?;
+        Ok(held)
+    }
+}
