@@ -499,7 +499,7 @@ impl Channel {
         // complete that did not land), and its notification, whose markers were held back, is
         // published by the target only if the bytes match.
         let failure = match failure {
-            None if machine.failovers() > 0 => self.verify_failed_over(seq, &segs, shift, settle).await.err(),
+            None if machine.must_verify() => self.verify_failed_over(seq, &segs, shift, settle).await.err(),
             f => f,
         };
         out.seconds = t0.elapsed().as_secs_f64();

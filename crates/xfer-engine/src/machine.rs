@@ -197,6 +197,8 @@ pub struct Machine {
     path_bytes: Vec<u64>,
     events: VecDeque<PathEvent>,
     failovers: u32,
+    /// A path that had retired bytes went down while the transfer ran.
+    lost_after_use: bool,
     /// Markers not yet posted when a path failed over are held, not sent (see
     /// [`Machine::hold_markers_after_failover`]).
     hold: bool,
@@ -248,6 +250,7 @@ impl Machine {
             paths,
             events: VecDeque::new(),
             failovers: 0,
+            lost_after_use: false,
             hold: false,
             held: false,
             markers_posted: 0,
@@ -292,6 +295,13 @@ impl Machine {
     /// Paths lost while the transfer ran whose WRs were posted again on the others.
     pub fn failovers(&self) -> u32 {
         self.failovers
+    }
+
+    /// Whether what the paths reported retired is proven only by a checksum: a path failed
+    /// over, or one that had retired bytes was lost while the transfer ran (with nothing of it
+    /// outstanding: a failing device may have reported work complete just before it went).
+    pub fn must_verify(&self) -> bool {
+        self.failovers > 0 || self.lost_after_use
     }
 
     /// Once a path failed over, the markers not yet posted are held rather than sent, and the
@@ -414,7 +424,7 @@ impl Machine {
     /// the target counts first, either each is a QP's own (behind every chunk's first posting on
     /// that QP) or one of them left after every chunk had landed.
     fn poll_marker(&mut self) -> Option<Post> {
-        if self.hold && self.failovers > 0 && self.cfg.markers != Markers::None {
+        if self.hold && self.must_verify() && self.cfg.markers != Markers::None {
             if self.owed > 0 || self.marker_sent.iter().any(|&m| !m) {
                 self.held = true;
                 self.owed = 0;

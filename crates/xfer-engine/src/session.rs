@@ -532,7 +532,7 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
             }
         }
         // A batch is compared segment by segment, in order, on both sides (`Peer.Complete`'s spans).
-        self.failed_over |= *m.state() == State::Succeeded && m.failovers() > 0;
+        self.failed_over |= *m.state() == State::Succeeded && m.must_verify();
         let clean = m.outstanding() == 0;
         let next = match m.state().clone() {
             State::Running => return,

@@ -68,6 +68,9 @@ impl Machine {
         if running && requeued > 0 && left > 0 {
             self.failovers += 1;
         }
+        if running && self.path_bytes.get(path).is_some_and(|&b| b > 0) {
+            self.lost_after_use = true;
+        }
         self.events.push_back(PathEvent::Down { path, reason: reason.clone(), requeued });
         if running && left == 0 {
             self.state = State::Failed(Fault::NoPath { last: reason });
