@@ -84,16 +84,22 @@ async fn a_rail_without_a_route_is_left_out_of_the_connection() {
     let s = scrape(&a);
     let failed = labelled(&s, "xfer_rail_connect_failures_total", &[("device", &l.a[1]), ("role", "initiator")]);
     println!(
-        "{} unreachable from {}: {BLOCKS} MiB WRITE in {:.1} s, {failed} rail failure(s), {} bytes through {}, {} through {}",
+        "{} unreachable from {}: {BLOCKS} MiB WRITE in {:.1} s ({} failover(s), verified {}), {failed} rail failure(s), {} bytes \
+         through {}, {} through {}",
         l.b_net[1],
         l.a_net[1],
         t.elapsed_seconds,
+        t.failovers,
+        t.verified,
         device_bytes(&a, &l.a[0]),
         l.a[0],
         device_bytes(&a, &l.a[1]),
         l.a[1]
     );
     assert!(failed > 0.0, "the rail left out was not counted: {s}\n{}", a.logs());
+    // The dead rail's path is lost at its first post, like a path that fails mid-transfer: the
+    // transfer that lost it was checked end to end.
+    assert!(t.failovers == 0 || t.verified, "a transfer that lost a path was not verified: {t:?}");
     assert!(device_bytes(&a, &l.a[0]) >= (BLOCKS * MIB) as f64, "the first link did not carry the transfer: {s}");
     assert_eq!(device_bytes(&a, &l.a[1]), 0.0, "bytes posted on the rail without a route: {s}");
     // Its port stayed ACTIVE throughout: only the route was gone.
