@@ -20,7 +20,7 @@ pub use xfer_fabric::metrics::{
     accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
     notify_marker, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS, DATA_CONNECTIONS_CLOSED,
     DATA_CONNECTIONS_REFUSED, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS, NOTIFY_MARKERS,
-    PREBUILT_QPS, WORK_COMPLETIONS,
+    PREBUILT_QPS, RAIL_CONNECT_FAILURES, WORK_COMPLETIONS,
 };
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
@@ -241,6 +241,11 @@ pub fn describe() {
         DEVICE_EVENTS,
         Unit::Count,
         "Asynchronous events each RDMA device of a multi-device verbs fabric reported, by device and event (port_active, port_err, device_fatal, qp_fatal, other)."
+    );
+    describe_counter!(
+        RAIL_CONNECT_FAILURES,
+        Unit::Count,
+        "Rails of new multi-device verbs connections left out because their QPs could not be moved to RTS (no route to the peer's device while the port was still ACTIVE), by device and role (initiator, responder); the connection went on over its other rails."
     );
     describe_counter!(
         DEVICE_WORK_REQUESTS,

@@ -21,6 +21,7 @@ pub const DEVICE_PORT_UP: &str = "xfer_device_port_up";
 pub const DEVICE_EVENTS: &str = "xfer_device_events_total";
 pub const DEVICE_WORK_REQUESTS: &str = "xfer_device_work_requests_total";
 pub const DEVICE_BYTES: &str = "xfer_device_bytes_total";
+pub const RAIL_CONNECT_FAILURES: &str = "xfer_rail_connect_failures_total";
 
 /// A work completion with `status`, a verbs-style name (`WcStatus::name`); the label value is
 /// its lower-case form, like every other label's values.
@@ -134,6 +135,12 @@ pub fn device_port_up(device: &str, up: bool) {
 /// `device_fatal`, `qp_fatal`, `other`).
 pub fn device_event(device: &str, event: &'static str) {
     counter!(DEVICE_EVENTS, "device" => device.to_string(), "event" => event).increment(1);
+}
+
+/// A rail of a new connection on `device` could not be made ready by `role` (`initiator` or
+/// `responder`): its QPs could not be moved to RTS, and the connection went on without it.
+pub fn rail_connect_failure(device: &str, role: &'static str) {
+    counter!(RAIL_CONNECT_FAILURES, "device" => device.to_string(), "role" => role).increment(1);
 }
 
 /// The initiator posted `count` work requests of `op` (`read`, `write`, `notify`) moving `bytes`

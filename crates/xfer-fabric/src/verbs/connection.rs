@@ -22,7 +22,7 @@ use sideway::ibverbs::completion::CompletionChannel;
 use xfer_rdma::cq::{Cq, RawWc};
 use xfer_rdma::qp::{queue_of, RcQp, Route, RtrAttrs, RtsAttrs};
 
-use super::device::Device;
+use super::device::{Device, PortView};
 use super::negotiate::{self, LINK_ETHERNET};
 use super::options::VerbsOptions;
 use crate::{Completion, CompletionSink, Endpoint, FabricError, Registration, VerbsEndpoint, WcStatus};
@@ -92,6 +92,13 @@ pub(crate) struct ConnInner {
 /// `ibv_modify_qp`'s error in `step` as a negotiation error.
 fn modify_err(step: &'static str, attr: &'static str, e: std::io::Error, what: String) -> FabricError {
     FabricError::Negotiation { step, attr, detail: format!("ibv_modify_qp: {e} ({what})") }
+}
+
+/// The peer's endpoints for a connection, validated, with the port's facts they were checked
+/// against: what [`ConnInner::move_to_rts`] moves the QPs with.
+pub(crate) struct Checked {
+    view: PortView,
+    paths: Vec<negotiate::PathParams>,
 }
 
 fn draw_psn() -> Result<u32, FabricError> {
@@ -232,18 +239,32 @@ impl ConnInner {
 
     /// Validates the peer's endpoints and moves every QP INIT → RTR → RTS.
     pub fn connect(&self, dev: &Device, opts: &VerbsOptions, remote: &[Endpoint]) -> Result<(), FabricError> {
-        // One reading of the port's facts for the whole connection (they change only on a refresh).
-        let v = dev.view();
+        let checked = self.validate(dev, remote)?;
+        self.move_to_rts(dev, opts, &checked)
+    }
+
+    /// Validates the peer's endpoints against this connection's QPs and the port's facts, read
+    /// once here for the whole connection (they change only on a refresh). An error here is the
+    /// peer's: a broken or hostile answer.
+    pub fn validate(&self, dev: &Device, remote: &[Endpoint]) -> Result<Checked, FabricError> {
+        let view = dev.view();
         let local = negotiate::LocalPort {
-            link_layer: v.link_layer.clone(),
-            gid_type: v.gid_type.clone(),
-            mtu: v.active_mtu,
+            link_layer: view.link_layer.clone(),
+            gid_type: view.gid_type.clone(),
+            mtu: view.active_mtu,
             max_rd_atomic: dev.max_rd_atomic,
         };
         let paths = negotiate::validate_remote(&local, remote, Some(self.slots.len()))?;
+        Ok(Checked { view, paths })
+    }
+
+    /// Moves every QP INIT → RTR → RTS along `checked`'s paths. An error here is the local
+    /// device's (e.g. no route to the peer's GID): the endpoints were valid.
+    pub fn move_to_rts(&self, dev: &Device, opts: &VerbsOptions, checked: &Checked) -> Result<(), FabricError> {
+        let Checked { view: v, paths } = checked;
         let mtu = paths.iter().filter_map(|p| negotiate::mtu_bytes(p.path_mtu)).min().unwrap_or(0);
         self.path_mtu.store(mtu, Ordering::Release);
-        for (slot, path) in self.slots.iter().zip(&paths) {
+        for (slot, path) in self.slots.iter().zip(paths) {
             let r = &path.remote;
             let sgid_index = v.gid_index;
             let route = if v.link_layer == LINK_ETHERNET {

@@ -9,7 +9,7 @@ use xfer_rdma::cq::RawWc;
 use xfer_rdma::mr::Mr;
 use xfer_rdma::qp::{Posting, RdmaOp, RdmaWr};
 
-use super::connection::{run_cq, ConnInner, InFlight, POLL_BATCH};
+use super::connection::{run_cq, Checked, ConnInner, InFlight, POLL_BATCH};
 use super::device::Device;
 use super::mr::VerbsRegistration;
 use super::options::VerbsOptions;
@@ -39,8 +39,21 @@ impl PendingConnection for VerbsPrepared {
 impl VerbsPrepared {
     /// Finishes as one part of a connection over several devices: its QPs are that connection's
     /// `base..base + qps`, and the completions it delivers say so.
-    pub(crate) fn complete_at(mut self, remote: &[Endpoint], base: usize) -> Result<Arc<VerbsConnection>, FabricError> {
-        self.inner.connect(&self.dev, &self.opts, remote)?;
+    pub(crate) fn complete_at(self, remote: &[Endpoint], base: usize) -> Result<Arc<VerbsConnection>, FabricError> {
+        let checked = self.check(remote)?;
+        self.complete_checked(&checked, base)
+    }
+
+    /// Validates the peer's answer for this part (the peer's fault if it fails).
+    pub(crate) fn check(&self, remote: &[Endpoint]) -> Result<Checked, FabricError> {
+        self.inner.validate(&self.dev, remote)
+    }
+
+    /// Moves the QPs to RTS along `checked` (from [`Self::check`]) and starts the part as
+    /// connection QPs `base..base + qps`. On an error (the device's: e.g. no route to the peer's
+    /// GID) the QPs, on which nothing was posted, are destroyed with `self`.
+    pub(crate) fn complete_checked(mut self, checked: &Checked, base: usize) -> Result<Arc<VerbsConnection>, FabricError> {
+        self.inner.move_to_rts(&self.dev, &self.opts, checked)?;
         self.inner.qp_base = base;
         Ok(VerbsConnection::start_concrete(self.inner, self.sink, self.opts.busy_poll))
     }

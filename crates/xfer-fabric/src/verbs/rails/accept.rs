@@ -11,6 +11,7 @@ use xfer_engine::ids::ConnectionId;
 use super::fallback::{split, Fallback};
 use super::pending::by_rail;
 use super::reach::{facts_of, match_rails, RailFacts};
+use super::ready;
 use super::register::RailsRegistration;
 use super::RailDevice;
 use crate::{Accepted, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey};
@@ -22,6 +23,17 @@ struct AcceptedPart {
     qps: usize,
     handle: Box<dyn Accepted>,
 }
+
+impl AcceptedPart {
+    /// Whether its QPs could not be moved to RTS: the connection goes on without this rail.
+    fn failed(&self) -> bool {
+        self.handle.readiness().is_some_and(|r| matches!(*r.borrow(), Readiness::Failed(_)))
+    }
+}
+
+/// The key a grant carries for each QP of a part that failed: nothing is exposed on it, as
+/// nothing can land there (its QPs are in ERR), and the slots keep every later QP's key in place.
+const NO_KEY: u32 = 0;
 
 /// The responder's multi-device connection, parts in the initiator's rail order (which is the
 /// connection's QP order).
@@ -109,7 +121,11 @@ pub(crate) async fn accept(
         _ => None,
     };
     tracing::debug!(%peer, connection = %id, rails = parts.len(), offered = remote_facts.len(), tcp = tcp.is_some(), "accepted a multi-device connection");
-    let ready = combined_readiness(&parts);
+    let ready = ready::combined(
+        parts.iter().map(|p| ready::PartReady { device: devices[p.device].name().to_string(), ready: p.handle.readiness() }).collect(),
+        peer.to_string(),
+        id.to_string(),
+    );
     let acc = Arc::new(RailsAccepted { parts, tcp, ready });
     {
         let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
@@ -237,26 +253,6 @@ fn unmatched(devices: &[Arc<RailDevice>], offered: &[usize], remote: &[RailFacts
     }
 }
 
-/// Ready once every part is; failed as soon as one fails.
-fn combined_readiness(parts: &[AcceptedPart]) -> tokio::sync::watch::Receiver<Readiness> {
-    let mut waits: Vec<tokio::sync::watch::Receiver<Readiness>> = parts.iter().filter_map(|p| p.handle.readiness()).collect();
-    let (tx, rx) = tokio::sync::watch::channel(Readiness::Pending);
-    tokio::spawn(async move {
-        for w in &mut waits {
-            let outcome = match w.wait_for(|r| *r != Readiness::Pending).await {
-                Ok(r) => r.clone(),
-                Err(_) => Readiness::Failed("the connection was dropped before it was ready".into()),
-            };
-            if let Readiness::Failed(_) = outcome {
-                tx.send_replace(outcome);
-                return;
-            }
-        }
-        tx.send_replace(Readiness::Ready);
-    });
-    rx
-}
-
 impl Accepted for AcceptedHandle {
     fn drain_markers(&self) {
         for p in &self.acc.parts {
@@ -288,7 +284,7 @@ impl Drop for AcceptedHandle {
 }
 
 /// Exposes a range on every device carrying a rail of the grantee's connection; the key has one
-/// entry per QP of that connection, in the initiator's QP order.
+/// entry per QP of that connection, in the initiator's QP order ([`NO_KEY`] for a failed rail's).
 pub(crate) async fn expose(
     devices: &[Arc<RailDevice>],
     fallback: Option<&Fallback>,
@@ -310,6 +306,10 @@ pub(crate) async fn expose(
     let mut keep = Vec::with_capacity(acc.parts.len());
     let mut addr = None;
     for p in &acc.parts {
+        if p.failed() {
+            keys.extend(std::iter::repeat_n(NO_KEY, p.qps));
+            continue;
+        }
         let d = &devices[p.device];
         let part = ours.part(p.device).ok_or_else(|| FabricError::Registration(format!("the registration has no part on {}", d.name())))?;
         let e = d.fabric.expose(part, req).await?;
@@ -319,7 +319,7 @@ pub(crate) async fn expose(
         expand_key(&e.key, p.qps, &mut keys).map_err(|m| FabricError::Other(format!("device {}: {m}", d.name())))?;
         keep.push(e);
     }
-    let addr = addr.ok_or_else(|| FabricError::Other(format!("connection {id} has no device part")))?;
+    let addr = addr.ok_or_else(|| FabricError::Other(format!("connection {id} has no device part that was made ready")))?;
     let (Some(f), Some(_)) = (fallback, &acc.tcp) else {
         return Ok(Exposure { addr, key: RemoteKey::PerQp(keys.into()), keepalive: Some(Box::new(keep)) });
     };

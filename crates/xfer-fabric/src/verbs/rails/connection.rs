@@ -2,17 +2,25 @@
 //! post routed to the rail's device part (QP index, local MR and per-QP key translated), and the
 //! parts polled, handed off and closed together. A tcp fallback rail, when there is one, comes
 //! last: a standby path whose posts go to the tcp child with its registration and token.
+//!
+//! A rail whose QPs could not be moved to RTS at Connect (its device's route to the peer was
+//! gone: a link going down before its port-down event arrived) is *dead from the start*: it
+//! keeps its QP numbers, since the responder numbered its QPs and the grants' per-QP keys the
+//! same way, but has no part, and a post on it is `QpBroken`, which the transfer machine takes
+//! as that path failing (its chunks go on the other paths).
 use std::sync::Arc;
 
 use super::fallback::{key_for, TcpRail};
 use super::register::RailsRegistration;
 use super::RailDevice;
-use crate::verbs::initiator::VerbsConnection;
 use crate::{Connection, FabricError, PathInfo, Registration, RemoteKey, WorkRequest, WrOp};
 
 /// One rail of a connection: a device's part and where its QPs sit in the connection.
 pub(crate) struct Rail {
-    pub conn: Arc<VerbsConnection>,
+    /// The device's part (a `VerbsConnection`); `None` for a rail dead from the start.
+    pub conn: Option<Arc<dyn Connection>>,
+    /// The path MTU its QPs negotiated, in bytes (0 for a dead rail).
+    pub mtu: u32,
     /// The fabric's index of the local device.
     pub device: usize,
     pub name: String,
@@ -47,10 +55,50 @@ impl RailsConnection {
         self
     }
 
+    /// The parts of the rails that are not dead from the start.
+    fn parts(&self) -> impl Iterator<Item = &Arc<dyn Connection>> {
+        self.rails.iter().filter_map(|r| r.conn.as_ref())
+    }
+
     /// The rail QP `qp` is on, and its index there.
     fn rail_of(&self, qp: usize) -> Option<(&Rail, usize)> {
         let (i, local) = locate(self.rails.iter().map(|r| (r.base, r.qps)), qp)?;
         Some((&self.rails[i], local))
+    }
+}
+
+/// A rail the peer answered, once its QPs were moved (or not): its place in the connection
+/// (`conn` unset), and its part with the path MTU it negotiated, or the local device's error.
+pub(crate) struct Moved {
+    pub rail: Rail,
+    pub outcome: Result<(Arc<dyn Connection>, u32), FabricError>,
+}
+
+/// The connection's rails from `moved` (in rail order): each keeps its place in the QP
+/// numbering; one whose QPs could not be moved is dead from the start, logged and counted
+/// (`xfer_rail_connect_failures_total`). If every rail failed, the Connect fails with the first
+/// rail's error, as a single device's would.
+pub(crate) fn settle(peer: &str, moved: Vec<Moved>) -> Result<Vec<Rail>, FabricError> {
+    let mut first_error = None;
+    let mut rails = Vec::with_capacity(moved.len());
+    for Moved { mut rail, outcome } in moved {
+        match outcome {
+            Ok((conn, mtu)) => {
+                rail.conn = Some(conn);
+                rail.mtu = mtu;
+            }
+            Err(e) => {
+                tracing::warn!(device = %rail.name, remote_device = %rail.remote_device, %peer, error = %e,
+                    "this device's QPs could not be moved to RTS: the connection goes on without this rail (its work requests go on the others)");
+                crate::metrics::rail_connect_failure(&rail.name, "initiator");
+                first_error.get_or_insert(e);
+            }
+        }
+        rails.push(rail);
+    }
+    match first_error {
+        Some(e) if rails.iter().all(|r| r.conn.is_none()) => Err(e),
+        _ => Ok(rails),
     }
 }
 
@@ -98,7 +146,7 @@ impl Connection for RailsConnection {
                 remote_device: r.remote_device.clone(),
                 qps: r.base..r.base + r.qps,
                 standby: false,
-                mtu: r.conn.path_mtu(),
+                mtu: r.mtu,
             })
             .collect();
         if let Some(t) = &self.tcp {
@@ -114,9 +162,13 @@ impl Connection for RailsConnection {
     }
 
     /// Also when the tcp rail broke (an idle data stream is closed by the peer after its
-    /// `limits.data_idle_timeout`): a fresh connection has a fresh standby.
+    /// `limits.data_idle_timeout`): a fresh connection has a fresh standby. And always with a
+    /// rail dead from the start: each transfer on it would lose that path at its first post
+    /// (and so verify its range end to end, as after any failover), while a fresh connection
+    /// either leaves the device out (it went down meanwhile) or tries its route again.
     fn wants_reconnect(&self) -> bool {
         self.is_broken()
+            || self.rails.iter().any(|r| r.conn.is_none())
             || self.tcp.as_ref().is_some_and(|t| t.conn.is_broken())
             || self.down.iter().any(|&d| self.devices.get(d).is_some_and(|d| d.offered()))
     }
@@ -136,6 +188,7 @@ impl Connection for RailsConnection {
             return t.conn.post_batch(qp - t.base, routed);
         }
         let (rail, local_qp) = self.rail_of(qp).ok_or((first, FabricError::NoSuchQp(qp)))?;
+        let Some(part) = &rail.conn else { return Err((first, FabricError::QpBroken)) };
         let mut routed = Vec::with_capacity(wrs.len());
         let mut bytes = [0u64; 3];
         let mut count = [0u64; 3];
@@ -150,7 +203,7 @@ impl Connection for RailsConnection {
             count[slot] += 1;
             routed.push(translate(wr, rail.device, qp).map_err(|e| (id, e))?);
         }
-        rail.conn.post_batch(local_qp, routed)?;
+        part.post_batch(local_qp, routed)?;
         for (slot, op) in [WrOp::Read, WrOp::Write, WrOp::Notify { slot: 0 }].into_iter().enumerate() {
             if count[slot] > 0 {
                 crate::metrics::device_posted(&rail.name, op_name(op), count[slot], bytes[slot]);
@@ -160,7 +213,7 @@ impl Connection for RailsConnection {
     }
 
     fn progress(&self) -> usize {
-        self.rails.iter().map(|r| r.conn.progress()).sum()
+        self.parts().map(|p| p.progress()).sum()
     }
 
     fn hand_off(&self, to: Option<std::thread::Thread>) -> bool {
@@ -170,8 +223,8 @@ impl Connection for RailsConnection {
             // Its completions come from a forwarding task, which wakes the worker itself.
             t.hand_off(to.clone());
         }
-        for r in &self.rails {
-            all &= r.conn.hand_off(to.clone());
+        for p in self.parts() {
+            all &= p.hand_off(to.clone());
         }
         all
     }
@@ -179,19 +232,24 @@ impl Connection for RailsConnection {
     fn arm_wake(&self) -> bool {
         // Every part must be armed, or a completion on an unarmed one would wake nobody.
         let mut all = true;
-        for r in &self.rails {
-            all &= r.conn.arm_wake();
+        for p in self.parts() {
+            all &= p.arm_wake();
         }
         all
     }
 
+    /// Whether a part broke after the connection was made (a QP hit an error, its device went
+    /// down): work posted on it may be lost. A rail dead from the start does not count: it never
+    /// carried any, and the rails left move data like a connection made without that device.
+    /// The pool replaces the connection all the same (`wants_reconnect`), so it is never reused
+    /// (where the session's one re-lease of a pooled connection that broke would look at this).
     fn is_broken(&self) -> bool {
-        self.rails.iter().any(|r| r.conn.is_broken())
+        self.parts().any(|p| p.is_broken())
     }
 
     fn close(&self) {
-        for r in &self.rails {
-            r.conn.close();
+        for p in self.parts() {
+            p.close();
         }
         if let Some(t) = &self.tcp {
             t.conn.close();
@@ -280,6 +338,121 @@ mod tests {
         // And a QP index past every rail is no rail's.
         assert_eq!(locate([(0, 2), (2, 2)].into_iter(), usize::MAX), None);
         assert_eq!(locate(std::iter::empty(), 0), None);
+    }
+
+    /// A device's part that records what is posted on it.
+    #[derive(Default)]
+    struct Part {
+        qps: usize,
+        posted: std::sync::Mutex<Vec<(usize, u64)>>,
+        broken: std::sync::atomic::AtomicBool,
+    }
+
+    impl Connection for Part {
+        fn qps(&self) -> usize {
+            self.qps
+        }
+        fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {
+            self.posted.lock().unwrap().push((qp, wr.wr_id));
+            Ok(())
+        }
+        fn is_broken(&self) -> bool {
+            self.broken.load(std::sync::atomic::Ordering::Acquire)
+        }
+        fn close(&self) {}
+    }
+
+    /// Rails of two QPs each on `rxe0`, `rxe2`, `rxe4`; `dead` lists the ones whose QPs could not
+    /// be moved. Also returns the live rails' parts.
+    fn moved(dead: &[usize]) -> (Vec<Moved>, Vec<Option<Arc<Part>>>) {
+        let mut out = Vec::new();
+        let mut parts = Vec::new();
+        for i in 0..3 {
+            let rail = Rail {
+                conn: None,
+                mtu: 0,
+                device: i,
+                name: format!("rxe{}", 2 * i),
+                remote_device: format!("rxe{}", 2 * i + 1),
+                base: 2 * i,
+                qps: 2,
+            };
+            let outcome = if dead.contains(&i) {
+                parts.push(None);
+                Err(FabricError::Negotiation {
+                    step: "RTR",
+                    attr: "dgid",
+                    detail: format!("ibv_modify_qp: Network is unreachable (rail {i})"),
+                })
+            } else {
+                let part = Arc::new(Part { qps: 2, ..Part::default() });
+                parts.push(Some(Arc::clone(&part)));
+                Ok((part as Arc<dyn Connection>, 1024))
+            };
+            out.push(Moved { rail, outcome });
+        }
+        (out, parts)
+    }
+
+    fn connection(rails: Vec<Rail>) -> RailsConnection {
+        RailsConnection::new(rails, Vec::new().into(), Vec::new())
+    }
+
+    /// A rail whose QPs could not be moved keeps its QP numbers (the responder's QPs and the
+    /// grant's per-QP keys are numbered the same way): the rails after it are where they were,
+    /// a post on it is `QpBroken` (a path failure to the transfer machine), and the others'
+    /// posts reach their own part under their own index.
+    #[test]
+    fn a_dead_rail_keeps_the_numbering_and_refuses_posts() {
+        let (m, parts) = moved(&[1]);
+        let conn = connection(settle("peer", m).unwrap());
+        assert_eq!(conn.qps(), 6);
+        let paths = conn.paths();
+        let ranges: Vec<_> = paths.iter().map(|p| (p.local_device.as_str(), p.qps.clone(), p.mtu)).collect();
+        assert_eq!(ranges, vec![("rxe0", 0..2, 1024), ("rxe2", 2..4, 0), ("rxe4", 4..6, 1024)]);
+        for qp in [2, 3] {
+            let mut w = wr(RemoteKey::PerQp(vec![1, 2, 3, 4, 5, 6].into()));
+            w.wr_id = qp as u64;
+            assert!(matches!(conn.post(qp, w), Err(FabricError::QpBroken)), "QP {qp} is on the dead rail");
+        }
+        for qp in [0, 1, 4, 5] {
+            let mut w = wr(RemoteKey::PerQp(vec![1, 2, 3, 4, 5, 6].into()));
+            w.wr_id = 100 + qp as u64;
+            conn.post(qp, w).unwrap();
+        }
+        assert!(matches!(conn.post(6, wr(RemoteKey::Rkey(1))), Err(FabricError::NoSuchQp(6))));
+        let posted = |i: usize| parts[i].as_ref().unwrap().posted.lock().unwrap().clone();
+        assert_eq!(posted(0), vec![(0, 100), (1, 101)]);
+        assert_eq!(posted(2), vec![(0, 104), (1, 105)], "the third rail's QPs are its own 0 and 1");
+        // Not broken (nothing it carried was lost), but never pooled: a fresh connection tries
+        // the rail's route again, or leaves its device out.
+        assert!(!conn.is_broken());
+        assert!(conn.wants_reconnect());
+        // A live part that breaks later breaks the connection as before.
+        parts[2].as_ref().unwrap().broken.store(true, std::sync::atomic::Ordering::Release);
+        assert!(conn.is_broken());
+    }
+
+    #[test]
+    fn a_connection_whose_rails_all_moved_is_pooled() {
+        let (m, _) = moved(&[]);
+        let conn = connection(settle("peer", m).unwrap());
+        assert!(conn.rails.iter().all(|r| r.conn.is_some()));
+        assert!(!conn.is_broken() && !conn.wants_reconnect());
+    }
+
+    /// Every rail failing fails the Connect, with the first rail's error (a single device's
+    /// would be that error too).
+    #[test]
+    fn every_rail_failing_fails_the_connect_with_the_first_error() {
+        let (m, _) = moved(&[0, 1, 2]);
+        let e = settle("peer", m).err().expect("no rail is left").to_string();
+        assert!(e.contains("RTR") && e.contains("Network is unreachable (rail 0)"), "{e}");
+        // One rail left is enough.
+        let (m, _) = moved(&[0, 2]);
+        let rails = settle("peer", m).unwrap();
+        let live: Vec<usize> = rails.iter().filter(|r| r.conn.is_some()).map(|r| r.base).collect();
+        assert_eq!((rails.len(), live), (3, vec![2]));
     }
 
     #[test]

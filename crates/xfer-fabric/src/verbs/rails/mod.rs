@@ -7,6 +7,9 @@
 //!   (`pending`), the responder answers the groups its devices reach (`accept`), and the
 //!   initiator's connection numbers the QPs rail after rail and routes each post to its device
 //!   (`connection`), telling the transfer machine which QPs share a path (`Connection::paths`);
+//!   a rail whose QPs cannot be moved to RTS at Connect (no route to the peer's device yet the
+//!   port still ACTIVE) is left out, not the connection: the initiator keeps it dead in the QP
+//!   numbering, the responder's readiness waits for its other parts (`ready`);
 //! * a grant is exposed on every device that carries a rail of the grantee's connection, with
 //!   one key per QP (`RemoteKey::PerQp`), so grants always need the connection.
 //!
@@ -38,6 +41,7 @@ mod events;
 mod fallback;
 mod pending;
 pub mod reach;
+mod ready;
 mod register;
 
 /// `ibv_port_state` IBV_PORT_ACTIVE.

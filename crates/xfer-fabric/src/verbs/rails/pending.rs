@@ -2,12 +2,14 @@
 //! part per device whose port is up, each offering its QPs as one *rail* (its endpoints tagged
 //! with the rail number and the device), and `complete`, which keeps the rails the responder
 //! answered and numbers their QPs rail after rail (the tcp fallback's last, when it has one).
+//! The responder's answer is checked for every rail before any QP moves (a bad answer fails the
+//! Connect); a rail whose QPs then cannot be moved to RTS is kept dead (`connection::settle`).
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::connection::{Rail, RailsConnection};
+use super::connection::{settle, Moved, Rail, RailsConnection};
 use super::fallback::{split, Fallback, PendingTcp};
 use super::RailDevice;
 use crate::verbs::initiator::VerbsPrepared;
@@ -122,8 +124,9 @@ impl PendingConnection for RailsPending {
                 detail: format!("the peer answered rail {extra}, and only {} were offered", self.parts.len()),
             });
         }
-        let mut rails = Vec::new();
-        let mut base = 0;
+        // The peer's answer for every rail is checked before any QP moves: endpoints that are not
+        // valid are the peer's doing (broken or hostile) and fail the whole Connect.
+        let mut checked = Vec::with_capacity(answered.len());
         // Parts the peer did not answer are dropped here: their QPs never left INIT.
         for (rail, part) in self.parts.into_iter().enumerate() {
             let Some(eps) = answered.remove(&(rail as u32)) else { continue };
@@ -131,20 +134,34 @@ impl PendingConnection for RailsPending {
                 Some(Endpoint::Verbs(v)) => v.device.clone(),
                 _ => String::new(),
             };
-            let qps = part.prepared.qps();
-            let conn = part.prepared.complete_at(&eps, base)?;
-            let device = &self.devices[part.device];
-            device.track(&conn);
-            rails.push(Rail { conn, device: part.device, name: device.name().to_string(), remote_device, base, qps });
-            base += qps;
+            let ok = part.prepared.check(&eps)?;
+            checked.push((part, remote_device, ok));
         }
-        if rails.is_empty() {
+        if checked.is_empty() {
             return Err(FabricError::Negotiation {
                 step: "negotiate",
                 attr: "rail",
                 detail: "the peer answered none of the offered devices".into(),
             });
         }
+        // Then each rail's QPs move to RTS on their own device: one that cannot is the local
+        // device's failure (no route to the peer's GID), which leaves that rail dead, not the
+        // connection.
+        let mut moved = Vec::with_capacity(checked.len());
+        let mut base = 0;
+        for (part, remote_device, ok) in checked {
+            let qps = part.prepared.qps();
+            let device = &self.devices[part.device];
+            let outcome = part.prepared.complete_checked(&ok, base).map(|conn| {
+                device.track(&conn);
+                let mtu = conn.path_mtu();
+                (conn as Arc<dyn Connection>, mtu)
+            });
+            let place = Rail { conn: None, mtu: 0, device: part.device, name: device.name().to_string(), remote_device, base, qps };
+            moved.push(Moved { rail: place, outcome });
+            base += qps;
+        }
+        let rails = settle(&self.peer, moved)?;
         let tcp = match (self.tcp, tcp_answer) {
             (Some((pending, _)), Some(answer)) => match pending.complete(&answer, base, self.sink).await {
                 Ok(rail) => Some(rail),
