@@ -1,9 +1,11 @@
 //! A rail that cannot be made ready at Connect (the `links` harness: A on `rxe0,rxe2`, B on
-//! `rxe1,rxe3`): A's second device keeps its port ACTIVE but loses its route to B's second
-//! device (a policy rule answering "unreachable", as a link that is going down does before its
-//! port-down event arrives), so moving that rail's QPs to RTR fails with ENETUNREACH. The
-//! connection is made on the first rail alone, a transfer completes with its bytes verified, the
-//! rail failure is counted; once the route is back, the next fresh connection uses both links.
+//! `rxe1,rxe3`): A's second device keeps its port ACTIVE but can no longer resolve B's second
+//! device's address (A's neighbour entry for it is gone and B's netdev answers no ARP), so moving
+//! that rail's QPs to RTR fails ("dgid", ETIMEDOUT) — what a link going down does before its
+//! port-down event arrives (ENETUNREACH then). A routing rule cannot do it: a lookup bound to
+//! the netdev, as the device's is, treats an unreachable route as on-link. The connection is
+//! made on the first rail alone, a transfer completes with its bytes verified, the rail failure
+//! is counted; once the address resolves again, the next fresh connection uses both links.
 //!
 //! Needs the devices: `#[ignore = "needs Soft-RoCE"]`, run by `scripts/rxe-guest-test` in the
 //! VM with `--include-ignored`.
@@ -17,11 +19,13 @@ use xfer_proto::v1 as pb;
 use crate::common::{labelled, scrape};
 use crate::links::{agents, assert_blocks, assert_succeeded, device_bytes, finish, links, region, req, submit, MIB};
 
-/// The preference of the rule: before the topology's per-netdev rules (100 and up).
-const PREF: &str = "99";
-
-/// An `ip rule` that makes B's address unreachable from one of A's netdevs while it lives.
-struct Unreachable {
+/// B's second address made unresolvable from A's second netdev while it lives: A's permanent
+/// neighbour entry for it removed, and B's netdev answering no ARP (`arp_ignore` 8).
+struct Unresolvable {
+    from: String,
+    to: String,
+    addr: String,
+    arp_ignore: String,
     active: bool,
 }
 
@@ -43,26 +47,38 @@ fn ipv4_of(netdev: &str) -> String {
     cidr.split('/').next().unwrap().to_string()
 }
 
-impl Unreachable {
-    /// Routes from `oif` to `to` are unreachable from now on: the lookup the device makes when a
-    /// QP moves to RTR with that destination fails with ENETUNREACH, while the port stays ACTIVE.
-    fn add(oif: &str, to: &str) -> Unreachable {
-        let to = format!("{to}/32");
-        ip(&["rule", "add", "pref", PREF, "oif", oif, "to", &to, "unreachable"]).unwrap();
-        Unreachable { active: true }
+fn arp_ignore_path(netdev: &str) -> String {
+    format!("/proc/sys/net/ipv4/conf/{netdev}/arp_ignore")
+}
+
+impl Unresolvable {
+    /// From now on `from` cannot resolve `to`'s address: the lookup the device makes when a QP
+    /// moves to RTR towards it times out, while both ports stay ACTIVE.
+    fn add(from: &str, to: &str) -> Unresolvable {
+        let addr = ipv4_of(to);
+        let arp_ignore = std::fs::read_to_string(arp_ignore_path(to)).unwrap().trim().to_string();
+        std::fs::write(arp_ignore_path(to), "8").unwrap();
+        ip(&["neigh", "del", &addr, "dev", from]).unwrap();
+        Unresolvable { from: from.into(), to: to.into(), addr, arp_ignore, active: true }
+    }
+
+    fn restore(&mut self) -> Result<(), String> {
+        self.active = false;
+        std::fs::write(arp_ignore_path(&self.to), &self.arp_ignore).map_err(|e| e.to_string())?;
+        let mac = std::fs::read_to_string(format!("/sys/class/net/{}/address", self.to)).map_err(|e| e.to_string())?;
+        ip(&["neigh", "replace", &self.addr, "lladdr", mac.trim(), "dev", &self.from, "nud", "permanent"])
     }
 
     fn remove(mut self) {
-        self.active = false;
-        ip(&["rule", "del", "pref", PREF]).unwrap();
+        self.restore().unwrap();
     }
 }
 
-impl Drop for Unreachable {
+impl Drop for Unresolvable {
     fn drop(&mut self) {
         if self.active {
-            if let Err(e) = ip(&["rule", "del", "pref", PREF]) {
-                eprintln!("device tests: could not remove the unreachable rule: {e}");
+            if let Err(e) = self.restore() {
+                eprintln!("device tests: could not restore {}'s neighbour entry for {}: {e}", self.from, self.addr);
             }
         }
     }
@@ -77,14 +93,14 @@ async fn a_rail_without_a_route_is_left_out_of_the_connection() {
     let base = region(&a, "src", BLOCKS, Some(47)).await;
     region(&b, "dst", BLOCKS, None).await;
 
-    let rule = Unreachable::add(&l.a_net[1], &ipv4_of(&l.b_net[1]));
+    let rule = Unresolvable::add(&l.a_net[1], &l.b_net[1]);
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await).await;
     assert_succeeded(&t, &a);
     assert_blocks(&b, "dst", &base, BLOCKS).await;
     let s = scrape(&a);
     let failed = labelled(&s, "xfer_rail_connect_failures_total", &[("device", &l.a[1]), ("role", "initiator")]);
     println!(
-        "{} unreachable from {}: {BLOCKS} MiB WRITE in {:.1} s ({} failover(s), verified {}), {failed} rail failure(s), {} bytes \
+        "{} unresolvable from {}: {BLOCKS} MiB WRITE in {:.1} s ({} failover(s), verified {}), {failed} rail failure(s), {} bytes \
          through {}, {} through {}",
         l.b_net[1],
         l.a_net[1],
