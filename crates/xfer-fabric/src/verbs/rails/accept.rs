@@ -13,7 +13,7 @@ use super::pending::by_rail;
 use super::reach::{facts_of, match_rails, RailFacts};
 use super::ready;
 use super::register::RailsRegistration;
-use super::RailDevice;
+use super::{RailDevice, NO_KEY};
 use crate::{Accepted, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey};
 
 /// One accepted rail: our device (the fabric's index), its QPs, and its part of the connection
@@ -30,10 +30,6 @@ impl AcceptedPart {
         self.handle.readiness().is_some_and(|r| matches!(*r.borrow(), Readiness::Failed(_)))
     }
 }
-
-/// The key a grant carries for each QP of a part that failed: nothing is exposed on it, as
-/// nothing can land there (its QPs are in ERR), and the slots keep every later QP's key in place.
-const NO_KEY: u32 = 0;
 
 /// The responder's multi-device connection, parts in the initiator's rail order (which is the
 /// connection's QP order).
