@@ -26,7 +26,10 @@ use crate::resume::{pattern, Flushing, LEN};
 struct Hostile {
     targets: Vec<LocalPeer>,
     switch_after: u32,
-    grants: AtomicU32,
+    /// Grant calls made.
+    grants: Arc<AtomicU32>,
+    /// Revoke calls that reached a target.
+    revokes: Arc<AtomicU32>,
     hold_grant: Option<u32>,
     /// Notified when the held grant was made at the target.
     arrived: Arc<Notify>,
@@ -67,6 +70,7 @@ impl PeerApi for Hostile {
     }
     async fn revoke(&self, grant_id: &str) -> Result<(), PeerError> {
         let r = self.target().revoke(grant_id).await;
+        self.revokes.fetch_add(1, Ordering::AcqRel);
         self.gave_back.notify_one();
         r
     }
@@ -114,11 +118,18 @@ struct World {
     arrived: Arc<Notify>,
     release: Arc<Notify>,
     gave_back: Arc<Notify>,
+    revokes: Arc<AtomicU32>,
+    grants: Arc<AtomicU32>,
 }
 
 /// A (over a fabric whose first connection dies after a few WRs, two resumes allowed, with
 /// `timeout`) and `instances` of the peer, each with a zeroed 1 MiB `dst`.
 async fn world(instances: usize, switch_after: u32, hold_grant: Option<u32>, timeout: Duration) -> World {
+    world_dying(instances, switch_after, hold_grant, timeout, 1, 2).await
+}
+
+/// [`world`] where the first `doomed` connections die and `resumes` are allowed.
+async fn world_dying(instances: usize, switch_after: u32, hold_grant: Option<u32>, timeout: Duration, doomed: u32, resumes: u32) -> World {
     let no_peer = |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("the peer initiates nothing") };
     let mut bs = Vec::new();
     for _ in 0..instances {
@@ -127,10 +138,12 @@ async fn world(instances: usize, switch_after: u32, hold_grant: Option<u32>, tim
         bs.push(b);
     }
     let (arrived, release, gave_back) = (Arc::new(Notify::new()), Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (revokes, grants) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
     let peer = Arc::new(Hostile {
         targets: bs.iter().map(|b| LocalPeer::new(b.node.clone())).collect(),
         switch_after,
-        grants: AtomicU32::new(0),
+        grants: grants.clone(),
+        revokes: revokes.clone(),
         hold_grant,
         arrived: arrived.clone(),
         release: release.clone(),
@@ -142,15 +155,15 @@ async fn world(instances: usize, switch_after: u32, hold_grant: Option<u32>, tim
         A,
         connector,
         |c| {
-            c.transfer.resume_attempts = 2;
+            c.transfer.resume_attempts = resumes;
             c.transfer.timeout.0 = timeout;
         },
-        |inner| Arc::new(Flushing { inner, doomed: 1, made: AtomicU32::new(0) }),
+        move |inner| Arc::new(Flushing { inner, doomed, made: AtomicU32::new(0) }),
     )
     .await;
     region(&a.node, "src", LEN, 0);
     a.node.region("src").unwrap().memory.write_at(0, &pattern()).unwrap();
-    World { a, bs, arrived, release, gave_back }
+    World { a, bs, arrived, release, gave_back, revokes, grants }
 }
 
 /// One 1 MiB WRITE over two QPs, with a notification, the transfer's own timeout unset (the
@@ -235,4 +248,41 @@ async fn a_peer_that_restarted_before_the_resume_is_caught_by_the_verify() {
     let mut got = vec![0u8; LEN as usize];
     w.bs[1].node.region("dst").unwrap().memory.read_at(0, &mut got).unwrap();
     assert!(got != pattern(), "the restarted instance did not get the whole range");
+}
+
+/// A drain (SIGTERM, no grace left) while the resume's grant answer is held: the drain's cancel
+/// ends the transfer CANCELLED before the drain returns (the resume used to go on past the
+/// drain, dialling the peer after the agent closed its connections), and the peer forgets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_while_resuming_cancels_the_transfer_before_it_returns() {
+    let w = world(1, u32::MAX, Some(1), Duration::from_secs(120)).await;
+    let t = submit(&w).await;
+    w.arrived.notified().await;
+    w.a.node.drain(Duration::ZERO).await;
+    let r = w.a.node.transfer(&t.id).unwrap().snapshot();
+    assert_eq!(r.state, TransferState::Cancelled, "ended before the drain returned: {r:?}");
+    peer_forgets_everything(&w).await;
+}
+
+/// A peer that makes every connection die, against the most resumes allowed (8): nine
+/// connections and grants, each given back exactly once (every grant revoked once: none was
+/// consumed, nothing landed whole), nothing announced, nothing left held on either side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_dying_through_every_resume_leaks_nothing() {
+    let w = world_dying(1, u32::MAX, None, Duration::from_secs(120), u32::MAX, 8).await;
+    let mut notes = w.bs[0].grants.hub().subscribe();
+    let t = submit(&w).await;
+    let r = finished(&w.a.node, &t.id).await;
+    assert_eq!(r.state, TransferState::Failed, "{r:?}");
+    assert_eq!(r.failovers, 8, "each resume is counted: {r:?}");
+    assert!(r.bytes_done <= LEN, "{r:?}");
+    peer_forgets_everything(&w).await;
+    let grants = w.grants.load(Ordering::Acquire);
+    assert_eq!(grants, 9, "one grant per connection");
+    // The revokes were sent in the background: the peer forgot every grant, by revoke or by
+    // the disconnect of its connection; none was revoked twice.
+    assert!(w.revokes.load(Ordering::Acquire) <= grants, "a grant revoked twice");
+    assert!(notes.try_recv().is_err(), "a transfer that never landed was announced");
+    let c = w.a.node.state_counts();
+    assert_eq!((c.transfers_active, c.submitting, c.lease_tenants), (0, 0, 0), "{c:?}");
 }
