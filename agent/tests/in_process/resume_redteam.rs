@@ -31,6 +31,10 @@ struct Hostile {
     /// Revoke calls that reached a target.
     revokes: Arc<AtomicU32>,
     hold_grant: Option<u32>,
+    /// Handshake number n (0-based; `u32::MAX`: none) is accepted at the target and its answer
+    /// then held, like `hold_grant`.
+    hold_handshake: Arc<AtomicU32>,
+    handshakes: AtomicU32,
     /// Notified when the held grant was made at the target.
     arrived: Arc<Notify>,
     release: Arc<Notify>,
@@ -57,7 +61,12 @@ impl PeerApi for Hostile {
     ) -> Result<HandshakeReply, PeerError> {
         let which = usize::from(self.grants.load(Ordering::Acquire) >= self.switch_after).min(self.targets.len() - 1);
         *self.current.lock().unwrap() = which;
-        self.targets[which].handshake(node_name, fabric, endpoints, connection_id).await
+        let reply = self.targets[which].handshake(node_name, fabric, endpoints, connection_id).await;
+        if self.hold_handshake.load(Ordering::Acquire) == self.handshakes.fetch_add(1, Ordering::AcqRel) {
+            self.arrived.notify_one();
+            self.release.notified().await;
+        }
+        reply
     }
     async fn grant(&self, ask: &GrantAsk<'_>, node_name: &str, connection_id: &ConnectionId) -> Result<GrantInfo, PeerError> {
         let n = self.grants.fetch_add(1, Ordering::AcqRel);
@@ -120,12 +129,20 @@ struct World {
     gave_back: Arc<Notify>,
     revokes: Arc<AtomicU32>,
     grants: Arc<AtomicU32>,
+    hold_handshake: Arc<AtomicU32>,
 }
 
 /// A (over a fabric whose first connection dies after a few WRs, two resumes allowed, with
 /// `timeout`) and `instances` of the peer, each with a zeroed 1 MiB `dst`.
 async fn world(instances: usize, switch_after: u32, hold_grant: Option<u32>, timeout: Duration) -> World {
     world_dying(instances, switch_after, hold_grant, timeout, 1, 2).await
+}
+
+/// [`world`] holding the answer to handshake `n` instead of a grant's.
+async fn world_holding_connect(n: u32) -> World {
+    let w = world_dying(1, u32::MAX, None, Duration::from_secs(120), 1, 2).await;
+    w.hold_handshake.store(n, Ordering::Release);
+    w
 }
 
 /// [`world`] where the first `doomed` connections die and `resumes` are allowed.
@@ -139,12 +156,15 @@ async fn world_dying(instances: usize, switch_after: u32, hold_grant: Option<u32
     }
     let (arrived, release, gave_back) = (Arc::new(Notify::new()), Arc::new(Notify::new()), Arc::new(Notify::new()));
     let (revokes, grants) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let hold_handshake = Arc::new(AtomicU32::new(u32::MAX));
     let peer = Arc::new(Hostile {
         targets: bs.iter().map(|b| LocalPeer::new(b.node.clone())).collect(),
         switch_after,
         grants: grants.clone(),
         revokes: revokes.clone(),
         hold_grant,
+        hold_handshake: hold_handshake.clone(),
+        handshakes: AtomicU32::new(0),
         arrived: arrived.clone(),
         release: release.clone(),
         gave_back: gave_back.clone(),
@@ -163,7 +183,7 @@ async fn world_dying(instances: usize, switch_after: u32, hold_grant: Option<u32
     .await;
     region(&a.node, "src", LEN, 0);
     a.node.region("src").unwrap().memory.write_at(0, &pattern()).unwrap();
-    World { a, bs, arrived, release, gave_back, revokes, grants }
+    World { a, bs, arrived, release, gave_back, revokes, grants, hold_handshake }
 }
 
 /// One 1 MiB WRITE over two QPs, with a notification, the transfer's own timeout unset (the
@@ -285,4 +305,21 @@ async fn every_connection_dying_through_every_resume_leaks_nothing() {
     assert!(notes.try_recv().is_err(), "a transfer that never landed was announced");
     let c = w.a.node.state_counts();
     assert_eq!((c.transfers_active, c.submitting, c.lease_tenants), (0, 0, 0), "{c:?}");
+}
+
+/// A cancel while the resume's Connect answer is held, after the peer accepted the connection:
+/// the transfer ends CANCELLED at once and the peer is told to forget the connection it
+/// accepted (it was left there, counted against this agent's connections at the peer, and the
+/// agent's own count did not include it: a later connection could make the peer evict one in
+/// use). The same holds for any negotiation dropped mid-way (a submit whose caller went away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_while_the_resumes_connect_is_held_leaves_no_connection_at_the_peer() {
+    let w = world_holding_connect(1).await;
+    let t = submit(&w).await;
+    w.arrived.notified().await;
+    assert_eq!(w.bs[0].node.state_counts().accepted, 1, "the peer accepted the resume's connection");
+    w.a.node.cancel(&t.id).unwrap();
+    let r = finished(&w.a.node, &t.id).await;
+    assert_eq!(r.state, TransferState::Cancelled, "{r:?}");
+    peer_forgets_everything(&w).await;
 }
