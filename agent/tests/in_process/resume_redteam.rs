@@ -220,7 +220,8 @@ async fn a_cancel_while_the_resumes_grant_is_held_ends_the_transfer_and_gives_ev
     let mut notes = w.bs[0].grants.hub().subscribe();
     let t = submit(&w).await;
     w.arrived.notified().await;
-    assert_eq!(w.bs[0].grants.len(), 1, "the resume's grant was made at the peer");
+    // (The lost connection's grant is revoked in the background: it may still be there.)
+    assert!(w.bs[0].grants.len() >= 1, "the resume's grant was made at the peer");
     w.a.node.cancel(&t.id).unwrap();
     let r = finished(&w.a.node, &t.id).await;
     assert_eq!(r.state, TransferState::Cancelled, "{r:?}");
@@ -236,7 +237,9 @@ async fn a_cancel_while_the_resumes_grant_is_held_ends_the_transfer_and_gives_ev
 /// the peer answered), and the peer forgets what the resume got.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_deadline_holds_while_the_resumes_grant_is_held() {
-    let w = world(1, u32::MAX, Some(1), Duration::from_secs(3)).await;
+    // 5 s: ample for the first connection to die (a few 4 KiB WRs) before the deadline, which
+    // then passes while the resume waits; nothing here waits on time but the transfer itself.
+    let w = world(1, u32::MAX, Some(1), Duration::from_secs(5)).await;
     let t = submit(&w).await;
     w.arrived.notified().await;
     let r = finished(&w.a.node, &t.id).await;
@@ -317,7 +320,8 @@ async fn a_cancel_while_the_resumes_connect_is_held_leaves_no_connection_at_the_
     let w = world_holding_connect(1).await;
     let t = submit(&w).await;
     w.arrived.notified().await;
-    assert_eq!(w.bs[0].node.state_counts().accepted, 1, "the peer accepted the resume's connection");
+    // (The lost connection's disconnect is sent in the background: it may still be counted.)
+    assert!(w.bs[0].node.state_counts().accepted >= 1, "the peer accepted the resume's connection");
     w.a.node.cancel(&t.id).unwrap();
     let r = finished(&w.a.node, &t.id).await;
     assert_eq!(r.state, TransferState::Cancelled, "{r:?}");
