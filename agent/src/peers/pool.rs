@@ -410,10 +410,17 @@ impl PeerPool {
         let endpoints = pending.local_endpoints();
         let node_name = &self.home.node_name;
         // From the handshake on, the peer may hold the connection: however this ends short of a
-        // connection (an error, or this future dropped: a transfer cancelled or out of time
-        // while it resumes, a submit whose caller went away), the peer is told to forget it.
+        // connection (an error after the peer answered, or this future dropped: a transfer
+        // cancelled or out of time while it resumes, a submit whose caller went away), the peer
+        // is told to forget it. A handshake the peer refused left nothing there.
         let mut forget = Forget { peer: Some(peer.clone()), id: connection_id.clone(), me: node_name.clone() };
-        let reply = peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await?;
+        let reply = match peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await {
+            Ok(r) => r,
+            Err(e) => {
+                forget.peer = None;
+                return Err(e);
+            }
+        };
         let shaken = Instant::now();
         m::connect_phase("handshake", shaken - prepared);
         if let Ok(mut a) = peer.advertised.lock() {
