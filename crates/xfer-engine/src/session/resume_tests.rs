@@ -286,3 +286,70 @@ fn a_cancel_while_resuming_gives_back_the_fresh_connection_and_grant() {
         "the restarted peer's grant is revoked: {cmds:?}"
     );
 }
+
+/// A READ's markers go out once every chunk is retired (`AfterData`): once they all did, the
+/// target may have published, so a loss then is not resumed (it fails with the loss's code,
+/// every byte having landed); a loss before the markers is resumed, with none sent again.
+#[test]
+fn a_read_whose_markers_went_out_does_not_resume() {
+    let start = |qps: usize| {
+        let mut s = Session::new(SessionConfig { resumes: 2, markers: Markers::AfterData, depth: 16, signal_every: 1, ..cfg(40, false) });
+        assert!(matches!(s.poll(), Some(Command::Lease)));
+        s.handle(Event::Leased { qps, reused: false });
+        assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+        s.start(Instant::now());
+        s
+    };
+    let mut s = start(2);
+    let data: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    assert!(data.iter().all(|p| !p.marker), "no marker before the data is retired: {data:?}");
+    for p in &data {
+        s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::Success });
+    }
+    let markers: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    assert_eq!(markers.iter().filter(|p| p.marker).count(), 2, "{markers:?}");
+    s.handle(Event::Completion { qp: markers[0].qp, seq: markers[0].seq, status: WcStatus::WrFlushErr });
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(matches!(cmds.as_slice(), [Command::CheckLocal]), "no resume once every marker went out: {cmds:?}");
+
+    // Lost with the data still out: resumed, and the fresh machine sends no marker.
+    let mut s = start(2);
+    let Some(Command::Post(p)) = s.poll() else { panic!("nothing posted") };
+    s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::WrFlushErr });
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(matches!(cmds.as_slice(), [Command::Release { clean: false }, Command::Revoke, Command::Lease]), "{cmds:?}");
+    s.handle(Event::Leased { qps: 2, reused: false });
+    assert!(matches!(s.poll(), Some(Command::AskGrant)));
+    s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+    assert!(matches!(s.poll(), Some(Command::Resumed)));
+    let again: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    for p in &again {
+        s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::Success });
+    }
+    let rest: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(
+        again
+            .iter()
+            .chain(rest.iter().filter_map(|c| match c {
+                Command::Post(p) => Some(p),
+                _ => None,
+            }))
+            .all(|p| !p.marker),
+        "a resumed READ sends no marker"
+    );
+    assert_eq!(s.bytes_done(), 40);
+}
