@@ -3,8 +3,9 @@
 //! transfer, a channel or a benchmark, and again for a transfer resuming after it lost every
 //! path. The grant's key is checked against the connection here, before any work request.
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::held::Held;
@@ -14,6 +15,7 @@ use crate::peer_api::{GrantAsk, PeerError, RemoteCode};
 use crate::peers::PeerEntry;
 use crate::tenants::Tenant;
 use crate::transfer::session::{Command, Event, Session, SessionConfig};
+use xfer_engine::failure::{Failure, FailureCode};
 use xfer_engine::machine::Markers;
 
 impl Node {
@@ -124,6 +126,44 @@ impl Node {
         }
     }
 
+    /// [`Node::acquire_until`] for a transfer resuming after it lost every path (`first` is the
+    /// session's `Lease`): it already runs, so its cancel (`CancelTransfer`, a drain) and its
+    /// deadline end the resume mid-way rather than after the peer answered (a peer slow to
+    /// answer Connect or Grant held them off, up to the RPC timeout per call). The call in
+    /// flight is dropped; the session then discards the fresh connection, which makes the peer
+    /// forget a grant it made on it. `Resumed`, or `Finish` with why not.
+    pub(super) async fn acquire_resume(
+        &self,
+        s: &mut Session,
+        held: &mut Held,
+        ask: &GrantAsk<'_>,
+        (qps, depth): (usize, usize),
+        first: Command,
+        cancel: &CancellationToken,
+    ) -> Result<Command, NodeError> {
+        let deadline = s.poll_timeout();
+        let timed_out = {
+            let acquiring = self.acquire_until(s, held, ask, qps, depth, Some(first));
+            tokio::pin!(acquiring);
+            let out_of_time = async move {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = &mut acquiring => return r,
+                () = cancel.cancelled() => false,
+                () = out_of_time => true,
+            }
+        };
+        match (timed_out, deadline) {
+            (true, Some(d)) => s.handle_timeout(Instant::now().max(d)),
+            _ => s.handle(Event::Cancel),
+        }
+        held.settle(s).ok_or_else(|| NodeError::Internal("transfer session stopped while resuming".into()))
+    }
+
     /// A connection and a grant for the agent itself (a benchmark's, on the peer's scratch
     /// region), through the transfer session's acquire phase: the same stale-connection handling
     /// as a transfer. Both are given back when the returned [`Held`] drops.
@@ -145,5 +185,22 @@ impl Node {
         let mut held = Held::new(peer.clone(), Tenant::exempt(), self.initiator.pending_revokes.clone());
         self.acquire(&mut s, &mut held, ask, qps, depth).await?;
         Ok(held)
+    }
+}
+
+/// A transfer's end, told truly when it resumed on an instance of the peer other than the one
+/// that granted it first (`restarted`: the first instance and the one resumed on): the peer
+/// restarted, so what the first connection moved may be gone, and a destination that does not
+/// match its source says that, not that a device reported work that did not land.
+pub(super) fn after_restart(r: Result<Option<u64>, Failure>, restarted: Option<&(String, String)>) -> Result<Option<u64>, Failure> {
+    match (r, restarted) {
+        (Err(mut f), Some((first, then))) if f.code == FailureCode::ChecksumMismatch => {
+            f.message = format!(
+                "the peer restarted while the transfer ran (instance {first}, resumed on {then}): what the first connection \
+                 moved may be gone, and the destination range does not match the source; run the transfer again"
+            );
+            Err(f)
+        }
+        (r, _) => r,
     }
 }

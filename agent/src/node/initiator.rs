@@ -292,6 +292,9 @@ impl Node {
         let Some(mut wr) = template(held) else {
             return Err(Failure::new(FailureCode::Internal, "transfer started without its grant"));
         };
+        // The peer instance that granted first, and the one a resume found instead, if another.
+        let first = held.grant_instance().unwrap_or_default().to_string();
+        let mut restarted = None;
         let mut reported = 0;
         loop {
             // The data phase: the session lends its machine whenever it is moving data.
@@ -336,8 +339,9 @@ impl Node {
                     warn!(peer = %held.peer.addr, bytes_done = s.bytes_done(), resume = s.resumed(),
                         "every path to the peer was lost; resuming on a fresh connection with what is left");
                     let ask = again.ask();
-                    match self.acquire_until(s, held, &ask, again.qps, again.depth, Some(lease)).await {
+                    match self.acquire_resume(s, held, &ask, (again.qps, again.depth), lease, &handle.cancel).await {
                         Ok(Command::Resumed) => {
+                            restarted = held.grant_instance().filter(|i| *i != first).map(|i| (first.clone(), i.to_string()));
                             m::transfer_resume("resumed");
                             handle.record.send_modify(|r| r.failovers += 1);
                             let Some(fresh) = template(held) else {
@@ -368,7 +372,7 @@ impl Node {
                 }
                 Some(Command::Finish(r)) => {
                     report(handle, rec.op.as_str(), &held.peer.label_identity(), s.bytes_done(), &mut reported, started);
-                    return r;
+                    return super::acquire::after_restart(r, restarted.as_ref());
                 }
                 Some(other) => {
                     return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while running")));

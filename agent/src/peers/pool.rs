@@ -409,7 +409,18 @@ impl PeerPool {
         m::connect_phase("prepare", prepared - started);
         let endpoints = pending.local_endpoints();
         let node_name = &self.home.node_name;
-        let reply = peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await?;
+        // From the handshake on, the peer may hold the connection: however this ends short of a
+        // connection (an error after the peer answered, or this future dropped: a transfer
+        // cancelled or out of time while it resumes, a submit whose caller went away), the peer
+        // is told to forget it. A handshake the peer refused left nothing there.
+        let mut forget = Forget { peer: Some(peer.clone()), id: connection_id.clone(), me: node_name.clone() };
+        let reply = match peer.call(|| peer.client.handshake(node_name, self.fabric.kind(), endpoints.clone(), &connection_id)).await {
+            Ok(r) => r,
+            Err(e) => {
+                forget.peer = None;
+                return Err(e);
+            }
+        };
         let shaken = Instant::now();
         m::connect_phase("handshake", shaken - prepared);
         if let Ok(mut a) = peer.advertised.lock() {
@@ -422,16 +433,8 @@ impl PeerPool {
                 detail: format!("peer runs {} but this agent runs {}", reply.fabric, self.fabric.kind()),
             }));
         }
-        let conn = match pending.complete(&reply.endpoints).await {
-            Ok(c) => c,
-            Err(e) => {
-                let client = peer.client.clone();
-                let id = connection_id.clone();
-                let me = node_name.clone();
-                tokio::spawn(async move { client.disconnect(&id, &me).await });
-                return Err(fabric_err(e));
-            }
-        };
+        let conn = pending.complete(&reply.endpoints).await.map_err(fabric_err)?;
+        forget.peer = None;
         m::connect_phase("complete", shaken.elapsed());
         peer.observe(&reply.node_name, &reply.instance_id);
         let took = started.elapsed();
@@ -452,6 +455,24 @@ impl PeerPool {
                 discard(&p, &self.home.node_name, l);
             }
         }
+    }
+}
+
+/// Tells the peer to forget a connection whose negotiation did not finish (see
+/// [`PeerPool::negotiate`]), in the background, unless its `peer` was taken.
+struct Forget {
+    peer: Option<Arc<PeerEntry>>,
+    id: ConnectionId,
+    me: String,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        let Some(peer) = self.peer.take() else { return };
+        // No runtime left (at exit): the peer drops the connection with this agent's sessions.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (id, me) = (self.id.clone(), std::mem::take(&mut self.me));
+        rt.spawn(async move { peer.client.disconnect(&id, &me).await });
     }
 }
 

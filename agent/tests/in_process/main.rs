@@ -13,4 +13,5 @@ mod false_completion;
 mod initiator;
 mod lease_end;
 mod resume;
+mod resume_redteam;
 mod state_lifetime;

@@ -24,10 +24,10 @@ const FLUSH_AFTER: u32 = 3;
 /// The tcp fabric whose first `doomed` connections flush every post after their
 /// `FLUSH_AFTER`-th signaled data WR (`WR_FLUSH_ERR`, not posted; the connection then counts as
 /// broken), on every QP: the whole connection is lost at once, with no event.
-struct Flushing {
-    inner: Arc<dyn Fabric>,
-    doomed: u32,
-    made: AtomicU32,
+pub(crate) struct Flushing {
+    pub(crate) inner: Arc<dyn Fabric>,
+    pub(crate) doomed: u32,
+    pub(crate) made: AtomicU32,
 }
 
 #[async_trait]
@@ -133,7 +133,7 @@ impl Connection for FlushingConn {
     }
 }
 
-const LEN: u64 = 1 << 20;
+pub(crate) const LEN: u64 = 1 << 20;
 const SEG: u64 = 16 << 10;
 
 /// Agents A (initiator, over a [`Flushing`] fabric whose first `doomed` connections die) and B;
@@ -156,7 +156,7 @@ async fn pair(doomed: u32, resumes: u32) -> (Node2, Node2) {
     (a, b)
 }
 
-fn pattern() -> Vec<u8> {
+pub(crate) fn pattern() -> Vec<u8> {
     (0..LEN).map(|i| (i % 251) as u8 + 1).collect()
 }
 

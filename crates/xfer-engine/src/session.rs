@@ -311,10 +311,11 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
         }
     }
 
+    /// The deadline while moving data, and while a resume acquires its connection and grant.
     pub fn poll_timeout(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Running(m) => m.poll_timeout(),
-            _ => None,
+            _ => self.resume.as_ref().and_then(|r| r.deadline),
         }
     }
 
@@ -322,6 +323,8 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
         if let Phase::Running(m) = &mut self.phase {
             m.handle_timeout(now);
             self.after_machine();
+        } else {
+            self.resume_timed_out(now);
         }
     }
 
@@ -387,9 +390,12 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
             (Phase::Leasing { .. } | Phase::Granting { .. } | Phase::Accepted, Event::Abort(e)) => self.refuse(e),
             // Cancelled while a resume is being acquired: a lease or grant still on its way is
             // given back when it arrives (see the `Phase::Done` arms).
+            // The fresh connection is discarded (the driver may have dropped a grant call the
+            // peer answered: a disconnect revokes what it granted on it), a grant held is revoked.
             (Phase::Leasing { .. } | Phase::Granting { .. }, Event::Cancel) if self.resume.is_some() => {
                 self.resume = None;
-                self.release(true);
+                self.release(false);
+                self.revoke();
                 self.finish(Err(Failure::cancelled()))
             }
             (Phase::Accepted, Event::Cancel) => {

@@ -62,6 +62,19 @@ impl<E: From<Error> + std::fmt::Display> Session<E> {
         std::mem::replace(&mut self.phase, Phase::Done)
     }
 
+    /// The transfer's deadline passed while a resume was acquiring its connection and grant (a
+    /// peer slow to answer them): it fails as a transfer out of time does, everything given back.
+    pub(super) fn resume_timed_out(&mut self, now: Instant) {
+        if !matches!(self.phase, Phase::Leasing { .. } | Phase::Granting { .. }) {
+            return;
+        }
+        let Some(r) = self.resume.take_if(|r| r.deadline.is_some_and(|d| now >= d)) else { return };
+        self.release(false);
+        self.revoke();
+        let why = format!("transfer timed out while resuming on a fresh connection, after: {}", r.failure.message);
+        self.phase = self.finish(Err(Failure::new(FailureCode::DeadlineExceeded, why)));
+    }
+
     /// No fresh connection or grant for a resume: the transfer fails as the lost paths made it.
     pub(super) fn resume_failed(&mut self, why: &dyn std::fmt::Display) -> Phase {
         self.release(false);

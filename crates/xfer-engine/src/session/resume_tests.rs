@@ -81,8 +81,14 @@ fn resumes_are_bounded_and_a_failed_resume_reports_what_stopped_the_transfer() {
 /// command with everything given back (`run` checks the balance).
 #[test]
 fn cancel_at_every_step_of_a_resume() {
-    let scenarios =
-        [flushed(2), Faults { resumes: 1, dead_from: Some(2), ..Default::default() }, Faults { lease_fails: Some(1), ..flushed(1) }];
+    let scenarios = [
+        flushed(2),
+        Faults { resumes: 1, dead_from: Some(2), ..Default::default() },
+        Faults { lease_fails: Some(1), ..flushed(1) },
+        // The resume's grant comes from a peer that restarted since its connection was made:
+        // the session holds that grant while it leases yet another connection.
+        Faults { restarted_grant: Some(1), ..flushed(2) },
+    ];
     let mut cancelled = 0;
     for base in scenarios {
         let full = run(95, false, base.clone()).steps;
@@ -192,4 +198,158 @@ fn the_leased_paths_reach_the_machine_and_losing_all_of_them_is_reported() {
         assert_eq!(f.code, code);
         assert!(f.message.contains("every path to the peer is down"), "{f:?}");
     }
+}
+
+/// A session that lost its only path and is resuming (its first connection released and grant
+/// revoked, a fresh lease asked), started at `t0` with the default 30 s timeout.
+fn resuming(t0: Instant) -> Session {
+    let mut s = Session::new(SessionConfig { resumes: 2, ..cfg(40, false) });
+    assert!(matches!(s.poll(), Some(Command::Lease)));
+    s.handle(Event::Leased { qps: 1, reused: false });
+    assert!(matches!(s.poll(), Some(Command::AskGrant)));
+    s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+    assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+    s.start(t0);
+    let Some(Command::Post(p)) = s.poll() else { panic!("nothing posted: {s:?}") };
+    s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::WrFlushErr });
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(matches!(cmds.as_slice(), [Command::Release { clean: false }, Command::Revoke, Command::Lease]), "{cmds:?}");
+    s
+}
+
+/// The transfer's deadline holds while a resume waits for its connection and grant (a peer slow
+/// to answer Connect or Grant): the session says when, and at that time it fails out of time
+/// with the lost paths' story, the fresh connection discarded and a grant answered late revoked.
+#[test]
+fn the_deadline_holds_while_a_resume_acquires() {
+    use std::time::Duration;
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(30);
+    for granting in [false, true] {
+        let mut s = resuming(t0);
+        if granting {
+            s.handle(Event::Leased { qps: 1, reused: false });
+            assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        }
+        assert_eq!(s.poll_timeout(), Some(deadline), "the resume keeps the transfer's deadline");
+        s.handle_timeout(deadline - Duration::from_millis(1));
+        assert!(s.poll().is_none(), "not yet");
+        s.handle_timeout(deadline);
+        let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+        let released = cmds.iter().filter(|c| matches!(c, Command::Release { clean: false })).count();
+        assert_eq!(released, usize::from(granting), "the fresh connection is discarded: {cmds:?}");
+        assert!(!cmds.iter().any(|c| matches!(c, Command::Revoke)), "no grant is held yet: {cmds:?}");
+        match cmds.last() {
+            Some(Command::Finish(Err(f))) => {
+                assert_eq!(f.code, FailureCode::DeadlineExceeded, "{f:?}");
+                assert!(f.message.contains("resuming") && f.message.contains("every path to the peer is down"), "{f:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(s.is_done() && s.poll_timeout().is_none());
+        // What was on its way arrives after the end: given straight back.
+        s.handle(if granting {
+            Event::Granted { length: 40, same_instance: true, conn_broken: false }
+        } else {
+            Event::Leased { qps: 1, reused: false }
+        });
+        let late: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+        assert!(matches!(late.as_slice(), [Command::Revoke] | [Command::Release { clean: true }]), "{late:?}");
+    }
+}
+
+/// A cancel while the resume acquires discards the fresh connection (the driver drops the call
+/// in flight; a grant the peer made on that connection goes with it) and revokes a grant it
+/// holds while it leases again (the grant came from a restarted peer).
+#[test]
+fn a_cancel_while_resuming_gives_back_the_fresh_connection_and_grant() {
+    let t0 = Instant::now();
+    let mut s = resuming(t0);
+    s.handle(Event::Leased { qps: 1, reused: false });
+    assert!(matches!(s.poll(), Some(Command::AskGrant)));
+    s.handle(Event::Cancel);
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(
+        matches!(cmds.as_slice(), [Command::Release { clean: false }, Command::Finish(Err(f))] if f.code == FailureCode::Cancelled),
+        "{cmds:?}"
+    );
+    let mut s = resuming(t0);
+    s.handle(Event::Leased { qps: 1, reused: false });
+    assert!(matches!(s.poll(), Some(Command::AskGrant)));
+    s.handle(Event::Granted { length: 40, same_instance: false, conn_broken: false });
+    assert!(matches!(s.poll(), Some(Command::Release { clean: false })));
+    assert!(matches!(s.poll(), Some(Command::Lease)));
+    s.handle(Event::Cancel);
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(
+        matches!(cmds.as_slice(), [Command::Revoke, Command::Finish(Err(f))] if f.code == FailureCode::Cancelled),
+        "the restarted peer's grant is revoked: {cmds:?}"
+    );
+}
+
+/// A READ's markers go out once every chunk is retired (`AfterData`): once they all did, the
+/// target may have published, so a loss then is not resumed (it fails with the loss's code,
+/// every byte having landed); a loss before the markers is resumed, with none sent again.
+#[test]
+fn a_read_whose_markers_went_out_does_not_resume() {
+    let start = |qps: usize| {
+        let mut s = Session::new(SessionConfig { resumes: 2, markers: Markers::AfterData, depth: 16, signal_every: 1, ..cfg(40, false) });
+        assert!(matches!(s.poll(), Some(Command::Lease)));
+        s.handle(Event::Leased { qps, reused: false });
+        assert!(matches!(s.poll(), Some(Command::AskGrant)));
+        s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+        assert!(matches!(s.poll(), Some(Command::Accept { length: 40 })));
+        s.start(Instant::now());
+        s
+    };
+    let mut s = start(2);
+    let data: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    assert!(data.iter().all(|p| !p.marker), "no marker before the data is retired: {data:?}");
+    for p in &data {
+        s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::Success });
+    }
+    let markers: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    assert_eq!(markers.iter().filter(|p| p.marker).count(), 2, "{markers:?}");
+    s.handle(Event::Completion { qp: markers[0].qp, seq: markers[0].seq, status: WcStatus::WrFlushErr });
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(matches!(cmds.as_slice(), [Command::CheckLocal]), "no resume once every marker went out: {cmds:?}");
+
+    // Lost with the data still out: resumed, and the fresh machine sends no marker.
+    let mut s = start(2);
+    let Some(Command::Post(p)) = s.poll() else { panic!("nothing posted") };
+    s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::WrFlushErr });
+    let cmds: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(matches!(cmds.as_slice(), [Command::Release { clean: false }, Command::Revoke, Command::Lease]), "{cmds:?}");
+    s.handle(Event::Leased { qps: 2, reused: false });
+    assert!(matches!(s.poll(), Some(Command::AskGrant)));
+    s.handle(Event::Granted { length: 40, same_instance: true, conn_broken: false });
+    assert!(matches!(s.poll(), Some(Command::Resumed)));
+    let again: Vec<Post> = std::iter::from_fn(|| match s.poll() {
+        Some(Command::Post(p)) => Some(p),
+        _ => None,
+    })
+    .collect();
+    for p in &again {
+        s.handle(Event::Completion { qp: p.qp, seq: p.seq, status: WcStatus::Success });
+    }
+    let rest: Vec<Command> = std::iter::from_fn(|| s.poll()).collect();
+    assert!(
+        again
+            .iter()
+            .chain(rest.iter().filter_map(|c| match c {
+                Command::Post(p) => Some(p),
+                _ => None,
+            }))
+            .all(|p| !p.marker),
+        "a resumed READ sends no marker"
+    );
+    assert_eq!(s.bytes_done(), 40);
 }

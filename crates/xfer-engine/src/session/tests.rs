@@ -54,6 +54,8 @@ pub(super) struct Faults {
     pub(super) pooled_broke: bool,
     /// The first grant comes from a restarted peer (new instance).
     pub(super) peer_restarted: bool,
+    /// Grant attempt n (0-based) comes from an instance other than its connection's.
+    pub(super) restarted_grant: Option<usize>,
     /// Lease attempt number n (0-based) fails.
     pub(super) lease_fails: Option<usize>,
     pub(super) grant_fails: bool,
@@ -173,7 +175,7 @@ pub(super) fn run(length: u64, verify: bool, f: Faults) -> Trace {
                         t.grants += 1;
                         events.push_back(Event::Granted {
                             length: f.grant_len.unwrap_or(if length == 0 { 77 } else { length }),
-                            same_instance: !(f.peer_restarted && n == 0),
+                            same_instance: !(f.peer_restarted && n == 0) && f.restarted_grant != Some(n),
                             conn_broken: stale && f.pooled_broke,
                         });
                     }

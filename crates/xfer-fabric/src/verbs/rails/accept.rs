@@ -13,7 +13,7 @@ use super::pending::by_rail;
 use super::reach::{facts_of, match_rails, RailFacts};
 use super::ready;
 use super::register::RailsRegistration;
-use super::RailDevice;
+use super::{RailDevice, NO_KEY};
 use crate::{Accepted, Endpoint, ExposeRequest, Exposure, Fabric, FabricError, Readiness, Registration, RemoteKey};
 
 /// One accepted rail: our device (the fabric's index), its QPs, and its part of the connection
@@ -30,10 +30,6 @@ impl AcceptedPart {
         self.handle.readiness().is_some_and(|r| matches!(*r.borrow(), Readiness::Failed(_)))
     }
 }
-
-/// The key a grant carries for each QP of a part that failed: nothing is exposed on it, as
-/// nothing can land there (its QPs are in ERR), and the slots keep every later QP's key in place.
-const NO_KEY: u32 = 0;
 
 /// The responder's multi-device connection, parts in the initiator's rail order (which is the
 /// connection's QP order).
@@ -312,7 +308,17 @@ pub(crate) async fn expose(
         }
         let d = &devices[p.device];
         let part = ours.part(p.device).ok_or_else(|| FabricError::Registration(format!("the registration has no part on {}", d.name())))?;
-        let e = d.fabric.expose(part, req).await?;
+        let e = match d.fabric.expose(part, req).await {
+            Ok(e) => e,
+            // Its QPs broke since the connection was made (a port-down event moved them to ERR;
+            // grant mode mw binds its windows on them): nothing can land there, so the part is
+            // left out as one that failed at Connect is, rather than failing every grant.
+            Err(FabricError::QpBroken) => {
+                keys.extend(std::iter::repeat_n(NO_KEY, p.qps));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if *addr.get_or_insert(e.addr) != e.addr {
             return Err(FabricError::Other(format!("device {} exposes the range at another address than the first device", d.name())));
         }

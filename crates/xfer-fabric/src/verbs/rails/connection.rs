@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::fallback::{key_for, TcpRail};
 use super::register::RailsRegistration;
-use super::RailDevice;
+use super::{RailDevice, NO_KEY};
 use crate::{Connection, FabricError, PathInfo, Registration, RemoteKey, WorkRequest, WrOp};
 
 /// One rail of a connection: a device's part and where its QPs sit in the connection.
@@ -120,6 +120,12 @@ pub(crate) fn translate(mut wr: WorkRequest, device: usize, qp: usize) -> Result
     }
     if matches!(wr.remote_key, RemoteKey::PerQp(_) | RemoteKey::Each(_)) {
         wr.remote_key = key_for(&wr.remote_key, qp)?;
+        // The responder's word that its side of this QP's rail could not be made ready (its QPs
+        // are in ERR, nothing exposed there): the QP is as good as broken, so its path fails
+        // over at once instead of after the retry timeout, and key 0 never goes on the wire.
+        if wr.remote_key == RemoteKey::Rkey(NO_KEY) {
+            return Err(FabricError::QpBroken);
+        }
     }
     Ok(wr)
 }
@@ -324,6 +330,23 @@ mod tests {
     /// A grant whose key list does not cover the connection's QPs (a hostile or stale
     /// responder's answer) is refused per work request with a clear error, never indexed out of
     /// bounds: an empty list, one shorter than the QPs, and QP indices far past it.
+    /// A grant whose key list holds 0 for a rail the responder could not make ready (or a
+    /// hostile responder's 0 anywhere): a work request on such a QP fails as a broken QP (a path
+    /// failure the transfer fails over from), with no key put on the wire; the other QPs keep
+    /// their own keys, in a per-QP list and in a fallback's `Each` list alike.
+    #[test]
+    fn a_qp_whose_key_is_the_responders_no_key_is_broken() {
+        let keys: Arc<[u32]> = vec![10, 11, NO_KEY, NO_KEY].into();
+        for qp in [2, 3] {
+            let e = translate(wr(RemoteKey::PerQp(Arc::clone(&keys))), 1, qp).unwrap_err();
+            assert!(matches!(e, FabricError::QpBroken), "{e}");
+        }
+        assert!(translate(wr(RemoteKey::PerQp(Arc::clone(&keys))), 0, 1).unwrap().remote_key == RemoteKey::Rkey(11));
+        let each: Arc<[RemoteKey]> = vec![RemoteKey::Rkey(NO_KEY), RemoteKey::Rkey(7), RemoteKey::Token([1; 16])].into();
+        assert!(matches!(translate(wr(RemoteKey::Each(Arc::clone(&each))), 0, 0), Err(FabricError::QpBroken)));
+        assert!(translate(wr(RemoteKey::Each(each)), 1, 1).unwrap().remote_key == RemoteKey::Rkey(7));
+    }
+
     #[test]
     fn a_per_qp_key_list_shorter_than_the_connection_is_refused() {
         let short: Arc<[u32]> = vec![10, 11].into();

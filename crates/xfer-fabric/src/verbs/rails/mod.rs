@@ -47,6 +47,11 @@ mod register;
 /// `ibv_port_state` IBV_PORT_ACTIVE.
 const PORT_ACTIVE: u32 = 4;
 
+/// The key a responder's grant carries for each QP of a part that failed: nothing is exposed on
+/// it, as nothing can land there (its QPs are in ERR), and the slots keep every later QP's key in
+/// place. The initiator posts nothing with it (`connection::translate`: the QP counts as broken).
+pub(crate) const NO_KEY: u32 = 0;
+
 /// One device of a [`RailsFabric`].
 pub(crate) struct RailDevice {
     pub fabric: VerbsFabric,
