@@ -285,12 +285,26 @@ async fn peer_killed_mid_transfer_fails_within_seconds_then_reconnects_after_res
     assert_eq!(last.state, pb::TransferState::Failed as i32, "{last:?}");
     assert!(!last.error.is_empty() && !last.error_code.is_empty(), "{last:?}");
 
-    // The peer comes back on the same address: the next transfer reconnects by itself.
+    // The peer comes back on the same address: the next transfer reconnects by itself, once
+    // the back-off its death started is over (the failed transfer's revoke and its resume, if
+    // it made one, dialled the dead peer). Polled, bounded by a count of calls, as in
+    // `dead_peer`: the window is a timer in the agent, and only it may refuse.
     let b = Agent::start_with("node-b", &b_state, b_ports, &[]);
     b.create("dst", 1 << 20, pb::Access::ReadWrite).await;
     let data = random_bytes(1 << 20, 77);
     a.put("src", 0, &data).await;
-    let t = a.transfer(write_req("src", &b, "dst", 1 << 20)).await.unwrap();
+    let mut refused = 0;
+    let t = loop {
+        match a.transfer(write_req("src", &b, "dst", 1 << 20)).await {
+            Ok(t) => break t,
+            Err(e) => {
+                assert!(e.message().contains("backing off"), "only the back-off may refuse now: {e:?}");
+                refused += 1;
+                assert!(refused < 1200, "back-off never ended after {refused} calls");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
     assert_eq!(t.state, pb::TransferState::Succeeded as i32, "{t:?}");
     assert!(b.read("dst", 0, 1 << 20).await == data);
 }
