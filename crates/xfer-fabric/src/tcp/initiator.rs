@@ -131,18 +131,27 @@ impl Connection for TcpConnection {
     }
 
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {
-        let q = self.qps.get(qp).ok_or(FabricError::NoSuchQp(qp))?;
-        if !matches!(wr.remote_key, RemoteKey::Token(_)) {
-            return Err(FabricError::BadRemoteKey);
+        self.post_batch(qp, vec![wr]).map_err(|(_, e)| e)
+    }
+
+    /// The run goes to the stream's writer whole: one wake-up, and its frames leave in as few
+    /// writes as they fill (one flush once nothing more is queued).
+    fn post_batch(&self, qp: usize, mut wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
+        let first = wrs.first().map_or(0, |w| w.wr_id);
+        let q = self.qps.get(qp).ok_or((first, FabricError::NoSuchQp(qp)))?;
+        // The WRs before the first that fails a check are posted; it and the rest are not.
+        let refused = wrs.iter().enumerate().find_map(|(i, wr)| check_wr(wr).err().map(|e| (i, wr.wr_id, e)));
+        if let Some(&(i, _, _)) = refused.as_ref() {
+            wrs.truncate(i);
         }
-        wr.local.memory().check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
-        if wr.op == WrOp::Read && !wr.local.memory().writable() {
-            return Err(FabricError::LocalRange("READ into read-only memory".into()));
+        if !wrs.is_empty() {
+            let broken = q.state.lock().map(|s| s.broken).unwrap_or(true) || self.broken.load(Ordering::Acquire);
+            if broken {
+                return Err((first, FabricError::QpBroken));
+            }
+            q.tx.send(wrs).map_err(|_| (first, FabricError::QpBroken))?;
         }
-        if q.state.lock().map_err(|_| FabricError::QpBroken)?.broken || self.broken.load(Ordering::Acquire) {
-            return Err(FabricError::QpBroken);
-        }
-        q.tx.send(wr).map_err(|_| FabricError::QpBroken)
+        refused.map_or(Ok(()), |(_, id, e)| Err((id, e)))
     }
 
     fn is_broken(&self) -> bool {
@@ -153,6 +162,19 @@ impl Connection for TcpConnection {
         self.broken.store(true, Ordering::Release);
         self.cancel.cancel();
     }
+}
+
+/// What a WR must be to go on a tcp stream: a token grant, a local range inside its
+/// registration, and writable memory for a READ.
+fn check_wr(wr: &WorkRequest) -> Result<(), FabricError> {
+    if !matches!(wr.remote_key, RemoteKey::Token(_)) {
+        return Err(FabricError::BadRemoteKey);
+    }
+    wr.local.memory().check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
+    if wr.op == WrOp::Read && !wr.local.memory().writable() {
+        return Err(FabricError::LocalRange("READ into read-only memory".into()));
+    }
+    Ok(())
 }
 
 impl Drop for TcpConnection {
