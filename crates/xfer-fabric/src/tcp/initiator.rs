@@ -56,6 +56,7 @@ impl TcpPrepared {
                 let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, super::wire::tls_socket(stream)))
                     .await
                     .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")))?
+                    .inspect_err(|_| crate::metrics::data_tls_handshake_failed("initiator"))
                     .map_err(connect_err)?;
                 // The target must be an agent, not any certificate the CA signed.
                 match tls.caller_of(s.get_ref().1.peer_certificates()) {
