@@ -183,3 +183,59 @@ impl Drop for TcpConnection {
         self.cancel.cancel();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    use tokio::io::AsyncReadExt;
+    use tokio_util::sync::CancellationToken;
+    use xfer_rdma::memory::RegionMemory;
+
+    use super::{TcpConnection, TcpQp};
+    use crate::frame::{Header, Kind, HEADER_LEN};
+    use crate::{Access, Connection, FabricError, RemoteKey, WorkRequest, WrOp};
+
+    /// A run whose third WR names memory outside its registration: the two before it go out
+    /// (as one run, in order), the refusal names the third, and neither it nor the fourth is
+    /// sent, as the driver's `post_runs` expects of every fabric.
+    #[tokio::test]
+    async fn a_run_is_posted_up_to_its_first_bad_wr_and_the_refusal_names_it() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let (rd, wr) = tokio::io::split(ours);
+        let (sink, _completions) = tokio::sync::mpsc::unbounded_channel();
+        let (broken, cancel) = (Arc::new(AtomicBool::new(false)), CancellationToken::new());
+        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, broken.clone(), cancel.clone());
+        let conn = TcpConnection { qps: vec![qp], broken, cancel };
+        let local = crate::tcp::registration(Arc::new(RegionMemory::anonymous(4096, false).expect("a page")), Access::ReadWrite);
+        let work = |wr_id, local_offset| WorkRequest {
+            wr_id,
+            op: WrOp::Write,
+            local: local.clone(),
+            local_offset,
+            len: 16,
+            remote_addr: 0,
+            remote_key: RemoteKey::Token([7; 16]),
+            signaled: false,
+        };
+        let run = vec![work(1, 0), work(2, 16), work(3, 1 << 20), work(4, 32)];
+        let refused = conn.post_batch(0, run);
+        assert!(matches!(refused, Err((3, FabricError::LocalRange(_)))), "{refused:?}");
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let mut f = [0u8; HEADER_LEN + 16];
+            theirs.read_exact(&mut f).await.expect("a frame");
+            let h = Header::decode(f[..HEADER_LEN].try_into().expect("a header")).expect("decodes");
+            assert_eq!(h.kind, Kind::Write);
+            ids.push(h.id);
+        }
+        assert_eq!(ids, vec![1, 2]);
+        // Nothing else was written: once the connection closes, the stream ends right here.
+        conn.close();
+        drop(conn);
+        let mut rest = Vec::new();
+        theirs.read_to_end(&mut rest).await.expect("the stream ends");
+        assert!(rest.is_empty(), "{} more bytes: a WR after the refused one went out", rest.len());
+    }
+}
