@@ -19,8 +19,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub use xfer_fabric::metrics::{
     accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
     notify_marker, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS, DATA_CONNECTIONS_CLOSED,
-    DATA_CONNECTIONS_REFUSED, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS, NOTIFY_MARKERS,
-    PREBUILT_QPS, RAIL_CONNECT_FAILURES, WORK_COMPLETIONS,
+    DATA_CONNECTIONS_REFUSED, DATA_TLS_HANDSHAKE_FAILURES, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS,
+    NOTIFY_MARKERS, PREBUILT_QPS, RAIL_CONNECT_FAILURES, WORK_COMPLETIONS,
 };
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
@@ -160,6 +160,11 @@ pub fn describe() {
         DATA_CONNECTIONS_CLOSED,
         Unit::Count,
         "Data streams closed by the agent, by reason (handshake: no hello within limits.data_handshake_timeout; evicted: closed before its hello to make room for a newer socket, limits.max_pending_data_connections; idle: no frame for limits.data_idle_timeout; payload: a WRITE payload not complete within limits.data_payload_timeout; revoked: the grant of a WRITE payload being received was revoked, expired or its region deleted)."
+    );
+    describe_counter!(
+        DATA_TLS_HANDSHAKE_FAILURES,
+        Unit::Count,
+        "TLS handshakes of data streams that failed with an error (a certificate the CA did not sign, a protocol error, the peer closing mid-handshake), by role (target: a stream accepted on the data port; initiator: a stream this agent opened). One that runs out of time is xfer_data_connections_closed_total{reason=\"handshake\"}."
     );
     describe_counter!(
         ACCEPT_ERRORS,

@@ -91,7 +91,11 @@ impl Node {
         let t = &self.config.transfer;
         let chunk = self.wr_chunk(req.op == Op::Read, shape::chunk(opts.chunk_size.unwrap_or(t.chunk_size.0))?);
         let qps = shape::qps(opts.qps.unwrap_or(t.qps))?;
-        let depth = shape::depth(opts.depth.unwrap_or(t.depth))?;
+        // A WR is at most a chunk and never crosses a segment: a batch's WRs are as long as its
+        // segments on average (a READ of the rest of the range, length 0, counts in chunks).
+        let wr_len = batch.as_ref().map_or(length, |b| b.bytes() / b.len().max(1) as u64);
+        let wr_len = if wr_len == 0 { chunk } else { wr_len.min(chunk) };
+        let depth = self.depth_for(opts.depth, wr_len)?;
         let timeout = opts.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
         let peer = self.initiator.peers.peer(&req.remote_agent).await?;
         let slot = self.reserve_slot(&peer.key, owner)?;

@@ -1,7 +1,8 @@
 //! Admission: a submit's slot under `limits.max_transfers`/`max_transfers_per_peer` (held from
 //! the check until the transfer's record counts), and the one-at-a-time admin and sink slots;
 //! and the data path: the poll spin, the device's worker thread, the WR length (as the fabric
-//! reports what applies to it), and the one entry every job takes ([`Node::run_job`]).
+//! reports what applies to it), the default depth (deeper on tcp), and the one entry every job
+//! takes ([`Node::run_job`]).
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,23 @@ use crate::tenants::Tenant;
 use crate::transfer::job::{Done, Job, Leased};
 use crate::transfer::worker::Worker;
 use xfer_fabric::Connection;
+
+/// Bytes a tcp transfer keeps in flight per QP when its depth is not asked for
+/// ([`Node::depth_for`]).
+pub const TCP_IN_FLIGHT: u64 = 1 << 20;
+/// Most WRs per QP a tcp transfer keeps in flight when its depth is not asked for.
+pub const TCP_MAX_DEFAULT_DEPTH: usize = 256;
+
+/// [`Node::depth_for`] when no depth is asked: `configured`, raised on a fabric that is not
+/// `polled` (tcp) to keep [`TCP_IN_FLIGHT`] bytes of `wr_len`-byte WRs per QP, up to
+/// [`TCP_MAX_DEFAULT_DEPTH`] (never below `configured`).
+fn default_depth(configured: usize, wr_len: u64, polled: bool) -> usize {
+    if polled {
+        return configured;
+    }
+    let filling = usize::try_from(TCP_IN_FLIGHT.div_ceil(wr_len.max(1))).unwrap_or(usize::MAX);
+    configured.max(filling.min(TCP_MAX_DEFAULT_DEPTH))
+}
 
 /// The data path drives a pooled connection's lease.
 impl Leased for Lease {
@@ -205,6 +223,18 @@ impl Node {
         }
     }
 
+    /// The depth (WRs per QP) a transfer runs at: `asked`, else `transfer.depth`; on the tcp
+    /// fabric (not `polled`), raised so that each QP keeps at least [`TCP_IN_FLIGHT`] bytes of
+    /// WRs of `wr_len` bytes in flight, up to [`TCP_MAX_DEFAULT_DEPTH`] WRs. A tcp WR completes
+    /// through two task hand-offs (the stream's reader, then the driver, then the writer), so a
+    /// window of a few small WRs drains long before its refill is written: 16 WRs of 4 KiB moved
+    /// a third of raw TCP's bytes. A tcp QP has no queue to size, so depth costs it nothing
+    /// but the WRs' bookkeeping; verbs keeps `transfer.depth` (its QPs are sized by it).
+    pub fn depth_for(&self, asked: Option<usize>, wr_len: u64) -> Result<usize, xfer_engine::shape::ShapeError> {
+        let depth = asked.unwrap_or_else(|| default_depth(self.config.transfer.depth, wr_len, self.fabric.polled()));
+        xfer_engine::shape::depth(depth)
+    }
+
     /// One admin call (`Bench`, `TcpBaseline`) at a time on this agent.
     pub fn admin_slot(&self, what: &str) -> Result<tokio::sync::OwnedSemaphorePermit, NodeError> {
         self.admin_slot
@@ -219,5 +249,24 @@ impl Node {
             .clone()
             .try_acquire_owned()
             .map_err(|_| NodeError::Limit("a TCP baseline sink is already open on this agent (one at a time)".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{default_depth, TCP_MAX_DEFAULT_DEPTH};
+
+    #[test]
+    fn tcp_keeps_a_mebibyte_in_flight_per_qp_and_verbs_keeps_its_configured_depth() {
+        // tcp: 4 KiB WRs fill 1 MiB with 256; 64 KiB ones with 16; 1 MiB ones need no more.
+        assert_eq!(default_depth(16, 4096, false), 256);
+        assert_eq!(default_depth(16, 64 << 10, false), 16);
+        assert_eq!(default_depth(16, 1 << 20, false), 16);
+        // Capped, never below what is configured, and a zero length cannot divide by zero.
+        assert_eq!(default_depth(16, 16, false), TCP_MAX_DEFAULT_DEPTH);
+        assert_eq!(default_depth(1024, 4096, false), 1024);
+        assert_eq!(default_depth(16, 0, false), TCP_MAX_DEFAULT_DEPTH);
+        // verbs sizes its QPs by the configured depth: unchanged.
+        assert_eq!(default_depth(16, 4096, true), 16);
     }
 }

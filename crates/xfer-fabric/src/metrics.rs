@@ -14,6 +14,7 @@ pub const PREBUILT_QPS: &str = "xfer_prebuilt_qps";
 pub const DATA_CONNECTIONS: &str = "xfer_data_connections";
 pub const DATA_CONNECTIONS_REFUSED: &str = "xfer_data_connections_refused_total";
 pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
+pub const DATA_TLS_HANDSHAKE_FAILURES: &str = "xfer_data_tls_handshake_failures_total";
 pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
@@ -109,6 +110,14 @@ pub fn data_connection_refused(reason: &'static str) {
 /// `reason`: `handshake`, `evicted`, `idle`, `stalled`, `payload` or `revoked`.
 pub fn data_connection_closed(reason: &'static str) {
     counter!(DATA_CONNECTIONS_CLOSED, "reason" => reason).increment(1);
+}
+
+/// A data stream's TLS handshake failed with an error (a certificate the CA did not sign, a
+/// protocol error, the peer closing mid-handshake; one that runs out of time is
+/// `data_connection_closed("handshake")` on the target). `role`: `target` (a stream accepted on
+/// the data port) or `initiator` (a stream this agent opened).
+pub fn data_tls_handshake_failed(role: &'static str) {
+    counter!(DATA_TLS_HANDSHAKE_FAILURES, "role" => role).increment(1);
 }
 
 /// `listener`: `data`, `grpc` or `health`.

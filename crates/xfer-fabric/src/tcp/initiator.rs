@@ -56,6 +56,7 @@ impl TcpPrepared {
                 let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, super::wire::tls_socket(stream)))
                     .await
                     .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")))?
+                    .inspect_err(|_| crate::metrics::data_tls_handshake_failed("initiator"))
                     .map_err(connect_err)?;
                 // The target must be an agent, not any certificate the CA signed.
                 match tls.caller_of(s.get_ref().1.peer_certificates()) {
@@ -131,18 +132,27 @@ impl Connection for TcpConnection {
     }
 
     fn post(&self, qp: usize, wr: WorkRequest) -> Result<(), FabricError> {
-        let q = self.qps.get(qp).ok_or(FabricError::NoSuchQp(qp))?;
-        if !matches!(wr.remote_key, RemoteKey::Token(_)) {
-            return Err(FabricError::BadRemoteKey);
+        self.post_batch(qp, vec![wr]).map_err(|(_, e)| e)
+    }
+
+    /// The run goes to the stream's writer whole: one wake-up, and its frames leave in as few
+    /// writes as they fill (one flush once nothing more is queued).
+    fn post_batch(&self, qp: usize, mut wrs: Vec<WorkRequest>) -> Result<(), (u64, FabricError)> {
+        let first = wrs.first().map_or(0, |w| w.wr_id);
+        let q = self.qps.get(qp).ok_or((first, FabricError::NoSuchQp(qp)))?;
+        // The WRs before the first that fails a check are posted; it and the rest are not.
+        let refused = wrs.iter().enumerate().find_map(|(i, wr)| check_wr(wr).err().map(|e| (i, wr.wr_id, e)));
+        if let Some(&(i, _, _)) = refused.as_ref() {
+            wrs.truncate(i);
         }
-        wr.local.memory().check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
-        if wr.op == WrOp::Read && !wr.local.memory().writable() {
-            return Err(FabricError::LocalRange("READ into read-only memory".into()));
+        if !wrs.is_empty() {
+            let broken = q.state.lock().map(|s| s.broken).unwrap_or(true) || self.broken.load(Ordering::Acquire);
+            if broken {
+                return Err((first, FabricError::QpBroken));
+            }
+            q.tx.send(wrs).map_err(|_| (first, FabricError::QpBroken))?;
         }
-        if q.state.lock().map_err(|_| FabricError::QpBroken)?.broken || self.broken.load(Ordering::Acquire) {
-            return Err(FabricError::QpBroken);
-        }
-        q.tx.send(wr).map_err(|_| FabricError::QpBroken)
+        refused.map_or(Ok(()), |(_, id, e)| Err((id, e)))
     }
 
     fn is_broken(&self) -> bool {
@@ -155,8 +165,77 @@ impl Connection for TcpConnection {
     }
 }
 
+/// What a WR must be to go on a tcp stream: a token grant, a local range inside its
+/// registration, and writable memory for a READ.
+fn check_wr(wr: &WorkRequest) -> Result<(), FabricError> {
+    if !matches!(wr.remote_key, RemoteKey::Token(_)) {
+        return Err(FabricError::BadRemoteKey);
+    }
+    wr.local.memory().check(wr.local_offset, wr.len as u64).map_err(|e| FabricError::LocalRange(e.to_string()))?;
+    if wr.op == WrOp::Read && !wr.local.memory().writable() {
+        return Err(FabricError::LocalRange("READ into read-only memory".into()));
+    }
+    Ok(())
+}
+
 impl Drop for TcpConnection {
     fn drop(&mut self) {
         self.cancel.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    use tokio::io::AsyncReadExt;
+    use tokio_util::sync::CancellationToken;
+    use xfer_rdma::memory::RegionMemory;
+
+    use super::{TcpConnection, TcpQp};
+    use crate::frame::{Header, Kind, HEADER_LEN};
+    use crate::{Access, Connection, FabricError, RemoteKey, WorkRequest, WrOp};
+
+    /// A run whose third WR names memory outside its registration: the two before it go out
+    /// (as one run, in order), the refusal names the third, and neither it nor the fourth is
+    /// sent, as the driver's `post_runs` expects of every fabric.
+    #[tokio::test]
+    async fn a_run_is_posted_up_to_its_first_bad_wr_and_the_refusal_names_it() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let (rd, wr) = tokio::io::split(ours);
+        let (sink, _completions) = tokio::sync::mpsc::unbounded_channel();
+        let (broken, cancel) = (Arc::new(AtomicBool::new(false)), CancellationToken::new());
+        let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, broken.clone(), cancel.clone());
+        let conn = TcpConnection { qps: vec![qp], broken, cancel };
+        let local = crate::tcp::registration(Arc::new(RegionMemory::anonymous(4096, false).expect("a page")), Access::ReadWrite);
+        let work = |wr_id, local_offset| WorkRequest {
+            wr_id,
+            op: WrOp::Write,
+            local: local.clone(),
+            local_offset,
+            len: 16,
+            remote_addr: 0,
+            remote_key: RemoteKey::Token([7; 16]),
+            signaled: false,
+        };
+        let run = vec![work(1, 0), work(2, 16), work(3, 1 << 20), work(4, 32)];
+        let refused = conn.post_batch(0, run);
+        assert!(matches!(refused, Err((3, FabricError::LocalRange(_)))), "{refused:?}");
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let mut f = [0u8; HEADER_LEN + 16];
+            theirs.read_exact(&mut f).await.expect("a frame");
+            let h = Header::decode(f[..HEADER_LEN].try_into().expect("a header")).expect("decodes");
+            assert_eq!(h.kind, Kind::Write);
+            ids.push(h.id);
+        }
+        assert_eq!(ids, vec![1, 2]);
+        // Nothing else was written: once the connection closes, the stream ends right here.
+        conn.close();
+        drop(conn);
+        let mut rest = Vec::new();
+        theirs.read_to_end(&mut rest).await.expect("the stream ends");
+        assert!(rest.is_empty(), "{} more bytes: a WR after the refused one went out", rest.len());
     }
 }

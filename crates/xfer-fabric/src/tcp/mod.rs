@@ -387,7 +387,7 @@ mod tests {
         let (qp, mut completions, cancel) = qp_over(ours);
         let memory = Arc::new(RegionMemory::anonymous(LEN, false).expect("64 KiB mapping"));
         let local = registration(memory, Access::ReadWrite);
-        qp.tx.send(work(7, WrOp::Write, &local, LEN as u32, true)).expect("the writer is running");
+        qp.tx.send(vec![work(7, WrOp::Write, &local, LEN as u32, true)]).expect("the writer is running");
         // The header and the start of the payload: the writer is now inside the WR, blocked on
         // a pipe the target no longer reads.
         let mut head = [0u8; HEADER_LEN + 64];
@@ -423,7 +423,7 @@ mod tests {
         let memory = Arc::new(RegionMemory::anonymous(4096, false).expect("a page"));
         let local = registration(memory, Access::ReadWrite);
         for id in [1, 2] {
-            qp.tx.send(work(id, WrOp::Write, &local, 16, true)).expect("the writer is running");
+            qp.tx.send(vec![work(id, WrOp::Write, &local, 16, true)]).expect("the writer is running");
         }
         // Both frames arrive at the target (header and 16 bytes each), each asking for an ACK.
         for id in [1, 2] {

@@ -30,7 +30,9 @@ pub(super) struct QpState {
 }
 
 pub(super) struct TcpQp {
-    pub(super) tx: mpsc::UnboundedSender<WorkRequest>,
+    /// Runs of WRs for the writer: a run posted at once is taken in one wake-up and leaves in as
+    /// few writes as its frames fill (the writer flushes once the queue is empty).
+    pub(super) tx: mpsc::UnboundedSender<Vec<WorkRequest>>,
     pub(super) state: Arc<Mutex<QpState>>,
 }
 
@@ -84,113 +86,100 @@ impl QpCtx {
         self.cancel.cancel();
     }
 
-    /// Queues a WR as pending, or flushes it if the QP already broke.
-    fn enqueue(&self, wr: WorkRequest) -> Option<WorkRequest> {
+    /// Queues a run of WRs as pending (one lock for the run), or flushes them if the QP already
+    /// broke; `false` then.
+    fn enqueue(&self, run: &[WorkRequest]) -> bool {
         let Ok(mut st) = self.state.lock() else {
-            return None;
+            return false;
         };
         if st.broken {
             drop(st);
-            self.complete(&wr, WcStatus::WrFlushErr);
-            return None;
+            for wr in run {
+                self.complete(wr, WcStatus::WrFlushErr);
+            }
+            return false;
         }
-        st.pending.push_back(Outstanding { wr: wr.clone() });
-        Some(wr)
+        st.pending.extend(run.iter().map(|wr| Outstanding { wr: wr.clone() }));
+        true
     }
 }
 
-async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkRequest>) {
+async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<Vec<WorkRequest>>) {
     // Small frames (headers, small payloads) are coalesced and flushed once no further WR is
     // queued; a payload that does not fit the staging buffer leaves straight from region memory
     // behind them, header and payload in one vectored write.
     let mut out = FrameWriter::new(out);
-    loop {
-        // A WR already queued is taken without arming the cancellation's waiter (a lock each).
+    'runs: loop {
+        // A run already queued is taken without arming the cancellation's waiter (a lock each).
         let queued = match rx.try_recv() {
-            Ok(wr) if !ctx.cancel.is_cancelled() => Some(wr),
-            Ok(wr) => {
-                ctx.complete(&wr, WcStatus::WrFlushErr);
+            Ok(run) if !ctx.cancel.is_cancelled() => Some(run),
+            Ok(run) => {
+                for wr in &run {
+                    ctx.complete(wr, WcStatus::WrFlushErr);
+                }
                 break;
             }
             Err(_) => None,
         };
-        let wr = match queued {
-            Some(wr) => wr,
+        let run = match queued {
+            Some(run) => run,
             None => tokio::select! {
                 _ = ctx.cancel.cancelled() => break,
-                wr = rx.recv() => match wr { Some(wr) => wr, None => break },
+                run = rx.recv() => match run { Some(run) => run, None => break },
             },
         };
-        let Some(wr) = ctx.enqueue(wr) else { continue };
-        let RemoteKey::Token(token) = wr.remote_key else {
-            ctx.fail(WcStatus::LocQpOpErr);
-            break;
-        };
-        let kind = match wr.op {
-            WrOp::Write => Kind::Write,
-            WrOp::Read => Kind::ReadReq,
-            WrOp::Notify { .. } => Kind::Notify,
-        };
-        let mut h = Header::new(kind, wr.wr_id);
-        // A NOTIFY names its grant by token and carries the marker's immediate (a verbs WRITE
-        // WITH IMMEDIATE's 32 bits) where other frames carry the address; it has no length.
-        h.addr = match wr.op {
-            WrOp::Notify { slot } => slot as u64,
-            _ => wr.remote_addr,
-        };
-        h.len = if kind == Kind::Notify { 0 } else { wr.len };
-        h.token = token;
-        if wr.signaled {
-            h.flags |= ACK_REQUESTED;
+        // Every WR of the run is pending before the first is written: whatever stops the stream
+        // below, the reader's `fail` completes each of them once.
+        if !ctx.enqueue(&run) {
+            continue;
         }
-        // Memory over a file that can shrink is copied out first: a truncated page then faults in
-        // the agent (and poisons the memory, see `xfer_rdma::sigbus`) instead of failing the socket
-        // write with EFAULT, and zeros standing in for the file are never sent.
-        let bounce = if wr.op == WrOp::Write && wr.local.memory().can_shrink() {
-            let mut b = vec![0u8; wr.len as usize];
-            if let Err(e) = wr.local.memory().read_at(wr.local_offset, &mut b) {
-                warn!(qp = ctx.index, error = %e, "tcp fabric: cannot send from local memory");
-                ctx.fail(WcStatus::LocProtErr);
-                break;
+        let last = run.len().saturating_sub(1);
+        for (i, wr) in run.iter().enumerate() {
+            let (h, bounce) = match frame_of(&ctx, wr) {
+                Ok(f) => f,
+                Err(status) => {
+                    ctx.fail(status);
+                    break 'runs;
+                }
+            };
+            let send = async {
+                out.write_all(&h.encode()).await?;
+                if let Some(b) = &bounce {
+                    out.write_all(b).await?;
+                } else if wr.op == WrOp::Write && out.fits(wr.len as usize) {
+                    // Small: staged with the frames around it (one copy, far fewer system calls).
+                    wr.local.memory().write_all_from(&mut out, wr.local_offset, wr.len as usize).await?;
+                } else if wr.op == WrOp::Write {
+                    // Straight from region memory: no bounce buffer. Bounds were checked at post.
+                    out.send_region(wr.local.memory(), wr.local_offset, wr.len as usize).await?;
+                }
+                if i == last && rx.is_empty() {
+                    out.flush().await?;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            // A write waits on the target reading; closing the connection must not wait for that
+            // (a stopped or hostile target would otherwise hold this task and its socket for
+            // ever). The send first: one that completes at once never arms the cancellation's
+            // waiter.
+            let res = tokio::select! {
+                biased;
+                r = send => r,
+                _ = ctx.cancel.cancelled() => break 'runs,
+            };
+            if let Err(e) = res {
+                debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
+                ctx.fail(WcStatus::RetryExcErr);
+                break 'runs;
             }
-            Some(b)
-        } else {
-            None
-        };
-        let send = async {
-            out.write_all(&h.encode()).await?;
-            if let Some(b) = &bounce {
-                out.write_all(b).await?;
-            } else if wr.op == WrOp::Write && out.fits(wr.len as usize) {
-                // Small: staged with the frames around it (one copy, far fewer system calls).
-                wr.local.memory().write_all_from(&mut out, wr.local_offset, wr.len as usize).await?;
-            } else if wr.op == WrOp::Write {
-                // Straight from region memory: no bounce buffer. Bounds were checked at post.
-                out.send_region(wr.local.memory(), wr.local_offset, wr.len as usize).await?;
-            }
-            if rx.is_empty() {
-                out.flush().await?;
-            }
-            Ok::<(), std::io::Error>(())
-        };
-        // A write waits on the target reading; closing the connection must not wait for that
-        // (a stopped or hostile target would otherwise hold this task and its socket for ever).
-        // The send first: one that completes at once never arms the cancellation's waiter.
-        let res = tokio::select! {
-            biased;
-            r = send => r,
-            _ = ctx.cancel.cancelled() => break,
-        };
-        if let Err(e) = res {
-            debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
-            ctx.fail(WcStatus::RetryExcErr);
-            break;
         }
     }
     // Flush whatever was posted after the stream stopped.
     rx.close();
-    while let Ok(wr) = rx.try_recv() {
-        ctx.complete(&wr, WcStatus::WrFlushErr);
+    while let Ok(run) = rx.try_recv() {
+        for wr in &run {
+            ctx.complete(wr, WcStatus::WrFlushErr);
+        }
     }
     // The end of stream for the target, unless the connection was closed: then the stream is
     // dropped as it is (a shutdown could wait on the target like any write).
@@ -198,6 +187,43 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<WorkR
         _ = out.shutdown() => {}
         _ = ctx.cancel.cancelled() => {}
     }
+}
+
+/// The frame header of `wr`, and its payload copied out when its memory is over a file that can
+/// shrink; `Err` is the status that breaks the QP.
+fn frame_of(ctx: &QpCtx, wr: &WorkRequest) -> Result<(Header, Option<Vec<u8>>), WcStatus> {
+    let RemoteKey::Token(token) = wr.remote_key else {
+        return Err(WcStatus::LocQpOpErr);
+    };
+    let kind = match wr.op {
+        WrOp::Write => Kind::Write,
+        WrOp::Read => Kind::ReadReq,
+        WrOp::Notify { .. } => Kind::Notify,
+    };
+    let mut h = Header::new(kind, wr.wr_id);
+    // A NOTIFY names its grant by token and carries the marker's immediate (a verbs WRITE WITH
+    // IMMEDIATE's 32 bits) where other frames carry the address; it has no length.
+    h.addr = match wr.op {
+        WrOp::Notify { slot } => slot as u64,
+        _ => wr.remote_addr,
+    };
+    h.len = if kind == Kind::Notify { 0 } else { wr.len };
+    h.token = token;
+    if wr.signaled {
+        h.flags |= ACK_REQUESTED;
+    }
+    // Memory over a file that can shrink is copied out first: a truncated page then faults in
+    // the agent (and poisons the memory, see `xfer_rdma::sigbus`) instead of failing the socket
+    // write with EFAULT, and zeros standing in for the file are never sent.
+    if wr.op == WrOp::Write && wr.local.memory().can_shrink() {
+        let mut b = vec![0u8; wr.len as usize];
+        if let Err(e) = wr.local.memory().read_at(wr.local_offset, &mut b) {
+            warn!(qp = ctx.index, error = %e, "tcp fabric: cannot send from local memory");
+            return Err(WcStatus::LocProtErr);
+        }
+        return Ok((h, Some(b)));
+    }
+    Ok((h, None))
 }
 
 async fn reader(ctx: QpCtx, rd: BoxRead) {
@@ -351,7 +377,7 @@ where
     let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
     let mut refused = 0;
     for w in wrs {
-        if qp.tx.send(w).is_err() {
+        if qp.tx.send(vec![w]).is_err() {
             refused += 1;
         }
     }

@@ -253,7 +253,7 @@ async fn the_vectored_writer_never_mixes_two_frames_bytes() {
             remote_key: RemoteKey::Token(TOKEN),
             signaled: false,
         };
-        qp.tx.send(wr).expect("the writer is running");
+        qp.tx.send(vec![wr]).expect("the writer is running");
     }
     for (i, &len) in sizes.iter().enumerate() {
         let mut hb = [0u8; HEADER_LEN];
@@ -333,7 +333,7 @@ async fn closing_a_connection_ends_a_reader_inside_a_read_answer_the_target_stop
         remote_key: RemoteKey::Token(TOKEN),
         signaled: true,
     };
-    qp.tx.send(read).expect("the writer is running");
+    qp.tx.send(vec![read]).expect("the writer is running");
     let mut hb = [0u8; HEADER_LEN];
     theirs.read_exact(&mut hb).await.expect("the READ request");
     assert_eq!(Header::decode(&hb).expect("decodes").kind, Kind::ReadReq);

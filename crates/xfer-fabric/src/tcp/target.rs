@@ -101,7 +101,10 @@ async fn serve_stream(stream: TcpStream, pending: PreHelloSlot, ctx: &ServeCtx) 
         Some(tls) => {
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
             let handshake = async {
-                let mut s = acceptor.accept(super::wire::tls_socket(stream)).await?;
+                let mut s = acceptor
+                    .accept(super::wire::tls_socket(stream))
+                    .await
+                    .inspect_err(|_| crate::metrics::data_tls_handshake_failed("target"))?;
                 let hello = read_hello(&mut s).await?;
                 Ok::<_, ServeError>((s, hello))
             };
