@@ -14,13 +14,11 @@ use xfer_agent::peer_api::{Connector, PeerApi, PeerError};
 use xfer_agent::transfer::{Op, TransferRequest, TransferState};
 use xfer_engine::batch::SegmentSpec;
 use xfer_engine::failure::FailureCode;
-use xfer_engine::ids::ConnectionId;
 use xfer_engine::status::WcStatus;
-use xfer_fabric::{
-    Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, FabricKind, PathInfo, PendingConnection, WorkRequest,
-};
+use xfer_fabric::{Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, PathInfo, PendingConnection, WorkRequest};
 
 use crate::initiator::{finished, node_on, region, write, LocalPeer, Node2, A};
+use crate::wrapped::Wrapped;
 
 /// Which signaled data WR on the second path is the one the device misreports: the first, so its
 /// success is in order (a success reported while an earlier signaled WR of its QP has not
@@ -31,56 +29,14 @@ const LIE_AT: u32 = 1;
 /// the `LIE_AT`-th signaled data WR is reported complete without being posted when `honest` is
 /// false (its bytes never move) and posted as usual when it is true; either way every later post
 /// on that path is flushed (`WR_FLUSH_ERR`, not posted), as on a QP the device moved to ERR.
-struct Lying {
-    inner: Arc<dyn Fabric>,
-    honest: bool,
-}
-
-#[async_trait]
-impl Fabric for Lying {
-    fn kind(&self) -> FabricKind {
-        self.inner.kind()
-    }
-    fn grants_need_connection(&self) -> bool {
-        self.inner.grants_need_connection()
-    }
-    fn info(&self) -> xfer_fabric::FabricInfo {
-        self.inner.info()
-    }
-    fn register(
-        &self,
-        memory: Arc<xfer_rdma::memory::RegionMemory>,
-        access: xfer_fabric::Access,
-    ) -> Result<Arc<dyn xfer_fabric::Registration>, FabricError> {
-        self.inner.register(memory, access)
-    }
-    async fn expose(
-        &self,
-        reg: &Arc<dyn xfer_fabric::Registration>,
-        req: &xfer_fabric::ExposeRequest,
-    ) -> Result<xfer_fabric::Exposure, FabricError> {
-        self.inner.expose(reg, req).await
-    }
-    async fn prepare(
-        &self,
-        peer: &str,
-        connection_id: &ConnectionId,
-        qps: usize,
-        depth: usize,
-        sink: CompletionSink,
-    ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        assert_eq!(qps, 2, "the test asks for one QP per path");
-        let pending = self.inner.prepare(peer, connection_id, qps, depth, sink.clone()).await?;
-        Ok(Box::new(LyingPending { pending, sink, honest: self.honest }))
-    }
-    async fn accept(
-        &self,
-        peer: &str,
-        connection_id: &ConnectionId,
-        remote: &[Endpoint],
-    ) -> Result<(Vec<Endpoint>, Box<dyn xfer_fabric::Accepted>), FabricError> {
-        self.inner.accept(peer, connection_id, remote).await
-    }
+fn lying(inner: Arc<dyn Fabric>, honest: bool) -> Arc<dyn Fabric> {
+    Arc::new(Wrapped {
+        inner,
+        wrap: Box::new(move |pending, sink, qps| {
+            assert_eq!(qps, 2, "the test asks for one QP per path");
+            Box::new(LyingPending { pending, sink, honest })
+        }),
+    })
 }
 
 struct LyingPending {
@@ -169,7 +125,7 @@ async fn pair(honest: bool) -> (Node2, Node2) {
     let b = node_on("node-b", Arc::new(no_peer), |_| {}, |f| f).await;
     let peer = Arc::new(LocalPeer::new(b.node.clone()));
     let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
-    let a = node_on(A, connector, |_| {}, |inner| Arc::new(Lying { inner, honest })).await;
+    let a = node_on(A, connector, |_| {}, |inner| lying(inner, honest)).await;
     let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8 + 1).collect();
     region(&a.node, "src", LEN, 0);
     a.node.region("src").unwrap().memory.write_at(0, &data).unwrap();

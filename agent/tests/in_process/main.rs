@@ -15,3 +15,4 @@ mod lease_end;
 mod resume;
 mod resume_redteam;
 mod state_lifetime;
+mod wrapped;

@@ -12,11 +12,11 @@ use xfer_agent::peer_api::{Connector, PeerApi, PeerError};
 use xfer_agent::transfer::{Op, TransferRequest, TransferState};
 use xfer_engine::batch::SegmentSpec;
 use xfer_engine::failure::FailureCode;
-use xfer_engine::ids::ConnectionId;
 use xfer_engine::status::WcStatus;
-use xfer_fabric::{Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, FabricKind, PendingConnection, WorkRequest};
+use xfer_fabric::{Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, PendingConnection, WorkRequest};
 
 use crate::initiator::{finished, node_on, region, write, LocalPeer, Node2, A};
+use crate::wrapped::Wrapped;
 
 /// Signaled data WRs a doomed connection carries before every later post on it is flushed.
 const FLUSH_AFTER: u32 = 3;
@@ -24,57 +24,15 @@ const FLUSH_AFTER: u32 = 3;
 /// The tcp fabric whose first `doomed` connections flush every post after their
 /// `FLUSH_AFTER`-th signaled data WR (`WR_FLUSH_ERR`, not posted; the connection then counts as
 /// broken), on every QP: the whole connection is lost at once, with no event.
-pub(crate) struct Flushing {
-    pub(crate) inner: Arc<dyn Fabric>,
-    pub(crate) doomed: u32,
-    pub(crate) made: AtomicU32,
-}
-
-#[async_trait]
-impl Fabric for Flushing {
-    fn kind(&self) -> FabricKind {
-        self.inner.kind()
-    }
-    fn grants_need_connection(&self) -> bool {
-        self.inner.grants_need_connection()
-    }
-    fn info(&self) -> xfer_fabric::FabricInfo {
-        self.inner.info()
-    }
-    fn register(
-        &self,
-        memory: Arc<xfer_rdma::memory::RegionMemory>,
-        access: xfer_fabric::Access,
-    ) -> Result<Arc<dyn xfer_fabric::Registration>, FabricError> {
-        self.inner.register(memory, access)
-    }
-    async fn expose(
-        &self,
-        reg: &Arc<dyn xfer_fabric::Registration>,
-        req: &xfer_fabric::ExposeRequest,
-    ) -> Result<xfer_fabric::Exposure, FabricError> {
-        self.inner.expose(reg, req).await
-    }
-    async fn prepare(
-        &self,
-        peer: &str,
-        connection_id: &ConnectionId,
-        qps: usize,
-        depth: usize,
-        sink: CompletionSink,
-    ) -> Result<Box<dyn PendingConnection>, FabricError> {
-        let doomed = self.made.fetch_add(1, Ordering::AcqRel) < self.doomed;
-        let pending = self.inner.prepare(peer, connection_id, qps, depth, sink.clone()).await?;
-        Ok(Box::new(FlushingPending { pending, sink, doomed }))
-    }
-    async fn accept(
-        &self,
-        peer: &str,
-        connection_id: &ConnectionId,
-        remote: &[Endpoint],
-    ) -> Result<(Vec<Endpoint>, Box<dyn xfer_fabric::Accepted>), FabricError> {
-        self.inner.accept(peer, connection_id, remote).await
-    }
+pub(crate) fn flushing(inner: Arc<dyn Fabric>, doomed: u32) -> Arc<dyn Fabric> {
+    let made = AtomicU32::new(0);
+    Arc::new(Wrapped {
+        inner,
+        wrap: Box::new(move |pending, sink, _| {
+            let doomed = made.fetch_add(1, Ordering::AcqRel) < doomed;
+            Box::new(FlushingPending { pending, sink, doomed })
+        }),
+    })
 }
 
 struct FlushingPending {
@@ -136,20 +94,14 @@ impl Connection for FlushingConn {
 pub(crate) const LEN: u64 = 1 << 20;
 const SEG: u64 = 16 << 10;
 
-/// Agents A (initiator, over a [`Flushing`] fabric whose first `doomed` connections die) and B;
+/// Agents A (initiator, over a [`flushing`] fabric whose first `doomed` connections die) and B;
 /// A's `src` holds a pattern, B's `dst` zeros (1 MiB each).
 async fn pair(doomed: u32, resumes: u32) -> (Node2, Node2) {
     let no_peer = |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { unreachable!("B initiates nothing") };
     let b = node_on("node-b", Arc::new(no_peer), |_| {}, |f| f).await;
     let peer = Arc::new(LocalPeer::new(b.node.clone()));
     let connector: Connector = Arc::new(move |_: &str| -> Result<Arc<dyn PeerApi>, PeerError> { Ok(peer.clone()) });
-    let a = node_on(
-        A,
-        connector,
-        |c| c.transfer.resume_attempts = resumes,
-        |inner| Arc::new(Flushing { inner, doomed, made: AtomicU32::new(0) }),
-    )
-    .await;
+    let a = node_on(A, connector, |c| c.transfer.resume_attempts = resumes, |inner| flushing(inner, doomed)).await;
     region(&a.node, "src", LEN, 0);
     a.node.region("src").unwrap().memory.write_at(0, &pattern()).unwrap();
     region(&b.node, "dst", LEN, 0);

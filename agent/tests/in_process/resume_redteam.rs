@@ -17,7 +17,7 @@ use xfer_engine::ids::{ConnectionId, GrantId};
 use xfer_fabric::{Endpoint, FabricKind};
 
 use crate::initiator::{finished, node_on, region, write, LocalPeer, Node2, A};
-use crate::resume::{pattern, Flushing, LEN};
+use crate::resume::{flushing, pattern, LEN};
 
 /// A peer over in-process targets: `targets[0]` until `switch_after` grants were made, then
 /// `targets[1]` (the peer restarted: a fresh instance). Grant number `hold_grant` (0-based) is
@@ -178,7 +178,7 @@ async fn world_dying(instances: usize, switch_after: u32, hold_grant: Option<u32
             c.transfer.resume_attempts = resumes;
             c.transfer.timeout.0 = timeout;
         },
-        move |inner| Arc::new(Flushing { inner, doomed, made: AtomicU32::new(0) }),
+        move |inner| flushing(inner, doomed),
     )
     .await;
     region(&a.node, "src", LEN, 0);
