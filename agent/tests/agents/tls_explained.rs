@@ -185,3 +185,24 @@ async fn denied_calls_are_counted_by_method_and_role() {
     assert_eq!(labelled(&text, "xfer_rpc_denied_total", &[("method", "xfer.v1.Agent/GetInfo"), ("role", "none")]), 1.0, "{text}");
     assert!(a.logs().contains("call refused"), "{}", a.logs());
 }
+
+/// A data-port connection whose first bytes are not a TLS handshake is refused in that
+/// handshake and counted (`xfer_data_tls_handshake_failures_total{role="target"}`), and the agent
+/// goes on serving its callers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_port_connection_that_is_not_tls_is_counted_and_changes_nothing_else() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const DATA_HS: &str = "xfer_data_tls_handshake_failures_total";
+    let pki = Pki::new();
+    let (a, _ta) = pki.agent("node-a");
+    assert_eq!(labelled(&scrape(&a), DATA_HS, &[("role", "target")]), 0.0);
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", a.ports.data)).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: xfer\r\n\r\n").await.unwrap();
+    // The agent ends the connection (an alert, then EOF, or a reset): nothing else comes back.
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf).await;
+    wait_counter(&a, DATA_HS, &[("role", "target")], 1.0).await;
+    let (cert, key, ca) = (pki.path("xferctl.crt"), pki.path("xferctl.key"), pki.path("ca.crt"));
+    let o = ctl(&a.addr(), &["--cert", cert.to_str().unwrap(), "--key", key.to_str().unwrap(), "--ca", ca.to_str().unwrap(), "info"]);
+    assert!(o.status.success(), "{}", one_line(&o));
+}
