@@ -8,6 +8,7 @@
 //! keeps its QP numbers, since the responder numbered its QPs and the grants' per-QP keys the
 //! same way, but has no part, and a post on it is `QpBroken`, which the transfer machine takes
 //! as that path failing (its chunks go on the other paths).
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::fallback::{key_for, TcpRail};
@@ -38,12 +39,15 @@ pub(crate) struct RailsConnection {
     down: Vec<usize>,
     /// The tcp fallback rail, after every device's.
     tcp: Option<TcpRail>,
+    /// A grant named NO_KEY for a QP of a live part: the responder's half of that rail could
+    /// not be made ready, so the rail is dead from its side and the connection wants replacing.
+    responder_rail_dead: AtomicBool,
 }
 
 impl RailsConnection {
     pub fn new(rails: Vec<Rail>, devices: Arc<[Arc<RailDevice>]>, down: Vec<usize>) -> RailsConnection {
         let qps = rails.iter().map(|r| r.qps).sum();
-        RailsConnection { rails, qps, devices, down, tcp: None }
+        RailsConnection { rails, qps, devices, down, tcp: None, responder_rail_dead: AtomicBool::new(false) }
     }
 
     /// Adds the tcp fallback rail (its QPs numbered after every device's).
@@ -175,6 +179,7 @@ impl Connection for RailsConnection {
     fn wants_reconnect(&self) -> bool {
         self.is_broken()
             || self.rails.iter().any(|r| r.conn.is_none())
+            || self.responder_rail_dead.load(Ordering::Acquire)
             || self.tcp.as_ref().is_some_and(|t| t.conn.is_broken())
             || self.down.iter().any(|&d| self.devices.get(d).is_some_and(|d| d.offered()))
     }
@@ -207,7 +212,12 @@ impl Connection for RailsConnection {
             };
             bytes[slot] += u64::from(wr.len);
             count[slot] += 1;
-            routed.push(translate(wr, rail.device, qp).map_err(|e| (id, e))?);
+            routed.push(translate(wr, rail.device, qp).map_err(|e| {
+                if matches!(e, FabricError::QpBroken) {
+                    self.responder_rail_dead.store(true, Ordering::Release);
+                }
+                (id, e)
+            })?);
         }
         part.post_batch(local_qp, routed)?;
         for (slot, op) in [WrOp::Read, WrOp::Write, WrOp::Notify { slot: 0 }].into_iter().enumerate() {
@@ -462,6 +472,14 @@ mod tests {
         let conn = connection(settle("peer", m).unwrap());
         assert!(conn.rails.iter().all(|r| r.conn.is_some()));
         assert!(!conn.is_broken() && !conn.wants_reconnect());
+        // A grant whose keys say the responder's half of the second rail is dead (NO_KEY): its
+        // posts fail as QpBroken, and the connection is not pooled again (a fresh one offers
+        // that rail anew or leaves it out), though nothing it carried was lost.
+        let keys: Arc<[u32]> = vec![1, 2, NO_KEY, NO_KEY, 5, 6].into();
+        conn.post(0, wr(RemoteKey::PerQp(Arc::clone(&keys)))).unwrap();
+        assert!(!conn.wants_reconnect(), "a live rail's post says nothing");
+        assert!(matches!(conn.post(2, wr(RemoteKey::PerQp(keys))), Err(FabricError::QpBroken)));
+        assert!(!conn.is_broken() && conn.wants_reconnect());
     }
 
     /// Every rail failing fails the Connect, with the first rail's error (a single device's
