@@ -9,13 +9,12 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use xfer_agent::peer_api::{Connector, PeerApi, PeerError};
 use xfer_agent::transfer::{Op, TransferRequest, TransferState};
 use xfer_engine::batch::SegmentSpec;
 use xfer_engine::failure::FailureCode;
 use xfer_engine::status::WcStatus;
-use xfer_fabric::{Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, PathInfo, PendingConnection, WorkRequest};
+use xfer_fabric::{Completion, CompletionSink, Connection, Fabric, FabricError, PathInfo, WorkRequest};
 
 use crate::initiator::{finished, node_on, region, write, LocalPeer, Node2, A};
 use crate::wrapped::Wrapped;
@@ -32,28 +31,11 @@ const LIE_AT: u32 = 1;
 fn lying(inner: Arc<dyn Fabric>, honest: bool) -> Arc<dyn Fabric> {
     Arc::new(Wrapped {
         inner,
-        wrap: Box::new(move |pending, sink, qps| {
+        wrap: Box::new(move |sink, qps| {
             assert_eq!(qps, 2, "the test asks for one QP per path");
-            Box::new(LyingPending { pending, sink, honest })
+            Box::new(move |conn| Arc::new(LyingConn { conn, sink, honest, signaled: AtomicU32::new(0) }))
         }),
     })
-}
-
-struct LyingPending {
-    pending: Box<dyn PendingConnection>,
-    sink: CompletionSink,
-    honest: bool,
-}
-
-#[async_trait]
-impl PendingConnection for LyingPending {
-    fn local_endpoints(&self) -> Vec<Endpoint> {
-        self.pending.local_endpoints()
-    }
-    async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
-        let conn = self.pending.complete(remote).await?;
-        Ok(Arc::new(LyingConn { conn, sink: self.sink, honest: self.honest, signaled: AtomicU32::new(0) }))
-    }
 }
 
 struct LyingConn {

@@ -7,13 +7,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use xfer_agent::peer_api::{Connector, PeerApi, PeerError};
 use xfer_agent::transfer::{Op, TransferRequest, TransferState};
 use xfer_engine::batch::SegmentSpec;
 use xfer_engine::failure::FailureCode;
 use xfer_engine::status::WcStatus;
-use xfer_fabric::{Completion, CompletionSink, Connection, Endpoint, Fabric, FabricError, PendingConnection, WorkRequest};
+use xfer_fabric::{Completion, CompletionSink, Connection, Fabric, FabricError, WorkRequest};
 
 use crate::initiator::{finished, node_on, region, write, LocalPeer, Node2, A};
 use crate::wrapped::Wrapped;
@@ -28,34 +27,13 @@ pub(crate) fn flushing(inner: Arc<dyn Fabric>, doomed: u32) -> Arc<dyn Fabric> {
     let made = AtomicU32::new(0);
     Arc::new(Wrapped {
         inner,
-        wrap: Box::new(move |pending, sink, _| {
+        wrap: Box::new(move |sink, _| {
             let doomed = made.fetch_add(1, Ordering::AcqRel) < doomed;
-            Box::new(FlushingPending { pending, sink, doomed })
+            Box::new(move |conn| {
+                Arc::new(FlushingConn { conn, sink, doomed, signaled: AtomicU32::new(0), flushed: AtomicBool::new(false) })
+            })
         }),
     })
-}
-
-struct FlushingPending {
-    pending: Box<dyn PendingConnection>,
-    sink: CompletionSink,
-    doomed: bool,
-}
-
-#[async_trait]
-impl PendingConnection for FlushingPending {
-    fn local_endpoints(&self) -> Vec<Endpoint> {
-        self.pending.local_endpoints()
-    }
-    async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
-        let conn = self.pending.complete(remote).await?;
-        Ok(Arc::new(FlushingConn {
-            conn,
-            sink: self.sink,
-            doomed: self.doomed,
-            signaled: AtomicU32::new(0),
-            flushed: AtomicBool::new(false),
-        }))
-    }
 }
 
 struct FlushingConn {

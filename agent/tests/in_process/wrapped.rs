@@ -1,14 +1,18 @@
 //! A fabric that is another one in everything but the connections it makes, which a test wraps
-//! (a path that lies, a connection flushed whole): the delegation written once.
+//! (a path that lies, a connection flushed whole): the delegation of the fabric and of its
+//! pending connections written once.
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use xfer_engine::ids::ConnectionId;
-use xfer_fabric::{CompletionSink, Endpoint, Fabric, FabricError, FabricKind, PendingConnection};
+use xfer_fabric::{CompletionSink, Connection, Endpoint, Fabric, FabricError, FabricKind, PendingConnection};
 
-/// Turns a pending connection of the inner fabric (with its completion sink and QP count) into
-/// the one the test hands out.
-pub(crate) type WrapPending = dyn Fn(Box<dyn PendingConnection>, CompletionSink, usize) -> Box<dyn PendingConnection> + Send + Sync;
+/// Wraps one established connection of the inner fabric.
+pub(crate) type WrapConn = Box<dyn FnOnce(Arc<dyn Connection>) -> Arc<dyn Connection> + Send>;
+
+/// Called when a connection is prepared (with its completion sink and QP count): how the test
+/// wraps that connection once it is established.
+pub(crate) type WrapPending = dyn Fn(CompletionSink, usize) -> WrapConn + Send + Sync;
 
 pub(crate) struct Wrapped {
     pub(crate) inner: Arc<dyn Fabric>,
@@ -49,7 +53,7 @@ impl Fabric for Wrapped {
         sink: CompletionSink,
     ) -> Result<Box<dyn PendingConnection>, FabricError> {
         let pending = self.inner.prepare(peer, connection_id, qps, depth, sink.clone()).await?;
-        Ok((self.wrap)(pending, sink, qps))
+        Ok(Box::new(WrappedPending { pending, wrap: (self.wrap)(sink, qps) }))
     }
     async fn accept(
         &self,
@@ -58,5 +62,21 @@ impl Fabric for Wrapped {
         remote: &[Endpoint],
     ) -> Result<(Vec<Endpoint>, Box<dyn xfer_fabric::Accepted>), FabricError> {
         self.inner.accept(peer, connection_id, remote).await
+    }
+}
+
+struct WrappedPending {
+    pending: Box<dyn PendingConnection>,
+    wrap: WrapConn,
+}
+
+#[async_trait]
+impl PendingConnection for WrappedPending {
+    fn local_endpoints(&self) -> Vec<Endpoint> {
+        self.pending.local_endpoints()
+    }
+    async fn complete(self: Box<Self>, remote: &[Endpoint]) -> Result<Arc<dyn Connection>, FabricError> {
+        let conn = self.pending.complete(remote).await?;
+        Ok((self.wrap)(conn))
     }
 }
