@@ -36,6 +36,7 @@
 #![allow(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod gather;
 pub mod memory;
 pub mod ring;
 pub mod sigbus;

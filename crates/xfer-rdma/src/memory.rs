@@ -346,6 +346,15 @@ impl RegionMemory {
         w.poll_write_vectored(cx, &[io::IoSlice::new(head), io::IoSlice::new(src)])
     }
 
+    /// The address of `offset..offset + len` of the mapping (bounds checked), for the gathered
+    /// writes of [`crate::gather`], which form a slice over it only inside one write call.
+    pub(crate) fn range_ptr(&self, offset: u64, len: usize) -> Result<*const u8, OutOfRange> {
+        let start = self.check(offset, len as u64)?;
+        // `start <= self.len` (checked above): the pointer stays inside the mapping or one past
+        // its end, so `wrapping_add` computes exactly what `add` would, without `unsafe`.
+        Ok(self.ptr.as_ptr().wrapping_add(start).cast_const())
+    }
+
     /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see
     /// [`RegionMemory::poll_read_into`]). `UnexpectedEof` if the stream ends first.
     pub async fn read_exact_into<R: AsyncRead + Unpin + ?Sized>(&self, rd: &mut R, offset: u64, len: usize) -> io::Result<()> {

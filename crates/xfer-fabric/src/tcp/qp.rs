@@ -9,8 +9,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+use xfer_rdma::gather::{write_all_gathered, Piece};
 
-use super::wire::{FrameReader, FrameWriter};
+use super::wire::FrameReader;
 use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::{Completion, CompletionSink, RemoteKey, WcStatus, WorkRequest, WrOp};
 
@@ -104,11 +105,18 @@ impl QpCtx {
     }
 }
 
-async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<Vec<WorkRequest>>) {
-    // Small frames (headers, small payloads) are coalesced and flushed once no further WR is
-    // queued; a payload that does not fit the staging buffer leaves straight from region memory
-    // behind them, header and payload in one vectored write.
-    let mut out = FrameWriter::new(out);
+/// Most frames one gathered write carries: a header and at most one payload slice each, within
+/// the kernel's limit of slices per `writev`.
+const GATHER_FRAMES: usize = xfer_rdma::gather::MAX_SLICES / 2;
+/// Runs already queued are added to a gathered write while it carries less than this (a run is
+/// never split; one WR may be longer).
+const GATHER_BYTES: usize = 2 << 20;
+
+async fn writer(ctx: QpCtx, mut out: BoxWrite, mut rx: mpsc::UnboundedReceiver<Vec<WorkRequest>>) {
+    // Every run already queued (up to the gather limits) leaves in one gathered write: headers
+    // and payloads straight from region memory, one system call and one push of segments for
+    // many frames, no payload copied in user space. The stream is flushed once nothing more is
+    // queued (a TLS stream may hold the last record back until then).
     'runs: loop {
         // A run already queued is taken without arming the cancellation's waiter (a lock each).
         let queued = match rx.try_recv() {
@@ -128,47 +136,26 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<Vec<W
                 run = rx.recv() => match run { Some(run) => run, None => break },
             },
         };
-        // Every WR of the run is pending before the first is written: whatever stops the stream
-        // below, the reader's `fail` completes each of them once.
-        if !ctx.enqueue(&run) {
-            continue;
+        let mut runs = vec![run];
+        let (mut frames, mut bytes) = (runs[0].len(), payload_bytes(&runs[0]));
+        // (The run that passes a limit still joins: a write of more slices than the kernel
+        // takes at once is sent in several calls.)
+        while frames < GATHER_FRAMES && bytes < GATHER_BYTES {
+            let Ok(run) = rx.try_recv() else { break };
+            (frames, bytes) = (frames + run.len(), bytes + payload_bytes(&run));
+            runs.push(run);
         }
-        let last = run.len().saturating_sub(1);
-        for (i, wr) in run.iter().enumerate() {
-            let (h, bounce) = match frame_of(&ctx, wr) {
-                Ok(f) => f,
-                Err(status) => {
-                    ctx.fail(status);
-                    break 'runs;
-                }
-            };
-            let send = async {
-                out.write_all(&h.encode()).await?;
-                if let Some(b) = &bounce {
-                    out.write_all(b).await?;
-                } else if wr.op == WrOp::Write && out.fits(wr.len as usize) {
-                    // Small: staged with the frames around it (one copy, far fewer system calls).
-                    wr.local.memory().write_all_from(&mut out, wr.local_offset, wr.len as usize).await?;
-                } else if wr.op == WrOp::Write {
-                    // Straight from region memory: no bounce buffer. Bounds were checked at post.
-                    out.send_region(wr.local.memory(), wr.local_offset, wr.len as usize).await?;
-                }
-                if i == last && rx.is_empty() {
-                    out.flush().await?;
-                }
-                Ok::<(), std::io::Error>(())
-            };
-            // A write waits on the target reading; closing the connection must not wait for that
-            // (a stopped or hostile target would otherwise hold this task and its socket for
-            // ever). The send first: one that completes at once never arms the cancellation's
-            // waiter.
-            let res = tokio::select! {
+        if !gather_and_send(&ctx, &mut out, &runs).await {
+            break 'runs;
+        }
+        if rx.is_empty() {
+            let flushed = tokio::select! {
                 biased;
-                r = send => r,
+                r = out.flush() => r,
                 _ = ctx.cancel.cancelled() => break 'runs,
             };
-            if let Err(e) = res {
-                debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
+            if let Err(e) = flushed {
+                debug!(qp = ctx.index, error = %e, "tcp fabric: stream flush failed");
                 ctx.fail(WcStatus::RetryExcErr);
                 break 'runs;
             }
@@ -187,6 +174,66 @@ async fn writer(ctx: QpCtx, out: BoxWrite, mut rx: mpsc::UnboundedReceiver<Vec<W
         _ = out.shutdown() => {}
         _ = ctx.cancel.cancelled() => {}
     }
+}
+
+/// Payload bytes a run puts on the stream (WRITEs only; requests and markers are headers).
+fn payload_bytes(run: &[WorkRequest]) -> usize {
+    run.iter().filter(|wr| wr.op == WrOp::Write).map(|wr| wr.len as usize).sum()
+}
+
+/// Queues `runs` as pending and writes their frames in one gathered write (more if the socket
+/// takes less). `false` once the writer must stop: the stream failed or was closed, or a WR could
+/// not be framed (the frames before it were sent first, as a QP executes the WRs before a bad
+/// one). A run posted after the QP broke is flushed and skipped.
+async fn gather_and_send(ctx: &QpCtx, out: &mut BoxWrite, runs: &[Vec<WorkRequest>]) -> bool {
+    // Every WR is pending before the first is written: whatever stops the stream below, the
+    // reader's `fail` completes each of them once.
+    let live: Vec<&Vec<WorkRequest>> = runs.iter().filter(|run| ctx.enqueue(run)).collect();
+    let mut heads = Vec::new();
+    let mut bounces = Vec::new();
+    let mut bad = None;
+    'frames: for run in &live {
+        for wr in run.iter() {
+            match frame_of(ctx, wr) {
+                Ok((h, bounce)) => {
+                    heads.push(h.encode());
+                    bounces.push(bounce);
+                }
+                Err(status) => {
+                    bad = Some(status);
+                    break 'frames;
+                }
+            }
+        }
+    }
+    let mut pieces = Vec::with_capacity(heads.len() * 2);
+    for (i, wr) in live.iter().flat_map(|run| run.iter()).take(heads.len()).enumerate() {
+        pieces.push(Piece::Bytes(&heads[i]));
+        match &bounces[i] {
+            Some(b) => pieces.push(Piece::Bytes(b)),
+            // Straight from region memory: bounds were checked at post.
+            None if wr.op == WrOp::Write => pieces.push(Piece::Region(wr.local.memory(), wr.local_offset, wr.len as usize)),
+            None => {}
+        }
+    }
+    // A write waits on the target reading; closing the connection must not wait for that (a
+    // stopped or hostile target would otherwise hold this task and its socket for ever). The
+    // send first: one that completes at once never arms the cancellation's waiter.
+    let res = tokio::select! {
+        biased;
+        r = write_all_gathered(out, &pieces) => r,
+        _ = ctx.cancel.cancelled() => return false,
+    };
+    if let Err(e) = res {
+        debug!(qp = ctx.index, error = %e, "tcp fabric: stream write failed");
+        ctx.fail(WcStatus::RetryExcErr);
+        return false;
+    }
+    if let Some(status) = bad {
+        ctx.fail(status);
+        return false;
+    }
+    true
 }
 
 /// The frame header of `wr`, and its payload copied out when its memory is over a file that can
