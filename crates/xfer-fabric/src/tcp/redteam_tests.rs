@@ -36,6 +36,8 @@ struct WriteGrant {
     gate: Arc<GrantGate>,
     grant: u64,
     revoke_in_check: AtomicBool,
+    /// The grant also allows READs.
+    reads: AtomicBool,
 }
 
 impl WriteGrant {
@@ -45,6 +47,7 @@ impl WriteGrant {
             gate: GrantGate::new(std::time::SystemTime::now() + Duration::from_secs(3600)),
             grant,
             revoke_in_check: AtomicBool::new(false),
+            reads: AtomicBool::new(false),
         })
     }
 
@@ -57,7 +60,8 @@ impl WriteGrant {
 
 impl AccessCheck for WriteGrant {
     fn check(&self, _: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
-        if token != &TOKEN || op != RemoteOp::Write || addr.checked_add(len).is_none_or(|end| end > self.grant) {
+        let allowed = op == RemoteOp::Write || (op == RemoteOp::Read && self.reads.load(Ordering::SeqCst));
+        if token != &TOKEN || !allowed || addr.checked_add(len).is_none_or(|end| end > self.grant) {
             return Err(WcStatus::RemAccessErr);
         }
         let checked = Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone() };
@@ -112,6 +116,60 @@ async fn a_revocation_after_the_check_lands_no_byte_of_a_buffered_or_straight_in
         assert!(matches!(r, Err(ServeError::Revoked)), "{len} bytes: {r:?}");
         assert!(grants.bytes().iter().all(|b| *b == 0), "{len} bytes: a byte landed after the revocation returned");
         assert!(answers(&out).iter().all(|a| a.0 != Kind::Ack), "{len} bytes: acknowledged: {:?}", answers(&out));
+    }
+}
+
+/// READ requests whose answers are queued for one gathered write, the grant revoked in the
+/// check of the last: every answer was still queued (none had started to leave) when the
+/// revocation returned, so no READ_RESP header and no byte of the region leaves, and the stream
+/// closes as revoked. (An answer that already started is finished: its header promised it.)
+#[tokio::test]
+async fn read_answers_queued_when_their_grant_is_revoked_never_leave() {
+    let grants = WriteGrant::new(REGION as u64);
+    grants.reads.store(true, Ordering::SeqCst);
+    grants.memory.write_at(0, &[0x3c; 64 << 10]).expect("fill");
+    let mut input = Vec::new();
+    for (id, len) in [(1u64, 4096u32), (2, 40 << 10), (3, 64 << 10)] {
+        let mut h = Header::new(Kind::ReadReq, id);
+        (h.addr, h.len, h.token) = (0, len, TOKEN);
+        input.extend_from_slice(&h.encode());
+    }
+    // The revocation lands inside the third request's check: the first two are already queued.
+    let checks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let revoking = RevokeAtCheck { inner: grants.clone(), at: 3, checks: checks.clone() };
+    let mut out = Vec::new();
+    let r = serve_frames(&input[..], &mut out, &revoking, &connection()).await;
+    assert!(matches!(r, Err(ServeError::Revoked)), "{r:?}");
+    assert_eq!(checks.load(Ordering::SeqCst), 3);
+    assert!(
+        out.len() < HEADER_LEN
+            || !out
+                .chunks(HEADER_LEN)
+                .any(|c| c.len() == HEADER_LEN && Header::decode(c.try_into().expect("a header")).is_ok_and(|h| h.kind == Kind::ReadResp)),
+        "an answer left after the revocation: {} bytes",
+        out.len()
+    );
+    assert!(!out.windows(64).any(|w| w.iter().all(|b| *b == 0x3c)), "region bytes left after the revocation");
+}
+
+/// Revokes the grant of `inner` inside its `at`-th check.
+struct RevokeAtCheck {
+    inner: Arc<WriteGrant>,
+    at: usize,
+    checks: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl AccessCheck for RevokeAtCheck {
+    fn check(&self, c: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+        let checked = self.inner.check(c, token, addr, len, op);
+        if self.checks.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            self.inner.gate.revoke();
+        }
+        checked
+    }
+
+    fn marker(&self, c: &ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+        self.inner.marker(c, token, imm)
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::wire::{FrameReader, FrameWriter};
+use super::wire::{is_answer_revoked, FrameReader, FrameWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
@@ -94,6 +94,7 @@ where
     let flushed = if stalled { Ok(()) } else { wr.flush().await.map_err(ServeError::from) };
     served.and(flushed).map_err(|e| match e {
         ServeError::Io(e) if is_stall(&e) => ServeError::Stalled,
+        ServeError::Io(e) if is_answer_revoked(&e) => ServeError::Revoked,
         e => e,
     })
 }
@@ -187,8 +188,8 @@ where
             }
             Kind::ReadReq => {
                 let mut resp = Header::new(Kind::ReadResp, h.id);
-                match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read).map(|t| (t.memory, t.offset)) {
-                    Ok((mem, off)) if mem.can_shrink() => {
+                match check.check(connection, &h.token, h.addr, h.len as u64, RemoteOp::Read).map(|t| (t.memory, t.offset, t.gate)) {
+                    Ok((mem, off, _)) if mem.can_shrink() => {
                         // Copied out piece by piece through one small buffer (a peer's READ never
                         // makes the agent hold its whole length): a truncated page faults in the
                         // agent and poisons the region, and zeros standing in for it are never
@@ -215,16 +216,12 @@ where
                             }
                         }
                     }
-                    Ok((mem, off)) => {
-                        // Header and payload in one vectored write, the payload straight from
-                        // region memory (a small one is staged with the frames around it).
+                    Ok((mem, off, gate)) => {
+                        // Queued behind its header and sent with the frames around it in one
+                        // gathered write, the payload straight from region memory; not at all
+                        // (the stream closes) if the grant is revoked before that write starts.
                         resp.len = h.len;
-                        wr.write_all(&resp.encode()).await?;
-                        if wr.fits(h.len as usize) {
-                            mem.write_all_from(wr, off, h.len as usize).await?;
-                        } else {
-                            wr.send_region(&mem, off, h.len as usize).await?;
-                        }
+                        wr.answer(&resp.encode(), mem, off, h.len as usize, gate).await?;
                     }
                     Err(status) => {
                         refused = true;

@@ -1,9 +1,10 @@
 //! A data stream's two directions as the frame loops use them, with as few system calls and
 //! copies per frame as the stream allows.
 //!
-//! * [`FrameWriter`] stages headers and small payloads (many frames leave in one write) and sends
-//!   a large payload straight from region memory *behind* the staged bytes in one vectored write:
-//!   the header no longer leaves alone as a 44-byte segment ahead of its payload.
+//! * [`FrameWriter`] (the target's answers) stages small frames and queues READ answers, whose
+//!   payloads leave straight from region memory between the staged bytes: every answer queued
+//!   while requests were already buffered goes out in one gathered write. A queued answer's grant
+//!   is checked again just before the write that would start it.
 //! * [`FrameReader`] buffers small frames (one read takes many of them) and reads a large payload
 //!   straight into region memory. After a payload that went straight in, the next header is read
 //!   on its own, so the payload behind it goes straight in too instead of through the buffer.
@@ -12,11 +13,15 @@
 //!   socket holds in one call and hands it over in those pieces.
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
 use tokio::net::TcpStream;
+use xfer_rdma::gather::{poll_write_gathered, Piece};
 use xfer_rdma::memory::RegionMemory;
+
+use crate::grant::GrantGate;
 
 /// Bytes a stream stages or buffers: small frames are coalesced up to this.
 pub(super) const STAGE: usize = 64 << 10;
@@ -31,71 +36,138 @@ pub(super) fn tls_socket(stream: TcpStream) -> BufReader<TcpStream> {
     BufReader::with_capacity(TLS_SOCKET_READ, stream)
 }
 
+/// Most READ answers one gathered write carries (each a header and a payload slice, within the
+/// kernel's limit of slices per `writev`).
+const MAX_ANSWERS: usize = xfer_rdma::gather::MAX_SLICES / 2 - 1;
+/// Payload bytes of queued READ answers past which they are written before the next is queued.
+const ANSWER_BYTES: usize = 2 << 20;
+
+/// A READ answer queued behind its header: its payload leaves straight from region memory in the
+/// next gathered write, unless its grant was revoked before that write started.
+struct Answer {
+    /// `staged[..at]` goes before the payload; its header is the last `head` bytes of that.
+    at: usize,
+    head: usize,
+    mem: Arc<RegionMemory>,
+    offset: u64,
+    len: usize,
+    gate: Arc<GrantGate>,
+}
+
+/// A queued READ answer's grant was revoked (or expired) before its bytes started to leave: the
+/// frames before it were sent, and the stream must close (see [`FrameWriter::answer`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the grant of a queued READ answer was revoked before it was sent")]
+pub(super) struct AnswerRevoked;
+
 /// The sending half of a stream; see the module docs. Its `AsyncWrite` stages what it is given
-/// (a write at least [`STAGE`] long goes straight out after the staged bytes).
+/// (a write at least [`STAGE`] long goes straight out after everything queued).
 pub(super) struct FrameWriter<W> {
     inner: W,
     staged: Vec<u8>,
-    /// Bytes of `staged` already written.
+    answers: Vec<Answer>,
+    /// Payload bytes of `answers`.
+    queued: usize,
+    /// Bytes of the queued sequence (staged bytes with the answers' payloads between them)
+    /// already written.
     sent: usize,
+    /// Answers whose grants were checked (at the first drain after each was queued, before any
+    /// of its bytes left: a header that left promises its payload).
+    checked: usize,
+    /// That check cut the queue at a revoked answer: the drain fails once the rest is out.
+    revoked: bool,
 }
 
 impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     pub(super) fn new(inner: W) -> Self {
-        FrameWriter { inner, staged: Vec::with_capacity(STAGE), sent: 0 }
+        FrameWriter { inner, staged: Vec::with_capacity(STAGE), answers: Vec::new(), queued: 0, sent: 0, checked: 0, revoked: false }
     }
 
-    /// Whether `len` more bytes fit the staging buffer.
-    pub(super) fn fits(&self, len: usize) -> bool {
-        self.staged.len() + len <= STAGE
+    /// Queues a READ answer: `head` (its header), then `offset..offset + len` of `mem` straight
+    /// from region memory, in the next gathered write with the frames around it (written first if
+    /// the queue is full). If `gate` is no longer live when that write starts, neither this
+    /// answer nor anything queued after it is sent, and the drain fails with [`AnswerRevoked`]:
+    /// no READ answer starts after its grant's revocation returned.
+    pub(super) async fn answer(
+        &mut self,
+        head: &[u8],
+        mem: Arc<RegionMemory>,
+        offset: u64,
+        len: usize,
+        gate: Arc<GrantGate>,
+    ) -> io::Result<()> {
+        if self.answers.len() >= MAX_ANSWERS || self.queued >= ANSWER_BYTES {
+            std::future::poll_fn(|cx| self.poll_drain(cx)).await?;
+        }
+        mem.check(offset, len as u64).map_err(io::Error::other)?;
+        self.staged.extend_from_slice(head);
+        self.answers.push(Answer { at: self.staged.len(), head: head.len(), mem, offset, len, gate });
+        self.queued += len;
+        Ok(())
     }
 
-    /// Writes the staged bytes out (not flushing `inner`).
+    /// Cuts the queue at the first answer not checked yet whose grant is no longer live (none of
+    /// its bytes has left: it is checked before the write that would start it).
+    fn check_gates(&mut self) {
+        let mut payloads = 0usize;
+        for i in 0..self.answers.len() {
+            let a = &self.answers[i];
+            let header_at = a.at - a.head + payloads;
+            payloads += a.len;
+            if i >= self.checked && header_at >= self.sent && !a.gate.is_live() {
+                self.staged.truncate(a.at - a.head);
+                self.answers.truncate(i);
+                self.queued = self.answers.iter().map(|a| a.len).sum();
+                self.revoked = true;
+                break;
+            }
+        }
+        self.checked = self.answers.len();
+    }
+
+    /// Writes everything queued out (not flushing `inner`).
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.sent < self.staged.len() {
-            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.staged[self.sent..]))?;
+        if self.checked < self.answers.len() {
+            self.check_gates();
+        }
+        loop {
+            let mut pieces = Vec::with_capacity(self.answers.len() * 2 + 1);
+            let mut from = 0usize;
+            for a in &self.answers {
+                pieces.push(Piece::Bytes(&self.staged[from..a.at]));
+                pieces.push(Piece::Region(&a.mem, a.offset, a.len));
+                from = a.at;
+            }
+            pieces.push(Piece::Bytes(&self.staged[from..]));
+            let total = self.staged.len() + self.answers.iter().map(|a| a.len).sum::<usize>();
+            if self.sent >= total {
+                break;
+            }
+            let n = ready!(poll_write_gathered(Pin::new(&mut self.inner), cx, &pieces, self.sent))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             self.sent += n;
         }
         self.staged.clear();
-        self.sent = 0;
+        self.answers.clear();
+        (self.queued, self.sent, self.checked) = (0, 0, 0);
+        if std::mem::take(&mut self.revoked) {
+            return Poll::Ready(Err(io::Error::other(AnswerRevoked)));
+        }
         Poll::Ready(Ok(()))
     }
+}
 
-    /// Sends the staged bytes and then `offset..offset + len` of `mem`, straight from region
-    /// memory, in vectored writes (one, unless the socket takes less).
-    pub(super) async fn send_region(&mut self, mem: &RegionMemory, offset: u64, len: usize) -> io::Result<()> {
-        let mut done = 0usize;
-        while self.sent < self.staged.len() || done < len {
-            let at = offset + done as u64;
-            let n = std::future::poll_fn(|cx| {
-                let inner = Pin::new(&mut self.inner);
-                if self.sent < self.staged.len() {
-                    mem.poll_write_vectored_from(inner, cx, &self.staged[self.sent..], at, len - done)
-                } else {
-                    mem.poll_write_from(inner, cx, at, len - done)
-                }
-            })
-            .await?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
-            }
-            let head = n.min(self.staged.len() - self.sent);
-            self.sent += head;
-            done += n - head;
-        }
-        self.staged.clear();
-        self.sent = 0;
-        Ok(())
-    }
+/// Whether a write failed because a queued READ answer's grant was revoked ([`AnswerRevoked`]).
+pub(super) fn is_answer_revoked(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<AnswerRevoked>())
 }
 
 impl<W: AsyncWrite + Unpin> AsyncWrite for FrameWriter<W> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if !this.fits(buf.len()) {
+        if this.staged.len() + buf.len() > STAGE {
             ready!(this.poll_drain(cx))?;
         }
         if buf.len() >= STAGE {
@@ -200,8 +272,8 @@ mod tests {
         let writer = tokio::spawn(async move {
             let mut w = FrameWriter::new(ours);
             w.write_all(&sent).await.expect("stage");
-            w.write_all(&[9u8; 44]).await.expect("header");
-            w.send_region(&mem, 0, 1 << 20).await.expect("region");
+            let gate = GrantGate::new(std::time::SystemTime::now() + std::time::Duration::from_secs(3600));
+            w.answer(&[9u8; 44], Arc::new(mem), 0, 1 << 20, gate).await.expect("answer");
             w.shutdown().await.expect("end");
         });
         let mut r = FrameReader::new(theirs);
@@ -214,5 +286,34 @@ mod tests {
         assert_eq!(r.read(&mut [0u8; 1]).await.expect("end"), 0);
         assert_eq!(got, expected);
         writer.await.expect("writer");
+    }
+
+    /// Answers queued behind small frames, the second one's grant revoked before the drain: the
+    /// frames and the answer before it leave whole, its header and everything queued after it
+    /// never do, and the drain fails with `AnswerRevoked` (the stream closes).
+    #[tokio::test]
+    async fn an_answer_revoked_before_it_leaves_is_not_sent_nor_anything_behind_it() {
+        let mem = Arc::new(RegionMemory::anonymous(1 << 16, false).expect("mapping"));
+        mem.write_at(0, &[7u8; 1 << 16]).expect("fill");
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+        let (live, doomed) = (GrantGate::new(later), GrantGate::new(later));
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let mut w = FrameWriter::new(ours);
+        w.write_all(b"ack-1").await.expect("stage");
+        w.answer(b"head-1", mem.clone(), 0, 5000, live.clone()).await.expect("queue");
+        w.write_all(b"ack-2").await.expect("stage");
+        w.answer(b"head-2", mem.clone(), 0, 70_000.min(1 << 16), doomed.clone()).await.expect("queue");
+        w.write_all(b"ack-3").await.expect("stage");
+        w.answer(b"head-3", mem.clone(), 0, 100, live).await.expect("queue");
+        doomed.revoke();
+        let err = w.flush().await.expect_err("the revoked answer fails the drain");
+        assert!(is_answer_revoked(&err), "{err}");
+        drop(w);
+        let mut got = Vec::new();
+        theirs.read_to_end(&mut got).await.expect("read");
+        let mut expected = b"ack-1head-1".to_vec();
+        expected.extend_from_slice(&[7u8; 5000]);
+        expected.extend_from_slice(b"ack-2");
+        assert_eq!(got, expected);
     }
 }
