@@ -37,6 +37,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod gather;
+pub mod landing;
 pub mod memory;
 pub mod ring;
 pub mod sigbus;

@@ -346,6 +346,17 @@ impl RegionMemory {
         w.poll_write_vectored(cx, &[io::IoSlice::new(head), io::IoSlice::new(src)])
     }
 
+    /// The address of `offset..offset + len` of a writable mapping (bounds checked), for the
+    /// copies of [`crate::landing`].
+    pub(crate) fn range_mut_ptr(&self, offset: u64, len: usize) -> Result<*mut u8, MemError> {
+        if !self.writable {
+            return Err(ReadOnly.into());
+        }
+        let start = self.check(offset, len as u64)?;
+        // In bounds (checked above): as in `range_ptr`.
+        Ok(self.ptr.as_ptr().wrapping_add(start))
+    }
+
     /// The address of `offset..offset + len` of the mapping (bounds checked), for the gathered
     /// writes of [`crate::gather`], which form a slice over it only inside one write call.
     pub(crate) fn range_ptr(&self, offset: u64, len: usize) -> Result<*const u8, OutOfRange> {

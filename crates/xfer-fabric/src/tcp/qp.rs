@@ -361,8 +361,8 @@ async fn handle_response(ctx: &QpCtx, rd: &mut FrameReader<BoxRead>, h: &Header)
                 if !mem.writable() || mem.check(wr.local_offset, wr.len as u64).is_err() {
                     return Ok(Some(WcStatus::LocProtErr));
                 }
-                // Straight into region memory: no bounce buffer.
-                mem.read_exact_into(rd, wr.local_offset, wr.len as usize).await?;
+                // Straight into region memory, or landed from the read buffer: no bounce buffer.
+                rd.read_exact_region(mem, wr.local_offset, wr.len as usize).await?;
             }
             let wr = m.done();
             if wr.signaled {

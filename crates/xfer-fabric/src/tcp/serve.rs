@@ -284,7 +284,7 @@ async fn within<T>(
 /// copied into region memory only while the grant's gate is held live (see [`GrantGate`]).
 /// `Ok(false)`: every byte was read but some did not land (a shrunk file: NAK, the stream stays in
 /// sync). [`ServeError::Revoked`] once the gate is revoked or expired mid-payload.
-async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize) -> Result<bool, ServeError> {
+async fn store_payload<R: AsyncRead + Unpin>(rd: &mut FrameReader<R>, t: &Checked, len: usize) -> Result<bool, ServeError> {
     let mem = &t.memory;
     if mem.can_shrink() {
         // Through a buffer: a truncated page faults in the agent (poisoning the region) rather
@@ -305,14 +305,15 @@ async fn store_payload<R: AsyncRead + Unpin>(rd: &mut R, t: &Checked, len: usize
         }
         return Ok(landed);
     }
-    // Straight from the socket into region memory: no bounce buffer. Each read into the region
-    // happens inside one poll, under the gate.
+    // Straight from the socket into region memory when nothing is buffered, else landed from the
+    // read buffer (streaming stores into a large region). Each copy into the region happens
+    // inside one poll, under the gate.
     let mut done = 0usize;
     while done < len {
         let want = (len - done).min(PAYLOAD_CHUNK);
         let n = std::future::poll_fn(|cx| {
             let Some(live) = t.gate.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
-            let r = mem.poll_read_into(std::pin::Pin::new(&mut *rd), cx, t.offset + done as u64, want);
+            let r = rd.poll_read_region(cx, mem, t.offset + done as u64, want);
             drop(live);
             r.map(|r| r.map_err(ServeError::from))
         })

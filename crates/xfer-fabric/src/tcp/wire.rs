@@ -212,6 +212,66 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// One read into the empty buffer (after a payload that went straight in, at most `want`
+    /// bytes: the next header alone, so the payload behind it can go straight in too). Returns
+    /// how many bytes it holds now (0 at the end of the stream).
+    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        let limit = if self.direct { want.min(self.buf.len()) } else { self.buf.len() };
+        let mut rb = ReadBuf::new(&mut self.buf[..limit]);
+        ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+        let n = rb.filled().len();
+        (self.pos, self.filled) = (0, n);
+        if n == limit {
+            self.direct = false;
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    /// Up to `len` bytes of the stream into `offset..` of `mem`: bytes already buffered are
+    /// landed from the buffer ([`RegionMemory::land`]: streaming stores into a large region), a
+    /// long read with nothing buffered goes straight from the socket into the region. Returns
+    /// how many bytes landed (0 at the end of the stream).
+    pub(super) fn poll_read_region(
+        &mut self,
+        cx: &mut Context<'_>,
+        mem: &RegionMemory,
+        offset: u64,
+        len: usize,
+    ) -> Poll<io::Result<usize>> {
+        if len == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        if self.pos == self.filled {
+            if len >= DIRECT {
+                self.direct = true;
+                return mem.poll_read_into(Pin::new(&mut self.inner), cx, offset, len);
+            }
+            if ready!(self.poll_fill(cx, len))? == 0 {
+                return Poll::Ready(Ok(0));
+            }
+        }
+        let n = (self.filled - self.pos).min(len);
+        mem.land(offset, &self.buf[self.pos..self.pos + n]).map_err(io::Error::other)?;
+        self.pos += n;
+        Poll::Ready(Ok(n))
+    }
+
+    /// Exactly `len` bytes of the stream into `offset..` of `mem` (see
+    /// [`FrameReader::poll_read_region`]); `UnexpectedEof` if the stream ends first.
+    pub(super) async fn read_exact_region(&mut self, mem: &RegionMemory, offset: u64, len: usize) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < len {
+            let n = std::future::poll_fn(|cx| self.poll_read_region(cx, mem, offset + done as u64, len - done)).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
 impl<R: AsyncRead + Unpin> AsyncRead for FrameReader<R> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
@@ -224,17 +284,9 @@ impl<R: AsyncRead + Unpin> AsyncRead for FrameReader<R> {
                 this.direct = true;
                 return Pin::new(&mut this.inner).poll_read(cx, out);
             }
-            let limit = if this.direct { want } else { this.buf.len() };
-            let mut rb = ReadBuf::new(&mut this.buf[..limit]);
-            ready!(Pin::new(&mut this.inner).poll_read(cx, &mut rb))?;
-            let n = rb.filled().len();
-            (this.pos, this.filled) = (0, n);
-            if n == 0 {
+            if ready!(this.poll_fill(cx, want))? == 0 {
                 // End of stream: nothing is put into `out`.
                 return Poll::Ready(Ok(()));
-            }
-            if n == limit {
-                this.direct = false;
             }
         }
         let n = (this.filled - this.pos).min(want);
