@@ -354,7 +354,7 @@ mod tests {
         w.write_all(b"ack-1").await.expect("stage");
         w.answer(b"head-1", mem.clone(), 0, 5000, live.clone()).await.expect("queue");
         w.write_all(b"ack-2").await.expect("stage");
-        w.answer(b"head-2", mem.clone(), 0, 70_000.min(1 << 16), doomed.clone()).await.expect("queue");
+        w.answer(b"head-2", mem.clone(), 0, 1 << 16, doomed.clone()).await.expect("queue");
         w.write_all(b"ack-3").await.expect("stage");
         w.answer(b"head-3", mem.clone(), 0, 100, live).await.expect("queue");
         doomed.revoke();
