@@ -175,7 +175,7 @@ pub trait PeerApi: Send + Sync {
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
     async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP (or, `tls`, TLS) baseline: the sink's address.
-    async fn open_sink(&self, connections: u32, tls: bool) -> Result<String, PeerError>;
+    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError>;
     /// `Peer.OpenBenchRegion`: a scratch region's name.
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError>;
     /// `Peer.CloseBenchRegion`.

@@ -2,7 +2,9 @@
 //! one-shot sink on the peer (`Peer.OpenSink`), which reads and discards. With `tls`, the streams
 //! are TLS with the agents' data-plane rustls configurations (the same library, provider, cipher
 //! suites and certificates as the tcp fabric's mTLS data streams): what `--baseline tls`
-//! compares the fabric's TLS streams against.
+//! compares the fabric's TLS streams against. With a `pool`, both ends walk buffers of that many
+//! bytes instead of one small buffer each: raw TCP with the memory footprint of a KV pool (bytes
+//! leave from and land in lines no cache holds, as the fabric's do), beside the hot baseline.
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,17 +34,30 @@ const BASELINE_MAX_BLOCK: u64 = 16 << 20;
 /// counted against `limits.max_bench_bytes`, [`SINK_ACCEPT_WITHIN`] to connect and
 /// [`SINK_LIFETIME`] in all.
 ///
-/// With `tls` (the agent's data-plane configurations), the sink takes TLS streams.
-pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32, tls: Option<DataTls>) -> Result<SocketAddr, NodeError> {
+/// With `tls` (the agent's data-plane configurations), the sink takes TLS streams. With a
+/// `pool`, each stream reads into its share of `pool` bytes, walked in order.
+pub async fn open_sink(
+    node: &Node,
+    local_ip: std::net::IpAddr,
+    connections: u32,
+    tls: Option<DataTls>,
+    pool: u64,
+) -> Result<SocketAddr, NodeError> {
     let n = connections.clamp(1, 64);
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.server));
     let slot = node.sink_slot()?;
-    let reservation = node.reserve_bench(n as u64 * SINK_BUFFER as u64, "TCP baseline sink buffers")?;
+    let share = sink_share(pool, n)?;
+    let reservation = node.reserve_bench(n as u64 * share as u64, "TCP baseline sink buffers")?;
+    // Every buffer is mapped and touched before the sender is told where to connect (its clock
+    // runs from then): on the blocking pool, as a pool can be a gigabyte.
+    let buffers = tokio::task::spawn_blocking(move || (0..n).map(|_| vec![1u8; share]).collect::<Vec<_>>())
+        .await
+        .map_err(|e| NodeError::Internal(e.to_string()))?;
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0)).await.map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     let addr = listener.local_addr().map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     tokio::spawn(async move {
         let held = (slot, reservation);
-        match run_sink(listener, n, acceptor, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
+        match run_sink(listener, acceptor, buffers, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
             Err(SinkEnd::Lifetime) => warn!("tcp baseline sink reached its lifetime; closed"),
             Err(SinkEnd::Io(e)) => debug!(error = %e, "tcp baseline sink closed"),
             Ok(done) => {
@@ -62,7 +77,9 @@ pub async fn open_sink(node: &Node, local_ip: std::net::IpAddr, connections: u32
 /// one at a time; one shared send buffer of at most [`BASELINE_MAX_BLOCK`], counted against
 /// `limits.max_bench_bytes`.
 ///
-/// With `tls` (the agent's data-plane configurations), the streams are TLS.
+/// With `tls` (the agent's data-plane configurations), the streams are TLS. With a `pool`, the
+/// senders write from `pool` bytes (each stream from its own share, in order) and the sink reads
+/// into as many: see the module docs.
 pub async fn tcp_baseline(
     node: &Node,
     peer_addr: &str,
@@ -70,6 +87,7 @@ pub async fn tcp_baseline(
     connections: u32,
     block: u64,
     tls: Option<DataTls>,
+    pool: u64,
 ) -> Result<(u64, f64), NodeError> {
     let _admin = node.admin_slot("TcpBaseline")?;
     let tls = match tls {
@@ -80,27 +98,38 @@ pub async fn tcp_baseline(
         None => None,
     };
     let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
-    let _memory = node.reserve_bench(block as u64, "the TCP baseline buffer")?;
-    let peer = node.peer_entry(peer_addr).await?;
     let n = connections.clamp(1, 64);
-    let sink = peer.call(|| peer.client.open_sink(n, tls.is_some())).await?;
+    let pool = usize::try_from(pool).map_err(|_| NodeError::Invalid("pool too large".into()))?;
+    // Each stream walks its own share of the pool (at least one block); without a pool all
+    // share one block.
+    let share = if pool == 0 { block } else { (pool / n as usize).max(block) };
+    let total = if pool == 0 { block } else { share * n as usize };
+    let _memory = node.reserve_bench(total as u64, "the TCP baseline buffer")?;
+    let peer = node.peer_entry(peer_addr).await?;
+    let sink = peer.call(|| peer.client.open_sink(n, tls.is_some(), pool as u64)).await?;
     let per = bytes.div_ceil(n as u64);
-    let buf: Arc<[u8]> = vec![0xa5u8; block].into();
+    // Filled (so every page is touched before the clock starts), on the blocking pool: a pool
+    // can be a gigabyte.
+    let buf: Arc<[u8]> =
+        tokio::task::spawn_blocking(move || vec![0xa5u8; total].into()).await.map_err(|e| NodeError::Internal(e.to_string()))?;
     let t0 = Instant::now();
     // The senders are aborted if this call is dropped (its caller went away) or when the
     // sink's lifetime has passed: a sink that stops reading holds neither them nor the
     // admin slot for ever.
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..n {
+    for i in 0..n as usize {
         let sink = sink.clone();
         let buf = buf.clone();
         let tls = tls.clone();
+        // Stream i's share: the whole block without a pool, else its slice of the pool.
+        let (from, len) = if pool == 0 { (0, block) } else { (i * share, share) };
         tasks.spawn(async move {
             let s = TcpStream::connect(&sink).await?;
             s.set_nodelay(true)?;
+            let mine = &buf[from..from + len];
             match tls {
-                None => send(s, per, &buf).await,
-                Some((connector, name)) => send(connector.connect(name, tls_socket(s)).await?, per, &buf).await,
+                None => send(s, per, mine, block).await,
+                Some((connector, name)) => send(connector.connect(name, tls_socket(s)).await?, per, mine, block).await,
             }
         });
     }
@@ -118,14 +147,16 @@ pub async fn tcp_baseline(
     Ok((total, t0.elapsed().as_secs_f64()))
 }
 
-/// Streams `per` bytes of `buf` (repeated) on `s`, then waits for the sink to close: all bytes
-/// were read on the far side.
-async fn send<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, per: u64, buf: &[u8]) -> std::io::Result<u64> {
+/// Streams `per` bytes of `buf` on `s` in writes of up to `block` bytes, walking `buf` in order
+/// and wrapping, then waits for the sink to close: all bytes were read on the far side.
+async fn send<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, per: u64, buf: &[u8], block: usize) -> std::io::Result<u64> {
     let mut left = per;
+    let mut at = 0usize;
     while left > 0 {
-        let k = (left as usize).min(buf.len());
-        s.write_all(&buf[..k]).await?;
+        let k = (left as usize).min(block).min(buf.len() - at);
+        s.write_all(&buf[at..at + k]).await?;
         left -= k as u64;
+        at = if at + k == buf.len() { 0 } else { at + k };
     }
     s.shutdown().await?;
     let mut one = [0u8; 1];
@@ -142,10 +173,24 @@ fn tls_socket(s: TcpStream) -> tokio::io::BufReader<TcpStream> {
 /// A sink's stream read to its end, still open (closing it tells the sender all was read).
 type Drained = Box<dyn AsyncWrite + Send + Unpin>;
 
-/// Reads `s` to its end, discarding the bytes.
-async fn drain<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(mut s: S) -> Option<Drained> {
-    let mut buf = vec![0u8; SINK_BUFFER];
-    while s.read(&mut buf).await.map(|k| k > 0).unwrap_or(false) {}
+/// Bytes each of a sink's `n` streams reads into: [`SINK_BUFFER`], or its share of `pool`.
+fn sink_share(pool: u64, n: u32) -> Result<usize, NodeError> {
+    let share = usize::try_from(pool / n as u64).map_err(|_| NodeError::Invalid("pool too large".into()))?;
+    Ok(share.max(SINK_BUFFER))
+}
+
+/// Reads `s` to its end into `buf`, [`SINK_BUFFER`] at a time, walking it in order and
+/// wrapping; the bytes are dropped.
+async fn drain<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(mut s: S, mut buf: Vec<u8>) -> Option<Drained> {
+    let share = buf.len().max(1);
+    let mut at = 0usize;
+    loop {
+        let end = (at + SINK_BUFFER).min(share);
+        match s.read(&mut buf[at..end]).await {
+            Ok(k) if k > 0 => at = if at + k == share { 0 } else { at + k },
+            _ => break,
+        }
+    }
     Some(Box::new(s))
 }
 
@@ -156,30 +201,30 @@ enum SinkEnd {
     Io(std::io::Error),
 }
 
-/// A sink's work: accepts `n` connections, each within `accept_within`, and reads each to its
+/// A sink's work: accepts one connection per buffer of `buffers` (each read into its own), each within `accept_within`, and reads each to its
 /// end, discarding the bytes; all within `lifetime`. Returns the streams, still open. The reading tasks live in a `JoinSet`, so
 /// when the lifetime ends (or the sink fails) every connection still open is closed with them:
 /// a peer that keeps trickling bytes cannot keep a sink's tasks and buffers past its lifetime
 /// and the slot it gave back.
 async fn run_sink(
     listener: TcpListener,
-    n: u32,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    buffers: Vec<Vec<u8>>,
     accept_within: Duration,
     lifetime: Duration,
 ) -> Result<Vec<Drained>, SinkEnd> {
     let mut readers = tokio::task::JoinSet::new();
     let work = async {
-        for _ in 0..n {
+        for buf in buffers {
             let (s, _) = tokio::time::timeout(accept_within, listener.accept())
                 .await
                 .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no baseline connection in time"))??;
             let tls = tls.clone();
             readers.spawn(async move {
                 match tls {
-                    None => drain(s).await,
+                    None => drain(s, buf).await,
                     Some(acceptor) => match acceptor.accept(tls_socket(s)).await {
-                        Ok(s) => drain(s).await,
+                        Ok(s) => drain(s, buf).await,
                         Err(e) => {
                             debug!(error = %e, "tls baseline sink: handshake failed");
                             None
@@ -215,7 +260,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let lifetime = Duration::from_secs(120);
-        let sink = tokio::spawn(run_sink(listener, 1, None, Duration::from_secs(10), lifetime));
+        let sink = tokio::spawn(run_sink(listener, None, vec![vec![0u8; SINK_BUFFER]], Duration::from_secs(10), lifetime));
         let mut peer = TcpStream::connect(addr).await.expect("connect");
         peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
         let start = tokio::time::Instant::now();

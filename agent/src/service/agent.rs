@@ -366,10 +366,17 @@ impl Agent for Services {
         peer_address(&r.peer)?;
         let bytes = if r.bytes == 0 { 256 << 20 } else { r.bytes.min(64 << 30) };
         let tls = if r.tls { Some(super::peer::baseline_tls(&self.node).map_err(transfer_status)?) } else { None };
-        let (bytes, seconds) =
-            crate::bench::tcp_baseline(&self.node, &r.peer, bytes, r.connections, if r.block == 0 { 1 << 20 } else { r.block }, tls)
-                .await
-                .map_err(transfer_status)?;
+        let (bytes, seconds) = crate::bench::tcp_baseline(
+            &self.node,
+            &r.peer,
+            bytes,
+            r.connections,
+            if r.block == 0 { 1 << 20 } else { r.block },
+            tls,
+            r.pool,
+        )
+        .await
+        .map_err(transfer_status)?;
         Ok(Response::new(tcp_baseline_to_pb(bytes, seconds)))
     }
 }

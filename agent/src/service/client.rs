@@ -230,8 +230,8 @@ impl PeerApi for PeerClient {
         let _ = self.peer.clone().disconnect(req).await;
     }
 
-    async fn open_sink(&self, connections: u32, tls: bool) -> Result<String, PeerError> {
-        let r = self.peer.clone().open_sink(sink_request_to_pb(connections, tls)).await.map_err(|s| self.err(s))?.into_inner();
+    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError> {
+        let r = self.peer.clone().open_sink(sink_request_to_pb(connections, tls, pool)).await.map_err(|s| self.err(s))?.into_inner();
         Ok(r.address)
     }
 

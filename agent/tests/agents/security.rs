@@ -65,7 +65,7 @@ async fn a_client_certificate_cannot_call_the_peer_service() {
         let mut p = pki.peer(&b, who).await;
         denied(&p.connect(connect_req("c1")).await.unwrap_err(), "node");
         denied(&p.grant(grant_req("dst", "node-a", "c1", pb::Access::Read)).await.unwrap_err(), "node");
-        denied(&p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false }).await.unwrap_err(), "node");
+        denied(&p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap_err(), "node");
         denied(&p.open_bench_region(pb::OpenBenchRegionRequest { length: 4096 }).await.unwrap_err(), "node");
     }
     // No grant was made: the first one a real node asks for is the only one.
@@ -80,14 +80,18 @@ async fn benchmarks_need_the_admin_role() {
     let pki = Pki::new();
     let (a, _ta) = pki.agent("node-a");
     let (b, _tb) = pki.agent("node-b");
-    let baseline = pb::TcpBaselineRequest { peer: b.addr(), bytes: 4 << 20, connections: 1, block: 1 << 20, tls: false };
+    let baseline = pb::TcpBaselineRequest { peer: b.addr(), bytes: 4 << 20, connections: 1, block: 1 << 20, tls: false, pool: 0 };
     let bench = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 4, qps: 1, depth: 1, ..Default::default() };
     let mut client = pki.agent_client(&a, "xferctl").await;
     denied(&client.tcp_baseline(baseline.clone()).await.unwrap_err(), "admin");
     denied(&client.bench(bench.clone()).await.unwrap_err(), "admin");
     // The admin may, and is a client too.
     let mut admin = pki.agent_client(&a, "admin").await;
-    let r = admin.tcp_baseline(baseline).await.unwrap().into_inner();
+    let r = admin.tcp_baseline(baseline.clone()).await.unwrap().into_inner();
+    assert_eq!(r.bytes, 4 << 20);
+    // Over pools (each of the two streams walks its 2 MiB share on both ends): every byte counted.
+    let pooled = pb::TcpBaselineRequest { connections: 2, pool: 4 << 20, ..baseline };
+    let r = admin.tcp_baseline(pooled).await.unwrap().into_inner();
     assert_eq!(r.bytes, 4 << 20);
     let r = admin.bench(bench).await.unwrap().into_inner();
     assert_eq!(r.bytes, 4 * 4096);
@@ -457,8 +461,15 @@ async fn forged_names_do_not_create_metric_series() {
 async fn benchmark_targets_are_one_at_a_time_and_count_against_their_own_budget() {
     let b = Agent::start_env("node-b", &[("XFER_LIMITS__MAX_REGISTERED_BYTES", "8MiB"), ("XFER_LIMITS__MAX_BENCH_BYTES", "8MiB")]);
     let mut p = b.peer_client().await;
-    p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false }).await.unwrap();
-    let e = p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false }).await.unwrap_err();
+    // A sink whose pool is past the benchmarks' budget (or past any size) is refused before
+    // anything is allocated, and holds no slot: the next sink opens.
+    for pool in [16 << 20, u64::MAX] {
+        let e = p.open_sink(pb::OpenSinkRequest { connections: 2, tls: false, pool }).await.unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "pool {pool}: {e:?}");
+        assert!(e.message().contains("max_bench_bytes"), "{e:?}");
+    }
+    p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap();
+    let e = p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "one sink at a time: {e:?}");
 
     let e = p.open_bench_region(pb::OpenBenchRegionRequest { length: 16 << 20 }).await.unwrap_err();
@@ -485,7 +496,7 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     let mut c = a.client().await;
     // A 4 MiB baseline buffer does not fit in the benchmarks' 1 MiB.
     let e = c
-        .tcp_baseline(pb::TcpBaselineRequest { peer: b.addr(), bytes: 1 << 20, connections: 1, block: 4 << 20, tls: false })
+        .tcp_baseline(pb::TcpBaselineRequest { peer: b.addr(), bytes: 1 << 20, connections: 1, block: 4 << 20, tls: false, pool: 0 })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -498,7 +509,7 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     let req =
         pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1, ..Default::default() };
     let (mut c1, mut c2) = (a.client().await, a.client().await);
-    let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096, tls: false };
+    let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096, tls: false, pool: 0 };
     let first = c1.bench(req);
     let second = c2.tcp_baseline(base);
     let e = tokio::select! {

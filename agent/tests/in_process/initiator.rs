@@ -158,7 +158,7 @@ impl PeerApi for LocalPeer {
         self.gave_back.notify_one();
     }
 
-    async fn open_sink(&self, _connections: u32, _tls: bool) -> Result<String, PeerError> {
+    async fn open_sink(&self, _connections: u32, _tls: bool, _pool: u64) -> Result<String, PeerError> {
         Err(remote("not in this test"))
     }
 

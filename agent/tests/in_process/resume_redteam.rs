@@ -106,8 +106,8 @@ impl PeerApi for Hostile {
         }
         self.gave_back.notify_one();
     }
-    async fn open_sink(&self, connections: u32, tls: bool) -> Result<String, PeerError> {
-        self.target().open_sink(connections, tls).await
+    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError> {
+        self.target().open_sink(connections, tls, pool).await
     }
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
         self.target().open_bench_region(length).await

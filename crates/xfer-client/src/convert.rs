@@ -343,6 +343,7 @@ impl TcpBaselineSpec {
             connections: self.connections,
             block: self.block,
             tls: self.tls,
+            pool: self.pool,
         }
     }
 }

@@ -554,6 +554,8 @@ pub struct TcpBaselineSpec {
     pub block: u64,
     /// TLS streams with the agents' data-plane certificates (the raw TLS baseline).
     pub tls: bool,
+    /// > 0: both ends walk buffers this long instead of one small hot buffer each.
+    pub pool: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

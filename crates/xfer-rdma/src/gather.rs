@@ -62,17 +62,14 @@ pub fn poll_write_gathered<W: AsyncWrite + ?Sized>(
         let bytes: &[u8] = match *piece {
             Piece::Bytes(b) => &b[skip..],
             Piece::Region(mem, offset, len) => {
-                let ptr = match mem.range_ptr(offset, len) {
-                    Ok(p) => p,
+                // SAFETY: the slice is handed to the one `poll_write_vectored` below and dropped
+                // with `slices` when this function returns (`transient_slice`'s contract);
+                // concurrent writers may tear the bytes being sent, exactly as an RDMA READ
+                // racing a WRITE would (the memory module's contract).
+                match unsafe { mem.transient_slice(offset, len) } {
+                    Ok(whole) => &whole[skip..],
                     Err(e) => return Poll::Ready(Err(io::Error::other(e))),
-                };
-                // SAFETY: `ptr..ptr + len` lies within the live mapping (bounds checked by
-                // `range_ptr`), which `mem` keeps mapped for longer than this call. The shared
-                // slice is handed to one `poll_write_vectored` below and dropped with `slices`
-                // when this function returns; concurrent writers may tear the bytes being sent,
-                // exactly as an RDMA READ racing a WRITE would (the memory module's contract).
-                let whole = unsafe { std::slice::from_raw_parts(ptr, len) };
-                &whole[skip..]
+                }
             }
         };
         skip = 0;

@@ -346,8 +346,7 @@ impl RegionMemory {
         w.poll_write_vectored(cx, &[io::IoSlice::new(head), io::IoSlice::new(src)])
     }
 
-    /// The address of `offset..offset + len` of a writable mapping (bounds checked), for the
-    /// copies of [`crate::landing`].
+    /// The address of `offset..offset + len` of a writable mapping (bounds checked), for [`crate::landing`].
     pub(crate) fn range_mut_ptr(&self, offset: u64, len: usize) -> Result<*mut u8, MemError> {
         if !self.writable {
             return Err(ReadOnly.into());
@@ -357,13 +356,16 @@ impl RegionMemory {
         Ok(self.ptr.as_ptr().wrapping_add(start))
     }
 
-    /// The address of `offset..offset + len` of the mapping (bounds checked), for the gathered
-    /// writes of [`crate::gather`], which form a slice over it only inside one write call.
-    pub(crate) fn range_ptr(&self, offset: u64, len: usize) -> Result<*const u8, OutOfRange> {
+    /// `offset..offset + len` of the mapping as a shared slice (bounds checked), for the gathered
+    /// writes of [`crate::gather`] (many such slices in one vectored write).
+    /// # Safety
+    /// The slice must not outlive the one `poll_write_vectored` it is made for: others change
+    /// these bytes at any time (as in [`RegionMemory::poll_write_from`]).
+    pub(crate) unsafe fn transient_slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfRange> {
         let start = self.check(offset, len as u64)?;
-        // `start <= self.len` (checked above): the pointer stays inside the mapping or one past
-        // its end, so `wrapping_add` computes exactly what `add` would, without `unsafe`.
-        Ok(self.ptr.as_ptr().wrapping_add(start).cast_const())
+        // SAFETY: `start + len` lies within the live mapping (checked above), which outlives
+        // `&self`; how long the slice may live is the caller's contract (see `# Safety`).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
     }
 
     /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see

@@ -45,6 +45,10 @@ pub enum Baseline {
     /// Raw TLS throughput between the two hosts: rustls streams with the agents' data-plane
     /// certificates and cipher suites, as many as the fabric's (both agents need mTLS).
     Tls,
+    /// Raw TCP whose two ends walk buffers as large as the memory the fabric moves (a KV batch's
+    /// blocks, or the largest message) instead of one small hot buffer each: as many bytes
+    /// leaving from and landing in memory no cache holds as the fabric's.
+    TcpPool,
 }
 
 impl Baseline {
@@ -52,6 +56,7 @@ impl Baseline {
         match self {
             Baseline::Tcp => "tcp",
             Baseline::Tls => "tls",
+            Baseline::TcpPool => "tcp-pool",
         }
     }
 }
@@ -314,6 +319,14 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         bytes: baseline_bytes(&opt.sizes),
         connections: opt.qps.unwrap_or(1).max(1),
         tls: opt.baseline == Some(Baseline::Tls),
+        // The memory the fabric moves per batch on each side: a KV batch's blocks (as many bytes
+        // as the blocks scattered over the pool; a batch touches no more), or the largest message
+        // buffer.
+        pool: match opt.baseline {
+            Some(Baseline::TcpPool) if kv => (blocks as u64).saturating_mul(block),
+            Some(Baseline::TcpPool) => opt.sizes.iter().copied().max().unwrap_or(0),
+            _ => 0,
+        },
         // Write in blocks as large as the largest message (capped at 16 MiB), so the baseline
         // is not handicapped by smaller syscalls than the fabric makes.
         block: opt.sizes.iter().copied().max().unwrap_or(1 << 20).clamp(1 << 20, 16 << 20),

@@ -157,8 +157,8 @@ pub fn revoke_request_to_pb(grant_id: &str) -> pb::RevokeRequest {
 }
 
 /// `Peer.OpenSink` (benchmark): a tcp sink taking `connections` streams.
-pub fn sink_request_to_pb(connections: u32, tls: bool) -> pb::OpenSinkRequest {
-    pb::OpenSinkRequest { connections, tls }
+pub fn sink_request_to_pb(connections: u32, tls: bool, pool: u64) -> pb::OpenSinkRequest {
+    pb::OpenSinkRequest { connections, tls, pool }
 }
 
 /// `Peer.OpenBenchRegion` (benchmark): a scratch region of `length` bytes.
