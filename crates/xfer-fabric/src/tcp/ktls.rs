@@ -53,23 +53,89 @@ enum Support {
     None(String),
 }
 
-static SUPPORT: OnceCell<Support> = OnceCell::const_new();
-/// The kernel refused a stream's keys after the probe accepted its suite: later streams stay
-/// with rustls rather than lose their stream too.
-static REFUSED: AtomicBool = AtomicBool::new(false);
-/// The fallback has been logged at warn level (later ones at debug).
-static WARNED: AtomicBool = AtomicBool::new(false);
+/// What the process knows of its kernel's TLS: one for the process ([`KERNEL`]); unit tests
+/// make their own.
+pub(super) struct KernelState {
+    support: OnceCell<Support>,
+    /// The kernel refused a stream's keys after the probe accepted its suite: later streams
+    /// stay with rustls rather than lose their stream too.
+    refused: AtomicBool,
+    /// The fallback has been logged at warn level (later ones at debug).
+    warned: AtomicBool,
+}
 
-async fn support() -> &'static Support {
-    SUPPORT
-        .get_or_init(|| async {
-            match CompatibleCiphers::new().await {
-                Err(e) => Support::None(format!("probing the kernel's TLS failed: {e}")),
-                Ok(c) if !any_cipher(&c) => Support::None(why_none()),
-                Ok(c) => Support::Ciphers(c),
+static KERNEL: KernelState = KernelState::new();
+
+impl KernelState {
+    const fn new() -> KernelState {
+        KernelState { support: OnceCell::const_new(), refused: AtomicBool::new(false), warned: AtomicBool::new(false) }
+    }
+
+    async fn support(&self) -> &Support {
+        self.support
+            .get_or_init(|| async {
+                match CompatibleCiphers::new().await {
+                    Err(e) => Support::None(format!("probing the kernel's TLS failed: {e}")),
+                    Ok(c) if !any_cipher(&c) => Support::None(why_none()),
+                    Ok(c) => Support::Ciphers(c),
+                }
+            })
+            .await
+    }
+
+    /// Whether a new stream's handshake should prepare for the kernel (`auto`, and the kernel
+    /// can take some suite): `Err(None)` for `off` (never probes, never counts),
+    /// `Err(Some(why))` when `auto` must stay with rustls.
+    async fn wanted(&self, kernel: KernelTls) -> Result<(), Option<String>> {
+        if kernel == KernelTls::Off {
+            return Err(None);
+        }
+        if self.refused.load(Ordering::Acquire) {
+            return Err(Some("the kernel refused an earlier stream's keys".into()));
+        }
+        match self.support().await {
+            Support::None(why) => Err(Some(why.clone())),
+            Support::Ciphers(_) => Ok(()),
+        }
+    }
+
+    fn fell_back(&self, role: &'static str, why: &str) {
+        crate::metrics::data_ktls_stream(role, "fallback");
+        if !self.warned.swap(true, Ordering::AcqRel) {
+            warn!(role, reason = why, "tcp fabric: tls.kernel = auto, but data streams stay with rustls in user space");
+        } else {
+            debug!(role, reason = why, "tcp fabric: data stream stays with rustls in user space");
+        }
+    }
+
+    fn suite_check(&self, suite: Option<SupportedCipherSuite>) -> Result<(), String> {
+        match (self.support.get(), suite) {
+            (Some(Support::Ciphers(c)), Some(suite)) => kernel_takes(c, suite),
+            (_, None) => Err("no negotiated cipher suite".into()),
+            (_, Some(_)) => Err("the kernel's TLS was not probed".into()),
+        }
+    }
+
+    fn converted(&self, role: &'static str, r: Result<KtlsStream<TcpStream>, ::ktls::Error>) -> io::Result<(BoxRead, BoxWrite)> {
+        match r {
+            Ok(k) => {
+                crate::metrics::data_ktls_stream(role, "kernel");
+                let (drained, socket) = k.into_raw();
+                let (rd, wr) = socket.into_split();
+                let reader = KernelReader { rd, pending: drained.unwrap_or_default(), pos: 0, closed: false };
+                Ok((Box::new(reader), Box::new(KernelWriter(KtlsStream::new(WriteFd(wr), None)))))
             }
-        })
-        .await
+            Err(e) => {
+                crate::metrics::data_ktls_stream(role, "failed");
+                // A drain error is the peer's (a read failed); anything else is the kernel's
+                // answer to the keys, and would be the same for the next stream.
+                if !matches!(e, ::ktls::Error::DrainError(_)) && !self.refused.swap(true, Ordering::AcqRel) {
+                    warn!(role, error = %e, "tcp fabric: the kernel refused a data stream's TLS keys; later streams stay with rustls");
+                }
+                Err(io::Error::other(format!("handing the stream's TLS to the kernel failed: {e}")))
+            }
+        }
+    }
 }
 
 fn any_cipher(c: &CompatibleCiphers) -> bool {
@@ -83,31 +149,6 @@ fn why_none() -> String {
             format!("the kernel has no tls module loaded (tcp_available_ulp: {:?}; `modprobe tls` as root)", ulps.trim())
         }
         _ => "the kernel refused every kTLS cipher (AES-GCM and ChaCha20-Poly1305, TLS 1.2 and 1.3)".into(),
-    }
-}
-
-/// Whether a new stream's handshake should prepare for the kernel (`auto`, and the kernel can
-/// take some suite): `Err(None)` for `off` (never probes, never counts), `Err(Some(why))` when
-/// `auto` must stay with rustls.
-async fn kernel_wanted(kernel: KernelTls) -> Result<(), Option<String>> {
-    if kernel == KernelTls::Off {
-        return Err(None);
-    }
-    if REFUSED.load(Ordering::Acquire) {
-        return Err(Some("the kernel refused an earlier stream's keys".into()));
-    }
-    match support().await {
-        Support::None(why) => Err(Some(why.clone())),
-        Support::Ciphers(_) => Ok(()),
-    }
-}
-
-fn fell_back(role: &'static str, why: &str) {
-    crate::metrics::data_ktls_stream(role, "fallback");
-    if !WARNED.swap(true, Ordering::AcqRel) {
-        warn!(role, reason = why, "tcp fabric: tls.kernel = auto, but data streams stay with rustls in user space");
-    } else {
-        debug!(role, reason = why, "tcp fabric: data stream stays with rustls in user space");
     }
 }
 
@@ -139,6 +180,7 @@ fn kernel_takes(c: &CompatibleCiphers, suite: SupportedCipherSuite) -> Result<()
 /// A data stream after its TLS handshake, before its identity is acted on and its halves made.
 pub(super) struct Handshaken {
     stream: Stream,
+    kernel: &'static KernelState,
     /// Why an `auto` stream was handshaken for rustls alone (`None`: `off`, or ready for the
     /// kernel); counted and said once the handshake succeeded.
     user_because: Option<String>,
@@ -153,20 +195,30 @@ enum Stream {
 
 /// The initiator's handshake on `stream`, verifying the target for `name`.
 pub(super) async fn connect(tls: &DataTls, name: ServerName<'static>, stream: TcpStream) -> io::Result<Handshaken> {
-    let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
-    Ok(match kernel_wanted(tls.kernel).await {
-        Ok(()) => Handshaken { stream: Stream::ClientCorked(connector.connect(name, CorkStream::new(stream)).await?), user_because: None },
-        Err(why) => Handshaken { stream: Stream::ClientUser(connector.connect(name, tls_socket(stream)).await?), user_because: why },
-    })
+    connect_with(&KERNEL, tls, name, stream).await
 }
 
 /// The target's handshake on an accepted `stream`.
 pub(super) async fn accept(tls: &DataTls, stream: TcpStream) -> io::Result<Handshaken> {
+    accept_with(&KERNEL, tls, stream).await
+}
+
+async fn connect_with(kernel: &'static KernelState, tls: &DataTls, name: ServerName<'static>, stream: TcpStream) -> io::Result<Handshaken> {
+    let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+    let (stream, user_because) = match kernel.wanted(tls.kernel).await {
+        Ok(()) => (Stream::ClientCorked(connector.connect(name, CorkStream::new(stream)).await?), None),
+        Err(why) => (Stream::ClientUser(connector.connect(name, tls_socket(stream)).await?), why),
+    };
+    Ok(Handshaken { stream, kernel, user_because })
+}
+
+async fn accept_with(kernel: &'static KernelState, tls: &DataTls, stream: TcpStream) -> io::Result<Handshaken> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
-    Ok(match kernel_wanted(tls.kernel).await {
-        Ok(()) => Handshaken { stream: Stream::ServerCorked(acceptor.accept(CorkStream::new(stream)).await?), user_because: None },
-        Err(why) => Handshaken { stream: Stream::ServerUser(acceptor.accept(tls_socket(stream)).await?), user_because: why },
-    })
+    let (stream, user_because) = match kernel.wanted(tls.kernel).await {
+        Ok(()) => (Stream::ServerCorked(acceptor.accept(CorkStream::new(stream)).await?), None),
+        Err(why) => (Stream::ServerUser(acceptor.accept(tls_socket(stream)).await?), why),
+    };
+    Ok(Handshaken { stream, kernel, user_because })
 }
 
 impl Handshaken {
@@ -187,62 +239,34 @@ impl Handshaken {
             Stream::ClientUser(_) | Stream::ClientCorked(_) => INITIATOR,
             Stream::ServerUser(_) | Stream::ServerCorked(_) => TARGET,
         };
+        let kernel = self.kernel;
         if let Some(why) = &self.user_because {
-            fell_back(role, why);
+            kernel.fell_back(role, why);
         }
         match self.stream {
             Stream::ClientUser(s) => Ok(split(s)),
             Stream::ServerUser(s) => Ok(split(s)),
-            Stream::ClientCorked(s) => match suite_check(s.get_ref().1.negotiated_cipher_suite()) {
-                Ok(()) => converted(INITIATOR, ::ktls::config_ktls_client(s).await),
+            Stream::ClientCorked(s) => match kernel.suite_check(s.get_ref().1.negotiated_cipher_suite()) {
+                Ok(()) => kernel.converted(INITIATOR, ::ktls::config_ktls_client(s).await),
                 Err(why) => {
-                    fell_back(INITIATOR, &why);
+                    kernel.fell_back(INITIATOR, &why);
                     Ok(split(s))
                 }
             },
-            Stream::ServerCorked(s) => match suite_check(s.get_ref().1.negotiated_cipher_suite()) {
-                Ok(()) => converted(TARGET, ::ktls::config_ktls_server(s).await),
+            Stream::ServerCorked(s) => match kernel.suite_check(s.get_ref().1.negotiated_cipher_suite()) {
+                Ok(()) => kernel.converted(TARGET, ::ktls::config_ktls_server(s).await),
                 Err(why) => {
-                    fell_back(TARGET, &why);
+                    kernel.fell_back(TARGET, &why);
                     Ok(split(s))
                 }
             },
         }
-    }
-}
-
-fn suite_check(suite: Option<SupportedCipherSuite>) -> Result<(), String> {
-    match (SUPPORT.get(), suite) {
-        (Some(Support::Ciphers(c)), Some(suite)) => kernel_takes(c, suite),
-        (_, None) => Err("no negotiated cipher suite".into()),
-        (_, Some(_)) => Err("the kernel's TLS was not probed".into()),
     }
 }
 
 fn split<S: AsyncRead + AsyncWrite + Send + 'static>(s: S) -> (BoxRead, BoxWrite) {
     let (rd, wr) = tokio::io::split(s);
     (Box::new(rd), Box::new(wr))
-}
-
-fn converted(role: &'static str, r: Result<KtlsStream<TcpStream>, ::ktls::Error>) -> io::Result<(BoxRead, BoxWrite)> {
-    match r {
-        Ok(k) => {
-            crate::metrics::data_ktls_stream(role, "kernel");
-            let (drained, socket) = k.into_raw();
-            let (rd, wr) = socket.into_split();
-            let reader = KernelReader { rd, pending: drained.unwrap_or_default(), pos: 0, closed: false };
-            Ok((Box::new(reader), Box::new(KernelWriter(KtlsStream::new(WriteFd(wr), None)))))
-        }
-        Err(e) => {
-            crate::metrics::data_ktls_stream(role, "failed");
-            // A drain error is the peer's (a read failed); anything else is the kernel's answer
-            // to the keys, and would be the same for the next stream.
-            if !matches!(e, ::ktls::Error::DrainError(_)) && !REFUSED.swap(true, Ordering::AcqRel) {
-                warn!(role, error = %e, "tcp fabric: the kernel refused a data stream's TLS keys; later streams stay with rustls");
-            }
-            Err(io::Error::other(format!("handing the stream's TLS to the kernel failed: {e}")))
-        }
-    }
 }
 
 /// The receiving half of a kernel TLS stream: what rustls had decrypted, then the socket. A
@@ -392,6 +416,9 @@ impl AsyncWrite for KernelWriter {
 }
 
 #[cfg(test)]
+mod stream_tests;
+
+#[cfg(test)]
 mod tests {
     use ::ktls::CompatibleCiphersForVersion;
 
@@ -436,7 +463,8 @@ mod tests {
     /// `off` decides without probing the kernel.
     #[tokio::test]
     async fn off_never_probes() {
-        assert_eq!(kernel_wanted(KernelTls::Off).await, Err(None));
-        assert!(SUPPORT.get().is_none(), "off probed the kernel");
+        let kernel = KernelState::new();
+        assert_eq!(kernel.wanted(KernelTls::Off).await, Err(None));
+        assert!(kernel.support.get().is_none(), "off probed the kernel");
     }
 }
