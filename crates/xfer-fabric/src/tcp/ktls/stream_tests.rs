@@ -22,8 +22,9 @@ use super::{accept_with, connect_with, Handshaken, KernelState, Stream, Support}
 use crate::identity::tls::{data_tls, DataTls, KernelTls};
 use crate::identity::{Role, RolePolicy};
 
-/// A CA and one node certificate it signed (valid for 127.0.0.1), as both ends' data-plane TLS.
-fn node_tls() -> DataTls {
+/// A CA and one node certificate it signed (valid for 127.0.0.1), as both ends' data-plane TLS;
+/// with `tls12_client`, the initiator offers TLS 1.2 only.
+fn node_tls_with(tls12_client: bool) -> DataTls {
     let ca_key = KeyPair::generate().unwrap();
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -39,7 +40,25 @@ fn node_tls() -> DataTls {
     let cert = leaf.signed_by(&key, &issuer).unwrap();
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
     let policy = Arc::new(RolePolicy::new("xfer.test", &[]));
-    data_tls(vec![cert.der().clone()], key, vec![ca_cert.der().clone()], policy, None, KernelTls::Auto).unwrap()
+    let (chain, roots) = (vec![cert.der().clone()], vec![ca_cert.der().clone()]);
+    let mut tls = data_tls(chain.clone(), key.clone_key(), roots.clone(), policy, None, KernelTls::Auto).unwrap();
+    if tls12_client {
+        let mut store = rustls::RootCertStore::empty();
+        store.add(roots[0].clone()).unwrap();
+        let mut client = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS12])
+            .unwrap()
+            .with_root_certificates(store)
+            .with_client_auth_cert(chain, key)
+            .unwrap();
+        client.enable_secret_extraction = true;
+        tls.client = Arc::new(client);
+    }
+    tls
+}
+
+fn node_tls() -> DataTls {
+    node_tls_with(false)
 }
 
 /// A kernel whose answer is `support` (no probe), for the life of the test process.
@@ -132,7 +151,29 @@ async fn a_suite_the_kernel_lacks_stays_with_rustls_on_the_record_at_a_time_sock
 
 #[tokio::test]
 async fn a_kernel_that_takes_the_suite_gets_the_stream_or_refuses_it_once() {
-    let tls = node_tls();
+    kernel_gets_the_stream_or_refuses_it_once(node_tls(), "TLS 1.3").await;
+}
+
+/// The same with a TLS 1.2 initiator (an ECDHE-ECDSA AES-GCM suite): on a kernel without TLS 1.2
+/// ciphers it stays with rustls, on one with them it goes the TLS 1.3 stream's ways.
+#[tokio::test]
+async fn tls12_streams_stay_with_rustls_or_go_to_the_kernel_the_same_ways() {
+    let tls = node_tls_with(true);
+    let k = kernel(ciphers(false, true));
+    let (c, s) = handshake(k, &tls).await;
+    assert_nodes(&tls, [&c, &s]);
+    assert!(matches!((&c.stream, &s.stream), (Stream::ClientCorked(_), Stream::ServerCorked(_))));
+    if let Stream::ClientCorked(s) = &c.stream {
+        assert_eq!(s.get_ref().1.protocol_version(), Some(rustls::ProtocolVersion::TLSv1_2));
+    }
+    let (i, t) = exchange(c, s).await;
+    i.expect("initiator");
+    t.expect("target");
+    assert!(!k.refused.load(Ordering::Acquire));
+    kernel_gets_the_stream_or_refuses_it_once(tls, "TLS 1.2").await;
+}
+
+async fn kernel_gets_the_stream_or_refuses_it_once(tls: DataTls, version: &str) {
     let k = kernel(ciphers(true, true));
     let (c, s) = handshake(k, &tls).await;
     assert!(matches!((&c.stream, &s.stream), (Stream::ClientCorked(_), Stream::ServerCorked(_))));
@@ -141,8 +182,8 @@ async fn a_kernel_that_takes_the_suite_gets_the_stream_or_refuses_it_once() {
     let has_tls = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_ulp").is_ok_and(|u| u.split_whitespace().any(|u| u == "tls"));
     if has_tls {
         // The kernel runs both ends' records: the hello and the bytes went through it.
-        i.expect("initiator");
-        t.expect("target");
+        i.unwrap_or_else(|e| panic!("{version} initiator: {e}"));
+        t.unwrap_or_else(|e| panic!("{version} target: {e}"));
         assert!(!k.refused.load(Ordering::Acquire));
         return;
     }
