@@ -118,7 +118,7 @@ impl TlsMaterial {
     }
 
     /// The gRPC listener's rustls config: the data plane's (same certificate, key and client
-    /// verifier) offering HTTP/2 by ALPN. The agent runs the handshake itself
+    /// verifier, without the data plane's kTLS changes) offering HTTP/2 by ALPN. The agent runs the handshake itself
     /// ([`super::handshake`]) so that a refused one is logged and counted with its reason.
     pub fn grpc_server_config(&self) -> Arc<rustls::ServerConfig> {
         let mut c = (*self.data.plain_server()).clone();
