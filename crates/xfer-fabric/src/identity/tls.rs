@@ -128,6 +128,25 @@ pub fn host_of(addr: &str) -> &str {
 mod tests {
     use super::*;
 
+    /// The data plane's configs send no session tickets (whatever `tls.kernel`) and allow taking
+    /// the keys out only with `auto`; the server config gRPC gets keeps rustls's defaults.
+    #[test]
+    fn only_the_data_plane_configs_change_for_kernel_tls() {
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = rcgen::CertificateParams::new(vec!["n1".to_string()]).expect("params").self_signed(&key).expect("a certificate");
+        let der = PrivateKeyDer::Pkcs8(rustls_pki_types::PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let policy = Arc::new(RolePolicy::new("", &[]));
+        for kernel in [KernelTls::Off, KernelTls::Auto] {
+            let t = data_tls(vec![cert.der().clone()], der.clone_key(), vec![cert.der().clone()], policy.clone(), None, kernel)
+                .expect("data TLS");
+            assert_eq!(t.server.send_tls13_tickets, 0, "{kernel:?}");
+            let auto = kernel == KernelTls::Auto;
+            assert_eq!((t.server.enable_secret_extraction, t.client.enable_secret_extraction), (auto, auto), "{kernel:?}");
+            let grpc = t.plain_server();
+            assert!(grpc.send_tls13_tickets > 0 && !grpc.enable_secret_extraction, "{kernel:?}");
+        }
+    }
+
     #[test]
     fn hosts() {
         assert_eq!(host_of("127.0.0.1:7470"), "127.0.0.1");
