@@ -321,6 +321,21 @@ mod tests {
     }
 
     #[test]
+    fn tls_kernel_is_off_by_default_and_auto_from_file_or_env() {
+        use xfer_fabric::identity::tls::KernelTls;
+        assert_eq!(Config::load(None, vec![], &Overrides::default()).unwrap().tls.kernel, KernelTls::Off);
+        let env = vec![("XFER_TLS__KERNEL".to_string(), "auto".to_string())];
+        assert_eq!(Config::load(None, env, &Overrides::default()).unwrap().tls.kernel, KernelTls::Auto);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("agent.toml");
+        std::fs::write(&f, "[tls]\nkernel = \"auto\"\n").unwrap();
+        assert_eq!(Config::load(Some(&f), vec![], &Overrides::default()).unwrap().tls.kernel, KernelTls::Auto);
+        let env = vec![("XFER_TLS__KERNEL".to_string(), "on".to_string())];
+        let e = Config::load(None, env, &Overrides::default()).unwrap_err();
+        assert!(e.to_string().contains("kernel") && e.problem.contains("off, auto"), "{e}");
+    }
+
+    #[test]
     fn printed_config_loads_back_unchanged() {
         let c = Config::load(None, Vec::new(), &Overrides { node_name: Some("n1".into()), ..Default::default() }).unwrap();
         let dir = tempfile::tempdir().unwrap();

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use xfer_common::{one_of, ByteSize, HumanDuration};
 
+use xfer_fabric::identity::tls::KernelTls;
 use xfer_fabric::identity::DnsRole;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -133,6 +134,9 @@ pub struct TlsConfig {
     pub trust_domain: String,
     /// Extra DNS-SAN → role mappings, tried when a certificate has no role URI SAN.
     pub dns_roles: Vec<DnsRole>,
+    /// Who runs the tcp data streams' TLS record layer after the handshake: rustls (`off`), or
+    /// the kernel where it can, else rustls (`auto`).
+    pub kernel: KernelTls,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -19,8 +19,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub use xfer_fabric::metrics::{
     accept_error, accept_ready, connection_build, data_connection_closed, data_connection_refused, data_connections, marker_spin,
     notify_marker, work_completion, ACCEPT_ERRORS, ACCEPT_READY, CONNECTION_BUILDS, DATA_CONNECTIONS, DATA_CONNECTIONS_CLOSED,
-    DATA_CONNECTIONS_REFUSED, DATA_TLS_HANDSHAKE_FAILURES, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP, DEVICE_WORK_REQUESTS, MARKER_SPINS,
-    NOTIFY_MARKERS, PREBUILT_QPS, RAIL_CONNECT_FAILURES, WORK_COMPLETIONS,
+    DATA_CONNECTIONS_REFUSED, DATA_KTLS_STREAMS, DATA_TLS_HANDSHAKE_FAILURES, DEVICE_BYTES, DEVICE_EVENTS, DEVICE_PORT_UP,
+    DEVICE_WORK_REQUESTS, MARKER_SPINS, NOTIFY_MARKERS, PREBUILT_QPS, RAIL_CONNECT_FAILURES, WORK_COMPLETIONS,
 };
 
 pub const TRANSFERS: &str = "xfer_transfers_total";
@@ -165,6 +165,11 @@ pub fn describe() {
         DATA_TLS_HANDSHAKE_FAILURES,
         Unit::Count,
         "TLS handshakes of data streams that failed with an error (a certificate the CA did not sign, a protocol error, the peer closing mid-handshake), by role (target: a stream accepted on the data port; initiator: a stream this agent opened). One that runs out of time is xfer_data_connections_closed_total{reason=\"handshake\"}."
+    );
+    describe_counter!(
+        DATA_KTLS_STREAMS,
+        Unit::Count,
+        "TLS data streams of an agent with tls.kernel = auto, by role (target, initiator) and result (kernel: the kernel runs the stream's record layer after the handshake; fallback: rustls in user space, because the kernel has no tls module or cannot take the negotiated cipher suite, the agent logs why once; failed: the kernel refused the stream's keys after its probe accepted the suite, the stream is lost and later streams fall back)."
     );
     describe_counter!(
         ACCEPT_ERRORS,

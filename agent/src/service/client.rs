@@ -123,6 +123,8 @@ fn check_identity(node_name: &str, instance_id: &str) -> Result<(), String> {
 fn tls_channel(ep: &TonicEndpoint, addr: &str, tls: &TlsMaterial, identity: Arc<Mutex<Identity>>) -> Result<Channel, String> {
     let mut cfg = (*tls.data.client).clone();
     cfg.alpn_protocols = vec![b"h2".to_vec()];
+    // gRPC stays with rustls: only data streams hand their keys to the kernel (`tls.kernel`).
+    cfg.enable_secret_extraction = false;
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
     let data = tls.data.clone();
     let server_name = data.server_name_for(addr)?;

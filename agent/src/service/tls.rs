@@ -104,7 +104,7 @@ impl TlsMaterial {
             };
             invalid(f.key, path, f.detail)
         })?;
-        let data = data_tls(chain, key_der, roots_der, policy.clone(), server_name.clone())
+        let data = data_tls(chain, key_der, roots_der, policy.clone(), server_name.clone(), cfg.kernel)
             .map_err(|e| invalid("tls.key", &cfg.key, format!("unusable certificate, key or CA for the data plane: {e}")))?;
         let m = TlsMaterial { identity: Identity::from_pem(cert, key), ca: Certificate::from_pem(ca), server_name, own, policy, data };
         // Build both sides once so that a bad key or CA fails at start, not at the first call.
@@ -118,10 +118,10 @@ impl TlsMaterial {
     }
 
     /// The gRPC listener's rustls config: the data plane's (same certificate, key and client
-    /// verifier) offering HTTP/2 by ALPN. The agent runs the handshake itself
+    /// verifier, without the data plane's kTLS changes) offering HTTP/2 by ALPN. The agent runs the handshake itself
     /// ([`super::handshake`]) so that a refused one is logged and counted with its reason.
     pub fn grpc_server_config(&self) -> Arc<rustls::ServerConfig> {
-        let mut c = (*self.data.server).clone();
+        let mut c = (*self.data.plain_server()).clone();
         c.alpn_protocols = vec![b"h2".to_vec()];
         Arc::new(c)
     }

@@ -28,6 +28,7 @@ mod files_redteam;
 mod host_safety;
 mod host_safety_redteam;
 mod inbound;
+mod ktls;
 mod limits;
 mod metrics_live;
 mod notify_redteam;

@@ -6,13 +6,14 @@
 //! By role: `process` starts, talks to and stops agents; `requests` builds the messages tests
 //! send and follows transfers; `scrape` reads metrics; `host` is the test process's own
 //! resources; `calls`, `wire`, `chan` and `pki` are raw calls, raw data streams, channels and
-//! certificates.
+//! certificates; `ktls` runs mTLS agents with kernel TLS and reads its counter.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 pub mod calls;
 pub mod chan;
 mod host;
+mod ktls;
 pub mod pki;
 mod process;
 mod requests;
@@ -25,6 +26,8 @@ pub mod wire;
 pub use calls::{port_of, put_via, read_via, run_via, unix_channel};
 #[allow(unused_imports)]
 pub use host::*;
+#[allow(unused_imports)]
+pub use ktls::*;
 #[allow(unused_imports)]
 pub use process::*;
 #[allow(unused_imports)]

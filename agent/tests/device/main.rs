@@ -5,8 +5,10 @@
 //! `transfer.fallback = tcp` (`fallback`: both links down, a WRITE or a READ completes over
 //! tcp), READs striped round after round (`read_rails`), the device-pair matrix of `xferctl
 //! doctor --peer` (`doctor_peer`), hostile rail offers to a two-device responder
-//! (`rails_redteam`), and a rail whose route is gone at Connect left out of the connection
-//! (`rail_unreachable`). Every case that needs a device is
+//! (`rails_redteam`), a rail whose route is gone at Connect left out of the connection
+//! (`rail_unreachable`), and kernel TLS on the tcp fabric's mTLS streams (`ktls`: needs the
+//! kernel's `tls` module, not a device; `#[ignore = "needs the kernel tls module"]`). Every case
+//! that needs a device is
 //! `#[ignore = "needs Soft-RoCE (make test-rxe)"]`, so on a host without one `cargo test` reports
 //! it as ignored, never as passed; `make test-rxe` runs this binary in the Soft-RoCE VM with
 //! `--include-ignored` and fails unless every test in it ran and passed.
@@ -23,6 +25,7 @@ mod common;
 mod conformance;
 mod doctor_peer;
 mod fallback;
+mod ktls;
 mod links;
 mod multi_rail;
 mod rail_unreachable;

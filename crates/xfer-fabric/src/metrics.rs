@@ -15,6 +15,7 @@ pub const DATA_CONNECTIONS: &str = "xfer_data_connections";
 pub const DATA_CONNECTIONS_REFUSED: &str = "xfer_data_connections_refused_total";
 pub const DATA_CONNECTIONS_CLOSED: &str = "xfer_data_connections_closed_total";
 pub const DATA_TLS_HANDSHAKE_FAILURES: &str = "xfer_data_tls_handshake_failures_total";
+pub const DATA_KTLS_STREAMS: &str = "xfer_data_ktls_streams_total";
 pub const ACCEPT_ERRORS: &str = "xfer_accept_errors_total";
 pub const NOTIFY_MARKERS: &str = "xfer_notify_markers_total";
 pub const MARKER_SPINS: &str = "xfer_marker_spins_total";
@@ -118,6 +119,13 @@ pub fn data_connection_closed(reason: &'static str) {
 /// the data port) or `initiator` (a stream this agent opened).
 pub fn data_tls_handshake_failed(role: &'static str) {
     counter!(DATA_TLS_HANDSHAKE_FAILURES, "role" => role).increment(1);
+}
+
+/// A TLS data stream of an agent with `tls.kernel = auto` runs its record layer in the kernel
+/// (`result`: `kernel`), stays with rustls in user space (`fallback`), or was lost because the
+/// kernel refused its keys (`failed`). `role`: `target` or `initiator`.
+pub fn data_ktls_stream(role: &'static str, result: &'static str) {
+    counter!(DATA_KTLS_STREAMS, "role" => role, "result" => result).increment(1);
 }
 
 /// `listener`: `data`, `grpc` or `health`.

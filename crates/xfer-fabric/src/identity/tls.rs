@@ -12,19 +12,50 @@ use super::{AuthError, Caller, RolePolicy};
 /// role is checked by the data listener against the connection it names.
 #[derive(Clone)]
 pub struct DataTls {
+    /// The data listener's config: no TLS 1.3 session tickets (see [`data_tls`]).
     pub server: Arc<rustls::ServerConfig>,
     pub client: Arc<rustls::ClientConfig>,
     pub policy: Arc<RolePolicy>,
+    /// Whether a stream's record layer goes to the kernel after the handshake (`tls.kernel`).
+    pub kernel: KernelTls,
+    /// The server config as built, before the data plane's changes: what gRPC serves with.
+    plain_server: Arc<rustls::ServerConfig>,
     server_name: Option<String>,
+}
+
+/// `tls.kernel`: who runs a data stream's TLS record layer once rustls has done the handshake
+/// and the certificate checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase", try_from = "String")]
+pub enum KernelTls {
+    /// rustls, in user space, for every stream.
+    #[default]
+    Off,
+    /// The kernel (kTLS) where it can take the stream's cipher suite; rustls for every stream it
+    /// cannot (no `tls` module, a suite it lacks), and the stream goes on either way.
+    Auto,
+}
+
+impl TryFrom<String> for KernelTls {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        xfer_common::one_of(&s, &[("off", KernelTls::Off), ("auto", KernelTls::Auto)])
+    }
 }
 
 impl fmt::Debug for DataTls {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DataTls").field("server_name", &self.server_name).finish()
+        f.debug_struct("DataTls").field("server_name", &self.server_name).field("kernel", &self.kernel).finish()
     }
 }
 
 impl DataTls {
+    /// The server config without the data plane's changes (session tickets as rustls sends them,
+    /// no secret extraction): the gRPC listener's base.
+    pub fn plain_server(&self) -> Arc<rustls::ServerConfig> {
+        self.plain_server.clone()
+    }
+
     /// The name a peer's data-plane certificate is verified for: `tls.server_name`, else the host
     /// of the peer's gRPC address.
     pub fn server_name_for(&self, peer_addr: &str) -> Result<rustls_pki_types::ServerName<'static>, String> {
@@ -45,6 +76,7 @@ pub fn data_tls(
     roots_der: Vec<CertificateDer<'static>>,
     policy: Arc<RolePolicy>,
     server_name: Option<String>,
+    kernel: KernelTls,
 ) -> Result<DataTls, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
@@ -60,13 +92,25 @@ pub fn data_tls(
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(|e| e.to_string())?;
-    let client = rustls::ClientConfig::builder_with_provider(provider)
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .with_root_certificates(roots)
         .with_client_auth_cert(chain, key)
         .map_err(|e| e.to_string())?;
-    Ok(DataTls { server: Arc::new(server), client: Arc::new(client), policy, server_name })
+    let plain_server = Arc::new(server.clone());
+    let mut data_server = server;
+    // A TLS 1.3 ticket arrives after the handshake as a record the kernel hands back as a
+    // control message, not data; data streams never resume, so none is sent, whatever this
+    // agent's own `tls.kernel` (its peer's may be `auto`).
+    data_server.send_tls13_tickets = 0;
+    if kernel == KernelTls::Auto {
+        // The kernel needs the traffic keys rustls derived; only the data plane's configs allow
+        // taking them out, and only with `tls.kernel = auto`.
+        data_server.enable_secret_extraction = true;
+        client.enable_secret_extraction = true;
+    }
+    Ok(DataTls { server: Arc::new(data_server), client: Arc::new(client), policy, kernel, plain_server, server_name })
 }
 
 /// The host of `host:port` or `[v6]:port`, without brackets.
@@ -83,6 +127,25 @@ pub fn host_of(addr: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The data plane's configs send no session tickets (whatever `tls.kernel`) and allow taking
+    /// the keys out only with `auto`; the server config gRPC gets keeps rustls's defaults.
+    #[test]
+    fn only_the_data_plane_configs_change_for_kernel_tls() {
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = rcgen::CertificateParams::new(vec!["n1".to_string()]).expect("params").self_signed(&key).expect("a certificate");
+        let der = PrivateKeyDer::Pkcs8(rustls_pki_types::PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let policy = Arc::new(RolePolicy::new("", &[]));
+        for kernel in [KernelTls::Off, KernelTls::Auto] {
+            let t = data_tls(vec![cert.der().clone()], der.clone_key(), vec![cert.der().clone()], policy.clone(), None, kernel)
+                .expect("data TLS");
+            assert_eq!(t.server.send_tls13_tickets, 0, "{kernel:?}");
+            let auto = kernel == KernelTls::Auto;
+            assert_eq!((t.server.enable_secret_extraction, t.client.enable_secret_extraction), (auto, auto), "{kernel:?}");
+            let grpc = t.plain_server();
+            assert!(grpc.send_tls13_tickets > 0 && !grpc.enable_secret_extraction, "{kernel:?}");
+        }
+    }
 
     #[test]
     fn hosts() {

@@ -52,14 +52,16 @@ impl TcpPrepared {
                     attr: "tls.server_name",
                     detail,
                 })?;
-                let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
-                let mut s = tokio::time::timeout(HELLO_TIMEOUT, connector.connect(name, super::wire::tls_socket(stream)))
+                // The handshake, and with `tls.kernel = auto` the hand-over to the kernel, within
+                // the handshake deadline (a drain waits on the peer for a record's end).
+                let s = tokio::time::timeout(HELLO_TIMEOUT, super::ktls::connect(tls, name, stream))
                     .await
                     .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")))?
                     .inspect_err(|_| crate::metrics::data_tls_handshake_failed("initiator"))
                     .map_err(connect_err)?;
-                // The target must be an agent, not any certificate the CA signed.
-                match tls.caller_of(s.get_ref().1.peer_certificates()) {
+                // The target must be an agent, not any certificate the CA signed; checked on the
+                // rustls session, before the kernel takes the stream.
+                match tls.caller_of(s.peer_certificates()) {
                     Ok(c) if c.role == Role::Node => {}
                     Ok(c) => {
                         return Err(FabricError::Negotiation {
@@ -70,9 +72,13 @@ impl TcpPrepared {
                     }
                     Err(e) => return Err(FabricError::Negotiation { step: "data stream", attr: "certificate", detail: e.to_string() }),
                 }
-                s.write_all(&hello).await.map_err(connect_err)?;
-                let (rd, wr) = tokio::io::split(s);
-                Ok((Box::new(rd), Box::new(wr)))
+                let (rd, mut wr) = tokio::time::timeout(HELLO_TIMEOUT, s.into_halves())
+                    .await
+                    .map_err(|_| connect_err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS hand-over to the kernel timed out")))?
+                    .map_err(connect_err)?;
+                wr.write_all(&hello).await.map_err(connect_err)?;
+                wr.flush().await.map_err(connect_err)?;
+                Ok((rd, wr))
             }
         }
     }

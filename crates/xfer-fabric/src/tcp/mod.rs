@@ -48,6 +48,8 @@
 //!   streams are admitted to, and the frame loop; `limits` — the data port's bounds.
 //! * `wire` — a stream's staged writes and buffered reads (payloads straight to and from region
 //!   memory).
+//! * `ktls` — a TLS stream's handshake and its record layer: rustls's, or the kernel's
+//!   (`tls.kernel = auto`).
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -71,6 +73,7 @@ use target::ServeCtx;
 
 mod hello;
 mod initiator;
+mod ktls;
 mod limits;
 mod qp;
 #[cfg(test)]

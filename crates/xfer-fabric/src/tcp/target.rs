@@ -99,28 +99,25 @@ async fn serve_stream(stream: TcpStream, pending: PreHelloSlot, ctx: &ServeCtx) 
             serve_session(rd, wr, hello, None, ctx).await
         }
         Some(tls) => {
-            let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+            // The handshake, the identity (taken from the rustls session, before the kernel may
+            // take the stream), the hand-over (`tls.kernel = auto`) and the hello, all within
+            // the handshake deadline.
             let handshake = async {
-                let mut s = acceptor
-                    .accept(super::wire::tls_socket(stream))
-                    .await
-                    .inspect_err(|_| crate::metrics::data_tls_handshake_failed("target"))?;
-                let hello = read_hello(&mut s).await?;
-                Ok::<_, ServeError>((s, hello))
+                let s = super::ktls::accept(tls, stream).await.inspect_err(|_| crate::metrics::data_tls_handshake_failed("target"))?;
+                let who = tls.caller_of(s.peer_certificates()).ok().filter(|c| c.role == Role::Node).map(|c| c.name);
+                let (mut rd, wr) = s.into_halves().await?;
+                let hello = read_hello(&mut rd).await?;
+                Ok::<_, ServeError>((rd, wr, who, hello))
             };
-            let (mut s, hello) = before_hello(&pending, deadline, handshake).await.ok_or_else(|| {
+            let (rd, mut wr, who, hello) = before_hello(&pending, deadline, handshake).await.ok_or_else(|| {
                 late();
                 ServeError::Hello("no TLS handshake and hello in time")
             })??;
             drop(pending);
-            let who = match tls.caller_of(s.get_ref().1.peer_certificates()) {
-                Ok(c) if c.role == Role::Node => c.name,
-                _ => {
-                    refuse(&mut s, 0, WcStatus::RemAccessErr).await;
-                    return Err(ServeError::Hello("data streams need a node certificate"));
-                }
+            let Some(who) = who else {
+                refuse(&mut wr, 0, WcStatus::RemAccessErr).await;
+                return Err(ServeError::Hello("data streams need a node certificate"));
             };
-            let (rd, wr) = tokio::io::split(s);
             serve_session(rd, wr, hello, Some(who), ctx).await
         }
     }
