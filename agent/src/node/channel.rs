@@ -141,7 +141,10 @@ pub struct Channel {
     /// Keeps the local region in use (DeleteRegion refuses it as busy).
     local: RegionUse,
     chunk: u64,
+    /// The depth the connection was leased for; each batch runs at most this deep.
     depth: usize,
+    /// Whether the depth was asked for (else each batch's is the default for its WR length).
+    asked_depth: bool,
     timeout: Duration,
     notify: bool,
     /// The next number of the channel's notification sequence.
@@ -185,7 +188,13 @@ impl Node {
         let t = &self.config.transfer;
         let chunk = self.wr_chunk(p.op == Op::Read, shape::chunk(p.options.chunk_size.unwrap_or(t.chunk_size.0))?);
         let qps = shape::qps(p.options.qps.unwrap_or(t.qps))?;
-        let depth = shape::depth(p.options.depth.unwrap_or(t.depth))?;
+        // A batch's segment sizes are known only when it is posted: the connection is leased for
+        // the deepest default any WR length gets (on tcp; the configured depth on verbs), and each
+        // batch runs at the default for its own WR length within it.
+        let depth = match p.options.depth {
+            Some(d) => shape::depth(d)?,
+            None => self.depth_for(None, 1)?,
+        };
         let timeout = p.options.timeout.filter(|t| !t.is_zero()).unwrap_or(t.timeout.0);
         let peer = self.initiator.peers.peer(&p.remote_agent).await?;
         let slot = self.channel_slot(&peer.key, owner)?;
@@ -251,6 +260,7 @@ impl Node {
             local,
             chunk,
             depth,
+            asked_depth: p.options.depth.is_some(),
             timeout,
             notify: p.notify,
             next_note: 0,
@@ -450,11 +460,19 @@ impl Channel {
         // speeds, the paths' measured rates, health and load.
         let plan = self.node.initiator.paths.plan(&peer, lease.conn().as_ref(), self.local.0.numa, bytes);
         let settle = announce.is_some();
+        // As a transfer's: a WR is at most a chunk and never crosses a segment.
+        let depth = match self.asked_depth {
+            true => self.depth,
+            false => {
+                let wr_len = (bytes / count.max(1)).clamp(1, self.chunk);
+                self.node.depth_for(None, wr_len).map_or(self.depth, |d| d.min(self.depth))
+            }
+        };
         let machine = Machine::new(MachineConfig {
             segs: segs.clone(),
             chunk: self.chunk,
             qps: lease.qps(),
-            depth: self.depth,
+            depth,
             signal_every: self.node.config.transfer.signal_every,
             deadline: Some(xfer_common::deadline::instant_after(self.timeout)),
             markers,
