@@ -415,3 +415,48 @@ async fn closing_a_connection_ends_a_reader_inside_a_read_answer_the_target_stop
     assert!(ended.is_ok(), "the reader is still inside the READ answer");
     drop(theirs);
 }
+
+/// Counts the markers `inner` lets count, and revokes its grant inside the first check.
+struct CountingMarkers {
+    inner: Arc<WriteGrant>,
+    markers: std::sync::atomic::AtomicUsize,
+}
+
+impl AccessCheck for CountingMarkers {
+    fn check(&self, c: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+        let checked = self.inner.check(c, token, addr, len, op);
+        self.inner.gate.revoke();
+        checked
+    }
+
+    fn marker(&self, c: &ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+        self.markers.fetch_add(1, Ordering::SeqCst);
+        self.inner.marker(c, token, imm)
+    }
+}
+
+/// A READ whose answer is queued, its grant revoked before the answer leaves, and a NOTIFY
+/// marker right behind it: the answer is cut (the stream closes), so the marker behind it must
+/// not count either, as behind a refused READ (on an RC QP the READ fails and the QP's later
+/// requests are flushed). It used to count: the marker was served while the cut answer was still
+/// queued. Nothing leaves: no READ_RESP, no region byte, no ACK of the marker.
+#[tokio::test]
+async fn a_marker_behind_a_read_answer_cut_by_a_revocation_does_not_count() {
+    let grants = WriteGrant::new(REGION as u64);
+    grants.reads.store(true, Ordering::SeqCst);
+    grants.memory.write_at(0, &[0x3c; 4096]).expect("fill");
+    let before = grants.bytes();
+    let mut read = Header::new(Kind::ReadReq, 1);
+    (read.addr, read.len, read.token) = (0, 4096, TOKEN);
+    let mut marker = Header::new(Kind::Notify, 2);
+    (marker.addr, marker.token, marker.flags) = (7, TOKEN, ACK_REQUESTED);
+    let mut input = read.encode().to_vec();
+    input.extend_from_slice(&marker.encode());
+    let counting = CountingMarkers { inner: grants.clone(), markers: Default::default() };
+    let mut out = Vec::new();
+    let r = serve_frames(&input[..], &mut out, &counting, &connection()).await;
+    assert!(matches!(r, Err(ServeError::Revoked)), "{r:?}");
+    assert_eq!(counting.markers.load(Ordering::SeqCst), 0, "the marker behind the cut READ counted");
+    assert!(out.is_empty(), "frames left behind the cut answer: {} bytes", out.len());
+    assert_eq!(grants.bytes(), before, "the region changed");
+}
