@@ -460,3 +460,58 @@ async fn a_marker_behind_a_read_answer_cut_by_a_revocation_does_not_count() {
     assert!(out.is_empty(), "frames left behind the cut answer: {} bytes", out.len());
     assert_eq!(grants.bytes(), before, "the region changed");
 }
+
+/// READ grants over two regions: addresses below [`REGION`] name the anonymous one (answers
+/// queued for the gathered write), addresses from [`REGION`] on a file-backed one that can shrink
+/// (answers copied out and staged).
+struct TwoRegions {
+    anon: Arc<RegionMemory>,
+    file: Arc<RegionMemory>,
+    gate: Arc<GrantGate>,
+}
+
+impl AccessCheck for TwoRegions {
+    fn check(&self, _: &ConnectionId, _: &[u8; 16], addr: u64, _: u64, _: RemoteOp) -> Result<Checked, WcStatus> {
+        let (memory, offset) = if addr < REGION as u64 { (self.anon.clone(), addr) } else { (self.file.clone(), addr - REGION as u64) };
+        Ok(Checked { memory, offset, gate: self.gate.clone() })
+    }
+
+    fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {
+        Ok(())
+    }
+}
+
+/// Answers from memory that can shrink (copied out, staged, a large one written through the
+/// staging buffer's bypass) between answers queued for the gathered write: every READ_RESP
+/// header is followed by exactly its own payload, in request order, whatever the sizes.
+#[tokio::test]
+async fn answers_from_shrinkable_memory_and_queued_answers_keep_request_order() {
+    let anon = Arc::new(RegionMemory::anonymous(REGION, false).expect("mapping"));
+    anon.write_at(0, &vec![0xa1; REGION]).expect("fill");
+    let file = tempfile::tempfile().expect("a file");
+    file.set_len(REGION as u64).expect("its length");
+    let file = Arc::new(RegionMemory::map_file(&file, REGION, true).expect("map the file"));
+    assert!(file.can_shrink());
+    file.write_at(0, &vec![0xf2; REGION]).expect("fill");
+    let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let regions = TwoRegions { anon, file, gate: GrantGate::new(later) };
+    let reads = [(0u64, 100u32), (REGION as u64, 300), (0, 70_000), (REGION as u64, 1 << 20), (0, 44), (REGION as u64, 5), (0, 300_000)];
+    let mut input = Vec::new();
+    for (i, &(addr, len)) in reads.iter().enumerate() {
+        let mut h = Header::new(Kind::ReadReq, i as u64 + 1);
+        (h.addr, h.len, h.token) = (addr, len, TOKEN);
+        input.extend_from_slice(&h.encode());
+    }
+    let mut out = Vec::new();
+    serve_frames(&input[..], &mut out, &regions, &connection()).await.expect("served");
+    let mut at = 0usize;
+    for (i, &(addr, len)) in reads.iter().enumerate() {
+        let h = Header::decode(out[at..at + HEADER_LEN].try_into().expect("a header")).expect("decodes");
+        assert_eq!((h.kind, h.id, h.len), (Kind::ReadResp, i as u64 + 1, len), "answer {i}");
+        at += HEADER_LEN;
+        let fill = if addr < REGION as u64 { 0xa1 } else { 0xf2 };
+        assert!(out[at..at + len as usize].iter().all(|b| *b == fill), "answer {i}'s payload");
+        at += len as usize;
+    }
+    assert_eq!(at, out.len(), "bytes after the last answer");
+}
