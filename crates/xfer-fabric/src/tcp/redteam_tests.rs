@@ -415,3 +415,103 @@ async fn closing_a_connection_ends_a_reader_inside_a_read_answer_the_target_stop
     assert!(ended.is_ok(), "the reader is still inside the READ answer");
     drop(theirs);
 }
+
+/// Counts the markers `inner` lets count, and revokes its grant inside the first check.
+struct CountingMarkers {
+    inner: Arc<WriteGrant>,
+    markers: std::sync::atomic::AtomicUsize,
+}
+
+impl AccessCheck for CountingMarkers {
+    fn check(&self, c: &ConnectionId, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Result<Checked, WcStatus> {
+        let checked = self.inner.check(c, token, addr, len, op);
+        self.inner.gate.revoke();
+        checked
+    }
+
+    fn marker(&self, c: &ConnectionId, token: &[u8; 16], imm: u32) -> Result<(), WcStatus> {
+        self.markers.fetch_add(1, Ordering::SeqCst);
+        self.inner.marker(c, token, imm)
+    }
+}
+
+/// A READ whose answer is queued, its grant revoked before the answer leaves, and a NOTIFY
+/// marker right behind it: the answer is cut (the stream closes), so the marker behind it must
+/// not count either, as behind a refused READ (on an RC QP the READ fails and the QP's later
+/// requests are flushed). It used to count: the marker was served while the cut answer was still
+/// queued. Nothing leaves: no READ_RESP, no region byte, no ACK of the marker.
+#[tokio::test]
+async fn a_marker_behind_a_read_answer_cut_by_a_revocation_does_not_count() {
+    let grants = WriteGrant::new(REGION as u64);
+    grants.reads.store(true, Ordering::SeqCst);
+    grants.memory.write_at(0, &[0x3c; 4096]).expect("fill");
+    let before = grants.bytes();
+    let mut read = Header::new(Kind::ReadReq, 1);
+    (read.addr, read.len, read.token) = (0, 4096, TOKEN);
+    let mut marker = Header::new(Kind::Notify, 2);
+    (marker.addr, marker.token, marker.flags) = (7, TOKEN, ACK_REQUESTED);
+    let mut input = read.encode().to_vec();
+    input.extend_from_slice(&marker.encode());
+    let counting = CountingMarkers { inner: grants.clone(), markers: Default::default() };
+    let mut out = Vec::new();
+    let r = serve_frames(&input[..], &mut out, &counting, &connection()).await;
+    assert!(matches!(r, Err(ServeError::Revoked)), "{r:?}");
+    assert_eq!(counting.markers.load(Ordering::SeqCst), 0, "the marker behind the cut READ counted");
+    assert!(out.is_empty(), "frames left behind the cut answer: {} bytes", out.len());
+    assert_eq!(grants.bytes(), before, "the region changed");
+}
+
+/// READ grants over two regions: addresses below [`REGION`] name the anonymous one (answers
+/// queued for the gathered write), addresses from [`REGION`] on a file-backed one that can shrink
+/// (answers copied out and staged).
+struct TwoRegions {
+    anon: Arc<RegionMemory>,
+    file: Arc<RegionMemory>,
+    gate: Arc<GrantGate>,
+}
+
+impl AccessCheck for TwoRegions {
+    fn check(&self, _: &ConnectionId, _: &[u8; 16], addr: u64, _: u64, _: RemoteOp) -> Result<Checked, WcStatus> {
+        let (memory, offset) = if addr < REGION as u64 { (self.anon.clone(), addr) } else { (self.file.clone(), addr - REGION as u64) };
+        Ok(Checked { memory, offset, gate: self.gate.clone() })
+    }
+
+    fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {
+        Ok(())
+    }
+}
+
+/// Answers from memory that can shrink (copied out, staged, a large one written through the
+/// staging buffer's bypass) between answers queued for the gathered write: every READ_RESP
+/// header is followed by exactly its own payload, in request order, whatever the sizes.
+#[tokio::test]
+async fn answers_from_shrinkable_memory_and_queued_answers_keep_request_order() {
+    let anon = Arc::new(RegionMemory::anonymous(REGION, false).expect("mapping"));
+    anon.write_at(0, &vec![0xa1; REGION]).expect("fill");
+    let file = tempfile::tempfile().expect("a file");
+    file.set_len(REGION as u64).expect("its length");
+    let file = Arc::new(RegionMemory::map_file(&file, REGION, true).expect("map the file"));
+    assert!(file.can_shrink());
+    file.write_at(0, &vec![0xf2; REGION]).expect("fill");
+    let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let regions = TwoRegions { anon, file, gate: GrantGate::new(later) };
+    let reads = [(0u64, 100u32), (REGION as u64, 300), (0, 70_000), (REGION as u64, 1 << 20), (0, 44), (REGION as u64, 5), (0, 300_000)];
+    let mut input = Vec::new();
+    for (i, &(addr, len)) in reads.iter().enumerate() {
+        let mut h = Header::new(Kind::ReadReq, i as u64 + 1);
+        (h.addr, h.len, h.token) = (addr, len, TOKEN);
+        input.extend_from_slice(&h.encode());
+    }
+    let mut out = Vec::new();
+    serve_frames(&input[..], &mut out, &regions, &connection()).await.expect("served");
+    let mut at = 0usize;
+    for (i, &(addr, len)) in reads.iter().enumerate() {
+        let h = Header::decode(out[at..at + HEADER_LEN].try_into().expect("a header")).expect("decodes");
+        assert_eq!((h.kind, h.id, h.len), (Kind::ReadResp, i as u64 + 1, len), "answer {i}");
+        at += HEADER_LEN;
+        let fill = if addr < REGION as u64 { 0xa1 } else { 0xf2 };
+        assert!(out[at..at + len as usize].iter().all(|b| *b == fill), "answer {i}'s payload");
+        at += len as usize;
+    }
+    assert_eq!(at, out.len(), "bytes after the last answer");
+}

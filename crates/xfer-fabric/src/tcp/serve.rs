@@ -235,6 +235,10 @@ where
                 crate::metrics::notify_marker("refused");
                 wr.write_all(&Header::nak(h.id, WcStatus::WrFlushErr).encode()).await?;
             }
+            // A READ answer queued ahead of the marker was revoked before it left: the stream
+            // closes at the drain with that answer cut, and the marker behind it does not count
+            // (as behind a refused READ).
+            Kind::Notify if wr.holds_revoked_answer() => return Err(ServeError::Revoked),
             Kind::Notify => {
                 // Every earlier frame of this stream has been served and accepted (its bytes are
                 // in region memory): the marker may count.

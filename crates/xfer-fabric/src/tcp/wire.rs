@@ -106,6 +106,14 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         Ok(())
     }
 
+    /// Whether a queued answer's grant is no longer live: that answer will be cut when the queue
+    /// drains (nothing of it has left: between drains the queue holds only unsent answers), so a
+    /// frame behind it must not take effect. Checks without marking them checked: the drain still
+    /// checks each again just before the write that would start it.
+    pub(super) fn holds_revoked_answer(&self) -> bool {
+        self.answers.iter().any(|a| !a.gate.is_live())
+    }
+
     /// Cuts the queue at the first answer not checked yet whose grant is no longer live (none of
     /// its bytes has left: it is checked before the write that would start it).
     fn check_gates(&mut self) {
