@@ -19,10 +19,10 @@
 //!   operations must do the same before trusting, returning or acknowledging them.
 //! * No safe function returns a Rust reference (`&[u8]`, `&mut [u8]`) into the mapping: safe code
 //!   reaches region memory only through raw copies (`read_at` = copy out, `write_at` = copy in)
-//!   and the zero-copy socket operations (`poll_read_into`, `poll_write_from` and their async
-//!   wrappers), where a slice exists only inside one `poll_read`/`poll_write` call. Bytes that
-//!   other parties change concurrently are therefore never observed through a reference that
-//!   Rust assumes to be stable across user code.
+//!   and the zero-copy socket operations (`poll_read_into` and its async wrapper, and
+//!   [`crate::gather`]'s writes), where a slice exists only inside one `poll_read`/`poll_write`
+//!   call. Bytes that other parties change concurrently are therefore never observed through a
+//!   reference that Rust assumes to be stable across user code.
 use std::fs::File;
 use std::io;
 use std::pin::Pin;
@@ -30,7 +30,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 
@@ -302,57 +302,14 @@ impl RegionMemory {
         }
     }
 
-    /// Zero-copy send: one `poll_write` of `offset..offset + len` of the mapping into `w`.
-    /// Returns how many bytes `w` took. As with [`RegionMemory::poll_read_into`], the bytes are
-    /// visible to `w` only during that call; memory that can shrink should be sent from a copy
-    /// ([`RegionMemory::read_at`]).
-    pub fn poll_write_from<W: AsyncWrite + ?Sized>(
-        &self,
-        w: Pin<&mut W>,
-        cx: &mut Context<'_>,
-        offset: u64,
-        len: usize,
-    ) -> Poll<io::Result<usize>> {
-        let start = match self.check(offset, len as u64) {
-            Ok(s) => s,
-            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
-        };
-        // SAFETY: `start + len` lies within the live mapping (checked above), which outlives this
-        // call; the shared slice lives only for one `poll_write`. Concurrent writers may tear the
-        // bytes being sent, exactly as an RDMA READ racing a WRITE would (module contract).
-        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) };
-        w.poll_write(cx, src)
-    }
-
-    /// Zero-copy send behind a header: one `poll_write_vectored` of `head` followed by
-    /// `offset..offset + len` of the mapping, so a frame header and its payload leave in one
-    /// system call (and one TCP segment train) instead of two. Returns how many bytes `w` took,
-    /// counted from the start of `head`. The same contract as [`RegionMemory::poll_write_from`].
-    pub fn poll_write_vectored_from<W: AsyncWrite + ?Sized>(
-        &self,
-        w: Pin<&mut W>,
-        cx: &mut Context<'_>,
-        head: &[u8],
-        offset: u64,
-        len: usize,
-    ) -> Poll<io::Result<usize>> {
-        let start = match self.check(offset, len as u64) {
-            Ok(s) => s,
-            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
-        };
-        // SAFETY: as in `poll_write_from`: within the live mapping (checked above), the shared
-        // slice lives only for this one `poll_write_vectored` call.
-        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) };
-        w.poll_write_vectored(cx, &[io::IoSlice::new(head), io::IoSlice::new(src)])
-    }
-
     /// The address of `offset..offset + len` of a writable mapping (bounds checked), for [`crate::landing`].
     pub(crate) fn range_mut_ptr(&self, offset: u64, len: usize) -> Result<*mut u8, MemError> {
         if !self.writable {
             return Err(ReadOnly.into());
         }
         let start = self.check(offset, len as u64)?;
-        // In bounds (checked above): as in `range_ptr`.
+        // `start <= self.len` (checked above): the pointer stays inside the mapping or one past its
+        // end, so `wrapping_add` computes exactly what `add` would, without `unsafe`.
         Ok(self.ptr.as_ptr().wrapping_add(start))
     }
 
@@ -360,7 +317,7 @@ impl RegionMemory {
     /// writes of [`crate::gather`] (many such slices in one vectored write).
     /// # Safety
     /// The slice must not outlive the one `poll_write_vectored` it is made for: others change
-    /// these bytes at any time (as in [`RegionMemory::poll_write_from`]).
+    /// these bytes at any time (the module contract).
     pub(crate) unsafe fn transient_slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfRange> {
         let start = self.check(offset, len as u64)?;
         // SAFETY: `start + len` lies within the live mapping (checked above), which outlives
@@ -376,20 +333,6 @@ impl RegionMemory {
             let n = std::future::poll_fn(|cx| self.poll_read_into(Pin::new(&mut *rd), cx, offset + done as u64, len - done)).await?;
             if n == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
-        Ok(())
-    }
-
-    /// Sends `offset..offset + len` into `w` without a bounce buffer (see
-    /// [`RegionMemory::poll_write_from`]). `WriteZero` if `w` stops taking bytes.
-    pub async fn write_all_from<W: AsyncWrite + Unpin + ?Sized>(&self, w: &mut W, offset: u64, len: usize) -> io::Result<()> {
-        let mut done = 0usize;
-        while done < len {
-            let n = std::future::poll_fn(|cx| self.poll_write_from(Pin::new(&mut *w), cx, offset + done as u64, len - done)).await?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
             }
             done += n;
         }
@@ -576,10 +519,10 @@ mod tests {
         // Out of range, both directions: refused before any byte moves.
         let (mut c, mut d) = tokio::io::duplex(64);
         assert!(m.read_exact_into(&mut d, 8000, 193).await.is_err());
-        assert!(m.write_all_from(&mut c, 8192, 1).await.is_err());
+        assert!(crate::gather::write_all_gathered(&mut c, &[crate::gather::Piece::Region(&m, 8192, 1)]).await.is_err());
         // Send side: the receiver sees exactly the region's bytes.
         let (mut e1, mut e2) = tokio::io::duplex(1 << 16);
-        m.write_all_from(&mut e1, 100, 5000).await.unwrap();
+        crate::gather::write_all_gathered(&mut e1, &[crate::gather::Piece::Region(&m, 100, 5000)]).await.unwrap();
         drop(e1);
         let mut out = Vec::new();
         tokio::io::AsyncReadExt::read_to_end(&mut e2, &mut out).await.unwrap();

@@ -189,27 +189,23 @@ async fn gather_and_send(ctx: &QpCtx, out: &mut BoxWrite, runs: &[Vec<WorkReques
     // Every WR is pending before the first is written: whatever stops the stream below, the
     // reader's `fail` completes each of them once.
     let live: Vec<&Vec<WorkRequest>> = runs.iter().filter(|run| ctx.enqueue(run)).collect();
-    let mut heads = Vec::new();
-    let mut bounces = Vec::new();
+    // Each WR's encoded header and (memory that can shrink) payload copy, up to the first WR
+    // that cannot be framed.
+    let mut frames = Vec::new();
     let mut bad = None;
-    'frames: for run in &live {
-        for wr in run.iter() {
-            match frame_of(ctx, wr) {
-                Ok((h, bounce)) => {
-                    heads.push(h.encode());
-                    bounces.push(bounce);
-                }
-                Err(status) => {
-                    bad = Some(status);
-                    break 'frames;
-                }
+    for wr in live.iter().flat_map(|run| run.iter()) {
+        match frame_of(ctx, wr) {
+            Ok((h, bounce)) => frames.push((wr, h.encode(), bounce)),
+            Err(status) => {
+                bad = Some(status);
+                break;
             }
         }
     }
-    let mut pieces = Vec::with_capacity(heads.len() * 2);
-    for (i, wr) in live.iter().flat_map(|run| run.iter()).take(heads.len()).enumerate() {
-        pieces.push(Piece::Bytes(&heads[i]));
-        match &bounces[i] {
+    let mut pieces = Vec::with_capacity(frames.len() * 2);
+    for (wr, head, bounce) in &frames {
+        pieces.push(Piece::Bytes(head));
+        match bounce {
             Some(b) => pieces.push(Piece::Bytes(b)),
             // Straight from region memory: bounds were checked at post.
             None if wr.op == WrOp::Write => pieces.push(Piece::Region(wr.local.memory(), wr.local_offset, wr.len as usize)),

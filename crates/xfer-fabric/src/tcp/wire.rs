@@ -147,7 +147,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 from = a.at;
             }
             pieces.push(Piece::Bytes(&self.staged[from..]));
-            let total = self.staged.len() + self.answers.iter().map(|a| a.len).sum::<usize>();
+            let total = self.staged.len() + self.queued;
             if self.sent >= total {
                 break;
             }
