@@ -108,11 +108,11 @@ pub fn describe() {
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
-    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event, out_of_order).");
+    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase (the work requests they had in flight, if any, were re-posted on the connection's other paths: xfer_path_requeued_work_requests_total), by local and remote device and the reason's class (completion, post, event, out_of_order).");
     describe_counter!(
         PATH_REQUEUED,
         Unit::Count,
-        "Work requests taken back from a lost path and posted again on another, by local device."
+        "Work requests in flight on a lost path (posted to it, not retired by a completion) and posted again on another, by local device; those a failed post never handed to the path are not counted."
     );
     describe_gauge!(PATH_UP, Unit::Count, "Whether each path to each peer (local and remote device) is in use: 1 up, 0 lost lately and waiting out its back-off as a standby (used only when no other path is up); set after every job that used it.");
     describe_counter!(TRANSFER_FALLBACKS, Unit::Count, "Transfers whose bytes went over the tcp fallback path (transfer.fallback = tcp) because every RDMA path of their connection was lost.");
