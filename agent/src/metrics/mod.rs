@@ -108,15 +108,15 @@ pub fn describe() {
     describe_histogram!(TRANSFER_DURATION, Unit::Seconds, "Duration of finished transfers, from start to terminal state.");
     describe_counter!(WORK_COMPLETIONS, Unit::Count, "Work completions seen by the fabric, by status.");
     describe_counter!(WORK_REQUESTS, Unit::Count, "Work requests posted by transfers, channels and benchmarks, by operation (write, read, notify); with xfer_transfer_bytes_total it gives the bytes per WR (chunking, READ splitting).");
-    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase, whose outstanding work requests were re-posted on the connection's other paths, by local and remote device and the reason's class (completion, post, event, out_of_order).");
+    describe_counter!(PATH_FAILOVERS, Unit::Count, "Paths (a local device and the peer's device it reaches) lost in the middle of a transfer, channel batch or benchmark phase (the work requests they had in flight, if any, were re-posted on the connection's other paths: xfer_path_requeued_work_requests_total), by local and remote device and the reason's class (completion, post, event, out_of_order).");
     describe_counter!(
         PATH_REQUEUED,
         Unit::Count,
-        "Work requests taken back from a lost path and posted again on another, by local device."
+        "Work requests in flight on a lost path (posted to it, not retired by a completion) and posted again on another, by local device; those a failed post never handed to the path are not counted."
     );
     describe_gauge!(PATH_UP, Unit::Count, "Whether each path to each peer (local and remote device) is in use: 1 up, 0 lost lately and waiting out its back-off as a standby (used only when no other path is up); set after every job that used it.");
     describe_counter!(TRANSFER_FALLBACKS, Unit::Count, "Transfers whose bytes went over the tcp fallback path (transfer.fallback = tcp) because every RDMA path of their connection was lost.");
-    describe_counter!(TRANSFER_RESUMES, Unit::Count, "Times a transfer that lost every path resumed on a fresh connection and grant (transfer.resume_attempts), by how the resume ended: resumed (the fresh connection and grant were had) or failed (they were not; the transfer failed with what stopped it).");
+    describe_counter!(TRANSFER_RESUMES, Unit::Count, "Times a transfer that lost every path resumed on a fresh connection and grant (transfer.resume_attempts), by how the resume ended: resumed (the fresh connection and grant were had), failed (they were not; the transfer failed with what stopped it, its deadline included) or cancelled (the transfer was cancelled, or the agent drained, while the resume was under way).");
     describe_counter!(PATH_BYTES, Unit::Bytes, "Bytes that transfers, channel batches and benchmark phases moved over each path, by local and remote device, counted when their job ends.");
     describe_counter!(DATA_PATH_JOBS, Unit::Count, "Channel batches and benchmark phases run to their end, by what drove them: the device's data-path worker thread (worker) or their own task (task: the tcp fabric, verbs.worker off, or a full worker queue).");
     describe_gauge!(QP_CONNECTIONS, Unit::Count, "QPs (or tcp data streams) to each peer, by state.");
@@ -445,7 +445,7 @@ pub fn transfer_fallback() {
     counter!(TRANSFER_FALLBACKS).increment(1);
 }
 
-/// A transfer that lost every path tried to resume: `resumed` or `failed`.
+/// A transfer that lost every path tried to resume: `resumed`, `failed` or `cancelled`.
 pub fn transfer_resume(result: &'static str) {
     counter!(TRANSFER_RESUMES, "result" => result).increment(1);
 }

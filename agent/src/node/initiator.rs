@@ -354,7 +354,10 @@ impl Node {
                             wr = fresh;
                         }
                         Ok(Command::Finish(r)) => {
-                            m::transfer_resume("failed");
+                            // A cancel (the transfer's own or a drain's) ended the resume, not the
+                            // peer or the network: `failed` stays what an alert can watch.
+                            let cancelled = matches!(&r, Err(f) if f.code == FailureCode::Cancelled);
+                            m::transfer_resume(if cancelled { "cancelled" } else { "failed" });
                             return r;
                         }
                         Ok(other) => return Err(Failure::new(FailureCode::Internal, format!("unexpected {other:?} while resuming"))),

@@ -107,12 +107,10 @@ pub struct PostFailure {
 }
 
 impl PostFailure {
-    /// Tells `machine`: a broken QP takes its path down (its chunks move to the others) and the
-    /// WRs after it are taken back unposted; any other refusal fails the job.
+    /// Tells `machine`: a broken QP takes its path down (the chunks it had in flight move to
+    /// the others) and the WRs not posted are taken back; any other refusal fails the job.
     pub fn tell(self, machine: &mut Machine) {
-        for seq in self.seqs {
-            machine.handle_post_error_on(self.qp, seq, self.reason.clone(), self.path_failure);
-        }
+        machine.handle_post_failure(self.qp, &self.seqs, self.reason, self.path_failure);
     }
 }
 

@@ -115,7 +115,8 @@ pub struct TransferRecord {
     pub notify: Option<Vec<u8>>,
     /// Paths of the connection the transfer ran on (0 before it had one).
     pub paths: u32,
-    /// Paths lost mid-transfer whose work went on the others (it ran degraded).
+    /// Paths lost mid-transfer with work requests in flight, which went on the others (it ran
+    /// degraded), plus one per resume onto a fresh connection.
     pub failovers: u32,
     /// Every RDMA path was lost and the tcp fallback path carried bytes.
     pub fallback: bool,

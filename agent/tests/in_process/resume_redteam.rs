@@ -327,3 +327,24 @@ async fn a_cancel_while_the_resumes_connect_is_held_leaves_no_connection_at_the_
     assert_eq!(r.state, TransferState::Cancelled, "{r:?}");
     peer_forgets_everything(&w).await;
 }
+
+/// A cancel while the resume's grant answer is held counts the resume as `cancelled` in
+/// `xfer_transfer_resumes_total`, not as `failed` (it used to: an alert on failed resumes fired
+/// for a user's cancel). Current-thread runtime, so every task of both agents records into the
+/// test's own recorder (set for this thread only; nothing process-wide).
+#[tokio::test]
+async fn a_cancel_while_resuming_counts_a_cancelled_resume_not_a_failed_one() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let w = world(1, u32::MAX, Some(1), Duration::from_secs(120)).await;
+    let t = submit(&w).await;
+    w.arrived.notified().await;
+    w.a.node.cancel(&t.id).unwrap();
+    let r = finished(&w.a.node, &t.id).await;
+    assert_eq!(r.state, TransferState::Cancelled, "{r:?}");
+    let text = handle.render();
+    let resumes: Vec<&str> = text.lines().filter(|l| l.starts_with("xfer_transfer_resumes_total{")).collect();
+    assert_eq!(resumes, vec![r#"xfer_transfer_resumes_total{result="cancelled"} 1"#], "{text}");
+    peer_forgets_everything(&w).await;
+}

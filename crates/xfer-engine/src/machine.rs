@@ -136,8 +136,9 @@ impl fmt::Display for PathDown {
 /// What happened to a path during the transfer ([`Machine::poll_event`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PathEvent {
-    /// `path` went down; `requeued` of its WRs (chunks and markers) were not known to have
-    /// landed and go out again on the paths left.
+    /// `path` went down; `requeued` of its WRs (chunks and markers) were in flight on it
+    /// (posted, not known to have landed) and go out again on the paths left. WRs a failed post
+    /// left unposted are not among them.
     Down { path: usize, reason: PathDown, requeued: u32 },
 }
 
@@ -292,7 +293,10 @@ impl Machine {
         self.paths.iter().filter(|p| p.up).count()
     }
 
-    /// Paths lost while the transfer ran whose WRs were posted again on the others.
+    /// Paths lost while the transfer ran that had WRs in flight (posted to the path and not
+    /// retired by a successful completion), which went out again on the paths left. A path
+    /// lost with nothing in flight (idle, or found broken by a post: the refused WRs simply go
+    /// elsewhere) is not a failover.
     pub fn failovers(&self) -> u32 {
         self.failovers
     }

@@ -21,19 +21,26 @@ impl Machine {
         }
     }
 
-    /// Posting WR `seq` failed on QP `qp` (the QP whose post failed). With `path_failure` (the
-    /// fabric found the QP broken) the path of `qp` goes down and `seq` — which was not posted,
-    /// wherever it was meant to go — goes out again elsewhere: call it for every WR the failure
-    /// left unposted, each with the failed post's `qp`. Without, it fails the transfer as
+    /// Posting failed on QP `qp` and left `seqs` unposted (the refused WR, the rest of its run
+    /// and every run queued after it, whichever QP each was for). With `path_failure` (the
+    /// fabric found the QP broken) they are taken back first, to go out again wherever there is
+    /// room, and then the path of `qp` goes down: only the WRs it had in flight (posted and not
+    /// retired) are requeued from it and make it a failover; WRs that never reached its device
+    /// were not work redone elsewhere. Without, it fails the transfer as
     /// [`Machine::handle_post_error`] does.
-    pub fn handle_post_error_on(&mut self, qp: usize, seq: u64, reason: String, path_failure: bool) {
+    pub fn handle_post_failure(&mut self, qp: usize, seqs: &[u64], reason: String, path_failure: bool) {
         if !path_failure {
-            return self.handle_post_error(seq, reason);
+            for &seq in seqs {
+                self.handle_post_error(seq, reason.clone());
+            }
+            return;
+        }
+        for &seq in seqs {
+            self.unpost(seq);
         }
         if let Some(&path) = self.path_of.get(qp) {
             self.path_down(path, PathDown::Post(reason));
         }
-        self.unpost(seq);
     }
 
     /// Takes `path` down: requeues what it had not retired and records the event.
@@ -46,6 +53,8 @@ impl Machine {
         if self.run.is_some_and(|(q, _)| self.path_of[q] == path) {
             self.run = None;
         }
+        // Every WR left in its windows was posted (those a failed post left unposted were taken
+        // back first): what the path had in flight.
         let mut requeued = 0u32;
         for &q in &self.paths[path].qps {
             for o in self.windows[q].drain(..) {
@@ -65,6 +74,7 @@ impl Machine {
         self.retry.make_contiguous().sort_unstable_by_key(|c| c.seq);
         let running = self.state == State::Running;
         let left = self.paths_up();
+        // A failover is work in flight on the lost path going out again on another.
         if running && requeued > 0 && left > 0 {
             self.failovers += 1;
         }

@@ -78,9 +78,8 @@ impl Fake {
             }
             if self.dead[self.path_of[p.qp]] {
                 if self.mode == Kill::Post {
-                    for r in &batch[i..] {
-                        m.handle_post_error_on(p.qp, r.seq, "QP broken".into(), true);
-                    }
+                    let unposted: Vec<u64> = batch[i..].iter().map(|r| r.seq).collect();
+                    m.handle_post_failure(p.qp, &unposted, "QP broken".into(), true);
                     break;
                 }
                 // An errored QP takes the post and flushes it.
@@ -426,7 +425,7 @@ fn a_standby_path_carries_only_once_the_others_are_down() {
 fn post_errors_fail_the_transfer_or_the_path() {
     let mut m = Machine::new(one_seg(16, 4, &[0, 0, 1, 1], vec![]));
     let p = m.poll_transmit().unwrap();
-    m.handle_post_error_on(p.qp, p.seq, "out of memory".into(), false);
+    m.handle_post_failure(p.qp, &[p.seq], "out of memory".into(), false);
     assert_eq!(m.state(), &State::Failed(Fault::Post("out of memory".into())));
 
     let mut m = Machine::new(one_seg(16, 4, &[0, 0, 1, 1], vec![]));
@@ -437,16 +436,16 @@ fn post_errors_fail_the_transfer_or_the_path() {
     assert_eq!(posts.iter().map(|p| p.qp).step_by(4).collect::<Vec<_>>(), vec![0, 2, 1, 3]);
     let at = posts.iter().position(|p| p.qp == 1).unwrap();
     let (failed, unposted) = (posts[at], &posts[at..]);
-    for p in unposted {
-        m.handle_post_error_on(failed.qp, p.seq, "QP broken".into(), true);
-    }
+    let seqs: Vec<u64> = unposted.iter().map(|p| p.seq).collect();
+    m.handle_post_failure(failed.qp, &seqs, "QP broken".into(), true);
     assert_eq!(m.paths_up(), 1);
     assert_eq!(
         m.poll_event(),
-        Some(PathEvent::Down { path: 0, reason: PathDown::Post("QP broken".into()), requeued: 8 }),
-        "posted or not, none of path 0's was retired"
+        Some(PathEvent::Down { path: 0, reason: PathDown::Post("QP broken".into()), requeued: 4 }),
+        "QP 0's run was in flight on path 0; QP 1's never reached it"
     );
     assert_eq!(m.poll_event(), None);
+    assert_eq!(m.failovers(), 1);
     // Completions of what did get posted, then of the re-posts: all on path 1, each chunk once.
     let mut seqs: Vec<u64> = posts[..at].iter().filter(|p| p.qp >= 2).map(|p| p.seq).collect();
     let mut guard = 0;
@@ -468,6 +467,46 @@ fn post_errors_fail_the_transfer_or_the_path() {
     assert_eq!(m.path_bytes(), &[0, 16]);
     seqs.sort_unstable();
     assert_eq!(seqs, (0..16).collect::<Vec<u64>>(), "every chunk posted once more, with its seq");
+}
+
+/// A path found broken by a post: the WRs it had in flight (k) are requeued from it and make it
+/// a failover; the refused WRs and those after them (m, never posted there) simply go out on the
+/// other path. With nothing in flight it is no failover and leaves nothing to verify; it used to
+/// count the refused WRs as requeued (k + m) and as a failover.
+#[test]
+fn a_path_found_broken_at_post_counts_only_the_wrs_it_had_in_flight() {
+    for in_flight in [0usize, 4] {
+        let mut m = Machine::new(one_seg(16, 4, &[0, 0, 1, 1], vec![]));
+        let posts: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+        // Runs of 4 go to QPs 0, 2, 1, 3 (paths 0, 1, 0, 1). The failed post is path 0's first
+        // run (nothing of it in flight) or its second (QP 0's run in flight).
+        let on_path0: Vec<usize> = (0..posts.len()).filter(|&i| posts[i].qp < 2).collect();
+        let at = on_path0[in_flight];
+        let unposted: Vec<u64> = posts[at..].iter().map(|p| p.seq).collect();
+        m.handle_post_failure(posts[at].qp, &unposted, "QP broken".into(), true);
+        let what = format!("{in_flight} in flight, {} refused", unposted.len());
+        match m.poll_event() {
+            Some(PathEvent::Down { path: 0, requeued, .. }) => assert_eq!(requeued as usize, in_flight, "{what}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(m.failovers(), u32::from(in_flight > 0), "{what}");
+        assert_eq!(m.must_verify(), in_flight > 0, "{what}");
+        if in_flight > 0 {
+            continue;
+        }
+        // Everything goes out on path 1 and succeeds, unverified.
+        let mut guard = 0;
+        while !m.is_done() {
+            let again: Vec<Post> = std::iter::from_fn(|| m.poll_transmit()).collect();
+            assert!(again.iter().all(|p| p.qp >= 2), "{again:?}");
+            for p in again.iter().filter(|p| p.signaled) {
+                m.handle_completion(p.qp, p.seq, WcStatus::Success);
+            }
+            guard += 1;
+            assert!(guard < 100);
+        }
+        assert_eq!((m.state(), m.bytes_done(), m.failovers(), m.must_verify()), (&State::Succeeded, 16, 0, false));
+    }
 }
 
 /// A path reported down while nothing of the transfer was on it: an event, no failover. A map

@@ -77,6 +77,8 @@ mod ktls;
 mod limits;
 mod qp;
 #[cfg(test)]
+mod qp_tests;
+#[cfg(test)]
 mod redteam_tests;
 mod serve;
 mod session;

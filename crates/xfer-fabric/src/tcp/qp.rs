@@ -21,6 +21,25 @@ pub(super) type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
 
 struct Outstanding {
     wr: WorkRequest,
+    /// The WR could not be framed (it was never sent): it completes with this status once every
+    /// WR before it has been answered, as on an RC QP, and the QP breaks.
+    failed: Option<WcStatus>,
+}
+
+/// What [`QpCtx::enqueue`] made of a gather's WRs.
+enum Queued {
+    /// The QP had broken: every WR was flushed.
+    Flushed,
+    /// Every WR is pending; all are to be sent.
+    All,
+    /// The WR at this index could not be framed and waits, pending, for the WRs before it. Those
+    /// are sent, then this fence: a signaled zero-length WRITE under its id, answered (ACK or
+    /// NAK, either will do) only after every earlier frame of the stream was served, since an
+    /// unsignaled WR that succeeds is never answered.
+    Fenced(usize, Header),
+    /// The WR at this index could not be framed and no WR is pending before it: it completes
+    /// with this status now.
+    FailNow(WcStatus),
 }
 
 /// Shared by the writer and reader tasks of one stream. Holding the lock orders "queue a WR" with
@@ -87,21 +106,40 @@ impl QpCtx {
         self.cancel.cancel();
     }
 
-    /// Queues a run of WRs as pending (one lock for the run), or flushes them if the QP already
-    /// broke; `false` then.
-    fn enqueue(&self, run: &[WorkRequest]) -> bool {
+    /// Queues a gather's WRs as pending (one lock for all), or flushes them if the QP already
+    /// broke. `bad`: the index and status of the first WR that could not be framed; it is queued
+    /// marked failed (the WRs after it are queued too, to be flushed behind it).
+    fn enqueue<'a>(&self, wrs: impl IntoIterator<Item = &'a WorkRequest>, bad: Option<(usize, WcStatus)>) -> Queued {
         let Ok(mut st) = self.state.lock() else {
-            return false;
+            return Queued::Flushed;
         };
         if st.broken {
             drop(st);
-            for wr in run {
+            for wr in wrs {
                 self.complete(wr, WcStatus::WrFlushErr);
             }
-            return false;
+            return Queued::Flushed;
         }
-        st.pending.extend(run.iter().map(|wr| Outstanding { wr: wr.clone() }));
-        true
+        let before = st.pending.len();
+        st.pending.extend(
+            wrs.into_iter()
+                .enumerate()
+                .map(|(i, wr)| Outstanding { wr: wr.clone(), failed: bad.filter(|&(at, _)| at == i).map(|(_, status)| status) }),
+        );
+        let Some((at, status)) = bad else { return Queued::All };
+        // The WR just before the bad one (sent earlier, or in this gather): the fence goes under
+        // its grant token (a frame that was framed has one).
+        let prev = (before + at).checked_sub(1).and_then(|j| st.pending.get(j));
+        match (prev.map(|p| (&p.wr.remote_key, p.wr.remote_addr)), st.pending.get(before + at)) {
+            (Some((RemoteKey::Token(token), addr)), Some(bad)) => {
+                let mut fence = Header::new(Kind::Write, bad.wr.wr_id);
+                (fence.addr, fence.token, fence.flags) = (addr, *token, ACK_REQUESTED);
+                Queued::Fenced(at, fence)
+            }
+            // Nothing pending before it (a WR that was framed has a token, so a WR before it
+            // always lands above): it is the oldest pending WR, for `fail` to complete.
+            _ => Queued::FailNow(status),
+        }
     }
 }
 
@@ -161,12 +199,11 @@ async fn writer(ctx: QpCtx, mut out: BoxWrite, mut rx: mpsc::UnboundedReceiver<V
             }
         }
     }
-    // Flush whatever was posted after the stream stopped.
+    // Whatever was posted after the stream stopped is flushed: behind a WR that could not be
+    // framed (it waits for the answers to the WRs before it), or now if the QP broke.
     rx.close();
     while let Ok(run) = rx.try_recv() {
-        for wr in &run {
-            ctx.complete(wr, WcStatus::WrFlushErr);
-        }
+        ctx.enqueue(&run, None);
     }
     // The end of stream for the target, unless the connection was closed: then the stream is
     // dropped as it is (a shutdown could wait on the target like any write).
@@ -182,27 +219,37 @@ fn payload_bytes(run: &[WorkRequest]) -> usize {
 }
 
 /// Queues `runs` as pending and writes their frames in one gathered write (more if the socket
-/// takes less). `false` once the writer must stop: the stream failed or was closed, or a WR could
-/// not be framed (the frames before it were sent first, as a QP executes the WRs before a bad
-/// one). A run posted after the QP broke is flushed and skipped.
+/// takes less). `false` once the writer must stop: the stream failed or was closed, the QP had
+/// broken (the runs are flushed), or a WR could not be framed. That WR is not sent; the frames
+/// before it are, followed by a fence whose answer tells the reader every WR before it was
+/// served, so it completes in order with its own status and the WRs after it are flushed, as on
+/// an RC QP.
 async fn gather_and_send(ctx: &QpCtx, out: &mut BoxWrite, runs: &[Vec<WorkRequest>]) -> bool {
-    // Every WR is pending before the first is written: whatever stops the stream below, the
-    // reader's `fail` completes each of them once.
-    let live: Vec<&Vec<WorkRequest>> = runs.iter().filter(|run| ctx.enqueue(run)).collect();
     // Each WR's encoded header and (memory that can shrink) payload copy, up to the first WR
     // that cannot be framed.
     let mut frames = Vec::new();
     let mut bad = None;
-    for wr in live.iter().flat_map(|run| run.iter()) {
+    for (i, wr) in runs.iter().flatten().enumerate() {
         match frame_of(ctx, wr) {
             Ok((h, bounce)) => frames.push((wr, h.encode(), bounce)),
             Err(status) => {
-                bad = Some(status);
+                bad = Some((i, status));
                 break;
             }
         }
     }
-    let mut pieces = Vec::with_capacity(frames.len() * 2);
+    // Every WR is pending before the first is written: whatever stops the stream below, the
+    // reader's `fail` completes each of them once.
+    let fence = match ctx.enqueue(runs.iter().flatten(), bad) {
+        Queued::Flushed => return false,
+        Queued::All => None,
+        Queued::Fenced(at, fence) => Some((at, fence.encode())),
+        Queued::FailNow(status) => {
+            ctx.fail(status);
+            return false;
+        }
+    };
+    let mut pieces = Vec::with_capacity(frames.len() * 2 + 1);
     for (wr, head, bounce) in &frames {
         pieces.push(Piece::Bytes(head));
         match bounce {
@@ -212,12 +259,22 @@ async fn gather_and_send(ctx: &QpCtx, out: &mut BoxWrite, runs: &[Vec<WorkReques
             None => {}
         }
     }
+    if let Some((_, fence)) = &fence {
+        pieces.push(Piece::Bytes(fence));
+    }
     // A write waits on the target reading; closing the connection must not wait for that (a
     // stopped or hostile target would otherwise hold this task and its socket for ever). The
     // send first: one that completes at once never arms the cancellation's waiter.
     let res = tokio::select! {
         biased;
-        r = write_all_gathered(out, &pieces) => r,
+        r = async {
+            write_all_gathered(out, &pieces).await?;
+            // The fence must reach the target now: nothing more is sent on this stream.
+            if fence.is_some() {
+                out.flush().await?;
+            }
+            Ok::<(), std::io::Error>(())
+        } => r,
         _ = ctx.cancel.cancelled() => return false,
     };
     if let Err(e) = res {
@@ -225,8 +282,8 @@ async fn gather_and_send(ctx: &QpCtx, out: &mut BoxWrite, runs: &[Vec<WorkReques
         ctx.fail(WcStatus::RetryExcErr);
         return false;
     }
-    if let Some(status) = bad {
-        ctx.fail(status);
+    if let Some((at, _)) = fence {
+        debug!(qp = ctx.index, sent = at, "tcp fabric: a WR could not be framed; the stream stops behind it");
         return false;
     }
     true
@@ -320,6 +377,11 @@ async fn handle_response(ctx: &QpCtx, rd: &mut FrameReader<BoxRead>, h: &Header)
         loop {
             match st.pending.front() {
                 None => return Ok(Some(WcStatus::RemInvReqErr)),
+                // The WR that could not be framed, reached by the answer to the fence sent in its
+                // place: every WR before it was answered (or, unsignaled, served without an
+                // answer). It completes with its own status and the QP breaks (it stays at the
+                // head of the queue for `fail`).
+                Some(Outstanding { failed: Some(status), .. }) => return Ok(Some(*status)),
                 Some(p) if p.wr.wr_id == h.id => break st.pending.pop_front(),
                 Some(p) if p.wr.op == WrOp::Read || p.wr.signaled => return Ok(Some(WcStatus::RemInvReqErr)),
                 Some(_) => {
@@ -398,7 +460,7 @@ impl Drop for Matched<'_> {
         }
         // Error paths only: the queue takes its own copy (an Arc and a few words).
         if let Ok(mut st) = self.ctx.state.lock() {
-            st.pending.push_front(Outstanding { wr: self.wr.clone() });
+            st.pending.push_front(Outstanding { wr: self.wr.clone(), failed: None });
         }
     }
 }
