@@ -61,6 +61,7 @@ pub(super) async fn bench_buffer(node: &Arc<Node>, size: u64) -> Result<Arc<dyn 
     let n = Arc::clone(node);
     tokio::task::spawn_blocking(move || {
         let mem = Arc::new(RegionMemory::anonymous(len, false).map_err(|e| NodeError::Internal(e.to_string()))?);
+        crate::regions::fill_bench(&mem);
         n.register(mem, xfer_fabric::Access::ReadWrite).map_err(|e| NodeError::Internal(e.to_string()))
     })
     .await

@@ -48,6 +48,7 @@ mod registry;
 mod removal;
 mod shm;
 
+pub use create::fill_bench;
 pub use entry::{RegionView, UnavailableRegion};
 pub use error::RegionError;
 pub use names::{validate_name, MAX_NAME_LEN, PRIVATE_SHM_PREFIX};
