@@ -109,6 +109,9 @@ unsafe impl Send for RegionMemory {}
 // SAFETY: as above; all mutation goes through raw pointers under the module contract.
 unsafe impl Sync for RegionMemory {}
 
+/// Anonymous regions at least this long ask for transparent huge pages (one huge page).
+const THP_MIN: usize = 2 << 20;
+
 impl RegionMemory {
     /// Private, zeroed anonymous memory. `hugepages` asks for MAP_HUGETLB (2 MiB pages).
     pub fn anonymous(len: usize, hugepages: bool) -> io::Result<Self> {
@@ -118,6 +121,14 @@ impl RegionMemory {
             opts.huge(None);
         }
         let map = opts.map_anon()?;
+        if !hugepages && len >= THP_MIN {
+            // Transparent huge pages where the host allows them on request (`madvise`, the
+            // common default): a KV pool is touched in small blocks at random places, and with
+            // 4 KiB pages each block costs a TLB miss in every copy into or out of it (the
+            // kernel's socket copies, the landing stores) and, on a NIC, a translation entry.
+            // A hint only: a host with huge pages off keeps 4 KiB pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
         Ok(Self::from_mut(map))
     }
 
