@@ -12,7 +12,7 @@ use crate::notify::{About, Hub, Via};
 use crate::regions::Region;
 use tracing::debug;
 use xfer_engine::notes::{ChannelNotes, ChannelRefusal, PendingNote, CHANNEL_BIT, MAX_CHANNEL_SLOT};
-use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
+use xfer_fabric::grant::{AccessCheck, Checked, GrantGate, Window};
 use xfer_fabric::{Exposure, RemoteKey, RemoteOp, WcStatus};
 
 #[derive(Debug, thiserror::Error)]
@@ -454,19 +454,16 @@ impl AccessCheck for GrantTable {
         if grant.connection_id.as_ref() != Some(connection) {
             return Err(WcStatus::RemAccessErr);
         }
-        if grant.op != op || !grant.gate.is_live() {
-            return Err(WcStatus::RemAccessErr);
-        }
-        let start = grant.exposure.addr;
-        let end = start.checked_add(grant.len).ok_or(WcStatus::RemAccessErr)?;
-        let req_end = addr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
-        if addr < start || req_end > end {
+        if !grant.gate.is_live() {
             return Err(WcStatus::RemAccessErr);
         }
         let mem = grant.region.memory.clone();
-        let offset = addr - mem.addr();
+        let window = Window { op: grant.op, start: grant.exposure.addr, len: grant.len, base: mem.addr() };
+        let offset = window.offset(addr, len, op)?;
         mem.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok(Checked { memory: mem, offset, gate: grant.gate.clone() })
+        // A stream may check its later frames under this token against the window: the grant's
+        // connection, operation and range never change, and its end is the gate's.
+        Ok(Checked { memory: mem, offset, gate: grant.gate.clone(), window: Some(window) })
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use libfuzzer_sys::fuzz_target;
 use xfer_engine::ids::ConnectionId;
 use xfer_fabric::frame::{Header, Kind, HEADER_LEN, MAX_PAYLOAD};
-use xfer_fabric::grant::{AccessCheck, Checked, GrantGate};
+use xfer_fabric::grant::{self, AccessCheck, Checked, GrantGate};
 use xfer_fabric::tcp::{read_hello, serve_frames};
 
 /// The data connection the fuzzed stream belongs to.
@@ -55,18 +55,12 @@ impl AccessCheck for FuzzGrants {
             return Err(WcStatus::RemAccessErr);
         }
         let w = self.windows.iter().find(|w| &w.token == token).ok_or(WcStatus::RemAccessErr)?;
-        if w.op != op {
-            return Err(WcStatus::RemAccessErr);
-        }
-        let start = BASE + w.offset;
-        let end = start.checked_add(w.len).ok_or(WcStatus::RemAccessErr)?;
-        let req_end = addr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
-        if addr < start || req_end > end {
-            return Err(WcStatus::RemAccessErr);
-        }
-        let offset = addr - BASE;
+        // The window lets the stream check later frames under the token without asking (its
+        // cache is fuzzed too).
+        let window = grant::Window { op: w.op, start: BASE + w.offset, len: w.len, base: BASE };
+        let offset = window.offset(addr, len, op)?;
         self.memory.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-        Ok(Checked { memory: self.memory.clone(), offset, gate: self.gate.clone() })
+        Ok(Checked { memory: self.memory.clone(), offset, gate: self.gate.clone(), window: Some(window) })
     }
 
     fn marker(&self, connection: &ConnectionId, token: &[u8; 16], _imm: u32) -> Result<(), WcStatus> {

@@ -307,4 +307,3 @@ pub fn fill_bench(memory: &RegionMemory) {
         at += n as u64;
     }
 }
-

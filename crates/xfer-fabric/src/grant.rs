@@ -31,6 +31,47 @@ pub struct Checked {
     pub memory: Arc<RegionMemory>,
     pub offset: u64,
     pub gate: Arc<GrantGate>,
+    /// The whole grant, when a stream may check its later frames under the same token against
+    /// it ([`Checked::again`]) instead of asking the table for each; `None`: it asks for each.
+    pub window: Option<Window>,
+}
+
+/// What a grant allows, as the data plane checks a frame against it: one operation on the remote
+/// addresses `start..start + len`, where remote address `base` is offset 0 of the grant's memory.
+/// A grant never changes while it lives (revocation and expiry end its [`GrantGate`] instead), so
+/// a frame inside it is allowed while the gate is live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub op: RemoteOp,
+    pub start: u64,
+    pub len: u64,
+    pub base: u64,
+}
+
+impl Window {
+    /// The memory offset of `len` bytes at remote address `addr` for `op`, if the grant covers
+    /// them (every sum checked for overflow); `RemAccessErr` otherwise. The caller still checks
+    /// the gate and the memory's own bounds.
+    pub fn offset(&self, addr: u64, len: u64, op: RemoteOp) -> Result<u64, WcStatus> {
+        let end = self.start.checked_add(self.len).ok_or(WcStatus::RemAccessErr)?;
+        let req_end = addr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
+        if op != self.op || addr < self.start || req_end > end || addr < self.base {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(addr - self.base)
+    }
+}
+
+impl Checked {
+    /// The memory offset of a later frame (`len` bytes at `addr` for `op`) under the same token,
+    /// if this check may stand for it (see [`Checked::window`]) and the grant and the memory
+    /// cover it. Whether the grant is still live is the gate's to tell, checked by the caller
+    /// under the hold that copies the bytes.
+    pub fn again(&self, addr: u64, len: u64, op: RemoteOp) -> Option<u64> {
+        let offset = self.window?.offset(addr, len, op).ok()?;
+        self.memory.check(offset, len).ok()?;
+        Some(offset)
+    }
 }
 
 /// A grant's liveness as the data plane sees it. A WRITE payload is copied into region memory in

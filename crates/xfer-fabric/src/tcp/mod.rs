@@ -85,6 +85,9 @@ mod session;
 #[cfg(test)]
 mod standby_tests;
 mod target;
+mod whole;
+#[cfg(test)]
+mod whole_tests;
 mod wire;
 
 pub use hello::read_hello;
@@ -323,7 +326,7 @@ mod tests {
             if token != &TOKEN || op != RemoteOp::Read || addr.checked_add(len).is_none_or(|end| end > LEN as u64) {
                 return Err(WcStatus::RemAccessErr);
             }
-            Ok(Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone() })
+            Ok(Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone(), window: None })
         }
 
         fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {

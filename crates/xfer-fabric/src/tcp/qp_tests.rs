@@ -33,7 +33,7 @@ impl AccessCheck for WritePage {
         if token != &TOKEN || op != RemoteOp::Write || addr.checked_add(len).is_none_or(|end| end > LEN as u64) {
             return Err(WcStatus::RemAccessErr);
         }
-        Ok(Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone() })
+        Ok(Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone(), window: None })
     }
 
     fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {

@@ -64,7 +64,7 @@ impl AccessCheck for WriteGrant {
         if token != &TOKEN || !allowed || addr.checked_add(len).is_none_or(|end| end > self.grant) {
             return Err(WcStatus::RemAccessErr);
         }
-        let checked = Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone() };
+        let checked = Checked { memory: self.memory.clone(), offset: addr, gate: self.gate.clone(), window: None };
         if self.revoke_in_check.load(Ordering::SeqCst) {
             self.gate.revoke();
         }
@@ -473,7 +473,7 @@ struct TwoRegions {
 impl AccessCheck for TwoRegions {
     fn check(&self, _: &ConnectionId, _: &[u8; 16], addr: u64, _: u64, _: RemoteOp) -> Result<Checked, WcStatus> {
         let (memory, offset) = if addr < REGION as u64 { (self.anon.clone(), addr) } else { (self.file.clone(), addr - REGION as u64) };
-        Ok(Checked { memory, offset, gate: self.gate.clone() })
+        Ok(Checked { memory, offset, gate: self.gate.clone(), window: None })
     }
 
     fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {

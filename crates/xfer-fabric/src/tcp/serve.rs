@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::whole::{serve_whole_writes, GrantCache};
 use super::wire::{is_answer_revoked, FrameReader, FrameWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
@@ -119,8 +120,13 @@ where
     // poisoned region, a range past the grant) is already on the wire. Initiators never reuse a
     // stream after a NAK (the QP breaks), so this costs an honest peer nothing.
     let mut refused = false;
+    let mut cache = GrantCache::default();
     loop {
+        // WRITEs that arrived whole are served first, without waiting (see `whole`).
+        serve_whole_writes(rd, wr, check, connection, &mut cache, &mut refused)?;
         if rd.buffered() == 0 {
+            // Before a read that may wait: the answers leave, and the stream forgets its grant.
+            cache.clear();
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];

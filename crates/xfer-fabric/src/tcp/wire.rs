@@ -106,6 +106,17 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         Ok(())
     }
 
+    /// Whether `n` more bytes can be staged without a write first.
+    pub(super) fn has_room(&self, n: usize) -> bool {
+        self.staged.len() + n <= STAGE
+    }
+
+    /// Stages `bytes` (a small answer) without writing; the caller checked
+    /// [`FrameWriter::has_room`].
+    pub(super) fn stage(&mut self, bytes: &[u8]) {
+        self.staged.extend_from_slice(bytes);
+    }
+
     /// Whether a queued answer's grant is no longer live: that answer will be cut when the queue
     /// drains (nothing of it has left: between drains the queue holds only unsent answers), so a
     /// frame behind it must not take effect. Checks without marking them checked: the drain still
@@ -218,13 +229,32 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub(super) fn buffered(&self) -> usize {
         self.filled - self.pos
     }
+
+    /// The next `n` bytes of the stream, if they are already buffered (nothing is consumed).
+    pub(super) fn peek(&self, n: usize) -> Option<&[u8]> {
+        (self.buffered() >= n).then(|| &self.buf[self.pos..self.pos + n])
+    }
+
+    /// Drops `n` buffered bytes (at most what is buffered).
+    pub(super) fn consume(&mut self, n: usize) {
+        self.pos += n.min(self.buffered());
+    }
+
+    /// Lands the next `len` buffered bytes in `offset..` of `mem` ([`RegionMemory::land`]) and
+    /// consumes them; nothing is consumed if they are not all buffered or do not fit.
+    pub(super) fn land_buffered(&mut self, mem: &RegionMemory, offset: u64, len: usize) -> io::Result<()> {
+        let bytes = self.peek(len).ok_or(io::ErrorKind::UnexpectedEof)?;
+        mem.land(offset, bytes).map_err(io::Error::other)?;
+        self.pos += len;
+        Ok(())
+    }
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// One read into the empty buffer (after a payload that went straight in, at most `want`
     /// bytes: the next header alone, so the payload behind it can go straight in too). Returns
     /// how many bytes it holds now (0 at the end of the stream).
-    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+    pub(super) fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
         let limit = if self.direct { want.min(self.buf.len()) } else { self.buf.len() };
         let mut rb = ReadBuf::new(&mut self.buf[..limit]);
         ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
