@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::whole::{serve_whole_writes, GrantCache};
+use super::whole::{serve_whole_frames, GrantCache};
 use super::wire::{is_answer_revoked, FrameReader, FrameWriter};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
@@ -122,8 +122,8 @@ where
     let mut refused = false;
     let mut cache = GrantCache::default();
     loop {
-        // WRITEs that arrived whole are served first, without waiting (see `whole`).
-        serve_whole_writes(rd, wr, check, connection, &mut cache, &mut refused)?;
+        // WRITEs and READs that arrived whole are served first, without waiting (see `whole`).
+        serve_whole_frames(rd, wr, check, connection, &mut cache, &mut refused)?;
         if rd.buffered() == 0 {
             // Before a read that may wait: the answers leave, and the stream forgets its grant.
             cache.clear();
@@ -227,7 +227,7 @@ where
                         // gathered write, the payload straight from region memory; not at all
                         // (the stream closes) if the grant is revoked before that write starts.
                         resp.len = h.len;
-                        wr.answer(&resp.encode(), mem, off, h.len as usize, gate).await?;
+                        wr.answer(&resp.encode(), &mem, off, h.len as usize, &gate).await?;
                     }
                     Err(status) => {
                         refused = true;

@@ -1,7 +1,8 @@
-//! The target's fast path for WRITE frames that arrived whole: the run of them already in the
-//! read buffer is served without waiting and without asking the grant table for each frame.
+//! The target's fast path for frames that arrived whole (a WRITE with its payload, a READ
+//! request): the run of them already in the read buffer is served without waiting and without
+//! asking the grant table for each frame.
 //!
-//! Why: a KV-cache batch is thousands of small WRITEs under one grant, and the general frame loop
+//! Why: a KV-cache batch is thousands of small WRITEs (or READs) under one grant, and the general frame loop
 //! paid per frame for a table lookup (its lock, reference counts on the grant, its memory and its
 //! gate) and for a hold of the gate, every one of them an atomic on a line the other streams of
 //! the connection write too. Here a stream checks a frame against the grant it checked last for
@@ -9,7 +10,8 @@
 //! lands a run of frames under one hold of the gate, at most [`PAYLOAD_CHUNK`] bytes of copies,
 //! as the general loop lands one chunk of a large payload. So every promise stays: each frame is
 //! checked, and a revocation waits for at most one such run of copies of bytes already received,
-//! after which no byte lands under the grant.
+//! after which no byte lands under the grant. A READ is answered as the general loop answers it:
+//! queued for the next gathered write, its grant checked again before that write starts.
 use std::io;
 
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -44,21 +46,22 @@ impl GrantCache {
         self.last.as_ref().is_some_and(|(t, _)| t == token)
     }
 
-    /// The memory offset of `len` bytes at `addr` under the grant last checked for `token`, if
-    /// that check stands for them.
-    fn again(&self, token: &[u8; 16], addr: u64, len: u64) -> Option<u64> {
+    /// The memory offset of `len` bytes at `addr` for `op` under the grant last checked for
+    /// `token`, if that check stands for them.
+    fn again(&self, token: &[u8; 16], addr: u64, len: u64, op: RemoteOp) -> Option<u64> {
         match &self.last {
-            Some((t, c)) if t == token => c.again(addr, len, RemoteOp::Write),
+            Some((t, c)) if t == token => c.again(addr, len, op),
             _ => None,
         }
     }
 }
 
-/// Serves the WRITE frames at the head of `rd`'s buffer whose payloads arrived whole, until the
-/// next frame is not one, or lands in memory that can shrink (the general loop copies those
-/// through a buffer), or the answers' stage is full (the general loop writes it out). A frame
-/// refused is NAKed with its payload dropped, and sets `refused` (see the frame loop).
-pub(super) fn serve_whole_writes<R, W>(
+/// Serves the frames at the head of `rd`'s buffer that arrived whole (WRITEs with their payloads,
+/// READ requests), until the next frame is not one, or its grant's memory can shrink (the general
+/// loop copies those through a buffer), or the answers' stage or queue is full (the general loop
+/// writes them out). A frame refused is answered with its status (its payload dropped) and sets
+/// `refused` (see the frame loop).
+pub(super) fn serve_whole_frames<R, W>(
     rd: &mut FrameReader<R>,
     wr: &mut FrameWriter<W>,
     check: &dyn AccessCheck,
@@ -70,14 +73,14 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    while let Some(h) = whole_write(rd) {
-        if !wr.has_room(HEADER_LEN) {
+    while let Some((h, op)) = whole_frame(rd) {
+        if !has_room(wr, op) {
             return Ok(());
         }
         let len = u64::from(h.len);
-        let offset = match cache.again(&h.token, h.addr, len) {
+        let offset = match cache.again(&h.token, h.addr, len, op) {
             Some(offset) => offset,
-            None => match check.check(connection, &h.token, h.addr, len, RemoteOp::Write) {
+            None => match check.check(connection, &h.token, h.addr, len, op) {
                 Ok(t) => {
                     let offset = t.offset;
                     cache.keep(h.token, t);
@@ -93,7 +96,7 @@ where
         if t.memory.can_shrink() {
             return Ok(());
         }
-        if !t.memory.writable() || t.memory.intact().is_err() {
+        if op == RemoteOp::Write && (!t.memory.writable() || t.memory.intact().is_err()) {
             refuse(rd, wr, &h, WcStatus::RemAccessErr, refused);
             continue;
         }
@@ -104,38 +107,55 @@ where
             refuse(rd, wr, &h, WcStatus::RemAccessErr, refused);
             continue;
         };
-        land(rd, wr, t, &h, offset)?;
-        let mut landed = h.len as usize;
-        // The frames right behind it under the same token, under the same hold.
-        while landed < PAYLOAD_CHUNK {
-            let Some(next) = whole_write(rd).filter(|n| n.token == h.token) else { break };
-            let Some(offset) = t.again(next.addr, u64::from(next.len), RemoteOp::Write) else { break };
-            if !wr.has_room(HEADER_LEN) {
+        serve(rd, wr, t, &h, offset)?;
+        // The frames right behind it of the same kind under the same token, under the same hold:
+        // WRITEs up to one chunk of copies, READs (queued, nothing copied) while there is room.
+        let mut landed = if op == RemoteOp::Write { len } else { 0 };
+        while landed < PAYLOAD_CHUNK as u64 {
+            let Some((next, _)) = whole_frame(rd).filter(|(n, o)| n.token == h.token && *o == op) else { break };
+            let Some(offset) = t.again(next.addr, u64::from(next.len), op) else { break };
+            if !has_room(wr, op) {
                 break;
             }
-            land(rd, wr, t, &next, offset)?;
-            landed += next.len as usize;
+            serve(rd, wr, t, &next, offset)?;
+            landed += if op == RemoteOp::Write { u64::from(next.len) } else { 0 };
         }
         drop(live);
     }
     Ok(())
 }
 
-/// The next frame, if it is a WRITE whose header and payload are both buffered.
-fn whole_write<R: AsyncRead + Unpin>(rd: &FrameReader<R>) -> Option<Header> {
+/// The next frame, if it is a WRITE whose header and payload are both buffered or a READ
+/// request whose header is, with the operation it asks for.
+fn whole_frame<R: AsyncRead + Unpin>(rd: &FrameReader<R>) -> Option<(Header, RemoteOp)> {
     let head: &[u8; HEADER_LEN] = rd.peek(HEADER_LEN)?.try_into().ok()?;
     let h = Header::decode(head).ok()?;
-    (h.kind == Kind::Write && rd.buffered() >= HEADER_LEN + h.len as usize).then_some(h)
+    match h.kind {
+        Kind::Write if rd.buffered() >= HEADER_LEN + h.len as usize => Some((h, RemoteOp::Write)),
+        Kind::ReadReq => Some((h, RemoteOp::Read)),
+        _ => None,
+    }
 }
 
-/// Lands frame `h`'s payload at `offset` of `t`'s memory (the caller holds its gate) and stages
-/// its ACK if it asked for one (the caller made room).
-fn land<R, W>(rd: &mut FrameReader<R>, wr: &mut FrameWriter<W>, t: &Checked, h: &Header, offset: u64) -> io::Result<()>
+/// Whether `wr` can take the answer to a frame for `op` without a write first.
+fn has_room<W: AsyncWrite + Unpin>(wr: &FrameWriter<W>, op: RemoteOp) -> bool {
+    wr.has_room(HEADER_LEN) && (op == RemoteOp::Write || wr.has_answer_room())
+}
+
+/// Serves frame `h` at `offset` of `t`'s memory (the caller holds its gate and made room): a
+/// WRITE's payload lands and its ACK is staged if it asked for one; a READ's answer is queued,
+/// its payload to leave straight from region memory.
+fn serve<R, W>(rd: &mut FrameReader<R>, wr: &mut FrameWriter<W>, t: &Checked, h: &Header, offset: u64) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     rd.consume(HEADER_LEN);
+    if h.kind == Kind::ReadReq {
+        let mut resp = Header::new(Kind::ReadResp, h.id);
+        resp.len = h.len;
+        return wr.queue_answer(&resp.encode(), &t.memory, offset, h.len as usize, &t.gate);
+    }
     rd.land_buffered(&t.memory, offset, h.len as usize)?;
     if h.flags & ACK_REQUESTED != 0 {
         wr.stage(&Header::new(Kind::Ack, h.id).encode());
@@ -143,13 +163,21 @@ where
     Ok(())
 }
 
-/// Drops frame `h` (header and payload) and stages its NAK (the caller made room).
+/// Drops frame `h` (a WRITE's payload with it) and stages its refusal (the caller made room): a
+/// NAK for a WRITE, a READ_RESP carrying the status for a READ, as the general loop answers.
 fn refuse<R, W>(rd: &mut FrameReader<R>, wr: &mut FrameWriter<W>, h: &Header, status: WcStatus, refused: &mut bool)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     *refused = true;
-    rd.consume(HEADER_LEN + h.len as usize);
-    wr.stage(&Header::nak(h.id, status).encode());
+    if h.kind == Kind::ReadReq {
+        rd.consume(HEADER_LEN);
+        let mut resp = Header::new(Kind::ReadResp, h.id);
+        resp.status = status.code();
+        wr.stage(&resp.encode());
+    } else {
+        rd.consume(HEADER_LEN + h.len as usize);
+        wr.stage(&Header::nak(h.id, status).encode());
+    }
 }

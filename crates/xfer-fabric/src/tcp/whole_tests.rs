@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use xfer_rdma::memory::RegionMemory;
 
 use super::serve::serve_frames;
-use super::whole::{serve_whole_writes, GrantCache};
+use super::whole::{serve_whole_frames, GrantCache};
 use super::wire::{FrameReader, FrameWriter};
 use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::grant::{AccessCheck, Checked, GrantGate, Window};
@@ -31,16 +31,25 @@ struct Windowed {
     memory: Arc<RegionMemory>,
     gate: Arc<GrantGate>,
     asked: AtomicUsize,
+    op: RemoteOp,
 }
 
 impl Windowed {
     fn new(expires_at: SystemTime) -> Windowed {
         let memory = Arc::new(RegionMemory::anonymous(REGION, false).expect("a mapping"));
-        Windowed { memory, gate: GrantGate::new(expires_at), asked: AtomicUsize::new(0) }
+        Windowed { memory, gate: GrantGate::new(expires_at), asked: AtomicUsize::new(0), op: RemoteOp::Write }
     }
 
     fn live() -> Windowed {
         Windowed::new(SystemTime::now() + Duration::from_secs(3600))
+    }
+
+    /// A live READ grant over a region whose byte `i` is `i % 251`.
+    fn readable() -> Windowed {
+        let g = Windowed { op: RemoteOp::Read, ..Windowed::live() };
+        let pattern: Vec<u8> = (0..REGION).map(|i| (i % 251) as u8).collect();
+        g.memory.write_at(0, &pattern).expect("fill");
+        g
     }
 
     fn bytes(&self) -> Vec<u8> {
@@ -56,7 +65,7 @@ impl AccessCheck for Windowed {
         if token != &TOKEN || !self.gate.is_live() {
             return Err(WcStatus::RemAccessErr);
         }
-        let window = Window { op: RemoteOp::Write, start: BASE + GRANT_AT, len: GRANT_LEN, base: BASE };
+        let window = Window { op: self.op, start: BASE + GRANT_AT, len: GRANT_LEN, base: BASE };
         let offset = window.offset(addr, len, op)?;
         self.memory.check(offset, len).map_err(|_| WcStatus::RemAccessErr)?;
         Ok(Checked { memory: self.memory.clone(), offset, gate: self.gate.clone(), window: Some(window) })
@@ -167,13 +176,13 @@ async fn a_grant_revoked_after_the_stream_kept_it_refuses_the_next_buffered_fram
     let (mut cache, mut refused) = (GrantCache::default(), false);
     ours.write_all(&write(1, TOKEN, 0, 4096, 0x11)).await.expect("sent");
     std::future::poll_fn(|cx| rd.poll_fill(cx, 1)).await.expect("filled");
-    serve_whole_writes(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
+    serve_whole_frames(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
     assert_eq!(g.asked.load(Ordering::SeqCst), 1);
     assert!(cache.holds(&TOKEN), "the stream did not keep the grant");
     ours.write_all(&write(2, TOKEN, 4096, 4096, 0xee)).await.expect("sent");
     std::future::poll_fn(|cx| rd.poll_fill(cx, 1)).await.expect("filled");
     g.gate.revoke();
-    serve_whole_writes(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
+    serve_whole_frames(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
     wr.flush().await.expect("flushed");
     drop(wr);
     assert_eq!(answers(&sink), vec![(Kind::Ack, 1, ACK), (Kind::Nak, 2, nak())]);
@@ -200,7 +209,7 @@ async fn an_expired_grant_kept_by_the_stream_lands_nothing() {
     let mut sink = Vec::new();
     let mut wr = FrameWriter::new(&mut sink);
     let mut refused = false;
-    serve_whole_writes(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
+    serve_whole_frames(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
     wr.flush().await.expect("flushed");
     drop(wr);
     assert_eq!(answers(&sink), vec![(Kind::Nak, 1, nak())]);
@@ -232,4 +241,85 @@ async fn a_stream_waiting_for_its_next_frame_keeps_no_grant() {
     assert_eq!(Arc::strong_count(&g.gate), 1, "an idle stream holds the grant's gate");
     drop(ours);
     served.await.expect("joined").expect("a clean end");
+}
+
+/// A READ request for `len` bytes at offset `at` of the grant.
+fn read(id: u64, token: [u8; 16], at: u64, len: u32) -> Vec<u8> {
+    let mut h = Header::new(Kind::ReadReq, id);
+    (h.addr, h.len, h.token) = (BASE + GRANT_AT + at, len, token);
+    h.encode().to_vec()
+}
+
+/// The stream's answers to READs: (id, status, payload) per READ_RESP, in order.
+fn read_answers(mut out: &[u8]) -> Vec<(u64, u16, Vec<u8>)> {
+    let mut got = Vec::new();
+    while !out.is_empty() {
+        let h = Header::decode(out[..HEADER_LEN].try_into().expect("a header")).expect("decodes");
+        assert_eq!(h.kind, Kind::ReadResp, "{h:?}");
+        let n = if h.status == 0 { h.len as usize } else { 0 };
+        got.push((h.id, h.status, out[HEADER_LEN..HEADER_LEN + n].to_vec()));
+        out = &out[HEADER_LEN + n..];
+    }
+    got
+}
+
+/// The grant's bytes at offset `at` (the region's pattern).
+fn expected(at: u64, len: u32) -> Vec<u8> {
+    (0..len as u64).map(|i| ((GRANT_AT + at + i) % 251) as u8).collect()
+}
+
+/// More READs than one gathered write answers (the queue fills, the frame loop writes it out and
+/// the fast path goes on), a READ past the grant and one under another token among them: each
+/// answered in request order with exactly its bytes, or refused with no payload.
+#[tokio::test]
+async fn reads_under_one_token_are_answered_in_order_past_a_full_queue_and_bad_ones_refused() {
+    let g = Windowed::readable();
+    let mut input = Vec::new();
+    let mut want = Vec::new();
+    for i in 0..700u64 {
+        let at = (i * 97) % (GRANT_LEN - 64);
+        match i {
+            300 => {
+                input.extend(read(i, TOKEN, GRANT_LEN - 10, 64));
+                want.push((i, nak(), Vec::new()));
+            }
+            301 => {
+                input.extend(read(i, OTHER, at, 64));
+                want.push((i, nak(), Vec::new()));
+            }
+            _ => {
+                input.extend(read(i, TOKEN, at, 64));
+                want.push((i, ACK, expected(at, 64)));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    serve_frames(&input[..], &mut out, &g, &connection()).await.expect("served");
+    assert_eq!(read_answers(&out), want);
+    assert!(g.asked.load(Ordering::SeqCst) <= 8, "the table was asked per frame: {}", g.asked.load(Ordering::SeqCst));
+}
+
+/// A READ grant kept by the stream and revoked before the next buffered READ under it: that READ
+/// is refused with no payload, and nothing of the region leaves after the revocation.
+#[tokio::test]
+async fn a_read_grant_revoked_after_the_stream_kept_it_answers_nothing_more() {
+    let g = Windowed::readable();
+    let (mut ours, theirs) = tokio::io::duplex(1 << 20);
+    let mut rd = FrameReader::new(theirs);
+    let mut sink = Vec::new();
+    let mut wr = FrameWriter::new(&mut sink);
+    let (mut cache, mut refused) = (GrantCache::default(), false);
+    ours.write_all(&read(1, TOKEN, 0, 4096)).await.expect("sent");
+    std::future::poll_fn(|cx| rd.poll_fill(cx, 1)).await.expect("filled");
+    serve_whole_frames(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
+    wr.flush().await.expect("flushed");
+    assert!(cache.holds(&TOKEN), "the stream did not keep the grant");
+    ours.write_all(&read(2, TOKEN, 4096, 4096)).await.expect("sent");
+    std::future::poll_fn(|cx| rd.poll_fill(cx, 1)).await.expect("filled");
+    g.gate.revoke();
+    serve_whole_frames(&mut rd, &mut wr, &g, &connection(), &mut cache, &mut refused).expect("served");
+    wr.flush().await.expect("flushed");
+    drop(wr);
+    assert_eq!(read_answers(&sink), vec![(1, ACK, expected(0, 4096)), (2, nak(), Vec::new())]);
+    assert!(refused && !cache.holds(&TOKEN));
 }

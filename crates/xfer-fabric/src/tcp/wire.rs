@@ -48,10 +48,10 @@ struct Answer {
     /// `staged[..at]` goes before the payload; its header is the last `head` bytes of that.
     at: usize,
     head: usize,
-    mem: Arc<RegionMemory>,
+    /// Its memory and gate: an index into [`FrameWriter`]'s grants.
+    grant: usize,
     offset: u64,
     len: usize,
-    gate: Arc<GrantGate>,
 }
 
 /// A queued READ answer's grant was revoked (or expired) before its bytes started to leave: the
@@ -66,6 +66,10 @@ pub(super) struct FrameWriter<W> {
     inner: W,
     staged: Vec<u8>,
     answers: Vec<Answer>,
+    /// The memory and gate of the queued answers, one entry per run of answers under one grant:
+    /// a reference count taken per run, not per answer (each an atomic the connection's other
+    /// streams contend for).
+    grants: Vec<(Arc<RegionMemory>, Arc<GrantGate>)>,
     /// Payload bytes of `answers`.
     queued: usize,
     /// Bytes of the queued sequence (staged bytes with the answers' payloads between them)
@@ -80,7 +84,16 @@ pub(super) struct FrameWriter<W> {
 
 impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     pub(super) fn new(inner: W) -> Self {
-        FrameWriter { inner, staged: Vec::with_capacity(STAGE), answers: Vec::new(), queued: 0, sent: 0, checked: 0, revoked: false }
+        FrameWriter {
+            inner,
+            staged: Vec::with_capacity(STAGE),
+            answers: Vec::new(),
+            grants: Vec::new(),
+            queued: 0,
+            sent: 0,
+            checked: 0,
+            revoked: false,
+        }
     }
 
     /// Queues a READ answer: `head` (its header), then `offset..offset + len` of `mem` straight
@@ -91,17 +104,43 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     pub(super) async fn answer(
         &mut self,
         head: &[u8],
-        mem: Arc<RegionMemory>,
+        mem: &Arc<RegionMemory>,
         offset: u64,
         len: usize,
-        gate: Arc<GrantGate>,
+        gate: &Arc<GrantGate>,
     ) -> io::Result<()> {
-        if self.answers.len() >= MAX_ANSWERS || self.queued >= ANSWER_BYTES {
+        if !self.has_answer_room() {
             std::future::poll_fn(|cx| self.poll_drain(cx)).await?;
         }
+        self.queue_answer(head, mem, offset, len, gate)
+    }
+
+    /// Whether an answer can be queued without writing the queue first.
+    pub(super) fn has_answer_room(&self) -> bool {
+        self.answers.len() < MAX_ANSWERS && self.queued < ANSWER_BYTES
+    }
+
+    /// [`FrameWriter::answer`] without the write: the caller checked
+    /// [`FrameWriter::has_answer_room`] (past the limits the answer is still queued, and the
+    /// drain's gathered write takes more than one call).
+    pub(super) fn queue_answer(
+        &mut self,
+        head: &[u8],
+        mem: &Arc<RegionMemory>,
+        offset: u64,
+        len: usize,
+        gate: &Arc<GrantGate>,
+    ) -> io::Result<()> {
         mem.check(offset, len as u64).map_err(io::Error::other)?;
+        let grant = match self.grants.last() {
+            Some((m, g)) if Arc::ptr_eq(m, mem) && Arc::ptr_eq(g, gate) => self.grants.len() - 1,
+            _ => {
+                self.grants.push((mem.clone(), gate.clone()));
+                self.grants.len() - 1
+            }
+        };
         self.staged.extend_from_slice(head);
-        self.answers.push(Answer { at: self.staged.len(), head: head.len(), mem, offset, len, gate });
+        self.answers.push(Answer { at: self.staged.len(), head: head.len(), grant, offset, len });
         self.queued += len;
         Ok(())
     }
@@ -122,18 +161,24 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     /// frame behind it must not take effect. Checks without marking them checked: the drain still
     /// checks each again just before the write that would start it.
     pub(super) fn holds_revoked_answer(&self) -> bool {
-        self.answers.iter().any(|a| !a.gate.is_live())
+        self.grants.iter().any(|(_, gate)| !gate.is_live())
     }
 
     /// Cuts the queue at the first answer not checked yet whose grant is no longer live (none of
     /// its bytes has left: it is checked before the write that would start it).
     fn check_gates(&mut self) {
         let mut payloads = 0usize;
+        // Each grant's liveness, asked once per drain (a snapshot, as one check per answer was).
+        let mut live: Vec<Option<bool>> = vec![None; self.grants.len()];
         for i in 0..self.answers.len() {
             let a = &self.answers[i];
             let header_at = a.at - a.head + payloads;
             payloads += a.len;
-            if i >= self.checked && header_at >= self.sent && !a.gate.is_live() {
+            if i < self.checked || header_at < self.sent {
+                continue;
+            }
+            let alive = *live[a.grant].get_or_insert_with(|| self.grants[a.grant].1.is_live());
+            if !alive {
                 self.staged.truncate(a.at - a.head);
                 self.answers.truncate(i);
                 self.queued = self.answers.iter().map(|a| a.len).sum();
@@ -154,7 +199,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             let mut from = 0usize;
             for a in &self.answers {
                 pieces.push(Piece::Bytes(&self.staged[from..a.at]));
-                pieces.push(Piece::Region(&a.mem, a.offset, a.len));
+                pieces.push(Piece::Region(&self.grants[a.grant].0, a.offset, a.len));
                 from = a.at;
             }
             pieces.push(Piece::Bytes(&self.staged[from..]));
@@ -170,6 +215,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         }
         self.staged.clear();
         self.answers.clear();
+        self.grants.clear();
         (self.queued, self.sent, self.checked) = (0, 0, 0);
         if std::mem::take(&mut self.revoked) {
             return Poll::Ready(Err(io::Error::other(AnswerRevoked)));
@@ -363,7 +409,7 @@ mod tests {
             let mut w = FrameWriter::new(ours);
             w.write_all(&sent).await.expect("stage");
             let gate = GrantGate::new(std::time::SystemTime::now() + std::time::Duration::from_secs(3600));
-            w.answer(&[9u8; 44], Arc::new(mem), 0, 1 << 20, gate).await.expect("answer");
+            w.answer(&[9u8; 44], &Arc::new(mem), 0, 1 << 20, &gate).await.expect("answer");
             w.shutdown().await.expect("end");
         });
         let mut r = FrameReader::new(theirs);
@@ -390,11 +436,11 @@ mod tests {
         let (ours, mut theirs) = tokio::io::duplex(1 << 20);
         let mut w = FrameWriter::new(ours);
         w.write_all(b"ack-1").await.expect("stage");
-        w.answer(b"head-1", mem.clone(), 0, 5000, live.clone()).await.expect("queue");
+        w.answer(b"head-1", &mem, 0, 5000, &live).await.expect("queue");
         w.write_all(b"ack-2").await.expect("stage");
-        w.answer(b"head-2", mem.clone(), 0, 1 << 16, doomed.clone()).await.expect("queue");
+        w.answer(b"head-2", &mem, 0, 1 << 16, &doomed).await.expect("queue");
         w.write_all(b"ack-3").await.expect("stage");
-        w.answer(b"head-3", mem.clone(), 0, 100, live).await.expect("queue");
+        w.answer(b"head-3", &mem, 0, 100, &live).await.expect("queue");
         doomed.revoke();
         let err = w.flush().await.expect_err("the revoked answer fails the drain");
         assert!(is_answer_revoked(&err), "{err}");
