@@ -175,7 +175,7 @@ pub trait PeerApi: Send + Sync {
     /// `Peer.Disconnect` (best effort: errors are logged, not returned).
     async fn disconnect(&self, connection_id: &xfer_engine::ids::ConnectionId, node_name: &str);
     /// `Peer.OpenSink` for the raw TCP (or, `tls`, TLS) baseline: the sink's address.
-    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError>;
+    async fn open_sink(&self, connections: u32, tls: bool, walk: Walk) -> Result<String, PeerError>;
     /// `Peer.OpenBenchRegion`: a scratch region's name.
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError>;
     /// `Peer.CloseBenchRegion`.
@@ -199,3 +199,12 @@ pub trait PeerApi: Send + Sync {
 /// Makes the [`PeerApi`] client for a peer address (`host:port`): the gRPC client in the agent
 /// (`service::client::connector`), a fake in tests.
 pub type Connector = Arc<dyn Fn(&str) -> Result<Arc<dyn PeerApi>, PeerError> + Send + Sync>;
+
+/// How the two ends of a raw TCP baseline walk memory: with a `pool` (bytes, in all), each stream
+/// its own share of it instead of one small hot buffer; with `scatter` too, in pieces of that many
+/// bytes at random places of its share, in gathered system calls (a KV batch's access pattern).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Walk {
+    pub pool: u64,
+    pub scatter: u64,
+}

@@ -25,6 +25,7 @@ mod per_path;
 mod phase;
 mod sample;
 mod tcp;
+mod walk;
 
 pub use params::{BenchParams, BenchResult, PathProbe, BENCH_MAX_HOLD, BENCH_MAX_INTERVAL};
 pub use tcp::{open_sink, tcp_baseline};

@@ -4,7 +4,8 @@
 //! suites and certificates as the tcp fabric's mTLS data streams): what `--baseline tls`
 //! compares the fabric's TLS streams against. With a `pool`, both ends walk buffers of that many
 //! bytes instead of one small buffer each: raw TCP with the memory footprint of a KV pool (bytes
-//! leave from and land in lines no cache holds, as the fabric's do), beside the hot baseline.
+//! leave from and land in lines no cache holds, as the fabric's do), beside the hot baseline;
+//! with `scatter` too, in pieces at random places of them ([`super::walk`]).
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use tracing::{debug, warn};
 
 use crate::error::NodeError;
 use crate::node::Node;
-use crate::peer_api::PeerError;
+use crate::peer_api::{PeerError, Walk};
 use xfer_fabric::identity::tls::DataTls;
 
 /// Each sink connection's read buffer.
@@ -41,9 +42,11 @@ pub async fn open_sink(
     local_ip: std::net::IpAddr,
     connections: u32,
     tls: Option<DataTls>,
-    pool: u64,
+    walk: Walk,
 ) -> Result<SocketAddr, NodeError> {
     let n = connections.clamp(1, 64);
+    super::walk::check(walk, n, tls.is_some())?;
+    let pool = walk.pool;
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.server));
     let slot = node.sink_slot()?;
     let share = sink_share(pool, n)?;
@@ -57,7 +60,7 @@ pub async fn open_sink(
     let addr = listener.local_addr().map_err(|e| NodeError::Internal(format!("opening sink: {e}")))?;
     tokio::spawn(async move {
         let held = (slot, reservation);
-        match run_sink(listener, acceptor, buffers, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
+        match run_sink(listener, acceptor, buffers, walk.scatter as usize, SINK_ACCEPT_WITHIN, SINK_LIFETIME).await {
             Err(SinkEnd::Lifetime) => warn!("tcp baseline sink reached its lifetime; closed"),
             Err(SinkEnd::Io(e)) => debug!(error = %e, "tcp baseline sink closed"),
             Ok(done) => {
@@ -87,8 +90,9 @@ pub async fn tcp_baseline(
     connections: u32,
     block: u64,
     tls: Option<DataTls>,
-    pool: u64,
+    walk: Walk,
 ) -> Result<(u64, f64), NodeError> {
+    super::walk::check(walk, connections.clamp(1, 64), tls.is_some())?;
     let _admin = node.admin_slot("TcpBaseline")?;
     let tls = match tls {
         Some(data) => {
@@ -99,14 +103,14 @@ pub async fn tcp_baseline(
     };
     let block = block.clamp(4096, BASELINE_MAX_BLOCK) as usize;
     let n = connections.clamp(1, 64);
-    let pool = usize::try_from(pool).map_err(|_| NodeError::Invalid("pool too large".into()))?;
+    let pool = usize::try_from(walk.pool).map_err(|_| NodeError::Invalid("pool too large".into()))?;
     // Each stream walks its own share of the pool (at least one block); without a pool all
     // share one block.
     let share = if pool == 0 { block } else { (pool / n as usize).max(block) };
     let total = if pool == 0 { block } else { share * n as usize };
     let _memory = node.reserve_bench(total as u64, "the TCP baseline buffer")?;
     let peer = node.peer_entry(peer_addr).await?;
-    let sink = peer.call(|| peer.client.open_sink(n, tls.is_some(), pool as u64)).await?;
+    let sink = peer.call(|| peer.client.open_sink(n, tls.is_some(), walk)).await?;
     let per = bytes.div_ceil(n as u64);
     // Filled (so every page is touched before the clock starts), on the blocking pool: a pool
     // can be a gigabyte.
@@ -128,6 +132,7 @@ pub async fn tcp_baseline(
             s.set_nodelay(true)?;
             let mine = &buf[from..from + len];
             match tls {
+                None if walk.scatter > 0 => super::walk::send(s, per, mine, walk.scatter as usize).await,
                 None => send(s, per, mine, block).await,
                 Some((connector, name)) => send(connector.connect(name, tls_socket(s)).await?, per, mine, block).await,
             }
@@ -210,6 +215,7 @@ async fn run_sink(
     listener: TcpListener,
     tls: Option<tokio_rustls::TlsAcceptor>,
     buffers: Vec<Vec<u8>>,
+    scatter: usize,
     accept_within: Duration,
     lifetime: Duration,
 ) -> Result<Vec<Drained>, SinkEnd> {
@@ -222,6 +228,7 @@ async fn run_sink(
             let tls = tls.clone();
             readers.spawn(async move {
                 match tls {
+                    None if scatter > 0 => super::walk::drain(s, buf, scatter).await.map(|(s, _)| Box::new(s) as Drained),
                     None => drain(s, buf).await,
                     Some(acceptor) => match acceptor.accept(tls_socket(s)).await {
                         Ok(s) => drain(s, buf).await,
@@ -260,7 +267,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let lifetime = Duration::from_secs(120);
-        let sink = tokio::spawn(run_sink(listener, None, vec![vec![0u8; SINK_BUFFER]], Duration::from_secs(10), lifetime));
+        let sink = tokio::spawn(run_sink(listener, None, vec![vec![0u8; SINK_BUFFER]], 0, Duration::from_secs(10), lifetime));
         let mut peer = TcpStream::connect(addr).await.expect("connect");
         peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
         let start = tokio::time::Instant::now();

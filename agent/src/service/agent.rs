@@ -373,7 +373,7 @@ impl Agent for Services {
             r.connections,
             if r.block == 0 { 1 << 20 } else { r.block },
             tls,
-            r.pool,
+            crate::peer_api::Walk { pool: r.pool, scatter: r.scatter },
         )
         .await
         .map_err(transfer_status)?;

@@ -15,7 +15,7 @@ use super::convert::{
 };
 use super::tls::TlsMaterial;
 use crate::checksum::Algo;
-use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode, Walk};
 use xfer_fabric::{Endpoint, FabricKind};
 
 #[derive(Clone)]
@@ -232,8 +232,8 @@ impl PeerApi for PeerClient {
         let _ = self.peer.clone().disconnect(req).await;
     }
 
-    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError> {
-        let r = self.peer.clone().open_sink(sink_request_to_pb(connections, tls, pool)).await.map_err(|s| self.err(s))?.into_inner();
+    async fn open_sink(&self, connections: u32, tls: bool, walk: Walk) -> Result<String, PeerError> {
+        let r = self.peer.clone().open_sink(sink_request_to_pb(connections, tls, walk)).await.map_err(|s| self.err(s))?.into_inner();
         Ok(r.address)
     }
 

@@ -13,6 +13,7 @@ use super::convert::{
 };
 use super::{caller_of, Services};
 use crate::node::InboundEnd;
+use crate::peer_api::Walk;
 use crate::transfer::Op;
 use xfer_engine::ids::{ConnectionId, TransferId};
 
@@ -106,7 +107,9 @@ impl Peer for Services {
         let ip = req.local_addr().map(|a| a.ip()).unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
         let r = self.checked(req)?;
         let tls = if r.tls { Some(baseline_tls(&self.node).map_err(transfer_status)?) } else { None };
-        let addr = crate::bench::open_sink(&self.node, ip, r.connections, tls, r.pool).await.map_err(transfer_status)?;
+        let addr = crate::bench::open_sink(&self.node, ip, r.connections, tls, Walk { pool: r.pool, scatter: r.scatter })
+            .await
+            .map_err(transfer_status)?;
         Ok(Response::new(sink_to_pb(addr)))
     }
 

@@ -65,7 +65,7 @@ async fn a_client_certificate_cannot_call_the_peer_service() {
         let mut p = pki.peer(&b, who).await;
         denied(&p.connect(connect_req("c1")).await.unwrap_err(), "node");
         denied(&p.grant(grant_req("dst", "node-a", "c1", pb::Access::Read)).await.unwrap_err(), "node");
-        denied(&p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap_err(), "node");
+        denied(&p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0, scatter: 0 }).await.unwrap_err(), "node");
         denied(&p.open_bench_region(pb::OpenBenchRegionRequest { length: 4096 }).await.unwrap_err(), "node");
     }
     // No grant was made: the first one a real node asks for is the only one.
@@ -80,7 +80,8 @@ async fn benchmarks_need_the_admin_role() {
     let pki = Pki::new();
     let (a, _ta) = pki.agent("node-a");
     let (b, _tb) = pki.agent("node-b");
-    let baseline = pb::TcpBaselineRequest { peer: b.addr(), bytes: 4 << 20, connections: 1, block: 1 << 20, tls: false, pool: 0 };
+    let baseline =
+        pb::TcpBaselineRequest { peer: b.addr(), bytes: 4 << 20, connections: 1, block: 1 << 20, tls: false, pool: 0, scatter: 0 };
     let bench = pb::BenchRequest { peer: b.addr(), op: pb::Op::Write as i32, size: 4096, iters: 4, qps: 1, depth: 1, ..Default::default() };
     let mut client = pki.agent_client(&a, "xferctl").await;
     denied(&client.tcp_baseline(baseline.clone()).await.unwrap_err(), "admin");
@@ -91,8 +92,12 @@ async fn benchmarks_need_the_admin_role() {
     assert_eq!(r.bytes, 4 << 20);
     // Over pools (each of the two streams walks its 2 MiB share on both ends): every byte counted.
     let pooled = pb::TcpBaselineRequest { connections: 2, pool: 4 << 20, ..baseline };
-    let r = admin.tcp_baseline(pooled).await.unwrap().into_inner();
+    let r = admin.tcp_baseline(pooled.clone()).await.unwrap().into_inner();
     assert_eq!(r.bytes, 4 << 20);
+    // Scattered over those pools in 4 KiB pieces, ending mid-piece: every byte counted too.
+    let scattered = pb::TcpBaselineRequest { bytes: (4 << 20) + 1000, scatter: 4096, ..pooled };
+    let r = admin.tcp_baseline(scattered).await.unwrap().into_inner();
+    assert_eq!(r.bytes, (4 << 20) + 1000);
     let r = admin.bench(bench).await.unwrap().into_inner();
     assert_eq!(r.bytes, 4 * 4096);
     admin.get_info(pb::GetInfoRequest {}).await.unwrap();
@@ -464,12 +469,18 @@ async fn benchmark_targets_are_one_at_a_time_and_count_against_their_own_budget(
     // A sink whose pool is past the benchmarks' budget (or past any size) is refused before
     // anything is allocated, and holds no slot: the next sink opens.
     for pool in [16 << 20, u64::MAX] {
-        let e = p.open_sink(pb::OpenSinkRequest { connections: 2, tls: false, pool }).await.unwrap_err();
+        let e = p.open_sink(pb::OpenSinkRequest { connections: 2, tls: false, pool, scatter: 0 }).await.unwrap_err();
         assert_eq!(e.code(), Code::ResourceExhausted, "pool {pool}: {e:?}");
         assert!(e.message().contains("max_bench_bytes"), "{e:?}");
     }
-    p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap();
-    let e = p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0 }).await.unwrap_err();
+    // Scattered pieces the pool cannot hold (no pool, past a stream's share, tiny, u64::MAX) are
+    // refused before anything is allocated, and hold no slot either.
+    for (pool, scatter, tls) in [(0, 4096, false), (1 << 20, (1 << 20) / 2 + 1, false), (1 << 20, 1, false), (1 << 20, u64::MAX, false)] {
+        let e = p.open_sink(pb::OpenSinkRequest { connections: 2, tls, pool, scatter }).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "pool {pool}, scatter {scatter}, tls {tls}: {e:?}");
+    }
+    p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0, scatter: 0 }).await.unwrap();
+    let e = p.open_sink(pb::OpenSinkRequest { connections: 1, tls: false, pool: 0, scatter: 0 }).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "one sink at a time: {e:?}");
 
     let e = p.open_bench_region(pb::OpenBenchRegionRequest { length: 16 << 20 }).await.unwrap_err();
@@ -496,7 +507,15 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     let mut c = a.client().await;
     // A 4 MiB baseline buffer does not fit in the benchmarks' 1 MiB.
     let e = c
-        .tcp_baseline(pb::TcpBaselineRequest { peer: b.addr(), bytes: 1 << 20, connections: 1, block: 4 << 20, tls: false, pool: 0 })
+        .tcp_baseline(pb::TcpBaselineRequest {
+            peer: b.addr(),
+            bytes: 1 << 20,
+            connections: 1,
+            block: 4 << 20,
+            tls: false,
+            pool: 0,
+            scatter: 0,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
@@ -509,7 +528,7 @@ async fn admin_calls_run_one_at_a_time_and_their_buffers_count() {
     let req =
         pb::BenchRequest { peer: peer.clone(), op: pb::Op::Write as i32, size: 4096, iters: 1, qps: 1, depth: 1, ..Default::default() };
     let (mut c1, mut c2) = (a.client().await, a.client().await);
-    let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096, tls: false, pool: 0 };
+    let base = pb::TcpBaselineRequest { peer, bytes: 4096, connections: 1, block: 4096, tls: false, pool: 0, scatter: 0 };
     let first = c1.bench(req);
     let second = c2.tcp_baseline(base);
     let e = tokio::select! {

@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 use xfer_agent::config::Config;
 use xfer_agent::grants::GrantTable;
 use xfer_agent::node::{GrantParams, InboundEnd, Node, NotifyAsk};
-use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode};
+use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, RemoteCode, Walk};
 use xfer_agent::regions::RegionSpec;
 use xfer_agent::transfer::{Op, TransferOptions, TransferRecord, TransferRequest, TransferState};
 use xfer_fabric::tcp::TcpFabric;
@@ -158,7 +158,7 @@ impl PeerApi for LocalPeer {
         self.gave_back.notify_one();
     }
 
-    async fn open_sink(&self, _connections: u32, _tls: bool, _pool: u64) -> Result<String, PeerError> {
+    async fn open_sink(&self, _connections: u32, _tls: bool, _walk: Walk) -> Result<String, PeerError> {
         Err(remote("not in this test"))
     }
 

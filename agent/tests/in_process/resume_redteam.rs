@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::Notify;
-use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError};
+use xfer_agent::peer_api::{CompleteParams, Connector, GrantAsk, GrantInfo, HandshakeReply, PeerApi, PeerError, Walk};
 use xfer_agent::transfer::{TransferRecord, TransferState};
 use xfer_engine::failure::FailureCode;
 use xfer_engine::ids::{ConnectionId, GrantId};
@@ -106,8 +106,8 @@ impl PeerApi for Hostile {
         }
         self.gave_back.notify_one();
     }
-    async fn open_sink(&self, connections: u32, tls: bool, pool: u64) -> Result<String, PeerError> {
-        self.target().open_sink(connections, tls, pool).await
+    async fn open_sink(&self, connections: u32, tls: bool, walk: Walk) -> Result<String, PeerError> {
+        self.target().open_sink(connections, tls, walk).await
     }
     async fn open_bench_region(&self, length: u64) -> Result<String, PeerError> {
         self.target().open_bench_region(length).await

@@ -344,6 +344,7 @@ impl TcpBaselineSpec {
             block: self.block,
             tls: self.tls,
             pool: self.pool,
+            scatter: self.scatter,
         }
     }
 }

@@ -556,6 +556,10 @@ pub struct TcpBaselineSpec {
     pub tls: bool,
     /// > 0: both ends walk buffers this long instead of one small hot buffer each.
     pub pool: u64,
+    /// With a pool, in plaintext, and more than zero: both ends move the pool in pieces this
+    /// long at random places, in gathered system calls (the KV pattern's memory access, without
+    /// protocol).
+    pub scatter: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

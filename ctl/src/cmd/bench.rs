@@ -49,6 +49,10 @@ pub enum Baseline {
     /// blocks, or the largest message) instead of one small hot buffer each: as many bytes
     /// leaving from and landing in memory no cache holds as the fabric's.
     TcpPool,
+    /// Raw TCP moving a KV batch's blocks as the fabric does, without its protocol: both ends
+    /// move buffers of a batch's size in pieces of the block size at random places, in gathered
+    /// system calls (plaintext; `--pattern kv` only).
+    TcpScatter,
 }
 
 impl Baseline {
@@ -57,6 +61,7 @@ impl Baseline {
             Baseline::Tcp => "tcp",
             Baseline::Tls => "tls",
             Baseline::TcpPool => "tcp-pool",
+            Baseline::TcpScatter => "tcp-scatter",
         }
     }
 }
@@ -304,6 +309,8 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         opt.sizes = vec![block];
     } else if opt.channel {
         return Err(crate::error::usage("--channel runs the KV pattern: add --pattern kv"));
+    } else if opt.baseline == Some(Baseline::TcpScatter) {
+        return Err(crate::error::usage("--baseline tcp-scatter moves a KV batch's blocks: add --pattern kv"));
     }
     let opt = opt;
     if opt.sizes.is_empty() || opt.sizes.contains(&0) {
@@ -323,10 +330,11 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         // as the blocks scattered over the pool; a batch touches no more), or the largest message
         // buffer.
         pool: match opt.baseline {
-            Some(Baseline::TcpPool) if kv => (blocks as u64).saturating_mul(block),
+            Some(Baseline::TcpPool | Baseline::TcpScatter) if kv => (blocks as u64).saturating_mul(block),
             Some(Baseline::TcpPool) => opt.sizes.iter().copied().max().unwrap_or(0),
             _ => 0,
         },
+        scatter: if opt.baseline == Some(Baseline::TcpScatter) { block } else { 0 },
         // Write in blocks as large as the largest message (capped at 16 MiB), so the baseline
         // is not handicapped by smaller syscalls than the fabric makes.
         block: opt.sizes.iter().copied().max().unwrap_or(1 << 20).clamp(1 << 20, 16 << 20),

@@ -7,7 +7,7 @@ use xfer_proto::v1 as pb;
 use super::peers::{endpoint_from_pb, endpoint_to_pb};
 use super::scalars::{algo_to_pb, duration_to_pb, fabric_from_pb, fabric_to_pb, time_from_pb};
 use crate::checksum::Algo;
-use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply};
+use crate::peer_api::{CompleteParams, GrantAsk, GrantInfo, HandshakeReply, Walk};
 use xfer_engine::ids::{ConnectionId, GrantId};
 use xfer_fabric::{Endpoint, FabricKind, RemoteKey, RemoteOp};
 
@@ -157,8 +157,8 @@ pub fn revoke_request_to_pb(grant_id: &str) -> pb::RevokeRequest {
 }
 
 /// `Peer.OpenSink` (benchmark): a tcp sink taking `connections` streams.
-pub fn sink_request_to_pb(connections: u32, tls: bool, pool: u64) -> pb::OpenSinkRequest {
-    pb::OpenSinkRequest { connections, tls, pool }
+pub fn sink_request_to_pb(connections: u32, tls: bool, walk: Walk) -> pb::OpenSinkRequest {
+    pb::OpenSinkRequest { connections, tls, pool: walk.pool, scatter: walk.scatter }
 }
 
 /// `Peer.OpenBenchRegion` (benchmark): a scratch region of `length` bytes.
