@@ -124,9 +124,13 @@ where
     loop {
         // WRITEs and READs that arrived whole are served first, without waiting (see `whole`).
         serve_whole_frames(rd, wr, check, connection, &mut cache, &mut refused)?;
-        if rd.buffered() == 0 {
-            // Before a read that may wait: the answers leave, and the stream forgets its grant.
+        // Before a read that may wait (no whole header left), the stream forgets its grant: one
+        // that goes quiet, or trickles a header, keeps no region mapped.
+        if rd.buffered() < HEADER_LEN {
             cache.clear();
+        }
+        if rd.buffered() == 0 {
+            // The answers leave before the stream waits for the initiator.
             wr.flush().await?;
         }
         let mut hb = [0u8; HEADER_LEN];
@@ -158,6 +162,10 @@ where
                 // without the deadline and revocation watch (each chunk still lands only under
                 // the live gate, so a revocation still cuts it).
                 let buffered = rd.buffered() >= h.len as usize;
+                if !buffered {
+                    // The payload's read may wait: the grant kept from earlier frames goes.
+                    cache.clear();
+                }
                 let deadline = match buffered {
                     true => None,
                     false => payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p))),

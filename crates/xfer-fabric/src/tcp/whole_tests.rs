@@ -2,11 +2,14 @@
 //! a stream checks later frames against the grant it checked last, so each test pins what that
 //! check must still refuse: a grant revoked or expired since, a range past the grant, a frame
 //! under another token; and that a stream waiting for its next frame keeps no grant's memory.
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::sync::Notify;
 use xfer_rdma::memory::RegionMemory;
 
 use super::serve::serve_frames;
@@ -322,4 +325,46 @@ async fn a_read_grant_revoked_after_the_stream_kept_it_answers_nothing_more() {
     drop(wr);
     assert_eq!(read_answers(&sink), vec![(1, ACK, expected(0, 4096)), (2, nak(), Vec::new())]);
     assert!(refused && !cache.holds(&TOKEN));
+}
+
+/// A reader that tells when a read of it has to wait: the frame loop is then parked on the
+/// network.
+struct Probe<R> {
+    inner: R,
+    waiting: Arc<Notify>,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Probe<R> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if r.is_pending() {
+            self.waiting.notify_one();
+        }
+        r
+    }
+}
+
+/// Whole frames followed by part of a header (the rest held back by the peer): the stream
+/// waiting for the rest of that header keeps no grant either, though its buffer is not empty.
+#[tokio::test]
+async fn a_stream_waiting_on_a_trickled_header_keeps_no_grant() {
+    let g = Arc::new(Windowed::live());
+    let (mut ours, theirs) = tokio::io::duplex(1 << 20);
+    let (rd, wr) = tokio::io::split(theirs);
+    let mut input = Vec::new();
+    for i in 0..4u64 {
+        input.extend(write(i, TOKEN, i * 4096, 4096, 0x21));
+    }
+    input.extend(&write(4, TOKEN, 0, 16, 0x22)[..10]);
+    ours.write_all(&input).await.expect("sent");
+    let waiting = Arc::new(Notify::new());
+    let served = {
+        let (g, probe) = (g.clone(), Probe { inner: rd, waiting: waiting.clone() });
+        tokio::spawn(async move { serve_frames(probe, wr, g.as_ref(), &connection()).await })
+    };
+    waiting.notified().await;
+    assert_eq!(Arc::strong_count(&g.memory), 1, "a stream waiting on a header holds the region's memory");
+    assert_eq!(Arc::strong_count(&g.gate), 1, "a stream waiting on a header holds the grant's gate");
+    drop(ours);
+    assert!(served.await.expect("joined").is_err(), "a stream cut inside a header is not a clean end");
 }
