@@ -344,7 +344,6 @@ impl AsyncWrite for Stuck {
 /// ACK (the fast path checks it and keeps the grant; the stage is now 65 516 bytes), a NOTIFY
 /// asking for an ACK: 44 more bytes do not fit, and the stage is written to the stuck peer.
 #[tokio::test]
-#[ignore = "finding: the grant the fast path kept outlives a wait on the peer's reading"]
 async fn a_stream_waiting_on_a_peer_that_does_not_read_keeps_no_grant() {
     let g = Arc::new(Table::new());
     let mut input = Vec::new();
