@@ -183,6 +183,8 @@ where
                             true => store_payload(rd, &t, h.len as usize).await?,
                             false => within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?,
                         };
+                        // The answer's write may wait on the peer: no grant is kept through it.
+                        drop(t);
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;

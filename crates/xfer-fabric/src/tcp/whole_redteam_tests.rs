@@ -45,6 +45,8 @@ struct Table {
     grants: Vec<Grant>,
     markers: AtomicUsize,
     trap: Mutex<Option<([u8; 16], [u8; 16])>>,
+    /// A marker, once counted, revokes this grant (a revocation right behind the marker).
+    after_marker: Mutex<Option<[u8; 16]>>,
 }
 
 impl Table {
@@ -55,7 +57,7 @@ impl Table {
         let later = SystemTime::now() + Duration::from_secs(3600);
         let grant = |token, op| Grant { token, op, gate: GrantGate::new(later) };
         let grants = vec![grant(W, RemoteOp::Write), grant(R, RemoteOp::Read), grant(R2, RemoteOp::Read)];
-        Table { memory, grants, markers: AtomicUsize::new(0), trap: Mutex::new(None) }
+        Table { memory, grants, markers: AtomicUsize::new(0), trap: Mutex::new(None), after_marker: Mutex::new(None) }
     }
 
     fn gate(&self, token: [u8; 16]) -> &Arc<GrantGate> {
@@ -87,6 +89,9 @@ impl AccessCheck for Table {
 
     fn marker(&self, _: &ConnectionId, _: &[u8; 16], _: u32) -> Result<(), WcStatus> {
         self.markers.fetch_add(1, Ordering::SeqCst);
+        if let Some(victim) = *self.after_marker.lock().expect("trap") {
+            self.gate(victim).revoke();
+        }
         Ok(())
     }
 }
@@ -354,6 +359,51 @@ async fn a_stream_waiting_on_a_peer_that_does_not_read_keeps_no_grant() {
     input.extend(write(1489, W, 0, 0, 0, false));
     input.extend(write(1490, W, 0, 0, 0, true));
     input.extend(notify(1491));
+    let waiting = Arc::new(Notify::new());
+    let served = {
+        let (g, wr) = (g.clone(), Stuck { waiting: waiting.clone() });
+        tokio::spawn(async move { serve_frames(std::io::Cursor::new(input), wr, g.as_ref(), &connection()).await })
+    };
+    waiting.notified().await;
+    let (memory, gate) = (Arc::strong_count(&g.memory), Arc::strong_count(g.gate(W)));
+    served.abort();
+    let _ = served.await;
+    assert_eq!(memory, 1, "a stream waiting on its peer holds the region's memory");
+    assert_eq!(gate, 1, "a stream waiting on its peer holds the grant's gate");
+}
+
+/// A READ answer queued, then a NOTIFY, then the READ's grant revoked right after the marker
+/// counted but before the queue is written: the answer is cut (the stream closes as revoked), so
+/// the marker counted behind a READ that never completed. The marker may count only once every
+/// answer ahead of it has left.
+#[tokio::test]
+#[ignore = "finding: a marker counts while a READ answer ahead of it is still queued and can be cut"]
+async fn a_marker_does_not_count_ahead_of_a_queued_answer_cut_after_it() {
+    let g = Table::new();
+    *g.after_marker.lock().expect("trap") = Some(R);
+    let mut input = read(1, R, 0, 4096);
+    input.extend(notify(2));
+    let mut out = Vec::new();
+    let r = serve_frames(&input[..], &mut out, &g, &connection()).await;
+    let answers = parse(&out);
+    let read_answered = answers.iter().any(|a| a.1 == 1 && a.2 == OK);
+    let counted = g.markers.load(Ordering::SeqCst);
+    assert!(read_answered || counted == 0, "the marker counted ({counted}) behind READ 1, cut: {r:?}, {answers:?}");
+}
+
+/// The general loop's WRITE (the fast path found the stage full) whose ACK then waits on a peer
+/// that does not read: the stream keeps no grant through that wait either.
+#[tokio::test]
+async fn a_write_whose_ack_waits_on_a_peer_that_does_not_read_keeps_no_grant() {
+    let g = Arc::new(Table::new());
+    let mut input = Vec::new();
+    for i in 0..1488 {
+        input.extend(write(i, W, 0, 0, 0, true));
+    }
+    input.extend(write(1488, W, 0, 0, 0, false));
+    input.extend(write(1489, W, 0, 0, 0, false));
+    input.extend(write(1490, W, 0, 0, 0, true));
+    input.extend(write(1491, W, 0, 0, 0, true));
     let waiting = Arc::new(Notify::new());
     let served = {
         let (g, wr) = (g.clone(), Stuck { waiting: waiting.clone() });
