@@ -416,3 +416,54 @@ async fn a_write_whose_ack_waits_on_a_peer_that_does_not_read_keeps_no_grant() {
     assert_eq!(memory, 1, "a stream waiting on its peer holds the region's memory");
     assert_eq!(gate, 1, "a stream waiting on its peer holds the grant's gate");
 }
+
+/// Edges checked against the kept grant (each behind a good frame under the same token, so the
+/// stream's own check decides): zero-length frames at the grant's two ends pass, one byte outside
+/// either end, an address below the grant's base and a range whose end overflows are refused,
+/// and none of them panics or lands a byte.
+#[tokio::test]
+async fn edges_of_a_kept_grant_are_checked_like_the_table_checks_them() {
+    let g = Table::new();
+    let before = g.bytes();
+    let frame = |kind: Kind, id: u64, addr: u64, len: u32| {
+        let mut h = Header::new(kind, id);
+        let token = if kind == Kind::Write { W } else { R };
+        (h.addr, h.len, h.token, h.flags) = (addr, len, token, ACK_REQUESTED);
+        let mut f = h.encode().to_vec();
+        if kind == Kind::Write {
+            f.resize(HEADER_LEN + len as usize, 0xee);
+        }
+        f
+    };
+    let cases: [(u64, u32, bool); 7] = [
+        (BASE, 0, true),
+        (BASE + GRANT_LEN, 0, true),
+        (BASE + GRANT_LEN + 1, 0, false),
+        (BASE + GRANT_LEN - 1, 2, false),
+        (BASE - 1, 1, false),
+        (BASE - 1, 0, false),
+        (u64::MAX - 10, 100, false),
+    ];
+    let (mut input, mut want) = (Vec::new(), Vec::new());
+    let mut id = 0;
+    for kind in [Kind::Write, Kind::ReadReq] {
+        for (addr, len, ok) in cases {
+            // The good frame that makes the stream keep the grant, then the edge.
+            id += 1;
+            input.extend(frame(kind, id, BASE + 8, 0));
+            want.push(if kind == Kind::Write { (Kind::Ack, id, OK, Vec::new()) } else { (Kind::ReadResp, id, OK, Vec::new()) });
+            id += 1;
+            input.extend(frame(kind, id, addr, len));
+            want.push(match (kind, ok) {
+                (Kind::Write, true) => (Kind::Ack, id, OK, Vec::new()),
+                (Kind::Write, false) => (Kind::Nak, id, nak(), Vec::new()),
+                (_, true) => (Kind::ReadResp, id, OK, Vec::new()),
+                (_, false) => (Kind::ReadResp, id, nak(), Vec::new()),
+            });
+        }
+    }
+    let mut out = Vec::new();
+    serve_frames(&input[..], &mut out, &g, &connection()).await.expect("served");
+    assert_eq!(parse(&out), want);
+    assert!(g.bytes() == before, "a refused edge landed bytes");
+}
