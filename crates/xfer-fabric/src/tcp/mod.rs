@@ -87,6 +87,8 @@ mod standby_tests;
 mod target;
 mod whole;
 #[cfg(test)]
+mod whole_redteam_tests;
+#[cfg(test)]
 mod whole_tests;
 mod wire;
 

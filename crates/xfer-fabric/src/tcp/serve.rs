@@ -124,11 +124,10 @@ where
     loop {
         // WRITEs and READs that arrived whole are served first, without waiting (see `whole`).
         serve_whole_frames(rd, wr, check, connection, &mut cache, &mut refused)?;
-        // Before a read that may wait (no whole header left), the stream forgets its grant: one
-        // that goes quiet, or trickles a header, keeps no region mapped.
-        if rd.buffered() < HEADER_LEN {
-            cache.clear();
-        }
+        // The stream forgets its grant before anything that may wait: a read (no whole header
+        // left: a stream that goes quiet or trickles a header), and the general loop's writes (a
+        // peer that does not read its answers), so a waiting stream keeps no region mapped.
+        cache.clear();
         if rd.buffered() == 0 {
             // The answers leave before the stream waits for the initiator.
             wr.flush().await?;
@@ -184,6 +183,8 @@ where
                             true => store_payload(rd, &t, h.len as usize).await?,
                             false => within(deadline, Some(&t.gate), store_payload(rd, &t, h.len as usize)).await?,
                         };
+                        // The answer's write may wait on the peer: no grant is kept through it.
+                        drop(t);
                         if stored {
                             if h.flags & ACK_REQUESTED != 0 {
                                 wr.write_all(&Header::new(Kind::Ack, h.id).encode()).await?;
