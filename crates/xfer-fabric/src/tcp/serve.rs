@@ -250,13 +250,13 @@ where
                 crate::metrics::notify_marker("refused");
                 wr.write_all(&Header::nak(h.id, WcStatus::WrFlushErr).encode()).await?;
             }
-            // A READ answer queued ahead of the marker was revoked before it left: the stream
-            // closes at the drain with that answer cut, and the marker behind it does not count
-            // (as behind a refused READ).
-            Kind::Notify if wr.holds_revoked_answer() => return Err(ServeError::Revoked),
             Kind::Notify => {
+                // The READ answers queued ahead of the marker leave first: one whose grant is
+                // revoked before it starts is cut and closes the stream as revoked, and the
+                // marker behind it does not count (as behind a refused READ).
+                wr.flush().await?;
                 // Every earlier frame of this stream has been served and accepted (its bytes are
-                // in region memory): the marker may count.
+                // in region memory, its answer sent): the marker may count.
                 // An immediate wider than 32 bits names nothing.
                 let imm = u32::try_from(h.addr).unwrap_or(0);
                 match check.marker(connection, &h.token, imm) {

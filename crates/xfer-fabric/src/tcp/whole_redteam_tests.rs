@@ -3,7 +3,6 @@
 //! boundaries, and revocations placed between them. Each test pins one promise: every frame is
 //! answered once, in order, with its own bytes; no NOTIFY counts behind a refused or cut frame;
 //! no READ answer leaves after its grant's revocation returned; a stream that waits keeps no grant.
-//! Tests marked `#[ignore = "known gap: …"]` demonstrate a promise the current code breaks.
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -295,7 +294,6 @@ async fn queued_answers_revoked_before_the_drain_never_leave_and_the_marker_behi
 /// that second grant is revoked before a byte of its answer left. No byte of the second answer
 /// may leave after the revocation returned: the stream closes behind the first answer.
 #[tokio::test]
-#[ignore = "known gap: a queued answer's grant is checked once per drain, not before the write that starts it"]
 async fn an_answer_queued_behind_one_still_leaving_is_not_sent_after_its_revocation() {
     let g = Arc::new(Table::new());
     let (ours, theirs) = tokio::io::duplex(4096);
@@ -378,7 +376,6 @@ async fn a_stream_waiting_on_a_peer_that_does_not_read_keeps_no_grant() {
 /// the marker counted behind a READ that never completed. The marker may count only once every
 /// answer ahead of it has left.
 #[tokio::test]
-#[ignore = "known gap: a marker counts while a READ answer ahead of it is still queued and can be cut"]
 async fn a_marker_does_not_count_ahead_of_a_queued_answer_cut_after_it() {
     let g = Table::new();
     *g.after_marker.lock().expect("trap") = Some(R);

@@ -75,9 +75,6 @@ pub(super) struct FrameWriter<W> {
     /// Bytes of the queued sequence (staged bytes with the answers' payloads between them)
     /// already written.
     sent: usize,
-    /// Answers whose grants were checked (at the first drain after each was queued, before any
-    /// of its bytes left: a header that left promises its payload).
-    checked: usize,
     /// That check cut the queue at a revoked answer: the drain fails once the rest is out.
     revoked: bool,
 }
@@ -91,7 +88,6 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             grants: Vec::new(),
             queued: 0,
             sent: 0,
-            checked: 0,
             revoked: false,
         }
     }
@@ -156,16 +152,10 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         self.staged.extend_from_slice(bytes);
     }
 
-    /// Whether a queued answer's grant is no longer live: that answer will be cut when the queue
-    /// drains (nothing of it has left: between drains the queue holds only unsent answers), so a
-    /// frame behind it must not take effect. Checks without marking them checked: the drain still
-    /// checks each again just before the write that would start it.
-    pub(super) fn holds_revoked_answer(&self) -> bool {
-        self.grants.iter().any(|(_, gate)| !gate.is_live())
-    }
-
-    /// Cuts the queue at the first answer not checked yet whose grant is no longer live (none of
-    /// its bytes has left: it is checked before the write that would start it).
+    /// Cuts the queue at the first answer none of whose bytes has left (its header included: a
+    /// header that left promises its payload) whose grant is no longer live. Run before every
+    /// write of the drain: a peer that reads slowly makes a drain many writes, and an answer
+    /// queued behind one still leaving must not start after its revocation returned.
     fn check_gates(&mut self) {
         let mut payloads = 0usize;
         // Each grant's liveness, asked once per drain (a snapshot, as one check per answer was).
@@ -174,7 +164,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
             let a = &self.answers[i];
             let header_at = a.at - a.head + payloads;
             payloads += a.len;
-            if i < self.checked || header_at < self.sent {
+            if header_at < self.sent {
                 continue;
             }
             let alive = *live[a.grant].get_or_insert_with(|| self.grants[a.grant].1.is_live());
@@ -186,15 +176,14 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 break;
             }
         }
-        self.checked = self.answers.len();
     }
 
     /// Writes everything queued out (not flushing `inner`).
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.checked < self.answers.len() {
-            self.check_gates();
-        }
         loop {
+            if !self.revoked {
+                self.check_gates();
+            }
             let mut pieces = Vec::with_capacity(self.answers.len() * 2 + 1);
             let mut from = 0usize;
             for a in &self.answers {
@@ -216,7 +205,7 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         self.staged.clear();
         self.answers.clear();
         self.grants.clear();
-        (self.queued, self.sent, self.checked) = (0, 0, 0);
+        (self.queued, self.sent) = (0, 0);
         if std::mem::take(&mut self.revoked) {
             return Poll::Ready(Err(io::Error::other(AnswerRevoked)));
         }
