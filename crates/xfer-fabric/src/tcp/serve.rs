@@ -161,10 +161,6 @@ where
                 // without the deadline and revocation watch (each chunk still lands only under
                 // the live gate, so a revocation still cuts it).
                 let buffered = rd.buffered() >= h.len as usize;
-                if !buffered {
-                    // The payload's read may wait: the grant kept from earlier frames goes.
-                    cache.clear();
-                }
                 let deadline = match buffered {
                     true => None,
                     false => payload.map(|p| tokio::time::Instant::from_std(xfer_common::deadline::instant_after(p))),
