@@ -148,6 +148,25 @@ fn unreachable_peer_and_bench() {
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     assert!(v["baseline"]["bytes"].as_u64().unwrap() >= 1 << 30, "the baseline streams at least 1 GiB: {v}");
+    assert_eq!(rows[0]["rounds"], 1, "{v}");
+
+    // Rounds: each a baseline run and a fabric run; the row's ratio is the median of the
+    // rounds' ratios, inside their range, against its own baseline figure.
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr, "--sizes", "64KiB", "--iters", "2", "--baseline", "tcp", "--rounds", "3"]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", err(&o), a.logs());
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!(row["rounds"], 3, "{v}");
+    let (lo, mid, hi) =
+        (row["ratio_min"].as_f64().unwrap(), row["ratio_to_baseline"].as_f64().unwrap(), row["ratio_max"].as_f64().unwrap());
+    assert!(0.0 < lo && lo <= mid && mid <= hi, "{v}");
+    assert!(row["baseline_gbit_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    // Out of range: a usage error before anything runs.
+    for bad in ["0", "16", "x"] {
+        let o = a.ctl(&["bench", "--peer", &b.addr, "--baseline", "tcp", "--rounds", bad]);
+        assert_eq!(o.status.code(), Some(2), "--rounds {bad}: {}", err(&o));
+        assert!(err(&o).contains("--rounds"), "{}", err(&o));
+    }
 }
 
 /// `xferctl version` names both sides; `--client` needs no agent; an unreachable agent is

@@ -9,12 +9,12 @@
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
-use xfer_client::{BenchResult, BenchSpec, Op, TcpBaseline, TcpBaselineSpec};
+use serde_json::json;
+use xfer_client::{BenchSpec, Op, TcpBaseline, TcpBaselineSpec};
 
+use super::bench_report::{json_doc, render, render_kv, row_gbit, Ratio, BASELINE_RUNS};
 use crate::target::normalize_agent;
 use crate::units::{format_size_compact, gbit_per_s, parse_size};
-use crate::view::Table;
 use crate::Ctx;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -66,9 +66,6 @@ impl Baseline {
     }
 }
 
-/// A baseline's median run and which baseline it is.
-type Base<'a> = Option<(&'a TcpBaseline, Baseline)>;
-
 #[derive(Debug, Args)]
 pub struct Opt {
     /// Peer agent to benchmark against (host, host:port or [v6]:port).
@@ -96,6 +93,12 @@ pub struct Opt {
     /// Also measure a baseline and print each size's bandwidth as a ratio of it.
     #[arg(long, value_enum)]
     pub baseline: Option<Baseline>,
+    /// With `--baseline`: measure each size (or KV row) this many times, each round the
+    /// baseline and then the fabric, and report the median of the rounds' ratios and their
+    /// range (on a noisy host one run of either side moves a ratio by a fifth). 1: one fabric
+    /// run per size against the median of three baseline runs spread over the sizes.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=15))]
+    pub rounds: u32,
     /// `kv`: batches of `--blocks` blocks of `--block` bytes scattered over `--pool`.
     #[arg(long, value_enum, default_value = "messages")]
     pub pattern: Pattern,
@@ -135,10 +138,6 @@ pub fn baseline_bytes(sizes: &[u64]) -> u64 {
     largest.saturating_mul(16).max(1 << 30)
 }
 
-/// The baseline is measured this many times, interleaved with the sizes (before, between,
-/// after), and the median run is reported, so a noisy moment skews neither side alone.
-const BASELINE_RUNS: usize = 3;
-
 fn median_run(mut runs: Vec<TcpBaseline>) -> Option<TcpBaseline> {
     runs.sort_by(|a, b| gbit(a).total_cmp(&gbit(b)));
     let mid = runs.len() / 2;
@@ -151,68 +150,6 @@ fn gbit(b: &TcpBaseline) -> f64 {
     } else {
         gbit_per_s(b.bytes, b.seconds)
     }
-}
-
-/// Bandwidth in Gb/s, from the agent's figure or recomputed from bytes and seconds.
-fn row_gbit(r: &BenchResult) -> f64 {
-    if r.gbit_per_s > 0.0 {
-        r.gbit_per_s
-    } else {
-        gbit_per_s(r.bytes, r.seconds)
-    }
-}
-
-/// A table whose rows are the `lead` cells, the bandwidth (Gb/s and GiB/s), the `tail` cells
-/// and, with a baseline, the bandwidth as a ratio of it (`BW/tcp` or `BW/tls`; `-` when the
-/// baseline is 0).
-fn bandwidth_table(
-    lead: &[&str],
-    tail: &[&str],
-    rows: &[BenchResult],
-    baseline: Base<'_>,
-    cells: impl Fn(&BenchResult) -> (Vec<String>, Vec<String>),
-) -> String {
-    let mut header: Vec<&str> = lead.to_vec();
-    header.extend(["BW Gb/s", "BW GiB/s"]);
-    header.extend(tail);
-    let base = baseline.map(|(b, _)| b.gbit_per_s).filter(|g| *g > 0.0);
-    let label = baseline.map(|(_, kind)| format!("BW/{}", kind.name()));
-    if let Some(label) = &label {
-        header.push(label);
-    }
-    let mut t = Table::new(&header);
-    for r in rows {
-        let gbit = row_gbit(r);
-        let (mut row, after) = cells(r);
-        row.push(format!("{gbit:.2}"));
-        row.push(format!("{:.3}", gbit * 1e9 / 8.0 / (1u64 << 30) as f64));
-        row.extend(after);
-        if baseline.is_some() {
-            row.push(base.map(|b| format!("{:.2}", gbit / b)).unwrap_or_else(|| "-".into()));
-        }
-        t.row(row);
-    }
-    t.render()
-}
-
-/// The perftest-style table.
-pub fn render(rows: &[BenchResult], baseline: Base<'_>) -> String {
-    let mut out = bandwidth_table(&["#bytes", "iters"], &["lat avg us", "lat p50 us", "lat p99 us"], rows, baseline, |r| {
-        (
-            vec![r.size.to_string(), r.iters.to_string()],
-            vec![format!("{:.2}", r.lat_avg_us), format!("{:.2}", r.lat_p50_us), format!("{:.2}", r.lat_p99_us)],
-        )
-    });
-    if let Some((b, kind)) = baseline {
-        out.push_str(&format!(
-            "# {} baseline (median of {BASELINE_RUNS} runs): {} bytes in {:.3} s = {:.2} Gb/s\n",
-            kind.name(),
-            b.bytes,
-            b.seconds,
-            b.gbit_per_s
-        ));
-    }
-    out
 }
 
 /// `--pattern connect`: one run, a table or JSON.
@@ -268,28 +205,6 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
     ))
 }
 
-/// The KV-pattern table: one row per run.
-pub fn render_kv(rows: &[BenchResult], baseline: Base<'_>) -> String {
-    let channel = rows.iter().any(|r| r.channel);
-    let mut tail = vec!["batch p50 ms", "batch p99 ms", "submit p50 us", "prep ns/seg"];
-    if channel {
-        tail.extend(["repost ns/seg", "open ms"]);
-    }
-    bandwidth_table(&["pattern", "batches"], &tail, rows, baseline, |r| {
-        let mut after = vec![
-            format!("{:.2}", r.lat_p50_us / 1e3),
-            format!("{:.2}", r.lat_p99_us / 1e3),
-            format!("{:.0}", r.submit_p50_us),
-            format!("{:.0}", r.prep_ns_per_segment),
-        ];
-        if channel {
-            after.extend([format!("{:.1}", r.repost_ns_per_segment), format!("{:.2}", r.channel_open_us / 1e3)]);
-        }
-        let name = if r.channel { "kv channel" } else { "kv" };
-        (vec![format!("{name} {}x{}", r.blocks, format_size_compact(r.size)), r.iters.to_string()], after)
-    })
-}
-
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let kv = opt.pattern == Pattern::Kv;
     if opt.pattern == Pattern::Notify {
@@ -339,95 +254,89 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         // is not handicapped by smaller syscalls than the fabric makes.
         block: opt.sizes.iter().copied().max().unwrap_or(1 << 20).clamp(1 << 20, 16 << 20),
     };
-    let mut base_runs = Vec::new();
-    // Baseline runs go before the first size, in the middle and after the last.
-    let base_at: Vec<usize> = match opt.baseline {
-        Some(_) => vec![0, opt.sizes.len() / 2, opt.sizes.len()],
-        None => Vec::new(),
+    let spec_of = |size| BenchSpec {
+        peer: opt.peer.clone(),
+        op,
+        size,
+        iters: opt.iters.unwrap_or(0),
+        qps: opt.qps.unwrap_or(0),
+        depth: opt.depth.unwrap_or(0),
+        blocks: if kv { blocks } else { 0 },
+        pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
+        channel: kv && opt.channel,
+        connections: 0,
+        hold_ms: 0,
+        interval_ms: 0,
+        per_path: false,
     };
+    let kind = if baseline_req.tls { "TLS" } else { "TCP" };
+    let base_run = || async { client.tcp_baseline(&baseline_req).await.with_context(|| format!("{kind} baseline to {}", opt.peer)) };
+    let peer = opt.peer.as_str();
+    let fabric_run = |size| {
+        let spec = spec_of(size);
+        let client = &client;
+        async move { client.bench(&spec).await.with_context(|| format!("bench {op} of {} with {peer}", format_size_compact(size))) }
+    };
+    let mut base_runs = Vec::new();
     let mut rows = Vec::new();
-    for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
-        for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
-            let kind = if baseline_req.tls { "TLS" } else { "TCP" };
-            base_runs.push(client.tcp_baseline(&baseline_req).await.with_context(|| format!("{kind} baseline to {}", opt.peer))?);
+    if opt.rounds > 1 {
+        // Each round: the baseline, then the fabric; the row shows its median fabric run.
+        for &size in &opt.sizes {
+            let (mut runs, mut pairs) = (Vec::new(), Vec::new());
+            for _ in 0..opt.rounds {
+                let base = match opt.baseline {
+                    Some(_) => {
+                        let b = base_run().await?;
+                        let g = gbit(&b);
+                        base_runs.push(b);
+                        g
+                    }
+                    None => 0.0,
+                };
+                let r = fabric_run(size).await?;
+                pairs.push((row_gbit(&r), base));
+                runs.push(r);
+            }
+            runs.sort_by(|a, b| row_gbit(a).total_cmp(&row_gbit(b)));
+            let mid = runs.len() / 2;
+            if let Some(r) = runs.into_iter().nth(mid) {
+                rows.push((r, Ratio::of_rounds(&pairs)));
+            }
         }
-        if i == opt.sizes.len() {
-            break;
+    } else {
+        // Baseline runs go before the first size, in the middle and after the last.
+        let base_at: Vec<usize> = match opt.baseline {
+            Some(_) => vec![0, opt.sizes.len() / 2, opt.sizes.len()],
+            None => Vec::new(),
+        };
+        let mut fabric = Vec::new();
+        for (i, &size) in opt.sizes.iter().chain(std::iter::once(&0)).enumerate() {
+            for _ in base_at.iter().filter(|&&k| k == i).take(BASELINE_RUNS) {
+                base_runs.push(base_run().await?);
+            }
+            if i < opt.sizes.len() {
+                fabric.push(fabric_run(size).await?);
+            }
         }
-        let r = client
-            .bench(&BenchSpec {
-                peer: opt.peer.clone(),
-                op,
-                size,
-                iters: opt.iters.unwrap_or(0),
-                qps: opt.qps.unwrap_or(0),
-                depth: opt.depth.unwrap_or(0),
-                blocks: if kv { blocks } else { 0 },
-                pool: if kv { opt.pool.unwrap_or(0) } else { 0 },
-                channel: kv && opt.channel,
-                connections: 0,
-                hold_ms: 0,
-                interval_ms: 0,
-                per_path: false,
-            })
-            .await
-            .with_context(|| format!("bench {} of {} with {}", op, format_size_compact(size), opt.peer))?;
-        rows.push(r);
+        let base = median_run(base_runs.clone()).map_or(0.0, |b| gbit(&b));
+        rows = fabric.into_iter().map(|r| (Ratio::single(&r, base), r)).map(|(q, r)| (r, q)).collect();
     }
     let median = median_run(base_runs);
-    let baseline = median.as_ref().zip(opt.baseline);
+    let baseline = median.as_ref().zip(opt.baseline.map(Baseline::name));
+    let rows = if baseline.is_some() { rows } else { rows.into_iter().map(|(r, _)| (r, None)).collect() };
     if ctx.json {
         ctx.print_json(&json_doc(&ctx.agent, &opt.peer, op, &rows, baseline))
     } else {
-        let fabric = rows.first().map(|r| r.fabric.to_string()).unwrap_or_default();
+        let fabric = rows.first().map(|(r, _)| r.fabric.to_string()).unwrap_or_default();
         let header = format!("# {} {} -> {} over {fabric}\n", op, ctx.agent, opt.peer);
         let table = if kv { render_kv(&rows, baseline) } else { render(&rows, baseline) };
         ctx.print(&(header + &table))
     }
 }
 
-fn json_doc(agent: &str, peer: &str, op: Op, rows: &[BenchResult], baseline: Base<'_>) -> Value {
-    let base = baseline.map(|(b, _)| b.gbit_per_s).filter(|g| *g > 0.0);
-    json!({
-        "agent": agent,
-        "peer": peer,
-        "op": op.to_string(),
-        "rows": rows.iter().map(|r| {
-            let gbit = row_gbit(r);
-            json!({
-                "size": r.size,
-                "iters": r.iters,
-                "bytes": r.bytes,
-                "seconds": r.seconds,
-                "gbit_per_s": gbit,
-                "gib_per_s": gbit * 1e9 / 8.0 / (1u64 << 30) as f64,
-                "lat_avg_us": r.lat_avg_us,
-                "lat_p50_us": r.lat_p50_us,
-                "lat_p99_us": r.lat_p99_us,
-                "lat_iters": r.lat_iters,
-                "fabric": r.fabric.to_string(),
-                "ratio_to_baseline": base.map(|b| gbit / b),
-                "pattern": if r.blocks > 0 { "kv" } else { "messages" },
-                "blocks": r.blocks,
-                "submit_p50_us": r.submit_p50_us,
-                "prep_ns_per_segment": r.prep_ns_per_segment,
-                "channel": r.channel,
-                "repost_ns_per_segment": r.repost_ns_per_segment,
-                "channel_open_us": r.channel_open_us,
-            })
-        }).collect::<Vec<_>>(),
-        "baseline": baseline.map(|(b, kind)| json!({
-            "kind": kind.name(),
-            "bytes": b.bytes,
-            "seconds": b.seconds,
-            "gbit_per_s": b.gbit_per_s,
-        })),
-    })
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::baseline_bytes;
 
     #[test]
     fn baseline_size() {
@@ -435,33 +344,5 @@ mod tests {
         assert_eq!(baseline_bytes(&[4096, 128 << 20]), 2 << 30);
         assert_eq!(baseline_bytes(&[]), 1 << 30);
         assert_eq!(baseline_bytes(&[u64::MAX]), u64::MAX);
-    }
-
-    #[test]
-    fn table_with_ratio() {
-        let rows = [BenchResult {
-            size: 1 << 20,
-            iters: 100,
-            bytes: 100 << 20,
-            seconds: 1.0,
-            gbit_per_s: 0.0, // recomputed from bytes/seconds
-            lat_avg_us: 10.0,
-            lat_p50_us: 9.5,
-            lat_p99_us: 20.0,
-            ..Default::default()
-        }];
-        let base = TcpBaseline { bytes: 1, seconds: 1.0, gbit_per_s: 0.8388608 };
-        let text = render(&rows, Some((&base, Baseline::Tcp)));
-        let mut lines = text.lines();
-        let header: Vec<&str> = lines.next().unwrap().split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
-        assert_eq!(header, ["#bytes", "iters", "BW Gb/s", "BW GiB/s", "lat avg us", "lat p50 us", "lat p99 us", "BW/tcp"]);
-        let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
-        // 100 MiB in 1 s = 0.8388608 Gb/s = 0.098 GiB/s; ratio 1.00.
-        assert_eq!(row, ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]);
-        assert!(text.contains("# tcp baseline"));
-        let doc = json_doc("a", "b", Op::Write, &rows, Some((&base, Baseline::Tcp)));
-        assert_eq!(doc["rows"][0]["size"], 1 << 20);
-        assert!((doc["rows"][0]["ratio_to_baseline"].as_f64().unwrap() - 1.0).abs() < 1e-9);
-        assert_eq!(doc["baseline"]["kind"], "tcp");
     }
 }

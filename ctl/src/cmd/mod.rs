@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_notify;
+pub mod bench_report;
 pub mod completions;
 pub mod connect;
 pub mod cp;
