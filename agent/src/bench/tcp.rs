@@ -134,7 +134,12 @@ pub async fn tcp_baseline(
             match tls {
                 None if walk.scatter > 0 => super::walk::send(s, per, mine, walk.scatter as usize).await,
                 None => send(s, per, mine, block).await,
-                Some((connector, name)) => send(connector.connect(name, tls_socket(s)).await?, per, mine, block).await,
+                Some((connector, name)) => {
+                    // The fabric's data streams' send buffer, so the baseline writes as they do.
+                    let mut t = connector.connect(name, tls_socket(s)).await?;
+                    t.get_mut().1.set_buffer_limit(Some(xfer_fabric::identity::tls::SEND_BUFFER));
+                    send(t, per, mine, block).await
+                }
             }
         });
     }
@@ -231,7 +236,10 @@ async fn run_sink(
                     None if scatter > 0 => super::walk::drain(s, buf, scatter).await.map(|(s, _)| Box::new(s) as Drained),
                     None => drain(s, buf).await,
                     Some(acceptor) => match acceptor.accept(tls_socket(s)).await {
-                        Ok(s) => drain(s, buf).await,
+                        Ok(mut s) => {
+                            s.get_mut().1.set_buffer_limit(Some(xfer_fabric::identity::tls::SEND_BUFFER));
+                            drain(s, buf).await
+                        }
                         Err(e) => {
                             debug!(error = %e, "tls baseline sink: handshake failed");
                             None

@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 
 use super::qp::{BoxRead, BoxWrite};
 use super::wire::tls_socket;
-use crate::identity::tls::{DataTls, KernelTls};
+use crate::identity::tls::{DataTls, KernelTls, SEND_BUFFER};
 
 pub(super) const INITIATOR: &str = "initiator";
 pub(super) const TARGET: &str = "target";
@@ -244,24 +244,37 @@ impl Handshaken {
             kernel.fell_back(role, why);
         }
         match self.stream {
-            Stream::ClientUser(s) => Ok(split(s)),
-            Stream::ServerUser(s) => Ok(split(s)),
+            Stream::ClientUser(s) => Ok(user_client(s)),
+            Stream::ServerUser(s) => Ok(user_server(s)),
             Stream::ClientCorked(s) => match kernel.suite_check(s.get_ref().1.negotiated_cipher_suite()) {
                 Ok(()) => kernel.converted(INITIATOR, ::ktls::config_ktls_client(s).await),
                 Err(why) => {
                     kernel.fell_back(INITIATOR, &why);
-                    Ok(split(s))
+                    Ok(user_client(s))
                 }
             },
             Stream::ServerCorked(s) => match kernel.suite_check(s.get_ref().1.negotiated_cipher_suite()) {
                 Ok(()) => kernel.converted(TARGET, ::ktls::config_ktls_server(s).await),
                 Err(why) => {
                     kernel.fell_back(TARGET, &why);
-                    Ok(split(s))
+                    Ok(user_server(s))
                 }
             },
         }
     }
+}
+
+/// A client stream that stays with rustls: its halves, with a send buffer larger than rustls's
+/// default ([`SEND_BUFFER`]).
+fn user_client<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(mut s: tokio_rustls::client::TlsStream<S>) -> (BoxRead, BoxWrite) {
+    s.get_mut().1.set_buffer_limit(Some(SEND_BUFFER));
+    split(s)
+}
+
+/// [`user_client`] for the target's side.
+fn user_server<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(mut s: tokio_rustls::server::TlsStream<S>) -> (BoxRead, BoxWrite) {
+    s.get_mut().1.set_buffer_limit(Some(SEND_BUFFER));
+    split(s)
 }
 
 fn split<S: AsyncRead + AsyncWrite + Send + 'static>(s: S) -> (BoxRead, BoxWrite) {
