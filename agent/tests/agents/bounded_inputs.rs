@@ -247,13 +247,15 @@ async fn request_fields_over_their_bounds_are_refused_before_they_are_used() {
 
 /// The KV benchmark with 1-byte blocks over an 8 GiB pool once drew its random slots from a
 /// vector of every slot (64 GiB) and aborted the agent. Now: refused by the benchmarks' budget
-/// by default, and with a budget that fits, run on a draw the size of the block list.
+/// by default, and with a budget that fits, run on a draw the size of the block list: over a
+/// 1 GiB pool (a vector of every slot would be 8 GiB) neither agent's peak resident memory
+/// passes the pool's (bench pools are filled, so a pool is resident while it lives).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_bench_of_tiny_blocks_over_a_huge_pool_is_bounded() {
     let a = Agent::start("node-a");
     let b = Agent::start("node-b");
     let before = (observable(&a).await, observable(&b).await, a.pid(), b.pid());
-    let kv = |peer: &Agent| pb::BenchRequest {
+    let kv = |peer: &Agent, pool: u64| pb::BenchRequest {
         peer: peer.addr(),
         op: pb::Op::Write as i32,
         size: 1,
@@ -261,20 +263,24 @@ async fn a_kv_bench_of_tiny_blocks_over_a_huge_pool_is_bounded() {
         qps: 1,
         depth: 1,
         blocks: 16,
-        pool: 8 << 30,
+        pool,
         ..Default::default()
     };
-    let e = a.client().await.bench(kv(&b)).await.unwrap_err();
+    let e = a.client().await.bench(kv(&b, 8 << 30)).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("limits.max_bench_bytes"), "{e:?}");
     assert_eq!((observable(&a).await, observable(&b).await, a.pid(), b.pid()), before);
     victim_transfer(&a, &b, 3).await;
 
-    // Budgets that fit the pools: it runs (on memory never touched but for 16 bytes a side).
-    let env = [("XFER_LIMITS__MAX_BENCH_BYTES", "9GiB")];
+    // Budgets that fit the pools: it runs, and no agent held more than its pool and change.
+    let env = [("XFER_LIMITS__MAX_BENCH_BYTES", "2GiB")];
     let (a, b) = (Agent::start_env("node-a", &env), Agent::start_env("node-b", &env));
-    let r = a.client().await.bench(kv(&b)).await.unwrap().into_inner();
+    let r = a.client().await.bench(kv(&b, 1 << 30)).await.unwrap().into_inner();
     assert_eq!((r.blocks, r.iters, r.bytes), (16, 1, 16), "{r:?}");
+    for agent in [&a, &b] {
+        let peak_kib = crate::channel_redteam::vm_kib(agent.pid().expect("running"), "VmHWM:");
+        assert!(peak_kib < (1 << 20) + (512 << 10), "peak resident {peak_kib} KiB for a 1 GiB pool");
+    }
     // The scratch pools are gone on both sides, and both agents still serve.
     assert!(observable(&a).await.0.is_empty() && observable(&b).await.0.is_empty());
     victim_transfer(&a, &b, 4).await;

@@ -202,7 +202,7 @@ async fn pair(a_env: &[(&str, &str)], len: u64) -> (Agent, Agent, Vec<u8>, Vec<u
     (a, b, src, dst)
 }
 
-fn vm_kib(pid: u32, field: &str) -> u64 {
+pub(crate) fn vm_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
     line.split_whitespace().nth(1).unwrap().parse().unwrap()

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use ::ktls::{CompatibleCiphers, CompatibleCiphersForVersion};
 use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType};
 use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::OnceCell;
 
@@ -199,4 +199,60 @@ async fn kernel_gets_the_stream_or_refuses_it_once(tls: DataTls, version: &str) 
     let (i, t) = exchange(c, s).await;
     i.expect("initiator after the refusal");
     t.expect("target after the refusal");
+}
+
+/// Both ends' handshakes over one loopback connection whose sockets have the smallest buffers
+/// the kernel allows, so what a writer can hand over while its peer reads nothing is almost
+/// all user space.
+async fn handshake_small_buffers(kernel: &'static KernelState, tls: &DataTls) -> (Handshaken, Handshaken) {
+    let small = |s: &tokio::net::TcpSocket| {
+        s.set_send_buffer_size(1).unwrap();
+        s.set_recv_buffer_size(1).unwrap();
+    };
+    let listen = tokio::net::TcpSocket::new_v4().unwrap();
+    small(&listen); // accepted sockets take the listener's sizes
+    listen.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = listen.local_addr().unwrap();
+    let listener = listen.listen(1).unwrap();
+    let client = tokio::net::TcpSocket::new_v4().unwrap();
+    small(&client);
+    let name = ServerName::try_from("127.0.0.1").unwrap();
+    let (c, s) = tokio::join!(async { connect_with(kernel, tls, name, client.connect(addr).await?).await }, async {
+        accept_with(kernel, tls, listener.accept().await?.0).await
+    });
+    (c.expect("initiator's handshake"), s.expect("target's handshake"))
+}
+
+/// Bytes `wr` takes, 16 KiB at a time, before a write would wait (polled without waiting).
+fn taken_before_waiting(wr: &mut crate::tcp::qp::BoxWrite, limit: usize) -> usize {
+    let chunk = vec![0x5au8; 16 << 10];
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut taken = 0;
+    while taken < limit {
+        match std::pin::Pin::new(&mut *wr).poll_write(&mut cx, &chunk) {
+            std::task::Poll::Ready(Ok(n)) if n > 0 => taken += n,
+            _ => break,
+        }
+    }
+    taken
+}
+
+/// A peer that reads nothing: a rustls stream's writer takes about its send buffer
+/// ([`SEND_BUFFER`], not rustls's 64 KiB default, and never unbounded) and then waits, on the
+/// initiator's side and on the target's (where an unread stream is then closed by the stall
+/// timer, `serve.rs`). The sockets' own buffers are the kernel's smallest.
+#[tokio::test]
+async fn a_rustls_writer_holds_at_most_its_send_buffer_for_a_peer_that_reads_nothing() {
+    use crate::identity::tls::SEND_BUFFER;
+    let tls = node_tls();
+    let k = kernel(Support::None("no tls module".into()));
+    let (c, s) = handshake_small_buffers(k, &tls).await;
+    let ((_c_rd, mut c_wr), (_s_rd, mut s_wr)) = (c.into_halves().await.unwrap(), s.into_halves().await.unwrap());
+    for (side, wr) in [("initiator", &mut c_wr), ("target", &mut s_wr)] {
+        let taken = taken_before_waiting(wr, 64 << 20);
+        // The kernel's smallest socket buffers and a few records in flight hold well under
+        // 256 KiB on loopback; 64 MiB would mean no bound at all.
+        assert!(taken >= SEND_BUFFER - (32 << 10), "{side}: only {taken} bytes before waiting (rustls's default buffer?)");
+        assert!(taken <= SEND_BUFFER + (256 << 10), "{side}: {taken} bytes taken for a peer that reads nothing");
+    }
 }
