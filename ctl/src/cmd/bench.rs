@@ -319,7 +319,13 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
             }
         }
         let base = median_run(base_runs.clone()).map_or(0.0, |b| gbit(&b));
-        rows = fabric.into_iter().map(|r| (Ratio::single(&r, base), r)).map(|(q, r)| (r, q)).collect();
+        rows = fabric
+            .into_iter()
+            .map(|r| {
+                let ratio = Ratio::single(&r, base);
+                (r, ratio)
+            })
+            .collect();
     }
     let median = median_run(base_runs);
     let baseline = median.as_ref().zip(opt.baseline.map(Baseline::name));
