@@ -329,7 +329,6 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     }
     let median = median_run(base_runs);
     let baseline = median.as_ref().zip(opt.baseline.map(Baseline::name));
-    let rows = if baseline.is_some() { rows } else { rows.into_iter().map(|(r, _)| (r, None)).collect() };
     if ctx.json {
         ctx.print_json(&json_doc(&ctx.agent, &opt.peer, op, &rows, baseline))
     } else {
