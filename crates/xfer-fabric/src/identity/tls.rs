@@ -7,9 +7,6 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::{AuthError, Caller, RolePolicy};
 
-/// TLS for the tcp fabric's data streams: the same certificate, key and CA as gRPC, through
-/// tokio-rustls (ring provider, like tonic's). Clients must present a certificate; the caller's
-/// role is checked by the data listener against the connection it names.
 /// Encrypted bytes a rustls data stream may hold before its writer waits on the socket
 /// (`set_buffer_limit`; rustls's default is 64 KiB). With the default, a gathered write of a
 /// run of frames left as one system call per 64 KiB of records; at 512 KiB the tcp fabric's
@@ -18,6 +15,9 @@ use super::{AuthError, Caller, RolePolicy};
 /// socket takes less than is written. The raw TLS baseline of `xferctl bench` uses it too.
 pub const SEND_BUFFER: usize = 512 << 10;
 
+/// TLS for the tcp fabric's data streams: the same certificate, key and CA as gRPC, through
+/// tokio-rustls (ring provider, like tonic's). Clients must present a certificate; the caller's
+/// role is checked by the data listener against the connection it names.
 #[derive(Clone)]
 pub struct DataTls {
     /// The data listener's config: no TLS 1.3 session tickets (see [`data_tls`]).
