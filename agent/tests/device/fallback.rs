@@ -36,7 +36,7 @@ async fn with_links_up_nothing_goes_over_the_tcp_fallback() {
     assert_eq!(info.fallback, "tcp", "{info:?}");
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 64 * MIB)).await).await;
     assert_succeeded(&t, &a);
-    assert_blocks(&b, "dst", &base, 64).await;
+    assert_blocks(&b, "dst", &base, 64);
     assert!(!t.fallback, "a transfer with its RDMA paths up fell back: {t:?}");
     assert_eq!(tcp_path_bytes(&a), 0.0, "bytes over tcp while RDMA was up: {}", scrape(&a));
     for d in &l.a {
@@ -62,9 +62,9 @@ async fn falls_back_when_both_links_go_down(op: pb::Op) {
     let t = finish(&a, &mid.id).await;
     assert_succeeded(&t, &a);
     if read {
-        assert_blocks(&a, "local", &rb, BLOCKS).await;
+        assert_blocks(&a, "local", &rb, BLOCKS);
     } else {
-        assert_blocks(&b, "remote", &ra, BLOCKS).await;
+        assert_blocks(&b, "remote", &ra, BLOCKS);
     }
     let (tcp, counted) = (tcp_path_bytes(&a), metric(&scrape(&a), "xfer_transfer_fallbacks_total"));
     println!(

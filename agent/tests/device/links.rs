@@ -10,11 +10,13 @@
 //! also when a test fails.
 #![cfg(feature = "verbs")]
 
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use xfer_proto::v1 as pb;
 
 use crate::common::{labelled, metric, random_bytes, scrape, Agent};
@@ -142,22 +144,58 @@ pub(crate) fn block(base: &[u8], i: u64) -> Vec<u8> {
     v
 }
 
-/// Creates region `name` of `blocks` MiB on `a`; with `seed`, fills it with [`block`]s of a
-/// random MiB made from `seed` (streamed one MiB at a time). Returns that MiB, the `base` of
+/// The file behind region `name` of `a`: every region of these tests is a FILE region under the
+/// agent's default file root (`<state_dir>/files`), a `MAP_SHARED` mapping of a file on the
+/// VM's tmpfs that the NIC reads and writes in place. The tests fill and check it through the
+/// file itself: streaming a GiB through a debug agent's gRPC under TCG took minutes each way
+/// (three quarters of a failover test), and the bytes compared are the region's own pages.
+pub(crate) fn region_file(a: &Agent, name: &str) -> PathBuf {
+    a.state_dir.join("files").join(name)
+}
+
+/// Creates region `name` of `blocks` MiB on `a` ([`region_file`]); with `seed`, fills it with
+/// [`block`]s of a random MiB made from `seed` (zeros without). Returns that MiB, the `base` of
 /// [`assert_blocks`].
 pub(crate) async fn region(a: &Agent, name: &str, blocks: u64, seed: Option<u64>) -> Arc<Vec<u8>> {
-    a.create(name, blocks * MIB, pb::Access::ReadWrite).await;
     let base = Arc::new(random_bytes(MIB as usize, seed.unwrap_or(1)));
+    let path = region_file(a, name);
+    std::fs::create_dir_all(path.parent().expect("a file under the root")).unwrap();
+    let mut f = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     if seed.is_some() {
-        let (b, first) = (Arc::clone(&base), name.to_string());
-        let msgs = futures::stream::iter(0..blocks).map(move |i| pb::WriteRegionRequest {
-            region: if i == 0 { first.clone() } else { String::new() },
-            offset: 0,
-            data: block(&b, i),
-        });
-        a.client().await.write_region(msgs).await.unwrap_or_else(|s| panic!("fill {name}: {s}"));
+        for i in 0..blocks {
+            f.write_all(&block(&base, i)).unwrap();
+        }
+    } else {
+        f.set_len(blocks * MIB).unwrap();
     }
+    drop(f);
+    let req = pb::CreateRegionRequest {
+        name: name.into(),
+        length: blocks * MIB,
+        kind: pb::RegionKind::File as i32,
+        path: name.into(),
+        access: pb::Access::ReadWrite as i32,
+        ..Default::default()
+    };
+    a.client().await.create_region(req).await.unwrap_or_else(|s| panic!("create {name}: {s}"));
     base
+}
+
+/// `len` bytes at `offset` of region `name` of `a`, read from its file ([`region_file`]).
+pub(crate) fn read_back(a: &Agent, name: &str, offset: u64, len: u64) -> Vec<u8> {
+    let f = std::fs::File::open(region_file(a, name)).unwrap();
+    let mut got = vec![0u8; len as usize];
+    f.read_exact_at(&mut got, offset).unwrap_or_else(|e| panic!("reading {len} bytes at {offset} of {name} on {}: {e}", a.name));
+    got
+}
+
+/// Zeros the first `blocks` MiB of region `name` of `a` in place (its pages, through its file).
+pub(crate) fn zero(a: &Agent, name: &str, blocks: u64) {
+    let f = std::fs::OpenOptions::new().write(true).open(region_file(a, name)).unwrap();
+    let z = vec![0u8; MIB as usize];
+    for i in 0..blocks {
+        f.write_all_at(&z, i * MIB).unwrap();
+    }
 }
 
 pub(crate) fn req(op: pb::Op, local: &str, peer: &Agent, remote: &str, len: u64) -> pb::SubmitTransferRequest {
@@ -248,15 +286,15 @@ pub(crate) fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
     assert_eq!(t.bytes_done, t.length, "{t:?}");
 }
 
-/// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`, read back
-/// 16 MiB at a time. The bytes themselves are compared (not the agents' checksums: those take
-/// minutes per GiB in a debug build under TCG, past the peers' RPC timeout).
-pub(crate) async fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
+/// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`, read from
+/// its file 16 MiB at a time ([`read_back`]). The bytes themselves are compared (not the agents'
+/// checksums: those take minutes per GiB in a debug build under TCG, past the peers' RPC
+/// timeout).
+pub(crate) fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
     const STEP: u64 = 16;
     for first in (0..blocks).step_by(STEP as usize) {
         let n = STEP.min(blocks - first);
-        let got = at.read(region, first * MIB, n * MIB).await;
-        assert_eq!(got.len() as u64, n * MIB);
+        let got = read_back(at, region, first * MIB, n * MIB);
         for (k, mib) in got.chunks(MIB as usize).enumerate() {
             let i = first + k as u64;
             assert!(mib == block(base, i).as_slice(), "MiB {i} of {region} on {} differs from the source", at.name);

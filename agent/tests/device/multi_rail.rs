@@ -14,7 +14,7 @@ use xfer_proto::v1 as pb;
 use crate::common::{labelled, next_note, scrape, subscribe, Agent};
 use crate::links::{
     agents as agents_with, assert_blocks, assert_succeeded, block, device_bytes, device_state, down_at_start, down_mid_transfer, failovers,
-    finish, links, region, req, submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
+    finish, links, read_back, region, req, submit, tx_bytes, Links, MIB, TRANSFER_GUARD,
 };
 
 /// Agents A and B, each on both of its devices.
@@ -37,7 +37,7 @@ async fn a_transfer_uses_both_links() {
     let moved: Vec<u64> = l.a_net.iter().zip(&tx0).map(|(n, b0)| tx_bytes(n) - b0).collect();
     let dev: Vec<f64> = l.a.iter().map(|d| device_bytes(&a, d)).collect();
     println!("256 MiB WRITE: {} bytes {:?}, {} tx bytes {:?}, {:.1} s", l.a.join("/"), dev, l.a_net.join("/"), moved, t.elapsed_seconds);
-    assert_blocks(&b, "dst", &base, BLOCKS).await;
+    assert_blocks(&b, "dst", &base, BLOCKS);
     for (d, v) in l.a.iter().zip(&dev) {
         assert!(*v > 0.0, "no bytes through {d}: {}", scrape(&a));
     }
@@ -87,9 +87,9 @@ async fn survives_link_down(op: pb::Op) {
         device_bytes(&a, &l.a[0]) - first_dev
     );
     if read {
-        assert_blocks(&a, "local", &rb, BLOCKS).await;
+        assert_blocks(&a, "local", &rb, BLOCKS);
     } else {
-        assert_blocks(&b, "remote", &ra, BLOCKS).await;
+        assert_blocks(&b, "remote", &ra, BLOCKS);
     }
     assert!(f > 0.0, "no failover counted (xfer_path_failovers_total): {}", scrape(&a));
     assert!(device_bytes(&a, &l.a[0]) > first_dev, "nothing moved on {} after {} went down", l.a[0], l.a_net[1]);
@@ -139,7 +139,7 @@ async fn a_batch_across_a_failover_is_notified_once_after_every_byte() {
     assert_eq!(note.tag, b"across");
     // Every byte is in place when the notification is seen.
     for s in &segments {
-        let got = b.read("dst", s.remote_offset, s.length).await;
+        let got = read_back(&b, "dst", s.remote_offset, s.length);
         assert!(got == block(&base, s.local_offset / MIB), "segment {s:?} not in place when notified");
     }
     let t = finish(&a, &id).await;
@@ -179,7 +179,7 @@ async fn a_link_brought_back_is_used_again() {
     assert_succeeded(&t, &a);
     let (dev1, tx1) = (device_bytes(&a, &l.a[1]), tx_bytes(&l.a_net[1]));
     println!("after {} came back: {} moved {} bytes ({} tx {} bytes)", l.a_net[1], l.a[1], dev1 - dev0, l.a_net[1], tx1 - tx0);
-    assert_blocks(&b, "dst", &base, BLOCKS).await;
+    assert_blocks(&b, "dst", &base, BLOCKS);
     assert!(dev1 > dev0, "{} not used again after {} came back: {}", l.a[1], l.a_net[1], scrape(&a));
     assert!(tx1 - tx0 > 16 * MIB, "{} carried only {} bytes after it came back", l.a_net[1], tx1 - tx0);
 }
@@ -203,7 +203,7 @@ async fn both_links_down_fail_the_transfer_with_a_code() {
     mid.restore();
     // The agents work again once the links are back.
     assert_succeeded(&finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 16 * MIB)).await).await, &a);
-    assert_blocks(&b, "dst", &base, 16).await;
+    assert_blocks(&b, "dst", &base, 16);
     // The responder did not die either.
     assert!(b.client().await.get_info(pb::GetInfoRequest {}).await.is_ok());
 }
@@ -232,7 +232,7 @@ async fn a_link_down_at_start_joins_once_it_comes_up() {
     region(&b, "dst", BLOCKS, None).await;
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", 64 * MIB)).await).await;
     assert_succeeded(&t, &a);
-    assert_blocks(&b, "dst", &base, 64).await;
+    assert_blocks(&b, "dst", &base, 64);
     assert_eq!(device_bytes(&a, &l.a[1]), 0.0, "bytes through {} while its link was down: {}", l.a[1], scrape(&a));
 
     late.restore();
@@ -244,7 +244,7 @@ async fn a_link_down_at_start_joins_once_it_comes_up() {
     assert_succeeded(&t, &a);
     let (dev1, tx1) = (device_bytes(&a, &l.a[1]), tx_bytes(&l.a_net[1]));
     println!("{} joined after start: {dev1} bytes through it, {} tx {} bytes", l.a[1], l.a_net[1], tx1 - tx0);
-    assert_blocks(&b, "dst", &base, BLOCKS).await;
+    assert_blocks(&b, "dst", &base, BLOCKS);
     assert!(dev1 > 0.0, "{} not used after its link came up: {}\n{}", l.a[1], scrape(&a), a.logs());
     assert!(tx1 - tx0 > 16 * MIB, "{} carried only {} bytes after it came up", l.a_net[1], tx1 - tx0);
 }

@@ -96,7 +96,7 @@ async fn a_rail_without_a_route_is_left_out_of_the_connection() {
     let rule = Unresolvable::add(&l.a_net[1], &l.b_net[1]);
     let t = finish(&a, &submit(&a, req(pb::Op::Write, "src", &b, "dst", BLOCKS * MIB)).await).await;
     assert_succeeded(&t, &a);
-    assert_blocks(&b, "dst", &base, BLOCKS).await;
+    assert_blocks(&b, "dst", &base, BLOCKS);
     let s = scrape(&a);
     let failed = labelled(&s, "xfer_rail_connect_failures_total", &[("device", &l.a[1]), ("role", "initiator")]);
     println!(
@@ -135,7 +135,7 @@ async fn a_rail_without_a_route_is_left_out_of_the_connection() {
         }
         assert!(Instant::now() < guard, "{} never used again once its route was back: {}\n{}", l.a[1], scrape(&a), a.logs());
     }
-    assert_blocks(&b, "dst", &base, 16).await;
+    assert_blocks(&b, "dst", &base, 16);
     let after = labelled(&scrape(&a), "xfer_rail_connect_failures_total", &[("device", &l.a[1]), ("role", "initiator")]);
     assert_eq!(after, failed, "a rail failed again with its route back");
     // The responder's halves of both rails were made ready: nothing failed on B.

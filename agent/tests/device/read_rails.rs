@@ -12,14 +12,14 @@
 use xfer_proto::v1 as pb;
 
 use crate::common::Agent;
-use crate::links::{agents, block, device_bytes, finish, links, region, req, submit, MIB};
+use crate::links::{agents, block, device_bytes, finish, links, read_back, region, req, submit, zero, MIB};
 
-/// MiBs of `region` on `at` that are not [`block`]s of `base`.
-async fn differing(at: &Agent, region: &str, base: &[u8], blocks: u64) -> Vec<u64> {
+/// MiBs of `region` on `at` that are not [`block`]s of `base` (read from its file).
+fn differing(at: &Agent, region: &str, base: &[u8], blocks: u64) -> Vec<u64> {
     let mut out = Vec::new();
     for first in (0..blocks).step_by(16) {
         let n = 16.min(blocks - first);
-        let got = at.read(region, first * MIB, n * MIB).await;
+        let got = read_back(at, region, first * MIB, n * MIB);
         for (k, mib) in got.chunks(MIB as usize).enumerate() {
             let i = first + k as u64;
             if mib != block(base, i).as_slice() {
@@ -39,18 +39,11 @@ async fn striped_reads_never_succeed_with_bytes_that_differ() {
     const ROUNDS: usize = 4;
     let base = region(&b, "remote", BLOCKS, Some(41)).await;
     region(&a, "local", BLOCKS, None).await;
-    let zero = || {
-        futures::stream::iter((0..BLOCKS).map(|i| pb::WriteRegionRequest {
-            region: if i == 0 { "local".into() } else { String::new() },
-            offset: 0,
-            data: vec![0u8; MIB as usize],
-        }))
-    };
     let mut succeeded = 0;
     for round in 0..ROUNDS {
         let before: Vec<f64> = l.a.iter().map(|d| device_bytes(&a, d)).collect();
         let t = finish(&a, &submit(&a, req(pb::Op::Read, "local", &b, "remote", BLOCKS * MIB)).await).await;
-        let bad = differing(&a, "local", &base, BLOCKS).await;
+        let bad = differing(&a, "local", &base, BLOCKS);
         let after: Vec<f64> = l.a.iter().map(|d| device_bytes(&a, d)).collect();
         println!(
             "round {round}: state {} {:?}, {} failover(s), {:.1} s, posted per device {:?}, {} MiB differ",
@@ -71,7 +64,7 @@ async fn striped_reads_never_succeed_with_bytes_that_differ() {
         } else {
             assert!(!t.error_code.is_empty(), "a failed round names its code: {t:?}");
         }
-        a.client().await.write_region(zero()).await.unwrap();
+        zero(&a, "local", BLOCKS);
     }
     assert!(succeeded > 0, "no round succeeded");
 }
