@@ -67,6 +67,20 @@ pub fn read_devices(root: &Path) -> Vec<DeviceTopo> {
     devices
 }
 
+/// The RDMA device `name` under `<root>/class/infiniband` alone, as [`read_devices`] reads it,
+/// without reading the others: a port's GID entries are one file each (1,024 on Soft-RoCE), so a
+/// device's facts take thousands of reads, and a device asking about itself has no use for the
+/// rest of the host's. `None` when the device is absent, `name` is not a valid name, or its
+/// directory resolves outside the root.
+pub fn read_device(root: &Path, name: &str) -> Option<DeviceTopo> {
+    if !valid_name(name) {
+        return None;
+    }
+    let tree = Tree { root: fs::canonicalize(root).ok()? };
+    let dir = tree.resolve(&tree.root.join("class").join("infiniband").join(name))?;
+    Some(tree.device(&dir, name.to_string()))
+}
+
 /// A sysfs tree whose reads stay under `root` (canonical).
 struct Tree {
     root: PathBuf,

@@ -5,7 +5,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 
 use super::fake_sysfs::{write, FakeSysfs, PortSpec};
-use super::sysfs::{read_devices, DeviceTopo, PortTopo};
+use super::sysfs::{read_device, read_devices, DeviceTopo, PortTopo};
 
 const HDR: &str = "200 Gb/sec (4X HDR)";
 
@@ -193,6 +193,29 @@ fn links_leading_out_of_the_root_are_not_followed() {
     assert_eq!((d.name.as_str(), d.numa_node, d.pci_address.as_deref()), ("mlx5_0", None, None));
     assert_eq!(d.ports[0].rate_mbps, None);
     assert_eq!(d.ports[0].netdevs, ["eth0"]);
+}
+
+/// One device read alone is what the whole tree's listing says of it; names that are not a
+/// device's, or whose directory lies outside the root, read as nothing.
+#[test]
+fn one_device_alone_reads_as_in_the_whole_tree() {
+    let sys = FakeSysfs::new();
+    for i in 0..3 {
+        let dev = sys.pci_device(&format!("mlx5_{i}"), &format!("0000:{:02x}:00.0", i + 1), i % 2);
+        sys.port(&dev, 1, &PortSpec::roce("4: ACTIVE", HDR, &format!("ens{i}np0")));
+    }
+    let outside = tempfile::tempdir().unwrap();
+    write(&outside.path().join("mlx5_9/ports/1/state"), "4: ACTIVE\n");
+    symlink(outside.path().join("mlx5_9"), sys.class_entry("mlx5_9")).unwrap();
+    let all = read_devices(sys.root());
+    assert_eq!(all.len(), 3);
+    for d in &all {
+        assert_eq!(read_device(sys.root(), &d.name).as_ref(), Some(d));
+    }
+    for name in ["mlx5_7", "mlx5_9", "", ".", "..", "mlx5_0/../mlx5_1", "../infiniband/mlx5_0", "mlx5_0/ports"] {
+        assert_eq!(read_device(sys.root(), name), None, "{name:?}");
+    }
+    assert_eq!(read_device(&outside.path().join("no-such-root"), "mlx5_0"), None);
 }
 
 #[test]

@@ -15,7 +15,7 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 use super::negotiate::{self, GidChoice, LocalPort, LINK_ETHERNET};
 use super::options::VerbsOptions;
 use crate::topology::device_info::add_topology;
-use crate::topology::sysfs::read_devices;
+use crate::topology::sysfs::{read_device, read_devices};
 use crate::{DeviceInfo, FabricError, GidInfo};
 
 const PORT_ACTIVE: u32 = 4;
@@ -351,7 +351,9 @@ impl Device {
         };
         // None while the port has had no usable GID yet.
         info.selected_gid_index = self.view().gid_choice.as_ref().map(GidChoice::index);
-        add_topology(&mut info, &read_devices(Path::new(SYSFS)));
+        // This device's facts only: reading every device's made each GetInfo (and each agent
+        // start) read every GID entry of every device once per device.
+        add_topology(&mut info, read_device(Path::new(SYSFS), &self.name).as_slice());
         info
     }
 }
