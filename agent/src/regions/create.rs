@@ -294,16 +294,9 @@ fn allocation_error(e: std::io::Error, spec: &RegionSpec) -> RegionError {
 }
 
 /// Fills a benchmark's memory with the byte the raw TCP baselines send (0xa5) before any clock
-/// starts. Untouched anonymous memory reads as the kernel's one shared zero page, always in the
-/// cache: a tcp benchmark would copy from it, flattering the fabric against baselines that walk
-/// real buffers (a verbs registration pins, and so allocates, every page anyway).
+/// starts ([`RegionMemory::fill`]); a verbs registration pins, and so allocates, every page
+/// anyway.
 pub fn fill_bench(memory: &RegionMemory) {
-    let chunk = vec![0xa5u8; 1 << 20];
-    let mut at = 0u64;
-    while at < memory.len() {
-        let n = (memory.len() - at).min(chunk.len() as u64) as usize;
-        // In bounds by the loop; anonymous memory cannot be poisoned.
-        let _ = memory.write_at(at, &chunk[..n]);
-        at += n as u64;
-    }
+    // Anonymous memory is writable and cannot be poisoned: fill cannot fail here.
+    let _ = memory.fill(0xa5);
 }

@@ -31,15 +31,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("need 0 < BLOCK <= {HOT}, BLOCKS > 0, ROUNDS > 0 and BLOCKS blocks in POOL").into());
     }
     let mem = RegionMemory::anonymous(usize::try_from(pool)?, false)?;
-    // Every page written before any clock: untouched anonymous memory reads as the kernel's
-    // one shared zero page, which the caches always hold.
-    let fill = vec![0xa5u8; 1 << 20];
-    let mut at = 0;
-    while at < pool {
-        let n = (pool - at).min(fill.len() as u64);
-        mem.write_at(at, &fill[..n as usize])?;
-        at += n;
-    }
+    // Every page written before any clock, as the agent fills a benchmark's pool.
+    mem.fill(0xa5)?;
     // The cached buffer starts on a page, as the pool's blocks do: the copies' relative
     // alignment then does not differ from run to run (see below).
     let mut hot_store = vec![0x5au8; HOT + 4096];
