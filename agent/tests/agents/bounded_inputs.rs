@@ -278,7 +278,7 @@ async fn a_kv_bench_of_tiny_blocks_over_a_huge_pool_is_bounded() {
     let r = a.client().await.bench(kv(&b, 1 << 30)).await.unwrap().into_inner();
     assert_eq!((r.blocks, r.iters, r.bytes), (16, 1, 16), "{r:?}");
     for agent in [&a, &b] {
-        let peak_kib = crate::channel_redteam::vm_kib(agent.pid().expect("running"), "VmHWM:");
+        let peak_kib = proc_status(agent.pid().expect("running"), "VmHWM:");
         assert!(peak_kib < (1 << 20) + (512 << 10), "peak resident {peak_kib} KiB for a 1 GiB pool");
     }
     // The scratch pools are gone on both sides, and both agents still serve.

@@ -202,12 +202,6 @@ async fn pair(a_env: &[(&str, &str)], len: u64) -> (Agent, Agent, Vec<u8>, Vec<u
     (a, b, src, dst)
 }
 
-pub(crate) fn vm_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 // =============================================================================================
 // 1. Peer.Announce
 
@@ -680,7 +674,7 @@ async fn oversized_lists_queued_behind_a_long_batch_are_not_kept() {
     };
     let mut ch = try_open_depth(&a, slow, 1).await.unwrap();
     let pid = a.pid().unwrap();
-    let base = vm_kib(pid, "VmRSS:");
+    let base = proc_status(pid, "VmRSS:");
     ch.send(post_msg(0, vec![seg(0, 0, MIB)], 0, None)).await;
     // ~16 MB on the wire each: segments {0, 0, 1} take 4 bytes (zero fields are not encoded).
     const N: usize = 4_000_000;
@@ -708,7 +702,7 @@ async fn oversized_lists_queued_behind_a_long_batch_are_not_kept() {
     assert_eq!((d.seq, d.error_code.as_str()), (0, "REM_ACCESS_ERR"), "{d:?}");
     assert_eq!(ch.end().await.code(), Code::Aborted);
     wait_gauge(&a, "xfer_channels_open", 0.0).await;
-    let peak = vm_kib(pid, "VmHWM:");
+    let peak = proc_status(pid, "VmHWM:");
     assert!(peak < base + 200 * 1024, "agent peak RSS {peak} KiB from {base} KiB: the waiting lists were kept");
 
     // On a channel that is not busy, such lists are refused in their turn and it goes on.

@@ -23,13 +23,6 @@ async fn snapshot(a: &Agent) -> (Vec<(String, String, String)>, Option<Vec<u8>>)
     )
 }
 
-/// `RssAnon` of a process in KiB (its private heap: bounce buffers, not the file mappings).
-fn rss_anon_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 // ------------------------------------------------------------------ file roots: path tricks
 
 /// Path tricks the host-safety tests do not try: NUL bytes (protobuf strings may carry them),
@@ -189,7 +182,7 @@ async fn a_big_read_on_a_file_region_does_not_pin_its_size_in_agent_memory() {
     a.client().await.create_region(file_region_req("big", LEN, "big.bin", pb::Access::Read)).await.unwrap();
     let (address, secret) = a.data_session("c1").await;
     let (addr, token) = grant_token(&a, "big", LEN, pb::Access::Read, "c1").await.unwrap();
-    let baseline = rss_anon_kib(pid);
+    let baseline = proc_status(pid, "RssAnon:");
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
         let mut s = open_data_stream(&address, "c1", &secret);
@@ -199,7 +192,7 @@ async fn a_big_read_on_a_file_region_does_not_pin_its_size_in_agent_memory() {
         assert_eq!((h.kind, h.status), (Kind::ReadResp, 0), "READ_RESP, status 0");
         streams.push(s);
     }
-    let grown_mib = rss_anon_kib(pid).saturating_sub(baseline) / 1024;
+    let grown_mib = proc_status(pid, "RssAnon:").saturating_sub(baseline) / 1024;
     assert!(grown_mib < 64, "{STREAMS} unread READ answers of {} MiB pin {grown_mib} MiB of agent heap", LEN >> 20);
     drop(streams);
 }

@@ -13,11 +13,6 @@ use tonic::Code;
 use xfer_proto::v1 as pb;
 use xfer_proto::v1::agent_client::AgentClient;
 
-fn threads(pid: u32) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
-}
-
 /// Spellings of `127.0.0.1:port` a caller may send: all reach one socket.
 fn spellings(port: u16) -> Vec<String> {
     vec![
@@ -58,7 +53,7 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     for qps in 1..=4 {
         attacker.connect(pb::ConnectRequest { peer: b.addr(), qps }).await.unwrap();
     }
-    let (fds0, threads0) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    let (fds0, threads0) = (open_fds(a.pid().unwrap()), proc_status(a.pid().unwrap(), "Threads:") as usize);
     // The attack: one peer named again and again under every spelling the parser accepts.
     for round in 0..40 {
         for s in spellings(port) {
@@ -77,7 +72,7 @@ async fn every_spelling_of_a_peer_is_one_entry_with_one_channel_and_its_connecti
     let grpc = labelled(&scrape(&b), "xfer_listener_connections", &[("listener", "grpc")]);
     assert!(grpc <= 3.0, "B holds {grpc} gRPC connections");
     // A holds what it held before the 200 calls: no descriptor or thread per spelling.
-    let (fds1, threads1) = (open_fds(a.pid().unwrap()), threads(a.pid().unwrap()));
+    let (fds1, threads1) = (open_fds(a.pid().unwrap()), proc_status(a.pid().unwrap(), "Threads:") as usize);
     assert!(fds1 <= fds0 + 2, "A's descriptors {fds0} -> {fds1}");
     assert!(threads1 <= threads0 + 2, "A's threads {threads0} -> {threads1}");
 

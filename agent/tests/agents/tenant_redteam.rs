@@ -691,11 +691,6 @@ async fn one_local_user_cannot_hold_every_unix_socket_connection() {
 
 // ------------------------------------------------------------------ streams that are not read
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").trim().parse().unwrap()
-}
-
 /// `ReadRegion` answers in 1 MiB pieces, each read from the region as the stream is polled. A
 /// client that opens many of them on one connection and reads none makes the agent hold a piece
 /// (or more) for each: HTTP/2 takes as many concurrent streams per connection as a client opens
@@ -711,7 +706,7 @@ async fn unread_read_region_streams_do_not_grow_the_agent_without_bound() {
     let mut owner = pki.agent_client(&a, "tenant-b").await;
     owner.create_region(anon("big", 64 << 20)).await.unwrap();
     put_via(&mut owner, "big", 0, &random_bytes(1 << 20, 9)).await;
-    let before = rss_kib(pid);
+    let before = proc_status(pid, "VmRSS:");
     // One connection with a small window, 400 streams, none read.
     let ch = pki.channel(&a.addr(), "ca.crt", Some("xferctl")).await.unwrap();
     let mut held = Vec::new();
@@ -723,7 +718,7 @@ async fn unread_read_region_streams_do_not_grow_the_agent_without_bound() {
             Err(_) => refused += 1,
         }
     }
-    let grown_mib = rss_kib(pid).saturating_sub(before) / 1024;
+    let grown_mib = proc_status(pid, "VmRSS:").saturating_sub(before) / 1024;
     // Another client is served meanwhile.
     let mut victim = pki.agent_client(&a, "tenant-b").await;
     victim.create_region(anon("mine", 4096)).await.unwrap();

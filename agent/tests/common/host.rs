@@ -1,11 +1,20 @@
-//! The test process's own resources: its descriptor limit, an agent's open descriptors, a flood
-//! of idle HTTP/2 connections, and a loopback port that refuses connections.
+//! The test process's own resources: its descriptor limit, an agent's open descriptors and
+//! `/proc` status fields, a flood of idle HTTP/2 connections, and a loopback port that refuses
+//! connections.
 
 /// Lets this test process hold thousands of sockets (soft RLIMIT_NOFILE up to the hard limit).
 pub fn raise_own_nofile() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
     setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+}
+
+/// A number field of `/proc/<pid>/status` (`Threads:`, `VmRSS:`, `VmHWM:`, `RssAnon:`; the
+/// memory ones in KiB).
+pub fn proc_status(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field} in {status}"));
+    line[field.len()..].split_whitespace().next().unwrap().parse().unwrap()
 }
 
 /// Open descriptors of process `pid`.

@@ -106,13 +106,6 @@ async fn every_cycle_leaves_the_agents_maps_at_their_baseline() {
     assert_eq!(b.state_counts(), baseline, "after channel grant, disconnect");
 }
 
-/// `Threads:`, `VmRSS:` (KiB) of a process.
-fn status_field(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 #[derive(Debug, Clone, Copy)]
 struct Usage {
     rss_kib: u64,
@@ -122,7 +115,7 @@ struct Usage {
 
 fn usage(a: &Agent) -> Usage {
     let pid = a.pid().unwrap();
-    Usage { rss_kib: status_field(pid, "VmRSS:"), fds: open_fds(pid), threads: status_field(pid, "Threads:") }
+    Usage { rss_kib: proc_status(pid, "VmRSS:"), fds: open_fds(pid), threads: proc_status(pid, "Threads:") }
 }
 
 /// Waits until `a`'s descriptors and threads are back at `baseline` plus `more_fds` (polled, at
