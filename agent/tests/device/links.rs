@@ -286,18 +286,28 @@ pub(crate) fn assert_succeeded(t: &pb::Transfer, a: &Agent) {
     assert_eq!(t.bytes_done, t.length, "{t:?}");
 }
 
-/// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`, read from
-/// its file 16 MiB at a time ([`read_back`]). The bytes themselves are compared (not the agents'
-/// checksums: those take minutes per GiB in a debug build under TCG, past the peers' RPC
-/// timeout).
-pub(crate) fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
+/// The MiBs among the first `blocks` of `region` on `at` that are not [`block`]s of `base`, read
+/// from its file 16 MiB at a time ([`read_back`]).
+pub(crate) fn differing(at: &Agent, region: &str, base: &[u8], blocks: u64) -> Vec<u64> {
     const STEP: u64 = 16;
+    let mut out = Vec::new();
     for first in (0..blocks).step_by(STEP as usize) {
         let n = STEP.min(blocks - first);
         let got = read_back(at, region, first * MIB, n * MIB);
         for (k, mib) in got.chunks(MIB as usize).enumerate() {
             let i = first + k as u64;
-            assert!(mib == block(base, i).as_slice(), "MiB {i} of {region} on {} differs from the source", at.name);
+            if mib != block(base, i).as_slice() {
+                out.push(i);
+            }
         }
     }
+    out
+}
+
+/// Asserts that the first `blocks` MiB of `region` on `at` are [`block`]s of `base`
+/// ([`differing`]). The bytes themselves are compared (not the agents' checksums: those take
+/// minutes per GiB in a debug build under TCG, past the peers' RPC timeout).
+pub(crate) fn assert_blocks(at: &Agent, region: &str, base: &[u8], blocks: u64) {
+    let bad = differing(at, region, base, blocks);
+    assert!(bad.is_empty(), "MiBs {bad:?} of {region} on {} differ from the source", at.name);
 }

@@ -11,24 +11,7 @@
 
 use xfer_proto::v1 as pb;
 
-use crate::common::Agent;
-use crate::links::{agents, block, device_bytes, finish, links, read_back, region, req, submit, zero, MIB};
-
-/// MiBs of `region` on `at` that are not [`block`]s of `base` (read from its file).
-fn differing(at: &Agent, region: &str, base: &[u8], blocks: u64) -> Vec<u64> {
-    let mut out = Vec::new();
-    for first in (0..blocks).step_by(16) {
-        let n = 16.min(blocks - first);
-        let got = read_back(at, region, first * MIB, n * MIB);
-        for (k, mib) in got.chunks(MIB as usize).enumerate() {
-            let i = first + k as u64;
-            if mib != block(base, i).as_slice() {
-                out.push(i);
-            }
-        }
-    }
-    out
-}
+use crate::links::{agents, device_bytes, differing, finish, links, region, req, submit, zero, MIB};
 
 #[tokio::test]
 #[ignore = "needs Soft-RoCE (make test-rxe)"]
