@@ -85,7 +85,8 @@ fn unsafe_lives_only_in_the_rdma_crate() {
 
 /// Region memory is shared with the NIC, peers and other processes, so no safe function may hand
 /// it out as a Rust reference: `RegionMemory`'s public API returns no `&[u8]`/`&mut [u8]`, and
-/// slices over raw pointers are built only in the region-memory module.
+/// slices over raw pointers are built only in the region-memory module (its `unsafe`
+/// `transient_slice*` constructors serve the zero-copy socket calls elsewhere in the crate).
 #[test]
 fn region_memory_is_never_handed_out_as_a_slice() {
     let mut bad = Vec::new();
@@ -102,7 +103,10 @@ fn region_memory_is_never_handed_out_as_a_slice() {
             {
                 bad.push(format!("{}:{n}: public accessor returns a reference into region memory: {}", path.display(), line.trim()));
             }
-            if !is_memory && (code.contains("from_raw_parts") || code.contains("slice_mut(")) {
+            // Other modules of the rdma crate reach region bytes only through the memory module's
+            // `unsafe` transient constructors, whose `# Safety` bounds a slice to one call.
+            let builds = code.contains("from_raw_parts") || code.replace(".transient_slice_mut(", "").contains("slice_mut(");
+            if !is_memory && builds {
                 bad.push(format!("{}:{n}: slice over raw memory outside {REGION_MEMORY}: {}", path.display(), line.trim()));
             }
         }

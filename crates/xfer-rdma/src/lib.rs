@@ -40,6 +40,7 @@ pub mod gather;
 pub mod landing;
 pub mod memory;
 pub mod ring;
+pub mod scatter;
 pub mod sigbus;
 pub mod thread;
 

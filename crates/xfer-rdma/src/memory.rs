@@ -307,19 +307,14 @@ impl RegionMemory {
         offset: u64,
         len: usize,
     ) -> Poll<io::Result<usize>> {
-        if !self.writable {
-            return Poll::Ready(Err(io::Error::other(ReadOnly)));
-        }
-        let start = match self.check(offset, len as u64) {
-            Ok(s) => s,
+        // SAFETY: the slice exists only for the duration of one `poll_read` (the `ReadBuf` borrow
+        // cannot escape it). Other writers of the same bytes (peers, the NIC, other processes)
+        // give torn bytes, as the module contract states; the agent never reads bytes it is
+        // receiving until the frame is complete.
+        let dst = match unsafe { self.transient_slice_mut(offset, len) } {
+            Ok(d) => d,
             Err(e) => return Poll::Ready(Err(io::Error::other(e))),
         };
-        // SAFETY: `start + len` lies within the live, writable mapping (checked above), which
-        // outlives this call. The slice exists only for the duration of one `poll_read` (the
-        // `ReadBuf` borrow cannot escape it). Other writers of the same bytes (peers, the NIC,
-        // other processes) give torn bytes, as the module contract states; the agent never reads
-        // bytes it is receiving until the frame is complete.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) };
         let mut b = ReadBuf::new(dst);
         match rd.poll_read(cx, &mut b) {
             Poll::Ready(Ok(())) => Poll::Ready(Ok(b.filled().len())),
@@ -349,6 +344,22 @@ impl RegionMemory {
         // SAFETY: `start + len` lies within the live mapping (checked above), which outlives
         // `&self`; how long the slice may live is the caller's contract (see `# Safety`).
         Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
+    }
+
+    /// `offset..offset + len` of a writable mapping as a mutable slice (bounds and writability
+    /// checked), for the zero-copy receives (here and in [`crate::scatter`]).
+    /// # Safety
+    /// The slice must not outlive the one read call it is made for: others change these bytes
+    /// at any time (the module contract).
+    // A mutable slice from `&self` is this module's contract, not an aliasing bug: the bytes are
+    // shared with the NIC and peers anyway, and the slice lives for one call (`# Safety`).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn transient_slice_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], MemError> {
+        let dst = self.range_mut_ptr(offset, len)?;
+        // SAFETY: `dst..dst + len` lies within the live, writable mapping (checked by
+        // `range_mut_ptr`), which outlives `&self`; how long the slice may live is the caller's
+        // contract (see `# Safety`).
+        Ok(unsafe { std::slice::from_raw_parts_mut(dst, len) })
     }
 
     /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see

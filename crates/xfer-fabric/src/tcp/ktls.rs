@@ -35,6 +35,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::OnceCell;
 use tracing::{debug, warn};
+use xfer_rdma::scatter::ScatterRead;
 
 use super::qp::{BoxRead, BoxWrite};
 use super::wire::tls_socket;
@@ -292,6 +293,10 @@ struct KernelReader {
     pos: usize,
     closed: bool,
 }
+
+/// One read at a time: the kernel decrypts a record per `recvmsg`, and a record that is not
+/// application data must be read on its own (see `poll_read`).
+impl ScatterRead for KernelReader {}
 
 impl AsyncRead for KernelReader {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {

@@ -10,13 +10,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 use xfer_rdma::gather::{write_all_gathered, Piece};
+use xfer_rdma::scatter::{ScatterRead, Unscattered};
 
 use super::wire::FrameReader;
 use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::{Completion, CompletionSink, RemoteKey, WcStatus, WorkRequest, WrOp};
 
 /// Either half of a data stream, plain TCP or TLS.
-pub(super) type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+pub(super) type BoxRead = Box<dyn ScatterRead + Send + Unpin>;
 pub(super) type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
 
 struct Outstanding {
@@ -479,7 +480,7 @@ where
     W: AsyncWrite + Send + Unpin + 'static,
 {
     let (sink, mut completions) = mpsc::unbounded_channel();
-    let qp = TcpQp::start(0, Box::new(rd), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
+    let qp = TcpQp::start(0, Box::new(Unscattered(rd)), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
     let mut refused = 0;
     for w in wrs {
         if qp.tx.send(vec![w]).is_err() {

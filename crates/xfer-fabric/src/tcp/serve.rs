@@ -6,13 +6,14 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::whole::{serve_whole_frames, GrantCache};
-use super::wire::{is_answer_revoked, FrameReader, FrameWriter};
+use super::wire::{is_answer_revoked, FrameReader, FrameWriter, Part};
 
 use crate::frame::{FrameError, Header, Kind, ACK_REQUESTED, HEADER_LEN};
 use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
 use crate::stall::{is_stall, StallGuard};
 use crate::{RemoteOp, WcStatus};
 use xfer_engine::ids::ConnectionId;
+use xfer_rdma::scatter::{ScatterRead, Unscattered};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -53,7 +54,7 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    serve_frames_idle(rd, wr, check, connection, StreamTimers::default()).await
+    serve_frames_idle(Unscattered(rd), wr, check, connection, StreamTimers::default()).await
 }
 
 /// The time limits of one served stream; `None` is no limit.
@@ -77,7 +78,7 @@ pub(super) async fn serve_frames_idle<R, W>(
     timers: StreamTimers,
 ) -> Result<(), ServeError>
 where
-    R: AsyncRead + Unpin,
+    R: ScatterRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut rd = FrameReader::new(rd);
@@ -110,7 +111,7 @@ async fn serve_loop<R, W>(
     payload: Option<Duration>,
 ) -> Result<(), ServeError>
 where
-    R: AsyncRead + Unpin,
+    R: ScatterRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     // Whether this stream has refused a WRITE or READ. On an RC QP a refused work request puts
@@ -299,7 +300,7 @@ async fn within<T>(
 /// copied into region memory only while the grant's gate is held live (see [`GrantGate`]).
 /// `Ok(false)`: every byte was read but some did not land (a shrunk file: NAK, the stream stays in
 /// sync). [`ServeError::Revoked`] once the gate is revoked or expired mid-payload.
-async fn store_payload<R: AsyncRead + Unpin>(rd: &mut FrameReader<R>, t: &Checked, len: usize) -> Result<bool, ServeError> {
+async fn store_payload<R: ScatterRead + Unpin>(rd: &mut FrameReader<R>, t: &Checked, len: usize) -> Result<bool, ServeError> {
     let mem = &t.memory;
     if mem.can_shrink() {
         // Through a buffer: a truncated page faults in the agent (poisoning the region) rather
@@ -328,7 +329,7 @@ async fn store_payload<R: AsyncRead + Unpin>(rd: &mut FrameReader<R>, t: &Checke
         let want = (len - done).min(PAYLOAD_CHUNK);
         let n = std::future::poll_fn(|cx| {
             let Some(live) = t.gate.hold() else { return std::task::Poll::Ready(Err(ServeError::Revoked)) };
-            let r = rd.poll_read_region(cx, mem, t.offset + done as u64, want);
+            let r = rd.poll_read_region(cx, mem, t.offset + done as u64, Part { done, len: want, total: len });
             drop(live);
             r.map(|r| r.map_err(ServeError::from))
         })

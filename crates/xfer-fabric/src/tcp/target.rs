@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::AsyncWrite;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -17,6 +17,7 @@ use crate::identity::tls::DataTls;
 use crate::identity::Role;
 use crate::WcStatus;
 use xfer_engine::ids::ConnectionId;
+use xfer_rdma::scatter::ScatterRead;
 
 #[derive(Clone)]
 pub(super) struct ServeCtx {
@@ -146,7 +147,7 @@ async fn serve_session<R, W>(
     ctx: &ServeCtx,
 ) -> Result<(), ServeError>
 where
-    R: AsyncRead + Unpin,
+    R: ScatterRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let (connection, secret) = hello;

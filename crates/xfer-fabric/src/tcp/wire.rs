@@ -5,9 +5,11 @@
 //!   payloads leave straight from region memory between the staged bytes: every answer queued
 //!   while requests were already buffered goes out in one gathered write. A queued answer's grant
 //!   is checked again just before the write that would start it.
-//! * [`FrameReader`] buffers small frames (one read takes many of them) and reads a large payload
-//!   straight into region memory. After a payload that went straight in, the next header is read
-//!   on its own, so the payload behind it goes straight in too instead of through the buffer.
+//! * [`FrameReader`] buffers small frames (one read takes many of them) and reads a large payload,
+//!   or the rest of one begun in the buffer, straight into region memory. Where the socket can
+//!   scatter a read (plain TCP's `readv`), the end of a payload and what follows it arrive in one
+//!   call: the next header alone behind a large payload, so the payload behind it goes straight
+//!   in too; otherwise that header is read on its own.
 //! * [`tls_socket`]: the socket under a TLS stream, read through a buffer. rustls asks its socket
 //!   for at most 4 KiB a read, a system call per quarter record; the buffer takes what the
 //!   socket holds in one call and hands it over in those pieces.
@@ -20,7 +22,9 @@ use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
 use tokio::net::TcpStream;
 use xfer_rdma::gather::{poll_write_gathered, Piece};
 use xfer_rdma::memory::RegionMemory;
+use xfer_rdma::scatter::ScatterRead;
 
+use crate::frame::HEADER_LEN;
 use crate::grant::GrantGate;
 
 /// Bytes a stream stages or buffers: small frames are coalesced up to this.
@@ -300,25 +304,52 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
         Poll::Ready(Ok(n))
     }
+}
 
-    /// Up to `len` bytes of the stream into `offset..` of `mem`: bytes already buffered are
-    /// landed from the buffer ([`RegionMemory::land`]: streaming stores into a large region), a
-    /// long read with nothing buffered goes straight from the socket into the region. Returns
-    /// how many bytes landed (0 at the end of the stream).
+/// Which bytes of a frame's payload a region read is for: `len` bytes starting `done` bytes into
+/// a payload of `total`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Part {
+    pub(super) done: usize,
+    pub(super) len: usize,
+    pub(super) total: usize,
+}
+
+impl<R: ScatterRead + Unpin> FrameReader<R> {
+    /// Up to `part.len` bytes of the stream into `offset..` of `mem`. Bytes already buffered are
+    /// landed from the buffer ([`RegionMemory::land`]: streaming stores into a large region).
+    /// With nothing buffered, a long read, or the rest of a payload already begun, goes straight
+    /// from the socket into the region; buffering it would copy it again. When those are the
+    /// payload's last bytes, a socket that can scatter a read also fills the empty buffer in the
+    /// same call ([`RegionMemory::poll_read_scatter`]): with the next header alone behind a large
+    /// payload (the payload behind that header goes straight in too), with as much as it holds
+    /// behind a small one (small frames come in runs). Returns how many bytes landed (0 at the
+    /// end of the stream).
     pub(super) fn poll_read_region(
         &mut self,
         cx: &mut Context<'_>,
         mem: &RegionMemory,
         offset: u64,
-        len: usize,
+        part: Part,
     ) -> Poll<io::Result<usize>> {
+        let len = part.len;
         if len == 0 {
             return Poll::Ready(Ok(0));
         }
         if self.pos == self.filled {
-            if len >= DIRECT {
-                self.direct = true;
-                return mem.poll_read_into(Pin::new(&mut self.inner), cx, offset, len);
+            if len >= DIRECT || part.done > 0 {
+                let large = part.total >= DIRECT;
+                let tail = match (part.done + len == part.total, large) {
+                    (false, _) => 0,
+                    (true, true) => HEADER_LEN,
+                    (true, false) => self.buf.len(),
+                };
+                let n = ready!(mem.poll_read_scatter(Pin::new(&mut self.inner), cx, offset, len, &mut self.buf[..tail]))?;
+                let landed = n.min(len);
+                (self.pos, self.filled) = (0, n - landed);
+                // After a large payload, a reader that cannot scatter reads the next header alone.
+                self.direct = large;
+                return Poll::Ready(Ok(landed));
             }
             if ready!(self.poll_fill(cx, len))? == 0 {
                 return Poll::Ready(Ok(0));
@@ -330,12 +361,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         Poll::Ready(Ok(n))
     }
 
-    /// Exactly `len` bytes of the stream into `offset..` of `mem` (see
+    /// Exactly `len` bytes of the stream, a whole payload, into `offset..` of `mem` (see
     /// [`FrameReader::poll_read_region`]); `UnexpectedEof` if the stream ends first.
     pub(super) async fn read_exact_region(&mut self, mem: &RegionMemory, offset: u64, len: usize) -> io::Result<()> {
         let mut done = 0usize;
         while done < len {
-            let n = std::future::poll_fn(|cx| self.poll_read_region(cx, mem, offset + done as u64, len - done)).await?;
+            let part = Part { done, len: len - done, total: len };
+            let n = std::future::poll_fn(|cx| self.poll_read_region(cx, mem, offset + done as u64, part)).await?;
             if n == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
@@ -371,9 +403,85 @@ impl<R: AsyncRead + Unpin> AsyncRead for FrameReader<R> {
 
 #[cfg(test)]
 mod tests {
+    use std::io::IoSliceMut;
+
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// An in-memory stream that scatters a read over its buffers as a socket's `readv` does, at
+    /// most `chunk` bytes a call (a socket returns what has arrived), counting its calls.
+    struct Scattering {
+        data: Vec<u8>,
+        at: usize,
+        chunk: usize,
+        calls: usize,
+    }
+
+    impl Scattering {
+        fn take(&mut self, bufs: &mut [IoSliceMut<'_>]) -> usize {
+            self.calls += 1;
+            let mut budget = self.chunk.min(self.data.len() - self.at);
+            let mut n = 0;
+            for b in bufs.iter_mut() {
+                let k = b.len().min(budget);
+                b[..k].copy_from_slice(&self.data[self.at..self.at + k]);
+                (self.at, budget, n) = (self.at + k, budget - k, n + k);
+            }
+            n
+        }
+    }
+
+    impl AsyncRead for Scattering {
+        fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            let n = self.get_mut().take(&mut [IoSliceMut::new(out.initialize_unfilled())]);
+            out.advance(n);
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl ScatterRead for Scattering {
+        fn poll_read_scatter(self: Pin<&mut Self>, _: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
+            Poll::Ready(Ok(self.get_mut().take(bufs)))
+        }
+    }
+
+    /// Over a stream that scatters: every payload lands whole and in place and every header
+    /// reads back as sent, whatever each read returns; with everything arrived, a run of large
+    /// frames costs one read per frame (its payload straight in, the next header behind it), and
+    /// a run of small frames fewer reads than frames.
+    #[tokio::test]
+    async fn a_scattering_stream_reads_a_large_frame_and_the_next_header_in_one_call() {
+        let sizes: Vec<usize> = [vec![64 << 10; 8], vec![4096; 20], vec![1 << 20, 44, 16 << 10, 100]].concat();
+        let mut data = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            data.extend_from_slice(&[i as u8; HEADER_LEN]);
+            data.extend((0..n).map(|k| (k * 31 + i) as u8));
+        }
+        for chunk in [usize::MAX, 3000, 70_000] {
+            let mut r = FrameReader::new(Scattering { data: data.clone(), at: 0, chunk, calls: 0 });
+            let mem = RegionMemory::anonymous(4 << 20, false).expect("mapping");
+            let (mut offset, mut per_frame) = (0u64, Vec::new());
+            for (i, &n) in sizes.iter().enumerate() {
+                let before = r.inner.calls;
+                let mut head = [0u8; HEADER_LEN];
+                r.read_exact(&mut head).await.expect("header");
+                assert_eq!(head, [i as u8; HEADER_LEN], "frame {i}'s header (chunk {chunk})");
+                r.read_exact_region(&mem, offset, n).await.expect("payload");
+                let mut got = vec![0u8; n];
+                mem.read_at(offset, &mut got).expect("read back");
+                assert!(got.iter().enumerate().all(|(k, &b)| b == (k * 31 + i) as u8), "frame {i}'s payload (chunk {chunk})");
+                offset += n as u64;
+                per_frame.push(r.inner.calls - before);
+            }
+            assert_eq!(r.read(&mut [0u8; 1]).await.expect("end"), 0);
+            if chunk == usize::MAX {
+                assert_eq!(per_frame[1..8], [1; 7], "one read per large frame after the first");
+                let small: usize = per_frame[8..28].iter().sum();
+                assert!(small <= 4, "20 frames of 4 KiB took {small} reads");
+            }
+        }
+    }
 
     /// Frames of every size, read back byte for byte through the reader's three paths
     /// (buffered, straight in, and a header read on its own after a straight-in payload).
