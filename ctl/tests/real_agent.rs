@@ -161,6 +161,26 @@ fn unreachable_peer_and_bench() {
         (row["ratio_min"].as_f64().unwrap(), row["ratio_to_baseline"].as_f64().unwrap(), row["ratio_max"].as_f64().unwrap());
     assert!(0.0 < lo && lo <= mid && mid <= hi, "{v}");
     assert!(row["baseline_gbit_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    // --latency-iters 0: the bandwidth phase alone, and no latency figures; N: N latency WRs,
+    // more than the bandwidth phase's if asked.
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr, "--sizes", "4KiB", "--iters", "8", "--latency-iters", "0"]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", err(&o), a.logs());
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!((row["lat_iters"].as_u64(), row["bytes"].as_u64(), row["lat_p50_us"].as_f64()), (Some(0), Some(8 * 4096), Some(0.0)), "{v}");
+    let o = a.ctl(&["bench", "--peer", &b.addr, "--sizes", "4KiB", "--iters", "8", "--latency-iters", "0"]);
+    let line = out(&o).lines().find(|l| l.starts_with("4096")).map(str::to_string).unwrap_or_default();
+    assert!(line.split_whitespace().rev().take(3).all(|c| c == "-"), "latency columns of a run without one: {}", out(&o));
+    let o = a.ctl(&["--json", "bench", "--peer", &b.addr, "--sizes", "4KiB", "--iters", "2", "--latency-iters", "5"]);
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(v["rows"][0]["lat_iters"], 5, "{v}");
+    for bad in
+        [&["--latency-iters", "10001"][..], &["--latency-iters", "0", "--pattern", "kv"], &["--latency-iters", "1", "--pattern", "connect"]]
+    {
+        let o = a.ctl(&[&["bench", "--peer", &b.addr][..], bad].concat());
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", err(&o));
+        assert!(err(&o).contains("--latency-iters"), "{}", err(&o));
+    }
     // Out of range: a usage error before anything runs.
     for bad in ["0", "16", "x"] {
         let o = a.ctl(&["bench", "--peer", &b.addr, "--baseline", "tcp", "--rounds", bad]);

@@ -36,6 +36,9 @@ pub(super) async fn run(node: &Arc<Node>, p: BenchParams) -> Result<BenchResult,
     res
 }
 
+/// Most WRs of a latency phase.
+const MAX_LAT_ITERS: u32 = 10_000;
+
 /// The bandwidth phase, then the latency phase, each on its own connection and grant.
 async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &BenchParams, iters: u32) -> Result<BenchResult, NodeError> {
     let ask = grant_ask(scratch, p);
@@ -76,8 +79,11 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         return Err(NodeError::Internal(format!("bench bandwidth phase failed: {f:?}")));
     }
 
-    // Latency: one WR at a time on one QP.
-    let lat_iters = iters.clamp(1, 10_000);
+    // Latency: one WR at a time on one QP (unless none was asked for).
+    let lat_iters = p.lat_iters.map_or(iters.clamp(1, MAX_LAT_ITERS), |n| n.min(MAX_LAT_ITERS));
+    if lat_iters == 0 {
+        return Ok(BenchResult { size: p.size, iters, bytes: p.size * iters as u64, seconds, ..Default::default() });
+    }
     let mut held = node.acquire_exempt(peer, &ask, 1, 1).await?;
     let (lease, grant) = held.take_parts()?;
     let machine = Machine::new(MachineConfig {

@@ -28,6 +28,9 @@ pub struct BenchParams {
     pub interval: Duration,
     /// The bandwidth and latency phases once per path of one connection (`xferctl doctor`).
     pub per_path: bool,
+    /// Message benchmark: WRs of the latency phase (`None`: as many as the bandwidth phase's, up
+    /// to 10,000; 0: no latency phase).
+    pub lat_iters: Option<u32>,
 }
 
 impl BenchParams {

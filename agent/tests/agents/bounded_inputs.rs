@@ -266,6 +266,19 @@ async fn a_kv_bench_of_tiny_blocks_over_a_huge_pool_is_bounded() {
         pool,
         ..Default::default()
     };
+    // A latency phase's length is a message-benchmark field: with another pattern it is
+    // refused before anything runs, not ignored.
+    let lat = Some(0);
+    let other_patterns = [
+        pb::BenchRequest { lat_iters: lat, ..kv(&b, 1 << 20) },
+        pb::BenchRequest { peer: b.addr(), size: 4096, connections: 1, lat_iters: lat, ..Default::default() },
+        pb::BenchRequest { peer: b.addr(), size: 4096, per_path: true, lat_iters: lat, ..Default::default() },
+    ];
+    for req in other_patterns {
+        let e = a.client().await.bench(req).await.unwrap_err();
+        assert!(e.code() == Code::InvalidArgument && e.message().contains("lat_iters"), "{e:?}");
+    }
+    assert_eq!((observable(&a).await, observable(&b).await, a.pid(), b.pid()), before);
     let e = a.client().await.bench(kv(&b, 8 << 30)).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("limits.max_bench_bytes"), "{e:?}");

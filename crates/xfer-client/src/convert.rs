@@ -290,6 +290,7 @@ impl BenchSpec {
             hold_ms: self.hold_ms,
             interval_ms: self.interval_ms,
             per_path: self.per_path,
+            lat_iters: self.lat_iters,
         }
     }
 }

@@ -129,6 +129,11 @@ pub struct Opt {
     /// Connect pattern: connections to negotiate and hold (at most 256).
     #[arg(long, default_value_t = 100)]
     pub connections: u32,
+    /// Messages pattern: WRs of the latency phase, one at a time (at most 10000; default: as
+    /// many as the bandwidth phase's, up to 10000). 0 skips the latency phase, so the agents'
+    /// CPU time over the run is the bandwidth phase's.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    pub latency_iters: Option<u32>,
 }
 
 /// Bytes the TCP baseline streams per run: at least 1 GiB, and 16× the largest message size.
@@ -207,6 +212,9 @@ async fn run_connect(opt: &Opt, ctx: &Ctx) -> anyhow::Result<()> {
 
 pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
     let kv = opt.pattern == Pattern::Kv;
+    if opt.latency_iters.is_some() && opt.pattern != Pattern::Messages {
+        return Err(crate::error::usage("--latency-iters sets the latency phase of --pattern messages only"));
+    }
     if opt.pattern == Pattern::Notify {
         let (block, blocks) = (opt.block.unwrap_or(4096), opt.blocks.unwrap_or(16));
         let run = super::bench_notify::run_notify(ctx, &opt.peer, block, blocks, opt.iters.unwrap_or(50), opt.notify_via).await?;
@@ -268,6 +276,7 @@ pub async fn run(opt: Opt, ctx: &Ctx) -> anyhow::Result<()> {
         hold_ms: 0,
         interval_ms: 0,
         per_path: false,
+        lat_iters: opt.latency_iters,
     };
     let kind = if baseline_req.tls { "TLS" } else { "TCP" };
     let base_run = || async { client.tcp_baseline(&baseline_req).await.with_context(|| format!("{kind} baseline to {}", opt.peer)) };

@@ -125,7 +125,11 @@ pub fn render(rows: &[(BenchResult, Option<Ratio>)], baseline: Base<'_>) -> Stri
     let mut out = bandwidth_table(&["#bytes", "iters"], &["lat avg us", "lat p50 us", "lat p99 us"], rows, baseline, |r| {
         (
             vec![r.size.to_string(), r.iters.to_string()],
-            vec![format!("{:.2}", r.lat_avg_us), format!("{:.2}", r.lat_p50_us), format!("{:.2}", r.lat_p99_us)],
+            // No latency phase (`--latency-iters 0`): no figures, rather than zeros.
+            [r.lat_avg_us, r.lat_p50_us, r.lat_p99_us]
+                .iter()
+                .map(|us| if r.lat_iters == 0 { "-".to_string() } else { format!("{us:.2}") })
+                .collect(),
         )
     });
     out.push_str(&baseline_footer(baseline, rows));

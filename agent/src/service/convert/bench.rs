@@ -23,6 +23,10 @@ pub fn bench_params_from_pb(r: pb::BenchRequest) -> Result<BenchParams, Status> 
     if r.depth != 0 {
         xfer_engine::shape::depth(r.depth as usize).map_err(|e| transfer_status(e.into()))?;
     }
+    require(
+        r.lat_iters.is_none() || (r.blocks == 0 && r.connections == 0 && !r.per_path),
+        "lat_iters applies to the message benchmark only (not kv, connect or per path)",
+    )?;
     Ok(BenchParams {
         peer: r.peer,
         op: op_from_pb(r.op).unwrap_or(Op::Write),
@@ -37,6 +41,7 @@ pub fn bench_params_from_pb(r: pb::BenchRequest) -> Result<BenchParams, Status> 
         hold: Duration::from_millis(u64::from(r.hold_ms)),
         interval: Duration::from_millis(u64::from(r.interval_ms)),
         per_path: r.per_path,
+        lat_iters: r.lat_iters,
     })
 }
 

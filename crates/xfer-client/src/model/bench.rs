@@ -28,6 +28,10 @@ pub struct BenchSpec {
     /// Both phases once per path of one connection, each pinned to its path
     /// ([`BenchResult::paths`]); `xferctl doctor --peer` asks for this.
     pub per_path: bool,
+    /// Message pattern: WRs of the latency phase (`None`: the agent's choice, as many as the
+    /// bandwidth phase's up to 10,000; `Some(0)`: no latency phase, so the agents' CPU time
+    /// over the run is the bandwidth phase's).
+    pub lat_iters: Option<u32>,
 }
 
 /// What a benchmark run measured.
