@@ -8,8 +8,8 @@
 //! The caller knows how many bytes its payload still has, so the split costs nothing.
 //!
 //! The same contract as [`crate::memory`]'s zero-copy socket operations: the slice over region
-//! memory exists only inside one read call. Readers that cannot scatter (TLS in user space,
-//! in-memory streams) read into the region only, as [`RegionMemory::poll_read_into`] does.
+//! memory exists only inside one read call. Readers without `readv` (TLS in user space,
+//! in-memory streams) do the same a read per buffer, so every reader takes the same paths.
 use std::io::{self, IoSliceMut};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
@@ -22,14 +22,32 @@ use crate::memory::RegionMemory;
 
 /// A reader that may scatter one read over several buffers, in order.
 pub trait ScatterRead: AsyncRead {
-    /// Reads into `bufs` in order, in one call where the reader can (a socket's `readv`). The
-    /// default reads into the first non-empty buffer only (one `poll_read`). Returns how many
-    /// bytes were read (0 at the end of the stream, or if every buffer is empty).
-    fn poll_read_scatter(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
-        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else { return Poll::Ready(Ok(0)) };
-        let mut rb = ReadBuf::new(first);
-        ready!(self.poll_read(cx, &mut rb))?;
-        Poll::Ready(Ok(rb.filled().len()))
+    /// Reads into `bufs` in order: as a socket's `readv` does, what is ready now, each buffer
+    /// filled before the next. The default does it a `poll_read` per buffer, going on to the next
+    /// only while each fills whole and the reader has more ready (TLS streams in user space,
+    /// in-memory streams); a plain socket does it in one system call. Returns how many bytes were
+    /// read (0 at the end of the stream, or if every buffer is empty).
+    fn poll_read_scatter(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
+        let mut total = 0usize;
+        for b in bufs.iter_mut().filter(|b| !b.is_empty()) {
+            let want = b.len();
+            let mut rb = ReadBuf::new(b);
+            match self.as_mut().poll_read(cx, &mut rb) {
+                Poll::Ready(Ok(())) => {}
+                // A failed stream fails the call, even after bytes: nothing after it is trusted.
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                // Nothing more is ready: the bytes so far are the call's (a waker registered
+                // here at most wakes the reader once more than needed).
+                Poll::Pending if total > 0 => break,
+                Poll::Pending => return Poll::Pending,
+            }
+            let n = rb.filled().len();
+            total += n;
+            if n < want {
+                break;
+            }
+        }
+        Poll::Ready(Ok(total))
     }
 }
 
@@ -55,22 +73,22 @@ impl<T: ScatterRead + Unpin + ?Sized> ScatterRead for Box<T> {
     }
 }
 
-/// Streams that read one buffer at a time: halves of a TLS stream in user space, in-memory pipes.
+/// Streams whose scattered reads are a read per buffer: halves of a TLS stream in user space,
+/// in-memory pipes.
 impl<T: AsyncRead> ScatterRead for tokio::io::ReadHalf<T> {}
 impl ScatterRead for tokio::io::DuplexStream {}
 
-/// Any reader, read one buffer at a time (the default [`ScatterRead`]): TLS streams, in-memory
-/// streams, tests.
+/// Any reader, its scattered reads a read per buffer (the default [`ScatterRead`]).
 #[derive(Debug)]
-pub struct Unscattered<R>(pub R);
+pub struct Stepwise<R>(pub R);
 
-impl<R: AsyncRead + Unpin> AsyncRead for Unscattered<R> {
+impl<R: AsyncRead + Unpin> AsyncRead for Stepwise<R> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
     }
 }
 
-impl<R: AsyncRead + Unpin> ScatterRead for Unscattered<R> {}
+impl<R: AsyncRead + Unpin> ScatterRead for Stepwise<R> {}
 
 impl RegionMemory {
     /// Zero-copy receive with a tail: one read of `rd` into `offset..offset + len` of the mapping
@@ -145,18 +163,46 @@ mod tests {
         assert_eq!(untouched, vec![0u8; 100], "nothing landed before the range");
     }
 
-    /// A reader that cannot scatter fills the region range only; the tail stays as it was.
+    /// A reader without `readv` fills the region range, then the tail from what it has ready;
+    /// a tail it has nothing ready for ends the call with the region's bytes, and a stream that
+    /// fails fails the call.
     #[tokio::test]
-    async fn an_unscattered_reader_fills_the_region_only() {
+    async fn a_stepwise_reader_fills_the_region_then_the_tail_from_what_is_ready() {
         let sent: Vec<u8> = (0..200u32).map(|i| i as u8).collect();
-        let mut rd = Unscattered(&sent[..]);
         let mem = RegionMemory::anonymous(4096, false).expect("mapping");
+        let mut rd = Stepwise(&sent[..]);
         let mut tail = [7u8; 44];
         let n = std::future::poll_fn(|cx| mem.poll_read_scatter(Pin::new(&mut rd), cx, 0, 150, &mut tail)).await.expect("read");
-        assert_eq!(n, 150);
-        assert_eq!(tail, [7u8; 44]);
+        assert_eq!(n, 194);
+        assert_eq!(tail, sent[150..194]);
         let mut region = vec![0u8; 150];
         mem.read_at(0, &mut region).expect("read back");
         assert_eq!(region, sent[..150]);
+
+        // Only the region's bytes have arrived: the call returns them.
+        let (mut ours, theirs) = tokio::io::duplex(1024);
+        ours.write_all(&sent[..100]).await.expect("send");
+        let mut rd = Stepwise(theirs);
+        let mut tail = [7u8; 44];
+        let n = std::future::poll_fn(|cx| mem.poll_read_scatter(Pin::new(&mut rd), cx, 1000, 100, &mut tail)).await.expect("read");
+        assert_eq!((n, tail), (100, [7u8; 44]));
+
+        // A stream that fails after the region's bytes fails the call.
+        let mut failing = Stepwise(tokio_test_failing(&sent[..100]));
+        let r = std::future::poll_fn(|cx| mem.poll_read_scatter(Pin::new(&mut failing), cx, 2000, 100, &mut tail)).await;
+        assert!(r.is_err(), "{r:?}");
+    }
+
+    /// `bytes`, then an error.
+    fn tokio_test_failing(bytes: &[u8]) -> impl AsyncRead + Unpin + '_ {
+        tokio::io::AsyncReadExt::chain(bytes, Failing)
+    }
+
+    struct Failing;
+
+    impl AsyncRead for Failing {
+        fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, _: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Err(io::Error::other("reset")))
+        }
     }
 }

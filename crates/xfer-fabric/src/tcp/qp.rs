@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 use xfer_rdma::gather::{write_all_gathered, Piece};
-use xfer_rdma::scatter::{ScatterRead, Unscattered};
+use xfer_rdma::scatter::{ScatterRead, Stepwise};
 
 use super::wire::FrameReader;
 use crate::frame::{Header, Kind, ACK_REQUESTED, HEADER_LEN};
@@ -480,7 +480,7 @@ where
     W: AsyncWrite + Send + Unpin + 'static,
 {
     let (sink, mut completions) = mpsc::unbounded_channel();
-    let qp = TcpQp::start(0, Box::new(Unscattered(rd)), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
+    let qp = TcpQp::start(0, Box::new(Stepwise(rd)), Box::new(wr), sink, Arc::new(AtomicBool::new(false)), CancellationToken::new());
     let mut refused = 0;
     for w in wrs {
         if qp.tx.send(vec![w]).is_err() {

@@ -13,7 +13,7 @@ use crate::grant::{AccessCheck, Checked, GrantGate, PAYLOAD_CHUNK};
 use crate::stall::{is_stall, StallGuard};
 use crate::{RemoteOp, WcStatus};
 use xfer_engine::ids::ConnectionId;
-use xfer_rdma::scatter::{ScatterRead, Unscattered};
+use xfer_rdma::scatter::{ScatterRead, Stepwise};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -54,7 +54,7 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    serve_frames_idle(Unscattered(rd), wr, check, connection, StreamTimers::default()).await
+    serve_frames_idle(Stepwise(rd), wr, check, connection, StreamTimers::default()).await
 }
 
 /// The time limits of one served stream; `None` is no limit.

@@ -6,10 +6,10 @@
 //!   while requests were already buffered goes out in one gathered write. A queued answer's grant
 //!   is checked again just before the write that would start it.
 //! * [`FrameReader`] buffers small frames (one read takes many of them) and reads a large payload,
-//!   or the rest of one begun in the buffer, straight into region memory. Where the socket can
-//!   scatter a read (plain TCP's `readv`), the end of a payload and what follows it arrive in one
-//!   call: the next header alone behind a large payload, so the payload behind it goes straight
-//!   in too; otherwise that header is read on its own.
+//!   or the rest of one begun in the buffer, straight into region memory. The end of a payload
+//!   and what follows it arrive in one scattered read (a plain socket's `readv`; a read per
+//!   buffer on other streams): the next header alone behind a large payload, so the payload
+//!   behind it goes straight in too, as much as the buffer holds behind a small one.
 //! * [`tls_socket`]: the socket under a TLS stream, read through a buffer. rustls asks its socket
 //!   for at most 4 KiB a read, a system call per quarter record; the buffer takes what the
 //!   socket holds in one call and hands it over in those pieces.
@@ -347,7 +347,7 @@ impl<R: ScatterRead + Unpin> FrameReader<R> {
                 let n = ready!(mem.poll_read_scatter(Pin::new(&mut self.inner), cx, offset, len, &mut self.buf[..tail]))?;
                 let landed = n.min(len);
                 (self.pos, self.filled) = (0, n - landed);
-                // After a large payload, a reader that cannot scatter reads the next header alone.
+                // After a large payload, a next header that was not ready yet is read alone.
                 self.direct = large;
                 return Poll::Ready(Ok(landed));
             }
