@@ -218,6 +218,7 @@ mod tests {
             lat_avg_us: 10.0,
             lat_p50_us: 9.5,
             lat_p99_us: 20.0,
+            lat_iters: 100,
             ..Default::default()
         }];
         let base = TcpBaseline { bytes: 1, seconds: 1.0, gbit_per_s: 0.8388608 };
@@ -230,6 +231,10 @@ mod tests {
         // 100 MiB in 1 s = 0.8388608 Gb/s = 0.098 GiB/s; ratio 1.00.
         assert_eq!(row, ["1048576", "100", "0.84", "0.098", "10.00", "9.50", "20.00", "1.00"]);
         assert!(text.contains("# tcp baseline"));
+        // A run without a latency phase (`--latency-iters 0`) shows none, not zeros.
+        let alone = [(BenchResult { lat_iters: 0, lat_avg_us: 0.0, lat_p50_us: 0.0, lat_p99_us: 0.0, ..rows[0].0.clone() }, None)];
+        let row: Vec<String> = render(&alone, None).lines().nth(1).unwrap().split_whitespace().map(str::to_string).collect();
+        assert_eq!(row, ["1048576", "100", "0.84", "0.098", "-", "-", "-"]);
         let doc = json_doc("a", "b", Op::Write, &rows, Some((&base, "tcp")));
         assert_eq!(doc["rows"][0]["size"], 1 << 20);
         assert!((doc["rows"][0]["ratio_to_baseline"].as_f64().unwrap() - 1.0).abs() < 1e-9);
