@@ -79,10 +79,12 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
         return Err(NodeError::Internal(format!("bench bandwidth phase failed: {f:?}")));
     }
 
+    let bandwidth = BenchResult { size: p.size, iters, bytes: p.size * iters as u64, seconds, ..Default::default() };
+
     // Latency: one WR at a time on one QP (unless none was asked for).
     let lat_iters = p.lat_iters.map_or(iters.clamp(1, MAX_LAT_ITERS), |n| n.min(MAX_LAT_ITERS));
     if lat_iters == 0 {
-        return Ok(BenchResult { size: p.size, iters, bytes: p.size * iters as u64, seconds, ..Default::default() });
+        return Ok(bandwidth);
     }
     let mut held = node.acquire_exempt(peer, &ask, 1, 1).await?;
     let (lease, grant) = held.take_parts()?;
@@ -109,15 +111,5 @@ async fn phases(node: &Arc<Node>, peer: &Arc<PeerEntry>, scratch: &str, p: &Benc
     }
     let samples = done.probe.map(|p| p.samples).unwrap_or_default();
     let lat = Latency::of(&samples);
-    Ok(BenchResult {
-        size: p.size,
-        iters,
-        bytes: p.size * iters as u64,
-        seconds,
-        lat_avg_us: lat.avg_us,
-        lat_p50_us: lat.p50_us,
-        lat_p99_us: lat.p99_us,
-        lat_iters: lat.n,
-        ..Default::default()
-    })
+    Ok(BenchResult { lat_avg_us: lat.avg_us, lat_p50_us: lat.p50_us, lat_p99_us: lat.p99_us, lat_iters: lat.n, ..bandwidth })
 }

@@ -19,18 +19,13 @@
 //!   operations must do the same before trusting, returning or acknowledging them.
 //! * No safe function returns a Rust reference (`&[u8]`, `&mut [u8]`) into the mapping: safe code
 //!   reaches region memory only through raw copies (`read_at` = copy out, `write_at` = copy in)
-//!   and the zero-copy socket operations (`poll_read_into` and its async wrapper, and
-//!   [`crate::gather`]'s writes), where a slice exists only inside one `poll_read`/`poll_write`
-//!   call. Bytes that other parties change concurrently are therefore never observed through a
+//!   and the zero-copy socket operations ([`crate::scatter`]'s reads and [`crate::gather`]'s
+//!   writes), where a slice exists only inside one read or write call. Bytes that other parties change concurrently are therefore never observed through a
 //!   reference that Rust assumes to be stable across user code.
 use std::fs::File;
 use std::io;
-use std::pin::Pin;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::task::{Context, Poll};
-
-use tokio::io::{AsyncRead, ReadBuf};
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 
@@ -293,36 +288,6 @@ impl RegionMemory {
         Ok(())
     }
 
-    /// Zero-copy receive: one `poll_read` of `rd` straight into `offset..offset + len` of the
-    /// mapping. Returns how many bytes landed (0 at end of stream). The only place region memory
-    /// is seen as `&mut [u8]` by code outside this module is inside `rd`'s `poll_read`, for the
-    /// duration of that call (the borrow cannot outlive it). Call [`RegionMemory::intact`] before
-    /// trusting or acknowledging the bytes; memory that [`can_shrink`](Self::can_shrink) should
-    /// be filled through [`RegionMemory::write_at`] instead, so a fault is taken by the agent and
-    /// not turned into EFAULT by a system call.
-    pub fn poll_read_into<R: AsyncRead + ?Sized>(
-        &self,
-        rd: Pin<&mut R>,
-        cx: &mut Context<'_>,
-        offset: u64,
-        len: usize,
-    ) -> Poll<io::Result<usize>> {
-        // SAFETY: the slice exists only for the duration of one `poll_read` (the `ReadBuf` borrow
-        // cannot escape it). Other writers of the same bytes (peers, the NIC, other processes)
-        // give torn bytes, as the module contract states; the agent never reads bytes it is
-        // receiving until the frame is complete.
-        let dst = match unsafe { self.transient_slice_mut(offset, len) } {
-            Ok(d) => d,
-            Err(e) => return Poll::Ready(Err(io::Error::other(e))),
-        };
-        let mut b = ReadBuf::new(dst);
-        match rd.poll_read(cx, &mut b) {
-            Poll::Ready(Ok(())) => Poll::Ready(Ok(b.filled().len())),
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
     /// The address of `offset..offset + len` of a writable mapping (bounds checked), for [`crate::landing`].
     pub(crate) fn range_mut_ptr(&self, offset: u64, len: usize) -> Result<*mut u8, MemError> {
         if !self.writable {
@@ -347,7 +312,7 @@ impl RegionMemory {
     }
 
     /// `offset..offset + len` of a writable mapping as a mutable slice (bounds and writability
-    /// checked), for the zero-copy receives (here and in [`crate::scatter`]).
+    /// checked), for the zero-copy receives of [`crate::scatter`].
     /// # Safety
     /// The slice must not outlive the one read call it is made for: others change these bytes
     /// at any time (the module contract).
@@ -360,20 +325,6 @@ impl RegionMemory {
         // `range_mut_ptr`), which outlives `&self`; how long the slice may live is the caller's
         // contract (see `# Safety`).
         Ok(unsafe { std::slice::from_raw_parts_mut(dst, len) })
-    }
-
-    /// Receives exactly `len` bytes from `rd` into `offset..` without a bounce buffer (see
-    /// [`RegionMemory::poll_read_into`]). `UnexpectedEof` if the stream ends first.
-    pub async fn read_exact_into<R: AsyncRead + Unpin + ?Sized>(&self, rd: &mut R, offset: u64, len: usize) -> io::Result<()> {
-        let mut done = 0usize;
-        while done < len {
-            let n = std::future::poll_fn(|cx| self.poll_read_into(Pin::new(&mut *rd), cx, offset + done as u64, len - done)).await?;
-            if n == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
-        Ok(())
     }
 
     /// Flushes a file-backed mapping to its file (msync).
@@ -503,6 +454,8 @@ impl RegionMemory {
 
 #[cfg(test)]
 mod tests {
+    use std::pin::Pin;
+
     use super::*;
 
     #[test]
@@ -548,6 +501,21 @@ mod tests {
         assert!(back.iter().all(|&b| b == 0), "a refused fill changed nothing");
     }
 
+    /// Exactly `len` bytes of `rd` into `offset..` of `m`, through the zero-copy receive
+    /// ([`RegionMemory::poll_read_scatter`] with no tail); `UnexpectedEof` if the stream ends.
+    async fn recv_exact(m: &RegionMemory, rd: &mut tokio::io::DuplexStream, offset: u64, len: usize) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < len {
+            let n =
+                std::future::poll_fn(|cx| m.poll_read_scatter(Pin::new(&mut *rd), cx, offset + done as u64, len - done, &mut [])).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
     #[tokio::test]
     async fn zero_copy_socket_io_moves_bytes_and_checks_bounds() {
         let m = RegionMemory::anonymous(8192, false).unwrap();
@@ -558,14 +526,14 @@ mod tests {
             a.write_all(&payload).await.unwrap();
             drop(a);
         };
-        let recv = m.read_exact_into(&mut b, 100, payload.len());
+        let recv = recv_exact(&m, &mut b, 100, payload.len());
         let ((), r) = tokio::join!(send, recv);
         r.unwrap();
         let mut got = vec![0u8; payload.len()];
         m.read_at(100, &mut got).unwrap();
         assert_eq!(got, payload);
         // The stream ended: one more byte is UnexpectedEof, and nothing past the range moved.
-        let e = m.read_exact_into(&mut b, 0, 1).await.unwrap_err();
+        let e = recv_exact(&m, &mut b, 0, 1).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
         let mut head = [9u8; 100];
         m.read_at(0, &mut head).unwrap();
@@ -573,7 +541,7 @@ mod tests {
 
         // Out of range, both directions: refused before any byte moves.
         let (mut c, mut d) = tokio::io::duplex(64);
-        assert!(m.read_exact_into(&mut d, 8000, 193).await.is_err());
+        assert!(recv_exact(&m, &mut d, 8000, 193).await.is_err());
         assert!(crate::gather::write_all_gathered(&mut c, &[crate::gather::Piece::Region(&m, 8192, 1)]).await.is_err());
         // Send side: the receiver sees exactly the region's bytes.
         let (mut e1, mut e2) = tokio::io::duplex(1 << 16);
@@ -590,7 +558,7 @@ mod tests {
         f.set_len(4096).unwrap();
         let m = RegionMemory::map_file(&f, 4096, false).unwrap();
         let (_a, mut b) = tokio::io::duplex(64);
-        let e = m.read_exact_into(&mut b, 0, 16).await.unwrap_err();
+        let e = recv_exact(&m, &mut b, 0, 16).await.unwrap_err();
         assert!(e.to_string().contains("read-only"), "{e}");
     }
 }

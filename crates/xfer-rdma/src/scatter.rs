@@ -94,8 +94,12 @@ impl RegionMemory {
     /// Zero-copy receive with a tail: one read of `rd` into `offset..offset + len` of the mapping
     /// and then into `tail`, scattered in one call where `rd` can. Returns how many bytes were
     /// read in all: the first `min(n, len)` landed in the region, the rest (only once the region
-    /// range is full) in `tail`. Bounds and writability are checked first; see
-    /// [`RegionMemory::poll_read_into`] for memory that can shrink and for trusting the bytes.
+    /// range is full) in `tail`. Bounds and writability are checked first. The only place region
+    /// memory is seen as `&mut [u8]` outside `memory` is inside `rd`'s read, for that call. Call
+    /// [`RegionMemory::intact`] before trusting or acknowledging the bytes; memory that
+    /// [`can_shrink`](RegionMemory::can_shrink) should be filled through
+    /// [`RegionMemory::write_at`] instead, so a fault is taken by the agent and not turned into
+    /// EFAULT by a system call.
     pub fn poll_read_scatter<R: ScatterRead + ?Sized>(
         &self,
         rd: Pin<&mut R>,

@@ -294,8 +294,9 @@ struct KernelReader {
     closed: bool,
 }
 
-/// One read at a time: the kernel decrypts a record per `recvmsg`, and a record that is not
-/// application data must be read on its own (see `poll_read`).
+/// A `poll_read` per buffer (the default), not a `readv` of the socket: a record that is not
+/// application data fails a plain read with EIO and must then be read with its record type (see
+/// `poll_read`).
 impl ScatterRead for KernelReader {}
 
 impl AsyncRead for KernelReader {

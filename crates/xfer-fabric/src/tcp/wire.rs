@@ -483,8 +483,8 @@ mod tests {
         }
     }
 
-    /// Frames of every size, read back byte for byte through the reader's three paths
-    /// (buffered, straight in, and a header read on its own after a straight-in payload).
+    /// Frames of every size, read back byte for byte through the reader's paths (buffered,
+    /// straight in, and the header behind a straight-in payload).
     #[tokio::test]
     async fn frames_of_every_size_arrive_whole_and_in_order() {
         let sizes = [44usize, 4096, 44, 70_000, 44, 16 << 10, 44, 300, 1 << 20, 44, 44];
