@@ -83,7 +83,8 @@ pub(super) async fn send(mut s: TcpStream, per: u64, buf: &[u8], piece: usize) -
 
 /// Reads `s` to its end into `buf` in pieces of `piece` bytes at the places of a shuffle of its
 /// pieces (walked again and again), in gathered reads. Returns the stream and the buffer.
-pub(super) async fn drain(s: TcpStream, mut buf: Vec<u8>, piece: usize) -> Option<(TcpStream, Vec<u8>)> {
+pub(super) async fn drain<B: AsMut<[u8]>>(s: TcpStream, mut memory: B, piece: usize) -> Option<(TcpStream, B)> {
+    let buf = memory.as_mut();
     let order = order(buf.len(), piece, SINK_SEED);
     // The next piece to fill (an index into `order`) and how much of it is filled already.
     let (mut next, mut partial) = (0usize, 0usize);
@@ -97,7 +98,7 @@ pub(super) async fn drain(s: TcpStream, mut buf: Vec<u8>, piece: usize) -> Optio
         let mut wanted: Vec<(usize, usize)> = (0..count).map(|k| (order[(next + k) % order.len()], k)).collect();
         wanted.sort_unstable();
         let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(count);
-        let (mut rest, mut base): (&mut [u8], usize) = (&mut buf[..], 0);
+        let (mut rest, mut base): (&mut [u8], usize) = (&mut *buf, 0);
         for (at, k) in wanted {
             let from = at + if k == 0 { partial } else { 0 };
             let tail = std::mem::take(&mut rest);
@@ -118,7 +119,7 @@ pub(super) async fn drain(s: TcpStream, mut buf: Vec<u8>, piece: usize) -> Optio
             Err(_) => return None,
         }
     }
-    Some((s, buf))
+    Some((s, memory))
 }
 
 #[cfg(test)]
