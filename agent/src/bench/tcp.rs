@@ -292,7 +292,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let lifetime = Duration::from_secs(120);
-        let sink = tokio::spawn(run_sink(listener, None, vec![memory(SINK_BUFFER, 0).expect("memory")], 0, Duration::from_secs(10), lifetime));
+        let sink =
+            tokio::spawn(run_sink(listener, None, vec![memory(SINK_BUFFER, 0).expect("memory")], 0, Duration::from_secs(10), lifetime));
         let mut peer = TcpStream::connect(addr).await.expect("connect");
         peer.write_all(&[0x5a; 4096]).await.expect("the sink reads");
         let start = tokio::time::Instant::now();
