@@ -12,10 +12,13 @@
 //! medians and the median ratio (hot time over scattered time: what the KV target's ratio can
 //! reach at best) print as JSON, which `scripts/bench-tcp` shows beside the KV rows. Usage:
 //! `loopback_floor BLOCK BLOCKS POOL [CONNS [ROUNDS]]` (sizes in bytes).
+mod common;
+
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
+use common::{median, next};
 use memmap2::MmapMut;
 
 /// Most blocks one `writev` or `readv` takes (the tcp fabric's writer gathers up to 512 frames).
@@ -170,17 +173,4 @@ fn distinct(slots: usize, n: usize, seed: &mut u64) -> Vec<usize> {
     }
     all.truncate(n);
     all
-}
-
-/// xorshift64*: random places without a dependency (nothing here needs more than spread).
-fn next(s: &mut u64) -> u64 {
-    *s ^= *s >> 12;
-    *s ^= *s << 25;
-    *s ^= *s >> 27;
-    s.wrapping_mul(0x2545_f491_4f6c_dd1d)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

@@ -13,8 +13,11 @@
 //! JSON (`scripts/bench-tcp` prints it beside the KV rows). A raw TCP baseline that moves one hot
 //! buffer never pays `read` or `land`; a transport moving a real batch pays both, on the two
 //! ends. Usage: `memory_floor BLOCK BLOCKS POOL [ROUNDS]` (sizes in bytes).
+mod common;
+
 use std::time::Instant;
 
+use common::{median, next};
 use xfer_rdma::memory::RegionMemory;
 
 /// The cached buffer a block is copied out of or into (as large as the tcp target's read buffer).
@@ -86,17 +89,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gib / copy
     );
     Ok(())
-}
-
-/// xorshift64*: random places without a dependency (nothing here needs more than spread).
-fn next(s: &mut u64) -> u64 {
-    *s ^= *s >> 12;
-    *s ^= *s << 25;
-    *s ^= *s >> 27;
-    s.wrapping_mul(0x2545_f491_4f6c_dd1d)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
